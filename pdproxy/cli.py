@@ -1,0 +1,114 @@
+"""Command line: ``pdproxy serve | sim | demo | doctor``.  The only module that exits the process.
+
+``pdproxy serve`` takes the vLLM-Ascend example proxy's flags (``--prefiller-hosts … --decoder-ports …``),
+vllm-router's URL lists (``--prefill URL --decode URL``, repeatable) and every other setting as a flag; flags
+win over ``PDPROXY_*`` environment variables, which win over the ``--config`` file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from pdproxy import __version__
+from pdproxy.settings import Settings, load_settings
+
+# Settings that get a CLI flag of the same name (dashes for underscores); list/bool types are derived.
+_SKIP = {"endpoints"}
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """Add one flag per setting (``--decoder-dp-size``, ``--prefill-timeout-base-s`` …), all defaulting to None
+    so that only flags actually given override the environment and the config file."""
+    p.add_argument("--config", help="YAML/JSON/TOML settings file (see config/)")
+    for name, field in Settings.model_fields.items():
+        if name in _SKIP:
+            continue
+        flag = "--" + name.replace("_", "-")
+        ann = str(field.annotation)
+        help_text = field.description or None
+        if "list" in ann:
+            p.add_argument(flag, nargs="+", action="extend", default=None, help=help_text)
+        elif field.annotation is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            p.add_argument(flag, default=None, help=help_text)
+    # vllm-router spelling for repeatable URL flags is --prefill/--decode (already added above, as lists).
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Build :class:`Settings` from parsed flags.  Raises ``ValidationError`` / ``ValueError`` on bad values."""
+    overrides: dict[str, Any] = {}
+    for name in Settings.model_fields:
+        if name in _SKIP:
+            continue
+        value = getattr(args, name, None)
+        if value is not None:
+            overrides[name] = value
+    return load_settings(args.config, **overrides)
+
+
+def serve(settings: Settings) -> int:
+    """Run the proxy with uvicorn (uvloop + httptools) until interrupted."""
+    import uvicorn
+
+    from pdproxy.app import create_app
+
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if not settings.all_endpoints():
+        print("pdproxy: no engines configured: give --prefill URL and --decode URL (or --prefiller-hosts/ports "
+              "and --decoder-hosts/ports, or a --config file)", file=sys.stderr)
+        return 2
+    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port, loop="uvloop",
+                            http="httptools", log_level="warning", access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None)
+    uvicorn.Server(config).run()
+    return 0
+
+
+def _format_validation(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "settings"
+        lines.append(f"  {loc}: {err['msg']}")
+    return "invalid settings:\n" + "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pdproxy", description="PD-disaggregation proxy for vLLM / vLLM-Ascend")
+    parser.add_argument("--version", action="version", version=f"pdproxy {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_serve = sub.add_parser("serve", help="run the proxy")
+    add_serve_arguments(p_serve)
+    p_sim = sub.add_parser("sim", help="run a simulated vLLM engine (prefiller, decoder or both)")
+    from pdproxy.sim import cli as sim_cli
+
+    sim_cli.add_arguments(p_sim)
+    p_demo = sub.add_parser("demo", help="1 simulated prefiller + 2 simulated decoders + the proxy on :8000")
+    from pdproxy import demo
+
+    demo.add_arguments(p_demo)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "serve":
+            code = serve(settings_from_args(args))
+        elif args.command == "sim":
+            code = sim_cli.run(args)
+        elif args.command == "demo":
+            code = demo.run(args)
+        else:  # pragma: no cover - argparse enforces the choices
+            code = 2
+    except ValidationError as exc:
+        print(f"pdproxy: {_format_validation(exc)}", file=sys.stderr)
+        code = 2
+    except ValueError as exc:
+        print(f"pdproxy: {exc}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)

@@ -1,0 +1,107 @@
+"""``pdproxy demo``: one simulated prefiller and two simulated decoders on loopback, the proxy on :8000.
+
+The engines are child processes (``pdproxy sim``) in their own process group; they are stopped when the proxy
+exits (Ctrl-C / SIGTERM) or if any of them fails to start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+
+from pdproxy.settings import load_settings
+
+SNIPPET = """
+pdproxy demo is up: proxy http://127.0.0.1:{port}  (prefiller {p}, decoders {d})
+
+  curl -N http://127.0.0.1:{port}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "stream": true, "max_tokens": 16}}'
+
+  python - <<'EOF'
+  from openai import OpenAI
+  client = OpenAI(base_url="http://127.0.0.1:{port}/v1", api_key="none")
+  for chunk in client.chat.completions.create(model="{model}", stream=True, max_tokens=16,
+                                              messages=[{{"role": "user", "content": "Hello!"}}]):
+      print(chunk.choices[0].delta.content or "", end="", flush=True) if chunk.choices else None
+  print()
+  EOF
+
+Ctrl-C stops the proxy and the simulated engines.
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--engine-base-port", type=int, default=8100, help="first simulated engine port (default 8100)")
+    p.add_argument("--model", default="sim-model", help="served model name of the simulated engines")
+    p.add_argument("--max-model-len", type=int, default=32768)
+    p.add_argument("--decode-tokens-per-s", type=float, default=50.0, help="simulated decode speed per sequence")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=20000.0)
+
+
+def _wait_healthy(urls: list[str], procs: list[subprocess.Popen[bytes]], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(urls)
+    while pending:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"simulated engine exited with code {proc.returncode}: {' '.join(proc.args)}")
+        url = pending[0]
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                pending.pop(0)
+                continue
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"simulated engine {url} not healthy after {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def simulated_engines(args: argparse.Namespace) -> Iterator[tuple[list[str], list[str]]]:
+    """Start 1 prefiller + 2 decoders; yield their URLs; stop them on exit (SIGTERM, then SIGKILL)."""
+    base = args.engine_base_port
+    roles = [("prefill", base), ("decode", base + 100), ("decode", base + 101)]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for role, port in roles:
+            cmd = [sys.executable, "-m", "pdproxy", "sim", "--role", role, "--port", str(port),
+                   "--served-model-name", args.model, "--max-model-len", str(args.max_model_len),
+                   "--decode-tokens-per-s", str(args.decode_tokens_per_s),
+                   "--prefill-tokens-per-s", str(args.prefill_tokens_per_s)]
+            procs.append(subprocess.Popen(cmd, start_new_session=True))
+        urls = [f"http://127.0.0.1:{port}" for _, port in roles]
+        _wait_healthy(urls, procs)
+        yield urls[:1], urls[1:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo until Ctrl-C; returns the exit code."""
+    from pdproxy.cli import serve
+
+    with simulated_engines(args) as (prefill, decode):
+        settings = load_settings(host=args.host, port=args.port, prefill=prefill, decode=decode)
+        print(SNIPPET.format(port=args.port, p=prefill[0], d=", ".join(decode), model=args.model), flush=True)
+        return serve(settings)

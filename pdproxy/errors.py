@@ -1,0 +1,225 @@
+"""One error hierarchy, serialised in vLLM's error envelope at one boundary.
+
+Envelope (vLLM ``vllm/entrypoints/openai/engine/protocol.py::ErrorResponse``, same in v0.11 and v0.26)::
+
+    {"error": {"message": str, "type": str, "param": str | None, "code": int}}
+
+``code`` is the integer HTTP status.  ``type`` follows vLLM: ``BadRequestError`` for 400,
+``NotFoundError`` for 404, ``InternalServerError`` for 500 …; where OpenAI clients detect a condition by
+a string code (``context_length_exceeded``) we add ``openai_code`` in the message-bearing object too.
+
+Tree::
+
+    ProxyError (status 500)
+    ├── BadRequest (400)             malformed body, unsupported combination
+    │   └── PromptTooLong (400)      prompt (+ max_tokens) over max_model_len or the KV pool
+    ├── PayloadTooLarge (413)
+    ├── Unauthorized (401)
+    ├── Overloaded (429)             proxy-side queue full; carries Retry-After
+    ├── NoEndpointAvailable (503)    no healthy prefiller/decoder; carries Retry-After
+    ├── ShuttingDown (503)
+    ├── UpstreamUnavailable (502)    connect refused/reset, engine 5xx
+    ├── UpstreamTimeout (504)        a leg's deadline passed
+    └── UpstreamHTTPError (any)      engine answered 4xx/5xx: status and body are passed through verbatim
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+_TYPE_BY_STATUS = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    408: "RequestTimeoutError",
+    413: "PayloadTooLargeError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+
+def error_type_for(status: int) -> str:
+    """vLLM-style ``error.type`` for an HTTP status (``BadRequestError`` for 400, …)."""
+    return _TYPE_BY_STATUS.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
+               error_type: str | None = None) -> dict[str, Any]:
+    """Build vLLM's error envelope as a dict.
+
+    ``code`` is the integer status as vLLM sends it, unless a string code (OpenAI's, such as
+    ``context_length_exceeded``) is given, which then goes into ``error.code`` as OpenAI does.
+    """
+    return {
+        "error": {
+            "message": message,
+            "type": error_type or error_type_for(status),
+            "param": param,
+            "code": code if code is not None else status,
+        }
+    }
+
+
+class ProxyError(Exception):
+    """Base of every error pdproxy answers itself.
+
+    Attributes: ``status_code`` (HTTP status), ``error_type`` (envelope ``type``), ``param``,
+    ``code`` (string code or None → the status), ``headers`` (extra response headers such as Retry-After),
+    ``outcome`` (metrics/log label).
+    """
+
+    status_code = 500
+    outcome = "error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    @property
+    def error_type(self) -> str:
+        return error_type_for(self.status_code)
+
+    def body(self) -> dict[str, Any]:
+        """The error envelope for this error (see module docstring)."""
+        return error_body(self.status_code, self.message, param=self.param, code=self.code,
+                          error_type=self.error_type)
+
+    def body_bytes(self) -> bytes:
+        return orjson.dumps(self.body())
+
+
+class BadRequest(ProxyError):
+    """The request is malformed or asks for something PD cannot serve (HTTP 400)."""
+
+    status_code = 400
+    outcome = "bad_request"
+
+
+class PromptTooLong(BadRequest):
+    """Prompt tokens (+ requested output tokens) exceed an engine limit (HTTP 400).
+
+    The message keeps vLLM's and OpenAI's phrase "maximum context length" (client libraries detect context
+    overflow by it); ``error.code`` stays the integer 400 as vLLM sends it (reference §2.4), so a client
+    sees the same envelope as from the engine.  ``limit_kind`` is ``"max_model_len"`` or ``"kv_pool"``.
+    """
+
+    outcome = "rejected_too_long"
+
+    def __init__(self, message: str, *, limit_kind: str, prompt_tokens: int, limit: int,
+                 param: str = "input_tokens") -> None:
+        super().__init__(message, param=param)
+        self.limit_kind = limit_kind
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+
+
+class Unauthorized(ProxyError):
+    status_code = 401
+    outcome = "unauthorized"
+
+
+class PayloadTooLarge(ProxyError):
+    status_code = 413
+    outcome = "payload_too_large"
+
+
+class Overloaded(ProxyError):
+    """The proxy-side admission queue is full (HTTP 429 with Retry-After)."""
+
+    status_code = 429
+    outcome = "overloaded"
+
+
+class NoEndpointAvailable(ProxyError):
+    """No healthy endpoint of a role can take the request (HTTP 503 with Retry-After)."""
+
+    status_code = 503
+    outcome = "no_endpoint"
+
+    def __init__(self, role: str, detail: str = "", retry_after_s: int = 1) -> None:
+        msg = f"No healthy {role} endpoint is available" + (f": {detail}" if detail else "")
+        super().__init__(msg, headers={"retry-after": str(retry_after_s)})
+        self.role = role
+
+
+class ShuttingDown(ProxyError):
+    status_code = 503
+    outcome = "shutting_down"
+
+    def __init__(self, retry_after_s: int = 5) -> None:
+        super().__init__("pdproxy is shutting down; retry on another replica",
+                         headers={"retry-after": str(retry_after_s)})
+
+
+class UpstreamUnavailable(ProxyError):
+    """An engine could not be reached, reset the connection or broke the protocol (HTTP 502)."""
+
+    status_code = 502
+    outcome = "upstream_error"
+
+    def __init__(self, message: str, *, endpoint: str = "", retryable: bool = True,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message, headers=headers)
+        self.endpoint = endpoint
+        self.retryable = retryable
+
+
+class UpstreamTimeout(ProxyError):
+    """A leg's deadline passed; the upstream connection was closed (HTTP 504)."""
+
+    status_code = 504
+    outcome = "timeout"
+
+    def __init__(self, message: str, *, endpoint: str = "") -> None:
+        super().__init__(message)
+        self.endpoint = endpoint
+
+
+class UpstreamHTTPError(ProxyError):
+    """An engine answered an error status; its status and body reach the client verbatim."""
+
+    outcome = "upstream_error"
+
+    def __init__(self, status: int, body: bytes, *, endpoint: str = "", content_type: str = "application/json",
+                 retry_after: str | None = None) -> None:
+        super().__init__(f"engine {endpoint} answered HTTP {status}")
+        self.status_code = status  # type: ignore[misc]
+        self.raw_body = body
+        self.endpoint = endpoint
+        self.content_type = content_type
+        self.retry_after = retry_after
+        if retry_after:
+            self.headers["retry-after"] = retry_after
+        if 400 <= status < 500:
+            self.outcome = "upstream_rejected"  # type: ignore[misc]
+
+    def body_bytes(self) -> bytes:
+        if self.raw_body:
+            return self.raw_body
+        return orjson.dumps(error_body(self.status_code, f"engine {self.endpoint} answered HTTP {self.status_code}"))
+
+
+def sse_error_event(err: ProxyError | Exception) -> bytes:
+    """An SSE error event as vLLM sends mid-stream (reference §2.4): ``data: {"error": {...}}\\n\\n``."""
+    if isinstance(err, UpstreamHTTPError):
+        try:
+            parsed = orjson.loads(err.raw_body)
+            if isinstance(parsed, dict) and "error" in parsed:
+                return b"data: " + orjson.dumps(parsed) + b"\n\n"
+        except orjson.JSONDecodeError:
+            pass
+    if isinstance(err, ProxyError):
+        body = err.body()
+    else:
+        body = error_body(502, f"upstream stream failed: {err.__class__.__name__}: {err}")
+    return b"data: " + orjson.dumps(body) + b"\n\n"

@@ -1,0 +1,172 @@
+"""Settings: one pydantic-settings model for every knob.
+
+Sources, highest first: CLI flags (passed as init values by ``cli.py``) > environment ``PDPROXY_*`` >
+config file (YAML, JSON or TOML, ``--config`` / ``PDPROXY_CONFIG``) > defaults.  List values from the
+environment may be comma- or space-separated (``PDPROXY_DECODE="http://d0:9100,http://d0:9101"``) or JSON.
+Units are in the names: ``*_s`` seconds, ``*_bytes`` bytes, ``*_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from pdproxy.endpoints import Endpoint, Role, expand, from_host_port_lists, normalize_url
+
+
+def _split_list(value: Any) -> Any:
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [v for v in text.replace(",", " ").split() if v]
+    return value
+
+
+StrList = Annotated[list[str], NoDecode]
+IntList = Annotated[list[int], NoDecode]
+
+
+class EndpointConfig(BaseModel):
+    """An endpoint written out in a config file: ``{url, role, dp_size}``."""
+
+    url: str
+    role: Role
+    dp_size: int = Field(1, ge=1, le=1024)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return normalize_url(v)
+
+
+class Settings(BaseSettings):
+    """Every pdproxy setting.  See ``config/*.yaml`` for commented examples and README "Configuration"."""
+
+    model_config = SettingsConfigDict(env_prefix="PDPROXY_", extra="forbid", validate_default=True)
+
+    # --- listening
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=0, le=65535)
+    workers: int = Field(1, ge=1, le=64)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_prompts: bool = False
+
+    # --- backends (any combination; all are merged)
+    prefill: StrList = []
+    decode: StrList = []
+    prefiller_hosts: StrList = []
+    prefiller_ports: IntList = []
+    decoder_hosts: StrList = []
+    decoder_ports: IntList = []
+    decoder_dp_size: int = Field(1, ge=1, le=1024, description="internal DP ranks behind each decode URL")
+    prefiller_dp_size: int = Field(1, ge=1, le=1024, description="internal DP ranks behind each prefill URL")
+    endpoints: list[EndpointConfig] = []
+
+    # --- PD protocol
+    allow_decode_side_prefill: bool = Field(
+        False, description="if a prefiller answers without kv_transfer_params, let the decoder prefill locally "
+                           "(vLLM's degraded mode) instead of answering 502")
+    expose_routing_headers: bool = Field(False, description="add x-pdproxy-prefiller / x-pdproxy-decoder headers")
+    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    model_name: str | None = Field(None, description="served model name to advertise if engines cannot be asked")
+
+    # --- timeouts (seconds)
+    connect_timeout_s: float = Field(3.0, gt=0)
+    prefill_timeout_base_s: float = Field(30.0, gt=0)
+    prefill_timeout_per_1k_tokens_s: float = Field(2.0, ge=0)
+    decode_first_byte_timeout_s: float = Field(120.0, gt=0)
+    decode_idle_timeout_s: float = Field(120.0, gt=0)
+    decode_nonstream_timeout_s: float = Field(600.0, gt=0, description="whole non-streaming decode leg")
+    request_timeout_s: float | None = Field(None, gt=0, description="optional end-to-end deadline")
+    shutdown_grace_s: float = Field(30.0, ge=0)
+
+    # --- retries
+    prefill_attempts: int = Field(3, ge=1, le=10)
+    decode_attempts: int = Field(2, ge=1, le=10)
+    retry_backoff_s: float = Field(0.05, ge=0)
+
+    # --- health
+    health_interval_s: float = Field(2.0, gt=0)
+    health_timeout_s: float = Field(1.0, gt=0)
+    engine_refresh_interval_s: float = Field(10.0, gt=0)
+    breaker_failures: int = Field(3, ge=1)
+    breaker_open_s: float = Field(3.0, gt=0)
+
+    # --- auth
+    api_keys: StrList = []
+    engine_api_key: str | None = None
+    admin_key: str | None = None
+
+    # --- admission
+    max_model_len: int | None = Field(None, ge=1, description="override the engines' max_model_len")
+    tokenizer: str | None = Field(None, description="local tokenizer directory; default: count with the engine's "
+                                                    "/tokenize when the byte bound cannot decide")
+    token_count: Literal["auto", "engine", "local", "estimate"] = "auto"
+
+    _split = field_validator(
+        "prefill", "decode", "prefiller_hosts", "prefiller_ports", "decoder_hosts", "decoder_ports", "api_keys",
+        mode="before")(_split_list)
+
+    @model_validator(mode="after")
+    def _check_endpoints(self) -> Settings:
+        self.all_endpoints()  # raises ValueError on bad/duplicate URLs
+        return self
+
+    def all_endpoints(self) -> list[Endpoint]:
+        """Every configured endpoint, prefillers first.  Raises ``ValueError`` on duplicates or bad URLs."""
+        out: list[Endpoint] = []
+        for role, urls, hosts, ports, dp in (
+            (Role.PREFILL, self.prefill, self.prefiller_hosts, self.prefiller_ports, self.prefiller_dp_size),
+            (Role.DECODE, self.decode, self.decoder_hosts, self.decoder_ports, self.decoder_dp_size),
+        ):
+            merged = list(urls) + from_host_port_lists(list(hosts), [int(p) for p in ports], role)
+            out.extend(expand(merged, role, dp))
+        for ec in self.endpoints:
+            out.extend(expand([ec.url], ec.role, ec.dp_size))
+        keys = [(e.role, e.name) for e in out]
+        dup = {k for k in keys if keys.count(k) > 1}
+        if dup:
+            raise ValueError(f"duplicate endpoint(s): {', '.join(sorted(n for _, n in dup))}")
+        return out
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Parse a config file into settings values.  Raises ``ValueError`` if it is missing or not a mapping."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"config file {p} not found")
+    text = p.read_text()
+    if p.suffix == ".toml":
+        data = tomllib.loads(text)
+    elif p.suffix == ".json":
+        data = json.loads(text)
+    else:
+        data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {p} must hold a mapping of setting names to values")
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def load_settings(config: str | None = None, **overrides: Any) -> Settings:
+    """Build settings from an optional config file, the environment and explicit overrides (CLI flags).
+
+    ``overrides`` whose value is None are ignored (flag not given).  Raises ``pydantic.ValidationError`` or
+    ``ValueError`` with a readable message on bad values.
+    """
+    values = {k: v for k, v in overrides.items() if v is not None}
+    config = config or os.environ.get("PDPROXY_CONFIG")
+    file_values = read_config_file(config) if config else {}
+    # Precedence: overrides > env > file.  pydantic-settings ranks init values above the environment, so file
+    # values are passed only for the settings the environment does not set.
+    env_names = {k[len("PDPROXY_"):].lower() for k in os.environ if k.upper().startswith("PDPROXY_")}
+    merged = {k: v for k, v in file_values.items() if k not in env_names}
+    merged.update(values)
+    return Settings(**merged)

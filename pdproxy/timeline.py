@@ -1,0 +1,88 @@
+"""Per-request context: ids, the chosen endpoints, and a timeline of monotonic marks.
+
+Definitions (used by metrics, logs and load tests alike):
+
+- **TTFT** = ``first_token_at − arrived_at`` as the client sees it: admission wait + prefill round trip + KV
+  handoff + the decoder's first event;
+- **ITL** = gaps between consecutive relayed event writes (one write may carry several events);
+- **TPOT** = ``(last_token_at − first_token_at) / (completion_tokens − 1)``;
+- **E2E** = ``finished_at − arrived_at``;
+- phases: ``admission_wait_s`` (arrived → admitted), ``prefill_s`` (prefill start → prefill end),
+  ``pd_gap_s`` (prefill end → decode leg sent), ``decode_first_token_s`` (decode sent → first event),
+  ``decode_s`` (first event → finished).
+
+All ``*_at`` values are ``time.monotonic()`` seconds; all ``*_s`` values are durations in seconds.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Timeline:
+    """Monotonic marks of one request (seconds; None = not reached)."""
+
+    arrived_at: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None
+    prefill_start_at: float | None = None
+    prefill_end_at: float | None = None
+    decode_start_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finished_at: float | None = None
+
+    @staticmethod
+    def _span(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else max(0.0, b - a)
+
+    def phases(self) -> dict[str, float | None]:
+        """The phase split in seconds (see module docstring)."""
+        return {
+            "admission_wait_s": self._span(self.arrived_at, self.admitted_at),
+            "prefill_s": self._span(self.prefill_start_at, self.prefill_end_at),
+            "pd_gap_s": self._span(self.prefill_end_at, self.decode_start_at),
+            "decode_first_token_s": self._span(self.decode_start_at, self.first_token_at),
+            "decode_s": self._span(self.first_token_at, self.finished_at),
+            "ttft_s": self._span(self.arrived_at, self.first_token_at),
+            "e2e_s": self._span(self.arrived_at, self.finished_at),
+        }
+
+
+def new_request_id(client_id: str | None) -> str:
+    """A unique engine-side request id that keeps the client's ``X-Request-Id`` recognisable as its prefix.
+
+    Engines key the KV transfer on this id and two clients may send the same one, so a uuid4 suffix is always
+    added (vLLM #27723: colliding ids corrupt the engine; vLLM-Ascend replaced counters with uuid4).
+    """
+    suffix = uuid.uuid4().hex
+    if client_id:
+        safe = "".join(c for c in client_id[:96] if c.isalnum() or c in "-_.:")
+        if safe:
+            return f"{safe}-{suffix[:16]}"
+    return suffix
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """What one request carries through the path: ids, auth, chosen endpoints, outcome, timeline."""
+
+    request_id: str
+    client_request_id: str | None
+    api_label: str
+    authorization: str | None = None
+    model: str | None = None
+    prefiller: str | None = None
+    decoder: str | None = None
+    decoder_dp_rank: int | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    events: int = 0
+    status: int = 0
+    outcome: str = "ok"
+    error: str | None = None
+    disaggregated: bool = True
+    timeline: Timeline = field(default_factory=Timeline)

@@ -1,0 +1,71 @@
+"""The P→D contract: prefill body rules, decode body byte-faithfulness, params extraction."""
+
+from __future__ import annotations
+
+import copy
+
+import orjson
+import pytest
+
+from pdproxy import kv_transfer
+
+
+def test_prefill_body_rules_and_no_mutation() -> None:
+    original = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                "stream_options": {"include_usage": True}, "max_tokens": 300, "max_completion_tokens": 200,
+                "min_tokens": 5, "ignore_eos": True, "min_p": 0.05}
+    before = copy.deepcopy(original)
+    body = kv_transfer.prefill_body(original)
+    assert original == before
+    assert body["stream"] is False
+    assert body["max_tokens"] == 1 and body["max_completion_tokens"] == 1
+    assert "stream_options" not in body
+    assert body["min_tokens"] == 1
+    assert body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
+                                          "remote_engine_id": None, "remote_block_ids": None,
+                                          "remote_host": None, "remote_port": None}
+    assert body["ignore_eos"] is True and body["min_p"] == 0.05
+
+
+def test_prefill_body_adds_max_completion_tokens_only_if_present() -> None:
+    body = kv_transfer.prefill_body({"prompt": "x", "max_tokens": 50})
+    assert "max_completion_tokens" not in body and body["max_tokens"] == 1
+
+
+def test_decode_body_bytes_keep_the_client_bytes_and_append_params() -> None:
+    raw = b'{"prompt": "x", "temperature": 0.10000000000000000555, "seed": 12345678901234567890 , "n": 1}  '
+    params = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_engine_id": "e_dp0"}
+    out = kv_transfer.decode_body_bytes(raw, params)
+    assert out.startswith(raw.rstrip()[:-1].rstrip())  # every client byte before the closing brace, verbatim
+    assert orjson.loads(out.replace(b"12345678901234567890", b"1"))["kv_transfer_params"] == params
+
+
+def test_decode_body_params_override_a_client_sent_handle() -> None:
+    import json
+
+    raw = b'{"prompt": "x", "kv_transfer_params": {"evil": 1}}'
+    out = kv_transfer.decode_body_bytes(raw, {"do_remote_prefill": True})
+    assert json.loads(out)["kv_transfer_params"] == {"do_remote_prefill": True}  # last key wins, as in vLLM
+
+
+def test_decode_body_without_params_strips_client_handle() -> None:
+    raw = b'{"prompt": "x"}'
+    assert kv_transfer.decode_body_bytes(raw, None) is raw
+    out = kv_transfer.decode_body_bytes(b'{"prompt": "x", "kv_transfer_params": {"a": 1}}', None)
+    assert "kv_transfer_params" not in orjson.loads(out)
+
+
+@pytest.mark.parametrize("raw", [b"[]", b"{}", b"  { } "])
+def test_decode_body_rejects_non_objects(raw: bytes) -> None:
+    with pytest.raises(ValueError):
+        kv_transfer.decode_body_bytes(raw, {"a": 1})
+
+
+def test_extract_params_and_cached_tokens() -> None:
+    reply = {"kv_transfer_params": {"remote_block_ids": [[1]]},
+             "usage": {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4}}}
+    assert kv_transfer.extract_params(reply) == {"remote_block_ids": [[1]]}
+    assert kv_transfer.prefill_cached_tokens(reply) == 4
+    assert kv_transfer.extract_params({"kv_transfer_params": None}) is None
+    assert kv_transfer.extract_params({}) is None
+    assert kv_transfer.prefill_cached_tokens({"usage": {"prompt_tokens_details": None}}) is None

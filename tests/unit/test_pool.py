@@ -1,0 +1,105 @@
+"""Pool accounting and the scheduler: leases release exactly once on every exit path; picks follow load."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdproxy.endpoints import Endpoint, Role, expand
+from pdproxy.errors import NoEndpointAvailable
+from pdproxy.pool import EndpointPool
+from pdproxy.scheduler import Scheduler, least_loaded, power_of_two
+
+P = expand(["http://p0:1", "http://p1:1"], Role.PREFILL)
+D = expand(["http://d0:1"], Role.DECODE, dp_size=4)
+
+
+def test_lease_released_on_return_exception_and_early_release() -> None:
+    pool = EndpointPool(P + D)
+    with pool.lease(P[0], 100) as lease:
+        assert pool.totals()[f"prefill:{P[0].name}"] == (1, 100)
+        lease.release()
+        lease.release()  # idempotent
+    with pytest.raises(RuntimeError), pool.lease(P[1], 7):
+        raise RuntimeError
+    assert pool.idle()
+    assert pool.load(P[0]).leased_total == pool.load(P[0]).released_total == 1
+
+
+def test_internal_dp_expansion_sets_rank_header() -> None:
+    assert [e.name for e in D] == [f"http://d0:1#dp{r}" for r in range(4)]
+    assert D[2].extra_headers() == {"X-data-parallel-rank": "2"}
+    assert P[0].extra_headers() == {}
+
+
+def test_prefill_choice_follows_in_flight_tokens() -> None:
+    pool = EndpointPool(P + D)
+    sched = Scheduler(pool, picker=least_loaded, seed=1)
+    with pool.lease(P[0], 120_000):
+        assert {sched.choose(Role.PREFILL) for _ in range(20)} == {P[1]}
+
+
+def test_power_of_two_avoids_the_busiest_and_breaks_ties_randomly() -> None:
+    pool = EndpointPool(D)
+    sched = Scheduler(pool, picker=power_of_two, seed=3)
+    leases = [pool.lease(D[0], 1) for _ in range(5)]
+    for lease_cm in leases:
+        lease_cm.__enter__()
+    picks = [sched.choose(Role.DECODE) for _ in range(200)]
+    assert D[0] not in picks
+    assert set(picks) == set(D[1:])  # ties among idle ranks spread at random
+    for lease_cm in leases:
+        lease_cm.__exit__(None, None, None)
+    assert pool.idle()
+
+
+def test_unhealthy_draining_and_excluded_endpoints_are_skipped() -> None:
+    pool = EndpointPool(P + D)
+    sched = Scheduler(pool, seed=0)
+    pool.load(P[0]).healthy = False
+    assert sched.choose(Role.PREFILL) == P[1]
+    pool.load(P[1]).draining = True
+    with pytest.raises(NoEndpointAvailable) as e:
+        sched.choose(Role.PREFILL)
+    assert e.value.status_code == 503 and e.value.headers["retry-after"]
+    with pytest.raises(NoEndpointAvailable):
+        sched.choose(Role.DECODE, exclude=D)
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["pick", "release", "fail", "cancel"]), st.integers(0, 50)), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(OPS, st.integers(0, 2**16))
+def test_random_interleavings_never_go_negative_and_return_to_zero(ops: list[tuple[str, int]], seed: int) -> None:
+    """Property (issue 5): pick / release / fail / cancel in any order keep counters ≥ 0 and end at zero."""
+    pool = EndpointPool(P + D)
+    sched = Scheduler(pool, seed=seed)
+    rng = random.Random(seed)
+    open_leases: list[tuple[object, object]] = []
+    for op, tokens in ops:
+        if op == "pick":
+            cm = pool.lease(sched.choose(rng.choice([Role.PREFILL, Role.DECODE])), tokens)
+            open_leases.append((cm, cm.__enter__()))
+        elif open_leases:
+            cm, lease = open_leases.pop(rng.randrange(len(open_leases)))
+            if op == "release":
+                lease.release()  # type: ignore[attr-defined]
+                cm.__exit__(None, None, None)  # type: ignore[attr-defined]
+            elif op == "fail":
+                try:
+                    cm.__exit__(RuntimeError, RuntimeError("x"), None)  # type: ignore[attr-defined]
+                except RuntimeError:
+                    pass
+            else:  # cancel: early release twice, then exit
+                lease.release()  # type: ignore[attr-defined]
+                lease.release()  # type: ignore[attr-defined]
+                cm.__exit__(None, None, None)  # type: ignore[attr-defined]
+        for load in (pool.load(e) for e in pool.endpoints()):
+            assert load.requests >= 0 and load.tokens >= 0
+    for cm, _ in open_leases:
+        cm.__exit__(None, None, None)  # type: ignore[attr-defined]
+    assert pool.idle()

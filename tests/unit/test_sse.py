@@ -1,0 +1,82 @@
+"""SSE framing under hostile chunking: 1 byte per read, everything in one read, split \\r\\n, split UTF-8."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdproxy.sse import EventFramer, event_data, split_events
+
+EVENTS = [
+    b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n',
+    'data: {"choices":[{"index":0,"delta":{"content":"h\u00e9llo \u4e16\u754c \U0001f600"}}]}\n\n'.encode(),
+    b'data: {"choices":[],"usage":{"prompt_tokens":5}}\n\n',
+    b"data: [DONE]\n\n",
+]
+STREAM = b"".join(EVENTS)
+
+
+def relay(chunks: list[bytes]) -> list[bytes]:
+    framer = EventFramer()
+    writes = [w for w in (framer.feed(c) for c in chunks) if w]
+    assert framer.pending == b""
+    return writes
+
+
+def test_one_byte_per_read_reassembles_every_event() -> None:
+    writes = relay([STREAM[i:i + 1] for i in range(len(STREAM))])
+    assert writes == EVENTS  # each event written once, whole, in order
+
+
+def test_all_events_in_one_read_stay_one_write() -> None:
+    assert relay([STREAM]) == [STREAM]
+
+
+def test_split_inside_multibyte_utf8_is_never_cut() -> None:
+    cut = STREAM.index("\u4e16".encode()) + 1  # inside a 3-byte character
+    writes = relay([STREAM[:cut], STREAM[cut:]])
+    assert b"".join(writes) == STREAM
+    for w in writes:
+        w.decode("utf-8")  # every write is valid UTF-8 on its own
+
+
+def test_crlf_line_endings_split_inside_the_terminator() -> None:
+    crlf = STREAM.replace(b"\n\n", b"\r\n\r\n")
+    for cut in range(1, len(crlf)):
+        writes = relay([crlf[:cut], crlf[cut:]])
+        assert b"".join(writes) == crlf
+        assert all(w.endswith(b"\r\n\r\n") for w in writes)
+
+
+def test_incomplete_tail_is_held_back() -> None:
+    framer = EventFramer()
+    assert framer.feed(b'data: {"a": 1}\n\ndata: {"b"') == b'data: {"a": 1}\n\n'
+    assert framer.pending == b'data: {"b"'
+    assert framer.feed(b": 2}\n\n") == b'data: {"b": 2}\n\n'
+
+
+def test_split_events_and_event_data() -> None:
+    events = split_events(STREAM)
+    assert events == EVENTS
+    assert orjson.loads(event_data(events[2]) or b"") == {"choices": [], "usage": {"prompt_tokens": 5}}
+    assert event_data(b": comment\n\n") is None
+    assert event_data(b"data: a\r\ndata: b\r\n\r\n") == b"a\nb"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=len(STREAM)), max_size=12))
+def test_any_chunking_gives_the_same_bytes_and_whole_events(cuts: list[int]) -> None:
+    points = sorted(set(cuts))
+    chunks = [STREAM[a:b] for a, b in zip([0, *points], [*points, len(STREAM)], strict=True)]
+    writes = relay([c for c in chunks if c])
+    assert b"".join(writes) == STREAM
+    for w in writes:
+        assert w.endswith(b"\n\n")
+        assert all(e in EVENTS for e in split_events(w))
+
+
+@pytest.mark.parametrize("sep", [b"\n\n", b"\r\n\r\n", b"\r\r"])
+def test_every_blank_line_form_ends_an_event(sep: bytes) -> None:
+    assert EventFramer().feed(b"data: x" + sep) == b"data: x" + sep
