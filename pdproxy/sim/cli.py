@@ -1,0 +1,135 @@
+"""``pdproxy sim`` command line: vLLM's flag names where vLLM has one, plus the simulator's own flags.
+
+The lead wires :func:`add_arguments` and :func:`run` into ``pdproxy sim``; ``python -m pdproxy.sim`` works
+meanwhile. On start it prints one JSON line to stdout, for scripts and tests::
+
+    {"event": "sim_ready", "ports": [8100], "base_urls": ["http://127.0.0.1:8100"], "role": "both", ...}
+
+It then serves until SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+
+from pdproxy.sim.config import SimConfig
+from pdproxy.sim.faults import parse_fault
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every ``pdproxy sim`` flag to ``parser`` (see :class:`SimConfig` for meanings and units)."""
+    d = SimConfig()
+    v = parser.add_argument_group("vLLM engine flags (same names as `vllm serve`)")
+    v.add_argument("--host", default=d.host, help="listen address (default 127.0.0.1)")
+    v.add_argument("--port", type=int, default=d.port, help="HTTP port; 0 = any free port; DP rank k uses port+k")
+    v.add_argument("--served-model-name", default=d.served_model_name)
+    v.add_argument("--max-model-len", type=int, default=d.max_model_len, help="context limit in tokens")
+    v.add_argument("--block-size", type=int, default=d.block_size, help="KV block size in tokens")
+    v.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="KV pool size in blocks (default: 4 x max-model-len worth of blocks)")
+    v.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    v.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="token budget per engine step")
+    v.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="cap per-step tokens of one prefill (0 = off, vLLM's default)")
+    v.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    v.add_argument("--tokenizer", default=None, help="local HF tokenizer dir (default: built-in sim tokenizer)")
+    v.add_argument("--data-parallel-size", type=int, default=1, help="DP ranks served by this process")
+    v.add_argument("--seed", type=int, default=0)
+    s = parser.add_argument_group("simulator flags")
+    s.add_argument("--role", choices=("prefill", "decode", "both"), default="both",
+                   help="kv_producer / kv_consumer / plain engine that also accepts both")
+    s.add_argument("--prefill-tokens-per-s", type=float, default=0.0, help="prefill throughput (0 = free)")
+    s.add_argument("--decode-tokens-per-s", type=float, default=0.0,
+                   help="aggregate decode throughput: a step costs (sequences sampled)/rate s (0 = free)")
+    s.add_argument("--step-overhead-s", type=float, default=0.0, help="fixed cost of every engine step")
+    s.add_argument("--slow-factor", type=float, default=1.0, help="multiply every step time")
+    s.add_argument("--output-tokens", type=int, default=d.output_tokens,
+                   help="tokens generated when max_tokens is absent (completions: length; chat: stop)")
+    s.add_argument("--dp-ports", type=int, nargs="+", default=None, help="one port per DP rank")
+    s.add_argument("--dp-single-port", action="store_true",
+                   help="serve all DP ranks on --port (internal DP), routed by X-data-parallel-rank")
+    s.add_argument("--kv-connector", choices=("nixl", "mooncake"), default="nixl",
+                   help="shape of kv_transfer_params")
+    s.add_argument("--kv-pin-timeout-s", type=float, default=d.kv_pin_timeout_s,
+                   help="free pinned prefill KV not pulled within this time")
+    s.add_argument("--kv-transfer-tokens-per-s", type=float, default=0.0,
+                   help="decoder's KV pull speed (0 = instant)")
+    s.add_argument("--hol-blocking", choices=("on", "off"), default="on",
+                   help="on: a waiting request that cannot get KV blocks stops admission (vLLM-Ascend, seed 000);"
+                        " off: smaller requests that fit go ahead (vLLM 0.32)")
+    s.add_argument("--recompute-stop", action="store_true",
+                   help='on preemption finish the victim with stop_reason "recomputed" (vLLM-Ascend)')
+    s.add_argument("--refuse-connections", action="store_true",
+                   help="bind the port(s) without listening: connections are refused")
+    s.add_argument("--fault", action="append", default=[], metavar="JSON",
+                   help='fault spec, e.g. \'{"kind":"status","status":503,"on_request":2}\' (repeatable)')
+    s.add_argument("--engine-id", default="", help="engine id base (default: random uuid)")
+    s.add_argument("--record-limit", type=int, default=d.record_limit, help="requests kept for /sim/received")
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    """Build a :class:`SimConfig` from parsed args. Raises ``ValueError`` for a bad fault spec."""
+    faults = tuple(json.loads(f) for f in args.fault)
+    for spec in faults:
+        parse_fault(spec)
+    return SimConfig(
+        host=args.host, port=args.port, served_model_name=args.served_model_name, max_model_len=args.max_model_len,
+        block_size=args.block_size, num_gpu_blocks_override=args.num_gpu_blocks_override,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        enable_prefix_caching=args.enable_prefix_caching, tokenizer=args.tokenizer, role=args.role,
+        prefill_tokens_per_s=args.prefill_tokens_per_s, decode_tokens_per_s=args.decode_tokens_per_s,
+        step_overhead_s=args.step_overhead_s, slow_factor=args.slow_factor, output_tokens=args.output_tokens,
+        data_parallel_size=args.data_parallel_size, dp_ports=tuple(args.dp_ports or ()),
+        dp_single_port=args.dp_single_port, kv_connector=args.kv_connector, kv_pin_timeout_s=args.kv_pin_timeout_s,
+        kv_transfer_tokens_per_s=args.kv_transfer_tokens_per_s, hol_blocking=args.hol_blocking == "on",
+        recompute_stop=args.recompute_stop, refuse_connections=args.refuse_connections, faults=faults,
+        seed=args.seed, record_limit=args.record_limit, engine_id=args.engine_id)
+
+
+async def serve(config: SimConfig) -> None:
+    """Run the simulator until SIGINT/SIGTERM, after printing the ``sim_ready`` line."""
+    from pdproxy.sim.server import SimServer
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    async with SimServer(config) as server:
+        ready = {"event": "sim_ready", "ports": server.ports, "base_urls": server.base_urls, "role": config.role,
+                 "data_parallel_size": config.data_parallel_size,
+                 "engine_ids": [rank.engine_id for rank in server.ranks]}
+        sys.stdout.write(json.dumps(ready) + "\n")
+        sys.stdout.flush()
+        await stop.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point for ``pdproxy sim``: returns the process exit code (2 on a bad configuration)."""
+    try:
+        config = config_from_args(args)
+        config.rank_ports()
+    except ValueError as exc:
+        sys.stderr.write(f"pdproxy sim: {exc}\n")
+        return 2
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(config))
+    else:
+        uvloop.run(serve(config))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pdproxy.sim [flags]``."""
+    parser = argparse.ArgumentParser(prog="pdproxy sim", description="Simulated vLLM engine (PD roles, faults)")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

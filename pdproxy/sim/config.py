@@ -1,0 +1,90 @@
+"""Configuration of one simulated engine process (all ranks): :class:`SimConfig`.
+
+Field names follow vLLM's engine arguments where a vLLM equivalent exists (``vllm/engine/arg_utils.py``):
+``max_model_len``, ``block_size``, ``num_gpu_blocks_override``, ``max_num_seqs``, ``max_num_batched_tokens``,
+``enable_prefix_caching``, ``long_prefill_token_threshold``, ``data_parallel_size``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+Role = Literal["prefill", "decode", "both"]
+KVConnector = Literal["nixl", "mooncake"]
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """Settings for ``pdproxy sim``. Units: tokens, seconds, tokens/s. A rate of 0 means free (no time).
+
+    Timing model (one engine step, vLLM V1): ``step_s = step_overhead_s + prefill_tokens / prefill_tokens_per_s
+    + decode_tokens / decode_tokens_per_s``. ``decode_tokens`` is the number of sequences that sampled a
+    token in that step, so ``decode_tokens_per_s`` is the engine's aggregate decode throughput.
+    Everything is multiplied by ``slow_factor``.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8100
+    served_model_name: str = "sim-model"
+    max_model_len: int = 8192
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = True
+    tokenizer: str | None = None
+    role: Role = "both"
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    step_overhead_s: float = 0.0
+    slow_factor: float = 1.0
+    output_tokens: int = 16
+    data_parallel_size: int = 1
+    dp_ports: tuple[int, ...] = ()
+    dp_single_port: bool = False
+    kv_connector: KVConnector = "nixl"
+    kv_pin_timeout_s: float = 480.0
+    kv_transfer_tokens_per_s: float = 0.0
+    hol_blocking: bool = True
+    recompute_stop: bool = False
+    refuse_connections: bool = False
+    faults: tuple[dict, ...] = ()
+    seed: int = 0
+    record_limit: int = 10_000
+    engine_id: str = field(default="")
+    version: str = "0.32.0"
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        """KV pool size in blocks: the override, or enough for 4 × ``max_model_len`` tokens."""
+        if self.num_gpu_blocks_override is not None:
+            return self.num_gpu_blocks_override
+        return -(-4 * self.max_model_len // self.block_size)
+
+    @property
+    def kv_cache_size_tokens(self) -> int:
+        """KV pool size in tokens (``num_gpu_blocks × block_size``), as vLLM's ``kv_cache_size_tokens``."""
+        return self.num_gpu_blocks * self.block_size
+
+    def rank_ports(self) -> list[int]:
+        """The listening port of each DP rank: ``dp_ports``, else ``port + k`` (all 0 when ``port`` is 0).
+
+        With ``dp_single_port`` only one port is returned (internal DP behind one API server).
+        Raises ``ValueError`` when ``dp_ports`` does not have one port per rank.
+        """
+        if self.dp_single_port:
+            return [self.port]
+        if self.dp_ports:
+            if len(self.dp_ports) != self.data_parallel_size:
+                raise ValueError(f"--dp-ports needs {self.data_parallel_size} ports, got {len(self.dp_ports)}")
+            return list(self.dp_ports)
+        if self.port == 0:
+            return [0] * self.data_parallel_size
+        return [self.port + k for k in range(self.data_parallel_size)]
+
+    def replace(self, **changes: object) -> SimConfig:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -1,0 +1,120 @@
+"""The simulated KV-cache block pool with automatic prefix caching (vLLM V1 ``BlockPool`` / ``KVCacheManager``).
+
+Model (``vllm/v1/core/block_pool.py``, ``vllm/v1/core/kv_cache_utils.py``):
+
+* ``num_blocks`` blocks of ``block_size`` tokens. A request holds ``ceil(tokens / block_size)`` blocks.
+* Each *full* prompt block has a chained hash ``h_i = hash((h_{i-1}, tokens of block i))``. A finished
+  request's blocks return to the free queue but keep their hash, so a later request with the same prefix
+  reuses them (a "hit") until they are evicted. Eviction takes the least recently freed block first.
+* ``usage = 1 - free / total``. Cached-but-free blocks count as free, as in vLLM's ``kv_cache_usage_perc``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of the full blocks of ``token_ids`` (a partial last block gets no hash)."""
+    hashes: list[int] = []
+    parent = 0
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(token_ids[start:start + block_size])))
+        hashes.append(parent)
+    return hashes
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
+    return -(-num_tokens // block_size)
+
+
+class BlockPool:
+    """A pool of ``num_blocks`` KV blocks with reference counts and a prefix-cache hash index.
+
+    Block ids are ints in ``[0, num_blocks)``. ``allocate`` raises ``MemoryError`` when too few blocks are free.
+    Callers check ``can_allocate`` first.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._ref = [0] * num_blocks
+        self._hash_of: dict[int, int] = {}
+        self._block_of_hash: dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        """Free blocks, including cached blocks no request holds."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks held by at least one request (or pin)."""
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool held (0–1), vLLM's ``kv_cache_usage_perc``."""
+        return self.num_used / self.num_blocks if self.num_blocks else 0.0
+
+    def cached_prefix(self, hashes: Sequence[int], max_tokens: int) -> list[int]:
+        """Block ids of the longest cached prefix of ``hashes`` that covers at most ``max_tokens`` tokens."""
+        if not self.enable_prefix_caching:
+            return []
+        found: list[int] = []
+        limit = max_tokens // self.block_size
+        for h in hashes[:limit]:
+            block = self._block_of_hash.get(h)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def can_allocate(self, num_new: int, cached: Sequence[int] = ()) -> bool:
+        """Whether ``num_new`` fresh blocks can be taken after touching the ``cached`` blocks."""
+        touched_free = sum(1 for b in cached if self._ref[b] == 0)
+        return num_new <= len(self._free) - touched_free
+
+    def allocate(self, num_new: int, cached: Sequence[int] = ()) -> list[int]:
+        """Take references on ``cached`` blocks and ``num_new`` fresh blocks; return all ids, cached first."""
+        if not self.can_allocate(num_new, cached):
+            raise MemoryError(f"need {num_new} KV blocks, {self.num_free} free")
+        for b in cached:
+            if self._ref[b] == 0:
+                del self._free[b]
+            self._ref[b] += 1
+        fresh: list[int] = []
+        for _ in range(num_new):
+            b, _none = self._free.popitem(last=False)
+            old = self._hash_of.pop(b, None)
+            if old is not None and self._block_of_hash.get(old) == b:
+                del self._block_of_hash[old]
+            self._ref[b] = 1
+            fresh.append(b)
+        return [*cached, *fresh]
+
+    def cache_blocks(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
+        """Register ``hashes[i]`` for ``blocks[i]`` (full prompt blocks whose KV is now computed)."""
+        if not self.enable_prefix_caching:
+            return
+        for b, h in zip(blocks, hashes, strict=False):
+            if b not in self._hash_of and h not in self._block_of_hash:
+                self._hash_of[b] = h
+                self._block_of_hash[h] = b
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference on each block. Blocks reaching zero go to the free queue, tail blocks first,
+        so the prompt's first blocks are evicted last."""
+        for b in reversed(blocks):
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                self._free[b] = None
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every hash (blocks in use stay allocated), like vLLM's ``/reset_prefix_cache``."""
+        self._hash_of.clear()
+        self._block_of_hash.clear()

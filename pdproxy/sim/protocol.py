@@ -1,0 +1,172 @@
+"""vLLM's request validation and error envelopes, as the simulator reproduces them.
+
+Error envelope (``vllm/entrypoints/openai/engine/protocol.py::ErrorResponse``, reference §2.4):
+``{"error": {"message", "type", "param", "code"}}``. ``type`` is ``"BadRequestError"`` for ``ValueError``
+and validation errors from ``SamplingParams``. It is ``"Bad Request"`` for pydantic request-model failures
+(missing fields, ``stream_options`` without ``stream``), ``"NotFoundError"`` for an unknown model, and
+``"InternalServerError"`` for a failed KV load.
+
+Length rule (vLLM 0.32 as observed, reference §7, and ``vllm/renderers/params.py::_token_len_check``):
+
+* ``prompt_tokens > max_model_len`` → 400 "... your prompt contains at least {L+1} input tokens, which
+  exceeds this limit even without any output tokens ..." (the tokenizer truncates at limit+1, hence
+  "at least");
+* otherwise, if ``max_tokens`` (chat: ``max_completion_tokens`` wins) is given and ``prompt + max_tokens >
+  max_model_len`` → 400 "... you requested {m} output tokens and your prompt contains at least {L-m+1} input
+  tokens, for a total of at least {L+1} tokens ...".
+* A prompt of exactly ``max_model_len`` tokens passes when ``max_tokens`` is absent.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from pdproxy.sim.config import SimConfig
+from pdproxy.tokens import Tokenizer, prompt_token_ids
+
+Api = Literal["chat", "completions"]
+
+
+class SimHTTPError(Exception):
+    """An HTTP error answered in vLLM's envelope (``status_code``, ``error_type``, ``param``)."""
+
+    def __init__(self, status_code: int, message: str, error_type: str = "BadRequestError",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.error_type = error_type
+        self.param = param
+
+    def body(self) -> bytes:
+        """The JSON envelope bytes."""
+        return error_body(self.message, self.error_type, self.status_code, self.param)
+
+
+def error_body(message: str, error_type: str, code: int, param: str | None = None) -> bytes:
+    """``{"error": {"message", "type", "param", "code"}}`` as bytes."""
+    return orjson.dumps({"error": {"message": message, "type": error_type, "param": param, "code": code}})
+
+
+def kv_load_failed_body() -> bytes:
+    """The 500 body of a request whose KV pull failed (``kv_load_failure_policy="fail"``, reference §1.4)."""
+    return error_body("Internal server error", "InternalServerError", 500)
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """A validated completion request: the body plus the fields the simulator acts on (tokens)."""
+
+    api: Api
+    body: dict[str, Any]
+    base_id: str
+    response_id: str
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    prompt_token_ids: list[int]
+    max_tokens: int | None
+    min_tokens: int
+    kv_transfer_params: Any
+    tools: list[dict[str, Any]] | None
+    tool_choice: Any
+
+
+def request_base_id(headers: Any, body: dict[str, Any]) -> str:
+    """``X-Request-Id`` header, else the body's ``request_id``, else a random uuid (``_base_request_id``)."""
+    rid = headers.get("X-Request-Id") or body.get("request_id")
+    return str(rid) if rid else uuid.uuid4().hex
+
+
+def _validation(message: str) -> SimHTTPError:
+    return SimHTTPError(400, message, "Bad Request")
+
+
+def _optional_int(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _validation(f"[{{'type': 'int_type', 'loc': ('body', '{key}'), 'msg': 'Input should be a valid integer'}}]")
+    return value
+
+
+def parse_request(body: Any, api: Api, headers: Any, config: SimConfig, tokenizer: Tokenizer) -> ParsedRequest:
+    """Validate a request like vLLM's OpenAI server. ``body`` is the decoded JSON, or the raw ``bytes`` when
+    they may not be JSON. Raises :class:`SimHTTPError` (400/404) on bad input."""
+    if isinstance(body, (bytes, bytearray)):
+        try:
+            body = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise _validation(f"JSON decode error: {exc}") from None
+    if not isinstance(body, dict):
+        raise _validation("Input should be a valid dictionary or object to extract fields from")
+    key = "messages" if api == "chat" else "prompt"
+    if body.get(key) is None:
+        raise _validation(f"[{{'type': 'missing', 'loc': ('body', '{key}'), 'msg': 'Field required'}}]")
+    model = body.get("model")
+    if model is not None and model != config.served_model_name:
+        raise SimHTTPError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    stream = bool(body.get("stream", False))
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not stream:
+        raise _validation("1 validation error:\n  Value error, Stream options can only be defined when `stream=True`.")
+    max_tokens = _optional_int(body, "max_tokens")
+    if api == "chat":
+        max_completion = _optional_int(body, "max_completion_tokens")
+        max_tokens = max_completion if max_completion is not None else max_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise SimHTTPError(400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
+    min_tokens = _optional_int(body, "min_tokens") or 0
+    if min_tokens < 0:
+        raise SimHTTPError(400, f"min_tokens must be greater than or equal to 0, got {min_tokens}.",
+                           param="min_tokens")
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise SimHTTPError(400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.",
+                           param="min_tokens")
+    n = body.get("n", 1)
+    if n not in (None, 1):
+        raise SimHTTPError(400, "pdproxy sim serves one sequence per request: n must be 1.", param="n")
+    try:
+        ids = prompt_token_ids(tokenizer, body, api)
+    except ValueError as exc:
+        raise SimHTTPError(400, str(exc), param=key) from None
+    check_length(len(ids), max_tokens, config.max_model_len)
+    base = request_base_id(headers, body)
+    tools = body.get("tools") if api == "chat" else None
+    tool_choice = body.get("tool_choice")
+    if not tools or tool_choice == "none":
+        tools = None
+    options = stream_options if isinstance(stream_options, dict) else {}
+    return ParsedRequest(
+        api=api, body=body, base_id=base, response_id=("chatcmpl-" if api == "chat" else "cmpl-") + base,
+        stream=stream, include_usage=bool(options.get("include_usage")),
+        continuous_usage=bool(options.get("continuous_usage_stats")), prompt_token_ids=ids,
+        max_tokens=max_tokens, min_tokens=min_tokens, kv_transfer_params=body.get("kv_transfer_params"),
+        tools=tools, tool_choice=tool_choice)
+
+
+def check_length(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """Raise vLLM 0.32's over-length 400 (``param="input_tokens"``) per the rule in the module docstring."""
+    limit = max_model_len
+    if prompt_tokens > limit:
+        value = limit + 1
+        raise SimHTTPError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, your prompt contains at least "
+            f"{value} input tokens, which exceeds this limit even without any output tokens. Please reduce the "
+            f"length of the input prompt. (parameter=input_tokens, value={value})",
+            param="input_tokens")
+    if max_tokens is not None and prompt_tokens + max_tokens > limit:
+        value = max(limit - max_tokens + 1, 1)
+        raise SimHTTPError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested {max_tokens} output "
+            f"tokens and your prompt contains at least {value} input tokens, for a total of at least "
+            f"{value + max_tokens} tokens. Please reduce the length of the input prompt or the number of "
+            f"requested output tokens. (parameter=input_tokens, value={value})",
+            param="input_tokens")
