@@ -18,8 +18,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, ORJSONResponse, Response
+from fastapi.responses import Response
 
 from pdproxy import __version__
 from pdproxy.director import Director
@@ -158,7 +159,7 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
             proxy.state = None
             proxy.director = None
 
-    app = FastAPI(title="pdproxy", version=__version__, lifespan=lifespan, default_response_class=ORJSONResponse)
+    app = FastAPI(title="pdproxy", version=__version__, lifespan=lifespan)
 
     def state() -> ProxyState:
         if proxy.state is None:
@@ -203,7 +204,8 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
         if not merged and st.settings.model_name:
             merged[st.settings.model_name] = {"id": st.settings.model_name, "object": "model", "owned_by": "vllm",
                                               "max_model_len": st.settings.max_model_len}
-        return ORJSONResponse({"object": "list", "data": list(merged.values())})
+        return Response(orjson.dumps({"object": "list", "data": list(merged.values())}),
+                        media_type="application/json")
 
     @app.get("/debug/load")
     async def debug_load() -> dict[str, Any]:
@@ -217,7 +219,7 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
 
     @app.exception_handler(404)
     async def _not_found(_: Request, __: Exception) -> Response:
-        return JSONResponse(error_body(404, "Not Found"), status_code=404)
+        return Response(orjson.dumps(error_body(404, "Not Found")), status_code=404, media_type="application/json")
 
     return app
 
