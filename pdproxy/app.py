@@ -24,6 +24,7 @@ from fastapi.responses import Response
 
 from pdproxy import __version__
 from pdproxy.director import Director
+from pdproxy.admin import build_admin_router
 from pdproxy.endpoints import Role
 from pdproxy.errors import PayloadTooLarge, ProxyError, ShuttingDown, Unauthorized, error_body
 from pdproxy.protocol import Api, parse_request
@@ -183,6 +184,8 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
         return {"version": __version__}
 
     @app.get("/v1/models")
+            if proxy.director is not None:
+                await proxy.director.aclose()  # background KV release legs (bounded)
     async def models() -> Response:
         """The models the decoders serve, as vLLM lists them (with ``max_model_len``, the smallest across the
         engines that serve the model, since a request must fit both its prefiller and its decoder)."""
@@ -194,6 +197,8 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
                 if not isinstance(mid, str):
                     continue
                 entry = merged.setdefault(mid, dict(card))
+    app.include_router(build_admin_router(state))  # /admin/endpoints: list/add/drain/remove (pdproxy/admin.py)
+
                 mml = card.get("max_model_len")
                 if isinstance(mml, int) and (not isinstance(entry.get("max_model_len"), int)
                                              or mml < entry["max_model_len"]):

@@ -64,10 +64,15 @@ def serve(settings: Settings) -> int:
         print("pdproxy: no engines configured: give --prefill URL and --decode URL (or --prefiller-hosts/ports "
               "and --decoder-hosts/ports, or a --config file)", file=sys.stderr)
         return 2
-    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port, loop="uvloop",
+    from pdproxy.shutdown import DrainingServer
+
+    app = create_app(settings)
+    # SIGTERM drains first (503 + Retry-After for new requests, in-flight streams finish within shutdown_grace_s;
+    # pdproxy/shutdown.py); uvicorn's own grace only covers what is left after that.
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
                             http="httptools", log_level="warning", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None)
-    uvicorn.Server(config).run()
+                            timeout_graceful_shutdown=1)
+    DrainingServer(config, app, grace_s=settings.shutdown_grace_s).run()
     return 0
 
 

@@ -1,36 +1,177 @@
-"""Endpoint health: active ``/health`` probes and passive failure recording.
+"""Endpoint health: active ``/health`` probes, passive outlier detection, and one circuit breaker per endpoint.
 
-First version: probes mark endpoints healthy/unhealthy; passive failures are counted.  Issue 5 adds the
-circuit breaker (closed → open → half-open).
+- **Active**: every ``interval_s`` seconds each endpoint's ``GET /health`` is probed (vLLM answers 200, or 503
+  when the engine core is dead — ``vllm/entrypoints/serve``; reference §2.1); the result is the pool's
+  ``healthy`` flag.  What the engine declares (``/v1/models``, ``/metrics``) is refreshed every
+  ``refresh_interval_s`` seconds into ``infos`` (used by admission and routing).
+- **Passive**: the request path reports each leg's verdict.  Transport failures, timeouts and 5xx answers count
+  against the endpoint (``record_failure``); 4xx answers are the request's fault and must not be reported.  A
+  failure also triggers an immediate probe, so a killed engine leaves the pool within one probe round trip.
+- **Breaker** (:mod:`pdproxy.breaker`): consecutive failures open it; picks skip open endpoints (:meth:`admits`);
+  a successful probe lets a trial request through; a successful request closes it.
+
+So a dead engine gets at most ``breaker_failures`` (+ in-flight) attempts, is re-admitted within about one probe
+interval of answering ``/health`` again, and with no usable prefiller or decoder the scheduler raises
+``NoEndpointAvailable`` (503 + ``Retry-After``) at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import time
+from collections.abc import Callable
 
+from pdproxy.breaker import BreakerState, CircuitBreaker, Clock
 from pdproxy.endpoints import Endpoint
 from pdproxy.engines import EngineClient, EngineInfo
 from pdproxy.pool import EndpointPool
 
+Fits = Callable[[Endpoint], bool]
+
 
 class HealthMonitor:
-    """Keeps ``pool`` health flags and ``infos`` (what each engine declares) up to date."""
+    """Keeps ``pool`` health flags, per-endpoint breakers and ``infos`` (what each engine declares) up to date.
+
+    ``interval_s``: probe period (seconds); ``refresh_interval_s``: ``/v1/models`` + ``/metrics`` refresh period;
+    ``breaker_failures`` / ``breaker_open_s``: see :class:`CircuitBreaker`; ``clock``: monotonic seconds.
+    Start with :meth:`start`, stop with :meth:`stop` (the app lifespan owns both).
+    """
 
     def __init__(self, pool: EndpointPool, engines: EngineClient, infos: dict[Endpoint, EngineInfo], *,
-                 interval_s: float, refresh_interval_s: float) -> None:
+                 interval_s: float, refresh_interval_s: float, breaker_failures: int = 3,
+                 breaker_open_s: float = 3.0, clock: Clock = time.monotonic) -> None:
         self.pool = pool
         self.engines = engines
         self.infos = infos
         self.interval_s = interval_s
         self.refresh_interval_s = refresh_interval_s
+        self.breaker_failures = breaker_failures
+        self.breaker_open_s = breaker_open_s
+        self.clock = clock
+        self.breakers: dict[Endpoint, CircuitBreaker] = {}
+        self.leaving: set[Endpoint] = set()
         self._task: asyncio.Task[None] | None = None
+        self._probing: dict[Endpoint, asyncio.Task[None]] = {}
 
-    def record_failure(self, endpoint: Endpoint) -> None:
-        """A request to ``endpoint`` failed at the transport level or with a 5xx."""
+    # --- breakers -------------------------------------------------------------------------------------------
+    def breaker(self, endpoint: Endpoint) -> CircuitBreaker:
+        """The endpoint's breaker (created closed on first use)."""
+        b = self.breakers.get(endpoint)
+        if b is None:
+            b = CircuitBreaker(failure_threshold=self.breaker_failures, open_s=self.breaker_open_s,
+                               max_open_s=max(10 * self.breaker_open_s, 30.0), clock=self.clock)
+            self.breakers[endpoint] = b
+        return b
+
+    def admits(self, fits: Fits | None = None) -> Fits:
+        """A pick filter: the endpoint's breaker lets a request in, and ``fits`` (if given) accepts it."""
+        def ok(e: Endpoint) -> bool:
+            b = self.breakers.get(e)
+            return (b is None or b.can_take()) and (fits is None or fits(e))
+        return ok
+
+    def on_pick(self, endpoint: Endpoint) -> None:
+        """Call right after the scheduler chose ``endpoint`` (takes a half-open trial slot if needed)."""
+        b = self.breakers.get(endpoint)
+        if b is not None:
+            b.on_pick()
+
+    def retry_after_s(self, endpoints: list[Endpoint]) -> int:
+        """Whole seconds until one of ``endpoints`` may take traffic again (≥ 1), for ``Retry-After``."""
+        waits = [self.breakers[e].seconds_until_retry() for e in endpoints if e in self.breakers]
+        return max(1, math.ceil(min(waits))) if waits else max(1, math.ceil(self.interval_s))
+
+    def record_failure(self, endpoint: Endpoint, *, retry_after_s: float | None = None) -> None:
+        """A leg to ``endpoint`` failed at the transport level, timed out or got a 5xx (never a 4xx).
+        ``retry_after_s``: the engine's ``Retry-After`` (seconds), honoured by the breaker."""
+        self.breaker(endpoint).record_failure(retry_after_s=retry_after_s)
+        self.probe_soon(endpoint)
 
     def record_success(self, endpoint: Endpoint) -> None:
-        """A request to ``endpoint`` succeeded."""
+        """A leg to ``endpoint`` succeeded (closes its breaker)."""
+        b = self.breakers.get(endpoint)
+        if b is not None and (b.state is not BreakerState.CLOSED or b.consecutive_failures):
+            b.record_success()
+
+    def record_neutral(self, endpoint: Endpoint) -> None:
+        """A leg ended without a verdict on the engine (client left, 4xx): frees a half-open trial slot."""
+        b = self.breakers.get(endpoint)
+        if b is not None:
+            b.release_trial()
+
+    def forget(self, endpoint: Endpoint) -> None:
+        """Drop an endpoint's breaker and probe (admin remove)."""
+        self.breakers.pop(endpoint, None)
+        task = self._probing.pop(endpoint, None)
+        if task is not None:
+            task.cancel()
+
+    def snapshot(self, endpoint: Endpoint) -> dict[str, object]:
+        """Breaker state for ``/admin/endpoints`` and metrics: ``{"breaker", "consecutive_failures",
+        "opened_total", "retry_in_s"}``."""
+        b = self.breakers.get(endpoint)
+        if b is None:
+            return {"breaker": BreakerState.CLOSED.value, "consecutive_failures": 0, "opened_total": 0,
+                    "retry_in_s": 0.0}
+        return {"breaker": b.state.value, "consecutive_failures": b.consecutive_failures,
+                "opened_total": b.opened_total, "retry_in_s": round(b.seconds_until_retry(), 3)}
+
+    # --- membership (admin API) ------------------------------------------------------------------------------
+    def leave_when_idle(self, endpoint: Endpoint) -> None:
+        """Remove the (draining) endpoint once it has no in-flight requests (checked now and every probe tick)."""
+        self.leaving.add(endpoint)
+        self.reap()
+
+    def reap(self) -> list[Endpoint]:
+        """Remove leaving endpoints that are idle; returns them."""
+        gone = []
+        for e in list(self.leaving):
+            try:
+                idle = self.pool.load(e).requests == 0
+            except KeyError:
+                idle = True
+            if idle:
+                self.remove(e)
+                gone.append(e)
+        return gone
+
+    def remove(self, endpoint: Endpoint) -> None:
+        """Take ``endpoint`` out of the pool, its breaker, probe and engine info."""
+        self.leaving.discard(endpoint)
+        self.pool.remove(endpoint)
+        self.infos.pop(endpoint, None)
+        self.forget(endpoint)
+
+    # --- active probes ----------------------------------------------------------------------------------------
+    async def probe(self, endpoint: Endpoint) -> bool:
+        """Probe ``GET /health`` once; update the pool flag, the breaker and (when due) the engine info."""
+        ok = await self.engines.health(endpoint)
+        info = self.infos.setdefault(endpoint, EngineInfo())
+        due = (not info.reachable or info.refreshed_at is None
+               or time.monotonic() - info.refreshed_at >= self.refresh_interval_s)
+        if ok and due:
+            await self.engines.refresh(endpoint, info)
+            ok = info.reachable
+        with contextlib.suppress(KeyError):
+            self.pool.load(endpoint).healthy = ok
+        if ok:
+            b = self.breakers.get(endpoint)
+            if b is not None:
+                b.probe_ok()
+        return ok
+
+    def probe_soon(self, endpoint: Endpoint) -> None:
+        """Schedule one probe of ``endpoint`` now (at most one at a time per endpoint); no-op without a loop."""
+        if endpoint in self._probing:
+            return
+        try:
+            task = asyncio.get_running_loop().create_task(self.probe(endpoint))
+        except RuntimeError:
+            return
+        self._probing[endpoint] = task
+        task.add_done_callback(lambda _t: self._probing.pop(endpoint, None))
 
     async def refresh_all(self) -> None:
         """Probe every endpoint once and refresh its :class:`EngineInfo` (concurrently)."""
@@ -44,14 +185,18 @@ class HealthMonitor:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            await self.refresh_all()
+            self.reap()
+            await asyncio.gather(*(self.probe(e) for e in self.pool.endpoints()), return_exceptions=True)
 
     async def start(self) -> None:
         await self.refresh_all()
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        tasks = [t for t in (self._task, *self._probing.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._probing.clear()

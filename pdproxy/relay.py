@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from pdproxy import sse
+from pdproxy import recompute, sse
 from pdproxy.errors import ProxyError, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable, sse_error_event
 from pdproxy.protocol import patch_usage
 from pdproxy.timeline import RequestContext
@@ -83,10 +83,19 @@ class Responder:
         await self.end(tail)
 
 
-def _patch_block(block: bytes, cached_tokens: int) -> bytes:
-    """Rewrite ``usage.prompt_tokens_details.cached_tokens`` in every event of ``block`` that has a usage."""
-    out = []
-    for event in sse.split_events(block):
+def _patch_block(block: bytes, cached_tokens: int | None, strip_usage: bool = False) -> bytes:
+    """Rewrite ``usage.prompt_tokens_details.cached_tokens`` in every event of ``block`` that has a usage; with
+    ``strip_usage`` drop the usage-only chunk (``choices: []``) the proxy asked for but the client did not.
+
+    Only the events from the first one mentioning ``"usage"`` on are split and parsed (vLLM sends usage in the
+    last chunk before ``[DONE]``, reference §2.3), so a large full-speed block costs one scan, not one parse per
+    event."""
+    first = block.find(b'"usage"')
+    if first < 0:
+        return block
+    start = sse.last_boundary(block[:first])
+    out = [block[:start]]
+    for event in sse.split_events(block[start:]):
         if b'"usage"' in event:
             data = sse.event_data(event)
             if data is not None and data != b"[DONE]":
@@ -94,10 +103,37 @@ def _patch_block(block: bytes, cached_tokens: int) -> bytes:
                     obj = orjson.loads(data)
                 except orjson.JSONDecodeError:
                     obj = None
-                if isinstance(obj, dict) and patch_usage(obj, cached_tokens):
-                    event = sse.data_event(orjson.dumps(obj))
+                if isinstance(obj, dict):
+                    if strip_usage and obj.get("choices") == [] and "usage" in obj:
+                        continue
+                    if patch_usage(obj, cached_tokens):
+                        event = sse.data_event(orjson.dumps(obj))
         out.append(event)
     return b"".join(out)
+
+
+def _split_recomputed(block: bytes, transcript: recompute.Transcript) -> tuple[bytes, bool]:
+    """Cut ``block`` at a ``stop_reason "recomputed"`` chunk (vLLM-Ascend, reference §4): the events before it
+    are returned for the client; it and everything after are only recorded in ``transcript``."""
+    out: list[bytes] = []
+    after: list[bytes] = []
+    for event in sse.split_events(block):
+        if after:
+            after.append(event)
+        elif recompute.MARKER in event and recompute.is_recomputed(recompute.parse_event(event) or {}):
+            after.append(event)  # the recomputed chunk itself: empty text, never sent
+        else:
+            out.append(event)
+    kept = b"".join(out)
+    if kept:
+        transcript.add(kept)
+    if after:
+        transcript.compact()
+        for event in after[1:]:
+            obj = recompute.parse_event(event)
+            if obj is not None:
+                transcript.observe(obj)
+    return kept, bool(after)
 
 
 def _first_event_error(block: bytes) -> UpstreamHTTPError | None:
@@ -120,12 +156,16 @@ class StreamRelay:
     ``cached_tokens``: the prefiller's prefix-cache hits to write into usage objects (None: leave as is).
     ``on_first_event``: called once when the first complete event arrives, before the status line goes out
     (the director releases the prefill lease there: the decoder has pulled the KV).
+    ``transcript``: records what the client got, for a vLLM-Ascend ``recomputed`` continuation (None: off);
+    its ``attempts > 1`` means this leg continues an earlier one (ids/usage rewritten, no second role chunk).
+    ``strip_usage``: the usage chunk was forced upstream and is not for the client.
     """
 
     def __init__(self, resp: aiohttp.ClientResponse, out: Responder, ctx: RequestContext, *,
                  cached_tokens: int | None, first_event_timeout_s: float,
                  on_first_event: Callable[[], None] | None = None,
-                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
+                 headers: list[tuple[bytes, bytes]] | None = None,
+                 transcript: recompute.Transcript | None = None, strip_usage: bool = False) -> None:
         self.resp = resp
         self.out = out
         self.ctx = ctx
@@ -133,6 +173,9 @@ class StreamRelay:
         self.first_event_timeout_s = first_event_timeout_s
         self.on_first_event = on_first_event
         self.headers = headers or []
+        self.transcript = transcript
+        self.strip_usage = strip_usage
+        self.recomputed = False
 
     async def _first_block(self, framer: sse.EventFramer) -> bytes:
         content = self.resp.content
@@ -145,9 +188,11 @@ class StreamRelay:
                 if block:
                     return block
 
-    async def run(self) -> None:
-        """Relay until the decoder ends.  Raises :class:`ProxyError` only before the client's status line went
-        out (so the director may still fail over); afterwards failures become an SSE error event + [DONE]."""
+    async def run(self) -> bool:
+        """Relay until the decoder ends.  Raises :class:`ProxyError` only before this decoder's first event
+        reached the client (so the director may still fail over); afterwards failures become an SSE error event
+        + [DONE].  Returns True when the decoder ended with ``stop_reason "recomputed"`` (nothing of that ending
+        was sent; the director continues on a new P→D pair)."""
         framer = sse.EventFramer()
         ctx, out = self.ctx, self.out
         try:
@@ -167,21 +212,39 @@ class StreamRelay:
             raise err
         if self.on_first_event is not None:
             self.on_first_event()
-        ctx.timeline.first_token_at = time.monotonic()
-        await out.start(200, SSE_HEADERS + self.headers)
-        cached = self.cached_tokens
+        if not out.started:
+            ctx.timeline.first_token_at = time.monotonic()
+            await out.start(200, SSE_HEADERS + self.headers)
+        cached, strip = self.cached_tokens, self.strip_usage
+        transcript = self.transcript
+        continuing = transcript is not None and transcript.attempts > 1
         content = self.resp.content
         events = 0
         try:
             while True:
-                if cached is not None and b'"usage"' in block:
-                    block = _patch_block(block, cached)
+                if continuing:
+                    assert transcript is not None
+                    block, self.recomputed = transcript.rewrite(block, keep_usage=not strip)
+                elif (cached is not None or strip) and b'"usage"' in block:
+                    block = _patch_block(block, cached, strip)
+                if transcript is not None and not continuing:
+                    if recompute.MARKER in block:
+                        block, self.recomputed = _split_recomputed(block, transcript)
+                    else:
+                        transcript.add(block)
+                if self.recomputed:
+                    if block:
+                        await out.write(block)
+                    await self._drain_into(transcript, framer)
+                    ctx.events = events
+                    return True
                 if b"data: [DONE]" in block:
                     if out.done_sent:
                         block = block.replace(sse.DONE_EVENT, b"")
                     out.done_sent = True
                 events += 1
-                await out.write(block)
+                if block:
+                    await out.write(block)
                 block = b""
                 while not block:
                     chunk = await content.readany()
@@ -200,12 +263,28 @@ class StreamRelay:
             await out.error(UpstreamUnavailable(f"decoder {ctx.decoder} {kind} mid-stream; the response is "
                                                 "incomplete", endpoint=ctx.decoder or ""))
             ctx.outcome = "upstream_error"
-            return
+            return False
         ctx.events = events
         ctx.timeline.last_token_at = time.monotonic()
         if not out.done_sent:
             ctx.outcome = "upstream_error"
             await out.error(UpstreamUnavailable(f"decoder {ctx.decoder} ended the stream without data: [DONE]; "
                                                 "the response may be incomplete", endpoint=ctx.decoder or ""))
-            return
+            return False
         await out.end()
+        return False
+
+    async def _drain_into(self, transcript: recompute.Transcript | None, framer: sse.EventFramer) -> None:
+        """After a ``recomputed`` chunk: read the rest of the decoder's stream (its usage chunk and ``[DONE]``)
+        into the transcript without sending it; errors only end the reading."""
+        if transcript is None:
+            return
+        try:
+            async with asyncio.timeout(self.first_event_timeout_s):
+                while chunk := await self.resp.content.readany():
+                    for event in sse.split_events(framer.feed(chunk)):
+                        obj = recompute.parse_event(event)
+                        if obj is not None:
+                            transcript.observe(obj)
+        except (aiohttp.ClientError, TimeoutError):
+            return

@@ -88,17 +88,26 @@ class Settings(BaseSettings):
     request_timeout_s: float | None = Field(None, gt=0, description="optional end-to-end deadline")
     shutdown_grace_s: float = Field(30.0, ge=0)
 
-    # --- retries
-    prefill_attempts: int = Field(3, ge=1, le=10)
-    decode_attempts: int = Field(2, ge=1, le=10)
-    retry_backoff_s: float = Field(0.05, ge=0)
+    # --- retries (issue 5; see director.py for the policy)
+    prefill_attempts: int = Field(3, ge=1, le=10, description="prefillers tried per request (refuse/reset/timeout/"
+                                                               "502/503/504; a 500 once more; a 4xx never)")
+    decode_attempts: int = Field(3, ge=1, le=10, description="decoders tried per request before its first event")
+    retry_backoff_s: float = Field(0.05, ge=0, description="first retry backoff; doubles per retry, ×0.5–1.5 jitter")
+    retry_backoff_max_s: float = Field(1.0, ge=0, description="cap of one retry backoff (seconds)")
+    kv_release_timeout_s: float = Field(
+        5.0, gt=0, description="bound of the release leg that frees a prefiller's pinned KV when a request leaves "
+                               "between prefill and decode (seconds)")
+    recompute_continuation: bool = Field(
+        True, description="continue vLLM-Ascend 'stop_reason: recomputed' streams on a new P/D pair (forces "
+                          "stream_options.include_usage upstream and strips it for clients that did not ask)")
+    recompute_max_attempts: int = Field(3, ge=0, le=20, description="recomputed continuations per request")
 
     # --- health
     health_interval_s: float = Field(2.0, gt=0)
     health_timeout_s: float = Field(1.0, gt=0)
     engine_refresh_interval_s: float = Field(10.0, gt=0)
-    breaker_failures: int = Field(3, ge=1)
-    breaker_open_s: float = Field(3.0, gt=0)
+    breaker_failures: int = Field(3, ge=1, description="consecutive engine failures that open an endpoint's breaker")
+    breaker_open_s: float = Field(3.0, gt=0, description="first open period of a breaker (doubles per failed trial)")
 
     # --- auth
     api_keys: StrList = []

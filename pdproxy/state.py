@@ -38,7 +38,8 @@ class ProxyState:
         engines = EngineClient(timeout_s=settings.health_timeout_s, api_key=settings.engine_api_key)
         infos: dict[Endpoint, EngineInfo] = {e: EngineInfo() for e in pool.endpoints()}
         health = HealthMonitor(pool, engines, infos, interval_s=settings.health_interval_s,
-                               refresh_interval_s=settings.engine_refresh_interval_s)
+                               refresh_interval_s=settings.engine_refresh_interval_s,
+                               breaker_failures=settings.breaker_failures, breaker_open_s=settings.breaker_open_s)
         return cls(settings=settings, pool=pool, scheduler=Scheduler(pool),
                    upstream=Upstream(connect_timeout_s=settings.connect_timeout_s), engines=engines, infos=infos,
                    health=health, admission=Admission())

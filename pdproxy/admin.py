@@ -1,0 +1,177 @@
+"""Admin API: list, add, drain and remove prefillers/decoders at runtime (issue 5 "Membership").
+
+Mounted on the control app under ``/admin``; every route needs the admin key (setting ``admin_key``), sent as
+``Authorization: Bearer <key>`` or ``X-Admin-Key: <key>``.  Client API keys (``api_keys``) never open it; with
+no ``admin_key`` configured the admin API answers 403 (it is off).  Errors use vLLM's envelope.
+
+Routes (JSON bodies; an endpoint is addressed by ``url`` + ``role``; a URL configured with ``dp_size > 1``
+stands for all its internal-DP ranks):
+
+- ``GET /admin/endpoints`` → ``{"endpoints": [{"name", "url", "role", "dp_rank", "healthy", "draining",
+  "leaving", "requests", "tokens", "breaker", "consecutive_failures", "opened_total", "retry_in_s",
+  "max_model_len", "kv_pool_tokens"}]}``;
+- ``POST /admin/endpoints`` ``{"url", "role", "dp_size"?: 1}`` → 201 with the new entries (probed once: a
+  reachable engine takes traffic at once, an unreachable one when its ``/health`` answers); 409 if present;
+- ``POST /admin/endpoints/drain`` ``{"url", "role", "remove"?: true}`` → 202: no new work; in-flight requests
+  finish; with ``remove`` the endpoint leaves the pool once idle (checked every health probe interval);
+- ``POST /admin/endpoints/undrain`` ``{"url", "role"}`` → 200: takes work again;
+- ``DELETE /admin/endpoints`` ``{"url", "role", "force"?: false}`` → 202 (drain then leave) or, with ``force``,
+  200 (removed now; in-flight leases release harmlessly, pdproxy/pool.py).
+
+With ``--workers N`` each worker has its own membership: an admin call reaches one worker (documented limit).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, Field, ValidationError
+
+from pdproxy.endpoints import Endpoint, Role, expand, normalize_url
+from pdproxy.engines import EngineInfo
+from pdproxy.errors import BadRequest, ProxyError
+from pdproxy.state import ProxyState
+
+
+class Forbidden(ProxyError):
+    """Missing or wrong admin key, or the admin API is off (HTTP 403)."""
+
+    status_code = 403
+    outcome = "forbidden"
+
+
+class Conflict(ProxyError):
+    """The endpoint already exists (HTTP 409)."""
+
+    status_code = 409
+    outcome = "conflict"
+
+
+class NotFound(ProxyError):
+    """No such endpoint (HTTP 404)."""
+
+    status_code = 404
+    outcome = "not_found"
+
+
+class EndpointRef(BaseModel):
+    """An admin request body naming endpoints: ``url`` + ``role`` (+ options of the route)."""
+
+    url: str
+    role: Role
+    dp_size: int = Field(1, ge=1, le=1024)
+    remove: bool = True
+    force: bool = False
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+
+
+def check_admin_key(state: ProxyState, request: Request) -> None:
+    """Raise :class:`Forbidden` unless the request carries the configured admin key (constant-time compare)."""
+    key = state.settings.admin_key
+    if not key:
+        raise Forbidden("the admin API is off: start pdproxy with --admin-key (PDPROXY_ADMIN_KEY)")
+    auth = request.headers.get("authorization") or ""
+    given = auth[7:] if auth[:7].lower() == "bearer " else request.headers.get("x-admin-key", "")
+    if not hmac.compare_digest(given.encode(), key.encode()):
+        raise Forbidden("invalid or missing admin key")
+
+
+async def _body(request: Request) -> EndpointRef:
+    try:
+        ref = EndpointRef.model_validate_json(await request.body())
+        ref.url = normalize_url(ref.url)
+    except (ValidationError, ValueError) as exc:
+        raise BadRequest(f"invalid admin request: {exc}", param="body") from None
+    return ref
+
+
+def _matching(state: ProxyState, ref: EndpointRef) -> list[Endpoint]:
+    found = [e for e in state.pool.endpoints(ref.role) if e.url == ref.url]
+    if not found:
+        raise NotFound(f"no {ref.role.value} endpoint {ref.url}")
+    return found
+
+
+def describe(state: ProxyState, endpoint: Endpoint) -> dict[str, Any]:
+    """One endpoint's row of ``GET /admin/endpoints`` (see module docstring)."""
+    load = state.pool.load(endpoint)
+    info = state.infos.get(endpoint) or EngineInfo()
+    return {"name": endpoint.name, "url": endpoint.url, "role": endpoint.role.value, "dp_rank": endpoint.dp_rank,
+            "healthy": load.healthy, "draining": load.draining, "leaving": endpoint in state.health.leaving,
+            "requests": load.requests, "tokens": load.tokens, **state.health.snapshot(endpoint),
+            "max_model_len": info.max_model_len, "kv_pool_tokens": info.kv_pool_tokens}
+
+
+def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
+    """The ``/admin`` routes; ``get_state`` returns the running proxy's state (raises when shutting down)."""
+    router = APIRouter(prefix="/admin")
+
+    def authorized(request: Request) -> ProxyState:
+        state = get_state()
+        check_admin_key(state, request)
+        return state
+
+    @router.get("/endpoints")
+    async def list_endpoints(request: Request) -> Response:
+        state = authorized(request)
+        return _json({"endpoints": [describe(state, e) for e in state.pool.endpoints()]})
+
+    @router.post("/endpoints")
+    async def add_endpoint(request: Request) -> Response:
+        state = authorized(request)
+        ref = await _body(request)
+        new = expand([ref.url], ref.role, ref.dp_size)
+        if any(e.url == ref.url for e in state.pool.endpoints(ref.role)):
+            raise Conflict(f"{ref.role.value} endpoint {ref.url} already exists")
+        for e in new:
+            state.pool.add(e)
+            state.pool.load(e).healthy = False  # until its first probe answers
+            state.infos[e] = EngineInfo()
+        for e in new:
+            await state.health.probe(e)
+        return _json({"added": [describe(state, e) for e in new]}, 201)
+
+    @router.post("/endpoints/drain")
+    async def drain_endpoint(request: Request) -> Response:
+        state = authorized(request)
+        ref = await _body(request)
+        found = _matching(state, ref)
+        for e in found:
+            state.pool.load(e).draining = True
+            if ref.remove:
+                state.health.leave_when_idle(e)
+        return _json({"draining": [describe(state, e) for e in found if e in state.pool.endpoints()]}, 202)
+
+    @router.post("/endpoints/undrain")
+    async def undrain_endpoint(request: Request) -> Response:
+        state = authorized(request)
+        ref = await _body(request)
+        found = _matching(state, ref)
+        for e in found:
+            state.pool.load(e).draining = False
+            state.health.leaving.discard(e)
+        return _json({"endpoints": [describe(state, e) for e in found]})
+
+    @router.delete("/endpoints")
+    async def remove_endpoint(request: Request) -> Response:
+        state = authorized(request)
+        ref = await _body(request)
+        found = _matching(state, ref)
+        if not ref.force:
+            for e in found:
+                state.pool.load(e).draining = True
+                state.health.leave_when_idle(e)
+            return _json({"leaving": [e.name for e in found if e in state.pool.endpoints()]}, 202)
+        for e in found:
+            state.health.remove(e)
+        return _json({"removed": [e.name for e in found]})
+
+    return router

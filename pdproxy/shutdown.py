@@ -1,0 +1,68 @@
+"""Graceful shutdown: the first SIGTERM (or SIGINT) drains, then the process exits.
+
+uvicorn alone closes its listening socket at once on SIGTERM (new clients get a refused connection, not an
+answer) and cuts in-flight requests after ``timeout_graceful_shutdown``.  :class:`DrainingServer` instead:
+
+1. marks the proxy ``shutting_down``: new completion requests get **503 + ``Retry-After``** (``ShuttingDown``)
+   and ``GET /health`` answers 503, so load balancers and Kubernetes readiness probes take the replica out;
+2. keeps serving the requests already in flight — streams run to their ``data: [DONE]`` — for at most
+   ``grace_s`` seconds (setting ``shutdown_grace_s``);
+3. then lets uvicorn shut down (close listeners, the app lifespan stops probes and waits for KV release legs)
+   and exits with status 0.  A second signal during the drain exits at once (uvicorn's force exit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+
+class DrainingServer(uvicorn.Server):
+    """``uvicorn.Server`` with the drain above.  ``proxy``: the :class:`pdproxy.app.PDProxyApp` being served;
+    ``grace_s``: seconds in-flight requests get after the signal; ``poll_s``: how often in-flight is checked."""
+
+    def __init__(self, config: uvicorn.Config, proxy: Any, *, grace_s: float, poll_s: float = 0.05) -> None:
+        super().__init__(config)
+        self.proxy = proxy
+        self.grace_s = grace_s
+        self.poll_s = poll_s
+        self.draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets=sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.draining or self._loop is None or sig not in (signal.SIGTERM, signal.SIGINT):
+            self.force_exit = self.draining
+            self.should_exit = True
+            return
+        self.draining = True
+        self.begin_drain()
+        self._loop.call_soon_threadsafe(self._start_drain_task)
+
+    def begin_drain(self) -> None:
+        """Refuse new work from now on (503 + Retry-After; /health 503)."""
+        state = getattr(self.proxy, "state", None)
+        if state is not None:
+            state.shutting_down = True
+
+    def _start_drain_task(self) -> None:
+        self._drain_task = asyncio.get_running_loop().create_task(self.drain())
+
+    async def drain(self) -> None:
+        """Wait until nothing is in flight or ``grace_s`` passed, then ask uvicorn to exit."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.grace_s
+        while loop.time() < deadline:
+            state = getattr(self.proxy, "state", None)
+            if state is None or state.in_flight == 0:
+                break
+            await asyncio.sleep(self.poll_s)
+        self.should_exit = True
