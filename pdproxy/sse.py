@@ -58,15 +58,28 @@ class EventFramer:
 
 
 def split_events(block: bytes) -> list[bytes]:
-    """Split a block of complete events into single events, each keeping its terminator."""
+    """Split a block of complete events into single events, each keeping its terminator.
+
+    O(len(block)): a block without ``\r`` (vLLM's framing) is split in one pass; otherwise each separator is
+    searched for again only once the scan has passed its last match."""
+    if b"\r" not in block:
+        parts = block.split(b"\n\n")
+        last = parts.pop()
+        events = [p + b"\n\n" for p in parts]
+        if last:
+            events.append(last)
+        return events
     out: list[bytes] = []
     pos = 0
     n = len(block)
+    found = {sep: -2 for sep in _BOUNDARIES}  # next match per separator (-2: not searched yet, -1: none left)
     while pos < n:
         best = -1
         best_len = 0
         for sep in _BOUNDARIES:
-            i = block.find(sep, pos)
+            i = found[sep]
+            if i == -2 or 0 <= i < pos:
+                i = found[sep] = block.find(sep, pos)
             if i >= 0 and (best < 0 or i < best):
                 best, best_len = i, len(sep)
         if best < 0:

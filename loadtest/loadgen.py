@@ -1,0 +1,243 @@
+"""The load generator: one workload against one target, measured in windows; runs as its own process.
+
+``python -m loadtest.loadgen '<spec JSON>'`` prints one JSON result.  Spec keys:
+
+- ``mode``: ``direct`` (POST the client body to ``decode``), ``client_pd`` (the generator itself POSTs the prefill
+  leg to ``prefill`` — ``stream`` false, ``max_tokens`` 1, the ``kv_transfer_params`` stub of reference §1.2 —
+  then the original body plus the prefiller's ``kv_transfer_params`` to ``decode``: the floor of any PD proxy),
+  ``proxy`` (POST the client body to ``target``);
+- ``api`` (``completions`` | ``chat``), ``max_tokens`` (events per stream), ``prompt_bytes`` (unique text);
+- ``arrival``: ``{"kind": "poisson", "rate": req/s}`` (open loop) or ``{"kind": "closed", "concurrency": n,
+  "ramp_s": s}`` (closed loop, workers started evenly over ``ramp_s``);
+- ``warmup_s``, ``windows``, ``window_s``: a discarded warm-up, then ``windows`` windows of ``window_s`` seconds;
+- ``stall_gap_s``: an inter-event gap longer than this counts as a stall;
+- ``cpu_pids``: ``{"name": [root pid, ...]}`` whose CPU seconds (``/proc``, descendants included) and RSS are
+  read at each window boundary.
+
+Per window: completed requests, errors, relayed events, TTFT / inter-event gap / E2E percentiles (ms), stalls,
+concurrency (mean, max), CPU seconds per pid group and of the generator itself, RSS bytes per group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import resource
+import sys
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from loadtest import procstat
+from loadtest.client import Pool, Response, now
+
+_WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey", "xray", "yankee", "zulu"]
+
+
+def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float | None]:
+    """p50/p90/p99/p99.9/max/mean of ``values`` × ``scale`` (nearest rank), None when empty."""
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "p999": None, "max": None, "mean": None, "n": 0}
+    v = sorted(values)
+    n = len(v)
+
+    def q(p: float) -> float:
+        return round(v[min(n - 1, int(p * n))] * scale, 3)
+
+    return {"p50": q(0.50), "p90": q(0.90), "p99": q(0.99), "p999": q(0.999), "max": round(v[-1] * scale, 3),
+            "mean": round(sum(v) / n * scale, 3), "n": n}
+
+
+@dataclass(slots=True)
+class Sink:
+    """What completed or arrived within one window."""
+
+    ttfts: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    e2es: list[float] = field(default_factory=list)
+    events: int = 0
+    requests: int = 0
+    errors: int = 0
+    error_samples: list[str] = field(default_factory=list)
+    conc_sum: float = 0.0
+    conc_n: int = 0
+    conc_max: int = 0
+
+
+class Workload:
+    """Issues requests per the spec and records them into the current :class:`Sink`."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self._sink = Sink()
+        self.pool = Pool(self._sink)
+        self.active = 0
+        self.stopping = False
+        self.rng = random.Random(spec.get("seed", 1))
+        self.api = spec.get("api", "completions")
+        self.path = "/v1/chat/completions" if self.api == "chat" else "/v1/completions"
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def sink(self) -> Sink:
+        return self._sink
+
+    @sink.setter
+    def sink(self, value: Sink) -> None:
+        self._sink = self.pool.sink = value
+
+    def body(self) -> dict[str, Any]:
+        """A fresh client body with a unique prompt (no accidental prefix-cache hits)."""
+        size = int(self.spec.get("prompt_bytes", 400))
+        words = [uuid.uuid4().hex[:12]]
+        while sum(len(w) + 1 for w in words) < size:
+            words.append(self.rng.choice(_WORDS))
+        text = " ".join(words)
+        out: dict[str, Any] = {"model": "bench-model", "max_tokens": int(self.spec.get("max_tokens", 64)),
+                               "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+        if self.api == "chat":
+            out["messages"] = [{"role": "user", "content": text}]
+        else:
+            out["prompt"] = text
+        return out
+
+    async def one(self) -> None:
+        """Run one request end to end and record it."""
+        spec, body = self.spec, self.body()
+        mode = spec["mode"]
+        self.active += 1
+        start = now()
+        try:
+            rid = uuid.uuid4().hex
+            headers = b"x-request-id: %s\r\n" % rid.encode()
+            if mode == "client_pd":
+                pbody = {k: v for k, v in body.items() if k != "stream_options"}
+                pbody.update(stream=False, max_tokens=1, kv_transfer_params={
+                    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                    "remote_block_ids": None, "remote_host": None, "remote_port": None})
+                pre = await self.pool.request(spec["prefill"], self.path, orjson.dumps(pbody), headers, start)
+                if pre.error or pre.status != 200:
+                    self._record(pre, start)
+                    return
+                body["kv_transfer_params"] = orjson.loads(pre.body).get("kv_transfer_params")
+                url = spec["decode"]
+            else:
+                url = spec["decode"] if mode == "direct" else spec["target"]
+            resp = await self.pool.request(url, self.path, orjson.dumps(body), headers, start)
+            self._record(resp, start)
+        finally:
+            self.active -= 1
+
+    def _record(self, r: Response, start: float) -> None:
+        if self.stopping:
+            return
+        s = self.sink
+        if r.error or r.status != 200 or not r.done:
+            s.errors += 1
+            if len(s.error_samples) < 3:
+                s.error_samples.append(r.error or f"HTTP {r.status} done={r.done} {r.body[:200]!r}")
+            return
+        s.requests += 1
+        if r.end_at is not None:
+            s.e2es.append(r.end_at - start)
+
+    def spawn(self) -> None:
+        t = asyncio.ensure_future(self.one())
+        self.tasks.add(t)
+        t.add_done_callback(self.tasks.discard)
+
+    async def poisson(self, rate: float) -> None:
+        loop = asyncio.get_running_loop()
+        at = loop.time()
+        while not self.stopping:
+            at += self.rng.expovariate(rate)
+            delay = at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self.spawn()
+
+    async def closed(self, concurrency: int, ramp_s: float) -> None:
+        async def worker(i: int) -> None:
+            await asyncio.sleep(ramp_s * i / max(1, concurrency))
+            while not self.stopping:
+                await self.one()
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+
+    async def sample(self) -> None:
+        while True:
+            await asyncio.sleep(0.02)
+            s = self.sink
+            s.conc_sum += self.active
+            s.conc_n += 1
+            s.conc_max = max(s.conc_max, self.active)
+
+
+def _groups(spec: dict[str, Any]) -> dict[str, list[int]]:
+    return {name: procstat.process_tree(pids) for name, pids in (spec.get("cpu_pids") or {}).items()}
+
+
+def _self_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+async def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run the spec; return ``{"windows": [...], "spec": spec}``."""
+    w = Workload(spec)
+    arrival = spec["arrival"]
+    if arrival["kind"] == "poisson":
+        driver = asyncio.ensure_future(w.poisson(float(arrival["rate"])))
+    else:
+        driver = asyncio.ensure_future(w.closed(int(arrival["concurrency"]), float(arrival.get("ramp_s", 0.5))))
+    sampler = asyncio.ensure_future(w.sample())
+    groups = _groups(spec)
+    stall = float(spec.get("stall_gap_s", 1.0))
+    windows = []
+    try:
+        await asyncio.sleep(float(spec.get("warmup_s", 1.0)))
+        groups = _groups(spec)  # workers may have been forked after we started
+        for _ in range(int(spec.get("windows", 3))):
+            cpu0 = {n: procstat.tree_cpu_seconds(p) for n, p in groups.items()}
+            self0, t0 = _self_cpu(), now()
+            w.sink = Sink()
+            await asyncio.sleep(float(spec.get("window_s", 5.0)))
+            s, wall = w.sink, now() - t0
+            cpu = {n: round(procstat.tree_cpu_seconds(p) - cpu0[n], 4) for n, p in groups.items()}
+            windows.append({
+                "wall_s": round(wall, 3), "requests": s.requests, "errors": s.errors,
+                "error_samples": s.error_samples, "events": s.events, "events_per_s": round(s.events / wall, 1),
+                "requests_per_s": round(s.requests / wall, 2),
+                "ttft_ms": percentiles(s.ttfts), "gap_ms": percentiles(s.gaps), "e2e_ms": percentiles(s.e2es),
+                "stalls": sum(1 for g in s.gaps if g > stall),
+                "concurrency": {"mean": round(s.conc_sum / max(1, s.conc_n), 1), "max": s.conc_max},
+                "cpu_s": cpu, "loadgen_cpu_s": round(_self_cpu() - self0, 4),
+                "rss_bytes": {n: procstat.tree_rss_bytes(p) for n, p in groups.items()},
+            })
+    finally:
+        w.stopping = True
+        driver.cancel()
+        sampler.cancel()
+        for t in list(w.tasks):
+            t.cancel()
+        w.pool.close()
+        await asyncio.gather(driver, sampler, *w.tasks, return_exceptions=True)
+    return {"windows": windows}
+
+
+def main() -> None:
+    spec = orjson.loads(sys.argv[1])
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    if spec.get("cpus"):
+        os.sched_setaffinity(0, spec["cpus"])
+    import uvloop
+
+    result = uvloop.run(run(spec))
+    sys.stdout.write(orjson.dumps(result).decode() + "\n")
+
+
+if __name__ == "__main__":
+    main()

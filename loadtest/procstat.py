@@ -1,0 +1,134 @@
+"""Process CPU and memory from ``/proc`` (Linux), and a description of the machine.
+
+CPU is read from ``/proc/PID/task/TID/schedstat`` (first field: nanoseconds on CPU, per thread, summed over every
+thread of the process — a multi-threaded proxy such as a Rust router is counted whole), falling back to
+``utime + stime`` clock ticks of ``/proc/PID/stat``.  Processes are given as root pids; their descendants
+(uvicorn ``--workers`` children) are included.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def children_map() -> dict[int, list[int]]:
+    """``{ppid: [pid, ...]}`` for every process visible in /proc."""
+    out: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        out.setdefault(ppid, []).append(int(entry.name))
+    return out
+
+
+def process_tree(roots: Iterable[int]) -> list[int]:
+    """The root pids and all their descendants (pids that have exited are skipped later, not here)."""
+    kids = children_map()
+    seen: list[int] = []
+    todo = list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.append(pid)
+        todo.extend(kids.get(pid, []))
+    return seen
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) used so far by every thread of ``pid``; 0.0 if it is gone."""
+    total_ns = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    try:
+        for tid in tasks:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                total_ns += int(f.read().split()[0])
+        return total_ns / 1e9
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) * _TICK_S
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def tree_cpu_seconds(pids: Iterable[int]) -> float:
+    """Sum of :func:`cpu_seconds` over ``pids``."""
+    return sum(cpu_seconds(p) for p in pids)
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of ``pid`` in bytes (``VmRSS``); 0 if it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def tree_rss_bytes(pids: Iterable[int]) -> int:
+    """Sum of :func:`rss_bytes` over ``pids`` (bytes)."""
+    return sum(rss_bytes(p) for p in pids)
+
+
+def _package_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def describe_machine() -> dict[str, object]:
+    """CPU model, core count, memory, kernel, Python and the hot-path package versions."""
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_kb = 0
+    try:
+        mem_kb = int(Path("/proc/meminfo").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent.parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        git = None
+    return {
+        "cpu_model": model, "cpus": os.cpu_count(), "cpus_usable": sorted(os.sched_getaffinity(0)),
+        "mem_gib": round(mem_kb / 2**20, 1), "kernel": platform.release(), "python": platform.python_version(),
+        "packages": {n: _package_version(n) for n in ("uvicorn", "uvloop", "httptools", "aiohttp", "orjson",
+                                                      "vllm-router")},
+        "git_commit": git, "loadavg": load_average(),
+    }
+
+
+def load_average() -> list[float]:
+    """1, 5 and 15 minute load averages (``/proc/loadavg``): other work on the machine skews latency figures."""
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except (OSError, ValueError):
+        return []
