@@ -46,7 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="kv_producer / kv_consumer / plain engine that also accepts both")
     s.add_argument("--prefill-tokens-per-s", type=float, default=0.0, help="prefill throughput (0 = free)")
     s.add_argument("--decode-tokens-per-s", type=float, default=0.0,
-                   help="aggregate decode throughput: a step costs (sequences sampled)/rate s (0 = free)")
+                   help="per-step decode rate: tokens/s each running sequence gets (0 = free)")
+    s.add_argument("--decode-seq-cost-s", type=float, default=0.0,
+                   help="extra step time per sequence that samples a token (batch-size sensitivity)")
     s.add_argument("--step-overhead-s", type=float, default=0.0, help="fixed cost of every engine step")
     s.add_argument("--slow-factor", type=float, default=1.0, help="multiply every step time")
     s.add_argument("--output-tokens", type=int, default=d.output_tokens,
@@ -85,6 +87,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_prefix_caching=args.enable_prefix_caching, tokenizer=args.tokenizer, role=args.role,
         prefill_tokens_per_s=args.prefill_tokens_per_s, decode_tokens_per_s=args.decode_tokens_per_s,
+        decode_seq_cost_s=args.decode_seq_cost_s,
         step_overhead_s=args.step_overhead_s, slow_factor=args.slow_factor, output_tokens=args.output_tokens,
         data_parallel_size=args.data_parallel_size, dp_ports=tuple(args.dp_ports or ()),
         dp_single_port=args.dp_single_port, kv_connector=args.kv_connector, kv_pin_timeout_s=args.kv_pin_timeout_s,

@@ -19,10 +19,14 @@ KVConnector = Literal["nixl", "mooncake"]
 class SimConfig:
     """Settings for ``pdproxy sim``. Units: tokens, seconds, tokens/s. A rate of 0 means free (no time).
 
-    Timing model (one engine step, vLLM V1): ``step_s = step_overhead_s + prefill_tokens / prefill_tokens_per_s
-    + decode_tokens / decode_tokens_per_s``. ``decode_tokens`` is the number of sequences that sampled a
-    token in that step, so ``decode_tokens_per_s`` is the engine's aggregate decode throughput.
-    Everything is multiplied by ``slow_factor``.
+    Timing model (one engine step, vLLM V1)::
+
+        step_s = slow_factor * (step_overhead_s + prefill_tokens / prefill_tokens_per_s
+                                + [1 / decode_tokens_per_s if any sequence samples] + samples * decode_seq_cost_s)
+
+    ``decode_tokens_per_s`` is the per-step decode rate: each running sequence gets that many tokens/s,
+    whatever the batch size (a memory-bound decode). ``decode_seq_cost_s`` adds a per-sequence cost, for
+    batch-size sensitivity. A chunked-prefill step that also decodes pays both terms.
     """
 
     host: str = "127.0.0.1"
@@ -39,6 +43,7 @@ class SimConfig:
     role: Role = "both"
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
+    decode_seq_cost_s: float = 0.0
     step_overhead_s: float = 0.0
     slow_factor: float = 1.0
     output_tokens: int = 16

@@ -107,9 +107,11 @@ def render_metrics(model_name: str, cache_info: dict[str, str],
                f'vllm:num_requests_waiting_by_reason{{{lab(r)},reason="deferred"}} {float(g.waiting_deferred)}')))
     family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
            (f"vllm:kv_cache_usage_perc{{{lab(r)}}} {g.kv_usage}" for r, g, _ in ranks))
-    cache_labels = ",".join(f'{k}="{v}"' for k, v in sorted(cache_info.items()))
+    def cache_labels(rank: int) -> str:
+        return ",".join(_label(k, v) for k, v in sorted({**cache_info, "engine": str(rank)}.items()))
+
     family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
-           (f'vllm:cache_config_info{{{cache_labels},engine="{r}"}} 1.0' for r, _, _ in ranks))
+           (f"vllm:cache_config_info{{{cache_labels(r)}}} 1.0" for r, _, _ in ranks))
     counters = (
         ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
          lambda s: s.prefix_cache_queries),

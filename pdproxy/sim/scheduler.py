@@ -244,8 +244,9 @@ class EngineCore:
             duration = cfg.step_overhead_s
             if cfg.prefill_tokens_per_s > 0:
                 duration += prefill / cfg.prefill_tokens_per_s
-            if cfg.decode_tokens_per_s > 0:
-                duration += decode / cfg.decode_tokens_per_s
+            if cfg.decode_tokens_per_s > 0 and decode:
+                duration += 1.0 / cfg.decode_tokens_per_s
+            duration += decode * cfg.decode_seq_cost_s
             duration *= cfg.slow_factor
         return StepPlan(scheduled, prefill, decode, duration, pulls, finished_early)
 

@@ -109,7 +109,7 @@ class SimServer:
         else:
             app = web.Application(client_max_size=1 << 30)
             self._add_routes(app, listener)
-            runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+            runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
             await runner.setup()
             self._stack.push_async_callback(runner.cleanup)
             site = web.TCPSite(runner, self.config.host, listener.port, reuse_address=True)

@@ -1,0 +1,1 @@
+"""Tests of the simulated vLLM engine (pdproxy/sim) and pdproxy/tokens.py."""

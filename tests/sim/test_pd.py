@@ -1,0 +1,167 @@
+"""The PD connector model over real loopback HTTP: a simulated prefiller and decoder in one event loop."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+
+from pdproxy.sim.config import SimConfig
+from pdproxy.sim.server import SimServer, running_sim
+from pdproxy.tokens import sim_prompt
+from tests.sim.helpers import eventually, get_json, post, prefill, sse_data
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(20)]
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def state(http: aiohttp.ClientSession, sim: SimServer) -> dict:
+    return dict(await get_json(http, sim.base_urls[0] + "/sim/state"))
+
+
+async def test_nixl_params_shape_like_vllm_032(http: aiohttp.ClientSession) -> None:
+    async with running_sim(SimConfig(port=0, role="prefill", engine_id="eng")) as p:
+        body = await prefill(http, p.base_urls[0], 100, request_id="abc123")
+        params = body["kv_transfer_params"]
+        assert body["id"] == "cmpl-abc123" and body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == 1
+        assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+        assert params["remote_engine_id"] == "eng_dp0" and params["remote_host"] == "127.0.0.1"
+        assert params["remote_port"] == p.ports[0] and params["tp_size"] == 1 and params["remote_num_tokens"] == 100
+        assert isinstance(params["remote_block_ids"], list) and len(params["remote_block_ids"][0]) == 7
+        assert params["remote_request_id"].startswith("cmpl-abc123-0-") and len(params["remote_request_id"]) == 22
+        assert {"remote_blocks_expiry_time", "dcp_size", "pp_size", "transfer_mode"} <= set(params)
+        s = await state(http, p)
+        assert (s["pinned_requests"], s["pinned_blocks"], s["kv_blocks_used"]) == (1, 7, 7)
+
+
+async def test_chat_prefill_request_id_and_mooncake_shape(http: aiohttp.ClientSession) -> None:
+    async with running_sim(SimConfig(port=0, role="prefill", kv_connector="mooncake")) as p:
+        status, text, _ = await post(http, p.base_urls[0] + "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": sim_prompt(40)}], "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True}}, **{"X-Request-Id": "q"})
+        params = json.loads(text)["kv_transfer_params"]
+        assert status == 200 and params["remote_request_id"].startswith("chatcmpl-q-")
+        assert isinstance(params["remote_block_ids"][0], int) and params["num_prompt_blocks"] == len(
+            params["remote_block_ids"]) and params["remote_block_size"] == 16
+        assert {"remote_pcp_size", "remote_dcp_size", "remote_ptp_size", "remote_multi_nodes_meta_mapping",
+                "last_token_id"} <= set(params)
+
+
+async def test_decoder_pulls_frees_the_pin_and_reports_cached_tokens(http: aiohttp.ClientSession) -> None:
+    async with running_sim(SimConfig(port=0, role="prefill")) as p, \
+            running_sim(SimConfig(port=0, role="decode")) as d:
+        params = (await prefill(http, p.base_urls[0], 100))["kv_transfer_params"]
+        status, text, _ = await post(http, d.base_urls[0] + "/v1/completions", {
+            "prompt": sim_prompt(100), "max_tokens": 6, "stream": True, "stream_options": {"include_usage": True},
+            "kv_transfer_params": params}, **{"X-Request-Id": "r1"})
+        events = [json.loads(e) for e in sse_data(text)[:-1]]
+        assert status == 200 and events[-1]["usage"]["completion_tokens"] == 6
+        assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 99
+        ps, ds = await state(http, p), await state(http, d)
+        assert (ps["pinned_requests"], ps["kv_blocks_used"]) == (0, 0)
+        assert (ds["kv_blocks_used"], ds["finished"]) == (0, 1)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_expired_or_unknown_kv_fails_like_a_failed_pull(http: aiohttp.ClientSession, stream: bool) -> None:
+    async with running_sim(SimConfig(port=0, role="prefill", kv_pin_timeout_s=0.05)) as p, \
+            running_sim(SimConfig(port=0, role="decode")) as d:
+        params = (await prefill(http, p.base_urls[0], 100))["kv_transfer_params"]
+
+        async def expired() -> bool:
+            return (await state(http, p))["pinned_requests"] == 0
+
+        await eventually(expired, what="pin expiry")
+        status, text, _ = await post(http, d.base_urls[0] + "/v1/completions", {
+            "prompt": sim_prompt(100), "max_tokens": 6, "stream": stream, "kv_transfer_params": params})
+        error = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
+                           "code": 500}}
+        if stream:
+            data = sse_data(text)
+            assert status == 200 and json.loads(data[-2]) == error and data[-1] == "[DONE]"
+        else:
+            assert status == 500 and json.loads(text) == error
+        assert (await state(http, d))["kv_blocks_used"] == 0
+        async with http.get(p.base_urls[0] + "/metrics") as resp:
+            assert 'vllm:nixl_num_kv_expired_reqs_total{engine="0",model_name="sim-model"} 1.0' in await resp.text()
+
+
+async def test_wrong_prefiller_port_fails_the_pull(http: aiohttp.ClientSession) -> None:
+    async with running_sim(SimConfig(port=0, role="prefill")) as p, \
+            running_sim(SimConfig(port=0, role="decode")) as d:
+        params = (await prefill(http, p.base_urls[0], 20))["kv_transfer_params"]
+        status, _, _ = await post(http, d.base_urls[0] + "/v1/completions", {
+            "prompt": sim_prompt(20), "max_tokens": 2, "kv_transfer_params": {**params, "remote_port": d.ports[0]}})
+        assert status == 500
+
+
+async def test_decoder_400_before_the_pull_releases_the_prefillers_pin(http: aiohttp.ClientSession) -> None:
+    async with running_sim(SimConfig(port=0, role="prefill")) as p, \
+            running_sim(SimConfig(port=0, role="decode", max_model_len=150)) as d:
+        params = (await prefill(http, p.base_urls[0], 100))["kv_transfer_params"]
+        status, _, _ = await post(http, d.base_urls[0] + "/v1/completions", {
+            "prompt": sim_prompt(100), "max_tokens": 100, "kv_transfer_params": params})
+        assert status == 400
+
+        async def released() -> bool:
+            return (await state(http, p))["pinned_requests"] == 0
+
+        await eventually(released, what="pin released after decoder rejection")
+
+
+async def test_decoder_abort_while_waiting_for_blocks_releases_the_pin(http: aiohttp.ClientSession) -> None:
+    async with running_sim(SimConfig(port=0, role="prefill")) as p, \
+            running_sim(SimConfig(port=0, role="decode", num_gpu_blocks_override=4, max_model_len=1000)) as d:
+        params = (await prefill(http, p.base_urls[0], 100))["kv_transfer_params"]
+        async with http.post(d.base_urls[0] + "/v1/completions", json={
+                "prompt": sim_prompt(100), "max_tokens": 2, "stream": True, "kv_transfer_params": params}) as resp:
+            assert resp.status == 200  # SSE headers are sent at once; the request waits for KV capacity
+
+            async def waiting() -> bool:
+                return (await state(http, d))["waiting_capacity"] == 1
+
+            await eventually(waiting, what="decoder request waiting for capacity")
+            resp.close()
+
+        async def released() -> bool:
+            return (await state(http, p))["pinned_requests"] == 0 and (await state(http, d))["aborted"] == 1
+
+        await eventually(released, what="pin released after decoder abort")
+
+
+async def test_deferred_while_pulling_is_visible(http: aiohttp.ClientSession) -> None:
+    async with running_sim(SimConfig(port=0, role="prefill")) as p, \
+            running_sim(SimConfig(port=0, role="decode", kv_transfer_tokens_per_s=1000)) as d:
+        params = (await prefill(http, p.base_urls[0], 1000))["kv_transfer_params"]
+        async with http.post(d.base_urls[0] + "/v1/completions", json={
+                "prompt": sim_prompt(1000), "max_tokens": 2, "stream": True, "kv_transfer_params": params}) as resp:
+            async def deferred() -> bool:
+                return (await state(http, d))["waiting_deferred"] == 1
+
+            await eventually(deferred, what="deferred while pulling (1 s transfer)")
+            text = (await resp.read()).decode()
+        assert sse_data(text)[-1] == "[DONE]" and (await state(http, p))["pinned_requests"] == 0
+
+
+async def test_both_role_without_params_behaves_as_a_plain_engine(http: aiohttp.ClientSession) -> None:
+    async with running_sim(SimConfig(port=0)) as sim:
+        status, text, _ = await post(http, sim.base_urls[0] + "/v1/completions", {
+            "prompt": "x", "max_tokens": 3, "kv_transfer_params": {"do_remote_prefill": True}})
+        assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 3
+
+
+async def test_no_kv_params_fault_answers_without_params_and_frees_blocks(http: aiohttp.ClientSession) -> None:
+    async with running_sim(SimConfig(port=0, role="prefill")) as p:
+        await post(http, p.base_urls[0] + "/sim/faults", [{"kind": "no_kv_params", "on_request": 1}])
+        body = await prefill(http, p.base_urls[0], 100)
+        assert body["kv_transfer_params"] is None and body["choices"][0]["finish_reason"] == "stop"
+        assert (await state(http, p))["kv_blocks_used"] == 0
+        assert (await prefill(http, p.base_urls[0], 100))["kv_transfer_params"] is not None
