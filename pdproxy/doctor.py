@@ -1,0 +1,318 @@
+"""``pdproxy doctor``: seed 000's manual verification, automated against every configured engine.
+
+Checks, in order (each row of the report is one check on one engine or one P→D pair):
+
+1. ``engine`` — reachable (``/health`` 200, ``/v1/models`` answers), served model(s), ``max_model_len``
+   (``/v1/models``, vLLM ``ModelCard``), version (``/version``);
+2. ``kv_pool`` — KV pool = ``num_gpu_blocks × block_size`` (or ``kv_cache_size_tokens``) from
+   ``vllm:cache_config_info`` on ``/metrics`` vs ``max_model_len``, with the consequence in words: below it,
+   "prompts between pool+1 and max_model_len tokens will queue forever" (seed 000: 4,584 under 133,120, and
+   vLLM #39734); below 2 × ``max_model_len``, two long prompts cannot be held at once;
+3. ``idle`` — ``vllm:num_requests_running`` / ``num_requests_waiting`` / ``kv_cache_usage_perc`` at zero when
+   there is no traffic (a waiting request with nothing running is a stall, seed 000's "200 OK but nothing
+   happens");
+4. ``tool_call`` — a P→D round trip of a chat with a tool, expecting ``finish_reason: "tool_calls"`` (reported,
+   never a failure: the model may simply not call tools);
+5. ``cold_context`` — unique-text prompts of growing size up to ``max_model_len`` on each engine, each bounded
+   by a timeout: the largest size that completed and where it stalled (:mod:`pdproxy.doctor_probes`);
+6. ``pd_models`` / ``pd_limits`` / ``kv_connector`` — prefillers and decoders serve the same model with
+   compatible limits, and every prefiller returns ``kv_transfer_params`` (a KV connector in the producer role);
+   a decoder that cannot use them, or params naming ``localhost`` for a decoder on another host, is reported.
+
+Statuses: ``ok``, ``warn`` (reported, exit 0), ``fail`` (a problem: exit 1), ``skip``.  ``--json`` prints the
+same rows as one JSON document.  Steps 4 and 5 send real requests; ``--no-round-trip`` / ``--no-cold-probe``
+skip them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import httpx
+import orjson
+
+from pdproxy.doctor_probes import ColdProbe, RoundTrip, cold_probe, pd_round_trip
+from pdproxy.endpoints import Endpoint, Role
+from pdproxy.engines import EngineClient, EngineInfo
+from pdproxy.settings import Settings
+
+Status = Literal["ok", "warn", "fail", "skip"]
+
+
+@dataclass(slots=True)
+class Check:
+    """One row of the report.  ``data`` holds the numbers behind ``detail`` (tokens, seconds)."""
+
+    check: str
+    target: str
+    status: Status
+    detail: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class DoctorOptions:
+    """Knobs of a doctor run (seconds, tokens)."""
+
+    probe_timeout_s: float = 30.0
+    round_trip: bool = True
+    cold_probe: bool = True
+    cold_timeout_s: float = 120.0
+    cold_budget_s: float = 600.0
+    cold_start_tokens: int = 1024
+    cold_bisect_steps: int = 2
+
+
+@dataclass(slots=True)
+class Report:
+    """All checks of a run; ``ok`` is False when any check failed."""
+
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not any(c.status == "fail" for c in self.checks)
+
+    def add(self, check: str, target: str, status: Status, detail: str, **data: Any) -> None:
+        self.checks.append(Check(check, target, status, detail, data))
+
+    def to_json(self) -> bytes:
+        counts = {s: sum(c.status == s for c in self.checks) for s in ("ok", "warn", "fail", "skip")}
+        return orjson.dumps({"ok": self.ok, "counts": counts, "checks": [asdict(c) for c in self.checks]},
+                            option=orjson.OPT_INDENT_2)
+
+    def table(self) -> str:
+        """A plain-text table: check | engine | status | detail."""
+        rows = [("CHECK", "ENGINE", "STATUS", "DETAIL")]
+        rows += [(c.check, c.target, c.status.upper() if c.status in ("warn", "fail") else c.status, c.detail)
+                 for c in self.checks]
+        w0, w1 = (max(len(r[i]) for r in rows) for i in (0, 1))
+        lines = [f"{a:<{w0}}  {b:<{w1}}  {s:<6}  {d}" for a, b, s, d in rows]
+        fails, warns = (sum(c.status == s for c in self.checks) for s in ("fail", "warn"))
+        lines.append("")
+        lines.append(f"{'OK' if self.ok else 'PROBLEMS FOUND'}: {fails} problem(s), {warns} warning(s), "
+                     f"{len(self.checks)} check(s)")
+        return "\n".join(lines)
+
+
+def _n(value: int | None) -> str:
+    return "unknown" if value is None else f"{value:,}"
+
+
+def check_engine(report: Report, e: Endpoint, info: EngineInfo, healthy: bool, version: str | None) -> bool:
+    """Steps 1–3 for one engine from its refreshed info.  Returns False when it is unreachable."""
+    if not info.reachable:
+        report.add("engine", e.name, "fail", f"unreachable: {info.error or 'no answer'}", role=e.role.value)
+        return False
+    models = [str(m.get("id")) for m in info.models]
+    report.add("engine", e.name, "ok" if healthy and models else "fail",
+               f"{e.role.value}; model {', '.join(models) or 'NONE'}; max_model_len {_n(info.max_model_len)}; "
+               f"version {version or 'unknown'}" + ("" if healthy else "; /health is not 200"),
+               role=e.role.value, models=models, max_model_len=info.max_model_len, version=version)
+    pool, mml = info.kv_pool_tokens, info.max_model_len
+    data = {"kv_pool_tokens": pool, "max_model_len": mml, "num_gpu_blocks": info.num_gpu_blocks,
+            "block_size": info.block_size}
+    where = (f" (num_gpu_blocks {_n(info.num_gpu_blocks)} × block_size {_n(info.block_size)})"
+             if info.num_gpu_blocks and info.block_size else "")
+    if pool is None or mml is None:
+        report.add("kv_pool", e.name, "warn", "KV pool unknown: no vllm:cache_config_info on /metrics", **data)
+    elif pool < mml:
+        report.add("kv_pool", e.name, "fail",
+                   f"KV pool {pool:,} tokens{where} < max_model_len {mml:,}: prompts between {pool + 1:,} and "
+                   f"{mml:,} tokens will queue forever (declare --max-model-len ≤ {pool:,} or grow the pool)",
+                   **data)
+    elif pool < 2 * mml:
+        report.add("kv_pool", e.name, "warn",
+                   f"KV pool {pool:,} tokens{where} holds one max_model_len ({mml:,}) prompt but not two: a second "
+                   "long prompt waits in the engine until the first finishes", **data)
+    else:
+        report.add("kv_pool", e.name, "ok", f"KV pool {pool:,} tokens{where} ≥ 2 × max_model_len {mml:,}", **data)
+    g = info.gauges
+    running, waiting = g.get("vllm:num_requests_running"), g.get("vllm:num_requests_waiting")
+    usage = g.get("vllm:kv_cache_usage_perc")
+    reasons = {k.rsplit(":", 1)[1]: v for k, v in g.items() if k.startswith("vllm:num_requests_waiting_by_reason:")}
+    gauges = {"running": running, "waiting": waiting, "kv_cache_usage_perc": usage, "waiting_by_reason": reasons}
+    text = (f"running {running:g}, waiting {waiting:g}"
+            + "".join(f" ({k} {v:g})" for k, v in reasons.items() if v) + f", KV usage {usage or 0:.1%}"
+            if running is not None and waiting is not None else "")
+    if running is None or waiting is None:
+        report.add("idle", e.name, "warn", "no vllm:num_requests_running/waiting on /metrics", **gauges)
+    elif waiting > 0 and running == 0:
+        report.add("idle", e.name, "fail", f"{text}: requests wait with nothing running — the engine is stalled "
+                   "(a queued prompt that can never get KV blocks blocks everything behind it)", **gauges)
+    elif running or waiting or (usage or 0) > 0:
+        report.add("idle", e.name, "warn", f"{text}: not idle (traffic, or requests that never finish)", **gauges)
+    else:
+        report.add("idle", e.name, "ok", text, **gauges)
+    return True
+
+
+def check_consistency(report: Report, infos: dict[Endpoint, EngineInfo]) -> None:
+    """Step 6 (static part): same model and compatible limits across prefillers and decoders."""
+    def by_role(role: Role) -> list[EngineInfo]:
+        return [i for e, i in infos.items() if e.role is role and i.reachable]
+
+    p_infos, d_infos = by_role(Role.PREFILL), by_role(Role.DECODE)
+    if not p_infos or not d_infos:
+        report.add("pd_models", "P/D", "fail", "need at least one reachable prefiller and one reachable decoder")
+        return
+    p_models = set.intersection(*({str(m.get("id")) for m in i.models} for i in p_infos))
+    d_models = set.intersection(*({str(m.get("id")) for m in i.models} for i in d_infos))
+    common = p_models & d_models
+    if not common:
+        report.add("pd_models", "P/D", "fail", f"no model served by every engine: prefillers {sorted(p_models)}, "
+                   f"decoders {sorted(d_models)}")
+    else:
+        report.add("pd_models", "P/D", "ok", f"every engine serves {', '.join(sorted(common))}",
+                   models=sorted(common))
+    p_len = {i.max_model_len for i in p_infos} - {None}
+    d_len = {i.max_model_len for i in d_infos} - {None}
+    lens = {"prefill_max_model_len": sorted(p_len), "decode_max_model_len": sorted(d_len)}
+    if len(p_len | d_len) > 1:
+        report.add("pd_limits", "P/D", "warn", f"max_model_len differs: prefillers {sorted(p_len)}, decoders "
+                   f"{sorted(d_len)}; a request must fit the smallest of its pair", **lens)
+    else:
+        report.add("pd_limits", "P/D", "ok", f"max_model_len {_n(next(iter(p_len | d_len), None))} on every engine",
+                   **lens)
+
+
+def check_round_trip(report: Report, rt: RoundTrip, p: Endpoint, d: Endpoint) -> None:
+    """Steps 4 and 6 (dynamic part) from one P→D round trip."""
+    pair = f"{p.name} → {d.name}"
+    data = {"prefill_s": rt.prefill_s, "decode_s": rt.decode_s}
+    if rt.error and rt.kv_transfer_params is None:
+        report.add("kv_connector", pair, "fail", rt.error, **data)
+        return
+    params = rt.kv_transfer_params
+    if params is None:
+        report.add("kv_connector", pair, "fail", "the prefiller answered without kv_transfer_params: no KV connector "
+                   "in the producer role (--kv-transfer-config), or the first token was EOS", **data)
+        return
+    host = str(params.get("remote_host") or "")
+    if host in ("localhost", "127.0.0.1", "::1") and p.host not in ("localhost", "127.0.0.1", "::1") \
+            and p.host != d.host:
+        report.add("kv_connector", pair, "warn", f"kv_transfer_params name remote_host {host!r}: a decoder on "
+                   "another host cannot pull (set VLLM_NIXL_SIDE_CHANNEL_HOST / the connector's host)", **data)
+    if rt.error:
+        report.add("kv_connector", pair, "fail", f"the decoder could not use the prefiller's kv_transfer_params: "
+                   f"{rt.error}", **data)
+        return
+    report.add("kv_connector", pair, "ok", f"kv_transfer_params returned ({', '.join(sorted(params))[:120]}); "
+               f"decode leg answered", **data)
+    if rt.finish_reason == "tool_calls":
+        report.add("tool_call", pair, "ok", 'finish_reason "tool_calls"', **data)
+    else:
+        report.add("tool_call", pair, "warn", f"finish_reason {rt.finish_reason!r}, not \"tool_calls\": the model did "
+                   "not call the tool (vLLM needs --enable-auto-tool-choice --tool-call-parser …)", **data)
+
+
+def check_cold(report: Report, probe: ColdProbe, timeout_s: float, max_model_len: int) -> None:
+    """Step 5 for one engine."""
+    data = {"limit": probe.limit, "largest_ok": probe.largest_ok, "stalled_at": probe.stalled_at,
+            "completed": probe.completed}
+    best = probe.largest_ok
+    if probe.stalled_at is not None:
+        report.add("cold_context", probe.endpoint, "fail",
+                   f"largest cold prompt completed: {_n(best)} tokens; stalled at {probe.stalled_at:,} tokens (no "
+                   f"answer within {timeout_s:g} s) although max_model_len is {max_model_len:,}", **data)
+    elif probe.error:
+        report.add("cold_context", probe.endpoint, "fail", f"largest completed {_n(best)} tokens; then {probe.error}",
+                   **data)
+    elif probe.skipped:
+        report.add("cold_context", probe.endpoint, "warn", f"largest completed {_n(best)} tokens; {probe.skipped}",
+                   **data)
+    else:
+        took = max((s for _, s in probe.completed), default=0.0)
+        report.add("cold_context", probe.endpoint, "ok",
+                   f"cold prompts up to {_n(best)} tokens completed (limit {probe.limit:,}; slowest {took:.2f} s)",
+                   **data)
+
+
+async def run_doctor(settings: Settings, options: DoctorOptions) -> Report:
+    """Run every check against the engines in ``settings``.  Never raises for engine problems."""
+    report = Report()
+    endpoints = settings.all_endpoints()
+    engines = EngineClient(timeout_s=options.probe_timeout_s, api_key=settings.engine_api_key)
+    key = settings.engine_api_key
+    try:
+        infos = {e: EngineInfo() for e in endpoints}
+
+        async def inspect(e: Endpoint) -> tuple[bool, str | None]:
+            await engines.refresh(e, infos[e])
+            healthy = await engines.health(e)
+            try:
+                version = (await engines.get_json(e, "/version")).get("version")
+            except (httpx.HTTPError, ValueError, AttributeError):
+                version = None
+            return healthy, version
+
+        results = await asyncio.gather(*(inspect(e) for e in endpoints))
+        usable = [e for e, (healthy, version) in zip(endpoints, results, strict=True)
+                  if check_engine(report, e, infos[e], healthy, version)]
+        check_consistency(report, infos)
+        model = settings.model_name or next((str(m["id"]) for e in usable for m in infos[e].models if "id" in m), "")
+        async with httpx.AsyncClient() as client:
+            prefillers = [e for e in usable if e.role is Role.PREFILL]
+            decoders = [e for e in usable if e.role is Role.DECODE]
+            if options.round_trip and prefillers and decoders:
+                for i in range(max(len(prefillers), len(decoders))):
+                    p, d = prefillers[i % len(prefillers)], decoders[i % len(decoders)]
+                    rt = await pd_round_trip(client, p, d, model, timeout_s=options.probe_timeout_s, api_key=key)
+                    check_round_trip(report, rt, p, d)
+            elif not options.round_trip:
+                report.add("tool_call", "P/D", "skip", "--no-round-trip")
+            if options.cold_probe:
+                deadline = time.monotonic() + options.cold_budget_s
+                for e in usable:
+                    mml = infos[e].max_model_len
+                    if mml is None:
+                        report.add("cold_context", e.name, "skip", "max_model_len unknown")
+                        continue
+                    probe = await cold_probe(client, e, model, mml, start_tokens=options.cold_start_tokens,
+                                             timeout_s=options.cold_timeout_s, deadline=deadline,
+                                             bisect_steps=options.cold_bisect_steps, api_key=key)
+                    check_cold(report, probe, options.cold_timeout_s, mml)
+            else:
+                report.add("cold_context", "*", "skip", "--no-cold-probe")
+    finally:
+        await engines.aclose()
+    return report
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Doctor-only flags (the engines come from the usual settings flags / ``--config``)."""
+    d = DoctorOptions()
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--probe-timeout-s", type=float, default=d.probe_timeout_s,
+                   help="timeout of each control/round-trip request (seconds)")
+    p.add_argument("--no-round-trip", dest="round_trip", action="store_false", help="skip the P→D tool-call trips")
+    p.add_argument("--no-cold-probe", dest="cold_probe", action="store_false", help="skip the long-context probe")
+    p.add_argument("--cold-timeout-s", type=float, default=d.cold_timeout_s,
+                   help="a cold prompt unanswered after this many seconds has stalled")
+    p.add_argument("--cold-budget-s", type=float, default=d.cold_budget_s, help="total time for cold probes")
+    p.add_argument("--cold-start-tokens", type=int, default=d.cold_start_tokens, help="first cold prompt size")
+    p.add_argument("--cold-bisect-steps", type=int, default=d.cold_bisect_steps,
+                   help="sizes tried between the last success and the first stall")
+
+
+def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Run the doctor and print the report; exit code 0 (no problem), 1 (problems) or 2 (no engines)."""
+    if not settings.all_endpoints():
+        print("pdproxy doctor: no engines configured (give --prefill/--decode URLs or a --config file)",
+              file=sys.stderr)
+        return 2
+    options = DoctorOptions(probe_timeout_s=args.probe_timeout_s, round_trip=args.round_trip,
+                            cold_probe=args.cold_probe, cold_timeout_s=args.cold_timeout_s,
+                            cold_budget_s=args.cold_budget_s, cold_start_tokens=args.cold_start_tokens,
+                            cold_bisect_steps=args.cold_bisect_steps)
+    report = asyncio.run(run_doctor(settings, options))
+    if args.json:
+        sys.stdout.buffer.write(report.to_json() + b"\n")
+    else:
+        print(report.table())
+    return 0 if report.ok else 1

@@ -1,0 +1,273 @@
+"""Prometheus metrics of one proxy app: ``GET /metrics``.
+
+Names mirror vLLM's (``vllm/v1/metrics/loggers.py``, reference §3) with a ``pdproxy_`` prefix; times are seconds,
+sizes tokens.  Three kinds of series:
+
+- **per request** (observed once, when a request ends — :meth:`ProxyMetrics.observe`):
+  ``pdproxy_requests_total{api,status,outcome}``; ``pdproxy_rejections_total{reason,detail}`` for requests pdproxy
+  refused itself (``too_long``/``max_model_len``|``kv_pool``, ``queue_full``, ``deadline``,
+  ``no_endpoint``/``prefill``|``decode``, ``bad_request``/param …); client-visible
+  ``pdproxy_time_to_first_token_seconds``, ``pdproxy_inter_token_latency_seconds`` (one observation per streamed
+  request: its mean gap between relayed events, ``(last − first event) / (events − 1)``),
+  ``pdproxy_request_time_per_output_token_seconds`` (when ``completion_tokens`` is known),
+  ``pdproxy_e2e_request_latency_seconds{api,outcome}``; and the phase split of :meth:`Timeline.phases`:
+  ``pdproxy_admission_wait_seconds``, ``pdproxy_prefill_time_seconds``, ``pdproxy_pd_gap_seconds``,
+  ``pdproxy_decode_first_token_seconds``, ``pdproxy_decode_time_seconds``; ``pdproxy_requests_in_progress{api}``;
+- **proxy state at scrape time** (a collector reading ``ProxyState``): per endpoint
+  ``pdproxy_inflight_requests``, ``pdproxy_inflight_tokens``, ``pdproxy_endpoint_healthy``,
+  ``pdproxy_endpoint_draining``, ``pdproxy_endpoint_breaker_state{state}`` (1 for the current state),
+  ``pdproxy_endpoint_breaker_opened_total``; with ``--workers N`` also ``pdproxy_worker_inflight_requests{worker}``;
+- **the engines' own gauges**, as last read from each engine's ``/metrics`` by the health loop
+  (``state.infos``), re-exported with ``role``/``endpoint``/``dp_rank`` labels:
+  ``pdproxy_engine_up``, ``pdproxy_engine_max_model_len``, ``pdproxy_engine_kv_pool_tokens`` (``num_gpu_blocks ×
+  block_size`` from ``vllm:cache_config_info``), ``pdproxy_engine_num_requests_running``,
+  ``pdproxy_engine_num_requests_waiting``, ``pdproxy_engine_num_requests_waiting_by_reason{reason}``,
+  ``pdproxy_engine_kv_cache_usage_perc``, ``pdproxy_engine_info_age_seconds``.  Internal-DP ranks behind one URL
+  share that URL's figures.
+
+Several workers (``pdproxy serve --workers N``): prometheus-client's multiprocess mode.  The supervisor sets
+``PROMETHEUS_MULTIPROC_DIR`` before the workers start; counters and histograms then live in per-process files in
+that directory and every scrape — whichever worker answers — sums all of them (``MultiProcessCollector``);
+``pdproxy_requests_in_progress`` is a ``livesum`` gauge.  The state collector needs no files: in-flight counts come
+from the shared load board (:mod:`pdproxy.loadboard`), which already holds every worker's leases, and engine
+gauges are the answering worker's latest reading.  Each app owns its registry; nothing is registered globally.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from pdproxy.errors import BadRequest, NoEndpointAvailable, Overloaded, PayloadTooLarge, PromptTooLong, ProxyError
+from pdproxy.timeline import RequestContext
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+# vLLM's TTFT buckets (loggers.py: 0.001 … 2560 s), and one set for the shorter phases and gaps.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+GAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# Timeline.phases() key → (metric name, help, buckets)
+PHASES: dict[str, tuple[str, str, tuple[float, ...]]] = {
+    "admission_wait_s": ("pdproxy_admission_wait_seconds", "Arrival to admission (proxy queue wait).", TTFT_BUCKETS),
+    "prefill_s": ("pdproxy_prefill_time_seconds", "Prefill leg round trip (last attempt).", TTFT_BUCKETS),
+    "pd_gap_s": ("pdproxy_pd_gap_seconds", "Prefill answer to decode leg sent (P→D handoff in the proxy).",
+                 GAP_BUCKETS),
+    "decode_first_token_s": ("pdproxy_decode_first_token_seconds",
+                             "Decode leg sent to the decoder's first event (KV pull + first token).", TTFT_BUCKETS),
+    "decode_s": ("pdproxy_decode_time_seconds", "First relayed event to the end of the response.", E2E_BUCKETS),
+}
+
+
+def rejection_of(err: ProxyError) -> tuple[str, str] | None:
+    """``(reason, detail)`` when pdproxy refused a request itself, else None (engine errors are not rejections).
+
+    An error class may declare ``rejection = (reason, detail)``; otherwise: :class:`PromptTooLong` →
+    ``("too_long", limit_kind)``, :class:`Overloaded` → ``("queue_full", "")``, :class:`NoEndpointAvailable` →
+    ``("no_endpoint", role)``, an outcome of ``deadline`` → ``("deadline", "")``, :class:`PayloadTooLarge` →
+    ``("too_large", "body")``, :class:`BadRequest` → ``("bad_request", param)``, other proxy-side outcomes →
+    ``(outcome, "")``.
+    """
+    declared = getattr(err, "rejection", None)
+    if isinstance(declared, tuple) and len(declared) == 2:
+        return str(declared[0]), str(declared[1])
+    if isinstance(err, PromptTooLong):
+        return "too_long", err.limit_kind
+    if isinstance(err, Overloaded):
+        return "queue_full", ""
+    if isinstance(err, NoEndpointAvailable):
+        return "no_endpoint", err.role
+    if err.outcome in ("deadline", "deadline_exceeded"):
+        return "deadline", ""
+    if isinstance(err, PayloadTooLarge):
+        return "too_large", "body"
+    if isinstance(err, BadRequest):
+        return "bad_request", err.param or ""
+    if err.outcome in ("unauthorized", "shutting_down"):
+        return err.outcome, ""
+    return None
+
+
+def _labels(e: Any) -> tuple[str, str, str]:
+    return e.role.value, e.name, "" if e.dp_rank is None else str(e.dp_rank)
+
+
+class StateCollector:
+    """A prometheus collector reading the proxy state at scrape time (see module docstring)."""
+
+    ENDPOINT_LABELS = ("role", "endpoint", "dp_rank")
+
+    def __init__(self, state: Callable[[], Any]) -> None:
+        self._state = state
+
+    def describe(self) -> list[Metric]:
+        return []  # unchecked collector: families depend on the configured endpoints
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._state()
+        if st is None:
+            return
+        labels = self.ENDPOINT_LABELS
+
+        def family(name: str, doc: str, extra: tuple[str, ...] = ()) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=labels + extra)
+
+        reqs = family("pdproxy_inflight_requests", "Requests in flight to the endpoint (all workers).")
+        toks = family("pdproxy_inflight_tokens", "Tokens in flight on the endpoint: prefill = prompt tokens being "
+                                                 "prefilled; decode = prompt + expected output tokens held.")
+        healthy = family("pdproxy_endpoint_healthy", "1 if the endpoint's last /health probe succeeded.")
+        draining = family("pdproxy_endpoint_draining", "1 if the endpoint is draining (no new requests).")
+        breaker = family("pdproxy_endpoint_breaker_state", "Circuit breaker state (1 = current).", ("state",))
+        opened = family("pdproxy_endpoint_breaker_opened_total", "Times the endpoint's breaker opened.")
+        snapshot = getattr(st.health, "snapshot", None)
+        for e in st.pool.endpoints():
+            lab = list(_labels(e))
+            load = st.pool.load(e)
+            reqs.add_metric(lab, load.requests)
+            toks.add_metric(lab, load.tokens)
+            healthy.add_metric(lab, 1.0 if load.healthy else 0.0)
+            draining.add_metric(lab, 1.0 if load.draining else 0.0)
+            if callable(snapshot):
+                snap = snapshot(e)
+                current = str(snap.get("breaker", "closed"))
+                for s in ("closed", "open", "half_open"):
+                    breaker.add_metric([*lab, s], 1.0 if s == current else 0.0)
+                opened.add_metric(lab, float(snap.get("opened_total", 0)))
+        yield from (reqs, toks, healthy, draining)
+        if callable(snapshot):
+            yield from (breaker, opened)
+        board = getattr(st.pool, "board", None)
+        if board is not None and board.cells is not None:
+            per_worker = GaugeMetricFamily("pdproxy_worker_inflight_requests",
+                                           "In-flight engine requests held by each worker process.",
+                                           labels=("worker",))
+            for row in range(board.rows):
+                per_worker.add_metric([str(row)], board.row_totals(row)[0])
+            yield per_worker
+        yield from self._engine_gauges(st)
+
+    def _engine_gauges(self, st: Any) -> Iterator[Metric]:
+        labels = self.ENDPOINT_LABELS
+        up = GaugeMetricFamily("pdproxy_engine_up", "1 if the engine answered /v1/models at the last refresh.",
+                               labels=labels)
+        mml = GaugeMetricFamily("pdproxy_engine_max_model_len", "The engine's max_model_len (tokens), /v1/models.",
+                                labels=labels)
+        pool = GaugeMetricFamily("pdproxy_engine_kv_pool_tokens", "The engine's KV pool in tokens "
+                                 "(vllm:cache_config_info num_gpu_blocks × block_size).", labels=labels)
+        age = GaugeMetricFamily("pdproxy_engine_info_age_seconds", "Seconds since the engine info was refreshed.",
+                                labels=labels)
+        running = GaugeMetricFamily("pdproxy_engine_num_requests_running", "vllm:num_requests_running.",
+                                    labels=labels)
+        waiting = GaugeMetricFamily("pdproxy_engine_num_requests_waiting", "vllm:num_requests_waiting.",
+                                    labels=labels)
+        by_reason = GaugeMetricFamily("pdproxy_engine_num_requests_waiting_by_reason",
+                                      "vllm:num_requests_waiting_by_reason (capacity | deferred).",
+                                      labels=(*labels, "reason"))
+        usage = GaugeMetricFamily("pdproxy_engine_kv_cache_usage_perc", "vllm:kv_cache_usage_perc (0–1).",
+                                  labels=labels)
+        now = time.monotonic()
+        for e, info in list(st.infos.items()):
+            lab = list(_labels(e))
+            up.add_metric(lab, 1.0 if info.reachable else 0.0)
+            if info.max_model_len is not None:
+                mml.add_metric(lab, info.max_model_len)
+            if info.kv_pool_tokens is not None:
+                pool.add_metric(lab, info.kv_pool_tokens)
+            if info.refreshed_at is not None:
+                age.add_metric(lab, max(0.0, now - info.refreshed_at))
+            g = info.gauges
+            for key, fam in (("vllm:num_requests_running", running), ("vllm:num_requests_waiting", waiting),
+                             ("vllm:kv_cache_usage_perc", usage)):
+                if key in g:
+                    fam.add_metric(lab, g[key])
+            prefix = "vllm:num_requests_waiting_by_reason:"
+            for key, value in g.items():
+                if key.startswith(prefix):
+                    by_reason.add_metric([*lab, key[len(prefix):]], value)
+        yield from (up, mml, pool, age, running, waiting, by_reason, usage)
+
+
+class ProxyMetrics:
+    """The metric families of one app, its registry, and :meth:`render` for ``GET /metrics``.
+
+    ``state``: returns the current ``ProxyState`` (None outside the lifespan).  ``multiprocess_dir``: the
+    prometheus multiprocess directory; default ``$PROMETHEUS_MULTIPROC_DIR`` if set (then prometheus-client was
+    imported in multiprocess mode too).
+    """
+
+    def __init__(self, state: Callable[[], Any], multiprocess_dir: str | None = None) -> None:
+        self.multiprocess_dir = multiprocess_dir or os.environ.get(MULTIPROC_ENV) or None
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        api = ("api",)
+        self.requests = Counter("pdproxy_requests", "Completion requests by API, HTTP status and outcome.",
+                                ("api", "status", "outcome"), registry=reg)
+        self.rejections = Counter("pdproxy_rejections", "Requests pdproxy refused itself, by reason.",
+                                  ("reason", "detail"), registry=reg)
+        self.in_progress = Gauge("pdproxy_requests_in_progress", "Completion requests being served.", api,
+                                 registry=reg, multiprocess_mode="livesum")
+        self.ttft = Histogram("pdproxy_time_to_first_token_seconds", "Client-visible time to first token.", api,
+                              buckets=TTFT_BUCKETS, registry=reg)
+        self.itl = Histogram("pdproxy_inter_token_latency_seconds",
+                             "Client-visible inter-token latency: one request's mean gap between relayed events.",
+                             api, buckets=GAP_BUCKETS, registry=reg)
+        self.tpot = Histogram("pdproxy_request_time_per_output_token_seconds",
+                              "(last token − first token) / (completion_tokens − 1).", api, buckets=GAP_BUCKETS,
+                              registry=reg)
+        self.e2e = Histogram("pdproxy_e2e_request_latency_seconds", "Arrival to the end of the response.",
+                             ("api", "outcome"), buckets=E2E_BUCKETS, registry=reg)
+        self.phases = {key: Histogram(name, doc, api, buckets=buckets, registry=reg)
+                       for key, (name, doc, buckets) in PHASES.items()}
+        self.state_collector = StateCollector(state)
+        if self.multiprocess_dir is None:
+            reg.register(self.state_collector)
+
+    def started(self, api: str) -> None:
+        """A completion request arrived (``pdproxy_requests_in_progress`` + 1)."""
+        self.in_progress.labels(api).inc()
+
+    def observe(self, ctx: RequestContext, rejection: tuple[str, str] | None = None) -> None:
+        """Record one finished request (call exactly once per :meth:`started`)."""
+        api = ctx.api_label
+        self.in_progress.labels(api).dec()
+        self.requests.labels(api, str(ctx.status or 0), ctx.outcome).inc()
+        if rejection is not None:
+            self.rejections.labels(*rejection).inc()
+        tl = ctx.timeline
+        phases = tl.phases()
+        for key, hist in self.phases.items():
+            value = phases.get(key)
+            if value is not None:
+                hist.labels(api).observe(value)
+        ttft = phases.get("ttft_s")
+        if ttft is not None:
+            self.ttft.labels(api).observe(ttft)
+        e2e = phases.get("e2e_s")
+        if e2e is not None:
+            self.e2e.labels(api, ctx.outcome).observe(e2e)
+        if tl.first_token_at is not None and tl.last_token_at is not None:
+            span = max(0.0, tl.last_token_at - tl.first_token_at)
+            if ctx.events >= 2:
+                self.itl.labels(api).observe(span / (ctx.events - 1))
+            if ctx.completion_tokens is not None and ctx.completion_tokens >= 2:
+                self.tpot.labels(api).observe(span / (ctx.completion_tokens - 1))
+
+    def render(self) -> bytes:
+        """The exposition text (Prometheus text format 0.0.4)."""
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry(auto_describe=False)
+        MultiProcessCollector(registry, path=self.multiprocess_dir)
+        registry.register(self.state_collector)
+        return generate_latest(registry)

@@ -1,0 +1,202 @@
+"""``pdproxy serve --workers N``: N worker processes on one listening socket, one load view, one ``/metrics``.
+
+Why not uvicorn's own ``--workers``: each worker would then route with only its own leases in view (the
+vLLM-Ascend example proxy shares state through a ``multiprocessing`` manager instead, which costs a
+cross-process round trip per request).  Here the supervisor (this module, in the parent process):
+
+1. binds the listening socket once (workers inherit it; the kernel hands each new connection to one of them);
+2. creates a run directory (under ``/dev/shm`` when writable) holding the :class:`~pdproxy.loadboard.LoadBoard`
+   file — one row of in-flight requests/tokens per worker, written only by that worker, summed by readers, no
+   locks and no per-request IPC — and, unless ``PROMETHEUS_MULTIPROC_DIR`` is already set, the prometheus
+   multiprocess directory (see :mod:`pdproxy.metrics`);
+3. spawns N workers (``multiprocessing`` spawn context; worker ``k`` owns board row ``k``), each a normal
+   pdproxy app on uvicorn (uvloop + httptools) whose pool is the shared one;
+4. supervises: a worker that dies is replaced, after its board row is zeroed (its leases died with it) and its
+   prometheus live-gauge files are dropped; a worker that dies before it ever became ready is a start-up
+   failure, which stops everything (exit code 1) instead of restarting in a loop;
+5. on SIGTERM / SIGINT sends one SIGTERM to every worker (each drains for ``shutdown_grace_s``:
+   :mod:`pdproxy.shutdown`), waits, then kills stragglers and removes the run directory.  Workers run in their
+   own process group, so a terminal's Ctrl-C reaches only the supervisor.
+
+Workers exit on their own if the supervisor disappears (they watch their parent pid).
+What stays per worker: health probes, breakers and engine info (each worker probes every engine; the engines'
+own ``/metrics`` are the shared truth), and the in-process admission queue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pdproxy.loadboard import LoadBoard
+from pdproxy.metrics import MULTIPROC_ENV
+from pdproxy.settings import Settings
+
+log = logging.getLogger("pdproxy.workers")
+
+STARTUP_FAILURE = 3
+BOARD_FILE = "load.board"
+
+
+@contextlib.contextmanager
+def run_directory() -> Iterator[Path]:
+    """A private directory for the board and metrics files, in shared memory when possible; removed on exit."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    path = Path(tempfile.mkdtemp(prefix="pdproxy-", dir=base))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def listening_socket(host: str, port: int) -> Iterator[socket.socket]:
+    """The shared listening socket (IPv4/IPv6 by ``host``), inheritable by the workers."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=2048)
+    sock.set_inheritable(True)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+def prepare_metrics_dir(run_dir: Path) -> Path:
+    """Set ``PROMETHEUS_MULTIPROC_DIR`` for the workers (ours, or the operator's, cleared of stale ``*.db``)."""
+    given = os.environ.get(MULTIPROC_ENV)
+    path = Path(given) if given else run_dir / "metrics"
+    path.mkdir(parents=True, exist_ok=True)
+    for stale in path.glob("*.db"):
+        stale.unlink(missing_ok=True)
+    os.environ[MULTIPROC_ENV] = str(path)
+    return path
+
+
+def worker_main(settings: Settings, sock: socket.socket, board_path: str, row: int) -> None:
+    """Entry point of worker ``row`` (runs in the spawned process)."""
+    import uvicorn
+
+    from pdproxy.app import PDProxyApp
+    from pdproxy.shutdown import DrainingServer
+
+    os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor only; it sends each worker one SIGTERM (drain)
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s[w{row}] %(message)s")
+    parent = os.getppid()
+    with LoadBoard.attach(Path(board_path), settings.all_endpoints(), settings.workers) as board:
+        app = PDProxyApp(settings, pool_factory=lambda endpoints: board.pool(endpoints, row))
+        config = uvicorn.Config(app, loop="uvloop", http="httptools", log_level="warning", access_log=False,
+                                lifespan="on", timeout_graceful_shutdown=1)
+        server = DrainingServer(config, app, grace_s=settings.shutdown_grace_s)  # SIGTERM drains (shutdown.py)
+
+        def watch() -> None:  # mark the row ready once serving; leave if the supervisor is gone
+            while not server.should_exit:
+                if server.started and not board.owner(row)[1]:
+                    board.mark_ready(row)
+                if os.getppid() != parent:
+                    server.should_exit = True
+                time.sleep(0.05 if not server.started else 0.5)
+
+        threading.Thread(target=watch, name="pdproxy-worker-watch", daemon=True).start()
+        server.run(sockets=[sock])
+        started = server.started
+    if not started:
+        sys.exit(STARTUP_FAILURE)
+
+
+class Supervisor:
+    """Starts, watches and stops the worker processes (see module docstring)."""
+
+    def __init__(self, settings: Settings, sock: socket.socket, board: LoadBoard) -> None:
+        self.settings = settings
+        self.sock = sock
+        self.board = board
+        self.ctx = multiprocessing.get_context("spawn")
+        self.procs: list[Any] = [None] * settings.workers
+        self.stop = threading.Event()
+
+    def spawn(self, row: int) -> None:
+        self.board.clear(row)
+        proc = self.ctx.Process(target=worker_main, name=f"pdproxy-worker-{row}",
+                                args=(self.settings, self.sock, str(self.board.path), row))
+        proc.start()
+        self.board.set_owner(row, proc.pid or 0)
+        self.procs[row] = proc
+        log.info("worker %d started (pid %s)", row, proc.pid)
+
+    def reap(self, row: int) -> bool:
+        """Handle worker ``row`` having exited.  Returns False if it was a start-up failure."""
+        proc = self.procs[row]
+        _, ready = self.board.owner(row)
+        self.board.clear(row)
+        with contextlib.suppress(Exception):
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(proc.pid)
+        if not ready:
+            log.error("worker %d (pid %s) exited with code %s before it was ready; stopping", row, proc.pid,
+                      proc.exitcode)
+            return False
+        log.warning("worker %d (pid %s) exited with code %s; starting a new one", row, proc.pid, proc.exitcode)
+        return True
+
+    def run(self) -> int:
+        """Run until SIGTERM/SIGINT.  Returns the process exit code."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop.set())
+        code = 0
+        try:
+            for row in range(len(self.procs)):
+                self.spawn(row)
+            while not self.stop.wait(0.2):
+                for row, proc in enumerate(self.procs):
+                    if proc.is_alive():
+                        continue
+                    proc.join()
+                    if not self.reap(row):
+                        code = 1
+                        self.stop.set()
+                        break
+                    self.spawn(row)
+        finally:
+            self.shutdown()
+        return code
+
+    def shutdown(self) -> None:
+        """SIGTERM every worker, wait up to the grace period (+5 s), then SIGKILL the rest."""
+        alive = [p for p in self.procs if p is not None and p.is_alive()]
+        for proc in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.settings.shutdown_grace_s + 5.0
+        for proc in alive:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                log.warning("worker pid %s did not stop in time: SIGKILL", proc.pid)
+                proc.kill()
+                proc.join()
+
+
+def serve_workers(settings: Settings) -> int:
+    """Run ``settings.workers`` worker processes behind one socket until interrupted (see module docstring)."""
+    endpoints = settings.all_endpoints()
+    with run_directory() as run_dir, listening_socket(settings.host, settings.port) as sock, \
+            LoadBoard.create(run_dir / BOARD_FILE, endpoints, settings.workers) as board:
+        metrics_dir = prepare_metrics_dir(run_dir)
+        host, port = sock.getsockname()[:2]
+        log.info("pdproxy: %d workers on %s:%d (load board %s, metrics %s)", settings.workers, host, port,
+                 board.path, metrics_dir)
+        print(f"pdproxy: {settings.workers} workers listening on http://{host}:{port}", file=sys.stderr, flush=True)
+        return Supervisor(settings, sock, board).run()
