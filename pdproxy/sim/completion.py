@@ -208,7 +208,7 @@ async def _stream(server: SimServer, request: web.Request, rank: RankEngine, par
         while not sse.stopped:
             started = loop.time()
             await wake.wait()
-            await _stretch(slow, loop.time() - started)
+            waited_s = loop.time() - started
             if ereq.kv_failed:
                 await sse.send(writer.error_event("Internal server error", "InternalServerError", 500))
                 break
@@ -221,6 +221,13 @@ async def _stream(server: SimServer, request: web.Request, rank: RankEngine, par
             if n > sent or finish is not None:
                 usage = writer.usage(len(parsed.prompt_token_ids), n, ereq.num_cached_tokens) if (
                     parsed.continuous_usage) else None
+                if slow is not None:  # one token per event, each gap stretched
+                    per_token_s = waited_s / max(n - sent, 1)
+                    while n - sent > 1:
+                        await _stretch(slow, per_token_s)
+                        await sse.send(writer.token_event(sent, sent + 1, None, None, usage))
+                        sent += 1
+                    await _stretch(slow, per_token_s)
                 if finish is not None and stop_reason == "recomputed" and n > sent:
                     await sse.send(writer.token_event(sent, n, None, None, usage))
                     sent = n
