@@ -19,6 +19,7 @@ import orjson
 
 from pdproxy import recompute, sse
 from pdproxy.errors import ProxyError, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable, sse_error_event
+from pdproxy.h1client import H1Response
 from pdproxy.protocol import patch_usage
 from pdproxy.timeline import RequestContext
 
@@ -161,7 +162,7 @@ class StreamRelay:
     ``strip_usage``: the usage chunk was forced upstream and is not for the client.
     """
 
-    def __init__(self, resp: aiohttp.ClientResponse, out: Responder, ctx: RequestContext, *,
+    def __init__(self, resp: H1Response, out: Responder, ctx: RequestContext, *,
                  cached_tokens: int | None, first_event_timeout_s: float,
                  on_first_event: Callable[[], None] | None = None,
                  headers: list[tuple[bytes, bytes]] | None = None,

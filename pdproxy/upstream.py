@@ -6,8 +6,10 @@ growing from 138 to 539 µs as streams went from 16 to 256; aiohttp's client sta
 (issue 2 / README "Why aiohttp on the hot path").  Control-plane calls (health, /metrics, /v1/models,
 /tokenize) use httpx (``engines.py``).
 
-One ``aiohttp.ClientSession`` per proxy process, unlimited keep-alive pool, created inside the running loop by
-:meth:`Upstream.start` and closed by :meth:`Upstream.close` (the app's lifespan owns both).
+The connections are :mod:`pdproxy.h1client`'s (a lean HTTP/1.1 protocol on httptools; aiohttp's
+``ClientSession`` cost ~34 % of the proxy's CPU per PD request, loadtest/RESULTS.md), one unlimited keep-alive
+pool per proxy process, created by :meth:`Upstream.start` and closed by :meth:`Upstream.close` (the app's
+lifespan owns both).  Read errors keep aiohttp's exception types.
 
 Stale keep-alive connections: engines (uvicorn under vLLM) close idle connections after 5 s
 (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, vllm/envs.py), so pooled connections are dropped after
@@ -25,12 +27,14 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
 
 from pdproxy.endpoints import Endpoint
 from pdproxy.errors import UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable
+from pdproxy.h1client import ConnectError, H1Pool, H1Response
 
 _MAX_ERROR_BODY_BYTES = 1 << 20
 KEEPALIVE_S = 4.0
@@ -64,57 +68,59 @@ class UpstreamRefused(UpstreamUnavailable):
     request, so e.g. the prefiller's KV handle is still intact and may go to another decoder."""
 
 
-async def _on_reuse(_session: Any, trace_ctx: Any, _params: Any) -> None:
-    mark = trace_ctx.trace_request_ctx
-    if isinstance(mark, dict):
-        mark["reused"] = True
-
-
 class Upstream:
     """Sends the prefill leg (JSON) and opens the decode leg (stream) to one engine endpoint."""
 
     def __init__(self, *, connect_timeout_s: float) -> None:
         self.connect_timeout_s = connect_timeout_s
-        self._session: aiohttp.ClientSession | None = None
-        self._fresh: aiohttp.ClientSession | None = None
+        self._pool: H1Pool | None = None
+        self._targets: dict[str, tuple[tuple[str, int], bool, str, str]] = {}
         self.stale_retries = 0
 
     async def start(self) -> None:
-        trace = aiohttp.TraceConfig()
-        trace.on_connection_reuseconn.append(_on_reuse)
-        common: dict[str, Any] = {
-            "auto_decompress": False, "skip_auto_headers": ("User-Agent", "Accept-Encoding"),
-            "timeout": aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)}
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_S, ttl_dns_cache=300)
-        self._session = aiohttp.ClientSession(connector=connector, trace_configs=[trace], **common)
-        # stale keep-alive retries go out on a connection of their own, never a pooled one
-        self._fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True), **common)
+        self._pool = H1Pool(connect_timeout_s=self.connect_timeout_s, keepalive_s=KEEPALIVE_S)
 
     async def close(self) -> None:
-        for session in (self._session, self._fresh):
-            if session is not None:
-                await session.close()
-        self._session = self._fresh = None
-
-    async def _post(self, url: str, body: bytes, headers: dict[str, str],
-                    timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
-        """POST and return the response once its headers are in; retried once on a fresh connection when a
-        reused keep-alive connection turned out to be closed (see module docstring)."""
-        mark = {"reused": False}
-        try:
-            return await self.session.post(url, data=body, headers=headers, timeout=timeout,
-                                           trace_request_ctx=mark)
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            if not mark["reused"] or isinstance(exc, aiohttp.ClientConnectorError) or self._fresh is None:
-                raise
-        self.stale_retries += 1
-        return await self._fresh.post(url, data=body, headers=headers, timeout=timeout)
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
+    def pool(self) -> H1Pool:
+        if self._pool is None:
             raise RuntimeError("Upstream.start() was not awaited")
-        return self._session
+        return self._pool
+
+    def _target(self, url: str) -> tuple[tuple[str, int], bool, str, str]:
+        """``((host, port), tls, host header, path)`` for an engine URL (cached per URL)."""
+        hit = self._targets.get(url)
+        if hit is None:
+            parts = urlsplit(url)
+            tls = parts.scheme == "https"
+            host = parts.hostname or "127.0.0.1"
+            port = parts.port or (443 if tls else 80)
+            hit = self._targets[url] = ((host, port), tls, parts.netloc, parts.path or "/")
+        return hit
+
+    async def _post(self, url: str, body: bytes, headers: dict[str, str], idle_timeout_s: float | None
+                    ) -> H1Response:
+        """POST and return the response once its headers are in; sent once more on a fresh connection when a
+        reused keep-alive connection turned out to be closed before any response byte (see module docstring).
+        Raises :class:`ConnectError` or ``aiohttp.ClientError``."""
+        key, tls, netloc, path = self._target(url)
+        head = "".join([f"POST {path} HTTP/1.1\r\nHost: {netloc}\r\nContent-Length: {len(body)}\r\n",
+                        *(f"{k}: {v}\r\n" for k, v in headers.items()), "\r\n"]).encode("latin-1")
+        pool = self.pool
+        conn = pool.take(key)
+        if conn is not None:
+            try:
+                return await conn.request(head, body, idle_timeout_s)
+            except aiohttp.ClientError:
+                if conn.got_bytes:
+                    raise
+            self.stale_retries += 1
+        conn = await pool.connect(key, tls=tls)
+        return await conn.request(head, body, idle_timeout_s)
 
     async def post_json(self, endpoint: Endpoint, path: str, body: bytes, headers: dict[str, str], *,
                         timeout_s: float) -> dict[str, Any]:
@@ -128,10 +134,11 @@ class Upstream:
         url = endpoint.url + path
         try:
             async with asyncio.timeout(timeout_s):
-                resp = await self._post(url, body, headers,
-                                        aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s))
-                async with resp:
+                resp = await self._post(url, body, headers, None)
+                try:
                     data = await resp.read()
+                finally:
+                    resp.release()
                 if resp.status >= 400:
                     raise UpstreamHTTPError(resp.status, data[:_MAX_ERROR_BODY_BYTES], endpoint=endpoint.name,
                                             content_type=resp.content_type or "application/json",
@@ -139,7 +146,7 @@ class Upstream:
         except TimeoutError:
             raise UpstreamTimeout(f"{endpoint.role.value} {endpoint.name} did not answer within {timeout_s:.1f} s",
                                   endpoint=endpoint.name) from None
-        except aiohttp.ClientConnectorError as exc:
+        except ConnectError as exc:
             raise UpstreamRefused(f"{endpoint.role.value} {endpoint.name} refused the connection: {exc}",
                                   endpoint=endpoint.name) from None
         except aiohttp.ClientError as exc:
@@ -157,12 +164,12 @@ class Upstream:
     @asynccontextmanager
     async def open_stream(self, endpoint: Endpoint, path: str, body: bytes, headers: dict[str, str], *,
                           first_byte_timeout_s: float, idle_timeout_s: float
-                          ) -> AsyncIterator[aiohttp.ClientResponse]:
+                          ) -> AsyncIterator[H1Response]:
         """Open the decode leg and yield the response once its status line and headers are in.
 
         Error statuses are raised as :class:`UpstreamHTTPError` with the engine's body (so the client gets the
         engine's status and JSON, never a 200 with an empty body).  Body reads time out after
-        ``idle_timeout_s`` seconds without data (aiohttp ``sock_read``).  On exit the connection is released
+        ``idle_timeout_s`` seconds without data (``aiohttp.ServerTimeoutError``).  On exit the connection is released
         to the pool if the body was read to the end, and closed otherwise (vLLM aborts the request when its
         client disconnects, reference §1.5).
         Raises :class:`UpstreamTimeout` if headers take longer than ``first_byte_timeout_s``,
@@ -170,14 +177,13 @@ class Upstream:
         breaks before the headers.
         """
         url = endpoint.url + path
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s, sock_read=idle_timeout_s)
         try:
             async with asyncio.timeout(first_byte_timeout_s):
-                resp = await self._post(url, body, headers, timeout)
+                resp = await self._post(url, body, headers, idle_timeout_s)
         except TimeoutError:
             raise UpstreamTimeout(f"decoder {endpoint.name} sent no response headers within "
                                   f"{first_byte_timeout_s:.1f} s", endpoint=endpoint.name) from None
-        except aiohttp.ClientConnectorError as exc:
+        except ConnectError as exc:
             raise UpstreamRefused(f"decoder {endpoint.name} refused the connection: {exc}",
                                   endpoint=endpoint.name) from None
         except aiohttp.ClientError as exc:

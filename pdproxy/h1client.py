@@ -1,0 +1,319 @@
+"""A lean HTTP/1.1 client for the data plane: an asyncio protocol with httptools, keep-alive pooled per engine.
+
+Why not aiohttp's ``ClientSession`` here: profiled under 1-token PD requests it was ~34 % of the proxy's CPU (two
+legs per request: request building, tracing signals, cookie filtering, payload registry, stream reader), and
+its ``StreamReader`` sits between every decoder read and the relay (loadtest/RESULTS.md).  This client does what
+the two legs need and nothing else: one POST per connection at a time, ``Content-Length`` request bodies,
+chunked or sized responses (httptools decodes both), and a body buffer the relay drains with ``readany()``.
+
+The response object mimics the slice of ``aiohttp.ClientResponse`` the relay uses (``status``, ``headers``,
+``content_type``, ``content.readany()/read()/at_eof()``, ``read()``, ``release()``, ``close()``) and raises
+aiohttp's exception types (``ServerDisconnectedError``, ``ClientPayloadError``, ``ServerTimeoutError`` — a
+``TimeoutError`` too), so callers catching ``aiohttp.ClientError`` keep working.  Connection failures raise
+:class:`ConnectError` (the engine never saw the request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import httptools
+
+_PAUSE_BYTES = 256 * 1024
+
+
+class ConnectError(Exception):
+    """The TCP connection could not be opened (refused, unreachable, connect timeout)."""
+
+
+class H1Response:
+    """One response: status and headers once :meth:`H1Connection.request` returns, then the body by reads.
+
+    ``headers`` keys are lower-case (``get`` is case-insensitive).  ``idle_timeout_s``: a read that waits longer
+    for data raises ``aiohttp.ServerTimeoutError``.
+    """
+
+    __slots__ = ("_buf", "_conn", "_eof", "_exc", "_size", "_waiter", "headers", "idle_timeout_s", "keep_alive",
+                 "status")
+
+    def __init__(self, conn: H1Connection, idle_timeout_s: float | None) -> None:
+        self._conn = conn
+        self.idle_timeout_s = idle_timeout_s
+        self.status = 0
+        self.headers = _Headers()
+        self.keep_alive = True
+        self._buf: list[bytes] = []
+        self._size = 0
+        self._eof = False
+        self._exc: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    # --- aiohttp.ClientResponse look-alike ------------------------------------------------------------------
+    @property
+    def content(self) -> H1Response:
+        return self
+
+    @property
+    def content_type(self) -> str:
+        return self.headers.get("content-type", "application/octet-stream").split(";", 1)[0].strip()
+
+    def at_eof(self) -> bool:
+        return self._eof and not self._buf
+
+    async def readany(self) -> bytes:
+        """Everything buffered (waiting for at least one byte); ``b""`` at the end of the body."""
+        if not self._buf:
+            if self._eof:
+                return b""
+            await self._wait()
+            if not self._buf:
+                return b""
+        return self._take()
+
+    async def read(self, n: int = -1) -> bytes:
+        """The rest of the body (at most ``n`` bytes when ``n`` ≥ 0)."""
+        parts: list[bytes] = []
+        size = 0
+        while n < 0 or size < n:
+            chunk = await self.readany()
+            if not chunk:
+                break
+            parts.append(chunk)
+            size += len(chunk)
+        data = b"".join(parts)
+        return data if n < 0 else data[:n]
+
+    def release(self) -> None:
+        """Done with the response: the connection goes back to the pool if the body was read to its end."""
+        self._conn.done(self, reusable=self.at_eof() and self.keep_alive)
+
+    def close(self) -> None:
+        """Drop the connection (the engine sees a disconnect and aborts the request, reference §1.5)."""
+        self._conn.done(self, reusable=False)
+
+    # --- fed by the protocol -------------------------------------------------------------------------------
+    def _take(self) -> bytes:
+        buf = self._buf
+        data = buf[0] if len(buf) == 1 else b"".join(buf)
+        self._buf = []
+        if self._size > _PAUSE_BYTES:
+            self._conn.resume()
+        self._size = 0
+        return data
+
+    async def _wait(self) -> None:
+        if self._exc is not None:
+            raise self._exc
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        timer = (loop.call_later(self.idle_timeout_s, self._timed_out, waiter)
+                 if self.idle_timeout_s is not None else None)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def _timed_out(self, waiter: asyncio.Future[None]) -> None:
+        if not waiter.done():
+            waiter.set_exception(aiohttp.ServerTimeoutError(f"no data for {self.idle_timeout_s} s"))
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def feed(self, data: bytes) -> None:
+        self._buf.append(data)
+        self._size += len(data)
+        if self._size > _PAUSE_BYTES:
+            self._conn.pause()
+        self._wake()
+
+    def feed_eof(self) -> None:
+        self._eof = True
+        self._wake()
+
+    def fail(self, exc: BaseException) -> None:
+        if self._eof:
+            return
+        self._exc = exc
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_exception(exc)
+
+
+class _Headers(dict[str, str]):
+    """Lower-case header names; ``get`` accepts any case."""
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        return super().get(key.lower(), default)
+
+
+class H1Connection(asyncio.Protocol):
+    """One keep-alive connection to an engine; one request at a time."""
+
+    def __init__(self, pool: H1Pool, key: tuple[str, int]) -> None:
+        self.pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.resp: H1Response | None = None
+        self.headers_in: asyncio.Future[None] | None = None
+        self.closed = False
+        self.complete = False
+        self.got_bytes = False
+        self.requests = 0
+        self.idle_since = 0.0
+        self.paused = False
+
+    # --- protocol callbacks ----------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        err = aiohttp.ServerDisconnectedError(f"engine closed the connection{f': {exc!r}' if exc else ''}")
+        if self.headers_in is not None and not self.headers_in.done():
+            self.headers_in.set_exception(err)
+        if self.resp is not None and not self.complete:
+            self.resp.fail(aiohttp.ClientPayloadError(f"response body incomplete: {err}"))
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._broken("unexpected protocol upgrade")
+        except httptools.HttpParserError as exc:
+            self._broken(f"malformed HTTP response: {exc}")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.resp is not None:
+            self.resp.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        r = self.resp
+        if r is not None:
+            r.status = self.parser.get_status_code()
+            r.keep_alive = self.parser.should_keep_alive()
+        if self.headers_in is not None and not self.headers_in.done():
+            self.headers_in.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        if self.resp is not None:
+            self.resp.feed(body)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        if self.resp is not None:
+            self.resp.feed_eof()
+
+    def _broken(self, why: str) -> None:
+        err = aiohttp.ClientPayloadError(why)
+        if self.headers_in is not None and not self.headers_in.done():
+            self.headers_in.set_exception(err)
+        if self.resp is not None:
+            self.resp.fail(err)
+        self.abort()
+
+    # --- used by the pool and the response ---------------------------------------------------------------------
+    async def request(self, head: bytes, body: bytes, idle_timeout_s: float | None) -> H1Response:
+        """Send one request; return once the response headers are in.  Raises ``aiohttp.ClientError``."""
+        assert self.transport is not None
+        self.requests += 1
+        self.complete = False
+        self.got_bytes = False
+        self.parser = httptools.HttpResponseParser(self)
+        self.resp = H1Response(self, idle_timeout_s)
+        self.headers_in = asyncio.get_running_loop().create_future()
+        if body:
+            self.transport.writelines((head, body))
+        else:
+            self.transport.write(head)
+        try:
+            await self.headers_in
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            self.headers_in = None
+        return self.resp
+
+    def pause(self) -> None:
+        if not self.paused and self.transport is not None and not self.closed:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.paused and self.transport is not None and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def done(self, resp: H1Response, reusable: bool) -> None:
+        """The caller is finished with ``resp`` (a no-op if the connection has moved on to another request)."""
+        if self.resp is not resp:
+            return
+        self.resp = None
+        if reusable and self.complete and not self.closed:
+            self.resume()
+            self.pool.put(self)
+        else:
+            self.abort()
+
+    def abort(self) -> None:
+        self.closed = True
+        self.resp = None
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class H1Pool:
+    """Idle keep-alive connections per ``(host, port)``; connections idle longer than ``keepalive_s`` seconds
+    are dropped (vLLM's uvicorn closes idle ones after 5 s)."""
+
+    def __init__(self, *, connect_timeout_s: float, keepalive_s: float) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.keepalive_s = keepalive_s
+        self.idle: dict[tuple[str, int], list[H1Connection]] = {}
+
+    async def connect(self, key: tuple[str, int], *, tls: bool = False) -> H1Connection:
+        """A new connection (TLS with the default context when ``tls``).  Raises :class:`ConnectError`."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, conn = await loop.create_connection(lambda: H1Connection(self, key), key[0], key[1],
+                                                       ssl=True if tls else None)
+        except TimeoutError:
+            raise ConnectError(f"connect to {key[0]}:{key[1]} timed out after {self.connect_timeout_s} s") from None
+        except OSError as exc:
+            raise ConnectError(f"connect to {key[0]}:{key[1]} failed: {exc}") from None
+        return conn
+
+    def take(self, key: tuple[str, int]) -> H1Connection | None:
+        """A pooled idle connection, or None."""
+        idle = self.idle.get(key)
+        if not idle:
+            return None
+        limit = time.monotonic() - self.keepalive_s
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and conn.idle_since >= limit:
+                return conn
+            conn.abort()
+        return None
+
+    def put(self, conn: H1Connection) -> None:
+        conn.idle_since = time.monotonic()
+        self.idle.setdefault(conn.key, []).append(conn)
+
+    def close(self) -> None:
+        """Close every idle connection (in-use ones close when their response is released)."""
+        for conns in self.idle.values():
+            for conn in conns:
+                conn.abort()
+        self.idle.clear()
