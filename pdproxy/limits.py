@@ -1,0 +1,163 @@
+"""Per-endpoint context limits — ``max_model_len`` and the real KV pool — and the over-length 400.
+
+Sources: ``max_model_len`` from ``/v1/models`` (vLLM ``ModelCard.max_model_len``), the KV pool from ``/metrics``
+``vllm:cache_config_info`` (``num_gpu_blocks × block_size`` tokens, or ``kv_cache_size_tokens``; reference §3 and
+§7), both read from ``state.infos`` (:class:`~pdproxy.engines.EngineInfo`, refreshed by ``health.py``).  The
+``max_model_len`` setting overrides what engines declare.  Unknown values impose no limit (the engine decides).
+
+Rules (reference §2.4 "PD trap": P validates with ``max_tokens=1``, so the proxy must check D's rule up front):
+
+- prefiller: ``prompt <= max_model_len`` and ``prompt <= kv_pool`` (a prompt larger than the pool can never be
+  scheduled: vLLM #39734, and seed 000's 36-minute hang);
+- decoder: ``prompt + max_output <= max_model_len`` (vLLM ``renderers/params.py::_token_len_check``; without
+  ``max_tokens`` a prompt of exactly ``max_model_len`` passes, as on vLLM 0.32) and ``prompt + 1 <= kv_pool``
+  (room for the prompt and at least one output token).
+
+A request is admitted when some prefiller and some decoder allow its prompt; :meth:`Limits.max_prompt_tokens`
+is that threshold ("M"), so a counted prompt of M tokens passes and M + 1 is rejected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from pdproxy.endpoints import Endpoint, Role
+from pdproxy.engines import EngineInfo
+from pdproxy.errors import PromptTooLong
+from pdproxy.pool import EndpointPool
+
+LimitKind = Literal["max_model_len", "kv_pool"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """What bounds one endpoint, in tokens (None = unknown)."""
+
+    max_model_len: int | None = None
+    kv_pool_tokens: int | None = None
+    num_gpu_blocks: int | None = None
+    block_size: int | None = None
+
+    def allowed_prompt(self, role: Role, max_output: int | None) -> int | None:
+        """The largest prompt (tokens) this endpoint accepts in ``role``; None = no known limit."""
+        caps: list[int] = []
+        if role is Role.PREFILL:
+            caps += [v for v in (self.max_model_len, self.kv_pool_tokens) if v is not None]
+        else:
+            if self.max_model_len is not None:
+                caps.append(self.max_model_len - (max_output or 0))
+            if self.kv_pool_tokens is not None:
+                caps.append(self.kv_pool_tokens - 1)
+        return min(caps) if caps else None
+
+    def violation(self, role: Role, endpoint: Endpoint, prompt: int, max_output: int | None) -> Violation | None:
+        """The rule ``prompt`` breaks on this endpoint, max_model_len first; None if it fits."""
+        out = (max_output or 0) if role is Role.DECODE else 0
+        if self.max_model_len is not None and prompt + out > self.max_model_len:
+            return Violation(role, endpoint.name, "max_model_len", self.max_model_len, out, self)
+        kv_out = 1 if role is Role.DECODE else 0
+        if self.kv_pool_tokens is not None and prompt + kv_out > self.kv_pool_tokens:
+            return Violation(role, endpoint.name, "kv_pool", self.kv_pool_tokens, kv_out, self)
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """One broken rule: ``limit`` tokens of ``limit_kind`` on ``endpoint`` (role ``role``), with
+    ``output_tokens`` counted on top of the prompt."""
+
+    role: Role
+    endpoint: str
+    limit_kind: LimitKind
+    limit: int
+    output_tokens: int
+    limits: EngineLimits
+
+    def error(self, prompt_tokens: int, *, exact: bool) -> PromptTooLong:
+        """The HTTP 400 for this violation, in vLLM's wording (``vllm/renderers/params.py``, reference §7)."""
+        n = f"{prompt_tokens}" if exact else f"at least {prompt_tokens}"
+        total = prompt_tokens + self.output_tokens
+        total_s = f"{total}" if exact else f"at least {total}"
+        tail = f"(parameter=input_tokens, value={prompt_tokens})"
+        if self.limit_kind == "max_model_len":
+            if self.output_tokens:
+                msg = (f"This model's maximum context length is {self.limit} tokens. However, you requested "
+                       f"{self.output_tokens} output tokens and your prompt contains {n} input tokens, for a total "
+                       f"of {total_s} tokens. Please reduce the length of the input prompt or the number of "
+                       f"requested output tokens. {tail}")
+            else:
+                msg = (f"This model's maximum context length is {self.limit} tokens. However, your prompt contains "
+                       f"{n} input tokens, which exceeds this limit even without any output tokens. Please reduce "
+                       f"the length of the input prompt. {tail}")
+        else:
+            lim = self.limits
+            declared = (f"is declared as {lim.max_model_len} tokens, but" if lim.max_model_len is not None
+                        else "is limited by")
+            blocks = (f" ({lim.num_gpu_blocks} blocks × {lim.block_size} tokens)"
+                      if lim.num_gpu_blocks and lim.block_size else "")
+            needs = (f"your prompt contains {n} input tokens and needs room for at least 1 output token, "
+                     f"for a total of {total_s} tokens" if self.output_tokens
+                     else f"your prompt contains {n} input tokens")
+            msg = (f"This model's maximum context length {declared} the KV cache pool of the {self.role.value} "
+                   f"engine {self.endpoint} holds only {self.limit} tokens{blocks}, which is the effective maximum "
+                   f"context length. However, {needs}, which exceeds the KV pool. Please reduce the length of the "
+                   f"input prompt. {tail}")
+        return PromptTooLong(msg, limit_kind=self.limit_kind, prompt_tokens=prompt_tokens, limit=self.limit)
+
+
+class Limits:
+    """Reads every endpoint's limits from the pool's endpoints and ``infos`` (live; no copy kept)."""
+
+    def __init__(self, pool: EndpointPool, infos: Mapping[Endpoint, EngineInfo], *,
+                 max_model_len_override: int | None = None) -> None:
+        self.pool = pool
+        self.infos = infos
+        self.max_model_len_override = max_model_len_override
+
+    def of(self, endpoint: Endpoint) -> EngineLimits:
+        info = self.infos.get(endpoint)
+        if info is None:
+            return EngineLimits(max_model_len=self.max_model_len_override)
+        return EngineLimits(max_model_len=self.max_model_len_override or info.max_model_len,
+                            kv_pool_tokens=info.kv_pool_tokens, num_gpu_blocks=info.num_gpu_blocks,
+                            block_size=info.block_size)
+
+    def _best(self, role: Role, max_output: int | None) -> tuple[int | None, Endpoint | None]:
+        """The most permissive endpoint of ``role`` (configured, healthy or not): (allowed prompt, endpoint)."""
+        best: int | None = None
+        best_ep: Endpoint | None = None
+        for e in self.pool.endpoints(role):
+            allowed = self.of(e).allowed_prompt(role, max_output)
+            if allowed is None:
+                return None, e
+            if best is None or allowed > best:
+                best, best_ep = allowed, e
+        return best, best_ep
+
+    def max_prompt_tokens(self, max_output: int | None, *, roles: tuple[Role, ...] = (Role.PREFILL, Role.DECODE)
+                          ) -> int | None:
+        """M: the largest prompt some endpoint of every role in ``roles`` accepts (None = no known limit).  A role
+        with an endpoint of unknown limits, or with no endpoints, imposes none."""
+        bests = [b for b in (self._best(r, max_output)[0] for r in roles if self.pool.endpoints(r)) if b is not None]
+        return min(bests) if bests else None
+
+    def violation(self, prompt_tokens: int, max_output: int | None,
+                  roles: tuple[Role, ...] = (Role.PREFILL, Role.DECODE)) -> Violation | None:
+        """The rule a prompt breaks on the most permissive endpoint of the first role (prefill, then decode) where
+        no endpoint accepts it; None when every role has an endpoint that does."""
+        for role in roles:
+            best, endpoint = self._best(role, max_output)
+            if best is not None and endpoint is not None and prompt_tokens > best:
+                found = self.of(endpoint).violation(role, endpoint, prompt_tokens, max_output)
+                if found is not None:
+                    return found
+        return None
+
+    def fits(self, role: Role, prompt_tokens: int, max_output: int | None) -> Callable[[Endpoint], bool]:
+        """Routing filter: the endpoints of ``role`` whose limits allow ``prompt_tokens``."""
+        def check(endpoint: Endpoint) -> bool:
+            allowed = self.of(endpoint).allowed_prompt(role, max_output)
+            return allowed is None or prompt_tokens <= allowed
+        return check

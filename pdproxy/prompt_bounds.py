@@ -1,0 +1,166 @@
+"""Cheap bounds on a prompt's token count, computed without a tokenizer.
+
+Admission uses them to skip the exact count when a bound already decides (reference §2.4: vLLM itself runs a
+character pre-check before tokenizing).  Both bounds are in tokens.
+
+**Lower bound — whitespace-to-word transitions.**  Every BPE tokenizer that pre-tokenizes with a GPT-2-style
+regex (GPT-2, Llama 3, Qwen 2/3, DeepSeek, GLM-4, pdproxy's :class:`~pdproxy.tokens.SimTokenizer`) or splits on
+whitespace (SentencePiece, ``split_by_whitespace``) never merges across a place where a whitespace character is
+followed by a non-whitespace one: each such place starts a different pre-token, and each pre-token is at least one
+token.  So ``tokens >= transitions``.  Only ASCII whitespace (space, tab, CR, LF, VT, FF — whitespace for every
+regex flavour) is counted; text holding other whitespace (NBSP, U+3000, the ASCII separators 0x1C–0x1F, which
+Python and Rust regexes disagree on) uses the exact but slower regex count.  Only message contents that chat
+templates insert verbatim are counted (not assistant turns: templates such as Qwen 3's drop their reasoning), and
+each content is stripped first (templates may ``trim`` it).  Media parts add
+:data:`~pdproxy.tokens.MEDIA_PART_TOKENS` each.
+
+**Upper bound — bytes.**  A byte-level BPE token covers at least one UTF-8 byte, and SentencePiece's byte
+fallback emits at most one token per byte, so ``tokens <= bytes`` of the rendered prompt.  Without the engine's
+chat template (engine ``/tokenize`` counting) the rendered size is bounded as: bytes of every string in the
+messages + the tools as ``json.dumps(indent=4)`` (Llama 3.1's template, the most verbose common one) +
+``per_message_overhead`` per message + ``template_overhead`` (the operator's ``chat_template_max_overhead_tokens``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pdproxy.tokens import MEDIA_PART_TOKENS
+
+PER_MESSAGE_OVERHEAD_TOKENS = 32
+"""Upper bound on the tokens a chat template adds around one message (role markers, separators)."""
+
+ESTIMATE_BYTES_PER_TOKEN = 4
+"""Bytes per token of the routing estimate used when no exact count was needed (English text with BPE)."""
+
+_TRANSLATE = bytearray(b"x" * 256)
+for _c in b" \t\n\r\x0b\x0c":
+    _TRANSLATE[_c] = ord(" ")
+for _c in range(0x1C, 0x20):
+    _TRANSLATE[_c] = ord("!")
+_WS_TABLE = bytes(_TRANSLATE)
+_UNICODE_WS = re.compile(rb"\xc2[\x85\xa0]|\xe1\x9a\x80|\xe2\x80[\x80-\x8a\xa8\xa9\xaf]|\xe2\x81\x9f|\xe3\x80\x80")
+_TRANSITION = re.compile(r"[ \t\n\r\x0b\x0c](?=\S)")
+
+
+def word_transitions(text: str) -> int:
+    """A lower bound on the tokens of ``text`` (see module docstring): the number of pre-token starts marked by
+    an ASCII whitespace character followed by a non-whitespace one, plus one if ``text`` starts with a word.
+
+    About 6 ns per byte on the fast path (ASCII whitespace only).
+    """
+    if not text:
+        return 0
+    data = text.encode()
+    mapped = data.translate(_WS_TABLE)
+    if b"!" in mapped or (not text.isascii() and _UNICODE_WS.search(data)):
+        count = len(_TRANSITION.findall(text))
+        return count + (0 if text[0].isspace() else 1)
+    return mapped.count(b" x") + (1 if mapped[:1] == b"x" else 0)
+
+
+def utf8_len(text: str) -> int:
+    """UTF-8 length of ``text`` in bytes (no copy for ASCII)."""
+    return len(text) if text.isascii() else len(text.encode())
+
+
+def _content_parts(content: Any) -> tuple[list[str], int]:
+    """(text parts, media parts) of an OpenAI message content (str, list of parts, or None)."""
+    if content is None:
+        return [], 0
+    if isinstance(content, str):
+        return [content], 0
+    texts: list[str] = []
+    media = 0
+    if isinstance(content, list):
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            if part.get("type") in (None, "text"):
+                texts.append(str(part.get("text", "")))
+            else:
+                media += 1
+    return texts, media
+
+
+def _strings_bytes(value: Any) -> int:
+    """UTF-8 bytes of every string (keys and values) in a JSON-like value."""
+    if isinstance(value, str):
+        return utf8_len(value)
+    if isinstance(value, dict):
+        return sum(utf8_len(str(k)) + _strings_bytes(v) for k, v in value.items())
+    if isinstance(value, list):
+        return sum(_strings_bytes(v) for v in value)
+    return len(str(value)) if value is not None else 0
+
+
+@dataclass(frozen=True, slots=True)
+class PromptBounds:
+    """Token bounds of one prompt.
+
+    ``lower`` ≤ true prompt tokens ≤ ``upper``; ``exact`` when both are equal by construction (token-id prompts);
+    ``estimate``: the routing figure (``estimated_prompt_tokens``) used when no exact count is made;
+    ``text_bytes``: UTF-8 bytes of the prompt text, which sizes the counting work.
+    """
+
+    lower: int
+    upper: int
+    estimate: int
+    text_bytes: int
+
+    @property
+    def exact(self) -> bool:
+        return self.lower == self.upper
+
+
+def _finish(lower: int, upper: int, text_bytes: int) -> PromptBounds:
+    estimate = min(upper, max(lower, -(-text_bytes // ESTIMATE_BYTES_PER_TOKEN)))
+    return PromptBounds(lower=lower, upper=max(upper, lower), estimate=estimate, text_bytes=text_bytes)
+
+
+def prompt_bounds(body: dict[str, Any], chat: bool, *, template_overhead: int) -> PromptBounds:
+    """Bounds for a validated request body (``chat``: a ``messages`` body, else a ``prompt`` body).
+
+    ``template_overhead`` (tokens) bounds what the chat template adds beyond the messages and tools (ignored for
+    completions, which vLLM encodes without a template; 2 tokens are allowed for BOS/EOS).
+    """
+    if not chat:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, list):                      # token ids: exact
+            return PromptBounds(len(prompt), len(prompt), len(prompt), 0)
+        text = prompt if isinstance(prompt, str) else ""
+        size = utf8_len(text)
+        return _finish(word_transitions(text.strip()), size + 2, size)
+    lower = 0
+    size = 0
+    media = 0
+    messages = body.get("messages") or []
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        texts, n_media = _content_parts(message.get("content"))
+        media += n_media
+        if message.get("role") != "assistant":
+            lower += sum(word_transitions(t.strip()) for t in texts)
+        size += _strings_bytes({k: v for k, v in message.items() if k != "content"}) + sum(map(utf8_len, texts))
+    tools = body.get("tools")
+    if tools:                                             # vLLM renders them even with tool_choice "none"
+        size += utf8_len(json.dumps(tools, indent=4, ensure_ascii=False))
+    kwargs = body.get("chat_template_kwargs")
+    if isinstance(kwargs, dict):
+        size += _strings_bytes(kwargs)
+    media_tokens = media * MEDIA_PART_TOKENS
+    upper = size + len(messages) * PER_MESSAGE_OVERHEAD_TOKENS + template_overhead + media_tokens
+    return _finish(lower + media_tokens, upper, size)
+
+
+def rendered_bounds(text: str, *, extra_tokens: int, words: int) -> PromptBounds:
+    """Bounds once the prompt text has been rendered by a local chat template: ``tokens <= bytes + 2`` (+ media
+    tokens), ``words`` from :func:`prompt_bounds` as the lower bound."""
+    size = utf8_len(text)
+    return _finish(words, size + 2 + extra_tokens, size)
