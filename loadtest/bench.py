@@ -17,7 +17,7 @@ Scenarios (engines: ``loadtest.fake_engine``, zero prefill cost, scripted inter-
 - ``cpu_full_speed``: closed loop, the decoder writes as fast as it can — events per proxy CPU-second;
 - ``cpu_per_request``: closed loop, 1-token streams — µs of proxy CPU per PD request;
 - ``streams``: closed loops of N streams at 10 tokens/s, N rising until a stall — max streams, RSS per stream;
-- ``workers``: full-speed capacity with ``--workers 2`` vs 1 (unpinned; only if the proxy forks workers).
+- ``workers``: PD-request capacity with ``--workers 2`` vs 1 (unpinned; only if the proxy forks workers).
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ class Bench:
         return out
 
     def workers(self) -> dict[str, Any]:
-        """Full-speed capacity (events/s, wall) with 1 and 2 workers, nothing pinned."""
+        """PD-request capacity (1-token streams, requests/s, wall) with 1 and 2 workers, nothing pinned."""
         out: dict[str, Any] = {}
         for workers in (1, 2):
             child = fleet.proxy_child(f"pdproxy-w{workers}", PDPROXY + f" --workers {workers}", self.prefiller.url,
@@ -175,12 +175,12 @@ class Bench:
                     return {"supported": False, "note": "pdproxy serve --workers 2 did not fork worker processes"}
                 self.proxies["_w"] = child
                 try:
-                    s, _ = self.run("_w", {"kind": "closed", "concurrency": self.p.full_streams * 2},
-                                    self.p.full_tokens, 0.0)
+                    s, _ = self.run("_w", {"kind": "closed", "concurrency": self.p.request_concurrency * 2}, 1,
+                                    0.0)
                 finally:
                     del self.proxies["_w"]
                 out[f"workers_{workers}"] = s
-        one, two = out["workers_1"]["events_per_s"], out["workers_2"]["events_per_s"]
+        one, two = out["workers_1"]["requests_per_s"], out["workers_2"]["requests_per_s"]
         out["capacity_ratio"] = round(two / one, 3) if one and two else None
         return out
 
