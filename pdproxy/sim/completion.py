@@ -241,6 +241,8 @@ async def _stream(server: SimServer, request: web.Request, rank: RankEngine, par
         await sse.done()
         if not sse.reset:
             await resp.write_eof()
+    except ConnectionResetError:
+        pass  # the client went away (or a reset fault fired); the caller aborts the engine request
     finally:
         rank.active_streams -= 1
     return resp

@@ -230,13 +230,16 @@ class SimServer:
                              "body": None if body is _INVALID else body, "raw_len": len(raw),
                              "dp_rank": rank.dp_rank, "port": listener.port})
         fault = listener.faults.match(request.path)
-        if fault is not None:
-            early = await completion.pre_response_fault(fault, request)
-            if early is not None:
-                return early
-        payload = raw if body is _INVALID else body
-        return await completion.handle_completion(self, listener, request, api,  # type: ignore[arg-type]
-                                                  raw, payload, rank, fault)
+        try:
+            if fault is not None:
+                early = await completion.pre_response_fault(fault, request)
+                if early is not None:
+                    return early
+            payload = raw if body is _INVALID else body
+            return await completion.handle_completion(self, listener, request, api,  # type: ignore[arg-type]
+                                                      raw, payload, rank, fault)
+        except ConnectionResetError:  # the client left; aiohttp drops this response quietly
+            return web.Response(status=499)
 
     async def _models(self, _request: web.Request) -> web.Response:
         name = self.config.served_model_name
