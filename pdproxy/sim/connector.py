@@ -95,25 +95,22 @@ def _url(params: dict[str, Any], path: str) -> str:
     return f"http://{host}:{int(params['remote_port'])}{path}"
 
 
+async def _post_ok(session: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout_s: float) -> bool:
+    try:
+        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            await resp.read()
+            return resp.status == 200
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+        return False
+
+
 async def pull(session: aiohttp.ClientSession, params: dict[str, Any], timeout_s: float = 10.0) -> bool:
     """Start reading a prefiller's pinned KV. True when the prefiller holds it; False on 404, errors or
     unreachable hosts (the caller fails the request like ``kv_load_failure_policy="fail"``)."""
-    try:
-        async with session.post(_url(params, PULL_PATH), json=params,
-                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            await resp.read()
-            return resp.status == 200
-    except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
-        return False
+    return await _post_ok(session, _url(params, PULL_PATH), params, timeout_s)
 
 
 async def release(session: aiohttp.ClientSession, params: dict[str, Any], timeout_s: float = 5.0) -> bool:
     """Tell the prefiller to free the pin (after a pull, or instead of one). True if it answered 200."""
     body = {"remote_request_id": params.get("remote_request_id"), "remote_engine_id": params.get("remote_engine_id")}
-    try:
-        async with session.post(_url(params, RELEASE_PATH), json=body,
-                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            await resp.read()
-            return resp.status == 200
-    except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
-        return False
+    return await _post_ok(session, _url(params, RELEASE_PATH), body, timeout_s)
