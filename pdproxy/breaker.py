@@ -105,9 +105,10 @@ class CircuitBreaker:
         self._open_for_s = self.open_s
         self.state = BreakerState.CLOSED
 
-    def record_failure(self, *, retry_after_s: float | None = None) -> None:
+    def record_failure(self, *, retry_after_s: float | None = None, hard: bool = False) -> None:
         """The engine failed a request (transport error, timeout, 5xx).  ``retry_after_s``: the engine's
-        ``Retry-After`` in seconds, which holds the breaker open at least that long (opening it at once)."""
+        ``Retry-After`` in seconds, which holds the breaker open at least that long (opening it at once).
+        ``hard``: proof the engine is down (TCP connection refused: nothing listens), which opens it at once."""
         now = self._clock()
         self.consecutive_failures += 1
         if retry_after_s is not None and retry_after_s > 0:
@@ -117,7 +118,7 @@ class CircuitBreaker:
             self._open_for_s = min(self.open_s * (2 ** self._reopen_count), self.max_open_s)
             self._open(now)
         elif self.state is BreakerState.CLOSED and (self.consecutive_failures >= self.failure_threshold
-                                                     or self.retry_until > now):
+                                                     or self.retry_until > now or hard):
             self._open(now)
 
     def probe_ok(self) -> None:

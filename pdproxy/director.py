@@ -50,13 +50,15 @@ class PrefillResult:
     """What the prefill leg produced: the prefiller, its still-held lease (released when the decoder's first
     event arrives — the KV stays pinned on the prefiller until pulled), the opaque ``kv_transfer_params``
     (None only when decode-side prefill is allowed) and the prefiller's ``cached_tokens``.
-    ``consumed``: a decoder answered, so it pulled the KV (nothing left to release)."""
+    ``consumed``: a decoder answered, so it pulled the KV (nothing left to release); ``decoders``: the decoders
+    sent this handle (a release leg avoids them)."""
 
     endpoint: Endpoint
     lease: Lease
     params: kv_transfer.KVTransferParams | None
     cached_tokens: int | None
     consumed: bool = field(default=False)
+    decoders: list[Endpoint] = field(default_factory=list)
 
     def consume(self) -> None:
         self.consumed = True
@@ -142,6 +144,14 @@ class Director:
         st.health.on_pick(endpoint)
         return endpoint
 
+    def require(self, role: Role, req: ProxyRequest) -> None:
+        """Raise :class:`NoEndpointAvailable` (503 + ``Retry-After``) at once when no endpoint of ``role`` could
+        take ``req`` — checked for decoders before the prefill, so no prefill (and no pinned KV) is wasted."""
+        st = self.state
+        fits = st.admission.fits_prefiller(req) if role is Role.PREFILL else st.admission.fits_decoder(req)
+        if not any(st.health.admits(fits)(e) for e in st.pool.available(role)):
+            raise NoEndpointAvailable(role.value, retry_after_s=st.health.retry_after_s(st.pool.endpoints(role)))
+
     async def backoff(self, attempt: int) -> None:
         """Sleep before retry ``attempt`` (≥ 1): ``retry_backoff_s · 2^(attempt-1)``, ×0.5–1.5 jitter, capped."""
         s = self.state.settings
@@ -156,6 +166,7 @@ class Director:
         attempts = self.state.settings.decode_attempts
         failed: list[Endpoint] = []
         prefill: PrefillResult | None = None
+        self.require(Role.DECODE, req)
         async with AsyncExitStack() as stack:
             try:
                 for attempt in range(attempts):
@@ -168,22 +179,23 @@ class Director:
                         if attempt + 1 >= attempts:
                             raise f.error from None
                         if not f.kv_intact:
-                            self.release_kv(req, ctx, prefill, failed)
+                            self.release_kv(req, ctx, prefill)
                             prefill.lease.release()
                             prefill = None
                         await self.backoff(attempt + 1)
             except BaseException:
                 if prefill is not None and not prefill.consumed:
-                    self.release_kv(req, ctx, prefill, failed)
+                    self.release_kv(req, ctx, prefill)
                 raise
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def release_kv(self, req: ProxyRequest, ctx: RequestContext, prefill: PrefillResult,
-                   avoid: list[Endpoint]) -> None:
-        """Free the prefiller's pinned KV that no decoder will read (background release leg)."""
+    def release_kv(self, req: ProxyRequest, ctx: RequestContext, prefill: PrefillResult) -> None:
+        """Free the prefiller's pinned KV that no decoder will read (background release leg, sent to a decoder
+        other than the ones that already had the handle when possible)."""
         if not prefill.consumed:
             prefill.consumed = True
-            self.kv_release.release(req, ctx.request_id, ctx.authorization, prefill.params, avoid=list(avoid))
+            self.kv_release.release(req, ctx.request_id, ctx.authorization, prefill.params,
+                                    avoid=list(prefill.decoders))
 
     async def run_prefill(self, req: ProxyRequest, ctx: RequestContext, stack: AsyncExitStack) -> PrefillResult:
         """Send the prefill leg, failing over to other prefillers (see module docstring).
@@ -220,7 +232,8 @@ class Director:
                 if not _engine_fault(exc):
                     st.health.record_neutral(endpoint)
                     raise
-                st.health.record_failure(endpoint, retry_after_s=_retry_after_s(exc))
+                st.health.record_failure(endpoint, retry_after_s=_retry_after_s(exc),
+                                         hard=isinstance(exc, UpstreamRefused))
                 status = exc.status_code if isinstance(exc, UpstreamHTTPError) else None
                 if status is not None and status not in _RETRYABLE_STATUS and (status != 500 or retried_500):
                     raise
@@ -255,6 +268,7 @@ class Director:
         s = st.settings
         tokens = (req.prompt_tokens or 0) + (req.max_output_tokens or 0)
         endpoint = self.pick(Role.DECODE, req, exclude)
+        prefill.decoders.append(endpoint)
         ctx.decoder = endpoint.name
         ctx.decoder_dp_rank = endpoint.dp_rank
         body = kv_transfer.decode_body_bytes(req.raw, prefill.params)
@@ -281,8 +295,9 @@ class Director:
                 if not _engine_fault(exc):
                     st.health.record_neutral(endpoint)
                     raise
-                st.health.record_failure(endpoint, retry_after_s=_retry_after_s(exc))
-                raise DecodeFailed(exc, endpoint, kv_intact=isinstance(exc, UpstreamRefused)) from None
+                refused = isinstance(exc, UpstreamRefused)
+                st.health.record_failure(endpoint, retry_after_s=_retry_after_s(exc), hard=refused)
+                raise DecodeFailed(exc, endpoint, kv_intact=refused) from None
         st.health.record_success(endpoint)
         return recomputed
 

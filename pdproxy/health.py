@@ -83,10 +83,11 @@ class HealthMonitor:
         waits = [self.breakers[e].seconds_until_retry() for e in endpoints if e in self.breakers]
         return max(1, math.ceil(min(waits))) if waits else max(1, math.ceil(self.interval_s))
 
-    def record_failure(self, endpoint: Endpoint, *, retry_after_s: float | None = None) -> None:
+    def record_failure(self, endpoint: Endpoint, *, retry_after_s: float | None = None, hard: bool = False) -> None:
         """A leg to ``endpoint`` failed at the transport level, timed out or got a 5xx (never a 4xx).
-        ``retry_after_s``: the engine's ``Retry-After`` (seconds), honoured by the breaker."""
-        self.breaker(endpoint).record_failure(retry_after_s=retry_after_s)
+        ``retry_after_s``: the engine's ``Retry-After`` (seconds), honoured by the breaker; ``hard``: the
+        connection was refused (nothing listens), which opens the breaker at once."""
+        self.breaker(endpoint).record_failure(retry_after_s=retry_after_s, hard=hard)
         self.probe_soon(endpoint)
 
     def record_success(self, endpoint: Endpoint) -> None:

@@ -1,0 +1,99 @@
+"""Admin API (pdproxy/admin.py): list / add / drain / remove endpoints at runtime, behind the admin key."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.reliability.harness import CHAT, Fleet4, parse_sse
+from tests.support import wait_until
+
+pytestmark = pytest.mark.timeout(30)
+
+ADMIN = {"Authorization": "Bearer admin-secret"}
+
+
+def admin(proxy_url: str, method: str, body: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
+          path: str = "/admin/endpoints") -> httpx.Response:
+    return httpx.request(method, proxy_url + path, json=body, headers=ADMIN if headers is None else headers,
+                         timeout=10)
+
+
+def names(proxy_url: str) -> dict[str, dict[str, Any]]:
+    return {e["url"]: e for e in admin(proxy_url, "GET").json()["endpoints"]}
+
+
+def complete(proxy_url: str) -> None:
+    r = httpx.post(proxy_url + "/v1/chat/completions", json={**CHAT, "stream": False, "stream_options": None},
+                   timeout=10)
+    assert r.status_code == 200, r.text
+
+
+def test_admin_key_is_required_and_separate_from_client_keys(fleet4: Fleet4) -> None:
+    off = fleet4.proxy()
+    try:
+        assert admin(off.url, "GET").status_code == 403  # no admin_key configured: the API is off
+    finally:
+        off.stop()
+    proxy = fleet4.proxy(admin_key="admin-secret", api_keys=["sk-client"])
+    try:
+        assert admin(proxy.url, "GET", headers={}).status_code == 403
+        assert admin(proxy.url, "GET", headers={"Authorization": "Bearer sk-client"}).status_code == 403
+        r = admin(proxy.url, "GET", headers={"X-Admin-Key": "admin-secret"})
+        assert r.status_code == 200 and len(r.json()["endpoints"]) == 4
+        row = r.json()["endpoints"][0]
+        assert {"healthy", "draining", "requests", "tokens", "breaker", "max_model_len"} <= set(row)
+    finally:
+        proxy.stop()
+
+
+def test_add_drain_and_remove_at_runtime(fleet4: Fleet4) -> None:
+    d0, d1 = fleet4.decoders
+    proxy = fleet4.proxy(admin_key="admin-secret", decode=[d0.url])
+    try:
+        assert admin(proxy.url, "POST", {"url": d0.url, "role": "decode"}).status_code == 409
+        assert admin(proxy.url, "POST", {"url": d1.url, "role": "sideways"}).status_code == 400
+        r = admin(proxy.url, "POST", {"url": d1.url, "role": "decode"})
+        assert r.status_code == 201 and r.json()["added"][0]["healthy"] is True
+        for _ in range(12):
+            complete(proxy.url)
+        assert d1.completions_received(), "the added decoder takes traffic"
+
+        # drain d0 while one slow stream runs on it: no new work, the stream finishes, then d0 leaves
+        for s in fleet4.all:
+            s.reset()
+        d0.faults({"kind": "slow", "factor": 11, "min_gap_s": 0.01})
+        r = admin(proxy.url, "POST", {"url": d1.url, "role": "decode", "remove": False},
+                  path="/admin/endpoints/drain")
+        assert r.status_code == 202 and r.json()["draining"][0]["leaving"] is False
+        stream: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: stream.update(r=httpx.post(
+            proxy.url + "/v1/chat/completions", json=CHAT, timeout=20)))
+        t.start()
+        wait_until(lambda: d0.state()["active_streams"] == 1, 5, what="stream running on d0")
+        r = admin(proxy.url, "POST", {"url": d1.url, "role": "decode"}, path="/admin/endpoints/undrain")
+        assert r.status_code == 200 and r.json()["endpoints"][0]["draining"] is False
+        r = admin(proxy.url, "POST", {"url": d0.url, "role": "decode"}, path="/admin/endpoints/drain")
+        assert r.status_code == 202 and r.json()["draining"][0]["requests"] == 1
+        before = len(d0.completions_received())
+        for _ in range(5):
+            complete(proxy.url)
+        assert len(d0.completions_received()) == before  # a draining decoder takes no new work
+        assert d0.url in names(proxy.url)                # ... and stays while its stream runs
+        t.join(20)
+        events, done, errors = parse_sse(stream["r"].content)
+        assert events
+        assert stream["r"].status_code == 200 and done == 1 and not errors
+        wait_until(lambda: d0.url not in names(proxy.url), 5, what="drained decoder left when idle")
+
+        assert admin(proxy.url, "DELETE", {"url": d1.url, "role": "decode", "force": True}).status_code == 200
+        assert names(proxy.url).keys() == {p.url for p in fleet4.prefillers}
+        r = httpx.post(proxy.url + "/v1/chat/completions", json={**CHAT, "stream": False, "stream_options": None})
+        assert r.status_code == 503 and "retry-after" in r.headers  # no decoder left: 503 at once
+        assert admin(proxy.url, "DELETE", {"url": d1.url, "role": "decode"}).status_code == 404
+        proxy.wait_idle()
+    finally:
+        proxy.stop()

@@ -1,0 +1,125 @@
+"""The circuit breaker's state machine on a fake clock (no sleeps), and the health monitor's pick filter."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdproxy.breaker import BreakerState, CircuitBreaker
+from pdproxy.endpoints import Role, expand
+from pdproxy.errors import NoEndpointAvailable
+from pdproxy.health import HealthMonitor
+from pdproxy.pool import EndpointPool
+from pdproxy.scheduler import Scheduler
+
+pytestmark = pytest.mark.timeout(5)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def breaker(clock: Clock, **kw: float) -> CircuitBreaker:
+    return CircuitBreaker(failure_threshold=int(kw.get("threshold", 3)), open_s=kw.get("open_s", 2.0),
+                          max_open_s=kw.get("max_open_s", 16.0), clock=clock)
+
+
+def test_opens_after_consecutive_failures_only() -> None:
+    clock = Clock()
+    b = breaker(clock)
+    b.record_failure()
+    b.record_failure()
+    b.record_success()              # a success in between resets the count
+    b.record_failure()
+    b.record_failure()
+    assert b.state is BreakerState.CLOSED and b.can_take()
+    b.record_failure()
+    assert b.state is BreakerState.OPEN and not b.can_take()
+    assert b.seconds_until_retry() == pytest.approx(2.0)
+
+
+def test_half_open_admits_one_trial_then_closes_on_success() -> None:
+    clock = Clock()
+    b = breaker(clock, threshold=1)
+    b.record_failure()
+    clock.now += 1.9
+    assert not b.can_take()
+    clock.now += 0.2
+    assert b.can_take()
+    b.on_pick()
+    assert b.state is BreakerState.HALF_OPEN
+    assert not b.can_take()         # one trial at a time
+    b.record_success()
+    assert b.state is BreakerState.CLOSED and b.can_take()
+
+
+def test_failed_trial_reopens_with_doubling_wait_capped() -> None:
+    clock = Clock()
+    b = breaker(clock, threshold=1, open_s=2.0, max_open_s=5.0)
+    b.record_failure()
+    waits = []
+    for _ in range(4):
+        clock.now += b.seconds_until_retry()
+        b.on_pick()
+        b.record_failure()
+        waits.append(b.seconds_until_retry())
+    assert waits == [4.0, 5.0, 5.0, 5.0]
+    clock.now += 5.0
+    b.on_pick()
+    b.record_success()
+    assert b.state is BreakerState.CLOSED
+    b.record_failure()              # after a recovery the open period starts over from open_s
+    assert b.seconds_until_retry() == pytest.approx(2.0)
+
+
+def test_neutral_end_of_a_trial_frees_the_slot() -> None:
+    clock = Clock()
+    b = breaker(clock, threshold=1)
+    b.record_failure()
+    clock.now += 2.0
+    b.on_pick()
+    assert not b.can_take()
+    b.release_trial()               # e.g. the client left, or the engine answered 4xx
+    assert b.can_take() and b.state is BreakerState.HALF_OPEN
+
+
+def test_retry_after_holds_it_open_and_probe_success_readmits() -> None:
+    clock = Clock()
+    b = breaker(clock, threshold=3, open_s=2.0)
+    b.record_failure(retry_after_s=7)
+    assert b.state is BreakerState.OPEN
+    clock.now += 3.0
+    b.probe_ok()                    # the engine asked for 7 s: a probe does not override that
+    assert not b.can_take()
+    clock.now += 4.0
+    assert b.can_take()
+    c = breaker(clock, threshold=1, open_s=30.0)
+    c.record_failure()
+    assert not c.can_take()
+    c.probe_ok()                    # /health answers again: trial traffic at once
+    assert c.can_take()
+
+
+def test_hard_failure_opens_at_once() -> None:
+    b = breaker(Clock(), threshold=5)
+    b.record_failure(hard=True)
+    assert b.state is BreakerState.OPEN
+
+
+def test_monitor_filters_open_endpoints_and_reports_retry_after() -> None:
+    clock = Clock()
+    eps = expand(["http://p0:1", "http://p1:1"], Role.PREFILL)
+    pool = EndpointPool(eps)
+    health = HealthMonitor(pool, engines=None, infos={}, interval_s=1.0, refresh_interval_s=1.0,  # type: ignore
+                           breaker_failures=1, breaker_open_s=3.0, clock=clock)
+    sched = Scheduler(pool, seed=1)
+    health.record_failure(eps[0])
+    assert {sched.choose(Role.PREFILL, fits=health.admits()) for _ in range(20)} == {eps[1]}
+    health.record_failure(eps[1], retry_after_s=10)
+    with pytest.raises(NoEndpointAvailable):
+        sched.choose(Role.PREFILL, fits=health.admits())
+    assert health.retry_after_s(eps) == 3
+    assert health.snapshot(eps[1])["breaker"] == "open"

@@ -1,0 +1,157 @@
+"""Client disconnects in each phase (issue 5): within 1 s of the client leaving, every upstream connection is
+closed, every lease released and the prefiller's pinned KV freed.
+
+Each test starts 16 concurrent streaming requests, waits until all of them are in the phase under test (observed
+on the engines and the proxy, never by sleeping), drops every client connection, and then polls — with a 1 s
+deadline — the simulators' ``/sim/state`` (running, waiting, active streams, pinned blocks) and the proxy's load
+counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from pdproxy.tokens import sim_prompt
+from tests.reliability.harness import CHAT, Fleet4
+from tests.support import ProxyThread, SimProcess, wait_until
+
+pytestmark = pytest.mark.timeout(40)
+
+N = 16
+LEAVE_WITHIN_S = 1.0
+
+
+def chat(prompt_tokens: int, max_tokens: int, seed: int) -> dict[str, Any]:
+    return {**CHAT, "messages": [{"role": "user", "content": sim_prompt(prompt_tokens, unique=True, seed=seed)}],
+            "max_tokens": max_tokens}
+
+
+async def _client(url: str, body: dict[str, Any], events: list[int], i: int) -> None:
+    async with httpx.AsyncClient(timeout=30) as client, \
+            client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+        async for chunk in resp.aiter_raw():
+            events[i] += chunk.count(b"data:")
+
+
+def leave_when(url: str, bodies: list[dict[str, Any]], ready: Callable[[list[int]], bool]) -> float:
+    """Start one streaming client per body, wait until ``ready(events per client)``, then drop every client
+    connection.  Returns the monotonic time the clients left."""
+    async def main() -> float:
+        events = [0] * len(bodies)
+        tasks = [asyncio.create_task(_client(url, b, events, i)) for i, b in enumerate(bodies)]
+        deadline = time.monotonic() + 15
+        while not ready(events):
+            assert time.monotonic() < deadline, f"phase not reached: events={events}"
+            assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
+            await asyncio.sleep(0.02)
+        for t in tasks:
+            t.cancel()
+        left = time.monotonic()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return left
+    return asyncio.run(main())
+
+
+def engine(sim: SimProcess) -> dict[str, Any]:
+    return sim.state()
+
+
+def assert_released(proxy: ProxyThread, sims: list[SimProcess], left_at: float) -> None:
+    """Within LEAVE_WITHIN_S of ``left_at``: no engine request or stream left, no pinned KV, proxy idle."""
+    def clean() -> bool:
+        for s in sims:
+            st = s.state()
+            if st["running"] or st["waiting"] or st["active_streams"] or st["pinned_blocks"]:
+                return False
+        st = proxy.state
+        return st is not None and st.pool.idle() and st.in_flight == 0
+    remaining = LEAVE_WITHIN_S - (time.monotonic() - left_at)
+    wait_until(clean, max(remaining, 0.05), 0.02, "engines and proxy released after the clients left "
+                                                  f"({[s.state() for s in sims]}, load={proxy.load()})")
+
+
+def test_disconnect_during_prefill(slow_pair: tuple[SimProcess, SimProcess]) -> None:
+    prefiller, decoder = slow_pair
+    for s in slow_pair:
+        s.reset()
+    aborted_before = engine(prefiller)["aborted"]
+    proxy = ProxyThread(prefill=[prefiller.url], decode=[decoder.url]).start()
+    try:
+        bodies = [chat(2000, 8, seed) for seed in range(N)]  # 16 × 2000 tokens at 4000 tokens/s: ~8 s of prefill
+        left = leave_when(proxy.url, bodies, lambda _ev: proxy.state.in_flight == N
+                          and engine(prefiller)["running"] > 0)
+        assert_released(proxy, [prefiller, decoder], left)
+        st = engine(prefiller)
+        assert st["aborted"] - aborted_before == len(prefiller.completions_received())  # every prefill aborted
+        assert decoder.completions_received() == []
+    finally:
+        proxy.stop()
+
+
+def test_disconnect_in_the_gap_between_prefill_and_decode(fleet4: Fleet4) -> None:
+    """The client leaves after the prefill answered and before the decode leg: the prefiller's pinned KV is freed
+    by a release leg (the decoder receives the handle with max_tokens 1 and tells the prefiller), not after the
+    engine's pin timeout."""
+    proxy = fleet4.proxy()
+    try:
+        director = proxy.app.director
+        assert director is not None
+        paused: list[str] = []
+
+        async def pause_before_decode(*_a: Any, **_kw: Any) -> bool:
+            paused.append("x")
+            await asyncio.Event().wait()  # until cancelled by the client's disconnect
+            return False
+
+        director.run_decode = pause_before_decode  # type: ignore[method-assign]
+        pinned_while_paused: list[int] = []
+
+        def all_paused(_ev: list[int]) -> bool:
+            if len(paused) < N:
+                return False
+            pinned_while_paused.append(fleet4.pinned())
+            return True
+
+        left = leave_when(proxy.url, [chat(300, 8, s) for s in range(N)], all_paused)
+        assert pinned_while_paused[-1] > 0  # every prefill answered and pinned its KV
+        assert_released(proxy, fleet4.all, left)
+        legs = [r["body"] for s in fleet4.decoders for r in s.completions_received()]
+        assert len(legs) == N and all(b["max_tokens"] == 1 and b["stream"] is False for b in legs)
+        assert all(b["kv_transfer_params"]["do_remote_prefill"] for b in legs)
+    finally:
+        proxy.stop()
+
+
+def test_disconnect_while_decoder_has_not_answered(fleet4: Fleet4) -> None:
+    """The decoder holds the request without a first event (hung); the client leaves: the decode connection is
+    closed and the prefiller's KV released."""
+    decoder = fleet4.decoders[0]
+    proxy = fleet4.proxy(decode=[decoder.url])
+    try:
+        decoder.faults({"kind": "hang", "times": N})
+        left = leave_when(proxy.url, [chat(300, 8, s) for s in range(N)],
+                          lambda _ev: len(decoder.completions_received()) == N)
+        assert_released(proxy, fleet4.all, left)
+    finally:
+        proxy.stop()
+
+
+def test_disconnect_mid_stream(slow_pair: tuple[SimProcess, SimProcess]) -> None:
+    prefiller, decoder = slow_pair
+    for s in slow_pair:
+        s.reset()
+    aborted_before = engine(decoder)["aborted"]
+    proxy = ProxyThread(prefill=[prefiller.url], decode=[decoder.url]).start()
+    try:
+        bodies = [chat(100, 400, seed) for seed in range(N)]  # 400 tokens at 50 tokens/s: ~8 s streams
+        left = leave_when(proxy.url, bodies, lambda ev: all(n >= 3 for n in ev))
+        assert_released(proxy, [prefiller, decoder], left)
+        assert engine(decoder)["aborted"] - aborted_before == N
+    finally:
+        proxy.stop()

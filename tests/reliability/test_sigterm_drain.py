@@ -1,0 +1,86 @@
+"""SIGTERM drain with a real ``pdproxy serve`` process (pdproxy/shutdown.py).
+
+After SIGTERM: new requests get 503 + ``Retry-After`` (and ``/health`` 503), the streams already in flight run to
+their ``data: [DONE]``, and the process exits with status 0 once they are done — well within ``shutdown_grace_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.reliability.harness import CHAT, parse_sse
+from tests.support import SimProcess, free_port, wait_until
+
+pytestmark = pytest.mark.timeout(40)
+
+STREAMS = 4
+MAX_TOKENS = 60  # at 50 tokens/s: ~1.2 s per stream
+
+
+def test_sigterm_refuses_new_work_and_lets_streams_finish(slow_pair: tuple[SimProcess, SimProcess]) -> None:
+    prefiller, decoder = slow_pair
+    for s in slow_pair:
+        s.reset()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "pdproxy", "serve", "--host", "127.0.0.1", "--port", str(port),
+                             "--prefill", prefiller.url, "--decode", decoder.url, "--shutdown-grace-s", "20",
+                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        def healthy() -> bool:
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+        wait_until(healthy, 20, 0.1, "pdproxy serve healthy")
+
+        async def scenario() -> tuple[list[bytes], httpx.Response, int, float]:
+            started = [0] * STREAMS
+            async with httpx.AsyncClient(timeout=30) as client:
+                async def stream(i: int) -> bytes:
+                    body = {**CHAT, "max_tokens": MAX_TOKENS}
+                    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                        data = b""
+                        async for chunk in r.aiter_raw():
+                            started[i] = 1
+                            data += chunk
+                        return data
+                tasks = [asyncio.create_task(stream(i)) for i in range(STREAMS)]
+                while not all(started):
+                    await asyncio.sleep(0.02)
+                os.kill(proc.pid, signal.SIGTERM)
+                signalled = time.monotonic()
+                async with httpx.AsyncClient(timeout=5) as fresh:  # a new connection after SIGTERM
+                    refused = None
+                    while refused is None or refused.status_code != 503:
+                        refused = await fresh.post(url + "/v1/chat/completions", json=CHAT)
+                    health = (await fresh.get(url + "/health")).status_code
+                return await asyncio.gather(*tasks), refused, health, signalled
+
+        bodies, refused, health, signalled = asyncio.run(scenario())
+        assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error"]["code"] == 503
+        assert health == 503
+        for body in bodies:
+            events, done, errors = parse_sse(body)
+            assert done == 1 and not errors
+            assert [e["usage"]["completion_tokens"] for e in events if e.get("usage")] == [MAX_TOKENS]
+        assert proc.wait(timeout=10) == 0
+        assert time.monotonic() - signalled < 10
+        assert decoder.state()["active_streams"] == 0 and prefiller.state()["pinned_blocks"] == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if proc.stderr:
+            proc.stderr.close()
