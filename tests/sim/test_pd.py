@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -165,3 +166,18 @@ async def test_no_kv_params_fault_answers_without_params_and_frees_blocks(http: 
         assert body["kv_transfer_params"] is None and body["choices"][0]["finish_reason"] == "stop"
         assert (await state(http, p))["kv_blocks_used"] == 0
         assert (await prefill(http, p.base_urls[0], 100))["kv_transfer_params"] is not None
+
+
+async def test_recompute_stop_on_decoder_preemption_ends_the_stream(http: aiohttp.ClientSession) -> None:
+    cfg = SimConfig(port=0, role="decode", recompute_stop=True, block_size=4, num_gpu_blocks_override=6,
+                    max_model_len=64, decode_tokens_per_s=500)
+    async with running_sim(cfg) as d:
+        body = {"prompt": sim_prompt(8), "max_tokens": 12, "stream": True}
+        results = await asyncio.gather(*(post(http, d.base_urls[0] + "/v1/completions", body) for _ in range(2)))
+        finals = [json.loads(sse_data(text)[-2])["choices"][0] for _, text, _ in results]
+        assert sorted((f["finish_reason"], f["stop_reason"]) for f in finals) == [("length", None),
+                                                                                  ("stop", "recomputed")]
+        recomputed = next(f for f in finals if f["stop_reason"] == "recomputed")
+        assert recomputed["text"] == ""
+        final_state = await state(http, d)
+        assert final_state["preemptions"] == 1 and final_state["kv_blocks_used"] == 0

@@ -8,6 +8,8 @@ from pdproxy.sim.config import SimConfig
 from pdproxy.sim.scheduler import EngineCore, EngineRequest, Status
 from pdproxy.tokens import SimTokenizer, sim_prompt
 
+pytestmark = pytest.mark.timeout(15)
+
 SEED_000 = SimConfig(max_model_len=133120, block_size=4, num_gpu_blocks_override=1146)
 
 

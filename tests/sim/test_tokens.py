@@ -18,6 +18,8 @@ from pdproxy.tokens import (
     sim_prompt,
 )
 
+pytestmark = pytest.mark.timeout(15)
+
 TEXTS = ["hello world", " a b c", "naïve 世界 café!!! 12345 __x__  \n\n x", "it's 3.14, don't", "", "\r\n\t",
          "supercalifragilistic", "emoji 😀😀 done", "a_b-c/d\\e"]
 
