@@ -13,8 +13,9 @@ Checks, in order (each row of the report is one check on one engine or one P→D
    happens");
 4. ``tool_call`` — a P→D round trip of a chat with a tool, expecting ``finish_reason: "tool_calls"`` (reported,
    never a failure: the model may simply not call tools);
-5. ``cold_context`` — unique-text prompts of growing size up to ``max_model_len`` on each engine, each bounded
-   by a timeout: the largest size that completed and where it stalled (:mod:`pdproxy.doctor_probes`);
+5. ``cold_context`` — unique-text prompts of growing size up to ``max_model_len`` on each engine (engines
+   concurrently, sizes one after another), each bounded by a timeout: the largest size that completed and where
+   it stalled (:mod:`pdproxy.doctor_probes`);
 6. ``pd_models`` / ``pd_limits`` / ``kv_connector`` — prefillers and decoders serve the same model with
    compatible limits, and every prefiller returns ``kv_transfer_params`` (a KV connector in the producer role);
    a decoder that cannot use them, or params naming ``localhost`` for a decoder on another host, is reported.
@@ -266,17 +267,20 @@ async def run_doctor(settings: Settings, options: DoctorOptions) -> Report:
                     check_round_trip(report, rt, p, d)
             elif not options.round_trip:
                 report.add("tool_call", "P/D", "skip", "--no-round-trip")
-            if options.cold_probe:
+            if options.cold_probe:  # engines are independent: probe them concurrently, report in order
                 deadline = time.monotonic() + options.cold_budget_s
+                known = [e for e in usable if infos[e].max_model_len is not None]
+                probes = await asyncio.gather(*(
+                    cold_probe(client, e, model, infos[e].max_model_len or 0, start_tokens=options.cold_start_tokens,
+                               timeout_s=options.cold_timeout_s, deadline=deadline,
+                               bisect_steps=options.cold_bisect_steps, api_key=key) for e in known))
+                by_endpoint = dict(zip(known, probes, strict=True))
                 for e in usable:
-                    mml = infos[e].max_model_len
-                    if mml is None:
+                    probe = by_endpoint.get(e)
+                    if probe is None:
                         report.add("cold_context", e.name, "skip", "max_model_len unknown")
-                        continue
-                    probe = await cold_probe(client, e, model, mml, start_tokens=options.cold_start_tokens,
-                                             timeout_s=options.cold_timeout_s, deadline=deadline,
-                                             bisect_steps=options.cold_bisect_steps, api_key=key)
-                    check_cold(report, probe, options.cold_timeout_s, mml)
+                    else:
+                        check_cold(report, probe, options.cold_timeout_s, infos[e].max_model_len or 0)
             else:
                 report.add("cold_context", "*", "skip", "--no-cold-probe")
     finally:

@@ -17,7 +17,6 @@ deployment.  Facts they rely on:
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -151,22 +150,19 @@ class PromptSizer:
             sample = "".join(cold_paragraph(i, nonce) for i in range(32))
             n = await self.count(sample)
             self.per_paragraph = max(1.0, (n if n else len(sample) / 4) / 32)
-        per = self.per_paragraph
-        paragraphs = max(1, round(target / per))
-        text, n = "", 0
+        best: tuple[str, int] | None = None
         for _ in range(6):
+            paragraphs = max(1, int(target / self.per_paragraph))
             text = "".join(cold_paragraph(i, nonce) for i in range(paragraphs))
             counted = await self.count(text) if self.exact else None
             if counted is None:
                 return text, min(limit, len(text) // 4)
-            n = counted
-            if n > limit:
-                paragraphs = max(1, paragraphs - max(1, math.ceil((n - limit) / per)))
-            elif n < 0.95 * target and paragraphs * per < limit:
-                paragraphs += max(1, int((target - n) / per))
-            else:
+            self.per_paragraph = max(1.0, counted / paragraphs)  # refine with what the engine counted
+            if counted <= limit and (best is None or counted > best[1]):
+                best = (text, counted)
+            if counted <= limit and counted >= target - 2 * self.per_paragraph:
                 break
-        return text, n
+        return best if best is not None else (text, counted)
 
 
 def cold_sizes(limit: int, start: int) -> list[int]:

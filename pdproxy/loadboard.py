@@ -23,6 +23,7 @@ the board and keep a per-worker count.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import zlib
@@ -61,7 +62,8 @@ class LoadBoard:
                 f.truncate(size)
         with open(self.path, "r+b") as f:
             if os.fstat(f.fileno()).st_size != size:
-                raise ValueError(f"load board {self.path} does not match {len(self.endpoints)} endpoints × {rows} rows")
+                raise ValueError(f"load board {self.path} was made for other settings (not {len(self.endpoints)} "
+                                 f"endpoints × {rows} rows)")
             self._mm = mmap.mmap(f.fileno(), size)
         self.cells: Any = memoryview(self._mm).cast("q")
         if create:
@@ -154,23 +156,34 @@ class RowLoad(EndpointLoad):
         self._cells = cells
         self._ri = requests_cell
         self._ti = tokens_cell
-        super().__init__()
+        super().__init__(requests=int(cells[requests_cell]), tokens=int(cells[tokens_cell]))  # keep the row as is
 
     @property  # type: ignore[override]
     def requests(self) -> int:
-        return int(self._cells[self._ri])
+        return self._get(self._ri)
 
     @requests.setter
     def requests(self, value: int) -> None:
-        self._cells[self._ri] = value
+        self._set(self._ri, value)
 
     @property  # type: ignore[override]
     def tokens(self) -> int:
-        return int(self._cells[self._ti])
+        return self._get(self._ti)
 
     @tokens.setter
     def tokens(self, value: int) -> None:
-        self._cells[self._ti] = value
+        self._set(self._ti, value)
+
+    # A lease released after the board was unmapped (worker exiting) has nothing left to account for.
+    def _get(self, cell: int) -> int:
+        try:
+            return int(self._cells[cell])
+        except ValueError:
+            return 0
+
+    def _set(self, cell: int, value: int) -> None:
+        with contextlib.suppress(ValueError):
+            self._cells[cell] = value
 
 
 class TotalLoad(EndpointLoad):

@@ -94,6 +94,7 @@ def worker_main(settings: Settings, sock: socket.socket, board_path: str, row: i
     os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor only; it sends each worker one SIGTERM (drain)
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[w{row}] %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per health probe otherwise
     parent = os.getppid()
     with LoadBoard.attach(Path(board_path), settings.all_endpoints(), settings.workers) as board:
         app = PDProxyApp(settings, pool_factory=lambda endpoints: board.pool(endpoints, row))
@@ -198,5 +199,6 @@ def serve_workers(settings: Settings) -> int:
         host, port = sock.getsockname()[:2]
         log.info("pdproxy: %d workers on %s:%d (load board %s, metrics %s)", settings.workers, host, port,
                  board.path, metrics_dir)
-        print(f"pdproxy: {settings.workers} workers listening on http://{host}:{port}", file=sys.stderr, flush=True)
+        print(f"pdproxy: {settings.workers} workers listening on http://{host}:{port} (run directory {run_dir})",
+              file=sys.stderr, flush=True)
         return Supervisor(settings, sock, board).run()

@@ -1,0 +1,154 @@
+"""``GET /metrics`` after known traffic: request counts, rejections, phase histograms, in-flight gauges, engine gauges.
+
+Also ``X-Request-Id`` (honoured and returned) and the optional routing headers.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from pdproxy.errors import BadRequest, NoEndpointAvailable, Overloaded, PromptTooLong, UpstreamHTTPError
+from pdproxy.metrics import PHASES, ProxyMetrics, rejection_of
+from pdproxy.timeline import RequestContext, Timeline
+from tests.conftest import Fleet
+from tests.ops.promtext import Samples, scrape
+from tests.support import ProxyThread, wait_until
+
+pytestmark = pytest.mark.timeout(30)
+
+CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "Hello metrics"}], "max_tokens": 8}
+
+
+def test_metrics_count_known_traffic(proxy: ProxyThread, sims: Fleet) -> None:
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=20)
+    for _ in range(2):
+        chunks = list(client.chat.completions.create(**CHAT, stream=True, stream_options={"include_usage": True}))
+        assert chunks[-1].usage is not None
+    client.completions.create(model="sim-model", prompt="Hello there", max_tokens=4)
+    bad = httpx.post(proxy.url + "/v1/chat/completions", json={"model": "sim-model", "max_tokens": 4})
+    assert bad.status_code == 400
+    proxy.wait_idle()
+
+    m = scrape(proxy.url)
+    assert m.value("pdproxy_requests_total", api="chat", status="200", outcome="ok") == 2
+    assert m.value("pdproxy_requests_total", api="completions", status="200", outcome="ok") == 1
+    assert m.value("pdproxy_requests_total", api="chat", status="400", outcome="bad_request") == 1
+    assert m.value("pdproxy_rejections_total", reason="bad_request", detail="messages") == 1
+    assert m.total("pdproxy_rejections_total") == 1
+    assert m.value("pdproxy_time_to_first_token_seconds_count", api="chat") == 2
+    assert m.value("pdproxy_time_to_first_token_seconds_count", api="completions") == 1
+    assert m.value("pdproxy_inter_token_latency_seconds_count", api="chat") == 2  # one per streamed request
+    for name, _, _ in PHASES.values():  # the served requests went through every phase; the 400 through none
+        assert m.value(f"{name}_count", api="chat") == 2, name
+        assert m.value(f"{name}_count", api="completions") == 1, name
+    assert m.value("pdproxy_e2e_request_latency_seconds_count", api="chat", outcome="ok") == 2
+    assert m.value("pdproxy_e2e_request_latency_seconds_count", api="chat", outcome="bad_request") == 1
+    ttft_sum = m.value("pdproxy_time_to_first_token_seconds_sum", api="chat")
+    e2e_sum = m.value("pdproxy_e2e_request_latency_seconds_sum", api="chat", outcome="ok")
+    assert 0 < ttft_sum <= e2e_sum
+    assert m.total("pdproxy_requests_in_progress") == 0
+    # load back to zero, every endpoint healthy, breakers closed
+    assert m.total("pdproxy_inflight_requests") == 0 and m.total("pdproxy_inflight_tokens") == 0
+    urls = {s.url for s in sims.all}
+    assert {lab["endpoint"] for lab, _ in m.find("pdproxy_endpoint_healthy")} == urls
+    assert all(v == 1 for _, v in m.find("pdproxy_endpoint_healthy"))
+    if m.find("pdproxy_endpoint_breaker_state"):
+        assert m.total("pdproxy_endpoint_breaker_state", state="closed") == 3
+    # the engines' own gauges, re-exported per endpoint (sim: max_model_len 4096, pool 4 × 4096 tokens)
+    for s in sims.all:
+        role = s.role
+        assert m.value("pdproxy_engine_up", endpoint=s.url, role=role) == 1
+        assert m.value("pdproxy_engine_max_model_len", endpoint=s.url) == 4096
+        assert m.value("pdproxy_engine_kv_pool_tokens", endpoint=s.url) == 4 * 4096
+        assert m.value("pdproxy_engine_num_requests_running", endpoint=s.url) == 0
+        assert {lab["reason"] for lab, _ in m.find("pdproxy_engine_num_requests_waiting_by_reason",
+                                                    endpoint=s.url)} == {"capacity", "deferred"}
+
+
+def _raw_request(port: int, body: dict[str, object]) -> socket.socket:
+    payload = orjson.dumps(body)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    return sock
+
+
+def test_inflight_gauges_during_a_request_and_after_disconnect(proxy: ProxyThread, sims: Fleet) -> None:
+    sims.prefillers[0].faults({"kind": "hang", "on_request": 1})  # the prefill leg of the request under test
+    sock = _raw_request(proxy.port, {**CHAT, "stream": True})
+    try:
+        def inflight() -> Samples | None:
+            m = scrape(proxy.url)
+            return m if m.total("pdproxy_inflight_requests", role="prefill") == 1 else None
+
+        m = wait_until(inflight, 10, 0.05, "prefill lease visible in /metrics")
+        assert m.total("pdproxy_inflight_tokens", role="prefill") > 0
+        assert m.total("pdproxy_inflight_requests", role="decode") == 0
+        assert m.value("pdproxy_requests_in_progress", api="chat") == 1
+    finally:
+        sock.close()
+    proxy.wait_idle()
+    m = wait_until(lambda: (s := scrape(proxy.url)).total("pdproxy_requests_in_progress") == 0 and s, 5, 0.05)
+    assert m.value("pdproxy_requests_total", api="chat", status="0", outcome="client_disconnected") == 1
+    assert m.total("pdproxy_inflight_requests") == 0 and m.total("pdproxy_inflight_tokens") == 0
+
+
+def test_request_id_honoured_and_routing_headers(sims: Fleet) -> None:
+    p = ProxyThread(prefill=[s.url for s in sims.prefillers], decode=[s.url for s in sims.decoders],
+                    expose_routing_headers=True).start()
+    try:
+        r = httpx.post(p.url + "/v1/completions", json={"model": "sim-model", "prompt": "hi", "max_tokens": 2},
+                       headers={"X-Request-Id": "ops-req-1"}, timeout=10)
+        assert r.status_code == 200
+        assert r.headers["x-request-id"] == "ops-req-1"
+        assert r.headers["x-pdproxy-prefiller"] == sims.prefillers[0].url
+        assert r.headers["x-pdproxy-decoder"] in {d.url for d in sims.decoders}
+        (leg,) = sims.prefillers[0].completions_received()
+        assert leg["headers"]["x-request-id"].startswith("ops-req-1-")  # recognisable, and unique per request
+        r2 = httpx.post(p.url + "/v1/completions", json={"model": "sim-model", "prompt": "hi", "max_tokens": 2},
+                        timeout=10)
+        assert r2.headers["x-request-id"]  # generated when the client sent none
+        p.wait_idle()
+    finally:
+        p.stop()
+
+
+def test_rejection_reasons() -> None:
+    too_long = PromptTooLong("x", limit_kind="kv_pool", prompt_tokens=5000, limit=4584)
+    assert rejection_of(too_long) == ("too_long", "kv_pool")
+    assert rejection_of(Overloaded("full")) == ("queue_full", "")
+    assert rejection_of(NoEndpointAvailable("decode")) == ("no_endpoint", "decode")
+    assert rejection_of(BadRequest("bad", param="n")) == ("bad_request", "n")
+    assert rejection_of(UpstreamHTTPError(400, b"{}")) is None  # the engine's answer, not ours
+
+    class Declared(Overloaded):
+        rejection = ("deadline", "queue")
+
+    assert rejection_of(Declared("late")) == ("deadline", "queue")
+
+
+def test_observe_computes_ttft_itl_tpot_and_phases() -> None:
+    metrics = ProxyMetrics(lambda: None)
+    tl = Timeline(arrived_at=10.0, admitted_at=10.1, prefill_start_at=10.1, prefill_end_at=10.5,
+                  decode_start_at=10.5, first_token_at=10.7, last_token_at=11.7, finished_at=11.7)
+    ctx = RequestContext(request_id="r", client_request_id=None, api_label="chat", status=200, events=11,
+                         completion_tokens=11, timeline=tl)
+    metrics.started("chat")
+    metrics.observe(ctx, None)
+    m = Samples(metrics.render().decode())
+    assert m.value("pdproxy_time_to_first_token_seconds_sum", api="chat") == pytest.approx(0.7)
+    assert m.value("pdproxy_inter_token_latency_seconds_sum", api="chat") == pytest.approx(0.1)
+    assert m.value("pdproxy_request_time_per_output_token_seconds_sum", api="chat") == pytest.approx(0.1)
+    assert m.value("pdproxy_prefill_time_seconds_sum", api="chat") == pytest.approx(0.4)
+    assert m.value("pdproxy_decode_first_token_seconds_sum", api="chat") == pytest.approx(0.2)
+    assert m.value("pdproxy_decode_time_seconds_sum", api="chat") == pytest.approx(1.0)
+    assert m.value("pdproxy_e2e_request_latency_seconds_sum", api="chat", outcome="ok") == pytest.approx(1.7)
+    assert m.value("pdproxy_requests_in_progress", api="chat") == 0
+    # one registry per app: a second app does not share (or collide with) the first one's series
+    other = Samples(ProxyMetrics(lambda: None).render().decode())
+    assert other.value("pdproxy_requests_total", api="chat", status="200", outcome="ok") == 0

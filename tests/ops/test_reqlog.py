@@ -1,0 +1,99 @@
+"""One structured JSON line per request at completion; no prompt text unless ``log_prompts``."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from pdproxy.reqlog import LOGGER_NAME, RequestLog, request_record
+from pdproxy.settings import load_settings
+from pdproxy.timeline import RequestContext
+from tests.conftest import Fleet
+from tests.support import ProxyThread, wait_until
+
+pytestmark = pytest.mark.timeout(30)
+
+SECRET = "the secret prompt text 7f3a"
+
+
+def _lines(path: Path, n: int) -> list[dict[str, Any]]:
+    def read() -> list[dict[str, Any]] | None:
+        if not path.exists():
+            return None
+        rows = [orjson.loads(x) for x in path.read_bytes().splitlines() if x.strip()]
+        return rows if len(rows) >= n else None
+
+    return list(wait_until(read, 5, 0.02, f"{n} request-log lines in {path}"))
+
+
+def _proxy(sims: Fleet, **settings: Any) -> ProxyThread:
+    return ProxyThread(prefill=[s.url for s in sims.prefillers], decode=[s.url for s in sims.decoders],
+                       **settings).start()
+
+
+def test_one_line_per_request_without_prompt_text(sims: Fleet, tmp_path: Path) -> None:
+    path = tmp_path / "requests.jsonl"
+    p = _proxy(sims, request_log_path=str(path))
+    try:
+        body = {"model": "sim-model", "messages": [{"role": "user", "content": SECRET}], "max_tokens": 5,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", p.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "log-1"},
+                          timeout=10) as r:
+            assert r.status_code == 200
+            r.read()
+        bad = httpx.post(p.url + "/v1/completions", json={"model": "sim-model", "prompt": ""}, timeout=10)
+        assert bad.status_code == 400
+        p.wait_idle()
+    finally:
+        p.stop()
+    ok, rejected = _lines(path, 2)
+    assert SECRET.encode() not in path.read_bytes()
+    assert "messages" not in ok and "prompt" not in ok
+    assert ok["event"] == "request" and ok["client_request_id"] == "log-1"
+    assert ok["request_id"].startswith("log-1-")
+    assert (ok["api"], ok["model"], ok["stream"], ok["status"], ok["outcome"]) == ("chat", "sim-model", True, 200, "ok")
+    assert ok["prefiller"] == sims.prefillers[0].url
+    assert ok["decoder"] in {d.url for d in sims.decoders}
+    assert "dp_rank" in ok and ok["prompt_tokens"] > 0 and ok["cached_tokens"] is not None
+    assert ok["events"] >= 2
+    for phase in ("admission_wait_s", "prefill_s", "pd_gap_s", "decode_first_token_s", "decode_s", "ttft_s"):
+        assert ok[phase] is not None and ok[phase] >= 0, phase
+    assert ok["ttft_s"] <= ok["e2e_s"]
+    assert (rejected["api"], rejected["status"], rejected["outcome"]) == ("completions", 400, "bad_request")
+    assert rejected["rejection"] == "bad_request:prompt" and rejected["prefiller"] is None
+    assert rejected["error"]
+
+
+def test_log_prompts_adds_the_prompt(sims: Fleet, tmp_path: Path) -> None:
+    path = tmp_path / "requests.jsonl"
+    p = _proxy(sims, request_log_path=str(path), log_prompts=True)
+    try:
+        r = httpx.post(p.url + "/v1/completions", json={"model": "sim-model", "prompt": SECRET, "max_tokens": 2},
+                       timeout=10)
+        assert r.status_code == 200
+        p.wait_idle()
+    finally:
+        p.stop()
+    (line,) = _lines(path, 1)
+    assert line["prompt"] == SECRET
+
+
+def test_default_goes_to_the_requests_logger(caplog: pytest.LogCaptureFixture) -> None:
+    ctx = RequestContext(request_id="abc", client_request_id=None, api_label="completions", status=200)
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME), RequestLog(load_settings()) as log:
+        log.emit(ctx, None)
+    (rec,) = [r for r in caplog.records if r.name == LOGGER_NAME]
+    assert orjson.loads(rec.getMessage()) == {**request_record(ctx, None), "ts": orjson.loads(rec.getMessage())["ts"]}
+
+
+def test_disabled_log_writes_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "off.jsonl"
+    ctx = RequestContext(request_id="abc", client_request_id=None, api_label="chat")
+    with RequestLog(load_settings(request_log=False, request_log_path=str(path))) as log:
+        log.emit(ctx, None)
+    assert not path.exists()
