@@ -19,6 +19,8 @@ and streamed in 4-character pieces, one piece per output token. ``finish_reason`
 from __future__ import annotations
 
 import secrets
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import orjson
@@ -27,8 +29,8 @@ from pdproxy.sim.protocol import ParsedRequest
 
 _WORDS = (" Hello", " from", " the", " simulated", " engine", " naïve", " token", " stream", " 世界", " café",
           " prefill", " decode", " block", " cache", " step", " done")
-_EXAMPLE_BY_TYPE: dict[str, Any] = {"string": "sim", "integer": 1, "number": 1.5, "boolean": True,
-                                    "array": [], "object": {}, "null": None}
+_EXAMPLE_BY_TYPE: Mapping[str, Any] = MappingProxyType({"string": "sim", "integer": 1, "number": 1.5,
+                                                        "boolean": True, "array": (), "object": None, "null": None})
 DONE = b"data: [DONE]\n\n"
 
 
@@ -44,7 +46,8 @@ def tool_call_arguments(tool: dict[str, Any]) -> str:
             args[name] = spec["enum"][0]
         else:
             kind = spec.get("type", "string")
-            args[name] = _EXAMPLE_BY_TYPE.get(kind if isinstance(kind, str) else "string", "sim")
+            value = _EXAMPLE_BY_TYPE.get(kind if isinstance(kind, str) else "string", "sim")
+            args[name] = [] if kind == "array" else {} if kind == "object" else value
     return orjson.dumps(args).decode()
 
 
