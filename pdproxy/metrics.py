@@ -13,6 +13,10 @@ sizes tokens.  Three kinds of series:
   ``pdproxy_e2e_request_latency_seconds{api,outcome}``; and the phase split of :meth:`Timeline.phases`:
   ``pdproxy_admission_wait_seconds``, ``pdproxy_prefill_time_seconds``, ``pdproxy_pd_gap_seconds``,
   ``pdproxy_decode_first_token_seconds``, ``pdproxy_decode_time_seconds``; ``pdproxy_requests_in_progress{api}``;
+- **admission** (copied from its counters, :meth:`ProxyMetrics.sync`): ``pdproxy_prefill_queue_depth``,
+  ``pdproxy_prefill_queue_waited_total``, ``…_wait_seconds_total``, ``…_full_total``, ``…_timed_out_total``,
+  ``pdproxy_decode_only_total{reason}``, ``pdproxy_prompt_counts_total{method}``,
+  ``pdproxy_prompt_count_seconds_total``, ``pdproxy_prompt_count_errors_total``;
 - **proxy state at scrape time** (a collector reading ``ProxyState``): per endpoint
   ``pdproxy_inflight_requests``, ``pdproxy_inflight_tokens``, ``pdproxy_endpoint_healthy``,
   ``pdproxy_endpoint_draining``, ``pdproxy_endpoint_breaker_state{state}`` (1 for the current state),
@@ -36,15 +40,14 @@ gauges are the answering worker's latest reading.  Each app owns its registry; n
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from pdproxy.errors import BadRequest, NoEndpointAvailable, Overloaded, PayloadTooLarge, PromptTooLong, ProxyError
+from pdproxy.metrics_collector import StateCollector
 from pdproxy.timeline import RequestContext
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -100,105 +103,6 @@ def rejection_of(err: ProxyError) -> tuple[str, str] | None:
     return None
 
 
-def _labels(e: Any) -> tuple[str, str, str]:
-    return e.role.value, e.name, "" if e.dp_rank is None else str(e.dp_rank)
-
-
-class StateCollector:
-    """A prometheus collector reading the proxy state at scrape time (see module docstring)."""
-
-    ENDPOINT_LABELS = ("role", "endpoint", "dp_rank")
-
-    def __init__(self, state: Callable[[], Any]) -> None:
-        self._state = state
-
-    def describe(self) -> list[Metric]:
-        return []  # unchecked collector: families depend on the configured endpoints
-
-    def collect(self) -> Iterator[Metric]:
-        st = self._state()
-        if st is None:
-            return
-        labels = self.ENDPOINT_LABELS
-
-        def family(name: str, doc: str, extra: tuple[str, ...] = ()) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, doc, labels=labels + extra)
-
-        reqs = family("pdproxy_inflight_requests", "Requests in flight to the endpoint (all workers).")
-        toks = family("pdproxy_inflight_tokens", "Tokens in flight on the endpoint: prefill = prompt tokens being "
-                                                 "prefilled; decode = prompt + expected output tokens held.")
-        healthy = family("pdproxy_endpoint_healthy", "1 if the endpoint's last /health probe succeeded.")
-        draining = family("pdproxy_endpoint_draining", "1 if the endpoint is draining (no new requests).")
-        breaker = family("pdproxy_endpoint_breaker_state", "Circuit breaker state (1 = current).", ("state",))
-        opened = family("pdproxy_endpoint_breaker_opened_total", "Times the endpoint's breaker opened.")
-        snapshot = getattr(st.health, "snapshot", None)
-        for e in st.pool.endpoints():
-            lab = list(_labels(e))
-            load = st.pool.load(e)
-            reqs.add_metric(lab, load.requests)
-            toks.add_metric(lab, load.tokens)
-            healthy.add_metric(lab, 1.0 if load.healthy else 0.0)
-            draining.add_metric(lab, 1.0 if load.draining else 0.0)
-            if callable(snapshot):
-                snap = snapshot(e)
-                current = str(snap.get("breaker", "closed"))
-                for s in ("closed", "open", "half_open"):
-                    breaker.add_metric([*lab, s], 1.0 if s == current else 0.0)
-                opened.add_metric(lab, float(snap.get("opened_total", 0)))
-        yield from (reqs, toks, healthy, draining)
-        if callable(snapshot):
-            yield from (breaker, opened)
-        board = getattr(st.pool, "board", None)
-        if board is not None and board.cells is not None:
-            per_worker = GaugeMetricFamily("pdproxy_worker_inflight_requests",
-                                           "In-flight engine requests held by each worker process.",
-                                           labels=("worker",))
-            for row in range(board.rows):
-                per_worker.add_metric([str(row)], board.row_totals(row)[0])
-            yield per_worker
-        yield from self._engine_gauges(st)
-
-    def _engine_gauges(self, st: Any) -> Iterator[Metric]:
-        labels = self.ENDPOINT_LABELS
-        up = GaugeMetricFamily("pdproxy_engine_up", "1 if the engine answered /v1/models at the last refresh.",
-                               labels=labels)
-        mml = GaugeMetricFamily("pdproxy_engine_max_model_len", "The engine's max_model_len (tokens), /v1/models.",
-                                labels=labels)
-        pool = GaugeMetricFamily("pdproxy_engine_kv_pool_tokens", "The engine's KV pool in tokens "
-                                 "(vllm:cache_config_info num_gpu_blocks × block_size).", labels=labels)
-        age = GaugeMetricFamily("pdproxy_engine_info_age_seconds", "Seconds since the engine info was refreshed.",
-                                labels=labels)
-        running = GaugeMetricFamily("pdproxy_engine_num_requests_running", "vllm:num_requests_running.",
-                                    labels=labels)
-        waiting = GaugeMetricFamily("pdproxy_engine_num_requests_waiting", "vllm:num_requests_waiting.",
-                                    labels=labels)
-        by_reason = GaugeMetricFamily("pdproxy_engine_num_requests_waiting_by_reason",
-                                      "vllm:num_requests_waiting_by_reason (capacity | deferred).",
-                                      labels=(*labels, "reason"))
-        usage = GaugeMetricFamily("pdproxy_engine_kv_cache_usage_perc", "vllm:kv_cache_usage_perc (0–1).",
-                                  labels=labels)
-        now = time.monotonic()
-        for e, info in list(st.infos.items()):
-            lab = list(_labels(e))
-            up.add_metric(lab, 1.0 if info.reachable else 0.0)
-            if info.max_model_len is not None:
-                mml.add_metric(lab, info.max_model_len)
-            if info.kv_pool_tokens is not None:
-                pool.add_metric(lab, info.kv_pool_tokens)
-            if info.refreshed_at is not None:
-                age.add_metric(lab, max(0.0, now - info.refreshed_at))
-            g = info.gauges
-            for key, fam in (("vllm:num_requests_running", running), ("vllm:num_requests_waiting", waiting),
-                             ("vllm:kv_cache_usage_perc", usage)):
-                if key in g:
-                    fam.add_metric(lab, g[key])
-            prefix = "vllm:num_requests_waiting_by_reason:"
-            for key, value in g.items():
-                if key.startswith(prefix):
-                    by_reason.add_metric([*lab, key[len(prefix):]], value)
-        yield from (up, mml, pool, age, running, waiting, by_reason, usage)
-
-
 class ProxyMetrics:
     """The metric families of one app, its registry, and :meth:`render` for ``GET /metrics``.
 
@@ -230,9 +134,58 @@ class ProxyMetrics:
                              ("api", "outcome"), buckets=E2E_BUCKETS, registry=reg)
         self.phases = {key: Histogram(name, doc, api, buckets=buckets, registry=reg)
                        for key, (name, doc, buckets) in PHASES.items()}
+        self.admission = {
+            "decode_only_total": Counter("pdproxy_decode_only", "Requests sent straight to a decoder (conditional "
+                                         "disaggregation), by reason.", ("reason",), registry=reg),
+            "counted_total": Counter("pdproxy_prompt_counts", "Prompts counted, by method (ids | bound | local | "
+                                     "engine | estimate).", ("method",), registry=reg),
+            "count_errors_total": Counter("pdproxy_prompt_count_errors", "Prompt counts that failed.", registry=reg),
+            "count_seconds_total": Counter("pdproxy_prompt_count_seconds", "Time spent counting prompts.",
+                                           registry=reg),
+        }
+        self.queue = {
+            "waited_total": Counter("pdproxy_prefill_queue_waited", "Requests that waited for a prefill slot.",
+                                    registry=reg),
+            "wait_seconds_total": Counter("pdproxy_prefill_queue_wait_seconds", "Time spent waiting for prefill "
+                                          "slots.", registry=reg),
+            "rejected_full_total": Counter("pdproxy_prefill_queue_full", "Requests refused: prefill queue full.",
+                                           registry=reg),
+            "timed_out_total": Counter("pdproxy_prefill_queue_timed_out", "Requests that waited past the queue "
+                                       "deadline.", registry=reg),
+        }
+        self.queue_depth = Gauge("pdproxy_prefill_queue_depth", "Requests waiting in pdproxy's prefill queue.",
+                                 registry=reg, multiprocess_mode="livesum")
+        self._synced: dict[tuple[str, str], float] = {}
+        self._state = state
         self.state_collector = StateCollector(state)
         if self.multiprocess_dir is None:
             reg.register(self.state_collector)
+
+    def sync(self) -> None:
+        """Copy the admission and prefill-queue counters (plain ints in ``pdproxy/admission.py`` and
+        ``pdproxy/prefill_queue.py``) into prometheus series, as increments since the last sync; multiprocess-safe
+        because each worker adds only its own increments.  Runs when a request ends and before each scrape."""
+        st = self._state()
+        adm = getattr(st, "admission", None)
+        queue = getattr(adm, "queue", None)
+        for source, families in ((getattr(adm, "stats", None), self.admission),
+                                 (getattr(queue, "stats", None), self.queue)):
+            if source is None:
+                continue
+            for attr, counter in families.items():
+                value = getattr(source, attr, None)
+                items = value.items() if isinstance(value, dict) else [("", value)]
+                for label, v in items:
+                    if not isinstance(v, int | float):
+                        continue
+                    last = self._synced.get((attr, label), 0.0)
+                    if v > last:
+                        (counter.labels(label) if label else counter).inc(v - last)
+                        self._synced[(attr, label)] = v
+        depth = getattr(queue, "depth", None)
+        depth = depth() if callable(depth) else depth
+        if isinstance(depth, int):
+            self.queue_depth.set(depth)
 
     def started(self, api: str) -> None:
         """A completion request arrived (``pdproxy_requests_in_progress`` + 1)."""
@@ -240,6 +193,7 @@ class ProxyMetrics:
 
     def observe(self, ctx: RequestContext, rejection: tuple[str, str] | None = None) -> None:
         """Record one finished request (call exactly once per :meth:`started`)."""
+        self.sync()
         api = ctx.api_label
         self.in_progress.labels(api).dec()
         self.requests.labels(api, str(ctx.status or 0), ctx.outcome).inc()
@@ -266,6 +220,7 @@ class ProxyMetrics:
 
     def render(self) -> bytes:
         """The exposition text (Prometheus text format 0.0.4)."""
+        self.sync()
         if self.multiprocess_dir is None:
             return generate_latest(self.registry)
         registry = CollectorRegistry(auto_describe=False)

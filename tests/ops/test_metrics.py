@@ -52,6 +52,8 @@ def test_metrics_count_known_traffic(proxy: ProxyThread, sims: Fleet) -> None:
     e2e_sum = m.value("pdproxy_e2e_request_latency_seconds_sum", api="chat", outcome="ok")
     assert 0 < ttft_sum <= e2e_sum
     assert m.total("pdproxy_requests_in_progress") == 0
+    assert m.total("pdproxy_prefill_queue_depth") == 0
+    assert m.total("pdproxy_prompt_counts_total") == 3  # admission counted each served prompt once
     # load back to zero, every endpoint healthy, breakers closed
     assert m.total("pdproxy_inflight_requests") == 0 and m.total("pdproxy_inflight_tokens") == 0
     urls = {s.url for s in sims.all}
