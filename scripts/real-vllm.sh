@@ -21,6 +21,14 @@
 #   REAL_VLLM_OMP_BIND        "split" (P on cpu 0, D on cpu 1; default) or "auto" (vLLM's own binding)
 #   REAL_VLLM_NIXL_PTHR_DELAY_US  NIXL progress-thread delay (default 1000; 0 = stock nixl: one core busy per
 #                             idle engine). Applied by a hook that setup installs into the venv only.
+#   REAL_VLLM_KV_CONFIG       --kv-transfer-config JSON (default NixlConnector, kv_both, kv_buffer_device cpu);
+#                             e.g. add "kv_connector_extra_config":{"kv_lease_duration":10} to shorten the pin lease
+#
+# Seen on a 2-core machine (vLLM 0.32.0, torch 2.13.0+cpu, nixl 1.5.1): setup ~105 s cold (~4 s when cached);
+# start 40-75 s (first start compiles, ~3 min on a loaded machine; cache in $REAL_VLLM_HOME/cache); an idle engine
+# uses ~0.03 core with the NIXL hook (1.0 core without). A prefiller holding KV for a decoder that has not pulled
+# it yet keeps its engine stepping (~1 core) until the pull or the 30 s lease expiry. --enforce-eager made the
+# decoder's worker die with SIGILL on its first KV-transfer request: do not use it.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -48,7 +56,8 @@ START_TIMEOUT="${REAL_VLLM_START_TIMEOUT:-300}"
 STOP_GRACE="${REAL_VLLM_STOP_GRACE:-20}"
 OMP_BIND="${REAL_VLLM_OMP_BIND:-split}"
 PTHR_DELAY="${REAL_VLLM_NIXL_PTHR_DELAY_US:-1000}"
-KV_CONFIG='{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}'
+DEFAULT_KV_CONFIG='{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}'
+KV_CONFIG="${REAL_VLLM_KV_CONFIG:-$DEFAULT_KV_CONFIG}"
 
 log() { printf '[real-vllm %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { printf '[real-vllm] ERROR: %s\n' "$*" >&2; exit 1; }
@@ -191,7 +200,7 @@ launch() {  # ROLE PORT SIDE_PORT CPU EXTRA_ARGS
   # shellcheck disable=SC2086  # $extra is a user-supplied argument list
   env VLLM_NIXL_SIDE_CHANNEL_PORT="$side" VLLM_NIXL_SIDE_CHANNEL_HOST=localhost \
       VLLM_CPU_KVCACHE_SPACE=1 "${bind[@]}" REAL_VLLM_NIXL_PTHR_DELAY_US="$PTHR_DELAY" \
-      HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+      HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_CACHE_ROOT="$RV_HOME/cache" \
       setsid "$PY" -m vllm.entrypoints.openai.api_server \
         --host 127.0.0.1 --port "$port" \
         --model "$MODEL_DIR" --served-model-name "$SERVED_MODEL" --max-model-len "$MAX_MODEL_LEN" \
