@@ -64,6 +64,10 @@ def serve(settings: Settings) -> int:
         print("pdproxy: no engines configured: give --prefill URL and --decode URL (or --prefiller-hosts/ports "
               "and --decoder-hosts/ports, or a --config file)", file=sys.stderr)
         return 2
+    if settings.workers > 1:  # one socket, one load view across processes (pdproxy/workers.py)
+        from pdproxy.workers import serve_workers
+
+        return serve_workers(settings)
     from pdproxy.shutdown import DrainingServer
 
     app = create_app(settings)
@@ -98,6 +102,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     from pdproxy import demo
 
     demo.add_arguments(p_demo)
+    p_doctor = sub.add_parser("doctor", help="check every configured engine (seed 000's verification steps)")
+    add_serve_arguments(p_doctor)
+    from pdproxy import doctor
+
+    doctor.add_arguments(p_doctor)
     args = parser.parse_args(argv)
     try:
         if args.command == "serve":
@@ -106,6 +115,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             code = sim_cli.run(args)
         elif args.command == "demo":
             code = demo.run(args)
+        elif args.command == "doctor":
+            code = doctor.run(settings_from_args(args), args)
         else:  # pragma: no cover - argparse enforces the choices
             code = 2
     except ValidationError as exc:

@@ -84,5 +84,6 @@ class RequestContext:
     status: int = 0
     outcome: str = "ok"
     error: str | None = None
+    rejection: tuple[str, str] | None = None  # (reason, detail) when pdproxy refused the request (metrics.py)
     disaggregated: bool = True
     timeline: Timeline = field(default_factory=Timeline)
