@@ -100,6 +100,16 @@ def _matching(state: ProxyState, ref: EndpointRef) -> list[Endpoint]:
     return found
 
 
+def _drain(state: ProxyState, ref: EndpointRef, *, remove: bool) -> list[Endpoint]:
+    """Mark the endpoints of ``ref`` draining (no new work); with ``remove`` they leave the pool once idle."""
+    found = _matching(state, ref)
+    for e in found:
+        state.pool.load(e).draining = True
+        if remove:
+            state.health.leave_when_idle(e)
+    return found
+
+
 def describe(state: ProxyState, endpoint: Endpoint) -> dict[str, Any]:
     """One endpoint's row of ``GET /admin/endpoints`` (see module docstring)."""
     load = state.pool.load(endpoint)
@@ -143,11 +153,7 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
     async def drain_endpoint(request: Request) -> Response:
         state = authorized(request)
         ref = await _body(request)
-        found = _matching(state, ref)
-        for e in found:
-            state.pool.load(e).draining = True
-            if ref.remove:
-                state.health.leave_when_idle(e)
+        found = _drain(state, ref, remove=ref.remove)
         return _json({"draining": [describe(state, e) for e in found if e in state.pool.endpoints()]}, 202)
 
     @router.post("/endpoints/undrain")
@@ -164,12 +170,10 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
     async def remove_endpoint(request: Request) -> Response:
         state = authorized(request)
         ref = await _body(request)
-        found = _matching(state, ref)
         if not ref.force:
-            for e in found:
-                state.pool.load(e).draining = True
-                state.health.leave_when_idle(e)
+            found = _drain(state, ref, remove=True)
             return _json({"leaving": [e.name for e in found if e in state.pool.endpoints()]}, 202)
+        found = _matching(state, ref)
         for e in found:
             state.health.remove(e)
         return _json({"removed": [e.name for e in found]})

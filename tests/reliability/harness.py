@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 import orjson
 
-from tests.support import ProxyThread, SimProcess, wait_until
+from tests.conftest import Fleet
+from tests.support import ProxyThread, wait_until
 
 SIM_ARGS = ("--served-model-name", "sim-model", "--max-model-len", "4096", "--prefill-tokens-per-s", "0",
             "--decode-tokens-per-s", "0")
@@ -21,19 +22,8 @@ CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "Tell me 
 
 
 @dataclass
-class Fleet4:
-    """Two prefillers and two decoders (sim processes)."""
-
-    prefillers: list[SimProcess]
-    decoders: list[SimProcess]
-
-    @property
-    def all(self) -> list[SimProcess]:
-        return self.prefillers + self.decoders
-
-    def reset(self) -> None:
-        for s in self.all:
-            s.reset()
+class Fleet4(Fleet):
+    """Two prefillers and two decoders (sim processes), plus a proxy factory and the end-of-cell checks."""
 
     def proxy(self, **settings: Any) -> ProxyThread:
         settings.setdefault("prefill", [s.url for s in self.prefillers])

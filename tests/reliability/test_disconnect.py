@@ -76,12 +76,17 @@ def assert_released(proxy: ProxyThread, sims: list[SimProcess], left_at: float) 
                                                   f"({[s.state() for s in sims]}, load={proxy.load()})")
 
 
-def test_disconnect_during_prefill(slow_pair: tuple[SimProcess, SimProcess]) -> None:
-    prefiller, decoder = slow_pair
+def slow_proxy(slow_pair: tuple[SimProcess, SimProcess], **settings: Any) -> ProxyThread:
+    """A proxy in front of the slow prefiller and decoder (their recordings cleared)."""
     for s in slow_pair:
         s.reset()
+    return ProxyThread(prefill=[slow_pair[0].url], decode=[slow_pair[1].url], **settings).start()
+
+
+def test_disconnect_during_prefill(slow_pair: tuple[SimProcess, SimProcess]) -> None:
+    prefiller, decoder = slow_pair
     aborted_before = engine(prefiller)["aborted"]
-    proxy = ProxyThread(prefill=[prefiller.url], decode=[decoder.url]).start()
+    proxy = slow_proxy(slow_pair)
     try:
         bodies = [chat(2000, 8, seed) for seed in range(N)]  # 16 × 2000 tokens at 4000 tokens/s: ~8 s of prefill
         left = leave_when(proxy.url, bodies, lambda _ev: proxy.state.in_flight == N
@@ -144,14 +149,34 @@ def test_disconnect_while_decoder_has_not_answered(fleet4: Fleet4) -> None:
 
 def test_disconnect_mid_stream(slow_pair: tuple[SimProcess, SimProcess]) -> None:
     prefiller, decoder = slow_pair
-    for s in slow_pair:
-        s.reset()
     aborted_before = engine(decoder)["aborted"]
-    proxy = ProxyThread(prefill=[prefiller.url], decode=[decoder.url]).start()
+    proxy = slow_proxy(slow_pair)
     try:
         bodies = [chat(100, 400, seed) for seed in range(N)]  # 400 tokens at 50 tokens/s: ~8 s streams
         left = leave_when(proxy.url, bodies, lambda ev: all(n >= 3 for n in ev))
         assert_released(proxy, [prefiller, decoder], left)
         assert engine(decoder)["aborted"] - aborted_before == N
+    finally:
+        proxy.stop()
+
+
+def test_disconnect_while_waiting_in_the_prefill_queue(slow_pair: tuple[SimProcess, SimProcess]) -> None:
+    """Requests held in pdproxy's prefill queue (issue 4: a per-prefiller budget of in-flight prefill tokens)
+    leave it when their clients go: nothing of theirs reaches an engine afterwards and the counters drain."""
+    from pdproxy.settings import Settings
+
+    if "prefill_budget_tokens" not in Settings.model_fields:
+        pytest.skip("no proxy-side prefill queue in this build")
+    prefiller, decoder = slow_pair
+    proxy = slow_proxy(slow_pair, prefill_budget_tokens=2000)
+    try:
+        queue = proxy.state.admission.queue
+        bodies = [chat(1500, 8, seed) for seed in range(N)]  # one fits the budget at a time: 15 wait
+        left = leave_when(proxy.url, bodies, lambda _ev: queue.depth >= N - 2
+                          and engine(prefiller)["running"] > 0)
+        dispatched = len(prefiller.completions_received())
+        assert_released(proxy, [prefiller, decoder], left)
+        assert queue.depth == 0
+        assert len(prefiller.completions_received()) == dispatched  # nobody was dispatched after leaving
     finally:
         proxy.stop()
