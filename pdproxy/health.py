@@ -149,6 +149,8 @@ class HealthMonitor:
     async def probe(self, endpoint: Endpoint) -> bool:
         """Probe ``GET /health`` once; update the pool flag, the breaker and (when due) the engine info."""
         ok = await self.engines.health(endpoint)
+        if endpoint not in self.pool.endpoints(endpoint.role):  # removed meanwhile (admin API)
+            return False
         info = self.infos.setdefault(endpoint, EngineInfo())
         due = (not info.reachable or info.refreshed_at is None
                or time.monotonic() - info.refreshed_at >= self.refresh_interval_s)
