@@ -25,6 +25,7 @@ blocks (no parsing) and parses them into text only on a recompute or when more t
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -32,6 +33,9 @@ import orjson
 from pdproxy import sse
 
 RECOMPUTED = "recomputed"
+# a JSON string value of "content" (chat delta) / "text" (completion choice): escapes kept for orjson to decode
+_CONTENT_RE = re.compile(rb'"content":\s*("(?:[^"\\]|\\.)*")')
+_TEXT_RE = re.compile(rb'"text":\s*("(?:[^"\\]|\\.)*")')
 MARKER = b'"recomputed"'
 COMPACT_BYTES = 64 * 1024
 
@@ -87,13 +91,22 @@ class Transcript:
             self.compact()
 
     def compact(self) -> None:
-        """Parse the stored blocks into text/tokens/ids and drop them."""
+        """Turn the stored blocks into text/tokens/ids and drop them.  Plain content blocks are read with one
+        regular expression over the block (~0.5 µs per event); blocks with usage or tool calls, and the first
+        event (for the id), are parsed as JSON."""
         blocks, self._blocks, self._held = self._blocks, [], 0
+        pattern = _CONTENT_RE if self.chat else _TEXT_RE
         for block in blocks:
-            for event in sse.split_events(block):
-                obj = parse_event(event)
-                if obj is not None:
-                    self.observe(obj)
+            if self.head is None or b'"usage"' in block or b'"tool_calls"' in block or b"\r" in block:
+                for event in sse.split_events(block):
+                    obj = parse_event(event)
+                    if obj is not None:
+                        self.observe(obj)
+                continue
+            for literal in pattern.findall(block):
+                if len(literal) > 2:
+                    self.text_parts.append(orjson.loads(literal) if b"\\" in literal else literal[1:-1].decode())
+                    self.content_events += 1
 
     def observe(self, obj: dict[str, Any]) -> None:
         """Account one parsed chunk: text, tool calls, usage, the first attempt's id."""

@@ -97,3 +97,22 @@ def test_force_usage_keeps_other_stream_options() -> None:
     raw = b'{"stream": true, "stream_options": {"continuous_usage_stats": true}}'
     forced = force_usage_bytes(raw, orjson.loads(raw))
     assert orjson.loads(forced)["stream_options"] == {"continuous_usage_stats": True, "include_usage": True}
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_compaction_of_a_long_stream_keeps_the_exact_text(chat: bool) -> None:
+    """Past COMPACT_BYTES the stored blocks are read with a regular expression; the text must equal a JSON parse
+    (escapes, quotes, multi-byte characters, a ``reasoning_content`` field that must not count)."""
+    pieces = [' a"b', " \\ c", " 世界", "", " naïve\n", " end"]
+    blocks = []
+    for i in range(3000):
+        piece = pieces[i % len(pieces)]
+        choice = ({"index": 0, "delta": {"content": piece, "reasoning_content": "hmm"}} if chat
+                  else {"index": 0, "text": piece})
+        blocks.append(ev({"id": "x", "choices": [choice]}))
+    t = Transcript(chat=chat)
+    for i in range(0, len(blocks), 3):
+        t.add(b"".join(blocks[i:i + 3]))
+    expected = "".join(pieces[i % len(pieces)] for i in range(3000))
+    assert t.text == expected
+    assert t.content_events == sum(1 for i in range(3000) if pieces[i % len(pieces)])
