@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -23,12 +24,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from pdproxy import __version__
-from pdproxy.director import Director
 from pdproxy.admin import build_admin_router
-from pdproxy.endpoints import Role
+from pdproxy.director import Director
+from pdproxy.endpoints import Endpoint, Role
 from pdproxy.errors import PayloadTooLarge, ProxyError, ShuttingDown, Unauthorized, error_body
-from pdproxy.protocol import Api, parse_request
+from pdproxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from pdproxy.metrics import ProxyMetrics, rejection_of
+from pdproxy.pool import EndpointPool
+from pdproxy.protocol import Api, ProxyRequest, parse_request
 from pdproxy.relay import Responder
+from pdproxy.reqlog import RequestLog
 from pdproxy.settings import Settings
 from pdproxy.state import ProxyState
 from pdproxy.timeline import RequestContext, new_request_id
@@ -48,10 +53,14 @@ def _header(scope: dict[str, Any], name: bytes) -> str | None:
 class PDProxyApp:
     """Top-level ASGI app.  ``state`` is None outside the lifespan."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *,
+                 pool_factory: Callable[[list[Endpoint]], EndpointPool] | None = None) -> None:
         self.settings = settings
         self.state: ProxyState | None = None
         self.director: Director | None = None
+        self.pool_factory = pool_factory
+        self.metrics = ProxyMetrics(lambda: self.state)
+        self.request_log = RequestLog(settings)
         self.control = build_control_app(self)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -96,24 +105,41 @@ class PDProxyApp:
         client_id = _header(scope, b"x-request-id")
         ctx = RequestContext(request_id=new_request_id(client_id), client_request_id=client_id, api_label=api.label)
         out = Responder(send, ctx, [(b"x-request-id", (client_id or ctx.request_id).encode("latin-1"))])
+        req: ProxyRequest | None = None
+        self.metrics.started(ctx.api_label)
         try:
-            if state is None or director is None or state.shutting_down:
-                raise ShuttingDown()
-            ctx.authorization = self._check_auth(scope)
-            raw = await self._read_body(receive, scope)
-            req = parse_request(raw, api)
-            ctx.model = req.model
-        except asyncio.CancelledError:
-            return
-        except ProxyError as err:
-            ctx.outcome = err.outcome
-            await out.error(err)
-            return
-        state.in_flight += 1
-        try:
-            await self._serve_until_disconnect(director, req, ctx, out, receive)
+            try:
+                if state is None or director is None or state.shutting_down:
+                    raise ShuttingDown()
+                ctx.authorization = self._check_auth(scope)
+                raw = await self._read_body(receive, scope)
+                req = parse_request(raw, api)
+                ctx.model = req.model
+            except asyncio.CancelledError:
+                ctx.outcome = "client_disconnected"
+                return
+            except ProxyError as err:
+                ctx.outcome = err.outcome
+                ctx.rejection = rejection_of(err)
+                await out.error(err)
+                return
+            state.in_flight += 1
+            try:
+                await self._serve_until_disconnect(director, req, ctx, out, receive)
+            finally:
+                state.in_flight -= 1
         finally:
-            state.in_flight -= 1
+            self._finished(ctx, req)
+
+    def _finished(self, ctx: RequestContext, req: ProxyRequest | None) -> None:
+        """Per-request metrics and the request-log line (pdproxy/metrics.py, pdproxy/reqlog.py); never raises."""
+        if ctx.timeline.finished_at is None:
+            ctx.timeline.finished_at = time.monotonic()
+        try:
+            self.metrics.observe(ctx, ctx.rejection)
+            self.request_log.emit(ctx, req, ctx.rejection)
+        except Exception:  # observability must never break a request
+            log.exception("recording request %s failed", ctx.request_id)
 
     async def _serve_until_disconnect(self, director: Director, req: Any, ctx: RequestContext, out: Responder,
                                       receive: Any) -> None:
@@ -132,6 +158,7 @@ class PDProxyApp:
             serve.result()
         except ProxyError as err:
             ctx.outcome = err.outcome
+            ctx.rejection = rejection_of(err)
             await out.error(err)
         except Exception as exc:  # a bug, not an upstream condition: still answer, never hang
             log.exception("request %s failed", ctx.request_id)
@@ -148,14 +175,17 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        state = ProxyState.build(proxy.settings)
+        state = ProxyState.build(proxy.settings, proxy.pool_factory)
         await state.start()
         proxy.state = state
         proxy.director = Director(state)
         try:
-            yield
+            with proxy.request_log:
+                yield
         finally:
             state.shutting_down = True
+            if proxy.director is not None:
+                await proxy.director.aclose()  # background KV release legs (bounded)
             await state.stop()
             proxy.state = None
             proxy.director = None
@@ -166,6 +196,8 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
         if proxy.state is None:
             raise ShuttingDown()
         return proxy.state
+
+    app.include_router(build_admin_router(state))  # /admin/endpoints: list/add/drain/remove (pdproxy/admin.py)
 
     @app.exception_handler(ProxyError)
     async def _proxy_error(_: Request, err: ProxyError) -> Response:
@@ -179,13 +211,16 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
         ok = not st.shutting_down and bool(st.pool.available(Role.PREFILL)) and bool(st.pool.available(Role.DECODE))
         return Response(status_code=200 if ok else 503, headers={} if ok else {"retry-after": "1"})
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus exposition of pdproxy's own metrics and the engines' gauges (pdproxy/metrics.py)."""
+        return Response(proxy.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
     @app.get("/v1/models")
-            if proxy.director is not None:
-                await proxy.director.aclose()  # background KV release legs (bounded)
     async def models() -> Response:
         """The models the decoders serve, as vLLM lists them (with ``max_model_len``, the smallest across the
         engines that serve the model, since a request must fit both its prefiller and its decoder)."""
@@ -197,8 +232,6 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
                 if not isinstance(mid, str):
                     continue
                 entry = merged.setdefault(mid, dict(card))
-    app.include_router(build_admin_router(state))  # /admin/endpoints: list/add/drain/remove (pdproxy/admin.py)
-
                 mml = card.get("max_model_len")
                 if isinstance(mml, int) and (not isinstance(entry.get("max_model_len"), int)
                                              or mml < entry["max_model_len"]):

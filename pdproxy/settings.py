@@ -55,9 +55,13 @@ class Settings(BaseSettings):
     # --- listening
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=0, le=65535)
-    workers: int = Field(1, ge=1, le=64)
+    workers: int = Field(1, ge=1, le=64, description="worker processes sharing the port and one load view "
+                                                     "(pdproxy/workers.py); 1 = a single process")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    log_prompts: bool = False
+    log_prompts: bool = Field(False, description="include the prompt / messages in request log lines")
+    request_log: bool = Field(True, description="one JSON line per request at completion (pdproxy/reqlog.py)")
+    request_log_path: str | None = Field(None, description="where request lines go: unset = the pdproxy.requests "
+                                                           "logger, '-' = stdout, else a file appended to")
 
     # --- backends (any combination; all are merged)
     prefill: StrList = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdproxy.admission import Admission
@@ -32,9 +33,11 @@ class ProxyState:
     extras: dict[str, object] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, settings: Settings) -> ProxyState:
-        """Construct (not start) every component from settings."""
-        pool = EndpointPool(settings.all_endpoints())
+    def build(cls, settings: Settings,
+              pool_factory: Callable[[list[Endpoint]], EndpointPool] | None = None) -> ProxyState:
+        """Construct (not start) every component from settings.  ``pool_factory`` (``--workers N``: a pool on the
+        shared load board, pdproxy/loadboard.py) replaces the default per-process :class:`EndpointPool`."""
+        pool = (pool_factory or EndpointPool)(settings.all_endpoints())
         engines = EngineClient(timeout_s=settings.health_timeout_s, api_key=settings.engine_api_key)
         infos: dict[Endpoint, EngineInfo] = {e: EngineInfo() for e in pool.endpoints()}
         health = HealthMonitor(pool, engines, infos, interval_s=settings.health_interval_s,
