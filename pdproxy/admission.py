@@ -1,34 +1,288 @@
-"""Admission: count the prompt, check it against the engines' real limits, and (later) queue large prefills.
+"""Admission: count the prompt, check it against the engines' real limits before any engine is contacted, decide
+whether it needs the prefiller at all, and own the prefill queue.
 
-This first version estimates prompt tokens for routing and checks nothing; see issue 4 for the full design.
+Steps of :meth:`Admission.admit` (issue 4):
+
+1. **Limit.**  ``M`` = the largest prompt some prefiller and some decoder accept (:mod:`pdproxy.limits`: their
+   ``max_model_len`` and real KV pool, with this request's ``max_tokens`` counted on the decoder).
+2. **Bounds** (:mod:`pdproxy.prompt_bounds`, no tokenizer): ``upper <= M`` → fits, no count; ``lower > M`` →
+   400 at once ("at least N tokens", the way vLLM words a truncated count).
+3. **Exact count** otherwise (:mod:`pdproxy.token_count`): a local tokenizer (``tokenizer`` / ``model_tokenizers``
+   setting: a directory with ``tokenizer.json``, or ``sim``) in a worker thread with a block cache and early stop
+   past ``M``; or the engine's ``/tokenize`` (a round trip; whole-prompt cache).  ``token_count = "estimate"``
+   counts nothing.  If ``/tokenize`` fails (not a 4xx), the request goes on with the estimate and the engine
+   enforces its own limit.
+4. **Over the limit** → :class:`~pdproxy.errors.PromptTooLong` (HTTP 400, vLLM's envelope and wording, names the KV
+   pool when that is the limit).  No engine received anything but, in engine mode, ``/tokenize``; no retry; no
+   effect on health.
+5. **Conditional disaggregation.**  ``ctx.disaggregated = False`` (the director sends the request straight to a
+   decoder, which prefills it locally) when the prompt is at most ``decode_only_max_prompt_tokens``, or at most
+   ``decode_only_busy_max_prompt_tokens`` while every prefiller is busy with long work (:meth:`PrefillQueue.congested`).
+
+Counters for metrics live in :class:`AdmissionStats` (``state.admission.stats``) and the queue's
+:class:`~pdproxy.prefill_queue.QueueStats` (``state.admission.queue.stats``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
-from pdproxy.endpoints import Endpoint
-from pdproxy.protocol import ProxyRequest
+import orjson
+
+from pdproxy import token_count
+from pdproxy.endpoints import Endpoint, Role
+from pdproxy.engines import EngineInfo
+from pdproxy.errors import BadRequest, NoEndpointAvailable, ProxyError, UpstreamHTTPError
+from pdproxy.limits import Limits
+from pdproxy.pool import EndpointPool
+from pdproxy.prefill_queue import PrefillQueue
+from pdproxy.prompt_bounds import PromptBounds, prompt_bounds
+from pdproxy.protocol import Api, ProxyRequest
+from pdproxy.scheduler import Scheduler
+from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext
+from pdproxy.upstream import Upstream
+
+T = TypeVar("T")
+
+INLINE_BYTES = 16_384
+"""Request bodies up to this size are bounded/counted on the event loop; larger ones in the worker threads."""
 
 
-def estimate_prompt_tokens(req: ProxyRequest) -> int:
-    """Upper bound on prompt tokens for a byte-level BPE: UTF-8 bytes of the body (tokens ≤ bytes)."""
-    return len(req.raw)
+@dataclass(slots=True)
+class AdmissionStats:
+    """Plain counters (for ``pdproxy/metrics.py``).  Keys: ``rejected_total["<role>:<limit_kind>"]`` (limit kind
+    ``max_model_len`` | ``kv_pool``), ``counted_total[method]`` (``ids`` | ``bound`` | ``local`` | ``engine`` |
+    ``estimate``), ``decode_only_total[reason]`` (``short_prompt`` | ``prefillers_busy``)."""
+
+    admitted_total: int = 0
+    disaggregated_total: int = 0
+    rejected_total: dict[str, int] = field(default_factory=dict)
+    counted_total: dict[str, int] = field(default_factory=dict)
+    count_errors_total: int = 0
+    count_seconds_total: float = 0.0
+    decode_only_total: dict[str, int] = field(default_factory=dict)
+
+    @staticmethod
+    def bump(counter: dict[str, int], key: str) -> None:
+        counter[key] = counter.get(key, 0) + 1
+
+
+def _model_sources(pairs: list[str]) -> dict[str, str]:
+    """``["model=dir", …]`` → ``{model: dir}``.  Raises ``ValueError`` on an entry without ``=``."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        model, sep, source = pair.partition("=")
+        if not sep or not model or not source:
+            raise ValueError(f"model_tokenizers entry {pair!r} is not MODEL=TOKENIZER")
+        out[model] = source
+    return out
 
 
 class Admission:
-    """Decides whether a request may enter, and which endpoints it fits."""
+    """Decides whether a request may enter, how many prompt tokens it has, and which endpoints it fits.
+
+    Use as ``async with Admission(...)`` (or :meth:`start` / :meth:`aclose`): owns the tokenizer worker threads.
+    ``engine_authorization`` maps the client's ``Authorization`` to the engines' (``ProxyState`` sets it).
+    """
+
+    def __init__(self, settings: Settings, pool: EndpointPool, infos: dict[Endpoint, EngineInfo], *,
+                 scheduler: Scheduler, upstream: Upstream) -> None:
+        s = settings
+        self.settings = settings
+        self.pool = pool
+        self.scheduler = scheduler
+        self.upstream = upstream
+        self.limits = Limits(pool, infos, max_model_len_override=s.max_model_len)
+        self.queue = PrefillQueue(
+            pool, scheduler, self.limits, budget_tokens=s.prefill_budget_tokens, max_waiting=s.prefill_queue_max,
+            timeout_s=s.prefill_queue_timeout_s, aging_tokens_per_s=s.prefill_queue_aging_tokens_per_s,
+            busy_tokens=s.prefill_busy_tokens, decoder_capacity=s.prefill_tied_to_decoders,
+            decoder_max_requests=s.decoder_max_requests)
+        self.stats = AdmissionStats()
+        self.engine_authorization: Callable[[str | None], str | None] = lambda auth: auth
+        self._sources = _model_sources(list(s.model_tokenizers))
+        self._local: dict[str, token_count.LocalCounter] = {}
+        self._engine_cache = token_count.BlockCache(s.token_count_cache_entries)
+        self._executor: ThreadPoolExecutor | None = None
+
+    async def start(self) -> None:
+        """Start the worker threads and load the configured local tokenizers.  Raises ``FileNotFoundError`` for a
+        tokenizer directory without ``tokenizer.json``, ``ValueError`` for ``token_count = "local"`` without a
+        ``tokenizer``."""
+        if self.settings.token_count == "local" and not self.settings.tokenizer:
+            raise ValueError("token_count 'local' needs a tokenizer (a directory with tokenizer.json, or 'sim')")
+        self._executor = ThreadPoolExecutor(self.settings.token_count_threads, thread_name_prefix="pdproxy-tokens")
+        sources = {src for src in (self.settings.tokenizer, *self._sources.values()) if src and src != "engine"}
+        for src in sources:
+            self._local[src] = await self._offload(
+                functools.partial(token_count.LocalCounter, src,
+                                  cache_entries=self.settings.token_count_cache_entries), size=INLINE_BYTES + 1)
+
+    async def aclose(self) -> None:
+        """Stop the worker threads (counts in progress are abandoned)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    async def __aenter__(self) -> Admission:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _offload(self, fn: Callable[[], T], *, size: int) -> T:
+        """Run ``fn`` in a worker thread when the work is large (``size`` bytes), else inline."""
+        if size <= INLINE_BYTES or self._executor is None:
+            return fn()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    def source_for(self, model: str | None) -> str:
+        """How this model's prompts are counted: ``"estimate"``, ``"engine"`` or a local tokenizer source."""
+        mode = self.settings.token_count
+        if mode in ("estimate", "engine"):
+            return mode
+        return self._sources.get(model or "") or self.settings.tokenizer or "engine"
 
     async def admit(self, req: ProxyRequest, ctx: RequestContext) -> None:
-        """Count ``req.prompt_tokens``; raise ``PromptTooLong`` / ``Overloaded`` when it cannot be served."""
-        req.prompt_tokens = estimate_prompt_tokens(req)
-        ctx.prompt_tokens = req.prompt_tokens
+        """Count ``req.prompt_tokens`` and check the limits; mark ``ctx.disaggregated``.
+
+        Raises :class:`~pdproxy.errors.PromptTooLong` (400) when no prefiller/decoder pair can take the prompt,
+        :class:`BadRequest` when the chat template rejects the messages, or the engine's own 4xx from
+        ``/tokenize`` (:class:`UpstreamHTTPError`).
+        """
+        s = self.settings
+        chat = req.api is Api.CHAT
+        max_output = req.max_output_tokens
+        limit = self.limits.max_prompt_tokens(max_output)
+        bounds = await self._offload(functools.partial(
+            prompt_bounds, req.body, chat, template_overhead=s.chat_template_max_overhead_tokens), size=len(req.raw))
+        lower = bounds.lower if bounds.exact or s.word_bound else 0
+        if bounds.exact:                                   # token ids
+            tokens, exact, method, upper = bounds.lower, True, "ids", bounds.lower
+        elif limit is None or bounds.upper <= limit:       # fits: no count needed
+            tokens, exact, method, upper = bounds.estimate, False, "bound", bounds.upper
+        elif lower > limit:                                # too long whatever the exact count
+            tokens, exact, method, upper = lower, False, "bound", bounds.upper
+        else:
+            started = time.perf_counter()
+            counted = await self._count(req, ctx, chat, bounds, limit)
+            self.stats.count_seconds_total += time.perf_counter() - started
+            if counted is None:                            # the engine enforces its own limit
+                tokens, exact, method, upper = bounds.estimate, False, "estimate", bounds.estimate
+            else:
+                tokens, exact, method, upper = counted.tokens, counted.exact, counted.method, counted.tokens
+        AdmissionStats.bump(self.stats.counted_total, method)
+        ctx.prompt_tokens = tokens
+        if method != "estimate" and limit is not None and tokens > limit:
+            violation = self.limits.violation(tokens, max_output)
+            if violation is not None:
+                AdmissionStats.bump(self.stats.rejected_total, f"{violation.role.value}:{violation.limit_kind}")
+                raise violation.error(tokens, exact=exact)
+        req.prompt_tokens = tokens
+        req.extra["prompt_tokens_upper"] = upper
+        self.stats.admitted_total += 1
+        self._choose_path(req, ctx)
         ctx.timeline.admitted_at = time.monotonic()
 
+    def _choose_path(self, req: ProxyRequest, ctx: RequestContext) -> None:
+        s = self.settings
+        tokens = req.prompt_tokens or 0
+        reason = None
+        if s.decode_only_max_prompt_tokens and tokens <= s.decode_only_max_prompt_tokens:
+            reason = "short_prompt"
+        elif (s.decode_only_busy_max_prompt_tokens and tokens <= s.decode_only_busy_max_prompt_tokens
+              and self.queue.congested(self.fits_prefiller(req))):
+            reason = "prefillers_busy"
+        if reason is None:
+            self.stats.disaggregated_total += 1
+            ctx.disaggregated = True
+        else:
+            AdmissionStats.bump(self.stats.decode_only_total, reason)
+            ctx.disaggregated = False
+
+    async def _count(self, req: ProxyRequest, ctx: RequestContext, chat: bool, bounds: PromptBounds,
+                     limit: int) -> token_count.TokenCount | None:
+        """The exact count (or "at least" past ``limit``); None when it could not be made."""
+        source = self.source_for(req.model)
+        if source == "estimate":
+            return None
+        counter = self._local.get(source)
+        if counter is not None:
+            try:
+                return await self._offload(functools.partial(counter.count, req.body, chat, limit),
+                                           size=bounds.text_bytes)
+            except ValueError as exc:
+                raise BadRequest(f"the chat template rejected the request: {exc}", param=req.prompt_param) from None
+        return await self._engine_count(req, ctx, chat, bounds)
+
+    async def _engine_count(self, req: ProxyRequest, ctx: RequestContext, chat: bool,
+                            bounds: PromptBounds) -> token_count.TokenCount | None:
+        key = await self._offload(functools.partial(token_count.engine_cache_key, req.body, chat),
+                                  size=bounds.text_bytes)
+        cached = self._engine_cache.get(key)
+        if cached is not None:
+            return token_count.TokenCount(cached, True, "engine")
+        try:
+            endpoint = self._tokenize_endpoint()
+        except NoEndpointAvailable:
+            self.stats.count_errors_total += 1
+            return None
+        body = orjson.dumps(token_count.tokenize_body(req.body, chat))
+        headers = {"Content-Type": "application/json", "X-Request-Id": f"{ctx.request_id}-tokenize",
+                   **endpoint.extra_headers()}
+        auth = self.engine_authorization(ctx.authorization)
+        if auth:
+            headers["Authorization"] = auth
+        try:
+            reply = await self.upstream.post_json(endpoint, "/tokenize", body, headers,
+                                                  timeout_s=self.settings.tokenize_timeout_s)
+            count = token_count.parse_tokenize_reply(reply)
+        except UpstreamHTTPError as exc:
+            if exc.status_code in (400, 422):
+                raise                         # the engine would refuse the completion the same way
+            self.stats.count_errors_total += 1
+            return None
+        except (ProxyError, ValueError):
+            self.stats.count_errors_total += 1
+            return None
+        self._engine_cache.put(key, count)
+        return token_count.TokenCount(count, True, "engine")
+
+    def _tokenize_endpoint(self) -> Endpoint:
+        """An engine to ask ``/tokenize``: the least loaded prefiller, else a decoder (both run the same model)."""
+        try:
+            return self.scheduler.choose(Role.PREFILL)
+        except NoEndpointAvailable:
+            return self.scheduler.choose(Role.DECODE)
+
     def fits_prefiller(self, req: ProxyRequest) -> Callable[[Endpoint], bool] | None:
-        return None
+        """Routing filter: prefillers whose limits allow this prompt (None before admission).  Uses the upper
+        bound when the prompt was not counted exactly."""
+        tokens = req.extra.get("prompt_tokens_upper", req.prompt_tokens)
+        if tokens is None:
+            return None
+        return self.limits.fits(Role.PREFILL, tokens, req.max_output_tokens)
 
     def fits_decoder(self, req: ProxyRequest) -> Callable[[Endpoint], bool] | None:
-        return None
+        """Routing filter: decoders whose limits allow this prompt plus its output (None before admission)."""
+        tokens = req.extra.get("prompt_tokens_upper", req.prompt_tokens)
+        if tokens is None:
+            return None
+        return self.limits.fits(Role.DECODE, tokens, req.max_output_tokens)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters and queue state as a plain dict (debug endpoint, tests)."""
+        q = self.queue
+        return {"stats": {k: getattr(self.stats, k) for k in AdmissionStats.__slots__},
+                "queue": {"depth": q.depth, **{k: getattr(q.stats, k) for k in type(q.stats).__slots__}},
+                "count_cache": {src: {"hits": c.cache.hits, "misses": c.cache.misses} for src, c in self._local.items()},
+                "engine_count_cache": {"hits": self._engine_cache.hits, "misses": self._engine_cache.misses}}
+

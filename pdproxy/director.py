@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -34,7 +34,8 @@ from pdproxy import kv_transfer, recompute
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.errors import NoEndpointAvailable, ProxyError, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable
 from pdproxy.kv_release import KVReleaser
-from pdproxy.pool import Lease
+from pdproxy.pool import EndpointLoad, Lease
+from pdproxy.prefill_queue import PrefillSlot
 from pdproxy.protocol import Api, ProxyRequest, parse_request, patch_usage_bytes
 from pdproxy.relay import Responder, StreamRelay
 from pdproxy.state import ProxyState
@@ -59,6 +60,14 @@ class PrefillResult:
     cached_tokens: int | None
     consumed: bool = field(default=False)
     decoders: list[Endpoint] = field(default_factory=list)
+    slot: PrefillSlot | None = None
+
+    @classmethod
+    def skipped(cls) -> PrefillResult:
+        """Conditional disaggregation (``ctx.disaggregated`` False, decided by admission): no prefill leg; the
+        decoder gets the client's body without ``kv_transfer_params`` and prefills the prompt itself."""
+        none = Endpoint("decode-only:", Role.PREFILL)
+        return cls(none, Lease(none, EndpointLoad(), 0), None, None, consumed=True)
 
     def consume(self) -> None:
         self.consumed = True
@@ -131,11 +140,14 @@ class Director:
         except TimeoutError:
             raise UpstreamTimeout(f"request exceeded the end-to-end deadline of {limit:.1f} s") from None
 
-    def pick(self, role: Role, req: ProxyRequest, exclude: list[Endpoint]) -> Endpoint:
+    def pick(self, role: Role, req: ProxyRequest, exclude: list[Endpoint],
+             also: Callable[[Endpoint], bool] | None = None) -> Endpoint:
         """The scheduler's choice among endpoints whose breaker admits traffic and that admission says fit.
         Raises :class:`NoEndpointAvailable` (503, ``Retry-After`` = seconds until a breaker re-admits)."""
         st = self.state
         fits = st.admission.fits_prefiller(req) if role is Role.PREFILL else st.admission.fits_decoder(req)
+        if also is not None:
+            fits = also if fits is None else (lambda e, f=fits: f(e) and also(e))
         try:
             endpoint = st.scheduler.choose(role, exclude=exclude, fits=st.health.admits(fits))
         except NoEndpointAvailable as exc:
@@ -171,7 +183,8 @@ class Director:
             try:
                 for attempt in range(attempts):
                     if prefill is None:
-                        prefill = await self.run_prefill(req, ctx, stack)
+                        prefill = (await self.run_prefill(req, ctx, stack) if ctx.disaggregated
+                                   else PrefillResult.skipped())
                     try:
                         return await self.run_decode(req, ctx, prefill, out, failed, transcript)
                     except DecodeFailed as f:
@@ -215,12 +228,15 @@ class Director:
         for attempt in range(s.prefill_attempts):
             if attempt:
                 await self.backoff(attempt)
-            try:
-                endpoint = self.pick(Role.PREFILL, req, tried)
+            try:                                       # waits in the prefill queue (issue 4) for a slot
+                slot = await stack.enter_async_context(st.admission.queue.slot(
+                    tokens, tokens + 1, exclude=tried, fits=st.health.admits(st.admission.fits_prefiller(req)),
+                    choose=lambda room: self.pick(Role.PREFILL, req, tried, also=room)))
             except NoEndpointAvailable:
                 if last is not None:
                     raise last from None
                 raise
+            endpoint = slot.endpoint
             lease = stack.enter_context(st.pool.lease(endpoint, tokens))
             ctx.prefiller = endpoint.name
             ctx.timeline.prefill_start_at = time.monotonic()
@@ -229,6 +245,7 @@ class Director:
                                                     self.engine_headers(ctx, endpoint), timeout_s=timeout_s)
             except ProxyError as exc:
                 lease.release()
+                slot.release()
                 if not _engine_fault(exc):
                     st.health.record_neutral(endpoint)
                     raise
@@ -242,6 +259,7 @@ class Director:
                 last = exc
                 continue
             ctx.timeline.prefill_end_at = time.monotonic()
+            slot.prefill_done()
             st.health.record_success(endpoint)
             params = kv_transfer.extract_params(reply)
             if params is None and not s.allow_decode_side_prefill:
@@ -251,7 +269,7 @@ class Director:
                     "connector (--kv-transfer-config) in the producer role? (set allow_decode_side_prefill to let "
                     "decoders prefill locally instead)", endpoint=endpoint.name, retryable=False)
             ctx.cached_tokens = kv_transfer.prefill_cached_tokens(reply)
-            return PrefillResult(endpoint, lease, params, ctx.cached_tokens)
+            return PrefillResult(endpoint, lease, params, ctx.cached_tokens, slot=slot)
         assert last is not None
         raise last
 
@@ -279,6 +297,8 @@ class Director:
         first_byte_s = s.decode_first_byte_timeout_s if req.stream else s.decode_nonstream_timeout_s
         routing = st.routing_headers(ctx)
         with st.pool.lease(endpoint, tokens):
+            if prefill.slot is not None:
+                prefill.slot.decode_started()
             try:
                 async with st.upstream.open_stream(
                         endpoint, req.api.value, body, self.engine_headers(ctx, endpoint),

@@ -7,11 +7,12 @@ Sources: ``max_model_len`` from ``/v1/models`` (vLLM ``ModelCard.max_model_len``
 
 Rules (reference §2.4 "PD trap": P validates with ``max_tokens=1``, so the proxy must check D's rule up front):
 
-- prefiller: ``prompt <= max_model_len`` and ``prompt <= kv_pool`` (a prompt larger than the pool can never be
+- prefiller: ``prompt + 1 <= max_model_len`` (the prefill leg asks for ``max_tokens=1``, and vLLM checks
+  ``prompt + max_tokens <= max_model_len``) and ``prompt <= kv_pool`` (a prompt larger than the pool can never be
   scheduled: vLLM #39734, and seed 000's 36-minute hang);
-- decoder: ``prompt + max_output <= max_model_len`` (vLLM ``renderers/params.py::_token_len_check``; without
-  ``max_tokens`` a prompt of exactly ``max_model_len`` passes, as on vLLM 0.32) and ``prompt + 1 <= kv_pool``
-  (room for the prompt and at least one output token).
+- decoder: ``prompt + max_output <= max_model_len`` (vLLM ``renderers/params.py::_token_len_check``; at least one
+  output token when the client set no ``max_tokens``) and ``prompt + 1 <= kv_pool`` (room for the prompt and at
+  least one output token).
 
 A request is admitted when some prefiller and some decoder allow its prompt; :meth:`Limits.max_prompt_tokens`
 is that threshold ("M"), so a counted prompt of M tokens passes and M + 1 is rejected.
@@ -43,20 +44,18 @@ class EngineLimits:
     def allowed_prompt(self, role: Role, max_output: int | None) -> int | None:
         """The largest prompt (tokens) this endpoint accepts in ``role``; None = no known limit."""
         caps: list[int] = []
-        if role is Role.PREFILL:
-            caps += [v for v in (self.max_model_len, self.kv_pool_tokens) if v is not None]
-        else:
-            if self.max_model_len is not None:
-                caps.append(self.max_model_len - (max_output or 0))
-            if self.kv_pool_tokens is not None:
-                caps.append(self.kv_pool_tokens - 1)
+        if self.max_model_len is not None:
+            caps.append(self.max_model_len - (1 if role is Role.PREFILL else max_output or 1))
+        if self.kv_pool_tokens is not None:
+            caps.append(self.kv_pool_tokens - (0 if role is Role.PREFILL else 1))
         return min(caps) if caps else None
 
     def violation(self, role: Role, endpoint: Endpoint, prompt: int, max_output: int | None) -> Violation | None:
         """The rule ``prompt`` breaks on this endpoint, max_model_len first; None if it fits."""
-        out = (max_output or 0) if role is Role.DECODE else 0
+        requested = role is Role.DECODE and max_output is not None
+        out = max_output if requested and max_output is not None else 1
         if self.max_model_len is not None and prompt + out > self.max_model_len:
-            return Violation(role, endpoint.name, "max_model_len", self.max_model_len, out, self)
+            return Violation(role, endpoint.name, "max_model_len", self.max_model_len, out, self, requested)
         kv_out = 1 if role is Role.DECODE else 0
         if self.kv_pool_tokens is not None and prompt + kv_out > self.kv_pool_tokens:
             return Violation(role, endpoint.name, "kv_pool", self.kv_pool_tokens, kv_out, self)
@@ -66,7 +65,8 @@ class EngineLimits:
 @dataclass(frozen=True, slots=True)
 class Violation:
     """One broken rule: ``limit`` tokens of ``limit_kind`` on ``endpoint`` (role ``role``), with
-    ``output_tokens`` counted on top of the prompt."""
+    ``output_tokens`` counted on top of the prompt (``requested``: the client's ``max_tokens``; else the one token
+    every leg must generate)."""
 
     role: Role
     endpoint: str
@@ -74,6 +74,7 @@ class Violation:
     limit: int
     output_tokens: int
     limits: EngineLimits
+    requested: bool = False
 
     def error(self, prompt_tokens: int, *, exact: bool) -> PromptTooLong:
         """The HTTP 400 for this violation, in vLLM's wording (``vllm/renderers/params.py``, reference §7)."""
@@ -82,15 +83,19 @@ class Violation:
         total_s = f"{total}" if exact else f"at least {total}"
         tail = f"(parameter=input_tokens, value={prompt_tokens})"
         if self.limit_kind == "max_model_len":
-            if self.output_tokens:
+            if prompt_tokens > self.limit:
+                msg = (f"This model's maximum context length is {self.limit} tokens. However, your prompt contains "
+                       f"{n} input tokens, which exceeds this limit even without any output tokens. Please reduce "
+                       f"the length of the input prompt. {tail}")
+            elif self.requested:
                 msg = (f"This model's maximum context length is {self.limit} tokens. However, you requested "
                        f"{self.output_tokens} output tokens and your prompt contains {n} input tokens, for a total "
                        f"of {total_s} tokens. Please reduce the length of the input prompt or the number of "
                        f"requested output tokens. {tail}")
             else:
                 msg = (f"This model's maximum context length is {self.limit} tokens. However, your prompt contains "
-                       f"{n} input tokens, which exceeds this limit even without any output tokens. Please reduce "
-                       f"the length of the input prompt. {tail}")
+                       f"{n} input tokens and at least 1 output token must be generated, for a total of {total_s} "
+                       f"tokens. Please reduce the length of the input prompt. {tail}")
         else:
             lim = self.limits
             declared = (f"is declared as {lim.max_model_len} tokens, but" if lim.max_model_len is not None

@@ -96,6 +96,7 @@ class PrefillSlot:
             self._queue.notify()
 
     def release(self) -> None:
+        """Both releases (any exit path)."""
         self.prefill_done()
         self.decode_started()
 

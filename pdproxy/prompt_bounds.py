@@ -11,14 +11,15 @@ token.  So ``tokens >= transitions``.  Only ASCII whitespace (space, tab, CR, LF
 regex flavour) is counted; text holding other whitespace (NBSP, U+3000, the ASCII separators 0x1C–0x1F, which
 Python and Rust regexes disagree on) uses the exact but slower regex count.  Only message contents that chat
 templates insert verbatim are counted (not assistant turns: templates such as Qwen 3's drop their reasoning), and
-each content is stripped first (templates may ``trim`` it).  Media parts add
-:data:`~pdproxy.tokens.MEDIA_PART_TOKENS` each.
+each content is stripped first (templates may ``trim`` it).  Media parts (images, audio) add nothing: their token
+cost depends on the engine's processor.
 
 **Upper bound — bytes.**  A byte-level BPE token covers at least one UTF-8 byte, and SentencePiece's byte
 fallback emits at most one token per byte, so ``tokens <= bytes`` of the rendered prompt.  Without the engine's
 chat template (engine ``/tokenize`` counting) the rendered size is bounded as: bytes of every string in the
 messages + the tools as ``json.dumps(indent=4)`` (Llama 3.1's template, the most verbose common one) +
 ``per_message_overhead`` per message + ``template_overhead`` (the operator's ``chat_template_max_overhead_tokens``).
+A request with media parts has no useful upper bound (:data:`NO_UPPER_BOUND`): it is always counted.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from pdproxy.tokens import MEDIA_PART_TOKENS
 
 PER_MESSAGE_OVERHEAD_TOKENS = 32
 """Upper bound on the tokens a chat template adds around one message (role markers, separators)."""
+
+NO_UPPER_BOUND = 1 << 62
+"""The upper bound of a prompt whose size cannot be bounded without the engine (media parts)."""
 
 ESTIMATE_BYTES_PER_TOKEN = 4
 """Bytes per token of the routing estimate used when no exact count was needed (English text with BPE)."""
@@ -154,13 +158,6 @@ def prompt_bounds(body: dict[str, Any], chat: bool, *, template_overhead: int) -
     kwargs = body.get("chat_template_kwargs")
     if isinstance(kwargs, dict):
         size += _strings_bytes(kwargs)
-    media_tokens = media * MEDIA_PART_TOKENS
-    upper = size + len(messages) * PER_MESSAGE_OVERHEAD_TOKENS + template_overhead + media_tokens
-    return _finish(lower + media_tokens, upper, size)
+    upper = size + len(messages) * PER_MESSAGE_OVERHEAD_TOKENS + template_overhead if not media else NO_UPPER_BOUND
+    return _finish(lower, upper, size + media * MEDIA_PART_TOKENS * ESTIMATE_BYTES_PER_TOKEN)
 
-
-def rendered_bounds(text: str, *, extra_tokens: int, words: int) -> PromptBounds:
-    """Bounds once the prompt text has been rendered by a local chat template: ``tokens <= bytes + 2`` (+ media
-    tokens), ``words`` from :func:`prompt_bounds` as the lower bound."""
-    size = utf8_len(text)
-    return _finish(words, size + 2 + extra_tokens, size)

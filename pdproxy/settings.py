@@ -120,12 +120,43 @@ class Settings(BaseSettings):
 
     # --- admission
     max_model_len: int | None = Field(None, ge=1, description="override the engines' max_model_len")
-    tokenizer: str | None = Field(None, description="local tokenizer directory; default: count with the engine's "
+    tokenizer: str | None = Field(None, description="local tokenizer directory (tokenizer.json + chat template), "
+                                                    "or 'sim' for pdproxy sim's; default: count with the engine's "
                                                     "/tokenize when the byte bound cannot decide")
     token_count: Literal["auto", "engine", "local", "estimate"] = "auto"
+    model_tokenizers: StrList = Field([], description="MODEL=TOKENIZER pairs (a directory, 'sim' or 'engine') that "
+                                                      "override `tokenizer` per served model")
+    token_count_threads: int = Field(2, ge=1, le=64, description="worker threads that count large prompts")
+    token_count_cache_entries: int = Field(4096, ge=0, description="counted blocks (system prompts, tool blocks) "
+                                                                   "and engine counts kept")
+    tokenize_timeout_s: float = Field(10.0, gt=0, description="deadline of an engine /tokenize call")
+    chat_template_max_overhead_tokens: int = Field(
+        1024, ge=0, description="upper bound on tokens an engine's chat template adds beyond the messages and "
+                                "tools; lets small prompts skip /tokenize")
+    word_bound: bool = Field(True, description="reject without tokenizing when the prompt has more words than the "
+                                               "limit (BPE and SentencePiece never merge across whitespace)")
+    prefill_budget_tokens: int = Field(32768, ge=0, description="prefill tokens in flight per prefiller before "
+                                                                "prompts wait in pdproxy's queue (0 = no budget)")
+    prefill_queue_max: int = Field(1024, ge=0, description="requests waiting for a prefill slot before 429")
+    prefill_queue_timeout_s: float = Field(120.0, gt=0, description="longest wait for a prefill slot before 503")
+    prefill_queue_aging_tokens_per_s: float = Field(
+        8192.0, ge=0, description="queue priority gained per second of waiting (tokens), so large prompts are "
+                                  "never starved by small ones")
+    prefill_busy_tokens: int = Field(8192, ge=1, description="in-flight prefill tokens that make a prefiller "
+                                                             "'busy with long work'")
+    prefill_tied_to_decoders: bool = Field(True, description="dispatch a prefill only when the decoders' free KV "
+                                                             "pool can take it")
+    decoder_max_requests: int = Field(0, ge=0, description="decode requests per decoder before prefills wait "
+                                                           "(0 = no limit)")
+    decode_only_max_prompt_tokens: int = Field(0, ge=0, description="prompts up to this many tokens skip the "
+                                                                    "prefiller and go straight to a decoder (0 = off)")
+    decode_only_busy_max_prompt_tokens: int = Field(
+        1024, ge=0, description="while every prefiller is busy with long work, prompts up to this many tokens go "
+                                "straight to a decoder (0 = off)")
 
     _split = field_validator(
         "prefill", "decode", "prefiller_hosts", "prefiller_ports", "decoder_hosts", "decoder_ports", "api_keys",
+        "model_tokenizers",
         mode="before")(_split_list)
 
     @model_validator(mode="after")

@@ -43,16 +43,22 @@ class ProxyState:
         health = HealthMonitor(pool, engines, infos, interval_s=settings.health_interval_s,
                                refresh_interval_s=settings.engine_refresh_interval_s,
                                breaker_failures=settings.breaker_failures, breaker_open_s=settings.breaker_open_s)
-        return cls(settings=settings, pool=pool, scheduler=Scheduler(pool),
-                   upstream=Upstream(connect_timeout_s=settings.connect_timeout_s), engines=engines, infos=infos,
-                   health=health, admission=Admission())
+        scheduler = Scheduler(pool)
+        upstream = Upstream(connect_timeout_s=settings.connect_timeout_s)
+        admission = Admission(settings, pool, infos, scheduler=scheduler, upstream=upstream)
+        state = cls(settings=settings, pool=pool, scheduler=scheduler, upstream=upstream, engines=engines,
+                    infos=infos, health=health, admission=admission)
+        admission.engine_authorization = state.engine_authorization
+        return state
 
     async def start(self) -> None:
         await self.upstream.start()
+        await self.admission.start()
         await self.health.start()
 
     async def stop(self) -> None:
         await self.health.stop()
+        await self.admission.aclose()
         await self.upstream.close()
         await self.engines.aclose()
 

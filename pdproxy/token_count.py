@@ -67,9 +67,11 @@ class BlockCache:
 
     @staticmethod
     def key(text: str) -> bytes:
+        """The 16-byte BLAKE2b digest of ``text`` (UTF-8)."""
         return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
     def get(self, key: bytes) -> int | None:
+        """The cached count, or None (counted in ``hits`` / ``misses``)."""
         with self._lock:
             value = self._data.get(key)
             if value is None:
@@ -80,6 +82,7 @@ class BlockCache:
             return value
 
     def put(self, key: bytes, value: int) -> None:
+        """Remember ``value`` tokens for ``key``, evicting the least recently used entries."""
         if self.entries <= 0:
             return
         with self._lock:

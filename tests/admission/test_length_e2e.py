@@ -1,0 +1,130 @@
+"""Over-length prompts end to end (real sim processes, the proxy on a real socket): an exact 400 before any engine
+gets a completion, at the exact boundary (limit passes, limit + 1 is rejected), with the simulator's tokenizer (via
+the engine's ``/tokenize`` and locally) and with a local tokenizer directory; the seed-000 KV pool case."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from pdproxy.tokens import load_tokenizer, sim_prompt
+from tests.admission.conftest import Pair, exact_body
+
+pytestmark = pytest.mark.timeout(60)
+
+TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "description": sim_prompt(40, unique=True, seed=i),
+                                           "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
+         for i in range(8)]
+
+
+def post(proxy_url: str, api: str, body: dict[str, Any]) -> httpx.Response:
+    path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
+    return httpx.post(proxy_url + path, json={"model": "sim-model", **body}, timeout=30)
+
+
+def assert_too_long(resp: httpx.Response, *phrases: str) -> str:
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["type"] == "BadRequestError" and err["code"] == 400 and err["param"] == "input_tokens"
+    assert "maximum context length" in err["message"]
+    for phrase in phrases:
+        assert phrase in err["message"], (phrase, err["message"])
+    return str(err["message"])
+
+
+@pytest.mark.parametrize("source", ["engine", "sim"])
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_exact_boundary_with_the_sim_tokenizer(pair_of: Any, source: str, api: str) -> None:
+    pair: Pair = pair_of("sim512")
+    tok = load_tokenizer(None)
+    proxy = pair.proxy(**({"tokenizer": "sim"} if source == "sim" else {}))
+    try:
+        # without max_tokens every leg must still generate one token (the prefill leg asks for max_tokens=1)
+        ok = post(proxy.url, api, exact_body(tok, api, 511))
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["prompt_tokens"] == 511                # the engine agrees: exactly the limit
+        assert len(pair.completions()) == 2                              # prefill + decode legs
+        pair.reset()
+        assert_too_long(post(proxy.url, api, exact_body(tok, api, 512)), "is 512 tokens", " 512 input tokens",
+                        "at least 1 output token", "total of 513 tokens")
+        # with max_tokens the decoder's rule counts: prompt + max_tokens <= max_model_len
+        assert post(proxy.url, api, exact_body(tok, api, 412, extra={"max_tokens": 100})).status_code == 200
+        pair.reset()
+        assert_too_long(post(proxy.url, api, exact_body(tok, api, 413, extra={"max_tokens": 100})),
+                        "you requested 100 output tokens", "413 input tokens", "total of 513 tokens")
+        assert pair.completions() == []                                  # no engine saw a rejected request
+        if source == "engine":                                          # a repeated prompt is not re-counted
+            assert post(proxy.url, api, exact_body(tok, api, 512)).status_code == 400
+            assert proxy.state.admission.snapshot()["engine_count_cache"]["hits"] == 1
+        stats = proxy.state.admission.stats
+        assert stats.counted_total.get(source if source == "engine" else "local", 0) >= 4
+        assert stats.rejected_total == {"prefill:max_model_len": 1 + (source == "engine"),
+                                        "decode:max_model_len": 1}
+        assert proxy.state.admission.queue.idle()
+        proxy.wait_idle()
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_exact_boundary_with_a_local_tokenizer_directory(pair_of: Any, tokenizer_dir: Path, api: str) -> None:
+    pair: Pair = pair_of("hf")                                           # engines use the same tokenizer dir
+    tok = load_tokenizer(str(tokenizer_dir))
+    proxy = pair.proxy(tokenizer=str(tokenizer_dir), token_count="local")
+    try:
+        ok = post(proxy.url, api, exact_body(tok, api, 255, unit=" hello,", pad=" a"))
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["prompt_tokens"] == 255
+        pair.reset()
+        assert_too_long(post(proxy.url, api, exact_body(tok, api, 256, unit=" hello,", pad=" a")),
+                        "is 256 tokens", " 256 input tokens")
+        assert pair.completions() == []
+        assert proxy.state.admission.stats.counted_total.get("local", 0) == 2
+        assert proxy.state.admission.stats.counted_total.get("engine", 0) == 0
+        proxy.wait_idle()
+    finally:
+        proxy.stop()
+
+
+def test_seed_000_kv_pool_is_named_and_a_small_request_right_after_succeeds(pair_of: Any) -> None:
+    pair: Pair = pair_of("seed")
+    proxy = pair.proxy()
+    try:
+        agent = {"messages": [{"role": "system", "content": sim_prompt(9000, unique=True, seed=1)},
+                              {"role": "user", "content": " list the files"}],
+                 "tools": TOOLS, "stream": True}
+        rejected = post(proxy.url, "chat", agent)
+        msg = assert_too_long(rejected, "133120", "KV cache pool", "4584 tokens", "1146 blocks × 4 tokens")
+        assert "at least" in msg                                         # decided by the word bound: no count
+        hello = post(proxy.url, "completions", {"prompt": " hello there", "max_tokens": 2})
+        assert hello.status_code == 200, hello.text
+        assert hello.json()["usage"] == {**hello.json()["usage"], "prompt_tokens": 2, "completion_tokens": 2}
+        bodies = [r["body"] for r in pair.completions()]
+        assert len(bodies) == 2 and all(b["prompt"] == " hello there" for b in bodies)   # only the small one
+        # the exact boundary at the pool: a decoder needs prompt + 1 token of KV
+        assert_too_long(post(proxy.url, "completions", {"prompt": sim_prompt(4584), "max_tokens": 1}),
+                        "at least 4584 input tokens", "at least 4585 tokens", "decode engine")
+        stats = proxy.state.admission.stats
+        assert stats.rejected_total == {"prefill:kv_pool": 1, "decode:kv_pool": 1}
+        proxy.wait_idle()
+    finally:
+        proxy.stop()
+
+
+def test_200k_token_prompt_is_rejected_without_counting(pair_of: Any) -> None:
+    pair: Pair = pair_of("sim512")
+    proxy = pair.proxy()
+    try:
+        big = json.dumps({"model": "sim-model", "prompt": sim_prompt(200_000, unique=True), "max_tokens": 4})
+        resp = httpx.post(proxy.url + "/v1/completions", content=big, timeout=30,
+                          headers={"content-type": "application/json"})
+        assert_too_long(resp, "at least 200000 input tokens")
+        assert pair.completions() == []
+        assert proxy.state.admission.stats.counted_total == {"bound": 1}   # no tokenizer, no /tokenize
+        proxy.wait_idle()
+    finally:
+        proxy.stop()

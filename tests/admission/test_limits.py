@@ -1,0 +1,73 @@
+"""Engine limits and the over-length 400 (no sockets): P and D rules, the threshold M, vLLM's wording."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdproxy.endpoints import Endpoint, Role
+from pdproxy.engines import EngineInfo
+from pdproxy.limits import Limits
+from pdproxy.pool import EndpointPool
+
+pytestmark = pytest.mark.timeout(10)
+
+P = Endpoint("http://p", Role.PREFILL)
+P2 = Endpoint("http://p2", Role.PREFILL)
+D = Endpoint("http://d", Role.DECODE)
+
+
+def limits(p: EngineInfo, d: EngineInfo, p2: EngineInfo | None = None, override: int | None = None) -> Limits:
+    infos = {P: p, D: d} | ({P2: p2} if p2 else {})
+    return Limits(EndpointPool(list(infos)), infos, max_model_len_override=override)
+
+
+def info(mml: int | None, blocks: int | None = None, block_size: int = 16) -> EngineInfo:
+    pool = blocks * block_size if blocks else None
+    return EngineInfo(max_model_len=mml, kv_pool_tokens=pool, num_gpu_blocks=blocks, block_size=block_size)
+
+
+def test_threshold_counts_output_on_the_decoder_only() -> None:
+    lim = limits(info(1000), info(1000))
+    assert lim.max_prompt_tokens(None) == 999                            # every leg generates at least 1 token
+    assert lim.max_prompt_tokens(100) == 900
+    assert lim.violation(999, None) is None
+    v = lim.violation(1000, None)
+    assert v is not None and v.role is Role.PREFILL and "at least 1 output token" in v.error(1000, exact=True).message
+    v = lim.violation(901, 100)
+    assert v is not None and v.role is Role.DECODE and v.limit_kind == "max_model_len" and v.output_tokens == 100
+
+
+def test_kv_pool_smaller_than_max_model_len_is_the_limit_and_is_named() -> None:
+    lim = limits(info(133120, 1146, 4), info(133120, 1146, 4))          # seed 000: 1146 × 4 = 4584 tokens
+    assert lim.max_prompt_tokens(None) == 4583                           # decoder: prompt + 1 token
+    v = lim.violation(10_000, None)
+    assert v is not None and v.role is Role.PREFILL and v.limit_kind == "kv_pool" and v.limit == 4584
+    err = v.error(10_000, exact=True)
+    body = err.body()["error"]
+    assert err.status_code == 400 and body["type"] == "BadRequestError" and body["code"] == 400
+    assert body["param"] == "input_tokens"
+    msg = body["message"]
+    assert "maximum context length" in msg and "133120" in msg and "4584" in msg and "10000" in msg
+    assert "KV cache pool" in msg and "1146 blocks × 4 tokens" in msg
+
+
+def test_message_says_at_least_when_the_count_stopped_early() -> None:
+    lim = limits(info(2048), info(2048))
+    msg = lim.violation(5000, None).error(5000, exact=False).message  # type: ignore[union-attr]
+    assert "maximum context length is 2048 tokens" in msg and "at least 5000 input tokens" in msg
+    msg = lim.violation(2000, 100).error(2000, exact=True).message    # type: ignore[union-attr]
+    assert "you requested 100 output tokens" in msg and "for a total of 2100 tokens" in msg
+
+
+def test_most_permissive_endpoint_decides_and_routing_filters_the_rest() -> None:
+    lim = limits(info(1000), info(4000), p2=info(3000))
+    assert lim.max_prompt_tokens(None) == 2999
+    fits = lim.fits(Role.PREFILL, 2000, None)
+    assert not fits(P) and fits(P2)
+    assert lim.violation(3000, None).endpoint == P2.name  # type: ignore[union-attr]
+
+
+def test_unknown_limits_impose_nothing_and_override_wins() -> None:
+    assert limits(info(None), info(None)).max_prompt_tokens(10) is None
+    assert limits(info(None), info(5000)).max_prompt_tokens(None) == 4999
+    assert limits(info(100_000), info(100_000), override=512).max_prompt_tokens(None) == 511

@@ -1,0 +1,131 @@
+"""The prefill queue on its own (no sockets): budget, small-before-large, aging, 429, deadline, decoder capacity,
+cancellation.  Orderings and counters only."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import AsyncExitStack
+
+import pytest
+
+from pdproxy.endpoints import Endpoint, Role
+from pdproxy.engines import EngineInfo
+from pdproxy.errors import NoEndpointAvailable, Overloaded
+from pdproxy.limits import Limits
+from pdproxy.pool import EndpointPool
+from pdproxy.prefill_queue import PrefillQueue, PrefillSlot, QueueTimeout
+from pdproxy.scheduler import Scheduler
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
+
+P = Endpoint("http://p", Role.PREFILL)
+D = Endpoint("http://d", Role.DECODE)
+
+
+def make_queue(*, budget: int = 10_000, kv: int | None = None, aging: float = 0.0, max_waiting: int = 100,
+               timeout_s: float = 5.0) -> PrefillQueue:
+    infos = {P: EngineInfo(max_model_len=1_000_000), D: EngineInfo(max_model_len=1_000_000, kv_pool_tokens=kv)}
+    pool = EndpointPool(list(infos))
+    return PrefillQueue(pool, Scheduler(pool, seed=1), Limits(pool, infos), budget_tokens=budget,
+                        max_waiting=max_waiting, timeout_s=timeout_s, aging_tokens_per_s=aging, busy_tokens=5000)
+
+
+async def until(cond: object, what: str = "") -> None:
+    async with asyncio.timeout(5):
+        while not cond():  # type: ignore[operator]
+            await asyncio.sleep(0.005)
+
+
+async def hold(queue: PrefillQueue, tokens: int, order: list[int], release: asyncio.Event) -> None:
+    async with queue.slot(tokens, tokens + 1) as slot:
+        order.append(tokens)
+        await release.wait()
+        slot.prefill_done()
+
+
+async def test_small_prompts_go_ahead_of_large_ones_and_everything_is_released() -> None:
+    q = make_queue(budget=10_000)
+    order: list[int] = []
+    gates = {n: asyncio.Event() for n in (20_000, 30_000, 500, 800)}
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(hold(q, 20_000, order, gates[20_000]))       # alone on an idle prefiller, over budget
+        await until(lambda: order == [20_000])
+        tg.create_task(hold(q, 30_000, order, gates[30_000]))
+        await until(lambda: q.depth == 1)
+        tg.create_task(hold(q, 800, order, gates[800]))
+        tg.create_task(hold(q, 500, order, gates[500]))
+        await until(lambda: q.depth == 3)
+        assert q.congested()
+        gates[20_000].set()
+        await until(lambda: len(order) == 3)
+        assert order == [20_000, 500, 800]                            # both small ones fit the budget together
+        gates[500].set()
+        gates[800].set()
+        await until(lambda: len(order) == 4)
+        gates[30_000].set()
+    assert order == [20_000, 500, 800, 30_000]
+    assert q.idle() and q.depth == 0
+    assert q.stats.granted_total == 4 and q.stats.waited_total == 3
+
+
+async def test_aging_lets_a_waiting_large_prompt_go_first() -> None:
+    q = make_queue(budget=1_000, aging=1e9)                          # one second of waiting outweighs any size
+    order: list[int] = []
+    first, large, small = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    large.set()
+    small.set()
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(hold(q, 900, order, first))
+        await until(lambda: order == [900])
+        tg.create_task(hold(q, 50_000, order, large))
+        await until(lambda: q.depth == 1)
+        await asyncio.sleep(0.01)                                    # the large one is older by ≥ 10 ms
+        tg.create_task(hold(q, 10, order, small))
+        await until(lambda: q.depth == 2)
+        first.set()
+    assert order == [900, 50_000, 10]
+
+
+async def test_full_queue_answers_429_and_deadline_503() -> None:
+    q = make_queue(budget=100, max_waiting=1, timeout_s=0.2)
+    async with AsyncExitStack() as stack:
+        await stack.enter_async_context(q.slot(1000, 1001))          # takes the prefiller
+        waiter = asyncio.ensure_future(stack.enter_async_context(q.slot(50, 51)))
+        await until(lambda: q.depth == 1)
+        with pytest.raises(Overloaded) as full:
+            await stack.enter_async_context(q.slot(60, 61))
+        assert full.value.status_code == 429 and "retry-after" in full.value.headers
+        with pytest.raises(QueueTimeout) as late:
+            await waiter
+        assert late.value.status_code == 503 and "retry-after" in late.value.headers
+    assert q.idle() and q.stats.rejected_full_total == 1 and q.stats.timed_out_total == 1
+
+
+async def test_prefills_wait_for_decoder_kv_and_go_once_it_frees() -> None:
+    q = make_queue(kv=3000)
+    async with AsyncExitStack() as stack:
+        s1: PrefillSlot = await stack.enter_async_context(q.slot(2000, 2001))
+        s1.prefill_done()                                            # prefilled, not yet on a decoder
+        waiter = asyncio.ensure_future(stack.enter_async_context(q.slot(1500, 1501)))
+        await until(lambda: q.depth == 1)
+        assert not waiter.done()                                     # 2001 reserved + 1501 > 3000
+        s1.decode_started()                                          # decode lease holds it from now on (none here)
+        s2 = await waiter
+        assert s2.endpoint == P
+    assert q.idle()
+
+
+async def test_cancelled_waiter_leaves_no_trace_and_unfit_prompt_fails_fast() -> None:
+    q = make_queue(budget=100)
+    async with q.slot(1000, 1001):
+        waiter = asyncio.ensure_future(q.slot(50, 51).__aenter__())
+        await until(lambda: q.depth == 1)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert q.depth == 0
+    assert q.idle()
+    with pytest.raises(NoEndpointAvailable):
+        async with q.slot(10, 11, fits=lambda e: False):
+            pass
+
