@@ -36,8 +36,8 @@ class H1Response:
     for data raises ``aiohttp.ServerTimeoutError``.
     """
 
-    __slots__ = ("_buf", "_conn", "_eof", "_exc", "_size", "_waiter", "headers", "idle_timeout_s", "keep_alive",
-                 "status")
+    __slots__ = ("_buf", "_conn", "_eof", "_exc", "_size", "_timer", "_wait_since", "_waiter", "headers",
+                 "idle_timeout_s", "keep_alive", "status")
 
     def __init__(self, conn: H1Connection, idle_timeout_s: float | None) -> None:
         self._conn = conn
@@ -50,6 +50,8 @@ class H1Response:
         self._eof = False
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._wait_since = 0.0
 
     # --- aiohttp.ClientResponse look-alike ------------------------------------------------------------------
     @property
@@ -88,10 +90,12 @@ class H1Response:
 
     def release(self) -> None:
         """Done with the response: the connection goes back to the pool if the body was read to its end."""
+        self._stop_timer()
         self._conn.done(self, reusable=self.at_eof() and self.keep_alive)
 
     def close(self) -> None:
         """Drop the connection (the engine sees a disconnect and aborts the request, reference §1.5)."""
+        self._stop_timer()
         self._conn.done(self, reusable=False)
 
     # --- fed by the protocol -------------------------------------------------------------------------------
@@ -105,22 +109,37 @@ class H1Response:
         return data
 
     async def _wait(self) -> None:
+        """Wait for data.  The idle timer is armed lazily and re-armed only when it fires early, so a paced
+        stream pays one clock read per wait instead of creating and cancelling a timer per event."""
         if self._exc is not None:
             raise self._exc
         loop = asyncio.get_running_loop()
         self._waiter = waiter = loop.create_future()
-        timer = (loop.call_later(self.idle_timeout_s, self._timed_out, waiter)
-                 if self.idle_timeout_s is not None else None)
+        if self.idle_timeout_s is not None:
+            self._wait_since = loop.time()
+            if self._timer is None:
+                self._timer = loop.call_later(self.idle_timeout_s, self._check_idle)
         try:
             await waiter
         finally:
             self._waiter = None
-            if timer is not None:
-                timer.cancel()
 
-    def _timed_out(self, waiter: asyncio.Future[None]) -> None:
-        if not waiter.done():
-            waiter.set_exception(aiohttp.ServerTimeoutError(f"no data for {self.idle_timeout_s} s"))
+    def _check_idle(self) -> None:
+        self._timer = None
+        waiter, idle = self._waiter, self.idle_timeout_s
+        if waiter is None or waiter.done() or idle is None:
+            return  # not waiting now: the next wait re-arms the timer
+        loop = asyncio.get_running_loop()
+        left = self._wait_since + idle - loop.time()
+        if left > 0:
+            self._timer = loop.call_later(left, self._check_idle)
+        else:
+            waiter.set_exception(aiohttp.ServerTimeoutError(f"no data for {idle} s"))
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _wake(self) -> None:
         w = self._waiter
@@ -136,12 +155,14 @@ class H1Response:
 
     def feed_eof(self) -> None:
         self._eof = True
+        self._stop_timer()
         self._wake()
 
     def fail(self, exc: BaseException) -> None:
         if self._eof:
             return
         self._exc = exc
+        self._stop_timer()
         w = self._waiter
         if w is not None and not w.done():
             w.set_exception(exc)

@@ -91,7 +91,13 @@ def split_events(block: bytes) -> list[bytes]:
 
 
 def event_data(event: bytes) -> bytes | None:
-    """The ``data`` field of one event (several ``data:`` lines joined by ``\\n``), or None if it has none."""
+    """The ``data`` field of one event (several ``data:`` lines joined by ``\\n``), or None if it has none.
+
+    Fast path for vLLM's framing (one ``data: <json>`` line, ``\\n`` endings): a slice, no line splitting."""
+    if event.startswith(b"data: ") and b"\r" not in event and event.count(b"\n") <= 2:
+        data = event[6:].rstrip(b"\n")
+        if b"\n" not in data:
+            return data
     lines = event.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
     parts = []
     for line in lines:
