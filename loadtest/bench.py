@@ -16,7 +16,8 @@ Scenarios (engines: ``loadtest.fake_engine``, zero prefill cost, scripted inter-
 - ``cpu_paced``: closed loop, long streams with one event per read — µs of proxy CPU per relayed event;
 - ``cpu_full_speed``: closed loop, the decoder writes as fast as it can — events per proxy CPU-second;
 - ``cpu_per_request``: closed loop, 1-token streams — µs of proxy CPU per PD request;
-- ``streams``: closed loops of N streams at 10 tokens/s, N rising until a stall — max streams, RSS per stream;
+- ``streams``: closed loops of N streams at 10 tokens/s, N rising until two levels in a row stall (a gap over
+  ``stall_gap_s`` or any error) — the largest N held, RSS per stream;
 - ``workers``: PD-request capacity with ``--workers 2`` vs 1 (unpinned; only if the proxy forks workers).
 """
 
@@ -60,7 +61,7 @@ class Profile:
     stall_levels: tuple[int, ...] = (500, 1000, 2000, 3000)
     stall_itl_s: float = 0.1
     stall_tokens: int = 300
-    stall_gap_s: float = 0.5
+    stall_gap_s: float = 1.0
     workers: bool = True
 
 
@@ -156,9 +157,10 @@ class Bench:
                 levels.append({"streams": n, "held": ok, **{k: s[k] for k in (
                     "errors", "error_samples", "stalls", "concurrency_mean", "gap_ms_p99", "gap_ms_max",
                     "events_per_s", "proxy_cpu_frac", "proxy_rss_bytes", "loadgen_cpu_frac")}})
-                if not ok:
-                    break
-                held = (n, s["proxy_rss_bytes"])
+                if ok:
+                    held = (n, s["proxy_rss_bytes"])
+                elif len(levels) >= 2 and not levels[-2]["held"]:
+                    break  # two failed levels in a row
             out[name] = {"levels": levels, "max_streams_no_stall": held[0] if held else 0, "idle_rss_bytes": idle_rss,
                          "rss_bytes_per_stream": round((held[1] - idle_rss) / held[0]) if held else None}
         return out
@@ -253,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_us_per_event_paced"):
         doc["pdproxy_vs_other_cpu_per_event_paced"] = round(
             figs["pdproxy"]["cpu_us_per_event_paced"] / router_fig["cpu_us_per_event_paced"], 3)
+    doc["others_cpu_frac"] = {k: {t: v.get("others_cpu_frac") for t, v in runs.items() if isinstance(v, dict)}
+                              for k, runs in scen.items() if k not in ("streams", "workers")}
     doc["scenarios"] = scen
     doc["elapsed_s"] = round(time.monotonic() - t0, 1)
     text = orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode()

@@ -15,7 +15,9 @@
   read at each window boundary.
 
 Per window: completed requests, errors, relayed events, TTFT / inter-event gap / E2E percentiles (ms), stalls,
-concurrency (mean, max), CPU seconds per pid group and of the generator itself, RSS bytes per group.
+concurrency (mean, max), CPU seconds per pid group and of the generator itself, RSS bytes per group, and
+``others_cpu_frac``: CPUs' worth of busy time spent by processes outside the benchmark (a shared machine skews
+latency figures; ``/proc/stat`` ticks, so ±0.01 s per window).
 """
 
 from __future__ import annotations
@@ -201,11 +203,13 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
         groups = _groups(spec)  # workers may have been forked after we started
         for _ in range(int(spec.get("windows", 3))):
             cpu0 = {n: procstat.tree_cpu_seconds(p) for n, p in groups.items()}
-            self0, t0 = _self_cpu(), now()
+            self0, t0, busy0 = _self_cpu(), now(), procstat.machine_busy_seconds()
             w.sink = Sink()
             await asyncio.sleep(float(spec.get("window_s", 5.0)))
             s, wall = w.sink, now() - t0
             cpu = {n: round(procstat.tree_cpu_seconds(p) - cpu0[n], 4) for n, p in groups.items()}
+            own = sum(cpu.values()) + _self_cpu() - self0
+            others = max(0.0, procstat.machine_busy_seconds() - busy0 - own)
             windows.append({
                 "wall_s": round(wall, 3), "requests": s.requests, "errors": s.errors,
                 "error_samples": s.error_samples, "events": s.events, "events_per_s": round(s.events / wall, 1),
@@ -214,6 +218,7 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
                 "stalls": sum(1 for g in s.gaps if g > stall),
                 "concurrency": {"mean": round(s.conc_sum / max(1, s.conc_n), 1), "max": s.conc_max},
                 "cpu_s": cpu, "loadgen_cpu_s": round(_self_cpu() - self0, 4),
+                "others_cpu_frac": round(others / wall, 3),
                 "rss_bytes": {n: procstat.tree_rss_bytes(p) for n, p in groups.items()},
             })
     finally:

@@ -72,6 +72,17 @@ def tree_cpu_seconds(pids: Iterable[int]) -> float:
     return sum(cpu_seconds(p) for p in pids)
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds all CPUs spent not idle since boot (``/proc/stat``: user+nice+system+irq+softirq+steal)."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()[1:9]
+    except OSError:
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields)
+    return (user + nice + system + irq + softirq + steal) * _TICK_S
+
+
 def rss_bytes(pid: int) -> int:
     """Resident set size of ``pid`` in bytes (``VmRSS``); 0 if it is gone."""
     try:

@@ -51,6 +51,7 @@ def summarize(windows: list[Window], proxy: str | None = "proxy") -> dict[str, A
         "e2e_ms_p50": _median(windows, lambda w: w["e2e_ms"]["p50"]),
         "e2e_ms_mean": _median(windows, lambda w: w["e2e_ms"]["mean"]),
         "loadgen_cpu_frac": _median(windows, lambda w: w["loadgen_cpu_s"] / w["wall_s"]),
+        "others_cpu_frac": _median(windows, lambda w: w.get("others_cpu_frac")),
         "engines_us_per_event": _median(windows, lambda w: w["cpu_s"]["engines"] / w["events"] * 1e6),
     }
     if proxy:

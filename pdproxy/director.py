@@ -33,6 +33,7 @@ import orjson
 from pdproxy import kv_transfer, recompute
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.errors import NoEndpointAvailable, ProxyError, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable
+from pdproxy.h1client import H1Response
 from pdproxy.kv_release import KVReleaser
 from pdproxy.pool import EndpointLoad, Lease
 from pdproxy.prefill_queue import PrefillSlot
@@ -321,7 +322,7 @@ class Director:
         st.health.record_success(endpoint)
         return recomputed
 
-    async def relay_json(self, resp: aiohttp.ClientResponse, ctx: RequestContext, prefill: PrefillResult,
+    async def relay_json(self, resp: H1Response, ctx: RequestContext, prefill: PrefillResult,
                          out: Responder, transcript: recompute.Transcript | None, timeout_s: float,
                          routing: list[tuple[bytes, bytes]]) -> bool:
         """Read a non-streaming decode answer and send it (usage patched; a ``recomputed`` answer is kept back
