@@ -20,6 +20,7 @@ is that threshold ("M"), so a counted prompt of M tokens passes and M + 1 is rej
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -30,6 +31,9 @@ from pdproxy.errors import PromptTooLong
 from pdproxy.pool import EndpointPool
 
 LimitKind = Literal["max_model_len", "kv_pool"]
+
+SNAPSHOT_TTL_S = 0.05
+"""How long (seconds) a snapshot of every endpoint's limits is reused."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,15 +117,36 @@ class Violation:
 
 
 class Limits:
-    """Reads every endpoint's limits from the pool's endpoints and ``infos`` (live; no copy kept)."""
+    """Every endpoint's limits, read from the pool's endpoints and ``infos``.  The table is rebuilt at most every
+    :data:`SNAPSHOT_TTL_S` seconds (engines' figures change only when ``health.py`` refreshes them), which keeps
+    the per-request cost to a few dictionary lookups."""
 
     def __init__(self, pool: EndpointPool, infos: Mapping[Endpoint, EngineInfo], *,
                  max_model_len_override: int | None = None) -> None:
         self.pool = pool
         self.infos = infos
         self.max_model_len_override = max_model_len_override
+        self._table: dict[Endpoint, EngineLimits] = {}
+        self._by_role: dict[Role, list[tuple[Endpoint, EngineLimits]]] = {}
+        self._m: dict[int | None, int | None] = {}
+        self._built_at = -1.0
+
+    def _snapshot(self) -> dict[Role, list[tuple[Endpoint, EngineLimits]]]:
+        now = time.monotonic()
+        if now - self._built_at > SNAPSHOT_TTL_S:
+            self._table = {e: self._read(e) for e in self.pool.endpoints()}
+            self._by_role = {r: [(e, lim) for e, lim in self._table.items() if e.role is r] for r in Role}
+            self._m = {}
+            self._built_at = now
+        return self._by_role
 
     def of(self, endpoint: Endpoint) -> EngineLimits:
+        """The limits of ``endpoint`` (tokens; None = unknown)."""
+        self._snapshot()
+        found = self._table.get(endpoint)
+        return found if found is not None else self._read(endpoint)
+
+    def _read(self, endpoint: Endpoint) -> EngineLimits:
         info = self.infos.get(endpoint)
         if info is None:
             return EngineLimits(max_model_len=self.max_model_len_override)
@@ -133,8 +158,8 @@ class Limits:
         """The most permissive endpoint of ``role`` (configured, healthy or not): (allowed prompt, endpoint)."""
         best: int | None = None
         best_ep: Endpoint | None = None
-        for e in self.pool.endpoints(role):
-            allowed = self.of(e).allowed_prompt(role, max_output)
+        for e, lim in self._snapshot()[role]:
+            allowed = lim.allowed_prompt(role, max_output)
             if allowed is None:
                 return None, e
             if best is None or allowed > best:
@@ -145,8 +170,15 @@ class Limits:
                           ) -> int | None:
         """M: the largest prompt some endpoint of every role in ``roles`` accepts (None = no known limit).  A role
         with an endpoint of unknown limits, or with no endpoints, imposes none."""
-        bests = [b for b in (self._best(r, max_output)[0] for r in roles if self.pool.endpoints(r)) if b is not None]
-        return min(bests) if bests else None
+        by_role = self._snapshot()
+        key = max_output if roles == (Role.PREFILL, Role.DECODE) else -1
+        if key != -1 and key in self._m:
+            return self._m[key]
+        bests = [b for b in (self._best(r, max_output)[0] for r in roles if by_role[r]) if b is not None]
+        found = min(bests) if bests else None
+        if key != -1:
+            self._m[key] = found
+        return found
 
     def violation(self, prompt_tokens: int, max_output: int | None,
                   roles: tuple[Role, ...] = (Role.PREFILL, Role.DECODE)) -> Violation | None:

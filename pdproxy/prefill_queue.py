@@ -175,11 +175,12 @@ class PrefillQueue:
             return True                      # the decode leg answers 503 itself
         free_total = 0
         free_best = 0
+        load_of, limits_of = self.pool.load, self.limits.of
         for d in decoders:
-            load = self.pool.load(d)
+            load = load_of(d)
             if self.decoder_max_requests and load.requests >= self.decoder_max_requests:
                 continue
-            kv = self.limits.of(d).kv_pool_tokens
+            kv = limits_of(d).kv_pool_tokens
             if kv is None:
                 return True
             free = max(0, kv - load.tokens)

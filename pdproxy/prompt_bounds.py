@@ -151,7 +151,10 @@ def prompt_bounds(body: dict[str, Any], chat: bool, *, template_overhead: int) -
         media += n_media
         if message.get("role") != "assistant":
             lower += sum(word_transitions(t.strip()) for t in texts)
-        size += _strings_bytes({k: v for k, v in message.items() if k != "content"}) + sum(map(utf8_len, texts))
+        for key, value in message.items():
+            if key != "content":
+                size += utf8_len(key) + (utf8_len(value) if isinstance(value, str) else _strings_bytes(value))
+        size += sum(map(utf8_len, texts))
     tools = body.get("tools")
     if tools:                                             # vLLM renders them even with tool_choice "none"
         size += utf8_len(json.dumps(tools, indent=4, ensure_ascii=False))
