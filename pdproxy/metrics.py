@@ -39,11 +39,13 @@ gauges are the answering worker's latest reading.  Each app owns its registry; n
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from pdproxy.errors import BadRequest, NoEndpointAvailable, Overloaded, PayloadTooLarge, PromptTooLong, ProxyError
@@ -71,6 +73,51 @@ PHASES: dict[str, tuple[str, str, tuple[float, ...]]] = {
                              "Decode leg sent to the decoder's first event (KV pull + first token).", TTFT_BUCKETS),
     "decode_s": ("pdproxy_decode_time_seconds", "First relayed event to the end of the response.", E2E_BUCKETS),
 }
+
+
+class LocalHistogram:
+    """A single-process histogram with prometheus-client's ``labels(...).observe(v)`` interface, about 10× cheaper
+    per observation (a ``bisect`` and two additions, no lock: one event loop owns it).  Used when metrics are not
+    in multiprocess mode; registered as a collector of ``HistogramMetricFamily``."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...], *, buckets: tuple[float, ...],
+                 registry: CollectorRegistry) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, labelnames
+        self.bounds = tuple(buckets)
+        self._children: dict[tuple[str, ...], _LocalChild] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> _LocalChild:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = _LocalChild(self.bounds)
+        return child
+
+    def describe(self) -> list[Metric]:
+        return [HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)]
+
+    def collect(self) -> list[Metric]:
+        fam = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self._children.items():
+            cumulative, buckets = 0, []
+            for bound, n in zip((*map(str, self.bounds), "+Inf"), child.counts, strict=True):
+                cumulative += n
+                buckets.append((bound, cumulative))
+            fam.add_metric(list(values), buckets, child.sum)
+        return [fam]
+
+
+class _LocalChild:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
 
 
 def rejection_of(err: ProxyError) -> tuple[str, str] | None:
@@ -116,23 +163,24 @@ class ProxyMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
         api = ("api",)
+        Hist: Any = Histogram if self.multiprocess_dir else LocalHistogram
         self.requests = Counter("pdproxy_requests", "Completion requests by API, HTTP status and outcome.",
                                 ("api", "status", "outcome"), registry=reg)
         self.rejections = Counter("pdproxy_rejections", "Requests pdproxy refused itself, by reason.",
                                   ("reason", "detail"), registry=reg)
         self.in_progress = Gauge("pdproxy_requests_in_progress", "Completion requests being served.", api,
                                  registry=reg, multiprocess_mode="livesum")
-        self.ttft = Histogram("pdproxy_time_to_first_token_seconds", "Client-visible time to first token.", api,
+        self.ttft = Hist("pdproxy_time_to_first_token_seconds", "Client-visible time to first token.", api,
                               buckets=TTFT_BUCKETS, registry=reg)
-        self.itl = Histogram("pdproxy_inter_token_latency_seconds",
+        self.itl = Hist("pdproxy_inter_token_latency_seconds",
                              "Client-visible inter-token latency: one request's mean gap between relayed events.",
                              api, buckets=GAP_BUCKETS, registry=reg)
-        self.tpot = Histogram("pdproxy_request_time_per_output_token_seconds",
+        self.tpot = Hist("pdproxy_request_time_per_output_token_seconds",
                               "(last token − first token) / (completion_tokens − 1).", api, buckets=GAP_BUCKETS,
                               registry=reg)
-        self.e2e = Histogram("pdproxy_e2e_request_latency_seconds", "Arrival to the end of the response.",
+        self.e2e = Hist("pdproxy_e2e_request_latency_seconds", "Arrival to the end of the response.",
                              ("api", "outcome"), buckets=E2E_BUCKETS, registry=reg)
-        self.phases = {key: Histogram(name, doc, api, buckets=buckets, registry=reg)
+        self.phases = {key: Hist(name, doc, api, buckets=buckets, registry=reg)
                        for key, (name, doc, buckets) in PHASES.items()}
         self.admission = {
             "decode_only_total": Counter("pdproxy_decode_only", "Requests sent straight to a decoder (conditional "
@@ -156,6 +204,7 @@ class ProxyMetrics:
         self.queue_depth = Gauge("pdproxy_prefill_queue_depth", "Requests waiting in pdproxy's prefill queue.",
                                  registry=reg, multiprocess_mode="livesum")
         self._synced: dict[tuple[str, str], float] = {}
+        self._children: dict[Any, Any] = {}
         self._state = state
         self.state_collector = StateCollector(state)
         if self.multiprocess_dir is None:
@@ -187,36 +236,52 @@ class ProxyMetrics:
         if isinstance(depth, int):
             self.queue_depth.set(depth)
 
+    def _per_api(self, api: str) -> tuple[Any, ...]:
+        """The label children of one API, resolved once (``labels()`` costs ~1.5 µs a call)."""
+        children = self._children.get(api)
+        if children is None:
+            children = (self.in_progress.labels(api), self.ttft.labels(api), self.itl.labels(api),
+                        self.tpot.labels(api), [(key, h.labels(api)) for key, h in self.phases.items()])
+            self._children[api] = children
+        return children
+
+    def _labelled(self, family: Any, *values: str) -> Any:
+        child = self._children.get((family, values))
+        if child is None:
+            child = self._children[(family, values)] = family.labels(*values)
+        return child
+
     def started(self, api: str) -> None:
         """A completion request arrived (``pdproxy_requests_in_progress`` + 1)."""
-        self.in_progress.labels(api).inc()
+        self._per_api(api)[0].inc()
 
     def observe(self, ctx: RequestContext, rejection: tuple[str, str] | None = None) -> None:
         """Record one finished request (call exactly once per :meth:`started`)."""
         self.sync()
         api = ctx.api_label
-        self.in_progress.labels(api).dec()
-        self.requests.labels(api, str(ctx.status or 0), ctx.outcome).inc()
+        in_progress, ttft_h, itl_h, tpot_h, phase_hs = self._per_api(api)
+        in_progress.dec()
+        self._labelled(self.requests, api, str(ctx.status or 0), ctx.outcome).inc()
         if rejection is not None:
-            self.rejections.labels(*rejection).inc()
+            self._labelled(self.rejections, *rejection).inc()
         tl = ctx.timeline
         phases = tl.phases()
-        for key, hist in self.phases.items():
-            value = phases.get(key)
+        for key, hist in phase_hs:
+            value = phases[key]
             if value is not None:
-                hist.labels(api).observe(value)
-        ttft = phases.get("ttft_s")
+                hist.observe(value)
+        ttft = phases["ttft_s"]
         if ttft is not None:
-            self.ttft.labels(api).observe(ttft)
-        e2e = phases.get("e2e_s")
+            ttft_h.observe(ttft)
+        e2e = phases["e2e_s"]
         if e2e is not None:
-            self.e2e.labels(api, ctx.outcome).observe(e2e)
+            self._labelled(self.e2e, api, ctx.outcome).observe(e2e)
         if tl.first_token_at is not None and tl.last_token_at is not None:
             span = max(0.0, tl.last_token_at - tl.first_token_at)
             if ctx.events >= 2:
-                self.itl.labels(api).observe(span / (ctx.events - 1))
+                itl_h.observe(span / (ctx.events - 1))
             if ctx.completion_tokens is not None and ctx.completion_tokens >= 2:
-                self.tpot.labels(api).observe(span / (ctx.completion_tokens - 1))
+                tpot_h.observe(span / (ctx.completion_tokens - 1))
 
     def render(self) -> bytes:
         """The exposition text (Prometheus text format 0.0.4)."""

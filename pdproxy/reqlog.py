@@ -84,7 +84,8 @@ class RequestLog:
 
     def emit(self, ctx: RequestContext, req: ProxyRequest | None, rejection: tuple[str, str] | None = None) -> None:
         """Write the line for one finished request."""
-        if not self.enabled:
+        if not self.enabled or (self._file is None and self.path != "-"
+                                and not self._logger.isEnabledFor(logging.INFO)):
             return
         line = orjson.dumps(request_record(ctx, req, rejection=rejection, log_prompts=self.log_prompts))
         try:
@@ -93,7 +94,7 @@ class RequestLog:
             elif self.path == "-":
                 sys.stdout.buffer.write(line + b"\n")
                 sys.stdout.buffer.flush()
-            elif self._logger.isEnabledFor(logging.INFO):
+            else:
                 self._logger.info(line.decode())
         except (OSError, ValueError) as exc:
             if not self._failed:
