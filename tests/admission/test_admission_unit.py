@@ -1,0 +1,90 @@
+"""``Admission.admit`` in process (no engines answer): large prompts are counted off the event loop, a failed
+``/tokenize`` falls back to the estimate, and the conditional-disaggregation decision."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+
+from pdproxy.endpoints import Role
+from pdproxy.engines import EngineInfo
+from pdproxy.errors import PromptTooLong
+from pdproxy.protocol import Api, ProxyRequest, parse_request
+from pdproxy.settings import load_settings
+from pdproxy.state import ProxyState
+from pdproxy.timeline import RequestContext
+from pdproxy.token_count import LocalCounter
+from pdproxy.tokens import sim_prompt
+from tests.support import free_port
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(20)]
+
+
+@pytest.fixture
+async def state(request: pytest.FixtureRequest) -> AsyncIterator[ProxyState]:
+    """Proxy state for one prefiller and one decoder on ports where nothing listens (max_model_len 8192)."""
+    overrides: dict[str, Any] = getattr(request, "param", {})
+    st = ProxyState.build(load_settings(prefill=[f"http://127.0.0.1:{free_port()}"],
+                                        decode=[f"http://127.0.0.1:{free_port()}"], connect_timeout_s=1,
+                                        **overrides))
+    for e in st.infos:
+        st.infos[e] = EngineInfo(max_model_len=8192, kv_pool_tokens=65536)
+    await st.upstream.start()
+    async with st.admission:
+        yield st
+    await st.upstream.close()
+
+
+def request(body: dict[str, Any]) -> tuple[ProxyRequest, RequestContext]:
+    api = Api.CHAT if "messages" in body else Api.COMPLETIONS
+    return parse_request(orjson.dumps(body), api), RequestContext("r", None, api.label)
+
+
+@pytest.mark.parametrize("state", [{"tokenizer": "sim"}], indirect=True)
+async def test_large_prompts_are_counted_in_a_worker_thread(state: ProxyState, monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    threads: list[str] = []
+    original = LocalCounter.count
+
+    def spy(self: LocalCounter, *args: Any, **kw: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return original(self, *args, **kw)
+
+    monkeypatch.setattr(LocalCounter, "count", spy)
+    req, ctx = request({"prompt": " ab." * 4500, "max_tokens": 100})   # 9000 tokens, 4500 words: count needed
+    with pytest.raises(PromptTooLong):
+        await state.admission.admit(req, ctx)
+    req, ctx = request({"prompt": sim_prompt(2000, unique=True) + ",", "max_tokens": 100})
+    await state.admission.admit(req, ctx)
+    assert req.prompt_tokens == 2001 and ctx.disaggregated
+    assert len(threads) == 2 and all(t.startswith("pdproxy-tokens") for t in threads)
+    assert state.admission.stats.counted_total == {"local": 2}
+
+
+async def test_failed_tokenize_falls_back_to_the_estimate(state: ProxyState) -> None:
+    req, ctx = request({"messages": [{"role": "user", "content": sim_prompt(3000, unique=True)}]})
+    await state.admission.admit(req, ctx)                             # nothing listens: the engine will decide
+    stats = state.admission.stats
+    assert stats.counted_total == {"estimate": 1} and stats.count_errors_total == 1
+    assert req.prompt_tokens is not None and req.prompt_tokens >= 3000
+
+
+@pytest.mark.parametrize("state", [{"tokenizer": "sim", "prefill_busy_tokens": 1000}], indirect=True)
+async def test_short_prompts_skip_a_prefiller_busy_with_long_work(state: ProxyState) -> None:
+    queue = state.admission.queue
+    async with queue.slot(5000, 5001):                                # a long prefill in flight
+        hello, ctx = request({"prompt": " hello", "max_tokens": 2})
+        await state.admission.admit(hello, ctx)
+        assert not ctx.disaggregated
+        medium, ctx2 = request({"prompt": sim_prompt(2000), "max_tokens": 2})
+        await state.admission.admit(medium, ctx2)
+        assert ctx2.disaggregated                                     # above decode_only_busy_max_prompt_tokens
+    hello, ctx = request({"prompt": " hello", "max_tokens": 2})
+    await state.admission.admit(hello, ctx)
+    assert ctx.disaggregated                                          # the prefiller is free again
+    assert state.admission.stats.decode_only_total == {"prefillers_busy": 1}
+    assert queue.idle() and state.pool.available(Role.PREFILL)
