@@ -74,6 +74,15 @@ def test_two_workers_share_one_load_view(tmp_path: Path) -> None:
 
             wait_until(ready, 20, 0.1, f"2 workers ready ({log.read_text()[-500:] if log.exists() else ''})")
             assert httpx.get(url + "/health").status_code == 200
+            # Counters and histograms of both workers add up in every scrape (prometheus multiprocess mode).
+            for i in range(6):
+                r = httpx.post(url + "/v1/completions", json={"model": "sim-model", "prompt": f"c {i}", "max_tokens": 1},
+                               headers={"Connection": "close"}, timeout=10)
+                assert r.status_code == 200
+            for _ in range(4):  # new connections: either worker may answer the scrape
+                m = scrape(url)
+                assert m.value("pdproxy_requests_total", api="completions", status="200", outcome="ok") == 6
+                assert m.value("pdproxy_prefill_time_seconds_count", api="completions") == 6
 
             def decode_load() -> dict[str, int]:
                 load = httpx.get(url + "/debug/load", timeout=5).json()
@@ -127,7 +136,7 @@ def test_two_workers_share_one_load_view(tmp_path: Path) -> None:
             wait_until(lambda: all(d.state()["running"] == 0 for d in sims[1:]), 10, 0.05, "engines idle")
             m = scrape(url)
             assert m.total("pdproxy_inflight_requests") == 0 and m.total("pdproxy_inflight_tokens") == 0
-            assert m.total("pdproxy_requests_total", api="completions") >= survivors  # the dead worker recorded none
+            assert m.total("pdproxy_requests_total", api="completions") >= 6 + survivors  # the dead one recorded none
 
             # SIGTERM: workers drain and exit, the supervisor removes its run directory.
             found = re.search(r"run directory (\S+)\)", log.read_text())
