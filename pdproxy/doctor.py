@@ -182,8 +182,10 @@ def check_consistency(report: Report, infos: dict[Endpoint, EngineInfo]) -> None
                    **lens)
 
 
-def check_round_trip(report: Report, rt: RoundTrip, p: Endpoint, d: Endpoint) -> None:
-    """Steps 4 and 6 (dynamic part) from one P→D round trip."""
+def check_round_trip(report: Report, rt: RoundTrip, p: Endpoint, d: Endpoint, *,
+                     tools_refused: str | None = None) -> None:
+    """Steps 4 and 6 (dynamic part) from one P→D round trip (``tools_refused``: the engine's 400 to the request
+    with tools, when the round trip was then made without them)."""
     pair = f"{p.name} → {d.name}"
     data = {"prefill_s": rt.prefill_s, "decode_s": rt.decode_s}
     if rt.error and rt.kv_transfer_params is None:
@@ -205,7 +207,10 @@ def check_round_trip(report: Report, rt: RoundTrip, p: Endpoint, d: Endpoint) ->
         return
     report.add("kv_connector", pair, "ok", f"kv_transfer_params returned ({', '.join(sorted(params))[:120]}); "
                f"decode leg answered", **data)
-    if rt.finish_reason == "tool_calls":
+    if tools_refused:
+        report.add("tool_call", pair, "warn", f"the engine refused a request with tools ({tools_refused}); start "
+                   "vLLM with --enable-auto-tool-choice --tool-call-parser … to serve agents", **data)
+    elif rt.finish_reason == "tool_calls":
         report.add("tool_call", pair, "ok", 'finish_reason "tool_calls"', **data)
     else:
         report.add("tool_call", pair, "warn", f"finish_reason {rt.finish_reason!r}, not \"tool_calls\": the model did "
@@ -264,7 +269,11 @@ async def run_doctor(settings: Settings, options: DoctorOptions) -> Report:
                 for i in range(max(len(prefillers), len(decoders))):
                     p, d = prefillers[i % len(prefillers)], decoders[i % len(decoders)]
                     rt = await pd_round_trip(client, p, d, model, timeout_s=options.probe_timeout_s, api_key=key)
-                    check_round_trip(report, rt, p, d)
+                    refused = rt.error if rt.error and rt.error.startswith("prefill leg: HTTP 400") else None
+                    if refused:  # e.g. vLLM without --enable-auto-tool-choice: check the PD path without tools
+                        rt = await pd_round_trip(client, p, d, model, timeout_s=options.probe_timeout_s,
+                                                 api_key=key, tools=False)
+                    check_round_trip(report, rt, p, d, tools_refused=refused)
             elif not options.round_trip:
                 report.add("tool_call", "P/D", "skip", "--no-round-trip")
             if options.cold_probe:  # engines are independent: probe them concurrently, report in order

@@ -76,12 +76,13 @@ def _brief(resp: httpx.Response) -> str:
 
 
 async def pd_round_trip(client: httpx.AsyncClient, prefiller: Endpoint, decoder: Endpoint, model: str, *,
-                        timeout_s: float, api_key: str | None = None) -> RoundTrip:
-    """Chat with a tool through ``prefiller`` then ``decoder``, the way the proxy does.  Never raises for
-    engine or transport errors (they go to ``RoundTrip.error``)."""
+                        timeout_s: float, api_key: str | None = None, tools: bool = True) -> RoundTrip:
+    """Chat (with a tool unless ``tools`` is False) through ``prefiller`` then ``decoder``, the way the proxy
+    does.  Never raises for engine or transport errors (they go to ``RoundTrip.error``)."""
     out = RoundTrip(prefiller.name, decoder.name)
-    body = {"model": model, "messages": TOOL_MESSAGES, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 64,
-            "temperature": 0}
+    body: dict[str, Any] = {"model": model, "messages": TOOL_MESSAGES, "max_tokens": 64, "temperature": 0}
+    if tools:
+        body.update(tools=TOOLS, tool_choice="auto")
     rid = f"pdproxy-doctor-{uuid.uuid4().hex}"
     path = "/v1/chat/completions"
     try:

@@ -104,3 +104,16 @@ def test_table_output_and_missing_kv_connector(sims: Fleet) -> None:
 def test_no_engines_is_a_usage_error() -> None:
     done = subprocess.run([sys.executable, "-m", "pdproxy", "doctor"], capture_output=True, timeout=30)
     assert done.returncode == 2 and b"no engines configured" in done.stderr
+
+
+def test_engine_refusing_tools_still_gets_the_kv_check(sims: Fleet) -> None:
+    body = {"error": {"message": '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                                 "to be set", "type": "BadRequestError", "param": None, "code": 400}}
+    sims.prefillers[0].faults({"kind": "status", "status": 400, "body": body, "on_request": 1,
+                               "path": "/v1/chat/completions"})
+    code, report = doctor([s.url for s in sims.prefillers], [s.url for s in sims.decoders[:1]], "--no-cold-probe")
+    assert code == 0, report
+    (kv,) = rows(report, "kv_connector")
+    (tool,) = rows(report, "tool_call")
+    assert kv["status"] == "ok"
+    assert tool["status"] == "warn" and "enable-auto-tool-choice" in tool["detail"]
