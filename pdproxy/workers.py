@@ -20,7 +20,10 @@ cross-process round trip per request).  Here the supervisor (this module, in the
 
 Workers exit on their own if the supervisor disappears (they watch their parent pid).
 What stays per worker: health probes, breakers and engine info (each worker probes every engine; the engines'
-own ``/metrics`` are the shared truth), and the in-process admission queue.
+own ``/metrics`` are the shared truth), and the prefill queue with its per-prefiller token budget (so N workers
+admit up to N × ``prefill_budget_tokens`` per prefiller; its decoder free-KV check reads the shared view).
+Costs: a lease is ~5 µs and a score read ~1 µs on the board; prometheus multiprocess metrics ~25 µs per request
+(single process: ~6 µs).
 """
 
 from __future__ import annotations
