@@ -25,6 +25,8 @@ CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "Hello me
 
 
 def test_metrics_count_known_traffic(proxy: ProxyThread, sims: Fleet) -> None:
+    for d in sims.decoders:  # ≥ 5 ms between token events, so each stream reaches the client in several writes
+        d.faults({"kind": "slow", "factor": 2, "min_gap_s": 0.005})
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=20)
     for _ in range(2):
         chunks = list(client.chat.completions.create(**CHAT, stream=True, stream_options={"include_usage": True}))

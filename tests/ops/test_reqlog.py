@@ -60,7 +60,7 @@ def test_one_line_per_request_without_prompt_text(sims: Fleet, tmp_path: Path) -
     assert ok["prefiller"] == sims.prefillers[0].url
     assert ok["decoder"] in {d.url for d in sims.decoders}
     assert "dp_rank" in ok and ok["prompt_tokens"] > 0 and ok["cached_tokens"] is not None
-    assert ok["events"] >= 2
+    assert ok["events"] >= 1  # relayed writes (a zero-cost decoder may deliver the whole stream in one)
     for phase in ("admission_wait_s", "prefill_s", "pd_gap_s", "decode_first_token_s", "decode_s", "ttft_s"):
         assert ok[phase] is not None and ok[phase] >= 0, phase
     assert ok["ttft_s"] <= ok["e2e_s"]
