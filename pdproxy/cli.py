@@ -60,6 +60,7 @@ def serve(settings: Settings) -> int:
     from pdproxy.app import create_app
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per health probe otherwise
     if not settings.all_endpoints():
         print("pdproxy: no engines configured: give --prefill URL and --decode URL (or --prefiller-hosts/ports "
               "and --decoder-hosts/ports, or a --config file)", file=sys.stderr)
