@@ -18,7 +18,9 @@ Scenarios (engines: ``loadtest.fake_engine``, zero prefill cost, scripted inter-
 - ``cpu_per_request``: closed loop, 1-token streams — µs of proxy CPU per PD request;
 - ``streams``: closed loops of N streams at 10 tokens/s, N rising until two levels in a row stall (a gap over
   ``stall_gap_s`` or any error) — the largest N held, RSS per stream;
-- ``workers``: PD-request capacity with ``--workers 2`` vs 1 (unpinned; only if the proxy forks workers).
+- ``workers``: PD-request capacity with ``--workers 2`` vs 1 (unpinned; only if the proxy forks workers);
+- ``admission``: ``loadtest.admission_bench`` (over-length 400 latency for a 200K-token prompt, small-request TTFT
+  while 120K-token prefills run with protection on/off; ``pdproxy sim`` engines with prefill cost), full profile.
 """
 
 from __future__ import annotations
@@ -218,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="another proxy to measure (placeholders {prefill} {decode} {port}); default: vllm-router "
                          "if it is installed")
     ap.add_argument("--no-other", action="store_true", help="measure pdproxy only")
-    ap.add_argument("--only", nargs="+", choices=["latency", "cpu", "streams", "workers"], default=None)
+    ap.add_argument("--only", nargs="+", choices=["latency", "cpu", "streams", "workers", "admission"],
+                    default=None)
     ap.add_argument("--out", help="also write the JSON document to this file")
     args = ap.parse_args(argv)
     profile = PROFILES[args.profile]
@@ -226,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     router = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
     if not others and not args.no_other and Path(router).exists():
         others["vllm-router"] = ROUTER.replace("vllm-router", router, 1)
-    parts = args.only or ["latency", "cpu", "streams"] + (["workers"] if profile.workers else [])
+    parts = args.only or ["latency", "cpu", "streams"] + (["workers", "admission"] if profile.workers else [])
     t0 = time.monotonic()
     scen: dict[str, Any] = {}
     with Bench(profile, others) as bench:
@@ -247,7 +250,17 @@ def main(argv: list[str] | None = None) -> int:
             "targets": {"pdproxy": PDPROXY, **others}, "skipped": bench.skipped,
             "command": "python -m loadtest.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         }
+    if "admission" in parts:  # its own sim engines (with prefill cost) and proxies; after ours are stopped
+        from loadtest import admission_bench
+
+        scen["admission"] = admission_bench.run(admission_bench.Profile() if profile.name == "full"
+                                                else admission_bench.QUICK)
     figs = {n: figures(scen, n) for n in names}
+    adm = scen.get("admission")
+    if adm and "pdproxy" in figs:
+        figs["pdproxy"]["admission"] = {
+            "reject_200k_400_ms": {k: adm["reject_200k"].get(k) for k in ("p50_ms", "p99_ms")},
+            "small_ttft_under_120k_prefills": adm["hol"]["ratios"], "hol_met": adm["hol"]["met"]}
     doc["figures"] = figs
     router_fig = next((figs[n] for n in names if n != "pdproxy"), None)
     doc["targets_met"] = report.check_targets(figs.get("pdproxy", {}), router_fig)
