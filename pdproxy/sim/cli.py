@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="cap per-step tokens of one prefill (0 = off, vLLM's default)")
     v.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     v.add_argument("--tokenizer", default=None, help="local HF tokenizer dir (default: built-in sim tokenizer)")
+    v.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
+                   help="answer chats with tools by calling one (off: vLLM's 400 for tool_choice auto)")
     v.add_argument("--data-parallel-size", type=int, default=1, help="DP ranks served by this process")
     v.add_argument("--seed", type=int, default=0)
     s = parser.add_argument_group("simulator flags")
@@ -92,7 +94,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         data_parallel_size=args.data_parallel_size, dp_ports=tuple(args.dp_ports or ()),
         dp_single_port=args.dp_single_port, kv_connector=args.kv_connector, kv_pin_timeout_s=args.kv_pin_timeout_s,
         kv_transfer_tokens_per_s=args.kv_transfer_tokens_per_s, hol_blocking=args.hol_blocking == "on",
-        recompute_stop=args.recompute_stop, refuse_connections=args.refuse_connections, faults=faults,
+        recompute_stop=args.recompute_stop, enable_auto_tool_choice=args.enable_auto_tool_choice,
+        refuse_connections=args.refuse_connections, faults=faults,
         seed=args.seed, record_limit=args.record_limit, engine_id=args.engine_id)
 
 

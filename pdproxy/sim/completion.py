@@ -163,7 +163,8 @@ async def handle_completion(server: SimServer, listener: Listener, request: web.
     params = parsed.kv_transfer_params
     remote = connector.remote_prefill_source(params) if cfg.role in ("decode", "both") else None
     pin = connector.wants_remote_decode(params) and cfg.role in ("prefill", "both")
-    writer = ResponseWriter(parsed, cfg.served_model_name, int(time.time()), server.next_word_offset())
+    writer = ResponseWriter(parsed, cfg.served_model_name, int(time.time()), server.next_word_offset(),
+                            server.fingerprint)
     max_tokens, eos = _sizes(parsed, writer, cfg.output_tokens, cfg.max_model_len, fault)
     wake = _Wake()
     ereq = EngineRequest(connector.internal_request_id(parsed.response_id, api), parsed.prompt_token_ids,
@@ -195,14 +196,14 @@ async def _stream(server: SimServer, request: web.Request, rank: RankEngine, par
                   writer: ResponseWriter, ereq: EngineRequest, wake: _Wake, headers: dict[str, str],
                   fault: Fault | None, recompute_after: int | None,
                   slow: tuple[float, float] | None) -> web.StreamResponse:
-    resp = web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream",
+    resp = web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream; charset=utf-8",
                                                    "Cache-Control": "no-cache"})
     await resp.prepare(request)
     sse = _SSE(resp, request, fault)
     rank.active_streams += 1
     loop = asyncio.get_running_loop()
     try:
-        await sse.send(writer.role_event())
+        role_sent = False
         sent = 0
         stop_reason: Any = None
         while not sse.stopped:
@@ -218,8 +219,11 @@ async def _stream(server: SimServer, request: web.Request, rank: RankEngine, par
             if recompute_after is not None and n >= recompute_after:
                 n, finish, stop_reason = recompute_after, "stop", "recomputed"
                 rank.abort(ereq)
+            if (n > sent or finish is not None) and not role_sent:
+                await sse.send(writer.role_event())  # vLLM sends it with the first output
+                role_sent = True
             if n > sent or finish is not None:
-                usage = writer.usage(len(parsed.prompt_token_ids), n, ereq.num_cached_tokens) if (
+                usage = writer.usage(len(parsed.prompt_token_ids), n, ereq.num_cached_tokens, stream=True) if (
                     parsed.continuous_usage) else None
                 if slow is not None:  # one token per event, each gap stretched
                     per_token_s = waited_s / max(n - sent, 1)
@@ -231,12 +235,13 @@ async def _stream(server: SimServer, request: web.Request, rank: RankEngine, par
                 if finish is not None and stop_reason == "recomputed" and n > sent:
                     await sse.send(writer.token_event(sent, n, None, None, usage))
                     sent = n
-                await sse.send(writer.token_event(sent, n, finish, stop_reason, usage))
+                last = finish is not None and not parsed.include_usage
+                await sse.send(writer.token_event(sent, n, finish, stop_reason, usage, last))
                 sent = n
             if finish is not None:
                 if parsed.include_usage:
                     await sse.send(writer.usage_event(writer.usage(len(parsed.prompt_token_ids), sent,
-                                                                   ereq.num_cached_tokens)))
+                                                                   ereq.num_cached_tokens, stream=True)))
                 break
         await sse.done()
         if not sse.reset:
@@ -274,7 +279,8 @@ async def _unary(server: SimServer, listener: Listener, rank: RankEngine, parsed
                                              host=server.advertised_host, port=rank.port or listener.port,
                                              block_ids=server.pinned_block_ids(rank, ereq),
                                              num_tokens=len(parsed.prompt_token_ids),
-                                             last_token_id=server.last_token_id(ereq))
+                                             last_token_id=server.last_token_id(ereq),
+                                             cached_tokens=max(ereq.num_cached_tokens, 0))
     usage = writer.usage(len(parsed.prompt_token_ids), n, ereq.num_cached_tokens)
     body = writer.json_body(n, finish, stop_reason, usage, kv_params)
     return web.Response(status=200, body=body, content_type="application/json", headers=headers)

@@ -27,6 +27,10 @@ class SimConfig:
     ``decode_tokens_per_s`` is the per-step decode rate: each running sequence gets that many tokens/s,
     whatever the batch size (a memory-bound decode). ``decode_seq_cost_s`` adds a per-sequence cost, for
     batch-size sensitivity. A chunked-prefill step that also decodes pays both terms.
+
+    ``enable_auto_tool_choice`` (vLLM's ``--enable-auto-tool-choice``): when False, a chat with ``tools`` and
+    ``tool_choice`` absent or ``"auto"`` is refused with vLLM's 400, as a real engine started without a tool
+    parser does. The simulator defaults to True (it then answers with a tool call).
     """
 
     host: str = "127.0.0.1"
@@ -55,6 +59,7 @@ class SimConfig:
     kv_transfer_tokens_per_s: float = 0.0
     hol_blocking: bool = True
     recompute_stop: bool = False
+    enable_auto_tool_choice: bool = True
     refuse_connections: bool = False
     faults: tuple[dict, ...] = ()
     seed: int = 0

@@ -50,8 +50,10 @@ def internal_request_id(response_id: str, api: str) -> str:
 
 
 def prefill_params(config: SimConfig, *, engine_id: str, request_id: str, host: str, port: int,
-                   block_ids: list[int], num_tokens: int, last_token_id: int) -> dict[str, Any]:
-    """The ``kv_transfer_params`` a prefiller returns for a length-capped request whose blocks it pinned."""
+                   block_ids: list[int], num_tokens: int, last_token_id: int,
+                   cached_tokens: int = 0) -> dict[str, Any]:
+    """The ``kv_transfer_params`` a prefiller returns for a length-capped request whose blocks it pinned
+    (``num_tokens``: prompt tokens; ``cached_tokens``: the prefiller's own prefix-cache hits)."""
     if config.kv_connector == "mooncake":
         return {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": list(block_ids),
@@ -65,7 +67,8 @@ def prefill_params(config: SimConfig, *, engine_id: str, request_id: str, host: 
         "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [list(block_ids)],
         "remote_engine_id": engine_id, "remote_request_id": request_id, "remote_host": host,
         "remote_port": port, "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": num_tokens,
-        "remote_blocks_expiry_time": None, "transfer_mode": "pull", "remote_prefill_cached_tokens": 0,
+        "remote_blocks_expiry_time": None, "transfer_mode": "pull",
+        "remote_prefill_cached_tokens": cached_tokens,
     }
 
 

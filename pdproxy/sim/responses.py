@@ -7,6 +7,15 @@
 * Usage chunk (only with ``stream_options.include_usage``): ``choices: []`` plus ``usage`` with
   ``prompt_tokens_details.cached_tokens``; then ``data: [DONE]``.
 
+Exact shapes are vLLM 0.32's as captured (``tests/real_vllm/captures/``, checked by
+``tests/real_vllm/test_sim_contract.py``): compact JSON events (``{"id":...}``); chat's role chunk carries
+top-level ``prompt_token_ids``/``prompt_text`` (null); every chat choice chunk has ``token_ids: null``; the
+last JSON event of a stream (the usage chunk, else the finishing chunk) carries ``system_fingerprint``
+(``"vllm-<version>-<8 hex>"``); usage in a stream drops null details (``{"cached_tokens": 0}``, chat adds
+``"created_cache_tokens": 0``) while a JSON body keeps them and adds ``completion_tokens_details: null``;
+JSON bodies carry ``routed_experts``, ``ec_transfer_params`` and ``metrics`` as null. The mid-stream error
+event alone is written by ``json.dumps`` (``{"error": {"message": ...}}``, with spaces).
+
 Generated text: output token ``i`` is the word ``_WORDS[(offset + i) % len]``. Each word is exactly one
 SimTokenizer token, so ``completion_tokens`` agrees with a re-tokenization. Some words are multi-byte
 UTF-8 (``" naïve"``, ``" 世界"``), so relays must handle characters split across reads.
@@ -18,6 +27,7 @@ and streamed in 4-character pieces, one piece per output token. ``finish_reason`
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -62,13 +72,18 @@ def choose_tool(tools: list[dict[str, Any]], tool_choice: Any) -> dict[str, Any]
 
 
 class ResponseWriter:
-    """Builds the bytes of one request's answer (SSE events or the JSON body). Token counts are tokens."""
+    """Builds the bytes of one request's answer (SSE events or the JSON body). Token counts are tokens.
 
-    def __init__(self, req: ParsedRequest, model: str, created: int, word_offset: int) -> None:
+    ``fingerprint`` is the ``system_fingerprint`` value (``"vllm-<version>-<8 hex>"``).
+    """
+
+    def __init__(self, req: ParsedRequest, model: str, created: int, word_offset: int,
+                 fingerprint: str | None = None) -> None:
         self.req = req
         self.model = model
         self.created = created
         self.offset = word_offset
+        self.fingerprint = fingerprint
         self.tool_name: str | None = None
         self.tool_pieces: list[str] = []
         self.tool_id = f"chatcmpl-tool-{secrets.token_hex(16)}"
@@ -99,24 +114,35 @@ class ResponseWriter:
             return "tool_calls"
         return finish_reason
 
-    @staticmethod
-    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-        """OpenAI/vLLM usage with ``prompt_tokens_details.cached_tokens``."""
-        return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-                "completion_tokens": completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": max(cached_tokens, 0)}}
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+              stream: bool = False) -> dict[str, Any]:
+        """OpenAI/vLLM usage with ``prompt_tokens_details.cached_tokens`` (JSON-body form, or the stream form
+        without null details when ``stream``)."""
+        details: dict[str, Any] = {"cached_tokens": max(cached_tokens, 0),
+                                   "created_cache_tokens": 0 if self.req.api == "chat" else None,
+                                   "multimodal_tokens": None}
+        usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+                                 "completion_tokens": completion_tokens}
+        if stream:
+            usage["prompt_tokens_details"] = {k: v for k, v in details.items() if v is not None}
+        else:
+            usage["prompt_tokens_details"] = details
+            usage["completion_tokens_details"] = None
+        return usage
 
     # ---- streaming ----------------------------------------------------------------------------------------
     def role_event(self) -> bytes:
-        """Chat's first chunk (``delta.role``); completions have none (returns b"")."""
+        """Chat's first chunk (``delta.role``), sent with the first output; completions have none (b"")."""
         if self.req.api != "chat":
             return b""
         return self._event({**self._head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                       "logprobs": None, "finish_reason": None}]})
+                                                       "logprobs": None, "finish_reason": None}],
+                            "prompt_token_ids": None, "prompt_text": None})
 
     def token_event(self, start: int, end: int, finish_reason: str | None = None, stop_reason: Any = None,
-                    usage: dict[str, Any] | None = None) -> bytes:
-        """One SSE event carrying output tokens ``[start, end)`` (vLLM merges tokens when the client lags)."""
+                    usage: dict[str, Any] | None = None, last: bool = False) -> bytes:
+        """One SSE event carrying output tokens ``[start, end)`` (vLLM merges tokens when the client lags).
+        ``last``: no usage chunk follows, so this event carries ``system_fingerprint``."""
         finish = self.public_finish_reason(finish_reason)
         text = self.text(start, end)
         if self.req.api == "chat":
@@ -131,23 +157,27 @@ class ResponseWriter:
             choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             if finish is not None:
                 choice["stop_reason"] = stop_reason
+            choice["token_ids"] = None
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
                       "stop_reason": stop_reason, "prompt_token_ids": None, "token_ids": None}
         chunk: dict[str, Any] = {**self._head, "choices": [choice]}
         if usage is not None:
             chunk["usage"] = usage
+        if last:
+            chunk["system_fingerprint"] = self.fingerprint
         return self._event(chunk)
 
     def usage_event(self, usage: dict[str, Any]) -> bytes:
-        """The final ``choices: []`` usage chunk."""
-        return self._event({**self._head, "choices": [], "usage": usage})
+        """The final ``choices: []`` usage chunk (it carries ``system_fingerprint``)."""
+        return self._event({**self._head, "choices": [], "usage": usage, "system_fingerprint": self.fingerprint})
 
     @staticmethod
     def error_event(message: str, error_type: str, code: int) -> bytes:
-        """A mid-stream error chunk ``data: {"error": {...}}`` (vLLM sends ``data: [DONE]`` after it)."""
+        """A mid-stream error chunk ``data: {"error": {...}}`` (vLLM sends ``data: [DONE]`` after it). vLLM writes
+        this one with ``json.dumps``, so it has spaces after ``:`` and ``,`` unlike the other events."""
         body = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
-        return b"data: " + orjson.dumps(body) + b"\n\n"
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
 
     @staticmethod
     def _event(obj: dict[str, Any]) -> bytes:
@@ -161,26 +191,27 @@ class ResponseWriter:
         text = self.text(0, completion_tokens)
         if self.req.api == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
-                                       "audio": None, "function_call": None, "tool_calls": [],
-                                       "reasoning_content": None}
+                                       "audio": None, "function_call": None}
             if self.tool_name:
                 message["content"] = None
                 message["tool_calls"] = [{"id": self.tool_id, "type": "function",
                                           "function": {"name": self.tool_name, "arguments": text}}]
+            message["reasoning"] = None
             body: dict[str, Any] = {
                 "id": self.req.response_id, "object": "chat.completion", "created": self.created,
                 "model": self.model,
                 "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish,
-                             "stop_reason": stop_reason}],
-                "service_tier": None, "system_fingerprint": None, "usage": usage, "prompt_logprobs": None,
-                "prompt_token_ids": None, "kv_transfer_params": kv_transfer_params}
+                             "stop_reason": stop_reason, "token_ids": None, "routed_experts": None}],
+                "service_tier": None, "system_fingerprint": self.fingerprint, "usage": usage,
+                "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
+                "kv_transfer_params": kv_transfer_params, "ec_transfer_params": None, "metrics": None}
         else:
             body = {
                 "id": self.req.response_id, "object": "text_completion", "created": self.created,
                 "model": self.model,
                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
-                             "stop_reason": stop_reason, "prompt_logprobs": None, "prompt_token_ids": None,
-                             "token_ids": None}],
-                "service_tier": None, "system_fingerprint": None, "usage": usage,
-                "kv_transfer_params": kv_transfer_params}
+                             "stop_reason": stop_reason, "token_ids": None, "prompt_logprobs": None,
+                             "prompt_token_ids": None, "routed_experts": None}],
+                "service_tier": None, "system_fingerprint": self.fingerprint, "usage": usage,
+                "kv_transfer_params": kv_transfer_params, "ec_transfer_params": None, "metrics": None}
         return orjson.dumps(body)

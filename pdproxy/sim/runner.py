@@ -147,6 +147,7 @@ class RankEngine:
         params = req.remote_prefill
         assert params is not None
         session = self._session()
+        started = self._now()
         ok = await connector.pull(session, params)
         if ok:
             rate = self.config.kv_transfer_tokens_per_s
@@ -156,7 +157,8 @@ class RankEngine:
         self._pull_state[req.request_id] = "done"
         if req.finished:
             return
-        self.core.finish_remote_kv(req, ok, self._now())
+        now = self._now()
+        self.core.finish_remote_kv(req, ok, now, xfer_s=now - started)
         self._wake.set()
         if not ok and req.listener is not None:
             req.listener(req)

@@ -35,6 +35,10 @@ from pdproxy.sim.config import SimConfig
 from pdproxy.sim.kvcache import BlockPool, block_hashes, blocks_for
 from pdproxy.sim.metrics import EngineStats, RankGauges
 
+KV_BYTES_PER_TOKEN = 1024
+"""Modelled KV bytes per token for ``vllm:nixl_bytes_transferred`` (the tiny real-vLLM model's figure: 2 layers
+× 2 KV heads × head_dim 64 × K and V × 2 bytes)."""
+
 
 class Status(enum.Enum):
     """Request lifecycle states (subset of ``vllm/v1/request.py::RequestStatus``)."""
@@ -73,6 +77,7 @@ class EngineRequest:
     finish_reason: str | None = None
     stop_reason: str | None = None
     pinned: bool = False
+    external_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -155,15 +160,32 @@ class EngineCore:
         self._finish(request, "abort", now)
         return True
 
-    def finish_remote_kv(self, request: EngineRequest, ok: bool, now: float) -> None:
-        """Mark a deferred request's pull done. On failure it finishes with reason "error" (policy "fail")."""
+    def finish_remote_kv(self, request: EngineRequest, ok: bool, now: float, xfer_s: float = 0.0) -> None:
+        """Mark a deferred request's pull done (``xfer_s``: its duration, seconds). On failure it finishes with
+        reason "error" (policy "fail").
+
+        Like vLLM 0.32 on a decoder: the whole prompt counts as ``external_kv_transfer`` (and as cached in
+        ``vllm:prompt_tokens_cached_total``), nothing as ``local_compute``. The response's
+        ``usage.prompt_tokens_details.cached_tokens`` is 0 with the NIXL connector (vLLM 0.32 as observed) and
+        ``prompt - 1`` with Mooncake (vLLM-Ascend counts local + external hits there, reference §2.3).
+        """
         if request.finished:
             return
         if ok:
+            prompt = request.num_prompt_tokens
             request.kv_ready = True
-            request.num_computed_tokens = request.num_prompt_tokens - 1
-            request.num_cached_tokens = request.num_prompt_tokens - 1
-            self.stats.prompt_tokens_external += request.num_cached_tokens
+            request.num_computed_tokens = prompt - 1
+            request.num_cached_tokens = 0 if self.config.kv_connector == "nixl" else prompt - 1
+            request.external_tokens = prompt
+            stats = self.stats
+            stats.prompt_tokens += prompt
+            stats.prompt_tokens_external += prompt
+            stats.prompt_tokens_cached += prompt
+            blocks = len(request.blocks)
+            stats.nixl_xfer_time.observe(xfer_s)
+            stats.nixl_post_time.observe(min(xfer_s, 0.001))
+            stats.nixl_bytes.observe(blocks * self.config.block_size * KV_BYTES_PER_TOKEN)
+            stats.nixl_descriptors.observe(2 * blocks)
             full = request.num_computed_tokens // self.config.block_size
             self.pool.cache_blocks(request.blocks[:full], request.hashes[:full])
             return
@@ -270,6 +292,9 @@ class EngineCore:
                     continue
                 req.blocks = self.pool.allocate(need)
                 req.status = Status.WAITING_FOR_REMOTE_KVS
+                self.stats.prefix_cache_queries += req.num_prompt_tokens
+                self.stats.external_prefix_cache_queries += req.num_prompt_tokens
+                self.stats.external_prefix_cache_hits += req.num_prompt_tokens
                 pulls.append(req)
                 skipped.append(self.waiting.popleft())
                 continue
@@ -287,9 +312,13 @@ class EngineCore:
                 req.blocks = [*req.blocks, *self.pool.allocate(max(need, 0), cached)]
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = len(cached) * cfg.block_size
-                self.stats.prefix_cache_queries += req.num_prompt_tokens
-                self.stats.prefix_cache_hits += req.num_cached_tokens
-                self.stats.prompt_tokens_cached += req.num_cached_tokens
+                stats = self.stats
+                stats.prefix_cache_queries += req.num_prompt_tokens
+                stats.prefix_cache_hits += req.num_cached_tokens
+                stats.prompt_tokens_cached += req.num_cached_tokens
+                stats.prompt_tokens_cache_hit += req.num_cached_tokens
+                stats.prompt_tokens += req.num_cached_tokens
+                stats.external_prefix_cache_queries += req.num_prompt_tokens - req.num_cached_tokens
             if cached:
                 req.num_computed_tokens = len(cached) * cfg.block_size
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -316,7 +345,10 @@ class EngineCore:
             before = req.num_computed_tokens
             req.num_computed_tokens += n
             if before < req.num_prompt_tokens:
-                self.stats.prompt_tokens += min(req.num_computed_tokens, req.num_prompt_tokens) - before
+                local = min(req.num_computed_tokens, req.num_prompt_tokens) - max(before, req.external_tokens)
+                if local > 0:
+                    self.stats.prompt_tokens += local
+                    self.stats.prompt_tokens_local += local
                 done = min(req.num_computed_tokens, req.num_prompt_tokens) // bs
                 self.pool.cache_blocks(req.blocks[:done], req.hashes[:done])
             if req.num_computed_tokens < req.num_tokens:
@@ -356,6 +388,7 @@ class EngineCore:
         self.pool.free(victim.blocks)
         victim.blocks = []
         victim.num_computed_tokens = 0
+        victim.external_tokens = 0
         victim.status = Status.PREEMPTED
         self.waiting.appendleft(victim)
 
@@ -374,6 +407,8 @@ class EngineCore:
 
     def gauges(self) -> RankGauges:
         """Current gauge values (running, waiting by reason, KV usage, pins)."""
-        deferred = sum(1 for r in self.waiting if r.status is Status.WAITING_FOR_REMOTE_KVS)
-        return RankGauges(len(self.running), len(self.waiting) - deferred, deferred, self.pool.usage,
-                          sum(len(p.blocks) for p in self.pins.values()), len(self.pins))
+        remote = [r for r in self.waiting if r.status is Status.WAITING_FOR_REMOTE_KVS]
+        loaded = sum(1 for r in remote if r.kv_ready)
+        return RankGauges(len(self.running), len(self.waiting) - len(remote), len(remote), self.pool.usage,
+                          sum(len(p.blocks) for p in self.pins.values()), len(self.pins),
+                          kv_fetch_in_progress=len(remote) - loaded, kv_fetch_completed_waiting=loaded)

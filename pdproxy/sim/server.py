@@ -20,6 +20,7 @@ Routes (reference §2.1): ``POST /v1/completions``, ``POST /v1/chat/completions`
 from __future__ import annotations
 
 import contextlib
+import secrets
 import socket
 import time
 import uuid
@@ -35,7 +36,7 @@ from aiohttp import web
 from pdproxy.sim import completion, connector
 from pdproxy.sim.config import SimConfig
 from pdproxy.sim.faults import FaultBook
-from pdproxy.sim.metrics import render_metrics
+from pdproxy.sim.metrics import UNCOUNTED_HANDLERS, render_metrics
 from pdproxy.sim.protocol import SimHTTPError, error_body
 from pdproxy.sim.runner import RankEngine
 from pdproxy.sim.scheduler import EngineRequest
@@ -77,6 +78,8 @@ class SimServer:
         self.advertised_host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
         self._session: aiohttp.ClientSession | None = None
         self._word_offset = config.seed
+        self.fingerprint = f"vllm-{config.version}-{secrets.token_hex(4)}"
+        self.http_requests: dict[tuple[str, str, str], int] = {}
         self._stack = contextlib.AsyncExitStack()
         for listener in self.listeners:
             for spec in config.faults:
@@ -107,7 +110,7 @@ class SimServer:
             listener.port = sock.getsockname()[1]
             self._stack.callback(sock.close)
         else:
-            app = web.Application(client_max_size=1 << 30)
+            app = web.Application(client_max_size=1 << 30, middlewares=[self._count_request])
             self._add_routes(app, listener)
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
             await runner.setup()
@@ -123,6 +126,25 @@ class SimServer:
         else:
             for rank in self.ranks:
                 rank.port = listener.port
+
+    @web.middleware
+    async def _count_request(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """``http_requests_total{handler,method,status}`` as vLLM's HTTP instrumentation counts it."""
+        resource = request.match_info.route.resource
+        path = resource.canonical if resource is not None else None
+        counted = path is not None and path not in UNCOUNTED_HANDLERS and not path.startswith("/sim/")
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        finally:
+            if counted and status != 499:
+                key = (str(path), request.method, f"{status // 100}xx")
+                self.http_requests[key] = self.http_requests.get(key, 0) + 1
 
     @property
     def ports(self) -> list[int]:
@@ -285,7 +307,8 @@ class SimServer:
                 "enable_prefix_caching": str(cfg.enable_prefix_caching), "cache_dtype": "auto",
                 "gpu_memory_utilization": "0.9", "kv_cache_size_tokens": str(cfg.kv_cache_size_tokens)}
         ranks = [(rk.dp_rank, rk.core.gauges(), rk.core.stats) for rk in self._served(listener)]
-        text = render_metrics(cfg.served_model_name, info, ranks, with_nixl=cfg.kv_connector == "nixl")
+        text = render_metrics(cfg.served_model_name, info, ranks, with_nixl=cfg.kv_connector == "nixl",
+                              http_requests=self.http_requests)
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def _reset_prefix_cache(self) -> web.Response:

@@ -64,5 +64,7 @@ async def test_kv_pull_reaches_the_rank_named_in_remote_engine_id(http: aiohttp.
         assert params["remote_engine_id"] == "p_dp1" and params["remote_port"] == p.ports[1]
         status, text, _ = await post(http, d.base_urls[0] + "/v1/completions",
                                      {"prompt": sim_prompt(64), "max_tokens": 2, "kv_transfer_params": params})
-        assert status == 200 and json.loads(text)["usage"]["prompt_tokens_details"]["cached_tokens"] == 63
+        assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 2
+        async with http.get(d.base_urls[0] + "/metrics") as resp:   # the pull happened (vLLM 0.32's evidence)
+            assert 'source="external_kv_transfer"} 64.0' in await resp.text()
         assert [r["pinned_requests"] for r in (await get_json(http, p.base_urls[0] + "/sim/state"))["ranks"]] == [0, 0]
