@@ -182,9 +182,8 @@ class HFTokenizer:
         source = source or self._templates.get("default") or next(iter(self._templates.values()))
         template = _jinja_env().from_string(source)
         variables: dict[str, Any] = {**self._special, **(chat_template_kwargs or {})}
-        plain = [{**m, "content": _content_text(m.get("content"))} if isinstance(m.get("content"), list) else m
-                 for m in messages]
-        rendered = template.render(messages=plain, tools=tools, add_generation_prompt=(
+        plain = [_as_vllm_renders(m) for m in messages]
+        rendered = template.render(messages=plain, tools=_tools_as_vllm_renders(tools), add_generation_prompt=(
             add_generation_prompt and not continue_final_message), **variables)
         if continue_final_message and plain:
             final = _content_text(plain[-1].get("content")).strip()
@@ -210,7 +209,9 @@ def prompt_token_ids(tok: Tokenizer, body: dict, api: Literal["chat", "completio
     """Token ids of the prompt that vLLM would build from a request ``body``.
 
     chat: ``render_chat(messages, tools, add_generation_prompt, continue_final_message, chat_template_kwargs)``
-    then encode without special tokens. Media parts add :data:`MEDIA_PART_TOKENS` ids each.
+    then encode without special tokens. ``tools`` are rendered whatever ``tool_choice`` says: vLLM drops them only
+    with ``--exclude-tools-when-tool-choice-none`` (real vLLM 0.32 counted them with ``tool_choice: "none"``,
+    ``tests/real_vllm/captures/chat_tools_none.json``). Media parts add :data:`MEDIA_PART_TOKENS` ids each.
     completions: a ``str`` prompt is encoded (with special tokens for HF tokenizers); a flat ``list[int]``
     is used as is. Raises ``ValueError`` for a body it cannot count as *one* prompt: a missing
     prompt/messages, a list of prompts, or a malformed message.
@@ -221,9 +222,7 @@ def prompt_token_ids(tok: Tokenizer, body: dict, api: Literal["chat", "completio
             raise ValueError("'messages' must be a non-empty list")
         if not all(isinstance(m, dict) for m in messages):
             raise ValueError("each message must be an object")
-        tools = body.get("tools") or None
-        if body.get("tool_choice") == "none":
-            tools = None
+        tools = body.get("tools") or None  # rendered even with tool_choice "none" (vLLM's default)
         text = tok.render_chat(messages, tools=tools,
                                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
                                continue_final_message=bool(body.get("continue_final_message", False)),
@@ -254,7 +253,7 @@ def prompt_token_count(tok: Tokenizer, body: dict, api: Literal["chat", "complet
         if api == "chat" and isinstance(body.get("messages"), list) and all(
                 isinstance(m, dict) and isinstance(m.get("content"), str | None) for m in body["messages"]):
             tools = body.get("tools") or None
-            text = tok.render_chat(body["messages"], tools=None if body.get("tool_choice") == "none" else tools,
+            text = tok.render_chat(body["messages"], tools=tools,
                                    add_generation_prompt=bool(body.get("add_generation_prompt", True)),
                                    continue_final_message=bool(body.get("continue_final_message", False)))
             return tok.count(text)
@@ -298,6 +297,42 @@ def _letters(value: int, width: int) -> str:
         value, digit = divmod(value, 26)
         out.append(_SIM_WORD_LETTERS[digit])
     return "".join(reversed(out))
+
+
+def _as_vllm_renders(message: dict) -> dict:
+    """A message as vLLM hands it to a chat template (``vllm/renderers/chat_utils.py``): list content joined to
+    text, and each tool call's ``function`` as ``{"arguments": <parsed JSON>, "name": ...}`` (that key order)."""
+    out = {**message, "content": _content_text(message.get("content"))} if isinstance(
+        message.get("content"), list) else message
+    calls = message.get("tool_calls")
+    if isinstance(calls, list) and calls:
+        fixed = []
+        for call in calls:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    args = json.loads(fn["arguments"])
+                except ValueError:
+                    args = fn["arguments"]
+                call = {**call, "function": {"arguments": args, "name": fn.get("name")}}
+            fixed.append(call)
+        out = {**out, "tool_calls": fixed}
+    return out
+
+
+def _tools_as_vllm_renders(tools: list[dict] | None) -> list[dict] | None:
+    """Tools as vLLM hands them to a chat template: the pydantic dump ``{"type", "function": {"name",
+    "description" (null if absent), "parameters"}}`` (seen in ``tests/real_vllm/captures/tokenize_chat_tools``)."""
+    if not tools:
+        return tools
+    out = []
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(fn, dict):
+            tool = {"type": tool.get("type", "function"), "function": {
+                "name": fn.get("name"), "description": fn.get("description"), "parameters": fn.get("parameters")}}
+        out.append(tool)
+    return out
 
 
 def _content_text(content: Any) -> str:
