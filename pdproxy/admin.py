@@ -34,29 +34,8 @@ from pydantic import BaseModel, Field, ValidationError
 
 from pdproxy.endpoints import Endpoint, Role, expand, normalize_url
 from pdproxy.engines import EngineInfo
-from pdproxy.errors import BadRequest, ProxyError
+from pdproxy.errors import BadRequest, Conflict, Forbidden, NotFound
 from pdproxy.state import ProxyState
-
-
-class Forbidden(ProxyError):
-    """Missing or wrong admin key, or the admin API is off (HTTP 403)."""
-
-    status_code = 403
-    outcome = "forbidden"
-
-
-class Conflict(ProxyError):
-    """The endpoint already exists (HTTP 409)."""
-
-    status_code = 409
-    outcome = "conflict"
-
-
-class NotFound(ProxyError):
-    """No such endpoint (HTTP 404)."""
-
-    status_code = 404
-    outcome = "not_found"
 
 
 class EndpointRef(BaseModel):

@@ -15,6 +15,9 @@ Tree::
     │   └── PromptTooLong (400)      prompt (+ max_tokens) over max_model_len or the KV pool
     ├── PayloadTooLarge (413)
     ├── Unauthorized (401)
+    ├── Forbidden (403)              admin API: missing/wrong admin key, or the admin API is off
+    ├── NotFound (404)               admin API: no such endpoint
+    ├── Conflict (409)               admin API: the endpoint already exists
     ├── Overloaded (429)             proxy-side queue full; carries Retry-After
     ├── NoEndpointAvailable (503)    no healthy prefiller/decoder; carries Retry-After
     ├── ShuttingDown (503)
@@ -126,6 +129,27 @@ class PromptTooLong(BadRequest):
 class Unauthorized(ProxyError):
     status_code = 401
     outcome = "unauthorized"
+
+
+class Forbidden(ProxyError):
+    """Missing or wrong admin key, or the admin API is off (HTTP 403)."""
+
+    status_code = 403
+    outcome = "forbidden"
+
+
+class Conflict(ProxyError):
+    """The endpoint already exists (HTTP 409)."""
+
+    status_code = 409
+    outcome = "conflict"
+
+
+class NotFound(ProxyError):
+    """No such endpoint (HTTP 404)."""
+
+    status_code = 404
+    outcome = "not_found"
 
 
 class PayloadTooLarge(ProxyError):
