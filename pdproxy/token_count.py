@@ -132,7 +132,7 @@ class _SimBackend:
         return [(text[a:b], None) for a, b in itertools.pairwise(cuts) if b > a]
 
     def count_many(self, pieces: Sequence[str]) -> list[int]:
-        return [len(self.tok.pieces(p)) for p in pieces]
+        return [self.tok.count(p) for p in pieces]
 
 
 class _HFBackend:
@@ -204,9 +204,7 @@ class LocalCounter:
             bos = self.backend.bos_tokens if isinstance(self.backend, _HFBackend) else 0
             return str(prompt or ""), bos
         messages = body["messages"]
-        tools = body.get("tools") or None
-        if body.get("tool_choice") == "none":
-            tools = None
+        tools = body.get("tools") or None            # rendered even with tool_choice "none", as vLLM does
         text = self.tokenizer.render_chat(
             messages, tools=tools, add_generation_prompt=bool(body.get("add_generation_prompt", True)),
             continue_final_message=bool(body.get("continue_final_message", False)),
@@ -287,10 +285,7 @@ def tokenize_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     ``TokenizeChatRequest`` / ``TokenizeCompletionRequest``)."""
     keys = (("model", "messages", "tools", "add_generation_prompt", "continue_final_message",
              "chat_template_kwargs", "mm_processor_kwargs") if chat else ("model", "prompt"))
-    out = {k: body[k] for k in keys if body.get(k) is not None}
-    if chat and body.get("tool_choice") == "none":
-        out.pop("tools", None)
-    return out
+    return {k: body[k] for k in keys if body.get(k) is not None}
 
 
 def engine_cache_key(body: dict[str, Any], chat: bool) -> bytes:

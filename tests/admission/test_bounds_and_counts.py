@@ -27,7 +27,8 @@ def bodies() -> st.SearchStrategy[tuple[dict[str, Any], bool]]:
     chat = st.builds(lambda sys, user, tools: ({"messages": [{"role": "system", "content": sys},
                                                             {"role": "user", "content": user}],
                                                 **({"tools": [{"type": "function", "function": {
-                                                    "name": "f", "description": tools}}]} if tools else {})}, True),
+                                                    "name": "f", "description": tools}}], "tool_choice": "none"}
+                                                   if tools else {})}, True),
                      texts, texts, st.none() | texts)
     completion = st.builds(lambda p: ({"prompt": p}, False), texts.filter(bool))
     return chat | completion
@@ -88,5 +89,5 @@ def test_token_id_prompts_are_exact_and_tokenize_body_keeps_prompt_fields() -> N
     assert prompt_bounds({"prompt": [1, 2, 3]}, False, template_overhead=0).exact
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"x": 1}], "tool_choice": "none",
             "max_tokens": 5, "stream": True}
-    assert tokenize_body(body, True) == {"model": "m", "messages": body["messages"]}
+    assert tokenize_body(body, True) == {"model": "m", "messages": body["messages"], "tools": [{"x": 1}]}
     assert tokenize_body({"model": "m", "prompt": "hi", "max_tokens": 3}, False) == {"model": "m", "prompt": "hi"}
