@@ -14,7 +14,9 @@ Scenarios:
   request still unanswered after ``deadline_s`` counts as ``deadline_s`` (censored; ``timeouts`` says how many).
   Goal: ``pdproxy`` busy p99 ≤ 2 × idle p50 + one chunk step.
 - ``reject_200k``: a 200K-token prompt (1.8 MB body) sent ``n`` times to pdproxy; latency of the 400.  Goal: p99
-  under 50 ms.
+  under 50 ms.  ``reject_200k_no_spaces``: the same size without whitespace (``"x."`` × 100,000), which the word
+  bound cannot decide: counted by the engine's ``/tokenize`` (default) and by a local tokenizer (``--tokenizer
+  sim``).
 - ``seed_000``: engines declaring 133,120 tokens over a KV pool of 1,146 × 4 = 4,584 tokens; a 10K-token agent
   prompt (system + tools) gets a 400 naming the KV pool, then a 2-token request; both latencies.
 """
@@ -165,12 +167,14 @@ def routed(prefill: str, decode: str) -> dict[str, int]:
     return {"small_on_prefiller": smalls(prefill), "small_on_decoder": smalls(decode)}
 
 
-def latencies(url: str, raw: bytes, n: int) -> tuple[list[float], int]:
-    """Latency (seconds) of ``n`` sequential POSTs of ``raw``; and the last status."""
+def latencies(url: str, raw: bytes | list[bytes], n: int) -> tuple[list[float], int]:
+    """Latency (seconds) of ``n`` sequential POSTs of ``raw`` (or of each body in turn); and the last status."""
     out: list[float] = []
     status = 0
+    bodies = raw if isinstance(raw, list) else [raw]
     with httpx.Client(timeout=30) as client:
-        for _ in range(n):
+        for i in range(n):
+            raw = bodies[i % len(bodies)]
             start = time.perf_counter()
             r = client.post(url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
             out.append(time.perf_counter() - start)
@@ -206,6 +210,16 @@ def run(p: Profile) -> dict[str, Any]:
             lat, status = latencies(px.url, raw, p.reject_n)  # type: ignore[attr-defined]
             out["reject_200k"] = {"n": p.reject_n, "status": status, "body_bytes": len(raw), **ms(lat),
                                   "target_p99_ms": 50.0, "met": bool(status == 400 and pct(lat, 0.99) < 0.05)}  # type: ignore[operator]
+            # no whitespace: the word bound cannot decide, so the prompt is counted (engine /tokenize here)
+            n_dense = max(5, p.reject_n // 4)
+            dense = [orjson.dumps({"model": "sim-model", "prompt": f"{i}" + "x." * 100_000, "max_tokens": 16})
+                     for i in range(n_dense)]                      # all different: no count cache hits
+            lat, status = latencies(px.url, dense, n_dense)  # type: ignore[attr-defined]
+            out["reject_200k_no_spaces"] = {"engine_tokenize": {"status": status, **ms(lat)}}
+        px = proxy(pre.url, dec.url, "--tokenizer", "sim")  # type: ignore[attr-defined]
+        with running(px):
+            lat, status = latencies(px.url, dense, n_dense)  # type: ignore[attr-defined]
+            out["reject_200k_no_spaces"]["local_tokenizer"] = {"status": status, **ms(lat)}
 
     sp, sd = sim("prefill", *SEED), sim("decode", *SEED)
     with running(sp, sd):
