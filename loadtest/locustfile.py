@@ -50,16 +50,16 @@ class OpenAIUser(FastHttpUser):
     """One user: streams chat and completions requests, short prompts mostly, long ones sometimes."""
 
     wait_time = between(0.1, 1.0)
-    model: str | None = os.environ.get("PDPROXY_LOCUST_MODEL")
 
     def on_start(self) -> None:
-        if OpenAIUser.model is None:
+        self.model = os.environ.get("PDPROXY_LOCUST_MODEL")
+        if self.model is None:
             with self.client.get("/v1/models", name="/v1/models", catch_response=True) as r:
                 try:
-                    OpenAIUser.model = r.json()["data"][0]["id"]
+                    self.model = r.json()["data"][0]["id"]
                 except (ValueError, KeyError, IndexError, TypeError):
                     r.failure("no model listed: set PDPROXY_LOCUST_MODEL")
-                    OpenAIUser.model = "sim-model"
+                    self.model = "sim-model"
 
     def _prompt(self) -> str:
         return unique_prompt(LONG_WORDS if random.random() < LONG_SHARE else 30)
