@@ -27,7 +27,7 @@ import time
 import uuid
 from typing import Any
 
-from locust import FastHttpUser, between, events, task
+from locust import HttpUser, between, events, task
 
 _WORDS = ("river", "stone", "cloud", "lantern", "harbor", "meadow", "signal", "copper", "violet", "orbit", "canyon",
           "ember", "willow", "quartz", "falcon", "glacier", "saffron", "tundra", "beacon", "cedar")
@@ -46,7 +46,7 @@ def _metric(name: str, value_ms: float) -> None:
                         exception=None, context={})
 
 
-class OpenAIUser(FastHttpUser):
+class OpenAIUser(HttpUser):
     """One user: streams chat and completions requests, short prompts mostly, long ones sometimes."""
 
     wait_time = between(0.1, 1.0)
@@ -75,8 +75,8 @@ class OpenAIUser(FastHttpUser):
                 return
             done = False
             buf = b""
-            for chunk in r.iter_content(chunk_size=1024):
-                buf += chunk.encode() if isinstance(chunk, str) else chunk
+            for chunk in r.iter_content(chunk_size=None):  # each chunk as it arrives (no 1 KB buffering)
+                buf += chunk
                 while b"\n\n" in buf:
                     event, buf = buf.split(b"\n\n", 1)
                     data = event.removeprefix(b"data: ").strip()
