@@ -259,9 +259,9 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
 
     @app.get("/debug/load")
     async def debug_load() -> dict[str, Any]:
-        """Per-endpoint in-flight requests/tokens and health (all zero when idle)."""
+        """Per-endpoint in-flight requests/tokens and health (all zero when idle), and admission's counters."""
         st = state()
-        return {"in_flight": st.in_flight,
+        return {"in_flight": st.in_flight, "admission": st.admission.snapshot(),
                 "endpoints": [{"name": e.name, "role": e.role.value, "dp_rank": e.dp_rank,
                                "requests": st.pool.load(e).requests, "tokens": st.pool.load(e).tokens,
                                "healthy": st.pool.load(e).healthy, "draining": st.pool.load(e).draining}

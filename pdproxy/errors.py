@@ -19,6 +19,7 @@ Tree::
     ├── NotFound (404)               admin API: no such endpoint
     ├── Conflict (409)               admin API: the endpoint already exists
     ├── Overloaded (429)             proxy-side queue full; carries Retry-After
+    ├── QueueTimeout (503)           waited in the prefill queue past its deadline; carries Retry-After
     ├── NoEndpointAvailable (503)    no healthy prefiller/decoder; carries Retry-After
     ├── ShuttingDown (503)
     ├── UpstreamUnavailable (502)    connect refused/reset, engine 5xx
@@ -162,6 +163,18 @@ class Overloaded(ProxyError):
 
     status_code = 429
     outcome = "overloaded"
+
+
+class QueueTimeout(ProxyError):
+    """A request waited in pdproxy's prefill queue past its deadline (HTTP 503 with ``Retry-After``)."""
+
+    status_code = 503
+    outcome = "timeout"
+    rejection = ("deadline", "queue")
+
+    def __init__(self, waited_s: float, retry_after_s: int = 1) -> None:
+        super().__init__(f"the request waited {waited_s:.1f} s in pdproxy's prefill queue without a free prefiller "
+                         "or decoder; retry later", headers={"retry-after": str(retry_after_s)})
 
 
 class NoEndpointAvailable(ProxyError):

@@ -125,8 +125,7 @@ def rejection_of(err: ProxyError) -> tuple[str, str] | None:
 
     An error class may declare ``rejection = (reason, detail)``; otherwise: :class:`PromptTooLong` →
     ``("too_long", limit_kind)``, :class:`Overloaded` → ``("queue_full", "")``, :class:`NoEndpointAvailable` →
-    ``("no_endpoint", role)``, the prefill queue's ``QueueTimeout`` → ``("deadline", "queue")`` (an outcome of
-    ``deadline`` → ``("deadline", "")``), :class:`PayloadTooLarge` →
+    ``("no_endpoint", role)``, an outcome of ``deadline`` → ``("deadline", "")``, :class:`PayloadTooLarge` →
     ``("too_large", "body")``, :class:`BadRequest` → ``("bad_request", param)``, other proxy-side outcomes →
     ``(outcome, "")``.
     """
@@ -139,8 +138,8 @@ def rejection_of(err: ProxyError) -> tuple[str, str] | None:
         return "queue_full", ""
     if isinstance(err, NoEndpointAvailable):
         return "no_endpoint", err.role
-    if err.outcome in ("deadline", "deadline_exceeded") or type(err).__name__ == "QueueTimeout":
-        return "deadline", "queue" if type(err).__name__ == "QueueTimeout" else ""
+    if err.outcome in ("deadline", "deadline_exceeded"):
+        return "deadline", ""
     if isinstance(err, PayloadTooLarge):
         return "too_large", "body"
     if isinstance(err, BadRequest):

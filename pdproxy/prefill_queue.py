@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.errors import NoEndpointAvailable, Overloaded, ProxyError
+from pdproxy.errors import NoEndpointAvailable, Overloaded, QueueTimeout
 from pdproxy.limits import Limits
 from pdproxy.pool import EndpointPool
 from pdproxy.scheduler import Scheduler
@@ -39,18 +39,6 @@ from pdproxy.scheduler import Scheduler
 POLL_S = 0.25
 """A waiter re-checks at least this often (seconds): health and KV-pool refreshes do not notify the queue."""
 FULL_RETRY_AFTER_S = 2
-TIMEOUT_RETRY_AFTER_S = 1
-
-
-class QueueTimeout(ProxyError):
-    """A request waited in the prefill queue past its deadline (HTTP 503 with ``Retry-After``)."""
-
-    status_code = 503
-    outcome = "timeout"
-
-    def __init__(self, waited_s: float) -> None:
-        super().__init__(f"the request waited {waited_s:.1f} s in pdproxy's prefill queue without a free prefiller "
-                         "or decoder; retry later", headers={"retry-after": str(TIMEOUT_RETRY_AFTER_S)})
 
 
 @dataclass(slots=True)

@@ -10,10 +10,10 @@ import pytest
 
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines import EngineInfo
-from pdproxy.errors import NoEndpointAvailable, Overloaded
+from pdproxy.errors import NoEndpointAvailable, Overloaded, QueueTimeout
 from pdproxy.limits import Limits
 from pdproxy.pool import EndpointPool
-from pdproxy.prefill_queue import PrefillQueue, PrefillSlot, QueueTimeout
+from pdproxy.prefill_queue import PrefillQueue, PrefillSlot
 from pdproxy.scheduler import Scheduler
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
