@@ -33,15 +33,17 @@ class H1Response:
     """One response: status and headers once :meth:`H1Connection.request` returns, then the body by reads.
 
     ``headers`` keys are lower-case (``get`` is case-insensitive).  ``idle_timeout_s``: a read that waits longer
-    for data raises ``aiohttp.ServerTimeoutError``.
+    for data raises ``aiohttp.ServerTimeoutError`` (a ``TimeoutError``); so does any read still waiting at
+    ``deadline_at`` (``loop.time()`` seconds).
     """
 
-    __slots__ = ("_buf", "_conn", "_eof", "_exc", "_size", "_timer", "_wait_since", "_waiter", "headers",
-                 "idle_timeout_s", "keep_alive", "status")
+    __slots__ = ("_buf", "_conn", "_eof", "_exc", "_size", "_timer", "_wait_since", "_waiter", "deadline_at",
+                 "headers", "idle_timeout_s", "keep_alive", "status")
 
-    def __init__(self, conn: H1Connection, idle_timeout_s: float | None) -> None:
+    def __init__(self, conn: H1Connection, idle_timeout_s: float | None, deadline_at: float | None = None) -> None:
         self._conn = conn
         self.idle_timeout_s = idle_timeout_s
+        self.deadline_at = deadline_at
         self.status = 0
         self.headers = _Headers()
         self.keep_alive = True
@@ -115,26 +117,33 @@ class H1Response:
             raise self._exc
         loop = asyncio.get_running_loop()
         self._waiter = waiter = loop.create_future()
-        if self.idle_timeout_s is not None:
+        if self.idle_timeout_s is not None or self.deadline_at is not None:
             self._wait_since = loop.time()
             if self._timer is None:
-                self._timer = loop.call_later(self.idle_timeout_s, self._check_idle)
+                self._timer = loop.call_at(self._due(), self._check_idle)
         try:
             await waiter
         finally:
             self._waiter = None
 
+    def _due(self) -> float:
+        idle, deadline = self.idle_timeout_s, self.deadline_at
+        due = self._wait_since + idle if idle is not None else float("inf")
+        return min(due, deadline) if deadline is not None else due
+
     def _check_idle(self) -> None:
         self._timer = None
-        waiter, idle = self._waiter, self.idle_timeout_s
-        if waiter is None or waiter.done() or idle is None:
+        waiter = self._waiter
+        if waiter is None or waiter.done():
             return  # not waiting now: the next wait re-arms the timer
         loop = asyncio.get_running_loop()
-        left = self._wait_since + idle - loop.time()
-        if left > 0:
-            self._timer = loop.call_later(left, self._check_idle)
+        due = self._due()
+        if due > loop.time():
+            self._timer = loop.call_at(due, self._check_idle)
+        elif self.deadline_at is not None and due >= self.deadline_at:
+            waiter.set_exception(aiohttp.ServerTimeoutError("response not complete by its deadline"))
         else:
-            waiter.set_exception(aiohttp.ServerTimeoutError(f"no data for {idle} s"))
+            waiter.set_exception(aiohttp.ServerTimeoutError(f"no data for {self.idle_timeout_s} s"))
 
     def _stop_timer(self) -> None:
         if self._timer is not None:
@@ -243,27 +252,39 @@ class H1Connection(asyncio.Protocol):
         self.abort()
 
     # --- used by the pool and the response ---------------------------------------------------------------------
-    async def request(self, head: bytes, body: bytes, idle_timeout_s: float | None) -> H1Response:
-        """Send one request; return once the response headers are in.  Raises ``aiohttp.ClientError``."""
+    async def request(self, head: bytes, body: bytes, idle_timeout_s: float | None, *,
+                      headers_by: float | None = None, deadline_at: float | None = None) -> H1Response:
+        """Send one request; return once the response headers are in.  Raises ``aiohttp.ClientError``, or
+        ``TimeoutError`` when the headers are not in by ``headers_by`` (``loop.time()`` seconds; the connection
+        is then closed).  ``idle_timeout_s`` / ``deadline_at``: see :class:`H1Response`."""
         assert self.transport is not None
+        loop = asyncio.get_running_loop()
         self.requests += 1
         self.complete = False
         self.got_bytes = False
         self.parser = httptools.HttpResponseParser(self)
-        self.resp = H1Response(self, idle_timeout_s)
-        self.headers_in = asyncio.get_running_loop().create_future()
+        self.resp = H1Response(self, idle_timeout_s, deadline_at)
+        self.headers_in = waiter = loop.create_future()
+        timer = loop.call_at(headers_by, self._headers_late, waiter) if headers_by is not None else None
         if body:
             self.transport.writelines((head, body))
         else:
             self.transport.write(head)
         try:
-            await self.headers_in
+            await waiter
         except BaseException:
             self.abort()
             raise
         finally:
             self.headers_in = None
+            if timer is not None:
+                timer.cancel()
         return self.resp
+
+    @staticmethod
+    def _headers_late(waiter: asyncio.Future[None]) -> None:
+        if not waiter.done():
+            waiter.set_exception(TimeoutError("no response headers in time"))
 
     def pause(self) -> None:
         if not self.paused and self.transport is not None and not self.closed:
@@ -302,15 +323,18 @@ class H1Pool:
         self.keepalive_s = keepalive_s
         self.idle: dict[tuple[str, int], list[H1Connection]] = {}
 
-    async def connect(self, key: tuple[str, int], *, tls: bool = False) -> H1Connection:
-        """A new connection (TLS with the default context when ``tls``).  Raises :class:`ConnectError`."""
+    async def connect(self, key: tuple[str, int], *, tls: bool = False, timeout_s: float | None = None
+                      ) -> H1Connection:
+        """A new connection (TLS with the default context when ``tls``) within ``timeout_s`` seconds (default
+        and upper bound: ``connect_timeout_s``).  Raises :class:`ConnectError`."""
         loop = asyncio.get_running_loop()
+        limit = self.connect_timeout_s if timeout_s is None else max(0.0, min(timeout_s, self.connect_timeout_s))
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
+            async with asyncio.timeout(limit):
                 _, conn = await loop.create_connection(lambda: H1Connection(self, key), key[0], key[1],
                                                        ssl=True if tls else None)
         except TimeoutError:
-            raise ConnectError(f"connect to {key[0]}:{key[1]} timed out after {self.connect_timeout_s} s") from None
+            raise ConnectError(f"connect to {key[0]}:{key[1]} timed out after {limit:.1f} s") from None
         except OSError as exc:
             raise ConnectError(f"connect to {key[0]}:{key[1]} failed: {exc}") from None
         return conn

@@ -102,11 +102,12 @@ class Upstream:
             hit = self._targets[url] = ((host, port), tls, parts.netloc, parts.path or "/")
         return hit
 
-    async def _post(self, url: str, body: bytes, headers: dict[str, str], idle_timeout_s: float | None
-                    ) -> H1Response:
+    async def _post(self, url: str, body: bytes, headers: dict[str, str], idle_timeout_s: float | None, *,
+                    headers_by: float, deadline_at: float | None = None) -> H1Response:
         """POST and return the response once its headers are in; sent once more on a fresh connection when a
         reused keep-alive connection turned out to be closed before any response byte (see module docstring).
-        Raises :class:`ConnectError` or ``aiohttp.ClientError``."""
+        ``headers_by``/``deadline_at``: ``loop.time()`` seconds (timers in the connection, not ``asyncio.timeout``
+        — two fewer per request).  Raises :class:`ConnectError`, ``aiohttp.ClientError`` or ``TimeoutError``."""
         key, tls, netloc, path = self._target(url)
         head = "".join([f"POST {path} HTTP/1.1\r\nHost: {netloc}\r\nContent-Length: {len(body)}\r\n",
                         *(f"{k}: {v}\r\n" for k, v in headers.items()), "\r\n"]).encode("latin-1")
@@ -114,13 +115,16 @@ class Upstream:
         conn = pool.take(key)
         if conn is not None:
             try:
-                return await conn.request(head, body, idle_timeout_s)
+                return await conn.request(head, body, idle_timeout_s, headers_by=headers_by, deadline_at=deadline_at)
             except aiohttp.ClientError:
                 if conn.got_bytes:
                     raise
             self.stale_retries += 1
-        conn = await pool.connect(key, tls=tls)
-        return await conn.request(head, body, idle_timeout_s)
+        left = headers_by - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise TimeoutError("no time left to connect")
+        conn = await pool.connect(key, tls=tls, timeout_s=left)
+        return await conn.request(head, body, idle_timeout_s, headers_by=headers_by, deadline_at=deadline_at)
 
     async def post_json(self, endpoint: Endpoint, path: str, body: bytes, headers: dict[str, str], *,
                         timeout_s: float) -> dict[str, Any]:
@@ -132,17 +136,17 @@ class Upstream:
         :class:`UpstreamUnavailable` (reset, or an answer that is not a JSON object).
         """
         url = endpoint.url + path
+        deadline = asyncio.get_running_loop().time() + timeout_s
         try:
-            async with asyncio.timeout(timeout_s):
-                resp = await self._post(url, body, headers, None)
-                try:
-                    data = await resp.read()
-                finally:
-                    resp.release()
-                if resp.status >= 400:
-                    raise UpstreamHTTPError(resp.status, data[:_MAX_ERROR_BODY_BYTES], endpoint=endpoint.name,
-                                            content_type=resp.content_type or "application/json",
-                                            retry_after=_retry_after(resp.headers))
+            resp = await self._post(url, body, headers, None, headers_by=deadline, deadline_at=deadline)
+            try:
+                data = await resp.read()
+            finally:
+                resp.release()
+            if resp.status >= 400:
+                raise UpstreamHTTPError(resp.status, data[:_MAX_ERROR_BODY_BYTES], endpoint=endpoint.name,
+                                        content_type=resp.content_type or "application/json",
+                                        retry_after=_retry_after(resp.headers))
         except TimeoutError:
             raise UpstreamTimeout(f"{endpoint.role.value} {endpoint.name} did not answer within {timeout_s:.1f} s",
                                   endpoint=endpoint.name) from None
@@ -178,8 +182,8 @@ class Upstream:
         """
         url = endpoint.url + path
         try:
-            async with asyncio.timeout(first_byte_timeout_s):
-                resp = await self._post(url, body, headers, idle_timeout_s)
+            resp = await self._post(url, body, headers, idle_timeout_s,
+                                    headers_by=asyncio.get_running_loop().time() + first_byte_timeout_s)
         except TimeoutError:
             raise UpstreamTimeout(f"decoder {endpoint.name} sent no response headers within "
                                   f"{first_byte_timeout_s:.1f} s", endpoint=endpoint.name) from None
