@@ -104,6 +104,7 @@ class Bench:
             child.stop()
 
     def targets(self, floors: bool = True) -> list[str]:
+        """Target names: the two floors (``direct``, ``client_pd``) unless ``floors`` is False, then the proxies."""
         return (["direct", "client_pd"] if floors else []) + list(self.proxies)
 
     def run(self, target: str, arrival: dict[str, Any], tokens: int, itl_s: float, *,
@@ -125,6 +126,7 @@ class Bench:
         return report.summarize(windows, "proxy" if target in self.proxies else None), windows
 
     def latency(self) -> dict[str, Any]:
+        """``idle`` and ``poisson_<streams>`` summaries for every target (open-loop Poisson arrivals)."""
         p, out = self.p, {}
         duration = p.latency_tokens * p.itl_s
         out["idle"] = {t: self.run(t, {"kind": "closed", "concurrency": 1}, 4, 0.005)[0] for t in self.targets()}
@@ -135,6 +137,7 @@ class Bench:
         return out
 
     def cpu(self) -> dict[str, Any]:
+        """``cpu_paced``, ``cpu_full_speed`` and ``cpu_per_request`` summaries for every proxy (closed loops)."""
         p = self.p
         return {
             "cpu_paced": {t: self.run(t, {"kind": "closed", "concurrency": p.paced_streams, "ramp_s": 1.0},
@@ -214,6 +217,7 @@ def figures(scen: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print its JSON document; returns the exit code (0)."""
     ap = argparse.ArgumentParser(prog="python -m loadtest.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--profile", choices=sorted(PROFILES), default="full")
     ap.add_argument("--other", action="append", default=[], metavar="NAME=COMMAND",

@@ -143,6 +143,7 @@ class Stream:
         self.done = False
 
     def start(self) -> None:
+        """Write the SSE response head, then the first event now or after ``ttft_s``."""
         t = self.engine.timing
         self.proto.transport.write(_SSE_HEAD)
         self.engine.stats.active_streams += 1
@@ -152,6 +153,7 @@ class Stream:
             self.tick()
 
     def tick(self) -> None:
+        """Write the next event (or a burst at full speed); the last one also writes usage, ``[DONE]`` and the end."""
         if self.done:
             return
         t = self.engine.timing
@@ -172,6 +174,7 @@ class Stream:
             self.handle = self.engine.loop.call_soon(self.tick)
 
     def finish(self, aborted: bool = False) -> None:
+        """Stop the stream (idempotent); ``aborted``: the client went away first."""
         if self.done:
             return
         self.done = True
@@ -227,6 +230,7 @@ class EngineProtocol(asyncio.Protocol):
         self.stream = None
 
     def dispatch(self, method: bytes, path: bytes, raw: bytes) -> None:
+        """Answer one complete request (see the module docstring for the routes)."""
         eng = self.engine
         if method == b"POST" and path.endswith(b"/completions"):
             eng.stats.requests += 1
@@ -277,6 +281,7 @@ async def serve(host: str, port: int, timing: Timing) -> None:
 
 
 def main() -> None:
+    """Command line: ``python -m loadtest.fake_engine --port N [--itl-s S] [--ttft-s S] [--prefill-s S]``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)

@@ -76,6 +76,7 @@ class Child:
         return self.proc.pid
 
     def start(self, timeout_s: float = 30.0) -> Child:
+        """Spawn the process (output to ``log_path``) and wait for ``health_url``."""
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
                                          preexec_fn=_preexec(self.cpus), env=self.env, cwd=ROOT)
@@ -102,6 +103,7 @@ class Child:
             return ""
 
     def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL after 10 s."""
         if self.proc is None or self.proc.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):

@@ -147,11 +147,13 @@ class Workload:
             s.e2es.append(r.end_at - start)
 
     def spawn(self) -> None:
+        """Start one request as its own task (open loop)."""
         t = asyncio.ensure_future(self.one())
         self.tasks.add(t)
         t.add_done_callback(self.tasks.discard)
 
     async def poisson(self, rate: float) -> None:
+        """Open loop: requests at exponential inter-arrival times, ``rate`` per second on average."""
         loop = asyncio.get_running_loop()
         at = loop.time()
         while not self.stopping:
@@ -162,6 +164,7 @@ class Workload:
             self.spawn()
 
     async def closed(self, concurrency: int, ramp_s: float) -> None:
+        """Closed loop: ``concurrency`` workers, started evenly over ``ramp_s`` seconds, each one request at a time."""
         async def worker(i: int) -> None:
             await asyncio.sleep(ramp_s * i / max(1, concurrency))
             while not self.stopping:
@@ -169,6 +172,7 @@ class Workload:
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
 
     async def sample(self) -> None:
+        """Sample the number of requests in flight every 20 ms (concurrency mean and max per window)."""
         while True:
             await asyncio.sleep(0.02)
             s = self.sink
@@ -233,6 +237,7 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
+    """Entry point: the spec is ``argv[1]`` (JSON); the result is one JSON line on stdout."""
     spec = orjson.loads(sys.argv[1])
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

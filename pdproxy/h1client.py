@@ -65,6 +65,7 @@ class H1Response:
         return self.headers.get("content-type", "application/octet-stream").split(";", 1)[0].strip()
 
     def at_eof(self) -> bool:
+        """True once the whole body has arrived and been read."""
         return self._eof and not self._buf
 
     async def readany(self) -> bytes:
@@ -156,6 +157,7 @@ class H1Response:
             w.set_result(None)
 
     def feed(self, data: bytes) -> None:
+        """Body bytes from the parser; reading is paused above 256 KB buffered."""
         self._buf.append(data)
         self._size += len(data)
         if self._size > _PAUSE_BYTES:
@@ -163,11 +165,13 @@ class H1Response:
         self._wake()
 
     def feed_eof(self) -> None:
+        """The message is complete."""
         self._eof = True
         self._stop_timer()
         self._wake()
 
     def fail(self, exc: BaseException) -> None:
+        """The connection broke mid-body: pending and later reads raise ``exc``."""
         if self._eof:
             return
         self._exc = exc
@@ -308,6 +312,7 @@ class H1Connection(asyncio.Protocol):
             self.abort()
 
     def abort(self) -> None:
+        """Close the connection at once (RST if data is pending); it is never reused."""
         self.closed = True
         self.resp = None
         if self.transport is not None:
