@@ -6,7 +6,8 @@ Prints one JSON document (also written to ``--out``): the machine, the CPU pinni
 
 Targets: ``direct`` (client → decoder, no PD), ``client_pd`` (the generator calls prefill then decode itself: the
 floor for any PD proxy), ``pdproxy`` (``python -m pdproxy serve``) and every ``--other`` proxy command (template
-placeholders ``{prefill}``, ``{decode}``, ``{port}``, ``{port2}``; by default vLLM's Rust router ``vllm-router`` if installed).
+placeholders ``{prefill}``, ``{decode}``, ``{port}``, ``{port2}``; by default vLLM's Rust router ``vllm-router``
+if installed).
 
 Scenarios (engines: ``loadtest.fake_engine``, zero prefill cost, scripted inter-token latency):
 

@@ -36,7 +36,9 @@ import orjson
 from loadtest import procstat
 from loadtest.client import Pool, Response, now
 
-_WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey", "xray", "yankee", "zulu"]
+_WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima",
+          "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey",
+          "xray", "yankee", "zulu")
 
 
 def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float | None]:
