@@ -2,8 +2,9 @@
 
 Why two paths: FastAPI's ``StreamingResponse`` plus httpx cost ~460 µs of proxy CPU per relayed event and
 ~8.5 ms per PD request on this machine kind, against ~45 µs and ~340 µs for raw ASGI plus aiohttp (issue 2,
-README "Performance").  The control plane (models, health, version, metrics, admin) is not on the hot path and
-keeps FastAPI's conveniences.
+README "Performance"); the upstream legs have since moved to :mod:`pdproxy.h1client` (≈ 27–33 µs per paced event,
+≈ 340–390 µs per PD request with every feature on: loadtest/RESULTS.md).  The control plane (models, health,
+version, metrics, admin) is not on the hot path and keeps FastAPI's conveniences.
 
 ``create_app(settings)`` builds a :class:`PDProxyApp`; its state (``ProxyState``) is created in the lifespan,
 inside the running event loop, and torn down there.
