@@ -180,12 +180,21 @@ cmd_setup() {
 # ---------------------------------------------------------------------------------------------------- engines
 pid_alive() { [[ -n "${1:-}" ]] && kill -0 "$1" 2>/dev/null; }
 
-read_pid() {  # prints the pid recorded for ROLE if that process is still one of our vLLM servers
-  local f="$RUN_DIR/$1.pid" pid
+role_port() { if [[ $1 == decode ]]; then echo "$D_PORT"; else echo "$P_PORT"; fi; }
+
+# Run state is per role AND port (run/prefill-8100.pid, logs/prefill-8100.log): engine sets on other ports (another
+# test session, a developer's engines) are never mistaken for ours, restarted or stopped.
+pid_file() { echo "$RUN_DIR/$1-$(role_port "$1").pid"; }
+log_file() { echo "$LOG_DIR/$1-$(role_port "$1").log"; }
+
+read_pid() {  # prints the pid recorded for ROLE if that process is still our vLLM server on ROLE's port
+  local f pid
+  f="$(pid_file "$1")"
   [[ -f "$f" ]] || return 1
   pid="$(cat "$f")"
   pid_alive "$pid" || return 1
-  tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -q 'vllm.entrypoints.openai.api_server' || return 1
+  tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null \
+    | grep -q "vllm.entrypoints.openai.api_server .*--port $(role_port "$1") " || return 1
   printf '%s' "$pid"
 }
 
@@ -206,9 +215,9 @@ launch() {  # ROLE PORT SIDE_PORT CPU EXTRA_ARGS
         --model "$MODEL_DIR" --served-model-name "$SERVED_MODEL" --max-model-len "$MAX_MODEL_LEN" \
         --gpu-memory-utilization 0.3 --enable-prompt-tokens-details \
         --kv-transfer-config "$KV_CONFIG" $extra \
-      >"$LOG_DIR/$role.log" 2>&1 </dev/null &
-  echo $! > "$RUN_DIR/$role.pid"
-  log "$role starting: pid $!, port $port, NIXL side channel $side, log $LOG_DIR/$role.log"
+      >"$(log_file "$role")" 2>&1 </dev/null &
+  echo $! > "$(pid_file "$role")"
+  log "$role starting: pid $!, port $port, NIXL side channel $side, log $(log_file "$role")"
 }
 
 cmd_start() {
@@ -223,11 +232,11 @@ cmd_start() {
     for role in prefill decode; do
       port=$P_PORT; [[ $role == decode ]] && port=$D_PORT
       if ! read_pid "$role" >/dev/null; then
-        tail -n 15 "$LOG_DIR/$role.log" >&2 || true
+        tail -n 15 "$(log_file "$role")" >&2 || true
         local cause
-        cause="$(grep -E '^[A-Za-z.]*(Error|Exception): ' "$LOG_DIR/$role.log" | tail -n 1 || true)"
+        cause="$(grep -E '^[A-Za-z.]*(Error|Exception): ' "$(log_file "$role")" | tail -n 1 || true)"
         cmd_stop || true
-        die "$role engine exited during start-up: ${cause:-see log}; log: $LOG_DIR/$role.log"
+        die "$role engine exited during start-up: ${cause:-see log}; log: $(log_file "$role")"
       fi
       [[ "$(health_code "$port")" == 200 ]] || ready=0
     done
@@ -245,7 +254,7 @@ cmd_start() {
 
 stop_role() {
   local role="$1" pid
-  pid="$(read_pid "$role")" || { rm -f "$RUN_DIR/$role.pid"; return 0; }
+  pid="$(read_pid "$role")" || { rm -f "$(pid_file "$role")"; return 0; }
   log "stopping $role (process group $pid)"
   kill -TERM -- "-$pid" 2>/dev/null || true
   local t0=$SECONDS
@@ -257,7 +266,7 @@ stop_role() {
     fi
     sleep 0.5
   done
-  rm -f "$RUN_DIR/$role.pid"
+  rm -f "$(pid_file "$role")"
 }
 
 cmd_stop() {
