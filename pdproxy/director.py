@@ -37,7 +37,7 @@ from pdproxy.h1client import H1Response
 from pdproxy.kv_release import KVReleaser
 from pdproxy.pool import EndpointLoad, Lease
 from pdproxy.prefill_queue import PrefillSlot
-from pdproxy.protocol import Api, ProxyRequest, parse_request, patch_usage_bytes
+from pdproxy.protocol import Api, ProxyRequest, completion_tokens_in, parse_request, patch_usage_bytes
 from pdproxy.relay import Responder, StreamRelay
 from pdproxy.state import ProxyState
 from pdproxy.timeline import RequestContext, new_request_id
@@ -346,6 +346,8 @@ class Director:
                 return True
             if transcript.attempts > 1:
                 data = orjson.dumps(transcript.merge_json(obj))
+        if b'"completion_tokens"' in data:
+            ctx.completion_tokens = completion_tokens_in(data)
         await out.json(resp.status, patch_usage_bytes(data, prefill.cached_tokens if transcript is None
                                                       or transcript.attempts == 1 else None), routing)
         return False

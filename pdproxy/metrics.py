@@ -39,13 +39,11 @@ gauges are the answering worker's latest reading.  Each app owns its registry; n
 
 from __future__ import annotations
 
-import bisect
 import os
 from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from pdproxy.errors import BadRequest, NoEndpointAvailable, Overloaded, PayloadTooLarge, PromptTooLong, ProxyError
@@ -73,51 +71,6 @@ PHASES: dict[str, tuple[str, str, tuple[float, ...]]] = {
                              "Decode leg sent to the decoder's first event (KV pull + first token).", TTFT_BUCKETS),
     "decode_s": ("pdproxy_decode_time_seconds", "First relayed event to the end of the response.", E2E_BUCKETS),
 }
-
-
-class LocalHistogram:
-    """A single-process histogram with prometheus-client's ``labels(...).observe(v)`` interface, about 10× cheaper
-    per observation (a ``bisect`` and two additions, no lock: one event loop owns it).  Used when metrics are not
-    in multiprocess mode; registered as a collector of ``HistogramMetricFamily``."""
-
-    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...], *, buckets: tuple[float, ...],
-                 registry: CollectorRegistry) -> None:
-        self.name, self.documentation, self.labelnames = name, documentation, labelnames
-        self.bounds = tuple(buckets)
-        self._children: dict[tuple[str, ...], _LocalChild] = {}
-        registry.register(self)
-
-    def labels(self, *values: str) -> _LocalChild:
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = _LocalChild(self.bounds)
-        return child
-
-    def describe(self) -> list[Metric]:
-        return [HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)]
-
-    def collect(self) -> list[Metric]:
-        fam = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for values, child in self._children.items():
-            cumulative, buckets = 0, []
-            for bound, n in zip((*map(str, self.bounds), "+Inf"), child.counts, strict=True):
-                cumulative += n
-                buckets.append((bound, cumulative))
-            fam.add_metric(list(values), buckets, child.sum)
-        return [fam]
-
-
-class _LocalChild:
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
 
 
 def rejection_of(err: ProxyError) -> tuple[str, str] | None:
@@ -162,7 +115,7 @@ class ProxyMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
         api = ("api",)
-        Hist: Any = Histogram if self.multiprocess_dir else LocalHistogram
+        Hist = Histogram
         self.requests = Counter("pdproxy_requests", "Completion requests by API, HTTP status and outcome.",
                                 ("api", "status", "outcome"), registry=reg)
         self.rejections = Counter("pdproxy_rejections", "Requests pdproxy refused itself, by reason.",
@@ -279,8 +232,8 @@ class ProxyMetrics:
             span = max(0.0, tl.last_token_at - tl.first_token_at)
             if ctx.events >= 2:
                 itl_h.observe(span / (ctx.events - 1))
-            if ctx.completion_tokens is not None and ctx.completion_tokens >= 2:
-                tpot_h.observe(span / (ctx.completion_tokens - 1))
+            if ctx.events >= 2 and ctx.completion_tokens is not None and ctx.completion_tokens >= 2:
+                tpot_h.observe(span / (ctx.completion_tokens - 1))  # streamed only: JSON has one instant
 
     def render(self) -> bytes:
         """The exposition text (Prometheus text format 0.0.4)."""

@@ -9,6 +9,7 @@ fail only after a prefill has been spent: the decoder gets the original body, th
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +138,16 @@ def parse_request(raw: bytes, api: Api) -> ProxyRequest:
     model = body.get("model")
     return ProxyRequest(api=api, body=body, raw=raw, stream=stream, include_usage=include_usage,
                         model=model if isinstance(model, str) else None, max_output_tokens=max_output)
+
+
+_COMPLETION_TOKENS_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+
+def completion_tokens_in(data: bytes) -> int | None:
+    """The last ``usage.completion_tokens`` figure in a JSON document or a block of SSE events, without parsing
+    (one regex scan; callers check ``b'"completion_tokens"' in data`` first).  None when absent."""
+    found = _COMPLETION_TOKENS_RE.findall(data)
+    return int(found[-1]) if found else None
 
 
 def patch_usage(obj: dict[str, Any], cached_tokens: int | None) -> bool:

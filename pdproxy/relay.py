@@ -20,7 +20,7 @@ import orjson
 from pdproxy import recompute, sse
 from pdproxy.errors import ProxyError, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable, sse_error_event
 from pdproxy.h1client import H1Response
-from pdproxy.protocol import patch_usage
+from pdproxy.protocol import completion_tokens_in, patch_usage
 from pdproxy.timeline import RequestContext
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -223,6 +223,11 @@ class StreamRelay:
         events = 0
         try:
             while True:
+                if b'"completion_tokens"' in block:
+                    n = completion_tokens_in(block)
+                    if n is not None:
+                        ctx.completion_tokens = n + (transcript.completion_tokens if continuing and transcript
+                                                     else 0)
                 if continuing:
                     assert transcript is not None
                     block, self.recomputed = transcript.rewrite(block, keep_usage=not strip)

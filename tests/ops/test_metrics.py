@@ -45,6 +45,9 @@ def test_metrics_count_known_traffic(proxy: ProxyThread, sims: Fleet) -> None:
     assert m.value("pdproxy_time_to_first_token_seconds_count", api="chat") == 2
     assert m.value("pdproxy_time_to_first_token_seconds_count", api="completions") == 1
     assert m.value("pdproxy_inter_token_latency_seconds_count", api="chat") == 2  # one per streamed request
+    # TPOT needs completion_tokens, read from the usage the decoders sent (stream and JSON alike)
+    assert m.value("pdproxy_request_time_per_output_token_seconds_count", api="chat") == 2
+    assert m.value("pdproxy_request_time_per_output_token_seconds_count", api="completions") == 0
     for name, _, _ in PHASES.values():  # the served requests went through every phase; the 400 through none
         assert m.value(f"{name}_count", api="chat") == 2, name
         assert m.value(f"{name}_count", api="completions") == 1, name
