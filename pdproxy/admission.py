@@ -99,7 +99,8 @@ class Admission:
         self.pool = pool
         self.scheduler = scheduler
         self.upstream = upstream
-        self.limits = Limits(pool, infos, max_model_len_override=s.max_model_len)
+        self.limits = Limits(pool, infos, max_model_len_override=s.max_model_len,
+                             clamp=s.max_tokens_overflow == "clamp")
         self.queue = PrefillQueue(
             pool, scheduler, self.limits, budget_tokens=s.prefill_budget_tokens, max_waiting=s.prefill_queue_max,
             timeout_s=s.prefill_queue_timeout_s, aging_tokens_per_s=s.prefill_queue_aging_tokens_per_s,

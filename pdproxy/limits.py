@@ -10,9 +10,15 @@ Rules (reference §2.4 "PD trap": P validates with ``max_tokens=1``, so the prox
 - prefiller: ``prompt + 1 <= max_model_len`` (the prefill leg asks for ``max_tokens=1``, and vLLM checks
   ``prompt + max_tokens <= max_model_len``) and ``prompt <= kv_pool`` (a prompt larger than the pool can never be
   scheduled: vLLM #39734, and seed 000's 36-minute hang);
-- decoder: ``prompt + max_output <= max_model_len`` (vLLM ``renderers/params.py::_token_len_check``; at least one
-  output token when the client set no ``max_tokens``) and ``prompt + 1 <= kv_pool`` (room for the prompt and at
-  least one output token).
+- decoder: ``prompt + 1 <= kv_pool`` (room for the prompt and at least one output token), and against
+  ``max_model_len`` one of two rules (setting ``max_tokens_overflow``):
+
+  - ``clamp`` (default; what vLLM 0.32 does, seen on the real engine — ``tests/real_vllm/captures/length_*.json``):
+    the engine lowers ``max_tokens`` to the room left, so only ``prompt + 1 <= max_model_len`` is required; a prompt
+    of exactly ``max_model_len`` tokens gets vLLM's "max_tokens must be at least 1, got 0" (``param: max_tokens``);
+  - ``reject`` (vLLM ≤ 0.26, ``renderers/params.py::_token_len_check``, and vLLM-Ascend builds on it):
+    ``prompt + max_tokens <= max_model_len``, checked here so that no prefill is spent on a request the decoder
+    would refuse (reference §2.4 "PD trap").
 
 A request is admitted when some prefiller and some decoder allow its prompt; :meth:`Limits.max_prompt_tokens`
 is that threshold ("M"), so a counted prompt of M tokens passes and M + 1 is rejected.
@@ -45,18 +51,21 @@ class EngineLimits:
     num_gpu_blocks: int | None = None
     block_size: int | None = None
 
-    def allowed_prompt(self, role: Role, max_output: int | None) -> int | None:
-        """The largest prompt (tokens) this endpoint accepts in ``role``; None = no known limit."""
+    def allowed_prompt(self, role: Role, max_output: int | None, clamp: bool = True) -> int | None:
+        """The largest prompt (tokens) this endpoint accepts in ``role``; None = no known limit.  ``clamp``: the
+        engine lowers ``max_tokens`` to fit (vLLM 0.32), so only one output token must fit."""
         caps: list[int] = []
         if self.max_model_len is not None:
-            caps.append(self.max_model_len - (1 if role is Role.PREFILL else max_output or 1))
+            out = 1 if role is Role.PREFILL or clamp else max_output or 1
+            caps.append(self.max_model_len - out)
         if self.kv_pool_tokens is not None:
             caps.append(self.kv_pool_tokens - (0 if role is Role.PREFILL else 1))
         return min(caps) if caps else None
 
-    def violation(self, role: Role, endpoint: Endpoint, prompt: int, max_output: int | None) -> Violation | None:
+    def violation(self, role: Role, endpoint: Endpoint, prompt: int, max_output: int | None,
+                  clamp: bool = True) -> Violation | None:
         """The rule ``prompt`` breaks on this endpoint, max_model_len first; None if it fits."""
-        requested = role is Role.DECODE and max_output is not None
+        requested = role is Role.DECODE and max_output is not None and not clamp
         out = max_output if requested and max_output is not None else 1
         if self.max_model_len is not None and prompt + out > self.max_model_len:
             return Violation(role, endpoint.name, "max_model_len", self.max_model_len, out, self, requested)
@@ -86,6 +95,7 @@ class Violation:
         total = prompt_tokens + self.output_tokens
         total_s = f"{total}" if exact else f"at least {total}"
         tail = f"(parameter=input_tokens, value={prompt_tokens})"
+        param = "input_tokens"
         if self.limit_kind == "max_model_len":
             if prompt_tokens > self.limit:
                 msg = (f"This model's maximum context length is {self.limit} tokens. However, your prompt contains "
@@ -96,10 +106,13 @@ class Violation:
                        f"{self.output_tokens} output tokens and your prompt contains {n} input tokens, for a total "
                        f"of {total_s} tokens. Please reduce the length of the input prompt or the number of "
                        f"requested output tokens. {tail}")
-            else:
+            else:  # the prompt fills the context: vLLM 0.32 clamps max_tokens to 0 and refuses that
+                room = max(0, self.limit - prompt_tokens)
+                param = "max_tokens"
                 msg = (f"This model's maximum context length is {self.limit} tokens. However, your prompt contains "
-                       f"{n} input tokens and at least 1 output token must be generated, for a total of {total_s} "
-                       f"tokens. Please reduce the length of the input prompt. {tail}")
+                       f"{n} input tokens, which leaves room for {room} output tokens: max_tokens must be at least "
+                       f"1, got {room}. Please reduce the length of the input prompt. "
+                       f"(parameter=max_tokens, value={room})")
         else:
             lim = self.limits
             declared = (f"is declared as {lim.max_model_len} tokens, but" if lim.max_model_len is not None
@@ -113,7 +126,8 @@ class Violation:
                    f"engine {self.endpoint} holds only {self.limit} tokens{blocks}, which is the effective maximum "
                    f"context length. However, {needs}, which exceeds the KV pool. Please reduce the length of the "
                    f"input prompt. {tail}")
-        return PromptTooLong(msg, limit_kind=self.limit_kind, prompt_tokens=prompt_tokens, limit=self.limit)
+        return PromptTooLong(msg, limit_kind=self.limit_kind, prompt_tokens=prompt_tokens, limit=self.limit,
+                             param=param)
 
 
 class Limits:
@@ -122,8 +136,9 @@ class Limits:
     the per-request cost to a few dictionary lookups."""
 
     def __init__(self, pool: EndpointPool, infos: Mapping[Endpoint, EngineInfo], *,
-                 max_model_len_override: int | None = None) -> None:
+                 max_model_len_override: int | None = None, clamp: bool = True) -> None:
         self.pool = pool
+        self.clamp = clamp
         self.infos = infos
         self.max_model_len_override = max_model_len_override
         self._table: dict[Endpoint, EngineLimits] = {}
@@ -159,7 +174,7 @@ class Limits:
         best: int | None = None
         best_ep: Endpoint | None = None
         for e, lim in self._snapshot()[role]:
-            allowed = lim.allowed_prompt(role, max_output)
+            allowed = lim.allowed_prompt(role, max_output, self.clamp)
             if allowed is None:
                 return None, e
             if best is None or allowed > best:
@@ -187,7 +202,7 @@ class Limits:
         for role in roles:
             best, endpoint = self._best(role, max_output)
             if best is not None and endpoint is not None and prompt_tokens > best:
-                found = self.of(endpoint).violation(role, endpoint, prompt_tokens, max_output)
+                found = self.of(endpoint).violation(role, endpoint, prompt_tokens, max_output, self.clamp)
                 if found is not None:
                     return found
         return None
@@ -195,6 +210,6 @@ class Limits:
     def fits(self, role: Role, prompt_tokens: int, max_output: int | None) -> Callable[[Endpoint], bool]:
         """Routing filter: the endpoints of ``role`` whose limits allow ``prompt_tokens``."""
         def check(endpoint: Endpoint) -> bool:
-            allowed = self.of(endpoint).allowed_prompt(role, max_output)
+            allowed = self.of(endpoint).allowed_prompt(role, max_output, self.clamp)
             return allowed is None or prompt_tokens <= allowed
         return check

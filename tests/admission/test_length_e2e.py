@@ -26,10 +26,10 @@ def post(proxy_url: str, api: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(proxy_url + path, json={"model": "sim-model", **body}, timeout=30)
 
 
-def assert_too_long(resp: httpx.Response, *phrases: str) -> str:
+def assert_too_long(resp: httpx.Response, *phrases: str, param: str = "input_tokens") -> str:
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
-    assert err["type"] == "BadRequestError" and err["code"] == 400 and err["param"] == "input_tokens"
+    assert err["type"] == "BadRequestError" and err["code"] == 400 and err["param"] == param
     assert "maximum context length" in err["message"]
     for phrase in phrases:
         assert phrase in err["message"], (phrase, err["message"])
@@ -49,22 +49,42 @@ def test_exact_boundary_with_the_sim_tokenizer(pair_of: Any, source: str, api: s
         assert ok.json()["usage"]["prompt_tokens"] == 511                # the engine agrees: exactly the limit
         assert len(pair.completions()) == 2                              # prefill + decode legs
         pair.reset()
+        # a prompt that fills the context leaves max_tokens 0: vLLM 0.32's own 400 (param max_tokens)
         assert_too_long(post(proxy.url, api, exact_body(tok, api, 512)), "is 512 tokens", " 512 input tokens",
-                        "at least 1 output token", "total of 513 tokens")
-        # with max_tokens the decoder's rule counts: prompt + max_tokens <= max_model_len
-        assert post(proxy.url, api, exact_body(tok, api, 412, extra={"max_tokens": 100})).status_code == 200
+                        "max_tokens must be at least 1, got 0", param="max_tokens")
+        assert pair.completions() == []                                  # no engine saw a rejected request
+        # max_tokens beyond the room left: the engine clamps it (vLLM 0.32), so pdproxy's default admits it
+        clamped = post(proxy.url, api, exact_body(tok, api, 413, extra={"max_tokens": 100}))
+        assert clamped.status_code == 200, clamped.text
+        assert clamped.json()["usage"]["completion_tokens"] == 99
         pair.reset()
-        assert_too_long(post(proxy.url, api, exact_body(tok, api, 413, extra={"max_tokens": 100})),
-                        "you requested 100 output tokens", "413 input tokens", "total of 513 tokens")
         assert pair.completions() == []                                  # no engine saw a rejected request
         if source == "engine":                                          # a repeated prompt is not re-counted
             assert post(proxy.url, api, exact_body(tok, api, 512)).status_code == 400
             assert proxy.state.admission.snapshot()["engine_count_cache"]["hits"] == 1
         stats = proxy.state.admission.stats
-        assert stats.counted_total.get(source if source == "engine" else "local", 0) >= 4
-        assert stats.rejected_total == {"prefill:max_model_len": 1 + (source == "engine"),
-                                        "decode:max_model_len": 1}
+        assert stats.counted_total.get(source if source == "engine" else "local", 0) >= 3
+        assert stats.rejected_total == {"prefill:max_model_len": 1 + (source == "engine")}
         assert proxy.state.admission.queue.idle()
+        proxy.wait_idle()
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_reject_mode_checks_prompt_plus_max_tokens_up_front(pair_of: Any, api: str) -> None:
+    """``max_tokens_overflow=reject`` (engines that refuse rather than clamp, vLLM <= 0.26): the decoder's rule
+    prompt + max_tokens <= max_model_len is checked before any engine is touched."""
+    pair: Pair = pair_of("sim512")
+    tok = load_tokenizer(None)
+    proxy = pair.proxy(tokenizer="sim", max_tokens_overflow="reject")
+    try:
+        assert post(proxy.url, api, exact_body(tok, api, 412, extra={"max_tokens": 100})).status_code == 200
+        pair.reset()
+        assert_too_long(post(proxy.url, api, exact_body(tok, api, 413, extra={"max_tokens": 100})),
+                        "you requested 100 output tokens", "413 input tokens", "total of 513 tokens")
+        assert pair.completions() == []
+        assert proxy.state.admission.stats.rejected_total == {"decode:max_model_len": 1}
         proxy.wait_idle()
     finally:
         proxy.stop()
@@ -81,7 +101,7 @@ def test_exact_boundary_with_a_local_tokenizer_directory(pair_of: Any, tokenizer
         assert ok.json()["usage"]["prompt_tokens"] == 255
         pair.reset()
         assert_too_long(post(proxy.url, api, exact_body(tok, api, 256, unit=" hello,", pad=" a")),
-                        "is 256 tokens", " 256 input tokens")
+                        "is 256 tokens", " 256 input tokens", param="max_tokens")
         assert pair.completions() == []
         assert proxy.state.admission.stats.counted_total.get("local", 0) == 2
         assert proxy.state.admission.stats.counted_total.get("engine", 0) == 0

@@ -16,9 +16,10 @@ P2 = Endpoint("http://p2", Role.PREFILL)
 D = Endpoint("http://d", Role.DECODE)
 
 
-def limits(p: EngineInfo, d: EngineInfo, p2: EngineInfo | None = None, override: int | None = None) -> Limits:
+def limits(p: EngineInfo, d: EngineInfo, p2: EngineInfo | None = None, override: int | None = None,
+           clamp: bool = True) -> Limits:
     infos = {P: p, D: d} | ({P2: p2} if p2 else {})
-    return Limits(EndpointPool(list(infos)), infos, max_model_len_override=override)
+    return Limits(EndpointPool(list(infos)), infos, max_model_len_override=override, clamp=clamp)
 
 
 def info(mml: int | None, blocks: int | None = None, block_size: int = 16) -> EngineInfo:
@@ -26,13 +27,22 @@ def info(mml: int | None, blocks: int | None = None, block_size: int = 16) -> En
     return EngineInfo(max_model_len=mml, kv_pool_tokens=pool, num_gpu_blocks=blocks, block_size=block_size)
 
 
-def test_threshold_counts_output_on_the_decoder_only() -> None:
-    lim = limits(info(1000), info(1000))
+def test_clamp_mode_needs_room_for_one_output_token_whatever_max_tokens() -> None:
+    lim = limits(info(1000), info(1000))                                 # vLLM 0.32 clamps max_tokens
+    assert lim.max_prompt_tokens(None) == lim.max_prompt_tokens(100) == 999
+    assert lim.violation(999, 100) is None
+    v = lim.violation(1000, None)
+    assert v is not None and v.role is Role.PREFILL
+    err = v.error(1000, exact=True)
+    assert err.param == "max_tokens" and "max_tokens must be at least 1, got 0" in err.message
+    assert "maximum context length is 1000 tokens" in err.message
+
+
+def test_reject_mode_counts_output_on_the_decoder_only() -> None:
+    lim = limits(info(1000), info(1000), clamp=False)
     assert lim.max_prompt_tokens(None) == 999                            # every leg generates at least 1 token
     assert lim.max_prompt_tokens(100) == 900
     assert lim.violation(999, None) is None
-    v = lim.violation(1000, None)
-    assert v is not None and v.role is Role.PREFILL and "at least 1 output token" in v.error(1000, exact=True).message
     v = lim.violation(901, 100)
     assert v is not None and v.role is Role.DECODE and v.limit_kind == "max_model_len" and v.output_tokens == 100
 
@@ -52,7 +62,7 @@ def test_kv_pool_smaller_than_max_model_len_is_the_limit_and_is_named() -> None:
 
 
 def test_message_says_at_least_when_the_count_stopped_early() -> None:
-    lim = limits(info(2048), info(2048))
+    lim = limits(info(2048), info(2048), clamp=False)
     msg = lim.violation(5000, None).error(5000, exact=False).message  # type: ignore[union-attr]
     assert "maximum context length is 2048 tokens" in msg and "at least 5000 input tokens" in msg
     msg = lim.violation(2000, 100).error(2000, exact=True).message    # type: ignore[union-attr]
