@@ -65,8 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--kv-transfer-tokens-per-s", type=float, default=0.0,
                    help="decoder's KV pull speed (0 = instant)")
     s.add_argument("--hol-blocking", choices=("on", "off"), default="on",
-                   help="on: a waiting request that cannot get KV blocks stops admission (vLLM-Ascend, seed 000);"
-                        " off: smaller requests that fit go ahead (vLLM 0.32)")
+                   help="on: a waiting request that cannot get KV blocks stops admission (vLLM 0.32 on CPU, vLLM-Ascend"
+                        " in seed 000);"
+                        " off: smaller requests that fit go ahead")
     s.add_argument("--recompute-stop", action="store_true",
                    help='on preemption finish the victim with stop_reason "recomputed" (vLLM-Ascend)')
     s.add_argument("--refuse-connections", action="store_true",

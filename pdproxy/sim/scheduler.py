@@ -11,8 +11,9 @@ The model follows ``vllm/v1/core/sched/scheduler.py`` (v0.26), reference §4:
   skipped in a step that preempted;
 * admission reserves blocks for the *whole* prompt (``scheduler_reserve_full_isl=True``, the v0.26 default),
   minus prefix-cache hits. If the head of the queue cannot get its blocks, either admission stops
-  (``hol_blocking=True``: vLLM-Ascend 0.23 in seed 000, vLLM #39734) or later requests that fit go ahead
-  (``hol_blocking=False``: what vLLM 0.32 did, reference §7);
+  (``hol_blocking=True``: vLLM-Ascend 0.23 in seed 000, vLLM #39734, and vLLM 0.32 on CPU as measured by
+  ``tests/real_vllm/test_kv_pressure.py``) or later requests that fit go ahead (``hol_blocking=False``: what
+  reference §7 reported for vLLM 0.32; not reproduced by the real-vLLM tests);
 * a RUNNING request that cannot get a block preempts the *last* running request (recompute: its blocks are
   freed, and it re-prefills prompt + output later). With ``recompute_stop`` the victim instead finishes with
   ``finish_reason="stop"``, ``stop_reason="recomputed"`` (vLLM-Ascend ``RecomputeScheduler`` on a kv_consumer);

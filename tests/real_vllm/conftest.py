@@ -40,9 +40,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.timeout(base + START_TIMEOUT_S + 90))
 
 
+TIMINGS = pytest.StashKey[dict[str, float]]()
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """One line with the engine set-up times of this session (seconds), when engines were used."""
+    timings = config.stash.get(TIMINGS, None)
+    if timings:
+        terminalreporter.write_line("real vLLM: " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
+
+
 @pytest.fixture(scope="session")
-def real_engines() -> Iterator[RealEngines]:
+def real_engines(request: pytest.FixtureRequest) -> Iterator[RealEngines]:
     manager = RealEngines()
+    request.config.stash[TIMINGS] = manager.timings
     manager.setup()
     try:
         yield manager

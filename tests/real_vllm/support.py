@@ -124,8 +124,10 @@ class RealEngines:
         if final and self.keep:
             return
         if self.current is not None:
+            name, started = self.current.config.name, time.monotonic()
             self.current = None
             self._run("stop", timeout_s=4 * STOP_GRACE_S + 30)
+            self.timings[f"stop_{name}_s"] = time.monotonic() - started
 
 
 # ---------------------------------------------------------------------------------------------------- metrics

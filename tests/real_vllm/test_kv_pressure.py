@@ -2,7 +2,8 @@
 tokens) is only a little above ``max_model_len`` (2,048) — vLLM 0.32 refuses to start below it (reference §7).
 
 - vLLM alone: two long prompts sent at once cannot both hold KV, so the second waits inside the engine
-  (``vllm:request_queue_time_seconds``); this shows the pool is really that small;
+  (``vllm:request_queue_time_seconds``); this shows the pool is really that small. And a small request that would
+  fit waits behind that waiting prompt (head-of-line blocking, as in seed 000);
 - through pdproxy: pdproxy reads the pool from ``vllm:cache_config_info`` and never has more prompt tokens in
   flight or pinned on the prefiller than the pool holds, so the second long prompt waits in pdproxy's queue, not in
   the engine (the engine never reports a request waiting for capacity), while small requests keep completing;
@@ -18,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import httpx
 import openai
@@ -71,6 +72,45 @@ def test_vllm_alone_makes_the_second_long_prompt_wait(small_pool_engines: Engine
     assert [a.status_code for a in answers] == [200, 200]
     # the second could not get its 16 blocks until the first (16 + 1 blocks) finished: it waited in the engine
     assert queue_time_s(e.prefill_url) - waited0 > 0.1
+
+
+def test_vllm_holds_small_requests_behind_a_long_prompt_waiting_for_kv(small_pool_engines: Engines,
+                                                                        prompts: Prompts) -> None:
+    """Head-of-line blocking in vLLM 0.32 (like vLLM-Ascend in seed 000; ``pdproxy sim --hol-blocking on``): a
+    small request that would fit waits while a long prompt at the head of the queue waits for KV blocks.
+
+    A 1,300-token prompt decoding 600 tokens holds 15 of the 18 blocks; a second one cannot get its 11; a 2-token
+    request needs one block. Order is established by reading streams, not by timing."""
+    e = small_pool_engines
+
+    def scenario(with_waiting_long: bool, seed: int) -> tuple[float, float]:
+        """(monotonic time the first long prompt's stream ended, time the small request's answer arrived)."""
+        with httpx.Client(base_url=e.prefill_url, timeout=120) as engine, ThreadPoolExecutor(2) as pool, \
+                ExitStack() as stack:
+            body = {"model": e.served_model, "stream": True}
+            with engine.stream("POST", "/v1/completions", json={
+                    **body, "prompt": prompts.unique(1300, seed=seed), "max_tokens": 600}) as first:
+                lines = first.iter_lines()
+                assert next(line for line in lines if line.startswith("data: {"))   # decoding now
+                second = None
+                if with_waiting_long:                    # queued behind the first: its 11 blocks are not free
+                    second = stack.enter_context(engine.stream("POST", "/v1/completions", json={
+                        **body, "prompt": prompts.unique(1300, seed=seed + 1), "max_tokens": 8}))
+                    assert second.status_code == 200
+                small = pool.submit(lambda: (engine.post("/v1/completions", json={
+                    "model": e.served_model, "prompt": "Hi", "max_tokens": 2}), time.monotonic()))
+                assert "data: [DONE]" in list(lines)
+                first_done = time.monotonic()
+                reply, small_done = small.result()
+                assert reply.status_code == 200
+                if second is not None:
+                    assert "data: [DONE]" in list(second.iter_lines())
+        return first_done, small_done
+
+    first_done, small_done = scenario(False, 5000)
+    assert small_done < first_done                       # nothing waiting: the small one is served at once
+    first_done, small_done = scenario(True, 5100)
+    assert small_done > first_done                       # held behind the waiting long prompt until the first ended
 
 
 @pytest.mark.xfail(strict=True, reason=(
