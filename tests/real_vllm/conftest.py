@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from tests.real_vllm.support import SMALL_POOL, STANDARD, START_TIMEOUT_S, Engines, Prompts, RealEngines, wait_for
-from tests.support import ProxyThread
+from tests.real_vllm.support import SMALL_POOL, STANDARD, START_TIMEOUT_S, Engines, Prompts, RealEngines
+from tests.support import ProxyThread, wait_until
 
 ENGINE_FIXTURES = {"engines": 0, "small_pool_engines": 1}
 
@@ -83,8 +83,9 @@ def start_proxy(e: Engines, **settings: Any) -> ProxyThread:
     """pdproxy in front of ``e``, once it knows every engine's max_model_len and KV pool."""
     proxy = ProxyThread(prefill=[e.prefill_url], decode=[e.decode_url], **settings).start()
     try:
-        wait_for(lambda: proxy.state is not None and len(proxy.state.infos) == 2 and all(
-            i.max_model_len and i.kv_pool_tokens for i in proxy.state.infos.values()), 30, "engine limits read")
+        wait_until(lambda: proxy.state is not None and len(proxy.state.infos) == 2 and all(
+            i.max_model_len and i.kv_pool_tokens for i in proxy.state.infos.values()), 30, 0.05,
+            "engine limits read")
     except BaseException:
         proxy.stop()
         raise

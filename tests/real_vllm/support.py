@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ from typing import Any
 import httpx
 
 from pdproxy.tokens import HFTokenizer, prompt_token_ids
+from tests.support import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "real-vllm.sh"
@@ -58,12 +57,6 @@ class Engines:
     model_dir: Path
     served_model: str
     max_model_len: int
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RealEngines:
@@ -154,18 +147,6 @@ def completion_requests(url: str) -> float:
     """``http_requests_total`` of the completion routes (every status): has this engine been asked anything?"""
     text = scrape(url)
     return sum(metric(text, "http_requests_total", handler=h) for h in COMPLETION_HANDLERS)
-
-
-def wait_for(cond: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
-    """Poll ``cond`` until truthy; AssertionError after ``timeout_s`` seconds (never a bare sleep)."""
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = cond()
-        if last:
-            return last
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}: last={last!r}")
 
 
 # ---------------------------------------------------------------------------------------------------- prompts

@@ -10,8 +10,8 @@ from collections.abc import Callable
 import openai
 import pytest
 
-from tests.real_vllm.support import Engines, Prompts, metric, scrape, wait_for
-from tests.support import ProxyThread
+from tests.real_vllm.support import Engines, Prompts, metric, scrape
+from tests.support import ProxyThread, wait_until
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(90)]
 PROMPT_TOKENS = 30
@@ -47,7 +47,7 @@ def test_client_disconnect_mid_stream_frees_the_decoder(engines: Engines, prompt
         started = metric(text, "vllm:generation_tokens_total") > metric(d0, "vllm:generation_tokens_total")
         return text if started and metric(text, "vllm:num_requests_running") == 0 else None
 
-    d1 = wait_for(ended, 30, "the decoder to end the request")
+    d1 = wait_until(ended, 30, 0.1, "the decoder to end the request")
     generated = metric(d1, "vllm:generation_tokens_total") - metric(d0, "vllm:generation_tokens_total")
     # vLLM counts an aborted request in no finished_reason; it just stops generating for it
     finished = sum(metric(d1, "vllm:request_success_total", finished_reason=r) for r in ("length", "stop"))

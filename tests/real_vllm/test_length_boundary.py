@@ -32,16 +32,14 @@ CASES = [("completions", -1, 16), ("completions", 0, 1), ("completions", 1, 1),
          ("chat", -1, None), ("chat", 0, None), ("chat", 1, None)]
 CASE_IDS = [f"{api}-L{offset:+d}-max{max_tokens}" for api, offset, max_tokens in CASES]
 MODES = ("local", "engine")
-# What admission (pdproxy/limits.py, owned by the admission work) must change; strict, so a fix shows up as XPASS.
-CLAMP = pytest.mark.xfail(strict=True, reason=(
-    "pdproxy rejects prompt + max_tokens > max_model_len (limits.py decoder rule); vLLM 0.32 clamps max_tokens to "
-    "max_model_len - prompt and answers 200: the rule must be prompt + 1 <= max_model_len whatever max_tokens is"))
+# What admission (pdproxy/limits.py, admission.py) must still change; strict, so a fix shows up as XPASS.
 WORDING = pytest.mark.xfail(strict=True, reason=(
-    "limits.Violation.error words the 400 differently from vLLM 0.32: a prompt of exactly max_model_len must get "
-    "'max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)' (param max_tokens), a longer one "
-    "'... your prompt contains at least {L+1} input tokens, which exceeds this limit even without any output "
-    "tokens ... (parameter=input_tokens, value={L+1})' whatever the real count"))
-DECISION_PARAMS = [pytest.param(c, marks=CLAMP) if c == "completions-L-1-max16" else c for c in CASE_IDS]
+    "limits.Violation.error does not word the 400 as vLLM 0.32: a prompt of exactly max_model_len L must get exactly "
+    "'max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)'; any longer prompt exactly \"This "
+    "model's maximum context length is L tokens. However, your prompt contains at least L+1 input tokens, which "
+    "exceeds this limit even without any output tokens. Please reduce the length of the input prompt. "
+    "(parameter=input_tokens, value=L+1)\" whatever its real count; and a word-bound rejection with lower bound == L "
+    "(the bound misses BOS) must count exactly instead of answering the max_tokens 400 for an L+1 prompt"))
 BODY_PARAMS = [pytest.param(c, marks=WORDING)
                for c, (_, offset, _) in zip(CASE_IDS, CASES, strict=True) if offset >= 0]
 
@@ -92,7 +90,7 @@ def proxy_for(make_proxy: Callable[..., ProxyThread], engines: Engines, mode: st
     return make_proxy(engines, token_count="engine")
 
 
-@pytest.mark.parametrize("case_id", DECISION_PARAMS)
+@pytest.mark.parametrize("case_id", CASE_IDS)
 @pytest.mark.parametrize("mode", MODES)
 def test_boundary_decision_matches_vllm_and_rejections_reach_no_engine(
         engines: Engines, make_proxy: Callable[..., ProxyThread], vllm_answers: dict[str, Any], mode: str,

@@ -17,8 +17,8 @@ import openai
 import pytest
 
 from pdproxy import kv_transfer
-from tests.real_vllm.support import Engines, Prompts, metric, scrape, wait_for
-from tests.support import ProxyThread
+from tests.real_vllm.support import Engines, Prompts, metric, scrape
+from tests.support import ProxyThread, wait_until
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(90)]
 MAX_TOKENS = 12
@@ -93,7 +93,7 @@ def test_openai_client_through_pdproxy_takes_the_pd_path(
         d = counters(engines.decode_url)
         return d if d["xfers"] > d0["xfers"] and d["generated"] - d0["generated"] >= MAX_TOKENS else None
 
-    d1 = wait_for(decoder_pulled, 10, "decoder metrics after the pull")
+    d1 = wait_until(decoder_pulled, 10, 0.1, "decoder metrics after the pull")
     p1 = counters(engines.prefill_url)
     assert d1["xfers"] - d0["xfers"] == 1                           # one NIXL transfer
     assert d1["external"] - d0["external"] == n_prompt              # the whole prompt came from the prefiller

@@ -31,6 +31,7 @@ import httpx
 import pytest
 
 from pdproxy import tinymodel
+from tests.real_vllm.support import metric
 from tests.support import SimProcess
 
 CAPTURES = Path(__file__).parent / "captures"
@@ -275,18 +276,6 @@ def test_metric_families_are_vllms(replay: dict[str, Any], role: str) -> None:
     assert [n for n in REQUIRED if n not in sim] == []
 
 
-def series(text: str, name: str, **labels: str) -> float:
-    """Sum of ``name``'s samples whose labels include ``labels``."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            head, _, value = line.rpartition(" ")
-            found = dict(re.findall(r'(\w+)="([^"]*)"', head))
-            if all(found.get(k) == v for k, v in labels.items()):
-                total += float(value)
-    return total
-
-
 TRAFFIC_COUNTERS = [
     ("decode", "vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"}),
     ("decode", "vllm:prompt_tokens_by_source_total", {"source": "local_compute"}),
@@ -315,5 +304,5 @@ TRAFFIC_COUNTERS = [
                          ids=[f"{r}-{n}-{'-'.join(v.values())}" for r, n, v in TRAFFIC_COUNTERS])
 def test_traffic_counters_match_vllm_after_the_same_traffic(replay: dict[str, Any], role: str, name: str,
                                                             labels: dict[str, str]) -> None:
-    real = series((CAPTURES / f"metrics_{role}.txt").read_text(), name, **labels)
-    assert series(replay[f"metrics_{role}"], name, **labels) == real
+    real = metric((CAPTURES / f"metrics_{role}.txt").read_text(), name, **labels)
+    assert metric(replay[f"metrics_{role}"], name, **labels) == real
