@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     v.add_argument("--tokenizer", default=None, help="local HF tokenizer dir (default: built-in sim tokenizer)")
     v.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
                    help="answer chats with tools by calling one (off: vLLM's 400 for tool_choice auto)")
+    s_overflow = ("what prompt + max_tokens > max-model-len gets: clamp = max_tokens lowered to the room left "
+                  "(vLLM 0.32); reject = 400 (vLLM <= 0.26, vLLM-Ascend)")
+    v.add_argument("--max-tokens-overflow", choices=("clamp", "reject"), default="clamp", help=s_overflow)
     v.add_argument("--data-parallel-size", type=int, default=1, help="DP ranks served by this process")
     v.add_argument("--seed", type=int, default=0)
     s = parser.add_argument_group("simulator flags")
@@ -96,6 +99,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         dp_single_port=args.dp_single_port, kv_connector=args.kv_connector, kv_pin_timeout_s=args.kv_pin_timeout_s,
         kv_transfer_tokens_per_s=args.kv_transfer_tokens_per_s, hol_blocking=args.hol_blocking == "on",
         recompute_stop=args.recompute_stop, enable_auto_tool_choice=args.enable_auto_tool_choice,
+        max_tokens_overflow=args.max_tokens_overflow,
         refuse_connections=args.refuse_connections, faults=faults,
         seed=args.seed, record_limit=args.record_limit, engine_id=args.engine_id)
 

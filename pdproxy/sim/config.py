@@ -31,6 +31,9 @@ class SimConfig:
     ``enable_auto_tool_choice`` (vLLM's ``--enable-auto-tool-choice``): when False, a chat with ``tools`` and
     ``tool_choice`` absent or ``"auto"`` is refused with vLLM's 400, as a real engine started without a tool
     parser does. The simulator defaults to True (it then answers with a tool call).
+
+    ``max_tokens_overflow``: ``"clamp"`` (vLLM 0.32: ``max_tokens`` is lowered to ``max_model_len - prompt``) or
+    ``"reject"`` (vLLM ≤ 0.26 and vLLM-Ascend builds on it: 400 when ``prompt + max_tokens > max_model_len``).
     """
 
     host: str = "127.0.0.1"
@@ -60,6 +63,7 @@ class SimConfig:
     hol_blocking: bool = True
     recompute_stop: bool = False
     enable_auto_tool_choice: bool = True
+    max_tokens_overflow: Literal["clamp", "reject"] = "clamp"
     refuse_connections: bool = False
     faults: tuple[dict, ...] = ()
     seed: int = 0

@@ -12,7 +12,8 @@ Error envelope (``vllm/entrypoints/openai/engine/protocol.py::ErrorResponse``, r
 * ``"NotFoundError"`` (404) for an unknown model: "The model `x` does not exist. Valid aliases: <served>.";
 * ``"InternalServerError"`` (500) for a failed KV load.
 
-Length rule (vLLM 0.32 as observed; the 0.26 rejection of prompt + max_tokens > max_model_len is gone):
+Length rule (vLLM 0.32 as observed; its 0.26 rejection of prompt + max_tokens > max_model_len is gone, and
+``SimConfig.max_tokens_overflow = "reject"`` brings it back for engines built on 0.26 such as vLLM-Ascend):
 
 * ``prompt_tokens > max_model_len`` → 400 "... your prompt contains at least {L+1} input tokens, which
   exceeds this limit even without any output tokens ... (parameter=input_tokens, value={L+1})" (the tokenizer
@@ -156,7 +157,7 @@ def parse_request(body: Any, api: Api, headers: Any, config: SimConfig, tokenize
         ids = prompt_token_ids(tokenizer, body, api)
     except ValueError as exc:
         raise SimHTTPError(400, str(exc), param=key) from None
-    max_tokens = check_length(len(ids), max_tokens, config.max_model_len)
+    max_tokens = check_length(len(ids), max_tokens, config.max_model_len, clamp=config.max_tokens_overflow == "clamp")
     if max_tokens is not None and max_tokens < 1:
         raise SimHTTPError(400, f"max_tokens must be at least 1, got {max_tokens}. "
                                 f"(parameter=max_tokens, value={max_tokens})", param="max_tokens")
@@ -176,11 +177,15 @@ def parse_request(body: Any, api: Api, headers: Any, config: SimConfig, tokenize
         tools=tools, tool_choice=tool_choice)
 
 
-def check_length(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int | None:
+def check_length(prompt_tokens: int, max_tokens: int | None, max_model_len: int, clamp: bool = True) -> int | None:
     """Apply vLLM 0.32's length rule (module docstring): raise the over-length 400 (``param="input_tokens"``)
     for a prompt over ``max_model_len``, else return ``max_tokens`` clamped to the room left (tokens; the room
     itself when ``max_tokens`` is None and the prompt fills the context, so the caller's ``max_tokens`` check
-    rejects it). None stays None while there is room (the server default applies)."""
+    rejects it). None stays None while there is room (the server default applies).
+
+    ``clamp=False`` is vLLM ≤ 0.26's rule instead (``renderers/params.py::_token_len_check``, reference §2.4): a
+    given ``max_tokens`` with ``prompt + max_tokens > max_model_len`` gets the "you requested ... output tokens"
+    400, and ``max_tokens`` is returned unchanged."""
     limit = max_model_len
     if prompt_tokens > limit:
         value = limit + 1
@@ -191,6 +196,15 @@ def check_length(prompt_tokens: int, max_tokens: int | None, max_model_len: int)
             f"length of the input prompt. (parameter=input_tokens, value={value})",
             param="input_tokens")
     room = limit - prompt_tokens
+    if not clamp and max_tokens is not None and max_tokens > room:
+        value = max(limit - max_tokens + 1, 1)
+        raise SimHTTPError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested {max_tokens} output "
+            f"tokens and your prompt contains at least {value} input tokens, for a total of at least "
+            f"{value + max_tokens} tokens. Please reduce the length of the input prompt or the number of "
+            f"requested output tokens. (parameter=input_tokens, value={value})",
+            param="input_tokens")
     if max_tokens is None:
         return None if room > 0 else room
     return min(max_tokens, room)

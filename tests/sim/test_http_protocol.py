@@ -129,6 +129,17 @@ async def test_max_tokens_is_clamped_to_the_room_left(sim: SimServer, http: aioh
             "type": "BadRequestError", "param": "max_tokens", "code": 400}}
 
 
+async def test_reject_mode_refuses_prompt_plus_max_tokens_over_the_limit(http: aiohttp.ClientSession) -> None:
+    """``--max-tokens-overflow reject``: vLLM <= 0.26 / vLLM-Ascend refuse instead of clamping (reference §2.4)."""
+    async with running_sim(SimConfig(port=0, max_model_len=2048, max_tokens_overflow="reject")) as sim:
+        url = sim.base_urls[0] + "/v1/completions"
+        ok, _, _ = await post(http, url, {"prompt": sim_prompt(2000), "max_tokens": 48})
+        status, text, _ = await post(http, url, {"prompt": sim_prompt(2001), "max_tokens": 48})
+        assert ok == 200 and status == 400
+        err = json.loads(text)["error"]
+        assert "you requested 48 output tokens" in err["message"] and err["param"] == "input_tokens"
+
+
 @pytest.mark.parametrize(("path", "body", "needle", "error_type"), [
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
      "Stream options can only be defined when `stream=True`. (parameter=stream_options)", "BadRequestError"),
