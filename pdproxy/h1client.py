@@ -4,7 +4,8 @@ Why not aiohttp's ``ClientSession`` here: profiled under 1-token PD requests it 
 legs per request: request building, tracing signals, cookie filtering, payload registry, stream reader), and
 its ``StreamReader`` sits between every decoder read and the relay (loadtest/RESULTS.md).  This client does what
 the two legs need and nothing else: one POST per connection at a time, ``Content-Length`` request bodies,
-chunked or sized responses (httptools decodes both), and a body buffer the relay drains with ``readany()``.
+chunked, sized or close-delimited responses (httptools decodes the first two; the third ends at the engine's FIN),
+and a body buffer the relay drains with ``readany()``, reading paused above 256 KB buffered.
 
 The response object mimics the slice of ``aiohttp.ClientResponse`` the relay uses (``status``, ``headers``,
 ``content_type``, ``content.readany()/read()/at_eof()``, ``read()``, ``release()``, ``close()``) and raises
@@ -34,7 +35,10 @@ class H1Response:
 
     ``headers`` keys are lower-case (``get`` is case-insensitive).  ``idle_timeout_s``: a read that waits longer
     for data raises ``aiohttp.ServerTimeoutError`` (a ``TimeoutError``); so does any read still waiting at
-    ``deadline_at`` (``loop.time()`` seconds).
+    ``deadline_at`` (``loop.time()`` seconds).  :meth:`set_idle_timeout` changes the idle timeout on the live
+    response (the decode leg waits for its first event with the first-byte timeout, then for each next one with
+    the inter-event timeout).  A broken connection fails reads with ``aiohttp.ClientPayloadError`` once the
+    bytes that did arrive are read.
     """
 
     __slots__ = ("_buf", "_conn", "_eof", "_exc", "_size", "_timer", "_wait_since", "_waiter", "deadline_at",
@@ -79,7 +83,8 @@ class H1Response:
         return self._take()
 
     async def read(self, n: int = -1) -> bytes:
-        """The rest of the body (at most ``n`` bytes when ``n`` ≥ 0)."""
+        """The rest of the body, or its next ``n`` bytes when ``n`` ≥ 0 (fewer at the end of the body); bytes
+        beyond ``n`` stay buffered for the next read."""
         parts: list[bytes] = []
         size = 0
         while n < 0 or size < n:
@@ -89,17 +94,35 @@ class H1Response:
             parts.append(chunk)
             size += len(chunk)
         data = b"".join(parts)
-        return data if n < 0 else data[:n]
+        if 0 <= n < size:
+            rest = data[n:]
+            self._buf.insert(0, rest)
+            self._size += len(rest)
+            data = data[:n]
+        return data
+
+    def set_idle_timeout(self, seconds: float | None) -> None:
+        """Make reads time out after ``seconds`` without data from now on (None: no idle timeout).  A read
+        waiting right now is re-timed from when it started waiting."""
+        self.idle_timeout_s = seconds
+        self._stop_timer()
+        w = self._waiter
+        if w is not None and not w.done() and (seconds is not None or self.deadline_at is not None):
+            self._timer = asyncio.get_running_loop().call_at(self._due(), self._check_idle)
 
     def release(self) -> None:
-        """Done with the response: the connection goes back to the pool if the body was read to its end."""
+        """Done with the response: the connection goes back to the pool if the whole message arrived (read or
+        not) on a keep-alive connection, and is closed otherwise."""
         self._stop_timer()
-        self._conn.done(self, reusable=self.at_eof() and self.keep_alive)
+        self._conn.done(self, reusable=self._eof and self.keep_alive)
 
     def close(self) -> None:
-        """Drop the connection (the engine sees a disconnect and aborts the request, reference §1.5)."""
+        """Drop the connection (the engine sees a disconnect and aborts the request, reference §1.5); reads of
+        an unfinished body then raise ``aiohttp.ClientConnectionError``."""
         self._stop_timer()
         self._conn.done(self, reusable=False)
+        if not self._eof and self._exc is None:
+            self.fail(aiohttp.ClientConnectionError("response closed"))
 
     # --- fed by the protocol -------------------------------------------------------------------------------
     def _take(self) -> bytes:
@@ -181,6 +204,11 @@ class H1Response:
             w.set_exception(exc)
 
 
+def _ends_at_eof(resp: H1Response) -> bool:
+    """Whether ``resp`` (headers in) has a body delimited by the connection's end: neither sized nor chunked."""
+    return bool(resp.status) and "content-length" not in resp.headers and "transfer-encoding" not in resp.headers
+
+
 class _Headers(dict[str, str]):
     """Lower-case header names; ``get`` accepts any case."""
 
@@ -211,20 +239,34 @@ class H1Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        r = self.resp
+        if r is not None and not self.complete and exc is None and _ends_at_eof(r):
+            self.on_message_complete()  # a close-delimited body (RFC 9112 §6.3 rule 8) ends at the FIN
+            return
         err = aiohttp.ServerDisconnectedError(f"engine closed the connection{f': {exc!r}' if exc else ''}")
         if self.headers_in is not None and not self.headers_in.done():
             self.headers_in.set_exception(err)
-        if self.resp is not None and not self.complete:
-            self.resp.fail(aiohttp.ClientPayloadError(f"response body incomplete: {err}"))
+        if r is not None and not self.complete:
+            r.fail(aiohttp.ClientPayloadError(f"response body incomplete: {err}"))
 
     def data_received(self, data: bytes) -> None:
+        if self.resp is None:
+            self.abort()  # unsolicited bytes on an idle connection (e.g. a 408 before a close): never reuse it
+            return
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._broken("unexpected protocol upgrade")
         except httptools.HttpParserError as exc:
-            self._broken(f"malformed HTTP response: {exc}")
+            if self.complete:
+                self.abort()  # bytes after the complete response (see on_message_begin): the response stands
+            else:
+                self._broken(f"malformed HTTP response: {exc}")
+
+    def on_message_begin(self) -> None:
+        if self.complete:
+            raise ValueError("unsolicited bytes after the response")  # stops the parser before they touch it
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.resp is not None:
@@ -262,12 +304,14 @@ class H1Connection(asyncio.Protocol):
         ``TimeoutError`` when the headers are not in by ``headers_by`` (``loop.time()`` seconds; the connection
         is then closed).  ``idle_timeout_s`` / ``deadline_at``: see :class:`H1Response`."""
         assert self.transport is not None
-        loop = asyncio.get_running_loop()
-        self.requests += 1
         self.complete = False
         self.got_bytes = False
+        if self.closed:  # nothing was sent: a caller may retry on another connection
+            raise aiohttp.ServerDisconnectedError("engine closed the connection")
+        loop = asyncio.get_running_loop()
+        self.requests += 1
         self.parser = httptools.HttpResponseParser(self)
-        self.resp = H1Response(self, idle_timeout_s, deadline_at)
+        self.resp = resp = H1Response(self, idle_timeout_s, deadline_at)
         self.headers_in = waiter = loop.create_future()
         timer = loop.call_at(headers_by, self._headers_late, waiter) if headers_by is not None else None
         if body:
@@ -283,7 +327,7 @@ class H1Connection(asyncio.Protocol):
             self.headers_in = None
             if timer is not None:
                 timer.cancel()
-        return self.resp
+        return resp  # not self.resp: a body that broke in the same read as the headers already dropped it
 
     @staticmethod
     def _headers_late(waiter: asyncio.Future[None]) -> None:
