@@ -303,13 +303,12 @@ class Director:
             try:
                 async with st.upstream.open_stream(
                         endpoint, req.api.value, body, self.engine_headers(ctx, endpoint),
-                        first_byte_timeout_s=first_byte_s,
-                        idle_timeout_s=s.decode_idle_timeout_s if req.stream else first_byte_s) as resp:
+                        first_byte_timeout_s=first_byte_s) as resp:
                     if req.stream:
                         recomputed = await StreamRelay(
                             resp, out, ctx, cached_tokens=prefill.cached_tokens, first_event_timeout_s=first_byte_s,
                             on_first_event=prefill.consume, headers=routing, transcript=transcript,
-                            strip_usage=strip_usage).run()
+                            strip_usage=strip_usage, idle_timeout_s=s.decode_idle_timeout_s).run()
                     else:
                         recomputed = await self.relay_json(resp, ctx, prefill, out, transcript, first_byte_s, routing)
             except ProxyError as exc:

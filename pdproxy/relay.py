@@ -160,13 +160,18 @@ class StreamRelay:
     ``transcript``: records what the client got, for a vLLM-Ascend ``recomputed`` continuation (None: off);
     its ``attempts > 1`` means this leg continues an earlier one (ids/usage rewritten, no second role chunk).
     ``strip_usage``: the usage chunk was forced upstream and is not for the client.
+    ``idle_timeout_s``: once the first event is in, ``resp`` reads time out after this many seconds without data
+    (``decode_idle_timeout_s``); until then the response keeps the timeout it was opened with (the decode leg
+    opens with ``decode_first_byte_timeout_s``, so a slow first token is not cut by the inter-event timeout).
+    None: keep it throughout.
     """
 
     def __init__(self, resp: H1Response, out: Responder, ctx: RequestContext, *,
                  cached_tokens: int | None, first_event_timeout_s: float,
                  on_first_event: Callable[[], None] | None = None,
                  headers: list[tuple[bytes, bytes]] | None = None,
-                 transcript: recompute.Transcript | None = None, strip_usage: bool = False) -> None:
+                 transcript: recompute.Transcript | None = None, strip_usage: bool = False,
+                 idle_timeout_s: float | None = None) -> None:
         self.resp = resp
         self.out = out
         self.ctx = ctx
@@ -176,6 +181,7 @@ class StreamRelay:
         self.headers = headers or []
         self.transcript = transcript
         self.strip_usage = strip_usage
+        self.idle_timeout_s = idle_timeout_s
         self.recomputed = False
 
     async def _first_block(self, framer: sse.EventFramer) -> bytes:
@@ -211,6 +217,8 @@ class StreamRelay:
         if err is not None:
             err.endpoint = ctx.decoder or ""
             raise err
+        if self.idle_timeout_s is not None:
+            self.resp.set_idle_timeout(self.idle_timeout_s)
         if self.on_first_event is not None:
             self.on_first_event()
         if not out.started:

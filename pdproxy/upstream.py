@@ -167,22 +167,22 @@ class Upstream:
 
     @asynccontextmanager
     async def open_stream(self, endpoint: Endpoint, path: str, body: bytes, headers: dict[str, str], *,
-                          first_byte_timeout_s: float, idle_timeout_s: float
-                          ) -> AsyncIterator[H1Response]:
+                          first_byte_timeout_s: float) -> AsyncIterator[H1Response]:
         """Open the decode leg and yield the response once its status line and headers are in.
 
         Error statuses are raised as :class:`UpstreamHTTPError` with the engine's body (so the client gets the
         engine's status and JSON, never a 200 with an empty body).  Body reads time out after
-        ``idle_timeout_s`` seconds without data (``aiohttp.ServerTimeoutError``).  On exit the connection is released
-        to the pool if the body was read to the end, and closed otherwise (vLLM aborts the request when its
-        client disconnects, reference §1.5).
+        ``first_byte_timeout_s`` seconds without data (``aiohttp.ServerTimeoutError``) until the caller switches
+        to the inter-event timeout with ``resp.set_idle_timeout()`` once the first event is in (the relay does).
+        On exit the connection is released to the pool if the body was read to the end, and closed otherwise
+        (vLLM aborts the request when its client disconnects, reference §1.5).
         Raises :class:`UpstreamTimeout` if headers take longer than ``first_byte_timeout_s``,
         :class:`UpstreamRefused` when the connection cannot be opened and :class:`UpstreamUnavailable` when it
         breaks before the headers.
         """
         url = endpoint.url + path
         try:
-            resp = await self._post(url, body, headers, idle_timeout_s,
+            resp = await self._post(url, body, headers, first_byte_timeout_s,
                                     headers_by=asyncio.get_running_loop().time() + first_byte_timeout_s)
         except TimeoutError:
             raise UpstreamTimeout(f"decoder {endpoint.name} sent no response headers within "
