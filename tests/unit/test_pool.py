@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdproxy.endpoints import Endpoint, Role, expand
+from pdproxy.endpoints import Role, expand
 from pdproxy.errors import NoEndpointAvailable
 from pdproxy.pool import EndpointPool
 from pdproxy.scheduler import Scheduler, least_loaded, power_of_two
