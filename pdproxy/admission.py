@@ -6,7 +6,9 @@ Steps of :meth:`Admission.admit` (issue 4):
 1. **Limit.**  ``M`` = the largest prompt some prefiller and some decoder accept (:mod:`pdproxy.limits`: their
    ``max_model_len`` and real KV pool, with this request's ``max_tokens`` counted on the decoder).
 2. **Bounds** (:mod:`pdproxy.prompt_bounds`, no tokenizer): ``upper <= M`` → fits, no count; ``lower > M`` →
-   400 at once ("at least N tokens", the way vLLM words a truncated count).
+   400 at once ("at least L+1 tokens", the way vLLM 0.32 words a truncated count) — except when ``lower`` is at
+   most the ``max_model_len`` L it breaks: the bound misses BOS, so "exactly L" (vLLM's ``max_tokens`` 400) and
+   "more than L" (its ``input_tokens`` 400) are told apart by an exact count.
 3. **Exact count** otherwise (:mod:`pdproxy.token_count`): a local tokenizer (``tokenizer`` / ``model_tokenizers``
    setting: a directory with ``tokenizer.json``, or ``sim``) in a worker thread with a block cache and early stop
    past ``M``; or the engine's ``/tokenize`` (a round trip; whole-prompt cache).  ``token_count = "estimate"``
@@ -170,11 +172,13 @@ class Admission:
             tokens, exact, method, upper = bounds.lower, True, "ids", bounds.lower
         elif limit is None or bounds.upper <= limit:       # fits: no count needed
             tokens, exact, method, upper = bounds.estimate, False, "bound", bounds.upper
-        elif lower > limit:                                # too long whatever the exact count
+        elif lower > limit and not self._ambiguous(lower, max_output):   # too long whatever the exact count
             tokens, exact, method, upper = lower, False, "bound", bounds.upper
         else:
             started = time.perf_counter()
             counted = await self._count(req, ctx, chat, bounds, limit)
+            if counted is not None and self._ambiguous(counted.tokens, max_output, exact=counted.exact):
+                counted = await self._count(req, ctx, chat, bounds, None)      # stopped at exactly L: go on
             self.stats.count_seconds_total += time.perf_counter() - started
             if counted is None:                            # the engine enforces its own limit
                 tokens, exact, method, upper = bounds.estimate, False, "estimate", bounds.estimate
@@ -193,6 +197,13 @@ class Admission:
         self._choose_path(req, ctx)
         ctx.timeline.admitted_at = time.monotonic()
 
+    def _ambiguous(self, lower: int, max_output: int | None, *, exact: bool = False) -> bool:
+        """True when a rejection at ``lower`` (a lower bound unless ``exact``) would hit a ``max_model_len`` of
+        exactly ``lower`` or more: the word bound misses BOS and special tokens, so "exactly L" and "L + 1" cannot
+        be told apart and vLLM words them differently (:meth:`~pdproxy.limits.Violation.ambiguous`)."""
+        violation = self.limits.violation(lower, max_output)
+        return violation is not None and violation.ambiguous(lower, exact=exact)
+
     def _choose_path(self, req: ProxyRequest, ctx: RequestContext) -> None:
         s = self.settings
         tokens = req.prompt_tokens or 0
@@ -210,8 +221,8 @@ class Admission:
             ctx.disaggregated = False
 
     async def _count(self, req: ProxyRequest, ctx: RequestContext, chat: bool, bounds: PromptBounds,
-                     limit: int) -> token_count.TokenCount | None:
-        """The exact count (or "at least" past ``limit``); None when it could not be made."""
+                     limit: int | None) -> token_count.TokenCount | None:
+        """The exact count (or "at least" past ``limit``; None: no early stop); None when it could not be made."""
         source = self.source_for(req.model)
         if source == "estimate":
             return None

@@ -89,8 +89,29 @@ class Violation:
     limits: EngineLimits
     requested: bool = False
 
+    def ambiguous(self, prompt_tokens: int, *, exact: bool) -> bool:
+        """True when a lower bound of ``prompt_tokens`` cannot choose vLLM's wording: a ``max_model_len`` L
+        rejection at a bound of at most L (exactly L gets the ``max_tokens`` 400, more than L the ``input_tokens``
+        one), so the prompt must be counted exactly."""
+        return not exact and self.limit_kind == "max_model_len" and prompt_tokens <= self.limit
+
     def error(self, prompt_tokens: int, *, exact: bool) -> PromptTooLong:
-        """The HTTP 400 for this violation, in vLLM's wording (``vllm/renderers/params.py``, reference §7)."""
+        """The HTTP 400 for this violation (``prompt_tokens``: the counted prompt, a lower bound unless ``exact``).
+
+        ``max_model_len`` — vLLM 0.32's own bodies, word for word (``vllm/renderers/params.py``; seen on the real
+        engine, ``tests/real_vllm/captures/length_*.json``), so the client reads what the engine would have said:
+
+        - a prompt over ``max_model_len`` L: "... your prompt contains at least L+1 input tokens, which exceeds this
+          limit even without any output tokens ..." (``param: input_tokens``, ``value=L+1``) whatever the count —
+          vLLM's tokenizer truncates at L+1;
+        - a prompt of exactly L (no room for one output token): "max_tokens must be at least 1, got 0."
+          (``param: max_tokens``) — the caller must know the count is exactly L, not a lower bound;
+        - ``requested`` (``max_tokens_overflow = reject``, vLLM ≤ 0.26): "you requested N output tokens and your
+          prompt contains ..." with pdproxy's count.
+
+        ``kv_pool`` has no vLLM equivalent (vLLM waits forever, #39734): pdproxy's message keeps the phrase "maximum
+        context length" and names the counted tokens and the pool (blocks × block size).
+        """
         n = f"{prompt_tokens}" if exact else f"at least {prompt_tokens}"
         total = prompt_tokens + self.output_tokens
         total_s = f"{total}" if exact else f"at least {total}"
@@ -98,9 +119,10 @@ class Violation:
         param = "input_tokens"
         if self.limit_kind == "max_model_len":
             if prompt_tokens > self.limit:
+                value = self.limit + 1
                 msg = (f"This model's maximum context length is {self.limit} tokens. However, your prompt contains "
-                       f"{n} input tokens, which exceeds this limit even without any output tokens. Please reduce "
-                       f"the length of the input prompt. {tail}")
+                       f"at least {value} input tokens, which exceeds this limit even without any output tokens. "
+                       f"Please reduce the length of the input prompt. (parameter=input_tokens, value={value})")
             elif self.requested:
                 msg = (f"This model's maximum context length is {self.limit} tokens. However, you requested "
                        f"{self.output_tokens} output tokens and your prompt contains {n} input tokens, for a total "
@@ -109,10 +131,7 @@ class Violation:
             else:  # the prompt fills the context: vLLM 0.32 clamps max_tokens to 0 and refuses that
                 room = max(0, self.limit - prompt_tokens)
                 param = "max_tokens"
-                msg = (f"This model's maximum context length is {self.limit} tokens. However, your prompt contains "
-                       f"{n} input tokens, which leaves room for {room} output tokens: max_tokens must be at least "
-                       f"1, got {room}. Please reduce the length of the input prompt. "
-                       f"(parameter=max_tokens, value={room})")
+                msg = f"max_tokens must be at least 1, got {room}. (parameter=max_tokens, value={room})"
         else:
             lim = self.limits
             declared = (f"is declared as {lim.max_model_len} tokens, but" if lim.max_model_len is not None

@@ -26,6 +26,24 @@ def post(proxy_url: str, api: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(proxy_url + path, json={"model": "sim-model", **body}, timeout=30)
 
 
+def vllm_over(limit: int) -> dict[str, Any]:
+    """vLLM 0.32's error object for any prompt over ``limit`` tokens (``tests/real_vllm/captures/length_*.json``)."""
+    return {"message": f"This model's maximum context length is {limit} tokens. However, your prompt contains at "
+                       f"least {limit + 1} input tokens, which exceeds this limit even without any output tokens. "
+                       f"Please reduce the length of the input prompt. (parameter=input_tokens, value={limit + 1})",
+            "type": "BadRequestError", "param": "input_tokens", "code": 400}
+
+
+VLLM_FULL = {"message": "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+             "type": "BadRequestError", "param": "max_tokens", "code": 400}
+"""vLLM 0.32's error object for a prompt of exactly max_model_len tokens (``length_prompt2048_max1.json``)."""
+
+
+def assert_vllm_error(resp: httpx.Response, error: dict[str, Any]) -> None:
+    assert resp.status_code == 400, resp.text
+    assert resp.json() == {"error": error}
+
+
 def assert_too_long(resp: httpx.Response, *phrases: str, param: str = "input_tokens") -> str:
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
@@ -50,9 +68,10 @@ def test_exact_boundary_with_the_sim_tokenizer(pair_of: Any, source: str, api: s
         assert len(pair.completions()) == 2                              # prefill + decode legs
         pair.reset()
         # a prompt that fills the context leaves max_tokens 0: vLLM 0.32's own 400 (param max_tokens)
-        assert_too_long(post(proxy.url, api, exact_body(tok, api, 512)), "is 512 tokens", " 512 input tokens",
-                        "max_tokens must be at least 1, got 0", param="max_tokens")
+        assert_vllm_error(post(proxy.url, api, exact_body(tok, api, 512)), VLLM_FULL)
         assert pair.completions() == []                                  # no engine saw a rejected request
+        assert_vllm_error(post(proxy.url, api, exact_body(tok, api, 600)), vllm_over(512))   # L+1 whatever the count
+        assert pair.completions() == []
         # max_tokens beyond the room left: the engine clamps it (vLLM 0.32), so pdproxy's default admits it
         clamped = post(proxy.url, api, exact_body(tok, api, 413, extra={"max_tokens": 100}))
         assert clamped.status_code == 200, clamped.text
@@ -64,7 +83,7 @@ def test_exact_boundary_with_the_sim_tokenizer(pair_of: Any, source: str, api: s
             assert proxy.state.admission.snapshot()["engine_count_cache"]["hits"] == 1
         stats = proxy.state.admission.stats
         assert stats.counted_total.get(source if source == "engine" else "local", 0) >= 3
-        assert stats.rejected_total == {"prefill:max_model_len": 1 + (source == "engine")}
+        assert stats.rejected_total == {"prefill:max_model_len": 2 + (source == "engine")}
         assert proxy.state.admission.queue.idle()
         proxy.wait_idle()
     finally:
@@ -100,8 +119,7 @@ def test_exact_boundary_with_a_local_tokenizer_directory(pair_of: Any, tokenizer
         assert ok.status_code == 200, ok.text
         assert ok.json()["usage"]["prompt_tokens"] == 255
         pair.reset()
-        assert_too_long(post(proxy.url, api, exact_body(tok, api, 256, unit=" hello,", pad=" a")),
-                        "is 256 tokens", " 256 input tokens", param="max_tokens")
+        assert_vllm_error(post(proxy.url, api, exact_body(tok, api, 256, unit=" hello,", pad=" a")), VLLM_FULL)
         assert pair.completions() == []
         assert proxy.state.admission.stats.counted_total.get("local", 0) == 2
         assert proxy.state.admission.stats.counted_total.get("engine", 0) == 0
@@ -142,9 +160,28 @@ def test_200k_token_prompt_is_rejected_without_counting(pair_of: Any) -> None:
         big = json.dumps({"model": "sim-model", "prompt": sim_prompt(200_000, unique=True), "max_tokens": 4})
         resp = httpx.post(proxy.url + "/v1/completions", content=big, timeout=30,
                           headers={"content-type": "application/json"})
-        assert_too_long(resp, "at least 200000 input tokens")
+        assert_vllm_error(resp, vllm_over(512))
         assert pair.completions() == []
         assert proxy.state.admission.stats.counted_total == {"bound": 1}   # no tokenizer, no /tokenize
+        proxy.wait_idle()
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.parametrize("word_bound", [True, False])
+def test_word_bound_at_exactly_max_model_len_counts_before_choosing_the_wording(
+        pair_of: Any, tokenizer_dir: Path, word_bound: bool) -> None:
+    """256 one-token words: the word bound says 256 = L, but the tokenizer adds BOS (257 tokens), so the client
+    must get vLLM's "at least 257" body, not the max_tokens one for a prompt of exactly L."""
+    pair: Pair = pair_of("hf")
+    proxy = pair.proxy(tokenizer=str(tokenizer_dir), token_count="local", word_bound=word_bound)
+    try:
+        assert_vllm_error(post(proxy.url, "completions", {"prompt": " a" * 256, "max_tokens": 1}), vllm_over(256))
+        assert_vllm_error(post(proxy.url, "completions", {"prompt": " a" * 255, "max_tokens": 1}), VLLM_FULL)
+        assert pair.completions() == []
+        stats = proxy.state.admission.stats
+        assert stats.counted_total == {"local": 2}                        # counted, not decided by the bound
+        assert stats.rejected_total == {"prefill:max_model_len": 2}
         proxy.wait_idle()
     finally:
         proxy.stop()

@@ -33,9 +33,12 @@ def test_clamp_mode_needs_room_for_one_output_token_whatever_max_tokens() -> Non
     assert lim.violation(999, 100) is None
     v = lim.violation(1000, None)
     assert v is not None and v.role is Role.PREFILL
-    err = v.error(1000, exact=True)
-    assert err.param == "max_tokens" and "max_tokens must be at least 1, got 0" in err.message
-    assert "maximum context length is 1000 tokens" in err.message
+    err = v.error(1000, exact=True)                                      # vLLM 0.32's body, word for word
+    assert err.body()["error"] == {"message": "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+                                   "type": "BadRequestError", "param": "max_tokens", "code": 400}
+    assert v.ambiguous(1000, exact=False) and not v.ambiguous(1000, exact=True)   # a bound of L may be L + 1
+    over = lim.violation(1001, None)
+    assert over is not None and not over.ambiguous(1001, exact=False)
 
 
 def test_reject_mode_counts_output_on_the_decoder_only() -> None:
@@ -61,12 +64,29 @@ def test_kv_pool_smaller_than_max_model_len_is_the_limit_and_is_named() -> None:
     assert "KV cache pool" in msg and "1146 blocks × 4 tokens" in msg
 
 
-def test_message_says_at_least_when_the_count_stopped_early() -> None:
+VLLM_OVER_2048 = ("This model's maximum context length is 2048 tokens. However, your prompt contains at least 2049 "
+                  "input tokens, which exceeds this limit even without any output tokens. Please reduce the length "
+                  "of the input prompt. (parameter=input_tokens, value=2049)")
+"""vLLM 0.32's body for any prompt over 2,048 tokens (``tests/real_vllm/captures/length_prompt3000_max1.json``)."""
+
+
+@pytest.mark.parametrize("clamp", [True, False])
+@pytest.mark.parametrize(("tokens", "exact"), [(2049, True), (3000, True), (5000, False)])
+def test_over_max_model_len_is_vllms_body_whatever_the_count(clamp: bool, tokens: int, exact: bool) -> None:
+    lim = limits(info(2048), info(2048), clamp=clamp)
+    err = lim.violation(tokens, None).error(tokens, exact=exact)  # type: ignore[union-attr]
+    assert err.body()["error"] == {"message": VLLM_OVER_2048, "type": "BadRequestError", "param": "input_tokens",
+                                   "code": 400}
+    assert err.prompt_tokens == tokens                                   # pdproxy's own count stays in its logs
+
+
+def test_reject_mode_keeps_the_requested_output_wording() -> None:
     lim = limits(info(2048), info(2048), clamp=False)
-    msg = lim.violation(5000, None).error(5000, exact=False).message  # type: ignore[union-attr]
-    assert "maximum context length is 2048 tokens" in msg and "at least 5000 input tokens" in msg
     msg = lim.violation(2000, 100).error(2000, exact=True).message    # type: ignore[union-attr]
-    assert "you requested 100 output tokens" in msg and "for a total of 2100 tokens" in msg
+    assert msg == ("This model's maximum context length is 2048 tokens. However, you requested 100 output tokens "
+                   "and your prompt contains 2000 input tokens, for a total of 2100 tokens. Please reduce the length "
+                   "of the input prompt or the number of requested output tokens. "
+                   "(parameter=input_tokens, value=2000)")
 
 
 def test_most_permissive_endpoint_decides_and_routing_filters_the_rest() -> None:
