@@ -32,16 +32,7 @@ CASES = [("completions", -1, 16), ("completions", 0, 1), ("completions", 1, 1),
          ("chat", -1, None), ("chat", 0, None), ("chat", 1, None)]
 CASE_IDS = [f"{api}-L{offset:+d}-max{max_tokens}" for api, offset, max_tokens in CASES]
 MODES = ("local", "engine")
-# What admission (pdproxy/limits.py, admission.py) must still change; strict, so a fix shows up as XPASS.
-WORDING = pytest.mark.xfail(strict=True, reason=(
-    "limits.Violation.error does not word the 400 as vLLM 0.32: a prompt of exactly max_model_len L must get exactly "
-    "'max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)'; any longer prompt exactly \"This "
-    "model's maximum context length is L tokens. However, your prompt contains at least L+1 input tokens, which "
-    "exceeds this limit even without any output tokens. Please reduce the length of the input prompt. "
-    "(parameter=input_tokens, value=L+1)\" whatever its real count; and a word-bound rejection with lower bound == L "
-    "(the bound misses BOS) must count exactly instead of answering the max_tokens 400 for an L+1 prompt"))
-BODY_PARAMS = [pytest.param(c, marks=WORDING)
-               for c, (_, offset, _) in zip(CASE_IDS, CASES, strict=True) if offset >= 0]
+BODY_PARAMS = [c for c, (_, offset, _) in zip(CASE_IDS, CASES, strict=True) if offset >= 0]
 
 
 def body_for(prompts: Prompts, engines: Engines, api: str, offset: int, max_tokens: int | None) -> dict[str, Any]:
