@@ -7,6 +7,15 @@ prompts here instead of piling them onto engines' FCFS queues keeps the order ou
 
 - **Budget.**  A prefiller may hold ``budget_tokens`` of dispatched-but-unanswered prefill tokens; a prompt larger
   than the budget runs only on an otherwise idle prefiller.  ``budget_tokens = 0`` turns the budget off.
+- **KV pool.**  The prompt tokens in flight *or pinned* on a prefiller must also fit its KV pool
+  (``EngineInfo.kv_pool_tokens`` via :class:`~pdproxy.limits.Limits`, from ``vllm:cache_config_info``): after the
+  prefill the engine keeps the prompt's blocks until the decoder pulls them (reference §1.4), and the director
+  holds the prefill's pool lease until the decoder's first event.  So the effective per-prefiller budget is
+  ``min(budget_tokens, kv pool)``, counted over the pool's prefill leases (plus slots granted but not yet leased)
+  rather than over unanswered prefills only.  Counting is in whole blocks (``block_size``; a held lease counts as
+  at most ``block_size − 1`` tokens more than its prompt), as vLLM allocates them.  Without it a second long
+  prompt is dispatched and waits inside the engine, where it holds every smaller request behind it (vLLM's
+  head-of-line blocking, seed 000).
 - **Order.**  Waiters are served by ``key = prompt_tokens − aging_tokens_per_s × waited_s`` (smallest first): a
   small prompt goes ahead of a large one, and a large one's key falls every second it waits until it is first.
   Dispatch is strict in that order (the first waiter that cannot be placed blocks the ones behind it), so a large
@@ -56,7 +65,7 @@ class PrefillSlot:
     """One dispatched prefill: ``tokens`` held against ``endpoint``'s budget until :meth:`prefill_done`, and
     ``decode_tokens`` reserved on the decoders until :meth:`decode_started`.  Both releases are idempotent."""
 
-    __slots__ = ("_decode_held", "_prefill_held", "_queue", "decode_tokens", "endpoint", "tokens")
+    __slots__ = ("_decode_held", "_prefill_held", "_queue", "_unleased", "decode_tokens", "endpoint", "tokens")
 
     def __init__(self, queue: PrefillQueue, endpoint: Endpoint, tokens: int, decode_tokens: int) -> None:
         self._queue = queue
@@ -65,15 +74,25 @@ class PrefillSlot:
         self.decode_tokens = decode_tokens
         self._prefill_held = True
         self._decode_held = True
-        queue._inflight[endpoint] = queue._inflight.get(endpoint, 0) + tokens
+        self._unleased = True
+        queue._inflight.setdefault(endpoint, _Held()).add(tokens, 1)
+        queue._unleased.setdefault(endpoint, _Held()).add(tokens, 1)
         queue._pending_decode += decode_tokens
 
+    def handed_over(self) -> None:
+        """The holder has the slot and takes its pool lease on ``endpoint`` at once (the director does, from
+        here until the decoder's first event): the KV it pins is counted by that lease from now on."""
+        if self._unleased:
+            self._unleased = False
+            self._queue._unleased[self.endpoint].add(-self.tokens, -1)
+
     def prefill_done(self) -> None:
-        """The prefiller answered (or failed): its budget is free again."""
+        """The prefiller answered (or failed): its budget is free again (its KV stays counted by the lease)."""
+        self.handed_over()
         if self._prefill_held:
             self._prefill_held = False
             q = self._queue
-            q._inflight[self.endpoint] = q._inflight.get(self.endpoint, 0) - self.tokens
+            q._inflight[self.endpoint].add(-self.tokens, -1)
             q.notify()
 
     def decode_started(self) -> None:
@@ -87,6 +106,18 @@ class PrefillSlot:
         """Both releases (any exit path)."""
         self.prefill_done()
         self.decode_started()
+
+
+@dataclass(slots=True)
+class _Held:
+    """Prompt tokens and requests held against one prefiller."""
+
+    tokens: int = 0
+    requests: int = 0
+
+    def add(self, tokens: int, requests: int) -> None:
+        self.tokens += tokens
+        self.requests += requests
 
 
 Fits = Callable[[Endpoint], bool]
@@ -125,7 +156,8 @@ class PrefillQueue:
         self.decoder_capacity = decoder_capacity
         self.decoder_max_requests = decoder_max_requests
         self.stats = QueueStats()
-        self._inflight: dict[Endpoint, int] = {}
+        self._inflight: dict[Endpoint, _Held] = {}
+        self._unleased: dict[Endpoint, _Held] = {}
         self._pending_decode = 0
         self._waiting: list[_Waiter] = []
         self._seq = itertools.count()
@@ -138,11 +170,29 @@ class PrefillQueue:
 
     def inflight_tokens(self, endpoint: Endpoint) -> int:
         """Prefill tokens dispatched to ``endpoint`` and not answered yet."""
-        return self._inflight.get(endpoint, 0)
+        held = self._inflight.get(endpoint)
+        return held.tokens if held is not None else 0
+
+    def kv_held_tokens(self, endpoint: Endpoint) -> int:
+        """An upper bound on the KV (tokens, whole blocks) that prompts in flight or pinned hold on ``endpoint``:
+        the pool's leases on it (the director's prefill leases, held until the decoder's first event) plus slots
+        granted and not yet leased — or the unanswered prefills alone if more (a holder that takes no lease)."""
+        lim = self.limits.of(endpoint)
+        pad = lim.block_size - 1 if lim.block_size else 0
+        try:
+            load = self.pool.load(endpoint)
+            leased_tokens, leased_requests = load.tokens, load.requests
+        except KeyError:                      # removed: only our own slots are left
+            leased_tokens = leased_requests = 0
+        unleased = self._unleased.get(endpoint) or _Held()
+        flying = self._inflight.get(endpoint) or _Held()
+        return max(leased_tokens + unleased.tokens + pad * (leased_requests + unleased.requests),
+                   flying.tokens + pad * flying.requests)
 
     def idle(self) -> bool:
         """True when nothing waits, no prefill is in flight and no decode capacity is reserved."""
-        return not self._waiting and self._pending_decode == 0 and not any(self._inflight.values())
+        return (not self._waiting and self._pending_decode == 0
+                and not any(h.tokens or h.requests for h in (*self._inflight.values(), *self._unleased.values())))
 
     def congested(self, fits: Fits | None = None) -> bool:
         """True when every healthy prefiller that ``fits`` has at least ``busy_tokens`` prefill tokens in flight
@@ -152,8 +202,16 @@ class PrefillQueue:
 
     # ---- dispatch
     def _has_room(self, endpoint: Endpoint, tokens: int) -> bool:
+        """Budget, then KV pool (module docstring); an idle prefiller takes any prompt the limits let in."""
         held = self.inflight_tokens(endpoint)
-        return self.budget_tokens <= 0 or held == 0 or held + tokens <= self.budget_tokens
+        if not (self.budget_tokens <= 0 or held == 0 or held + tokens <= self.budget_tokens):
+            return False
+        lim = self.limits.of(endpoint)
+        if lim.kv_pool_tokens is None:
+            return True
+        pinned = self.kv_held_tokens(endpoint)
+        need = -(-tokens // lim.block_size) * lim.block_size if lim.block_size else tokens
+        return pinned == 0 or pinned + need <= lim.kv_pool_tokens
 
     def _decode_room(self, need: int) -> bool:
         if not self.decoder_capacity:
@@ -234,6 +292,7 @@ class PrefillQueue:
         else:
             await self._wait(w)
         assert w.slot is not None
+        w.slot.handed_over()
         try:
             yield w.slot
         finally:

@@ -61,6 +61,13 @@ FLOW_ARGS = ("--max-model-len", "133120", "--prefill-tokens-per-s", "10000", "--
              "--decode-tokens-per-s", "0")
 """Issue 4's benchmark engine: 10K prefill tokens/s in 8,192-token chunks (one step = 0.82 s)."""
 
+KV18_ARGS = ("--max-model-len", "2048", "--block-size", "128", "--num-gpu-blocks-override", "18",
+             "--prefill-tokens-per-s", "20000", "--kv-transfer-tokens-per-s", "4000", "--decode-tokens-per-s", "100")
+"""The real-vLLM KV-pressure engine (``tests/real_vllm/test_kv_pressure.py``): 18 × 128 = 2,304 tokens of KV, a
+little above max_model_len; a 2,000-token prefill takes 0.1 s and its pull 0.5 s (the KV stays pinned on the
+prefiller meanwhile).  Its decoder has the default pool, as in the real test: only the prefiller is short."""
+DECODER_ARGS = {"kv18": tuple(a for a in KV18_ARGS if a not in ("--num-gpu-blocks-override", "18"))}
+
 
 @dataclass
 class Pair:
@@ -85,8 +92,9 @@ class Pair:
 @pytest.fixture(scope="session")
 def pairs(tokenizer_dir: Path) -> Any:
     specs = {"sim512": ("--max-model-len", "512"), "seed": SEED_ARGS, "flow": FLOW_ARGS,
-             "hf": ("--tokenizer", str(tokenizer_dir), "--max-model-len", "256")}
-    made = {name: Pair(SimProcess("prefill", *args), SimProcess("decode", *args)) for name, args in specs.items()}
+             "hf": ("--tokenizer", str(tokenizer_dir), "--max-model-len", "256"), "kv18": KV18_ARGS}
+    made = {name: Pair(SimProcess("prefill", *args), SimProcess("decode", *DECODER_ARGS.get(name, args)))
+            for name, args in specs.items()}
     procs = [s for p in made.values() for s in p.sims]
     try:
         with ThreadPoolExecutor(len(procs)) as pool:

@@ -23,8 +23,10 @@ D = Endpoint("http://d", Role.DECODE)
 
 
 def make_queue(*, budget: int = 10_000, kv: int | None = None, aging: float = 0.0, max_waiting: int = 100,
-               timeout_s: float = 5.0) -> PrefillQueue:
-    infos = {P: EngineInfo(max_model_len=1_000_000), D: EngineInfo(max_model_len=1_000_000, kv_pool_tokens=kv)}
+               timeout_s: float = 5.0, p_blocks: int | None = None, block_size: int = 128) -> PrefillQueue:
+    p_info = (EngineInfo(max_model_len=2048, kv_pool_tokens=p_blocks * block_size, num_gpu_blocks=p_blocks,
+                         block_size=block_size) if p_blocks else EngineInfo(max_model_len=1_000_000))
+    infos = {P: p_info, D: EngineInfo(max_model_len=1_000_000, kv_pool_tokens=kv)}
     pool = EndpointPool(list(infos))
     return PrefillQueue(pool, Scheduler(pool, seed=1), Limits(pool, infos), budget_tokens=budget,
                         max_waiting=max_waiting, timeout_s=timeout_s, aging_tokens_per_s=aging, busy_tokens=5000)
@@ -129,3 +131,46 @@ async def test_cancelled_waiter_leaves_no_trace_and_unfit_prompt_fails_fast() ->
         async with q.slot(10, 11, fits=lambda e: False):
             pass
 
+
+
+async def test_prompts_pinned_on_the_prefiller_stay_within_its_kv_pool() -> None:
+    """18 blocks × 128 = 2,304 tokens: a prefilled 2,000-token prompt stays pinned (its pool lease is held until
+    the decoder's first event, as the director does) after the prefiller answered, so a second one waits for the
+    lease — not just for the answer — while small prompts that fit still go."""
+    q = make_queue(budget=32_768, p_blocks=18)
+    order: list[int] = []
+    first_event = asyncio.Event()
+
+    async def request(tokens: int, decoded: asyncio.Event | None = None) -> None:
+        async with q.slot(tokens, tokens + 1) as slot:
+            with q.pool.lease(slot.endpoint, tokens):                 # the director's prefill lease
+                order.append(tokens)
+                slot.prefill_done()                                  # the prefiller answered: KV now pinned
+                if decoded is not None:
+                    await decoded.wait()                             # until the decoder's first event
+
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(request(2000, first_event))
+        await until(lambda: order == [2000])
+        assert q.inflight_tokens(P) == 0 and q.kv_held_tokens(P) == 2000 + 127   # whole blocks, upper bound
+        tg.create_task(request(2001))
+        await until(lambda: q.depth == 1)
+        tg.create_task(request(3))                                   # 1 block: fits next to the pinned 16
+        await until(lambda: order == [2000, 3])
+        assert q.depth == 1 and order == [2000, 3]                   # the second long one still waits
+        first_event.set()
+        await until(lambda: len(order) == 3)
+    assert order == [2000, 3, 2001]
+    assert q.idle() and q.pool.idle() and q.kv_held_tokens(P) == 0
+    assert q.stats.waited_total == 2 and q.stats.granted_total == 3
+
+
+async def test_kv_pool_is_the_budget_when_smaller_and_an_idle_prefiller_takes_any_prompt() -> None:
+    q = make_queue(budget=32_768, p_blocks=18)
+    async with AsyncExitStack() as stack:
+        a = await stack.enter_async_context(q.slot(2200, 2201))     # 18 blocks: alone on the idle prefiller
+        waiter = asyncio.ensure_future(stack.enter_async_context(q.slot(10, 11)))
+        await until(lambda: q.depth == 1)                            # 2,200 in flight + 1 block > 2,304
+        a.prefill_done()                                             # no lease taken: the answer frees it
+        assert (await waiter).endpoint == P
+    assert q.idle()
