@@ -4,6 +4,7 @@ cap, and the block cache."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdproxy.prompt_bounds import prompt_bounds, word_transitions
-from pdproxy.token_count import LocalCounter, tokenize_body, word_cuts
+from pdproxy.token_count import LocalCounter, TokenCount, tokenize_body, word_cuts
 from pdproxy.tokens import load_tokenizer, prompt_token_ids, sim_prompt
 
 pytestmark = pytest.mark.timeout(60)
@@ -91,3 +92,18 @@ def test_token_id_prompts_are_exact_and_tokenize_body_keeps_prompt_fields() -> N
             "max_tokens": 5, "stream": True}
     assert tokenize_body(body, True) == {"model": "m", "messages": body["messages"], "tools": [{"x": 1}]}
     assert tokenize_body({"model": "m", "prompt": "hi", "max_tokens": 3}, False) == {"model": "m", "prompt": "hi"}
+
+
+def test_tools_count_with_tool_choice_none_as_vllm_counted_them(tokenizer_dir: Path) -> None:
+    """vLLM 0.32 renders ``tools`` whatever ``tool_choice`` says: the capture ``chat_tools_none.json`` (real engine,
+    the tiny model's tokenizer, which ``tokenizer_dir`` is) reports 91 prompt tokens, 24 without the tools."""
+    capture = json.loads((Path(__file__).parents[1] / "real_vllm" / "captures" / "chat_tools_none.json").read_text())
+    body = capture["request"]["body"]
+    assert body["tool_choice"] == "none" and body["tools"]
+    assert capture["response"]["json"]["usage"]["prompt_tokens"] == 91
+    counter = LocalCounter(str(tokenizer_dir), cache_entries=0)
+    assert counter.count(body, True) == TokenCount(91, True, "local")
+    bare = {k: v for k, v in body.items() if k not in ("tools", "tool_choice")}
+    assert counter.count(bare, True).tokens == 24
+    assert tokenize_body(body, True)["tools"] == body["tools"]          # the engine's /tokenize sees them too
+    assert prompt_bounds(body, True, template_overhead=64).upper >= 91   # the byte bound covers them
