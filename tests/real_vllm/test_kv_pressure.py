@@ -113,11 +113,6 @@ def test_vllm_holds_small_requests_behind_a_long_prompt_waiting_for_kv(small_poo
     assert small_done > first_done                       # held behind the waiting long prompt until the first ended
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "pdproxy reads the prefiller's KV pool but its prefill queue (prefill_queue.py) does not bound the prompt tokens "
-    "in flight or pinned on a prefiller by that pool (only by prefill_budget_tokens=32768, released when the "
-    "prefiller answers, while the KV stays pinned until the decoder's first event): both long prompts are "
-    "dispatched and the second waits inside the engine"))
 def test_pdproxy_reads_the_pool_and_queues_the_second_long_prompt(
         small_pool_engines: Engines, prompts: Prompts, make_proxy: Callable[..., ProxyThread]) -> None:
     e = small_pool_engines
