@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,18 +36,42 @@ pdproxy demo is up: proxy http://127.0.0.1:{port}  (prefiller {p}, decoders {d})
   print()
   EOF
 
-Ctrl-C stops the proxy and the simulated engines.
+Ctrl-C stops the proxy (open streams get up to shutdown_grace_s to finish) and then the simulated engines.
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="127.0.0.1", help="proxy listen address (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--engine-base-port", type=int, default=8100, help="first simulated engine port (default 8100)")
     p.add_argument("--model", default="sim-model", help="served model name of the simulated engines")
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--decode-tokens-per-s", type=float, default=50.0, help="simulated decode speed per sequence")
     p.add_argument("--prefill-tokens-per-s", type=float, default=20000.0)
+
+
+class DemoError(RuntimeError):
+    """The demo could not start (a port in use, an engine that died or never became healthy)."""
+
+
+def _check_free(host: str, ports: list[int]) -> None:
+    """Raise :class:`DemoError` naming the first of ``ports`` already in use on ``host`` (before anything starts)."""
+    for port in ports:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle
+            try:
+                sock.bind((host, port))
+            except OSError:
+                raise DemoError(f"port {port} is already in use; stop what holds it or choose other ports with "
+                                   "`pdproxy demo --port P --engine-base-port B` (engines use B, B+100, B+101)"
+                                   ) from None
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the demo process dies, however it dies (Linux
+    ``prctl(PR_SET_PDEATHSIG)``), so a closed terminal or a SIGKILL never leaves engines behind."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def _wait_healthy(urls: list[str], procs: list[subprocess.Popen[bytes]], timeout_s: float = 30.0) -> None:
@@ -54,7 +80,7 @@ def _wait_healthy(urls: list[str], procs: list[subprocess.Popen[bytes]], timeout
     while pending:
         for proc in procs:
             if proc.poll() is not None:
-                raise RuntimeError(f"simulated engine exited with code {proc.returncode}: {' '.join(proc.args)}")
+                raise DemoError(f"simulated engine exited with code {proc.returncode}: {' '.join(proc.args)}")
         url = pending[0]
         try:
             if httpx.get(url + "/health", timeout=1.0).status_code == 200:
@@ -63,7 +89,7 @@ def _wait_healthy(urls: list[str], procs: list[subprocess.Popen[bytes]], timeout
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            raise RuntimeError(f"simulated engine {url} not healthy after {timeout_s:.0f} s")
+            raise DemoError(f"simulated engine {url} not healthy after {timeout_s:.0f} s")
         time.sleep(0.1)
 
 
@@ -72,6 +98,7 @@ def simulated_engines(args: argparse.Namespace) -> Iterator[tuple[list[str], lis
     """Start 1 prefiller + 2 decoders; yield their URLs; stop them on exit (SIGTERM, then SIGKILL)."""
     base = args.engine_base_port
     roles = [("prefill", base), ("decode", base + 100), ("decode", base + 101)]
+    _check_free("127.0.0.1", [port for _, port in roles])
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for role, port in roles:
@@ -79,7 +106,8 @@ def simulated_engines(args: argparse.Namespace) -> Iterator[tuple[list[str], lis
                    "--served-model-name", args.model, "--max-model-len", str(args.max_model_len),
                    "--decode-tokens-per-s", str(args.decode_tokens_per_s),
                    "--prefill-tokens-per-s", str(args.prefill_tokens_per_s)]
-            procs.append(subprocess.Popen(cmd, start_new_session=True))
+            # own session: Ctrl-C reaches the demo only, which drains the proxy and then stops the engines
+            procs.append(subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent))
         urls = [f"http://127.0.0.1:{port}" for _, port in roles]
         _wait_healthy(urls, procs)
         yield urls[:1], urls[1:]
@@ -101,7 +129,18 @@ def run(args: argparse.Namespace) -> int:
     """Run the demo until Ctrl-C; returns the exit code."""
     from pdproxy.cli import serve
 
-    with simulated_engines(args) as (prefill, decode):
-        settings = load_settings(host=args.host, port=args.port, prefill=prefill, decode=decode)
-        print(SNIPPET.format(port=args.port, p=prefill[0], d=", ".join(decode), model=args.model), flush=True)
-        return serve(settings)
+    try:
+        _check_free(args.host, [args.port])
+    except DemoError as exc:
+        print(f"pdproxy demo: {exc}", file=sys.stderr)
+        return 1
+    signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))  # closed terminal → drain, stop
+    try:
+        with simulated_engines(args) as (prefill, decode):
+            settings = load_settings(host=args.host, port=args.port, prefill=prefill, decode=decode,
+                                     expose_routing_headers=True, health_interval_s=1.0)
+            print(SNIPPET.format(port=args.port, p=prefill[0], d=", ".join(decode), model=args.model), flush=True)
+            return serve(settings)
+    except DemoError as exc:
+        print(f"pdproxy demo: {exc}", file=sys.stderr)
+        return 1

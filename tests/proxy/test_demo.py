@@ -1,0 +1,85 @@
+"""``pdproxy demo`` as a user runs it: it serves, it refuses busy ports clearly, and it never leaves engines behind."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.support import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _free(port: int) -> bool:
+    """Nothing listens on ``port`` (connections refused); TIME_WAIT leftovers do not count."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _ports() -> tuple[int, int]:
+    """A proxy port and an engine base port B with B, B+100 and B+101 free."""
+    rng = random.Random()
+    while True:
+        proxy, base = rng.randrange(20000, 30000), rng.randrange(30000, 40000)
+        if all(_free(p) for p in (proxy, base, base + 100, base + 101)):
+            return proxy, base
+
+
+def _demo(proxy: int, base: int) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "pdproxy", "demo", "--port", str(proxy),
+                             "--engine-base-port", str(base)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _up(proxy: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{proxy}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_demo_serves_and_its_engines_die_with_it(how: signal.Signals) -> None:
+    proxy, base = _ports()
+    demo = _demo(proxy, base)
+    try:
+        wait_until(lambda: _up(proxy), 30, 0.1, "demo proxy healthy")
+        r = httpx.post(f"http://127.0.0.1:{proxy}/v1/chat/completions", timeout=10,
+                       json={"model": "sim-model", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert r.headers["x-pdproxy-prefiller"] == f"http://127.0.0.1:{base}"
+        os.kill(demo.pid, how)
+        demo.wait(timeout=30)
+        if how is signal.SIGTERM:
+            assert demo.returncode == 0
+        # however the demo ended, its engines are gone and their ports free
+        wait_until(lambda: all(_free(p) for p in (proxy, base, base + 100, base + 101)), 15, 0.1, "ports freed")
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+
+
+def test_busy_engine_port_is_refused_with_a_clear_message() -> None:
+    proxy, base = _ports()
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", base + 100))
+        squatter.listen()
+        demo = _demo(proxy, base)
+        out, err = demo.communicate(timeout=30)
+    assert demo.returncode == 1
+    assert f"port {base + 100} is already in use" in err and "--engine-base-port" in err
+    assert "Traceback" not in err and "demo is up" not in out
+    assert all(_free(p) for p in (proxy, base, base + 101))  # nothing was left running
