@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from pdproxy import __version__
+from pdproxy.endpoints import Role
 from pdproxy.settings import Settings, load_settings
 
 # Settings that get a CLI flag of the same name (dashes for underscores); list/bool types are derived.
@@ -31,7 +32,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + name.replace("_", "-")
         ann = str(field.annotation)
-        help_text = field.description or None
+        default = field.default if field.default not in (None, [], "") else None
+        help_text = " ".join(x for x in (field.description or "", f"(default: {default})" if default is not None
+                                         else "") if x) or None
         if "list" in ann:
             p.add_argument(flag, nargs="+", action="extend", default=None, help=help_text)
         elif field.annotation is bool:
@@ -61,9 +64,12 @@ def serve(settings: Settings) -> int:
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per health probe otherwise
-    if not settings.all_endpoints():
-        print("pdproxy: no engines configured: give --prefill URL and --decode URL (or --prefiller-hosts/ports "
-              "and --decoder-hosts/ports, or a --config file)", file=sys.stderr)
+    roles = {e.role for e in settings.all_endpoints()}
+    if len(roles) < 2 and not settings.admin_key:
+        missing = " and ".join(r.value for r in Role if r not in roles)
+        print(f"pdproxy: no {missing} engines configured: give --prefill URL and --decode URL (or "
+              "--prefiller-hosts/ports and --decoder-hosts/ports, or a --config file); with --admin-key they may "
+              "be added later through the admin API", file=sys.stderr)
         return 2
     if settings.workers > 1:  # one socket, one load view across processes (pdproxy/workers.py)
         from pdproxy.workers import serve_workers

@@ -53,8 +53,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PDPROXY_", extra="forbid", validate_default=True)
 
     # --- listening
-    host: str = "0.0.0.0"
-    port: int = Field(8000, ge=0, le=65535)
+    host: str = Field("0.0.0.0", description="listen address")
+    port: int = Field(8000, ge=0, le=65535, description="listen port of the OpenAI-compatible front door")
     workers: int = Field(1, ge=1, le=64, description="worker processes sharing the port and one load view "
                                                      "(pdproxy/workers.py); 1 = a single process")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -64,12 +64,12 @@ class Settings(BaseSettings):
                                                            "logger, '-' = stdout, else a file appended to")
 
     # --- backends (any combination; all are merged)
-    prefill: StrList = []
-    decode: StrList = []
-    prefiller_hosts: StrList = []
-    prefiller_ports: IntList = []
-    decoder_hosts: StrList = []
-    decoder_ports: IntList = []
+    prefill: StrList = Field([], description="prefiller base URLs (repeatable), e.g. http://10.0.0.5:9100")
+    decode: StrList = Field([], description="decoder base URLs (repeatable), one per DP rank port")
+    prefiller_hosts: StrList = Field([], description="vLLM-Ascend proxy style: prefiller hosts")
+    prefiller_ports: IntList = Field([], description="prefiller ports, paired with --prefiller-hosts")
+    decoder_hosts: StrList = Field([], description="vLLM-Ascend proxy style: decoder hosts (one per DP rank port)")
+    decoder_ports: IntList = Field([], description="decoder ports, paired with --decoder-hosts")
     decoder_dp_size: int = Field(1, ge=1, le=1024, description="internal DP ranks behind each decode URL")
     prefiller_dp_size: int = Field(1, ge=1, le=1024, description="internal DP ranks behind each prefill URL")
     endpoints: list[EndpointConfig] = []
@@ -114,9 +114,9 @@ class Settings(BaseSettings):
     breaker_open_s: float = Field(3.0, gt=0, description="first open period of a breaker (doubles per failed trial)")
 
     # --- auth
-    api_keys: StrList = []
-    engine_api_key: str | None = None
-    admin_key: str | None = None
+    api_keys: StrList = Field([], description="client API keys pdproxy enforces (never forwarded to engines)")
+    engine_api_key: str | None = Field(None, description="key sent to engines when api_keys are enforced")
+    admin_key: str | None = Field(None, description="enables the /admin API (Authorization: Bearer <key>)")
 
     # --- admission
     max_model_len: int | None = Field(None, ge=1, description="override the engines' max_model_len")

@@ -1,0 +1,33 @@
+"""``pdproxy serve`` refuses configurations that can never work, with one clear line and exit code 2."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pdproxy.cli import main
+
+pytestmark = pytest.mark.timeout(20)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--prefill", "http://127.0.0.1:9"], "no decode engines configured"),
+    (["--decode", "http://127.0.0.1:9"], "no prefill engines configured"),
+    (["--prefill", "ftp://p:1", "--decode", "http://d:2"], "scheme must be http or https"),
+    (["--prefill", "http://p:1", "http://p:1/", "--decode", "http://d:2"], "duplicate prefill endpoint http://p:1"),
+    (["--prefiller-hosts", "p0", "p1", "p2", "--prefiller-ports", "1", "2", "--decode", "http://d:2"],
+     "3 hosts but 2 ports"),
+    (["--prefill", "http://p:1", "--decode", "http://d:2", "--port", "70000"], "port"),
+    (["--prefill", "http://p:1", "--decode", "http://d:2", "--max-tokens-overflow", "sometimes"],
+     "max_tokens_overflow"),
+])
+def test_bad_serve_configurations_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in [k for k in os.environ if k.startswith("PDPROXY_")]:
+        monkeypatch.delenv(key)
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdproxy: ") and message in err and "Traceback" not in err
