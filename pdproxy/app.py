@@ -13,6 +13,7 @@ inside the running event loop, and torn down there.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -163,6 +164,10 @@ class PDProxyApp:
             await director.serve(req, ctx, out)
         except asyncio.CancelledError:
             if not dropped or (task is not None and task.cancelling() > 1):  # also cancelled from outside
+                ctx.outcome = "cancelled"  # the server is stopping now (forced shutdown): say so, briefly
+                if out.started and not out.ended:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(out.error(ShuttingDown()), 0.5)
                 raise
         except ProxyError as err:
             if not dropped:

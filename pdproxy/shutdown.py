@@ -14,11 +14,14 @@ answer) and cuts in-flight requests after ``timeout_graceful_shutdown``.  :class
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 from types import FrameType
 from typing import Any
 
 import uvicorn
+
+log = logging.getLogger("pdproxy.shutdown")
 
 
 class DrainingServer(uvicorn.Server):
@@ -44,6 +47,11 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
             return
         self.draining = True
+        state = getattr(self.proxy, "state", None)
+        in_flight = state.in_flight if state is not None else 0
+        if in_flight:
+            log.warning("pdproxy: draining: waiting up to %.0f s for %d request(s) in flight; a second signal (Ctrl-C "
+                        "again) cuts them now", self.grace_s, in_flight)
         self.begin_drain()
         self._loop.call_soon_threadsafe(self._start_drain_task)
 
