@@ -125,6 +125,12 @@ def parse_request(raw: bytes, api: Api) -> ProxyRequest:
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
     stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise BadRequest("'stream_options' must be an object such as {\"include_usage\": true}",
+                         param="stream_options")
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise BadRequest("'tools' must be a list of tool objects", param="tools")
     if stream_options and not stream:
         # vLLM's wording, completion/protocol.py::validate_stream_options
         raise BadRequest("Stream options can only be defined when `stream=True`.", param="stream_options")

@@ -149,6 +149,11 @@ def parse_request(body: Any, api: Api, headers: Any, config: SimConfig, tokenize
     if n not in (None, 1):
         raise SimHTTPError(400, "pdproxy sim serves one sequence per request: n must be 1.", param="n")
     tools = body.get("tools") if api == "chat" else None
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise _pydantic_error("list_type", "tools", "Input should be a valid list of tool objects", tools)
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise _pydantic_error("model_type", "stream_options", "Input should be a valid dictionary or instance of "
+                              "StreamOptions", stream_options)
     tool_choice = body.get("tool_choice")
     if tools and tool_choice in (None, "auto") and not config.enable_auto_tool_choice:
         raise SimHTTPError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '

@@ -38,6 +38,9 @@ def test_not_a_json_object(raw: bytes, param: str) -> None:
     ({"prompt": "x", "prompt_logprobs": 1}, Api.COMPLETIONS, "prompt_logprobs"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, Api.COMPLETIONS, "stream_options"),
     ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, Api.COMPLETIONS, "min_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": "nope"}, Api.CHAT, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": ["nope"]}, Api.CHAT, "tools"),
+    ({"prompt": "x", "stream": True, "stream_options": "yes"}, Api.COMPLETIONS, "stream_options"),
 ])
 def test_bad_bodies(body: dict, api: Api, param: str) -> None:
     with pytest.raises(BadRequest) as e:
