@@ -128,6 +128,8 @@ class PromptTooLong(BadRequest):
 
 
 class Unauthorized(ProxyError):
+    """Missing or wrong client API key when pdproxy enforces ``api_keys`` (HTTP 401)."""
+
     status_code = 401
     outcome = "unauthorized"
 
@@ -154,6 +156,8 @@ class NotFound(ProxyError):
 
 
 class PayloadTooLarge(ProxyError):
+    """The request body exceeds ``max_body_bytes`` (HTTP 413)."""
+
     status_code = 413
     outcome = "payload_too_large"
 
@@ -190,6 +194,8 @@ class NoEndpointAvailable(ProxyError):
 
 
 class ShuttingDown(ProxyError):
+    """pdproxy is draining after SIGTERM (HTTP 503 with Retry-After)."""
+
     status_code = 503
     outcome = "shutting_down"
 
