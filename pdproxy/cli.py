@@ -96,6 +96,10 @@ def _format_validation(exc: ValidationError) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the ``pdproxy`` command: parse ``argv`` (default ``sys.argv[1:]``) and run one of the
+    sub-commands ``serve``, ``sim``, ``demo`` or ``doctor``.  Never returns: exits the process with the
+    sub-command's exit code; invalid settings (pydantic ``ValidationError`` / ``ValueError``) print to stderr and
+    exit 2, Ctrl-C exits 130, argparse errors exit 2."""
     parser = argparse.ArgumentParser(prog="pdproxy", description="PD-disaggregation proxy for vLLM / vLLM-Ascend")
     parser.add_argument("--version", action="version", version=f"pdproxy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

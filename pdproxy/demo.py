@@ -41,6 +41,9 @@ Ctrl-C stops the proxy (open streams get up to shutdown_grace_s to finish) and t
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the ``pdproxy demo`` flags to ``p``: proxy ``--port``/``--host``, ``--engine-base-port`` (first of
+    the three simulated engine ports), ``--model``, ``--max-model-len`` (tokens), ``--decode-tokens-per-s`` and
+    ``--prefill-tokens-per-s`` (simulated speeds, tokens per second)."""
     p.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="proxy listen address (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--engine-base-port", type=int, default=8100, help="first simulated engine port (default 8100)")

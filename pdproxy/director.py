@@ -71,6 +71,7 @@ class PrefillResult:
         return cls(none, Lease(none, EndpointLoad(), 0), None, None, consumed=True)
 
     def consume(self) -> None:
+        """Mark the KV as pulled (a decoder answered) and release the prefiller's lease; nothing is left to free."""
         self.consumed = True
         self.lease.release()
 

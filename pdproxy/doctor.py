@@ -77,12 +77,17 @@ class Report:
 
     @property
     def ok(self) -> bool:
+        """True unless some check has status ``"fail"`` (warnings and skips still count as ok)."""
         return not any(c.status == "fail" for c in self.checks)
 
     def add(self, check: str, target: str, status: Status, detail: str, **data: Any) -> None:
+        """Append one check result: ``check`` name, ``target`` engine (URL / name), ``status``
+        (ok / warn / fail / skip), a one-line ``detail`` and any JSON-serialisable ``data`` for ``--json``."""
         self.checks.append(Check(check, target, status, detail, data))
 
     def to_json(self) -> bytes:
+        """The report as indented JSON bytes: ``{"ok": bool, "counts": {status: n}, "checks": [{check, target,
+        status, detail, data}, ...]}``."""
         counts = {s: sum(c.status == s for c in self.checks) for s in ("ok", "warn", "fail", "skip")}
         return orjson.dumps({"ok": self.ok, "counts": counts, "checks": [asdict(c) for c in self.checks]},
                             option=orjson.OPT_INDENT_2)

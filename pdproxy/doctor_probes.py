@@ -60,6 +60,7 @@ class ColdProbe:
 
     @property
     def largest_ok(self) -> int | None:
+        """The largest prompt (tokens) that completed, or None if none did."""
         return max((n for n, _ in self.completed), default=None)
 
 
@@ -131,6 +132,9 @@ class PromptSizer:
         self.exact = True
 
     async def count(self, text: str) -> int | None:
+        """Prompt tokens of ``text`` per the engine's ``POST /tokenize`` (its ``count`` field; vLLM
+        ``serve/tokenize/protocol.py``, reference §2.1), or None when the engine has no usable ``/tokenize``
+        (transport error, non-200, malformed JSON); then ``exact`` becomes False.  Never raises."""
         try:
             r = await self.client.post(self.endpoint.url + "/tokenize", json={"model": self.model, "prompt": text},
                                        headers=_headers(self.endpoint, uuid.uuid4().hex, self.api_key),

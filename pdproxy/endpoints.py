@@ -42,14 +42,17 @@ class Endpoint:
 
     @property
     def name(self) -> str:
+        """Display / metrics label: the URL, plus ``#dp<rank>`` for an internal-DP rank."""
         return f"{self.url}#dp{self.dp_rank}" if self.internal_dp else self.url
 
     @property
     def host(self) -> str:
+        """Hostname of ``url`` (``""`` if it has none)."""
         return urlsplit(self.url).hostname or ""
 
     @property
     def port(self) -> int:
+        """TCP port of ``url`` (default 80, or 443 for ``https``)."""
         parts = urlsplit(self.url)
         return parts.port or (443 if parts.scheme == "https" else 80)
 

@@ -104,6 +104,7 @@ class EngineClient:
                                          limits=httpx.Limits(max_connections=64, max_keepalive_connections=16))
 
     async def aclose(self) -> None:
+        """Close the underlying httpx client and its connections."""
         await self._client.aclose()
 
     async def health(self, endpoint: Endpoint) -> bool:
@@ -127,6 +128,9 @@ class EngineClient:
                                        headers={**endpoint.extra_headers(), **(headers or {})})
 
     async def metrics_text(self, endpoint: Endpoint) -> str:
+        """The engine's ``GET /metrics`` body (Prometheus text exposition; reference §2.1, §3).  No DP-rank header:
+        one ``/metrics`` per API server covers every internal-DP rank (``engine`` label).  Raises
+        ``httpx.HTTPError`` on transport errors or error statuses."""
         r = await self._client.get(endpoint.url + "/metrics")
         r.raise_for_status()
         return r.text

@@ -91,6 +91,7 @@ class ProxyError(Exception):
 
     @property
     def error_type(self) -> str:
+        """The envelope's ``type`` for this status (see :func:`error_type_for`)."""
         return error_type_for(self.status_code)
 
     def body(self) -> dict[str, Any]:
@@ -99,6 +100,7 @@ class ProxyError(Exception):
                           error_type=self.error_type)
 
     def body_bytes(self) -> bytes:
+        """:meth:`body` serialised as JSON bytes."""
         return orjson.dumps(self.body())
 
 
@@ -247,6 +249,7 @@ class UpstreamHTTPError(ProxyError):
             self.outcome = "upstream_rejected"  # type: ignore[misc]
 
     def body_bytes(self) -> bytes:
+        """The engine's own error body (bytes) passed through verbatim; a generated JSON envelope if it sent none."""
         if self.raw_body:
             return self.raw_body
         return orjson.dumps(error_body(self.status_code, f"engine {self.endpoint} answered HTTP {self.status_code}"))

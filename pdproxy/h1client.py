@@ -62,10 +62,12 @@ class H1Response:
     # --- aiohttp.ClientResponse look-alike ------------------------------------------------------------------
     @property
     def content(self) -> H1Response:
+        """``self`` (aiohttp ``resp.content`` look-alike: the response is its own body reader)."""
         return self
 
     @property
     def content_type(self) -> str:
+        """Media type of ``Content-Type`` without parameters (default ``application/octet-stream``)."""
         return self.headers.get("content-type", "application/octet-stream").split(";", 1)[0].strip()
 
     def at_eof(self) -> bool:
@@ -213,6 +215,7 @@ class _Headers(dict[str, str]):
     """Lower-case header names; ``get`` accepts any case."""
 
     def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        """Header value for ``key`` in any case, or ``default``."""
         return super().get(key.lower(), default)
 
 
@@ -335,11 +338,13 @@ class H1Connection(asyncio.Protocol):
             waiter.set_exception(TimeoutError("no response headers in time"))
 
     def pause(self) -> None:
+        """Stop reading from the socket (back-pressure while the body buffer is full); no-op if closed or paused."""
         if not self.paused and self.transport is not None and not self.closed:
             self.paused = True
             self.transport.pause_reading()
 
     def resume(self) -> None:
+        """Resume reading from the socket after :meth:`pause`; no-op if closed or not paused."""
         if self.paused and self.transport is not None and not self.closed:
             self.paused = False
             self.transport.resume_reading()
@@ -402,6 +407,7 @@ class H1Pool:
         return None
 
     def put(self, conn: H1Connection) -> None:
+        """Return an idle keep-alive connection to the pool (stamped now; dropped after ``keepalive_s`` seconds)."""
         conn.idle_since = time.monotonic()
         self.idle.setdefault(conn.key, []).append(conn)
 

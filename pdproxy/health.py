@@ -192,10 +192,12 @@ class HealthMonitor:
             await asyncio.gather(*(self.probe(e) for e in self.pool.endpoints()), return_exceptions=True)
 
     async def start(self) -> None:
+        """Probe every endpoint once (awaited), then start the background loop probing every ``interval_s`` seconds."""
         await self.refresh_all()
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
+        """Cancel the background loop and any pending probes and wait for them; never raises."""
         tasks = [t for t in (self._task, *self._probing.values()) if t is not None]
         for task in tasks:
             task.cancel()

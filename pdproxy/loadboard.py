@@ -125,6 +125,8 @@ class LoadBoard:
         self.claim(row, 0)
 
     def mark_ready(self, row: int) -> None:
+        """Flag ``row``'s worker as serving (set by the worker once uvicorn started).  Raises ``IndexError`` for
+        a row outside the board."""
         self.cells[self._base(row) + 1] = 1
 
     def owner(self, row: int) -> tuple[int, bool]:
@@ -160,18 +162,22 @@ class RowLoad(EndpointLoad):
 
     @property  # type: ignore[override]
     def requests(self) -> int:
+        """In-flight requests this worker holds on the endpoint (shared-memory cell; 0 once the board is unmapped)."""
         return self._get(self._ri)
 
     @requests.setter
     def requests(self, value: int) -> None:
+        """Write this worker's in-flight request count (ignored once the board is unmapped)."""
         self._set(self._ri, value)
 
     @property  # type: ignore[override]
     def tokens(self) -> int:
+        """In-flight tokens this worker holds on the endpoint (shared-memory cell; 0 once the board is unmapped)."""
         return self._get(self._ti)
 
     @tokens.setter
     def tokens(self, value: int) -> None:
+        """Write this worker's in-flight token count (ignored once the board is unmapped)."""
         self._set(self._ti, value)
 
     # A lease released after the board was unmapped (worker exiting) has nothing left to account for.
@@ -201,10 +207,12 @@ class TotalLoad(EndpointLoad):
 
     @property  # type: ignore[override]
     def requests(self) -> int:
+        """In-flight requests on the endpoint summed over every worker's row (read-only)."""
         return sum(map(self._cells.__getitem__, self._rcells))
 
     @property  # type: ignore[override]
     def tokens(self) -> int:
+        """In-flight tokens on the endpoint summed over every worker's row (read-only)."""
         return sum(map(self._cells.__getitem__, self._tcells))
 
     def __getattr__(self, name: str) -> Any:  # unset inherited slots (healthy, draining, …) → the local row
@@ -237,9 +245,12 @@ class SharedEndpointPool(EndpointPool):
                                        tuple(board.cell(r, i, 1) for r in rows))
 
     def load(self, endpoint: Endpoint) -> EndpointLoad:
+        """The all-worker :class:`TotalLoad` of ``endpoint`` (the process-local load for one added after start).
+        Raises ``KeyError`` for an unknown endpoint."""
         view = self._views.get(endpoint)
         return view if view is not None else self._loads[endpoint]
 
     def remove(self, endpoint: Endpoint) -> None:
+        """Forget ``endpoint`` and its all-worker view; an unknown endpoint is ignored."""
         super().remove(endpoint)
         self._views.pop(endpoint, None)

@@ -31,9 +31,12 @@ class StateCollector:
         self._state = state
 
     def describe(self) -> list[Metric]:
+        """No families up front (an unchecked collector: the series depend on the configured endpoints)."""
         return []  # unchecked collector: families depend on the configured endpoints
 
     def collect(self) -> Iterator[Metric]:
+        """Yield the ``pdproxy_*`` gauge families read from the current proxy state, labelled
+        ``role``/``endpoint``/``dp_rank``; nothing before the state exists."""
         st = self._state()
         if st is None:
             return

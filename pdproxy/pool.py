@@ -59,9 +59,11 @@ class EndpointPool:
         self._loads: dict[Endpoint, EndpointLoad] = {e: EndpointLoad() for e in endpoints}
 
     def endpoints(self, role: Role | None = None) -> list[Endpoint]:
+        """Every endpoint (healthy or not), optionally only those of ``role``, in insertion order."""
         return [e for e in self._loads if role is None or e.role is role]
 
     def load(self, endpoint: Endpoint) -> EndpointLoad:
+        """The live :class:`EndpointLoad` of ``endpoint``.  Raises ``KeyError`` for an unknown endpoint."""
         return self._loads[endpoint]
 
     def available(self, role: Role) -> list[Endpoint]:

@@ -26,6 +26,7 @@ class Api(enum.StrEnum):
 
     @property
     def label(self) -> str:
+        """Short name for logs and metrics: ``"chat"`` or ``"completions"``."""
         return "chat" if self is Api.CHAT else "completions"
 
 
@@ -51,6 +52,7 @@ class ProxyRequest:
 
     @property
     def prompt_param(self) -> str:
+        """The request field holding the prompt (``"messages"`` or ``"prompt"``), used as an error's ``param``."""
         return "messages" if self.api is Api.CHAT else "prompt"
 
 

@@ -47,19 +47,24 @@ class Responder:
         self.done_sent = False
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """Send the status line and ``headers`` (plus the proxy's own) to the client; records ``status`` on the
+        request context."""
         self.started = True
         self.ctx.status = status
         await self.send({"type": "http.response.start", "status": status, "headers": headers + self.headers})
 
     async def write(self, data: bytes) -> None:
+        """Send ``data`` (bytes) as a body chunk; more follows."""
         await self.send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def end(self, data: bytes = b"") -> None:
+        """Send the last body chunk ``data`` (bytes, may be empty); no-op if the body already ended."""
         if not self.ended:
             self.ended = True
             await self.send({"type": "http.response.body", "body": data, "more_body": False})
 
     async def json(self, status: int, body: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+        """A complete JSON response: ``status``, ``body`` (JSON bytes, with Content-Length) and ``extra`` headers."""
         await self.start(status, [(b"content-type", b"application/json"),
                                   (b"content-length", str(len(body)).encode())] + (extra or []))
         await self.end(body)

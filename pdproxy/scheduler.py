@@ -25,6 +25,9 @@ Score = Callable[[EndpointLoad], tuple[float, ...]]
 
 
 class Picker(Protocol):
+    """A selection strategy: picks one of ``candidates`` (non-empty) by ``score`` (a tuple per endpoint,
+    lower is better), using ``rng`` for sampling and ties.  See :func:`power_of_two`, :func:`least_loaded`."""
+
     def __call__(self, candidates: Sequence[Endpoint], score: Callable[[Endpoint], tuple[float, ...]],
                  rng: random.Random) -> Endpoint: ...
 
@@ -73,6 +76,9 @@ class Scheduler:
 
     def choose(self, role: Role, *, exclude: Sequence[Endpoint] = (),
                fits: Callable[[Endpoint], bool] | None = None) -> Endpoint:
+        """One endpoint of ``role`` among the available ones (healthy, not draining), not in ``exclude`` and
+        passing ``fits``, by the picker over :func:`prefill_score` / :func:`decode_score`.  Raises
+        :class:`NoEndpointAvailable` when no candidate is left."""
         candidates = [e for e in self.pool.available(role) if e not in exclude and (fits is None or fits(e))]
         if not candidates:
             detail = "all candidates failed for this request" if exclude else ""
@@ -82,7 +88,9 @@ class Scheduler:
         return self.picker(candidates, lambda e: score_fn(loads(e)), self.rng)
 
     def choose_prefiller(self, **kw: object) -> Endpoint:
+        """:meth:`choose` for ``Role.PREFILL`` (same keywords and errors)."""
         return self.choose(Role.PREFILL, **kw)  # type: ignore[arg-type]
 
     def choose_decoder(self, **kw: object) -> Endpoint:
+        """:meth:`choose` for ``Role.DECODE`` (same keywords and errors)."""
         return self.choose(Role.DECODE, **kw)  # type: ignore[arg-type]

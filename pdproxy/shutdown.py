@@ -38,10 +38,13 @@ class DrainingServer(uvicorn.Server):
         self._drain_task: asyncio.Task[None] | None = None
 
     async def serve(self, sockets: Any = None) -> None:
+        """Run uvicorn's server on ``sockets``, remembering the running loop for the signal handler."""
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets=sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """Signal handler (uvicorn's hook).  The first SIGTERM / SIGINT starts the drain (up to ``grace_s``
+        seconds); a second signal, or any other signal, makes uvicorn exit now (forced if already draining)."""
         if self.draining or self._loop is None or sig not in (signal.SIGTERM, signal.SIGINT):
             self.force_exit = self.draining
             self.should_exit = True

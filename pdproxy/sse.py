@@ -36,6 +36,8 @@ class EventFramer:
         self._buf = b""
 
     def feed(self, chunk: bytes) -> bytes:
+        """Add ``chunk`` (bytes) and return the bytes of every event it completed (``b""`` if none); the rest
+        stays in :attr:`pending`."""
         if self._buf:
             start = len(self._buf)
             data = self._buf + chunk
@@ -54,6 +56,7 @@ class EventFramer:
 
     @property
     def pending(self) -> bytes:
+        """The incomplete tail not returned yet (bytes)."""
         return self._buf
 
 

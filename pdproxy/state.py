@@ -52,11 +52,13 @@ class ProxyState:
         return state
 
     async def start(self) -> None:
+        """Start the upstream pool, admission and health monitoring (health probes every engine once first)."""
         await self.upstream.start()
         await self.admission.start()
         await self.health.start()
 
     async def stop(self) -> None:
+        """Stop health monitoring, admission, the upstream pool and the engine client, in that order."""
         await self.health.stop()
         await self.admission.aclose()
         await self.upstream.close()

@@ -76,13 +76,18 @@ class Tokenizer(Protocol):
 
     name: str
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain ``text`` (no special tokens unless an implementation's option adds them)."""
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of token ``ids``."""
 
     def render_chat(self, messages: list[dict], *, tools: list[dict] | None = None,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    chat_template_kwargs: dict | None = None) -> str: ...
+                    chat_template_kwargs: dict | None = None) -> str:
+        """The chat template applied to ``messages`` (and ``tools``), as prompt text; the
+        flags mean what they mean in vLLM's chat request (``add_generation_prompt``, ``continue_final_message``,
+        ``chat_template_kwargs``)."""
 
 
 class SimTokenizer:

@@ -78,15 +78,18 @@ class Upstream:
         self.stale_retries = 0
 
     async def start(self) -> None:
+        """Create the keep-alive connection pool (connect timeout ``connect_timeout_s`` seconds)."""
         self._pool = H1Pool(connect_timeout_s=self.connect_timeout_s, keepalive_s=KEEPALIVE_S)
 
     async def close(self) -> None:
+        """Close idle pooled connections and drop the pool; a no-op if not started."""
         if self._pool is not None:
             self._pool.close()
             self._pool = None
 
     @property
     def pool(self) -> H1Pool:
+        """The connection pool.  Raises ``RuntimeError`` before :meth:`start` or after :meth:`close`."""
         if self._pool is None:
             raise RuntimeError("Upstream.start() was not awaited")
         return self._pool

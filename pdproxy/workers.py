@@ -132,6 +132,7 @@ class Supervisor:
         self.stop = threading.Event()
 
     def spawn(self, row: int) -> None:
+        """Start worker process ``row`` on a zeroed load-board row and record its pid."""
         self.board.clear(row)
         proc = self.ctx.Process(target=worker_main, name=f"pdproxy-worker-{row}",
                                 args=(self.settings, self.sock, str(self.board.path), row))

@@ -48,6 +48,7 @@ class _Wake:
         self.event.set()
 
     async def wait(self) -> None:
+        """Wait until the listener fires, then re-arm."""
         await self.event.wait()
         self.event.clear()
 
@@ -108,6 +109,8 @@ class _SSE:
         self.stopped = False
 
     async def send(self, event: bytes) -> None:
+        """Write one SSE ``event`` (bytes), sliced if the fault says so; dropped once stopped.  Raises
+        ``ConnectionResetError`` after the connection is reset by a ``reset_after_events`` fault."""
         if self.stopped or not event:
             return
         if self.mode is None:
@@ -124,6 +127,7 @@ class _SSE:
                 raise ConnectionResetError("sim fault: reset_after_events")
 
     async def done(self) -> None:
+        """Write ``data: [DONE]`` unless a ``close_without_done`` fault stopped the stream."""
         if self.limit is not None and self.stopped and not self.reset:
             return
         await self.send(DONE)
