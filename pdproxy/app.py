@@ -65,10 +65,17 @@ class PDProxyApp:
         self.control = build_control_app(self)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
+        if scope["type"] == "http":
             api = COMPLETION_ROUTES.get(scope["path"].rstrip("/"))
             if api is not None:
-                await self.handle_completion(api, scope, receive, send)
+                if scope["method"] == "POST":
+                    await self.handle_completion(api, scope, receive, send)
+                else:
+                    body = orjson.dumps(error_body(405, "Method Not Allowed", error_type="MethodNotAllowed"))
+                    await send({"type": "http.response.start", "status": 405,
+                                "headers": [(b"content-type", b"application/json"), (b"allow", b"POST"),
+                                            (b"content-length", str(len(body)).encode())]})
+                    await send({"type": "http.response.body", "body": body})
                 return
         await self.control(scope, receive, send)
 

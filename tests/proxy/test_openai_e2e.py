@@ -193,6 +193,11 @@ def test_malformed_bodies_get_400_without_reaching_an_engine(proxy: ProxyThread,
     assert all(not s.completions_received() for s in sims.all)
 
 
+def test_wrong_method_on_a_completion_route_is_405(proxy: ProxyThread) -> None:
+    r = httpx.get(proxy.url + "/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["code"] == 405
+
+
 def test_models_health_version(proxy: ProxyThread) -> None:
     models = client(proxy).models.list()
     (card,) = models.data
