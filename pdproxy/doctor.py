@@ -210,8 +210,8 @@ def check_round_trip(report: Report, rt: RoundTrip, p: Endpoint, d: Endpoint, *,
         report.add("kv_connector", pair, "fail", f"the decoder could not use the prefiller's kv_transfer_params: "
                    f"{rt.error}", **data)
         return
-    report.add("kv_connector", pair, "ok", f"kv_transfer_params returned ({', '.join(sorted(params))[:120]}); "
-               f"decode leg answered", **data)
+    report.add("kv_connector", pair, "ok", f"kv_transfer_params returned ({len(params)} fields: "
+               f"{', '.join(sorted(params))}); decode leg answered", **data)
     if tools_refused:
         report.add("tool_call", pair, "warn", f"the engine refused a request with tools ({tools_refused}); start "
                    "vLLM with --enable-auto-tool-choice --tool-call-parser … to serve agents", **data)
