@@ -163,10 +163,6 @@ def test_disconnect_mid_stream(slow_pair: tuple[SimProcess, SimProcess]) -> None
 def test_disconnect_while_waiting_in_the_prefill_queue(slow_pair: tuple[SimProcess, SimProcess]) -> None:
     """Requests held in pdproxy's prefill queue (issue 4: a per-prefiller budget of in-flight prefill tokens)
     leave it when their clients go: nothing of theirs reaches an engine afterwards and the counters drain."""
-    from pdproxy.settings import Settings
-
-    if "prefill_budget_tokens" not in Settings.model_fields:
-        pytest.skip("no proxy-side prefill queue in this build")
     prefiller, decoder = slow_pair
     proxy = slow_proxy(slow_pair, prefill_budget_tokens=2000)
     try:
