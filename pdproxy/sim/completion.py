@@ -152,6 +152,22 @@ def _sizes(parsed: ParsedRequest, writer: ResponseWriter, output_tokens: int, ma
     return max_tokens, eos
 
 
+def notify_rejected(server: SimServer, rank: RankEngine, body: Any) -> None:
+    """Tell the prefiller to free its pinned blocks when this decoder answers a ``do_remote_prefill`` request
+    with an error before pulling (validation 400/404, an injected ``status`` fault).
+
+    ``body`` is the parsed request body (anything else is ignored). The release runs as a side task of
+    ``rank``; no-op on a prefill-only engine or without usable ``kv_transfer_params``. Protocol source:
+    vLLM >= 0.26 ``generate/base/serving.py::_with_kv_transfer_rejection_cleanup`` calls
+    ``notify_kv_transfer_request_rejected`` for every ErrorResponse (PR #41269; reference §1.5).
+    """
+    if server.config.role == "prefill" or not isinstance(body, dict):
+        return
+    source = connector.remote_prefill_source(body.get("kv_transfer_params"))
+    if source is not None:
+        rank.spawn(connector.release(server.session(), source))
+
+
 async def handle_completion(server: SimServer, listener: Listener, request: web.Request, api: Api,
                             raw: bytes, body: Any, rank: RankEngine, fault: Fault | None) -> web.StreamResponse:
     """Validate, run on ``rank`` and answer one completion request (see the module docstring)."""
@@ -159,10 +175,7 @@ async def handle_completion(server: SimServer, listener: Listener, request: web.
     try:
         parsed = parse_request(body, api, request.headers, cfg, server.tokenizer)
     except SimHTTPError as exc:
-        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
-        source = connector.remote_prefill_source(params) if cfg.role != "prefill" else None
-        if source is not None:
-            rank.spawn(connector.release(server.session(), source))
+        notify_rejected(server, rank, body)
         return web.Response(status=exc.status_code, body=exc.body(), content_type="application/json")
     params = parsed.kv_transfer_params
     remote = connector.remote_prefill_source(params) if cfg.role in ("decode", "both") else None

@@ -81,6 +81,17 @@ class RankEngine:
             self._wake.set()
         return found
 
+    def clear_pins(self) -> int:
+        """Free every pinned request's blocks (``POST /sim/reset``); returns how many pins were dropped.
+
+        The expiry timer goes with them: the idle loop is woken and recomputes its timeout from the (now
+        empty) pins. A decoder still reading one of them gets ``released: false`` on its done-notification.
+        """
+        dropped = self.core.clear_pins()
+        if dropped:
+            self._wake.set()
+        return dropped
+
     def start_pull(self, remote_request_id: str) -> bool:
         """Mark a pin as being read (it cannot expire meanwhile). False when unknown or expired."""
         self.core.expire_pins(self._now())

@@ -207,6 +207,13 @@ class EngineCore:
             pin.request.pinned = False
         return pin
 
+    def clear_pins(self) -> int:
+        """Release every pin (pulling or not) without counting it as expired; returns how many there were."""
+        rids = list(self.pins)
+        for rid in rids:
+            self.release_pin(rid)
+        return len(rids)
+
     def expire_pins(self, now: float) -> list[str]:
         """Free pins whose ``expires_at`` has passed; returns their ids (``vllm:nixl_num_kv_expired_reqs``)."""
         expired = [rid for rid, pin in self.pins.items() if pin.expires_at <= now and not pin.pulling]

@@ -14,7 +14,8 @@ picks the rank with the lowest ``waiting * 4 + running`` (``core_client.py::DPLB
 Routes (reference §2.1): ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET|POST /ping``, ``GET /version``,
 ``GET /metrics``, ``GET /load``, ``POST /reset_prefix_cache``. The control API is under ``/sim/``:
-``received``, ``reset``, ``state``, ``faults``, ``kv/pull`` and ``kv/release``. ``/sim/reset`` is process-wide.
+``received``, ``reset``, ``state``, ``faults``, ``kv/pull`` and ``kv/release``. ``/sim/reset`` is process-wide: it clears
+records, faults, prefix-cache hashes and pinned KV (pins and their expiry).
 """
 
 from __future__ import annotations
@@ -247,6 +248,7 @@ class SimServer:
         try:
             rank = self._rank_for(listener, request.headers)
         except SimHTTPError as exc:
+            completion.notify_rejected(self, self.ranks[listener.rank or 0], body)
             return web.Response(status=exc.status_code, body=exc.body(), content_type="application/json")
         self.records.append({"path": request.path, "headers": {k.lower(): v for k, v in request.headers.items()},
                              "body": None if body is _INVALID else body, "raw_len": len(raw),
@@ -256,6 +258,8 @@ class SimServer:
             if fault is not None:
                 early = await completion.pre_response_fault(fault, request)
                 if early is not None:
+                    if early.status >= 400:
+                        completion.notify_rejected(self, rank, body)
                     return early
             payload = raw if body is _INVALID else body
             return await completion.handle_completion(self, listener, request, api,  # type: ignore[arg-type]
@@ -322,6 +326,7 @@ class SimServer:
             listener.faults.clear()
         for rank in self.ranks:
             rank.reset()
+            rank.clear_pins()
         return _json({"reset": True})
 
     @staticmethod

@@ -183,3 +183,55 @@ async def test_recompute_stop_on_decoder_preemption_ends_the_stream(http: aiohtt
         assert recomputed["text"] == ""
         final_state = await state(http, d)
         assert final_state["preemptions"] == 1 and final_state["kv_blocks_used"] == 0
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("rejection", ["status_fault", "bad_dp_rank_header"])
+async def test_decoder_error_before_the_pull_releases_the_prefillers_pin(http: aiohttp.ClientSession,
+                                                                         rejection: str) -> None:
+    """vLLM >= 0.26 notifies the prefiller on any ErrorResponse for a do_remote_prefill request (PR #41269)."""
+    async with running_sim(SimConfig(port=0, role="prefill")) as p, \
+            running_sim(SimConfig(port=0, role="decode")) as d:
+        params = (await prefill(http, p.base_urls[0], 100))["kv_transfer_params"]
+        assert (await state(http, p))["pinned_blocks"] == 7
+        headers: dict[str, str] = {}
+        if rejection == "status_fault":
+            status, text, _ = await post(http, d.base_urls[0] + "/sim/faults", {"kind": "status", "status": 503})
+            assert status == 200, text
+            expected = 503
+        else:
+            headers["X-data-parallel-rank"] = "5"
+            expected = 400
+        status, text, _ = await post(http, d.base_urls[0] + "/v1/completions", {
+            "prompt": sim_prompt(100), "max_tokens": 4, "kv_transfer_params": params}, **headers)
+        assert status == expected and json.loads(text)["error"]["code"] == expected
+
+        async def released() -> bool:
+            s = await state(http, p)
+            return s["pinned_blocks"] == 0 and s["pinned_requests"] == 0
+
+        await eventually(released, timeout_s=3.0, what="pin released after the decoder's error answer")
+        ds = await state(http, d)
+        assert (ds["finished"], ds["aborted"], ds["kv_blocks_used"]) == (0, 0, 0)  # D's engine never saw it
+        assert p.ranks[0].core.stats.kv_expired_reqs == 0  # freed by the notification, not the timeout
+
+
+@pytest.mark.timeout(10)
+async def test_sim_reset_clears_pins_and_their_expiry(http: aiohttp.ClientSession) -> None:
+    async with running_sim(SimConfig(port=0, role="prefill")) as p, \
+            running_sim(SimConfig(port=0, role="decode")) as d:
+        params = (await prefill(http, p.base_urls[0], 100))["kv_transfer_params"]
+        await prefill(http, p.base_urls[0], 40, request_id="r2", unique_seed=3)
+        s = await state(http, p)
+        assert (s["pinned_requests"], s["pinned_blocks"]) == (2, 10)
+        assert p.ranks[0].core.next_pin_expiry() is not None
+        status, _, _ = await post(http, p.base_urls[0] + "/sim/reset", {})
+        assert status == 200
+        s = await state(http, p)
+        assert (s["pinned_requests"], s["pinned_blocks"], s["kv_blocks_used"]) == (0, 0, 0)
+        assert p.ranks[0].core.next_pin_expiry() is None
+        assert p.ranks[0].core.stats.kv_expired_reqs == 0
+        # the old params now point at nothing: the decoder's pull fails like expired KV
+        status, _, _ = await post(http, d.base_urls[0] + "/v1/completions", {
+            "prompt": sim_prompt(100), "max_tokens": 2, "kv_transfer_params": params})
+        assert status == 500
