@@ -5,12 +5,14 @@ decode: prompt + expected output tokens held in the decoder's KV), the health fl
 and a draining flag written by the admin API.  A :class:`Lease` is taken for every pick and released on every
 exit path — success, error, cancellation — by its context manager; ``release()`` is idempotent, so an early
 release (the prefill lease ends at the decoder's first byte) and the context manager's exit never release twice.
+Release listeners (:meth:`EndpointPool.add_release_listener`; the prefill queue registers one) are called after
+each first release, so whoever waits for freed capacity hears of it at once instead of on its next poll.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 from pdproxy.endpoints import Endpoint, Role
@@ -28,15 +30,23 @@ class EndpointLoad:
     released_total: int = 0
 
 
+ReleaseListener = Callable[[], None]
+"""Called (synchronously, no arguments) after a lease gave its load back; must not await or release leases."""
+
+
 class Lease:
-    """One pick of one endpoint, holding ``tokens`` of its load until released (exactly once)."""
+    """One pick of one endpoint, holding ``tokens`` of its load until released (exactly once).  ``listeners``
+    (the pool's live list) are called after the release; an exception from one propagates from ``release()``
+    after the load is already given back."""
 
-    __slots__ = ("_load", "endpoint", "released", "tokens")
+    __slots__ = ("_listeners", "_load", "endpoint", "released", "tokens")
 
-    def __init__(self, endpoint: Endpoint, load: EndpointLoad, tokens: int) -> None:
+    def __init__(self, endpoint: Endpoint, load: EndpointLoad, tokens: int,
+                 listeners: Sequence[ReleaseListener] = ()) -> None:
         self.endpoint = endpoint
         self.tokens = tokens
         self._load = load
+        self._listeners = listeners
         self.released = False
         load.requests += 1
         load.tokens += tokens
@@ -50,6 +60,8 @@ class Lease:
         self._load.requests -= 1
         self._load.tokens -= self.tokens
         self._load.released_total += 1
+        for listener in self._listeners:
+            listener()
 
 
 class EndpointPool:
@@ -57,6 +69,17 @@ class EndpointPool:
 
     def __init__(self, endpoints: list[Endpoint]) -> None:
         self._loads: dict[Endpoint, EndpointLoad] = {e: EndpointLoad() for e in endpoints}
+        self._release_listeners: list[ReleaseListener] = []
+
+    def add_release_listener(self, listener: ReleaseListener) -> None:
+        """Call ``listener()`` after every lease of this pool is released (once per lease, in this process only:
+        other workers' releases on a shared board are not seen).  Leases already out hear it too."""
+        self._release_listeners.append(listener)
+
+    def remove_release_listener(self, listener: ReleaseListener) -> None:
+        """Stop calling ``listener``; an unknown one is ignored."""
+        with suppress(ValueError):
+            self._release_listeners.remove(listener)
 
     def endpoints(self, role: Role | None = None) -> list[Endpoint]:
         """Every endpoint (healthy or not), optionally only those of ``role``, in insertion order."""
@@ -84,7 +107,7 @@ class EndpointPool:
     def lease(self, endpoint: Endpoint, tokens: int) -> Iterator[Lease]:
         """Hold ``tokens`` of load on ``endpoint`` for the ``with`` block (released on any exit)."""
         load = self._loads.get(endpoint) or EndpointLoad()
-        lease = Lease(endpoint, load, tokens)
+        lease = Lease(endpoint, load, tokens, self._release_listeners)
         try:
             yield lease
         finally:

@@ -27,6 +27,10 @@ prompts here instead of piling them onto engines' FCFS queues keeps the order ou
 - **Bounds.**  More than ``max_waiting`` waiters → :class:`~pdproxy.errors.Overloaded` (429, ``Retry-After``);
   waiting longer than ``timeout_s`` → :class:`QueueTimeout` (503, ``Retry-After``).  Nothing waits forever.
 
+Waiters are re-checked when a slot's prefill ends or its decode starts and when any pool lease is released
+(:meth:`EndpointPool.add_release_listener`: a prefill lease ending unpins prefiller KV, a decode lease ending frees
+decoder KV), synchronously inside that release; the ``poll_s`` poll is only the safety net.
+
 Single event loop, no awaits while the state is changed, so no locks.
 """
 
@@ -46,7 +50,8 @@ from pdproxy.pool import EndpointPool
 from pdproxy.scheduler import Scheduler
 
 POLL_S = 0.25
-"""A waiter re-checks at least this often (seconds): health and KV-pool refreshes do not notify the queue."""
+"""A waiter re-checks at least this often (seconds, default of ``poll_s``): health and KV-pool refreshes and
+other workers' lease releases do not notify the queue.  This process's slot and pool-lease releases do."""
 FULL_RETRY_AFTER_S = 2
 
 
@@ -140,11 +145,12 @@ class _Waiter:
 
 
 class PrefillQueue:
-    """See the module docstring.  ``limits`` gives decoders' KV pools; the pool gives decode leases."""
+    """See the module docstring.  ``limits`` gives decoders' KV pools; the pool gives decode leases and calls
+    :meth:`notify` on every lease release.  ``poll_s``: the safety-net re-check interval (seconds)."""
 
     def __init__(self, pool: EndpointPool, scheduler: Scheduler, limits: Limits, *, budget_tokens: int,
                  max_waiting: int, timeout_s: float, aging_tokens_per_s: float, busy_tokens: int,
-                 decoder_capacity: bool = True, decoder_max_requests: int = 0) -> None:
+                 decoder_capacity: bool = True, decoder_max_requests: int = 0, poll_s: float = POLL_S) -> None:
         self.pool = pool
         self.scheduler = scheduler
         self.limits = limits
@@ -161,6 +167,8 @@ class PrefillQueue:
         self._pending_decode = 0
         self._waiting: list[_Waiter] = []
         self._seq = itertools.count()
+        self.poll_s = poll_s
+        pool.add_release_listener(self.notify)   # a lease released (prefill KV unpinned, decoder KV freed): wake
 
     # ---- state for routing and metrics
     @property
@@ -310,7 +318,7 @@ class PrefillQueue:
                     self.stats.timed_out_total += 1
                     raise QueueTimeout(time.monotonic() - w.arrived_at)
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(remaining, POLL_S)):
+                    async with asyncio.timeout(min(remaining, self.poll_s)):
                         await w.event.wait()
                 if w.slot is None:
                     self.notify()
