@@ -114,7 +114,7 @@ class PDProxyApp:
         ctx = RequestContext(request_id=new_request_id(client_id), client_request_id=client_id, api_label=api.label)
         out = Responder(send, ctx, [(b"x-request-id", (client_id or ctx.request_id).encode("latin-1"))])
         req: ProxyRequest | None = None
-        self.metrics.started(ctx.api_label)
+        ctx.observe_gap = self.metrics.started(ctx.api_label)
         try:
             try:
                 if state is None or director is None or state.shutting_down:

@@ -7,8 +7,9 @@ sizes tokens.  Three kinds of series:
   ``pdproxy_requests_total{api,status,outcome}``; ``pdproxy_rejections_total{reason,detail}`` for requests pdproxy
   refused itself (``too_long``/``max_model_len``|``kv_pool``, ``queue_full``, ``deadline``,
   ``no_endpoint``/``prefill``|``decode``, ``bad_request``/param …); client-visible
-  ``pdproxy_time_to_first_token_seconds``, ``pdproxy_inter_token_latency_seconds`` (one observation per streamed
-  request: its mean gap between relayed events, ``(last − first event) / (events − 1)``),
+  ``pdproxy_time_to_first_token_seconds``, ``pdproxy_inter_token_latency_seconds`` (one observation per gap
+  between consecutive writes of a stream to the client, observed by the relay as it writes; a write may carry
+  several events when the engine's stream interval is above 1),
   ``pdproxy_request_time_per_output_token_seconds`` (when ``completion_tokens`` is known),
   ``pdproxy_e2e_request_latency_seconds{api,outcome}``; and the phase split of :meth:`Timeline.phases`:
   ``pdproxy_admission_wait_seconds``, ``pdproxy_prefill_time_seconds``, ``pdproxy_pd_gap_seconds``,
@@ -125,7 +126,7 @@ class ProxyMetrics:
         self.ttft = Hist("pdproxy_time_to_first_token_seconds", "Client-visible time to first token.", api,
                               buckets=TTFT_BUCKETS, registry=reg)
         self.itl = Hist("pdproxy_inter_token_latency_seconds",
-                             "Client-visible inter-token latency: one request's mean gap between relayed events.",
+                             "Client-visible inter-token latency: each gap between consecutive writes of a stream.",
                              api, buckets=GAP_BUCKETS, registry=reg)
         self.tpot = Hist("pdproxy_request_time_per_output_token_seconds",
                               "(last token − first token) / (completion_tokens − 1).", api, buckets=GAP_BUCKETS,
@@ -203,15 +204,18 @@ class ProxyMetrics:
             child = self._children[(family, values)] = family.labels(*values)
         return child
 
-    def started(self, api: str) -> None:
-        """A completion request arrived (``pdproxy_requests_in_progress`` + 1)."""
-        self._per_api(api)[0].inc()
+    def started(self, api: str) -> Callable[[float], None]:
+        """A completion request arrived (``pdproxy_requests_in_progress`` + 1).  Returns the ITL histogram's
+        ``observe`` for this API: the relay calls it with each gap (seconds) between writes to the client."""
+        children = self._per_api(api)
+        children[0].inc()
+        return children[2].observe  # type: ignore[no-any-return]
 
     def observe(self, ctx: RequestContext, rejection: tuple[str, str] | None = None) -> None:
         """Record one finished request (call exactly once per :meth:`started`)."""
         self.sync()
         api = ctx.api_label
-        in_progress, ttft_h, itl_h, tpot_h, phase_hs = self._per_api(api)
+        in_progress, ttft_h, _itl, tpot_h, phase_hs = self._per_api(api)
         in_progress.dec()
         self._labelled(self.requests, api, str(ctx.status or 0), ctx.outcome).inc()
         if rejection is not None:
@@ -230,8 +234,6 @@ class ProxyMetrics:
             self._labelled(self.e2e, api, ctx.outcome).observe(e2e)
         if tl.first_token_at is not None and tl.last_token_at is not None:
             span = max(0.0, tl.last_token_at - tl.first_token_at)
-            if ctx.events >= 2:
-                itl_h.observe(span / (ctx.events - 1))
             if ctx.events >= 2 and ctx.completion_tokens is not None and ctx.completion_tokens >= 2:
                 tpot_h.observe(span / (ctx.completion_tokens - 1))  # streamed only: JSON has one instant
 

@@ -234,6 +234,8 @@ class StreamRelay:
         continuing = transcript is not None and transcript.attempts > 1
         content = self.resp.content
         events = 0
+        observe_gap = ctx.observe_gap  # ITL: one observation per gap between client writes (metrics.py)
+        last_write = ctx.timeline.first_token_at or time.monotonic()
         try:
             while True:
                 if b'"completion_tokens"' in block:
@@ -261,9 +263,13 @@ class StreamRelay:
                     if out.done_sent:
                         block = block.replace(sse.DONE_EVENT, b"")
                     out.done_sent = True
-                events += 1
                 if block:
+                    if events and observe_gap is not None:
+                        now = time.monotonic()
+                        observe_gap(now - last_write)
+                        last_write = now
                     await out.write(block)
+                events += 1
                 block = b""
                 while not block:
                     chunk = await content.readany()

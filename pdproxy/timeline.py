@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -85,5 +86,6 @@ class RequestContext:
     outcome: str = "ok"
     error: str | None = None
     rejection: tuple[str, str] | None = None  # (reason, detail) when pdproxy refused the request (metrics.py)
+    observe_gap: Callable[[float], None] | None = None  # ITL histogram: called with each gap between writes (s)
     disaggregated: bool = True
     timeline: Timeline = field(default_factory=Timeline)

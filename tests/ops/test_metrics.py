@@ -44,7 +44,11 @@ def test_metrics_count_known_traffic(proxy: ProxyThread, sims: Fleet) -> None:
     assert m.total("pdproxy_rejections_total") == 1
     assert m.value("pdproxy_time_to_first_token_seconds_count", api="chat") == 2
     assert m.value("pdproxy_time_to_first_token_seconds_count", api="completions") == 1
-    assert m.value("pdproxy_inter_token_latency_seconds_count", api="chat") == 2  # one per streamed request
+    # ITL: one observation per gap between the client writes of a stream (8 tokens ≥ 5 ms apart each)
+    itl_count = m.value("pdproxy_inter_token_latency_seconds_count", api="chat")
+    assert itl_count >= 2 * 6
+    assert m.value("pdproxy_inter_token_latency_seconds_sum", api="chat") / itl_count >= 0.003
+    assert m.value("pdproxy_inter_token_latency_seconds_count", api="completions") == 0  # not streamed
     # TPOT needs completion_tokens, read from the usage the decoders sent (stream and JSON alike)
     assert m.value("pdproxy_request_time_per_output_token_seconds_count", api="chat") == 2
     assert m.value("pdproxy_request_time_per_output_token_seconds_count", api="completions") == 0
@@ -146,11 +150,14 @@ def test_observe_computes_ttft_itl_tpot_and_phases() -> None:
                   decode_start_at=10.5, first_token_at=10.7, last_token_at=11.7, finished_at=11.7)
     ctx = RequestContext(request_id="r", client_request_id=None, api_label="chat", status=200, events=11,
                          completion_tokens=11, timeline=tl)
-    metrics.started("chat")
+    observe_gap = metrics.started("chat")
+    for _ in range(10):  # the relay reports each gap between client writes as it writes
+        observe_gap(0.1)
     metrics.observe(ctx, None)
     m = Samples(metrics.render().decode())
     assert m.value("pdproxy_time_to_first_token_seconds_sum", api="chat") == pytest.approx(0.7)
-    assert m.value("pdproxy_inter_token_latency_seconds_sum", api="chat") == pytest.approx(0.1)
+    assert m.value("pdproxy_inter_token_latency_seconds_sum", api="chat") == pytest.approx(1.0)
+    assert m.value("pdproxy_inter_token_latency_seconds_count", api="chat") == 10
     assert m.value("pdproxy_request_time_per_output_token_seconds_sum", api="chat") == pytest.approx(0.1)
     assert m.value("pdproxy_prefill_time_seconds_sum", api="chat") == pytest.approx(0.4)
     assert m.value("pdproxy_decode_first_token_seconds_sum", api="chat") == pytest.approx(0.2)
