@@ -11,11 +11,14 @@ each first release, so whoever waits for freed capacity hears of it at once inst
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 from pdproxy.endpoints import Endpoint, Role
+
+log = logging.getLogger("pdproxy.pool")
 
 
 @dataclass(slots=True)
@@ -53,7 +56,8 @@ class Lease:
         load.leased_total += 1
 
     def release(self) -> None:
-        """Give the load back; later calls do nothing."""
+        """Give the load back, then tell the release listeners (the prefill queue); later calls do nothing.
+        Never raises: it runs in ``finally`` blocks and a failing listener is logged, not propagated."""
         if self.released:
             return
         self.released = True
@@ -61,7 +65,10 @@ class Lease:
         self._load.tokens -= self.tokens
         self._load.released_total += 1
         for listener in self._listeners:
-            listener()
+            try:
+                listener()
+            except Exception:
+                log.exception("a lease-release listener failed")
 
 
 class EndpointPool:

@@ -103,3 +103,17 @@ def test_random_interleavings_never_go_negative_and_return_to_zero(ops: list[tup
     for cm, _ in open_leases:
         cm.__exit__(None, None, None)  # type: ignore[attr-defined]
     assert pool.idle()
+
+
+def test_a_failing_release_listener_never_breaks_a_release() -> None:
+    pool = EndpointPool(P + D)
+    calls: list[int] = []
+
+    def broken() -> None:
+        calls.append(1)
+        raise RuntimeError("listener bug")
+
+    pool.add_release_listener(broken)
+    with pool.lease(P[0], 10) as lease:
+        lease.release()  # must not raise
+    assert calls == [1] and pool.idle()
