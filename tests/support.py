@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -43,6 +43,28 @@ def wait_until(cond: Callable[[], Any], timeout_s: float = 10.0, interval_s: flo
             return last
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what or cond}: last={last!r}")
+
+
+@contextlib.contextmanager
+def sampling(read: Callable[[], Any], interval_s: float = 0.002) -> Iterator[list[Any]]:
+    """Collect ``read()`` every ``interval_s`` seconds in a background thread while the block runs (and once
+    after it): for asserting a bound held throughout, e.g. in-flight tokens never above a KV pool."""
+    values: list[Any] = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            values.append(read())
+            stop.wait(interval_s)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield values
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+        values.append(read())
 
 
 class SimProcess:

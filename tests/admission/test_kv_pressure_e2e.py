@@ -11,10 +11,7 @@ first bucket (0.3 s)."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -24,7 +21,7 @@ from pdproxy.endpoints import Role
 from pdproxy.tokens import sim_prompt
 from tests.admission.conftest import Pair
 from tests.real_vllm.support import metric, scrape
-from tests.support import wait_until
+from tests.support import sampling, wait_until
 
 pytestmark = pytest.mark.timeout(40)
 LONG_TOKENS = 2000                       # 16 blocks of 128: two never fit in 18
@@ -35,27 +32,6 @@ def queued(url: str) -> tuple[float, float]:
     """(requests the engine scheduled, those that waited under 0.3 s for it) so far."""
     text = scrape(url)
     return metric(text, QUEUE_TIME + "_count"), metric(text, QUEUE_TIME + "_bucket", le="0.3")
-
-
-@contextmanager
-def sampling(read: Callable[[], Any]) -> Iterator[list[Any]]:
-    """Collect ``read()`` in a thread, back to back, while the block runs (and once after it)."""
-    values: list[Any] = []
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.is_set():
-            values.append(read())
-            stop.wait(0.002)
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    try:
-        yield values
-    finally:
-        stop.set()
-        thread.join(timeout=10)
-        values.append(read())
 
 
 def test_second_long_prompt_waits_in_pdproxy_not_in_the_engine(pair_of: Any) -> None:

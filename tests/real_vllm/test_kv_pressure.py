@@ -15,43 +15,21 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 
 import httpx
 import openai
 import pytest
 
 from tests.real_vllm.support import REPO, SMALL_POOL_BLOCKS, Engines, Prompts, metric, scrape
-from tests.support import ProxyThread
+from tests.support import ProxyThread, sampling
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(120)]
 LONG_TOKENS = 2000       # 16 blocks of 128: two never fit in 18
 BLOCK_SIZE = 128
-
-
-@contextmanager
-def sampling(read: Callable[[], float], interval_s: float) -> Iterator[list[float]]:
-    """Collect ``read()`` every ``interval_s`` seconds in a thread while the block runs."""
-    values: list[float] = []
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.is_set():
-            values.append(read())
-            stop.wait(interval_s)
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    try:
-        yield values
-    finally:
-        stop.set()
-        thread.join(timeout=30)
-        values.append(read())
 
 
 def capacity_waiting(url: str) -> float:
