@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.support import ProxyThread, SimProcess
+from tests.support import ProxyThread, SimProcess, running
 
 
 @pytest.fixture
@@ -38,14 +38,9 @@ SIM_ARGS = ("--served-model-name", "sim-model", "--max-model-len", "4096", "--pr
 
 @pytest.fixture(scope="session")
 def fleet() -> Iterator[Fleet]:
-    sims = [SimProcess("prefill", *SIM_ARGS), SimProcess("decode", *SIM_ARGS), SimProcess("decode", *SIM_ARGS)]
-    try:
-        for s in sims:
-            s.start()
-        yield Fleet(prefillers=sims[:1], decoders=sims[1:])
-    finally:
-        for s in sims:
-            s.stop()
+    with running(SimProcess("prefill", *SIM_ARGS), SimProcess("decode", *SIM_ARGS),
+                 SimProcess("decode", *SIM_ARGS)) as sims:
+        yield Fleet(prefillers=list(sims[:1]), decoders=list(sims[1:]))
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -122,6 +123,19 @@ class SimProcess:
 
     def faults(self, *specs: dict[str, Any]) -> None:
         self.client.post("/sim/faults", json=list(specs)).raise_for_status()
+
+
+@contextlib.contextmanager
+def running(*sims: SimProcess) -> Iterator[tuple[SimProcess, ...]]:
+    """Start ``sims`` concurrently (each waits for its own ``/health``), yield them, stop them all on exit."""
+    try:
+        with ThreadPoolExecutor(len(sims)) as pool:
+            for future in [pool.submit(s.start) for s in sims]:
+                future.result()
+        yield sims
+    finally:
+        for s in sims:
+            s.stop()
 
 
 class ProxyThread:

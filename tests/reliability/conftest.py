@@ -2,33 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 
 import pytest
 
 from tests.reliability.harness import SIM_ARGS, Fleet4
-from tests.support import SimProcess
-
-
-def start_all(sims: Sequence[SimProcess]) -> None:
-    """Start simulator processes concurrently (each waits for its own /health)."""
-    with ThreadPoolExecutor(len(sims)) as pool:
-        for future in [pool.submit(s.start) for s in sims]:
-            future.result()
+from tests.support import SimProcess, running
 
 
 @pytest.fixture(scope="session")
 def fleet4_session() -> Iterator[Fleet4]:
-    sims = [SimProcess("prefill", *SIM_ARGS, "--kv-pin-timeout-s", "120"),
-            SimProcess("prefill", *SIM_ARGS, "--kv-pin-timeout-s", "120"),
-            SimProcess("decode", *SIM_ARGS), SimProcess("decode", *SIM_ARGS)]
-    try:
-        start_all(sims)
-        yield Fleet4(prefillers=sims[:2], decoders=sims[2:])
-    finally:
-        for s in sims:
-            s.stop()
+    with running(SimProcess("prefill", *SIM_ARGS, "--kv-pin-timeout-s", "120"),
+                 SimProcess("prefill", *SIM_ARGS, "--kv-pin-timeout-s", "120"),
+                 SimProcess("decode", *SIM_ARGS), SimProcess("decode", *SIM_ARGS)) as sims:
+        yield Fleet4(prefillers=list(sims[:2]), decoders=list(sims[2:]))
 
 
 @pytest.fixture
@@ -43,13 +30,8 @@ def fleet4(fleet4_session: Fleet4) -> Fleet4:
 def slow_pair() -> Iterator[tuple[SimProcess, SimProcess]]:
     """A slow prefiller (4000 prompt tokens/s) and a slow decoder (50 tokens/s per sequence): long phases to
     disconnect in."""
-    sims = (SimProcess("prefill", *SIM_ARGS[:2], "--prefill-tokens-per-s", "4000", "--decode-tokens-per-s", "0",
-                       "--max-model-len", "16384"),
-            SimProcess("decode", *SIM_ARGS[:2], "--prefill-tokens-per-s", "0", "--decode-tokens-per-s", "50",
-                       "--max-model-len", "16384"))
-    try:
-        start_all(sims)
-        yield sims
-    finally:
-        for s in sims:
-            s.stop()
+    with running(SimProcess("prefill", *SIM_ARGS[:2], "--prefill-tokens-per-s", "4000", "--decode-tokens-per-s",
+                            "0", "--max-model-len", "16384"),
+                 SimProcess("decode", *SIM_ARGS[:2], "--prefill-tokens-per-s", "0", "--decode-tokens-per-s", "50",
+                            "--max-model-len", "16384")) as (prefiller, decoder):
+        yield prefiller, decoder
