@@ -39,14 +39,13 @@ import orjson
 
 from pdproxy import token_count
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.engines import EngineInfo
+from pdproxy.engine_headers import EngineHeaders
 from pdproxy.errors import BadRequest, NoEndpointAvailable, ProxyError, UpstreamHTTPError
 from pdproxy.limits import Limits
-from pdproxy.pool import EndpointPool
 from pdproxy.prefill_queue import PrefillQueue
 from pdproxy.prompt_bounds import PromptBounds, prompt_bounds
 from pdproxy.protocol import Api, ProxyRequest
-from pdproxy.scheduler import Scheduler
+from pdproxy.scheduling import PickRequest, Scheduler
 from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext
 from pdproxy.upstream import Upstream
@@ -88,28 +87,24 @@ def _model_sources(pairs: list[str]) -> dict[str, str]:
 
 
 class Admission:
-    """Decides whether a request may enter, how many prompt tokens it has, and which endpoints it fits.
+    """Decides whether a request may enter and how many prompt tokens it has (which endpoints it fits is the
+    scheduler's limits filter).
 
     Use as ``async with Admission(...)`` (or :meth:`start` / :meth:`aclose`): owns the tokenizer worker threads.
-    ``engine_authorization`` maps the client's ``Authorization`` to the engines' (``ProxyState`` sets it).
+    ``limits``: the engines' limits; ``queue``: the prefill queue (asked whether prefillers are busy);
+    ``scheduler``: picks the engine asked to ``/tokenize``; ``upstream`` sends it with ``headers``.
     """
 
-    def __init__(self, settings: Settings, pool: EndpointPool, infos: dict[Endpoint, EngineInfo], *,
-                 scheduler: Scheduler, upstream: Upstream) -> None:
-        s = settings
+    def __init__(self, settings: Settings, *, limits: Limits, queue: PrefillQueue, scheduler: Scheduler,
+                 upstream: Upstream, headers: EngineHeaders) -> None:
         self.settings = settings
-        self.pool = pool
+        self.limits = limits
+        self.queue = queue
         self.scheduler = scheduler
         self.upstream = upstream
-        self.limits = Limits(pool, infos, max_model_len_override=s.max_model_len,
-                             clamp=s.max_tokens_overflow == "clamp")
-        self.queue = PrefillQueue(
-            pool, scheduler, self.limits, budget_tokens=s.prefill_budget_tokens, max_waiting=s.prefill_queue_max,
-            timeout_s=s.prefill_queue_timeout_s, aging_tokens_per_s=s.prefill_queue_aging_tokens_per_s,
-            busy_tokens=s.prefill_busy_tokens, decoder_capacity=s.prefill_tied_to_decoders,
-            decoder_max_requests=s.decoder_max_requests)
+        self.headers = headers
         self.stats = AdmissionStats()
-        self.engine_authorization: Callable[[str | None], str | None] = lambda auth: auth
+        s = settings
         self._sources = _model_sources(list(s.model_tokenizers))
         self._local: dict[str, token_count.LocalCounter] = {}
         self._engine_cache = token_count.BlockCache(s.token_count_cache_entries)
@@ -211,7 +206,7 @@ class Admission:
         if s.decode_only_max_prompt_tokens and tokens <= s.decode_only_max_prompt_tokens:
             reason = "short_prompt"
         elif (s.decode_only_busy_max_prompt_tokens and tokens <= s.decode_only_busy_max_prompt_tokens
-              and self.queue.congested(self.fits_prefiller(req))):
+              and self.queue.congested(PickRequest.of(req, ctx.request_id))):
             reason = "prefillers_busy"
         if reason is None:
             self.stats.disaggregated_total += 1
@@ -243,16 +238,12 @@ class Admission:
         if cached is not None:
             return token_count.TokenCount(cached, True, "engine")
         try:
-            endpoint = self._tokenize_endpoint()
-        except NoEndpointAvailable:
+            endpoint = self._tokenize_endpoint(PickRequest(request_id=ctx.request_id, model=req.model))
+        except ProxyError:
             self.stats.count_errors_total += 1
             return None
         body = orjson.dumps(token_count.tokenize_body(req.body, chat))
-        headers = {"Content-Type": "application/json", "X-Request-Id": f"{ctx.request_id}-tokenize",
-                   **endpoint.extra_headers()}
-        auth = self.engine_authorization(ctx.authorization)
-        if auth:
-            headers["Authorization"] = auth
+        headers = self.headers.leg(endpoint, f"{ctx.request_id}-tokenize", ctx.authorization)
         try:
             reply = await self.upstream.post_json(endpoint, "/tokenize", body, headers,
                                                   timeout_s=self.settings.tokenize_timeout_s)
@@ -268,27 +259,13 @@ class Admission:
         self._engine_cache.put(key, count)
         return token_count.TokenCount(count, True, "engine")
 
-    def _tokenize_endpoint(self) -> Endpoint:
-        """An engine to ask ``/tokenize``: the least loaded prefiller, else a decoder (both run the same model)."""
+    def _tokenize_endpoint(self, request: PickRequest) -> Endpoint:
+        """An engine to ask ``/tokenize``: the scheduler's prefiller, else its decoder (both run the model).
+        Raises the scheduler's refusal when neither role has one."""
         try:
-            return self.scheduler.choose(Role.PREFILL)
+            return self.scheduler.pick(Role.PREFILL, request, trial=False)
         except NoEndpointAvailable:
-            return self.scheduler.choose(Role.DECODE)
-
-    def fits_prefiller(self, req: ProxyRequest) -> Callable[[Endpoint], bool] | None:
-        """Routing filter: prefillers whose limits allow this prompt (None before admission).  Uses the upper
-        bound when the prompt was not counted exactly."""
-        tokens = req.extra.get("prompt_tokens_upper", req.prompt_tokens)
-        if tokens is None:
-            return None
-        return self.limits.fits(Role.PREFILL, tokens, req.max_output_tokens)
-
-    def fits_decoder(self, req: ProxyRequest) -> Callable[[Endpoint], bool] | None:
-        """Routing filter: decoders whose limits allow this prompt plus its output (None before admission)."""
-        tokens = req.extra.get("prompt_tokens_upper", req.prompt_tokens)
-        if tokens is None:
-            return None
-        return self.limits.fits(Role.DECODE, tokens, req.max_output_tokens)
+            return self.scheduler.pick(Role.DECODE, request, trial=False)
 
     def snapshot(self) -> dict[str, Any]:
         """Counters and queue state as a plain dict (debug endpoint, tests)."""

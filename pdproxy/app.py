@@ -203,7 +203,7 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
         state = ProxyState.build(proxy.settings, proxy.pool_factory)
         await state.start()
         proxy.state = state
-        proxy.director = Director(state)
+        proxy.director = Director.from_state(state)
         try:
             with proxy.request_log:
                 yield

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from pdproxy.endpoints import Endpoint
+from pdproxy.engine_headers import EngineHeaders
 
 _LABELS_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -25,7 +26,9 @@ _LABELS_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 class EngineInfo:
     """What one endpoint declared at the last refresh (None = unknown).
 
-    ``max_model_len`` and ``kv_pool_tokens`` are tokens; ``refreshed_at`` is ``time.monotonic()`` seconds.
+    ``max_model_len`` and ``kv_pool_tokens`` are tokens; ``refreshed_at`` is ``time.monotonic()`` seconds;
+    ``auth_failed``: ``/v1/models`` answered 401 or 403 at the last refresh (the engine's ``--api-key`` is not the
+    key pdproxy sends, ``engine_api_key``).
     """
 
     models: list[dict[str, Any]] = field(default_factory=list)
@@ -37,6 +40,7 @@ class EngineInfo:
     reachable: bool = False
     refreshed_at: float | None = None
     error: str | None = None
+    auth_failed: bool = False
 
 
 def parse_cache_config(metrics_text: str) -> dict[str, str] | None:
@@ -96,10 +100,13 @@ def parse_gauges(metrics_text: str) -> dict[str, float]:
 
 
 class EngineClient:
-    """httpx client for control-plane calls; one per proxy process (owned by the app lifespan)."""
+    """httpx client for control-plane calls; one per proxy process (owned by the app lifespan).  Every call carries
+    the engine key when one is set (``engine_api_key``; vLLM guards ``/v1/models``)."""
 
     def __init__(self, *, timeout_s: float, api_key: str | None = None) -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        """``timeout_s``: per call (seconds); ``api_key``: the engines' ``--api-key``, sent on every call
+        (:class:`~pdproxy.engine_headers.EngineHeaders`)."""
+        headers = EngineHeaders(engine_api_key=api_key).control()
         self._client = httpx.AsyncClient(timeout=timeout_s, headers=headers,
                                          limits=httpx.Limits(max_connections=64, max_keepalive_connections=16))
 
@@ -145,8 +152,17 @@ class EngineClient:
             info.max_model_len = min(lens) if lens else None
             info.reachable = True
             info.error = None
+            info.auth_failed = False
+        except httpx.HTTPStatusError as exc:
+            status = exc.response.status_code
+            info.reachable = False
+            info.auth_failed = status in (401, 403)
+            info.error = f"GET /v1/models answered HTTP {status}" + (
+                " (the engine requires an API key: engine_api_key)" if info.auth_failed else "")
+            return info
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             info.reachable = False
+            info.auth_failed = False
             info.error = f"/v1/models: {exc.__class__.__name__}: {exc}"
             return info
         try:

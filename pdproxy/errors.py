@@ -17,6 +17,7 @@ Tree::
     ├── Unauthorized (401)
     ├── Forbidden (403)              admin API: missing/wrong admin key, or the admin API is off
     ├── NotFound (404)               admin API: no such endpoint
+    │   └── ModelNotFound (404)      no endpoint serves the request's ``model``
     ├── Conflict (409)               admin API: the endpoint already exists
     ├── Overloaded (429)             proxy-side queue full; carries Retry-After
     ├── QueueTimeout (503)           waited in the prefill queue past its deadline; carries Retry-After
@@ -155,6 +156,20 @@ class NotFound(ProxyError):
 
     status_code = 404
     outcome = "not_found"
+
+
+class ModelNotFound(NotFound):
+    """No endpoint of a role serves the request's ``model`` per its ``/v1/models`` (HTTP 404, ``param: model``), in
+    vLLM's words (``vllm/entrypoints/serve/engine/serving.py::_check_model``).  ``served``: the model ids the
+    endpoints do serve."""
+
+    outcome = "model_not_found"
+
+    def __init__(self, model: str, role: str, served: list[str]) -> None:
+        aliases = f" Valid aliases: {', '.join(served)}." if served else ""
+        super().__init__(f"The model `{model}` does not exist.{aliases}", param="model")
+        self.model = model
+        self.rejection = ("model_not_found", role)
 
 
 class PayloadTooLarge(ProxyError):

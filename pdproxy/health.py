@@ -7,7 +7,8 @@
 - **Passive**: the request path reports each leg's verdict.  Transport failures, timeouts and 5xx answers count
   against the endpoint (``record_failure``); 4xx answers are the request's fault and must not be reported.  A
   failure also triggers an immediate probe, so a killed engine leaves the pool within one probe round trip.
-- **Breaker** (:mod:`pdproxy.breaker`): consecutive failures open it; picks skip open endpoints (:meth:`admits`);
+- **Breaker** (:mod:`pdproxy.breaker`): consecutive failures open it; picks skip open endpoints (:meth:`can_take`,
+  the scheduler's breaker filter);
   a successful probe lets a trial request through; a successful request closes it.
 
 So a dead engine gets at most ``breaker_failures`` (+ in-flight) attempts, is re-admitted within about one probe
@@ -19,16 +20,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
-from collections.abc import Callable
 
 from pdproxy.breaker import BreakerState, CircuitBreaker, Clock
 from pdproxy.endpoints import Endpoint
 from pdproxy.engines import EngineClient, EngineInfo
+from pdproxy.errors import ProxyError, UpstreamHTTPError
 from pdproxy.pool import EndpointPool
+from pdproxy.upstream import UpstreamRefused, retry_after_seconds
 
-Fits = Callable[[Endpoint], bool]
+log = logging.getLogger("pdproxy.health")
 
 
 class HealthMonitor:
@@ -53,7 +56,7 @@ class HealthMonitor:
         self.breakers: dict[Endpoint, CircuitBreaker] = {}
         self.leaving: set[Endpoint] = set()
         self._task: asyncio.Task[None] | None = None
-        self._probing: dict[Endpoint, asyncio.Task[None]] = {}
+        self._probing: dict[Endpoint, asyncio.Task[bool]] = {}
 
     # --- breakers -------------------------------------------------------------------------------------------
     def breaker(self, endpoint: Endpoint) -> CircuitBreaker:
@@ -65,12 +68,10 @@ class HealthMonitor:
             self.breakers[endpoint] = b
         return b
 
-    def admits(self, fits: Fits | None = None) -> Fits:
-        """A pick filter: the endpoint's breaker lets a request in, and ``fits`` (if given) accepts it."""
-        def ok(e: Endpoint) -> bool:
-            b = self.breakers.get(e)
-            return (b is None or b.can_take()) and (fits is None or fits(e))
-        return ok
+    def can_take(self, endpoint: Endpoint) -> bool:
+        """True when the endpoint's breaker lets a request in (the scheduler's breaker filter asks this)."""
+        b = self.breakers.get(endpoint)
+        return b is None or b.can_take()
 
     def on_pick(self, endpoint: Endpoint) -> None:
         """Call right after the scheduler chose ``endpoint`` (takes a half-open trial slot if needed)."""
@@ -89,6 +90,17 @@ class HealthMonitor:
         connection was refused (nothing listens), which opens the breaker at once."""
         self.breaker(endpoint).record_failure(retry_after_s=retry_after_s, hard=hard)
         self.probe_soon(endpoint)
+
+    def record_error(self, endpoint: Endpoint, exc: ProxyError) -> bool:
+        """Record a leg to ``endpoint`` that ended with ``exc``; True when it says the engine is unwell (transport
+        failure, timeout, 5xx: :meth:`record_failure`, honouring its ``Retry-After``; a refused connection opens the
+        breaker at once), False for the request's own fault (a 4xx: :meth:`record_neutral`)."""
+        if isinstance(exc, UpstreamHTTPError) and exc.status_code < 500:
+            self.record_neutral(endpoint)
+            return False
+        retry_after = retry_after_seconds(exc.retry_after) if isinstance(exc, UpstreamHTTPError) else None
+        self.record_failure(endpoint, retry_after_s=retry_after, hard=isinstance(exc, UpstreamRefused))
+        return True
 
     def record_success(self, endpoint: Endpoint) -> None:
         """A leg to ``endpoint`` succeeded (closes its breaker)."""
@@ -155,7 +167,7 @@ class HealthMonitor:
         due = (not info.reachable or info.refreshed_at is None
                or time.monotonic() - info.refreshed_at >= self.refresh_interval_s)
         if ok and due:
-            await self.engines.refresh(endpoint, info)
+            await self._refresh(endpoint, info)
             ok = info.reachable
         with contextlib.suppress(KeyError):
             self.pool.load(endpoint).healthy = ok
@@ -176,11 +188,21 @@ class HealthMonitor:
         self._probing[endpoint] = task
         task.add_done_callback(lambda _t: self._probing.pop(endpoint, None))
 
+    async def _refresh(self, endpoint: Endpoint, info: EngineInfo) -> None:
+        """Refresh ``info``; log (once per change) when the engine starts or stops refusing pdproxy's key."""
+        refused = info.auth_failed
+        await self.engines.refresh(endpoint, info)
+        if info.auth_failed and not refused:
+            log.warning("%s %s refuses pdproxy's control-plane calls (%s): it was started with --api-key; set "
+                        "engine_api_key to that key", endpoint.role.value, endpoint.name, info.error)
+        elif refused and not info.auth_failed:
+            log.info("%s %s accepts pdproxy's engine key again", endpoint.role.value, endpoint.name)
+
     async def refresh_all(self) -> None:
         """Probe every endpoint once and refresh its :class:`EngineInfo` (concurrently)."""
         async def one(e: Endpoint) -> None:
             info = self.infos.setdefault(e, EngineInfo())
-            await self.engines.refresh(e, info)
+            await self._refresh(e, info)
             with contextlib.suppress(KeyError):
                 self.pool.load(e).healthy = info.reachable and await self.engines.health(e)
         await asyncio.gather(*(one(e) for e in self.pool.endpoints()))

@@ -1,10 +1,10 @@
 """Freeing a prefiller's pinned KV blocks that no decoder is going to read.
 
 After the prefill leg the prefiller holds the prompt's KV blocks ("delay free") until a decoder pulls them or the
-connector's timeout expires — 480 s for vLLM-Ascend Mooncake (``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``), 120–480 s
-for NIXL (reference §1.4).  vLLM has no public abort endpoint (``/abort_requests`` only under
-``VLLM_SERVER_DEV_MODE``, reference §1.5).  What frees the blocks with every connector is a decoder that receives
-the ``kv_transfer_params`` and then ends: when a ``do_remote_prefill`` request finishes (or is aborted, or
+connector's timeout expires — 480 s for Mooncake (``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``, vllm/envs.py),
+minutes for NIXL.  vLLM has no public abort endpoint (``/abort_requests`` exists only under
+``VLLM_SERVER_DEV_MODE``).  What frees the blocks with every connector is a decoder that receives the
+``kv_transfer_params`` and then ends: when a ``do_remote_prefill`` request finishes (or is aborted, or
 rejected) on the decoder, the connector notifies the prefiller, which frees the blocks (vLLM v0.26
 ``nixl/pull_scheduler.py::request_finished``, vLLM-Ascend ``mooncake_connector.py::request_finished``).
 
@@ -28,11 +28,15 @@ import orjson
 
 from pdproxy import kv_transfer
 from pdproxy.endpoints import Endpoint, Role
+from pdproxy.engine_headers import EngineHeaders
 from pdproxy.errors import ProxyError
+from pdproxy.health import HealthMonitor
+from pdproxy.pool import EndpointPool
+from pdproxy.scheduling import PickRequest, Scheduler
+from pdproxy.upstream import Upstream
 
 if TYPE_CHECKING:
     from pdproxy.protocol import ProxyRequest
-    from pdproxy.state import ProxyState
 
 log = logging.getLogger("pdproxy.kv_release")
 
@@ -44,10 +48,19 @@ def release_body(original: dict[str, object], params: kv_transfer.KVTransferPara
 
 
 class KVReleaser:
-    """Runs release legs in the background (see module docstring).  ``released``/``failed`` count legs."""
+    """Runs release legs in the background (see module docstring).  ``released``/``failed`` count legs.
 
-    def __init__(self, state: ProxyState, *, timeout_s: float = 5.0) -> None:
-        self.state = state
+    ``scheduler`` picks the decoder (its decode profile: healthy, breaker, model…), ``pool`` holds a lease on it
+    for the leg, ``health`` hears the leg ended without a verdict, ``upstream`` sends it with ``headers``;
+    ``timeout_s`` bounds each leg (seconds)."""
+
+    def __init__(self, *, scheduler: Scheduler, pool: EndpointPool, health: HealthMonitor, upstream: Upstream,
+                 headers: EngineHeaders, timeout_s: float = 5.0) -> None:
+        self.scheduler = scheduler
+        self.pool = pool
+        self.health = health
+        self.upstream = upstream
+        self.headers = headers
         self.timeout_s = timeout_s
         self.released = 0
         self.failed = 0
@@ -63,38 +76,31 @@ class KVReleaser:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _pick(self, avoid: Sequence[Endpoint]) -> Endpoint | None:
-        st = self.state
+    def _pick(self, request: PickRequest, avoid: Sequence[Endpoint]) -> Endpoint | None:
         for exclude in (avoid, ()):
             try:
-                endpoint = st.scheduler.choose(Role.DECODE, exclude=exclude, fits=st.health.admits())
+                return self.scheduler.pick(Role.DECODE, request, exclude)
             except ProxyError:
                 continue
-            st.health.on_pick(endpoint)
-            return endpoint
         return None
 
     async def _run(self, req: ProxyRequest, request_id: str, authorization: str | None,
                    params: kv_transfer.KVTransferParams, avoid: Sequence[Endpoint]) -> None:
-        st = self.state
-        endpoint = self._pick(avoid)
+        endpoint = self._pick(PickRequest(request_id=request_id, model=req.model), avoid)
         if endpoint is None:
             self.failed += 1
             log.warning("no decoder to release the prefiller's KV of request %s; it stays pinned until the "
                         "connector's timeout", request_id)
             return
-        headers = {"Content-Type": "application/json", "X-Request-Id": request_id, **endpoint.extra_headers()}
-        auth = st.engine_authorization(authorization)
-        if auth:
-            headers["Authorization"] = auth
-        with st.pool.lease(endpoint, req.prompt_tokens or 0):
+        headers = self.headers.leg(endpoint, request_id, authorization)
+        with self.pool.lease(endpoint, req.prompt_tokens or 0):
             try:
-                await st.upstream.post_json(endpoint, req.api.value, release_body(req.body, params), headers,
-                                            timeout_s=self.timeout_s)
+                await self.upstream.post_json(endpoint, req.api.value, release_body(req.body, params), headers,
+                                              timeout_s=self.timeout_s)
             except ProxyError as exc:  # an error answer still means the decoder saw the params and ended
                 log.info("release leg for request %s on %s: %s", request_id, endpoint.name, exc.message)
             finally:
-                st.health.record_neutral(endpoint)
+                self.health.record_neutral(endpoint)
         self.released += 1
 
     async def aclose(self) -> None:

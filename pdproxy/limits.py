@@ -21,13 +21,14 @@ Rules (reference §2.4 "PD trap": P validates with ``max_tokens=1``, so the prox
     would refuse (reference §2.4 "PD trap").
 
 A request is admitted when some prefiller and some decoder allow its prompt; :meth:`Limits.max_prompt_tokens`
-is that threshold ("M"), so a counted prompt of M tokens passes and M + 1 is rejected.
+is that threshold ("M"), so a counted prompt of M tokens passes and M + 1 is rejected.  Which endpoints a request
+then goes to is the scheduler's limits filter (:class:`pdproxy.scheduling.filters.FitsLimits`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -225,10 +226,3 @@ class Limits:
                 if found is not None:
                     return found
         return None
-
-    def fits(self, role: Role, prompt_tokens: int, max_output: int | None) -> Callable[[Endpoint], bool]:
-        """Routing filter: the endpoints of ``role`` whose limits allow ``prompt_tokens``."""
-        def check(endpoint: Endpoint) -> bool:
-            allowed = self.of(endpoint).allowed_prompt(role, max_output, self.clamp)
-            return allowed is None or prompt_tokens <= allowed
-        return check

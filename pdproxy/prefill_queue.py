@@ -1,16 +1,23 @@
 """The proxy-side prefill queue: a per-prefiller budget of in-flight prefill tokens, small prompts ahead of large
 ones with aging, dispatch tied to decoder capacity, 429 when full, 503 past the deadline.
 
-Why: vLLM's scheduler serves RUNNING requests first, so a running chunked prefill takes the whole token budget every
-step until it ends (reference §4); prompts that reach an engine behind it wait for all of it.  Holding large
-prompts here instead of piling them onto engines' FCFS queues keeps the order ours to choose.
+Why: vLLM's scheduler serves RUNNING requests first (``vllm/v1/core/sched/scheduler.py::schedule``), so a running
+chunked prefill takes the whole token budget every step until it ends; prompts that reach an engine behind it wait
+for all of it.  Holding large prompts here instead of piling them onto engines' FCFS queues keeps the order ours to
+choose.
+
+Two parts: :class:`PrefillLedger` counts what is held against each prefiller and reserved on the decoders (its
+:meth:`~PrefillLedger.has_room` is the scheduler's prefill-room filter,
+:class:`~pdproxy.scheduling.filters.HasPrefillRoom`); :class:`PrefillQueue` makes requests wait, in order, until
+the scheduler finds a prefiller that passes every filter including that one.
 
 - **Budget.**  A prefiller may hold ``budget_tokens`` of dispatched-but-unanswered prefill tokens; a prompt larger
   than the budget runs only on an otherwise idle prefiller.  ``budget_tokens = 0`` turns the budget off.
 - **KV pool.**  The prompt tokens in flight *or pinned* on a prefiller must also fit its KV pool
   (``EngineInfo.kv_pool_tokens`` via :class:`~pdproxy.limits.Limits`, from ``vllm:cache_config_info``): after the
-  prefill the engine keeps the prompt's blocks until the decoder pulls them (reference §1.4), and the director
-  holds the prefill's pool lease until the decoder's first event.  So the effective per-prefiller budget is
+  prefill the engine keeps the prompt's blocks until the decoder pulls them (the KV connector's delayed free,
+  ``request_finished`` in ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py``), and the director
+  holds the prefill's pool lease until the decoder starts answering.  So the effective per-prefiller budget is
   ``min(budget_tokens, kv pool)``, counted over the pool's prefill leases (plus slots granted but not yet leased)
   rather than over unanswered prefills only.  Counting is in whole blocks (``block_size``; a held lease counts as
   at most ``block_size − 1`` tokens more than its prompt), as vLLM allocates them.  Without it a second long
@@ -23,7 +30,7 @@ prompts here instead of piling them onto engines' FCFS queues keeps the order ou
 - **Decoder capacity.**  A prefill is dispatched only if the decoders' free KV (their KV pool minus the tokens the
   pool's decode leases hold, minus the prefills already dispatched and not yet decoding) has room for the prompt + 1
   token, and (``decoder_max_requests`` > 0) a decoder has a free request slot.  A prefill whose decoder never comes
-  would only pin KV on the prefiller until it expires (reference §1.4).
+  would only pin KV on the prefiller until the connector's timeout frees it.
 - **Bounds.**  More than ``max_waiting`` waiters → :class:`~pdproxy.errors.Overloaded` (429, ``Retry-After``);
   waiting longer than ``timeout_s`` → :class:`QueueTimeout` (503, ``Retry-After``).  Nothing waits forever.
 
@@ -38,16 +45,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.errors import NoEndpointAvailable, Overloaded, QueueTimeout
+from pdproxy.errors import Overloaded, ProxyError, QueueTimeout
 from pdproxy.limits import Limits
 from pdproxy.pool import EndpointPool
-from pdproxy.scheduler import Scheduler
+from pdproxy.scheduling import PickRequest, Scheduler
 
 POLL_S = 0.25
 """A waiter re-checks at least this often (seconds, default of ``poll_s``): health and KV-pool refreshes and
@@ -70,42 +78,41 @@ class PrefillSlot:
     """One dispatched prefill: ``tokens`` held against ``endpoint``'s budget until :meth:`prefill_done`, and
     ``decode_tokens`` reserved on the decoders until :meth:`decode_started`.  Both releases are idempotent."""
 
-    __slots__ = ("_decode_held", "_prefill_held", "_queue", "_unleased", "decode_tokens", "endpoint", "tokens")
+    __slots__ = ("_decode_held", "_ledger", "_prefill_held", "_unleased", "decode_tokens", "endpoint", "tokens")
 
-    def __init__(self, queue: PrefillQueue, endpoint: Endpoint, tokens: int, decode_tokens: int) -> None:
-        self._queue = queue
+    def __init__(self, ledger: PrefillLedger, endpoint: Endpoint, tokens: int, decode_tokens: int) -> None:
+        self._ledger = ledger
         self.endpoint = endpoint
         self.tokens = tokens
         self.decode_tokens = decode_tokens
         self._prefill_held = True
         self._decode_held = True
         self._unleased = True
-        queue._inflight.setdefault(endpoint, _Held()).add(tokens, 1)
-        queue._unleased.setdefault(endpoint, _Held()).add(tokens, 1)
-        queue._pending_decode += decode_tokens
+        ledger._inflight.setdefault(endpoint, _Held()).add(tokens, 1)
+        ledger._unleased.setdefault(endpoint, _Held()).add(tokens, 1)
+        ledger.pending_decode += decode_tokens
 
     def handed_over(self) -> None:
         """The holder has the slot and takes its pool lease on ``endpoint`` at once (the director does, from
-        here until the decoder's first event): the KV it pins is counted by that lease from now on."""
+        here until the decoder starts answering): the KV it pins is counted by that lease from now on."""
         if self._unleased:
             self._unleased = False
-            self._queue._unleased[self.endpoint].add(-self.tokens, -1)
+            self._ledger._unleased[self.endpoint].add(-self.tokens, -1)
 
     def prefill_done(self) -> None:
         """The prefiller answered (or failed): its budget is free again (its KV stays counted by the lease)."""
         self.handed_over()
         if self._prefill_held:
             self._prefill_held = False
-            q = self._queue
-            q._inflight[self.endpoint].add(-self.tokens, -1)
-            q.notify()
+            self._ledger._inflight[self.endpoint].add(-self.tokens, -1)
+            self._ledger.changed()
 
     def decode_started(self) -> None:
         """The decoder lease is taken: the pool's decode accounting now covers this request."""
         if self._decode_held:
             self._decode_held = False
-            self._queue._pending_decode -= self.decode_tokens
-            self._queue.notify()
+            self._ledger.pending_decode -= self.decode_tokens
+            self._ledger.changed()
 
     def release(self) -> None:
         """Both releases (any exit path)."""
@@ -125,56 +132,37 @@ class _Held:
         self.requests += requests
 
 
-Fits = Callable[[Endpoint], bool]
-Choose = Callable[[Fits], Endpoint]
-"""``choose(room)``: pick a prefiller among those ``room`` accepts (plus the caller's own filters: health, limits,
-endpoints already tried); raises :class:`NoEndpointAvailable` when none is left."""
+class PrefillLedger:
+    """What is held against each prefiller (unanswered prefills against ``budget_tokens``, prompts in flight or
+    pinned against its KV pool) and reserved on the decoders (prefills dispatched, not yet decoding), per the
+    module docstring.  ``limits`` gives the engines' KV pools and block sizes; ``decoder_capacity``: tie dispatch
+    to the decoders' free KV; ``decoder_max_requests``: decode requests per decoder before prefills wait (0: no
+    limit).  Listeners (:meth:`add_listener`) hear every release."""
 
-
-@dataclass(slots=True)
-class _Waiter:
-    tokens: int
-    decode_tokens: int
-    exclude: Sequence[Endpoint]
-    fits: Fits | None
-    choose: Choose
-    seq: int
-    arrived_at: float = field(default_factory=time.monotonic)
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-    slot: PrefillSlot | None = None
-
-
-class PrefillQueue:
-    """See the module docstring.  ``limits`` gives decoders' KV pools; the pool gives decode leases and calls
-    :meth:`notify` on every lease release.  ``poll_s``: the safety-net re-check interval (seconds)."""
-
-    def __init__(self, pool: EndpointPool, scheduler: Scheduler, limits: Limits, *, budget_tokens: int,
-                 max_waiting: int, timeout_s: float, aging_tokens_per_s: float, busy_tokens: int,
-                 decoder_capacity: bool = True, decoder_max_requests: int = 0, poll_s: float = POLL_S) -> None:
+    def __init__(self, pool: EndpointPool, limits: Limits, *, budget_tokens: int, decoder_capacity: bool = True,
+                 decoder_max_requests: int = 0) -> None:
         self.pool = pool
-        self.scheduler = scheduler
         self.limits = limits
         self.budget_tokens = budget_tokens
-        self.max_waiting = max_waiting
-        self.timeout_s = timeout_s
-        self.aging_tokens_per_s = aging_tokens_per_s
-        self.busy_tokens = busy_tokens
         self.decoder_capacity = decoder_capacity
         self.decoder_max_requests = decoder_max_requests
-        self.stats = QueueStats()
+        self.pending_decode = 0
         self._inflight: dict[Endpoint, _Held] = {}
         self._unleased: dict[Endpoint, _Held] = {}
-        self._pending_decode = 0
-        self._waiting: list[_Waiter] = []
-        self._seq = itertools.count()
-        self.poll_s = poll_s
-        pool.add_release_listener(self.notify)   # a lease released (prefill KV unpinned, decoder KV freed): wake
+        self._listeners: list[Callable[[], None]] = []
 
-    # ---- state for routing and metrics
-    @property
-    def depth(self) -> int:
-        """Requests waiting now."""
-        return len(self._waiting)
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` (synchronously) whenever a slot gives budget or decoder reservation back."""
+        self._listeners.append(listener)
+
+    def changed(self) -> None:
+        """Tell the listeners that capacity was given back."""
+        for listener in self._listeners:
+            listener()
+
+    def hold(self, endpoint: Endpoint, tokens: int, decode_tokens: int) -> PrefillSlot:
+        """Grant a slot: ``tokens`` against ``endpoint``, ``decode_tokens`` reserved on the decoders."""
+        return PrefillSlot(self, endpoint, tokens, decode_tokens)
 
     def inflight_tokens(self, endpoint: Endpoint) -> int:
         """Prefill tokens dispatched to ``endpoint`` and not answered yet."""
@@ -183,8 +171,9 @@ class PrefillQueue:
 
     def kv_held_tokens(self, endpoint: Endpoint) -> int:
         """An upper bound on the KV (tokens, whole blocks) that prompts in flight or pinned hold on ``endpoint``:
-        the pool's leases on it (the director's prefill leases, held until the decoder's first event) plus slots
-        granted and not yet leased — or the unanswered prefills alone if more (a holder that takes no lease)."""
+        the pool's leases on it (the director's prefill leases, held until the decoder starts answering) plus
+        slots granted and not yet leased — or the unanswered prefills alone if more (a holder that takes no
+        lease)."""
         lim = self.limits.of(endpoint)
         pad = lim.block_size - 1 if lim.block_size else 0
         try:
@@ -197,20 +186,9 @@ class PrefillQueue:
         return max(leased_tokens + unleased.tokens + pad * (leased_requests + unleased.requests),
                    flying.tokens + pad * flying.requests)
 
-    def idle(self) -> bool:
-        """True when nothing waits, no prefill is in flight and no decode capacity is reserved."""
-        return (not self._waiting and self._pending_decode == 0
-                and not any(h.tokens or h.requests for h in (*self._inflight.values(), *self._unleased.values())))
-
-    def congested(self, fits: Fits | None = None) -> bool:
-        """True when every healthy prefiller that ``fits`` has at least ``busy_tokens`` prefill tokens in flight
-        (prefill capacity is taken by long work).  False when no prefiller fits (routing will tell)."""
-        candidates = [e for e in self.pool.available(Role.PREFILL) if fits is None or fits(e)]
-        return bool(candidates) and all(self.inflight_tokens(e) >= self.busy_tokens for e in candidates)
-
-    # ---- dispatch
-    def _has_room(self, endpoint: Endpoint, tokens: int) -> bool:
-        """Budget, then KV pool (module docstring); an idle prefiller takes any prompt the limits let in."""
+    def has_room(self, endpoint: Endpoint, tokens: int) -> bool:
+        """True when a prompt of ``tokens`` tokens fits ``endpoint``'s budget, then its KV pool (module
+        docstring); an idle prefiller takes any prompt the limits let in."""
         held = self.inflight_tokens(endpoint)
         if not (self.budget_tokens <= 0 or held == 0 or held + tokens <= self.budget_tokens):
             return False
@@ -221,12 +199,15 @@ class PrefillQueue:
         need = -(-tokens // lim.block_size) * lim.block_size if lim.block_size else tokens
         return pinned == 0 or pinned + need <= lim.kv_pool_tokens
 
-    def _decode_room(self, need: int) -> bool:
+    def decode_room(self, need: int) -> bool:
+        """True when the decoders' free KV has room for ``need`` more tokens (and a request slot when
+        ``decoder_max_requests`` is set); always True without ``decoder_capacity``, without decoders (the decode
+        leg answers 503 itself) or when a decoder's KV pool is unknown."""
         if not self.decoder_capacity:
             return True
         decoders = self.pool.available(Role.DECODE)
         if not decoders:
-            return True                      # the decode leg answers 503 itself
+            return True
         free_total = 0
         free_best = 0
         load_of, limits_of = self.pool.load, self.limits.of
@@ -240,30 +221,89 @@ class PrefillQueue:
             free = max(0, kv - load.tokens)
             free_total += free
             free_best = max(free_best, free)
-        return free_best >= need and free_total - self._pending_decode >= need
+        return free_best >= need and free_total - self.pending_decode >= need
+
+    def idle(self) -> bool:
+        """True when no prefill is in flight, no slot is unleased and no decode capacity is reserved."""
+        return self.pending_decode == 0 and not any(
+            h.tokens or h.requests for h in (*self._inflight.values(), *self._unleased.values()))
+
+
+@dataclass(slots=True)
+class _Waiter:
+    tokens: int
+    decode_tokens: int
+    exclude: Sequence[Endpoint]
+    request: PickRequest
+    seq: int
+    arrived_at: float = field(default_factory=time.monotonic)
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    slot: PrefillSlot | None = None
+
+
+class PrefillQueue:
+    """See the module docstring.  The prefiller of a slot is the ``scheduler``'s pick (every prefill filter,
+    including the ledger's room); ``ledger`` holds the accounting.  ``busy_tokens``: in-flight prefill tokens that
+    make a prefiller "busy with long work" (:meth:`congested`); ``poll_s``: the safety-net re-check interval
+    (seconds).  The pool's lease releases and the ledger's changes call :meth:`notify`."""
+
+    def __init__(self, ledger: PrefillLedger, scheduler: Scheduler, *, max_waiting: int, timeout_s: float,
+                 aging_tokens_per_s: float, busy_tokens: int, poll_s: float = POLL_S) -> None:
+        self.ledger = ledger
+        self.scheduler = scheduler
+        self.max_waiting = max_waiting
+        self.timeout_s = timeout_s
+        self.aging_tokens_per_s = aging_tokens_per_s
+        self.busy_tokens = busy_tokens
+        self.poll_s = poll_s
+        self.stats = QueueStats()
+        self._waiting: list[_Waiter] = []
+        self._seq = itertools.count()
+        ledger.add_listener(self.notify)
+        ledger.pool.add_release_listener(self.notify)  # a lease released (prefill KV unpinned, decoder KV freed)
+
+    # ---- state for routing and metrics
+    @property
+    def depth(self) -> int:
+        """Requests waiting now."""
+        return len(self._waiting)
+
+    def idle(self) -> bool:
+        """True when nothing waits, no prefill is in flight and no decode capacity is reserved."""
+        return not self._waiting and self.ledger.idle()
+
+    def congested(self, request: PickRequest | None = None) -> bool:
+        """True when every prefiller that could take ``request`` (all filters but capacity) has at least
+        ``busy_tokens`` prefill tokens in flight (prefill capacity is taken by long work).  False when none could
+        (routing will tell)."""
+        candidates = self.scheduler.eligible(Role.PREFILL, request or PickRequest(), capacity=False)
+        inflight = self.ledger.inflight_tokens
+        return bool(candidates) and all(inflight(e) >= self.busy_tokens for e in candidates)
+
+    # ---- dispatch
+    def _grant(self, w: _Waiter, endpoint: Endpoint) -> None:
+        w.slot = self.ledger.hold(endpoint, w.tokens, w.decode_tokens)
+        self.stats.granted_total += 1
 
     def _try_grant(self, w: _Waiter) -> bool:
-        if not self._decode_room(w.decode_tokens):
+        if not self.ledger.decode_room(w.decode_tokens):
             return False
         try:
-            endpoint = w.choose(lambda e: self._has_room(e, w.tokens))
-        except NoEndpointAvailable:
+            endpoint = self.scheduler.pick(Role.PREFILL, w.request, w.exclude)
+        except ProxyError:           # no room now (or no longer placeable: its own wait loop will say so)
             return False
-        w.slot = PrefillSlot(self, endpoint, w.tokens, w.decode_tokens)
-        self.stats.granted_total += 1
+        self._grant(w, endpoint)
         w.event.set()
         return True
 
     def _placeable(self, w: _Waiter) -> bool:
-        """Some healthy prefiller could take ``w`` once capacity frees up (else it must not wait)."""
-        return any(e not in w.exclude and (w.fits is None or w.fits(e)) for e in self.pool.available(Role.PREFILL))
+        """Some prefiller could take ``w`` once capacity frees up (else it must not wait)."""
+        return bool(self.scheduler.eligible(Role.PREFILL, w.request, w.exclude, capacity=False))
 
     def _unplaceable(self, w: _Waiter) -> None:
-        """No prefiller can take ``w`` whatever the load: let ``choose`` raise its :class:`NoEndpointAvailable`
-        (with its ``Retry-After``); should it still find one, take it."""
-        endpoint = w.choose(lambda e: True)
-        w.slot = PrefillSlot(self, endpoint, w.tokens, w.decode_tokens)
-        self.stats.granted_total += 1
+        """No prefiller can take ``w`` whatever the load: let the scheduler raise its refusal (503 with its
+        ``Retry-After``, or 404 for a model nobody serves); should it still find one, take it."""
+        self._grant(w, self.scheduler.pick(Role.PREFILL, w.request, w.exclude, capacity=False))
 
     def notify(self) -> None:
         """Capacity may have changed: grant waiters in key order, stopping at the first that cannot be placed."""
@@ -278,17 +318,19 @@ class PrefillQueue:
 
     @contextlib.asynccontextmanager
     async def slot(self, tokens: int, decode_tokens: int, *, exclude: Sequence[Endpoint] = (),
-                   fits: Fits | None = None, choose: Choose | None = None) -> AsyncIterator[PrefillSlot]:
+                   request: PickRequest | None = None) -> AsyncIterator[PrefillSlot]:
         """Wait for and hold a prefill slot for a prompt of ``tokens`` tokens needing ``decode_tokens`` of decoder
-        KV, on a prefiller not in ``exclude`` that ``fits`` accepts, picked by ``choose`` (default: the scheduler).
-        Raises :class:`NoEndpointAvailable` at once when no healthy prefiller fits, :class:`Overloaded` when
-        ``max_waiting`` requests already wait, :class:`QueueTimeout` after ``timeout_s`` seconds."""
-        excluded = tuple(exclude)
-
-        def default_choose(room: Fits) -> Endpoint:
-            return self.scheduler.choose(Role.PREFILL, exclude=excluded,
-                                         fits=lambda e: (fits is None or fits(e)) and room(e))
-        w = _Waiter(tokens, decode_tokens, excluded, fits, choose or default_choose, next(self._seq))
+        KV, on the prefiller the scheduler picks for ``request`` (default: one that says only its size), not in
+        ``exclude``.  Raises the scheduler's refusal at once when no prefiller could ever take it
+        (:class:`~pdproxy.errors.NoEndpointAvailable`, :class:`~pdproxy.errors.ModelNotFound`),
+        :class:`Overloaded` when ``max_waiting`` requests already wait, :class:`QueueTimeout` after ``timeout_s``
+        seconds."""
+        seq = next(self._seq)
+        if request is None:
+            request = PickRequest(request_id=f"prefill-slot-{seq}", prompt_tokens=tokens)
+        elif request.prompt_tokens is None:
+            request = dataclasses.replace(request, prompt_tokens=tokens)
+        w = _Waiter(tokens, decode_tokens, tuple(exclude), request, seq)
         if not self._placeable(w):
             self._unplaceable(w)
         elif not self._waiting and self._try_grant(w):

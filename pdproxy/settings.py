@@ -79,6 +79,10 @@ class Settings(BaseSettings):
         False, description="if a prefiller answers without kv_transfer_params, let the decoder prefill locally "
                            "(vLLM's degraded mode) instead of answering 502")
     expose_routing_headers: bool = Field(False, description="add x-pdproxy-prefiller / x-pdproxy-decoder headers")
+    routing_picker: Literal["least_cost", "power_of_two"] = Field(
+        "least_cost", description="how the scheduler picks among scored endpoints: 'least_cost' (lowest cost, ties "
+                                  "by rendezvous hashing, the same in every replica) or 'power_of_two' (two "
+                                  "sampled at random, the cheaper wins)")
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     model_name: str | None = Field(None, description="served model name to advertise if engines cannot be asked")
 
@@ -115,7 +119,9 @@ class Settings(BaseSettings):
 
     # --- auth
     api_keys: StrList = Field([], description="client API keys pdproxy enforces (never forwarded to engines)")
-    engine_api_key: str | None = Field(None, description="key sent to engines when api_keys are enforced")
+    engine_api_key: str | None = Field(None, description="the engines' --api-key: sent on every engine call (request "
+                                                         "legs, /tokenize, /v1/models, /metrics, /health) instead of "
+                                                         "the client's Authorization")
     admin_key: str | None = Field(None, description="enables the /admin API (Authorization: Bearer <key>)")
 
     # --- admission

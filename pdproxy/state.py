@@ -1,4 +1,7 @@
-"""ProxyState: everything one proxy process owns, built in the app's lifespan (no module-level state)."""
+"""ProxyState: everything one proxy process owns, built in the app's lifespan (no module-level state).
+
+:meth:`ProxyState.build` is the wiring: each component gets the parts it uses, nothing gets the state itself.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +10,14 @@ from dataclasses import dataclass, field
 
 from pdproxy.admission import Admission
 from pdproxy.endpoints import Endpoint
+from pdproxy.engine_headers import EngineHeaders
 from pdproxy.engines import EngineClient, EngineInfo
 from pdproxy.health import HealthMonitor
+from pdproxy.limits import Limits
 from pdproxy.pool import EndpointPool
-from pdproxy.scheduler import Scheduler
+from pdproxy.prefill_queue import PrefillLedger, PrefillQueue
+from pdproxy.scheduling import Scheduler
 from pdproxy.settings import Settings
-from pdproxy.timeline import RequestContext
 from pdproxy.upstream import Upstream
 
 
@@ -22,11 +27,15 @@ class ProxyState:
 
     settings: Settings
     pool: EndpointPool
+    infos: dict[Endpoint, EngineInfo]
+    limits: Limits
+    health: HealthMonitor
+    ledger: PrefillLedger
     scheduler: Scheduler
+    queue: PrefillQueue
+    headers: EngineHeaders
     upstream: Upstream
     engines: EngineClient
-    infos: dict[Endpoint, EngineInfo]
-    health: HealthMonitor
     admission: Admission
     shutting_down: bool = False
     in_flight: int = 0
@@ -37,19 +46,26 @@ class ProxyState:
               pool_factory: Callable[[list[Endpoint]], EndpointPool] | None = None) -> ProxyState:
         """Construct (not start) every component from settings.  ``pool_factory`` (``--workers N``: a pool on the
         shared load board, pdproxy/loadboard.py) replaces the default per-process :class:`EndpointPool`."""
-        pool = (pool_factory or EndpointPool)(settings.all_endpoints())
-        engines = EngineClient(timeout_s=settings.health_timeout_s, api_key=settings.engine_api_key)
+        s = settings
+        pool = (pool_factory or EndpointPool)(s.all_endpoints())
+        headers = EngineHeaders.from_settings(s)
+        engines = EngineClient(timeout_s=s.health_timeout_s, api_key=s.engine_api_key)
         infos: dict[Endpoint, EngineInfo] = {e: EngineInfo() for e in pool.endpoints()}
-        health = HealthMonitor(pool, engines, infos, interval_s=settings.health_interval_s,
-                               refresh_interval_s=settings.engine_refresh_interval_s,
-                               breaker_failures=settings.breaker_failures, breaker_open_s=settings.breaker_open_s)
-        scheduler = Scheduler(pool)
-        upstream = Upstream(connect_timeout_s=settings.connect_timeout_s)
-        admission = Admission(settings, pool, infos, scheduler=scheduler, upstream=upstream)
-        state = cls(settings=settings, pool=pool, scheduler=scheduler, upstream=upstream, engines=engines,
-                    infos=infos, health=health, admission=admission)
-        admission.engine_authorization = state.engine_authorization
-        return state
+        limits = Limits(pool, infos, max_model_len_override=s.max_model_len, clamp=s.max_tokens_overflow == "clamp")
+        health = HealthMonitor(pool, engines, infos, interval_s=s.health_interval_s,
+                               refresh_interval_s=s.engine_refresh_interval_s,
+                               breaker_failures=s.breaker_failures, breaker_open_s=s.breaker_open_s)
+        ledger = PrefillLedger(pool, limits, budget_tokens=s.prefill_budget_tokens,
+                               decoder_capacity=s.prefill_tied_to_decoders, decoder_max_requests=s.decoder_max_requests)
+        scheduler = Scheduler.standard(pool, health=health, infos=infos, limits=limits, ledger=ledger,
+                                       picker=s.routing_picker)
+        queue = PrefillQueue(ledger, scheduler, max_waiting=s.prefill_queue_max, timeout_s=s.prefill_queue_timeout_s,
+                             aging_tokens_per_s=s.prefill_queue_aging_tokens_per_s, busy_tokens=s.prefill_busy_tokens)
+        upstream = Upstream(connect_timeout_s=s.connect_timeout_s)
+        admission = Admission(s, limits=limits, queue=queue, scheduler=scheduler, upstream=upstream, headers=headers)
+        return cls(settings=s, pool=pool, infos=infos, limits=limits, health=health, ledger=ledger,
+                   scheduler=scheduler, queue=queue, headers=headers, upstream=upstream, engines=engines,
+                   admission=admission)
 
     async def start(self) -> None:
         """Start the upstream pool, admission and health monitoring (health probes every engine once first)."""
@@ -63,26 +79,3 @@ class ProxyState:
         await self.admission.aclose()
         await self.upstream.close()
         await self.engines.aclose()
-
-    def engine_authorization(self, client_authorization: str | None) -> str | None:
-        """The ``Authorization`` header for engine legs.
-
-        By default the client's header passes through (engines started with ``--api-key`` work behind pdproxy as
-        they do directly).  When pdproxy enforces its own client keys (``api_keys``), those never reach the
-        engines: the configured ``engine_api_key`` is sent instead, or nothing.
-        """
-        if self.settings.api_keys:
-            key = self.settings.engine_api_key
-            return f"Bearer {key}" if key else None
-        return client_authorization
-
-    def routing_headers(self, ctx: RequestContext) -> list[tuple[bytes, bytes]]:
-        """Optional response headers naming the prefiller and decoder used (``expose_routing_headers``)."""
-        if not self.settings.expose_routing_headers:
-            return []
-        out = []
-        if ctx.prefiller:
-            out.append((b"x-pdproxy-prefiller", ctx.prefiller.encode()))
-        if ctx.decoder:
-            out.append((b"x-pdproxy-decoder", ctx.decoder.encode()))
-        return out

@@ -8,6 +8,8 @@ from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines import EngineInfo
 from pdproxy.limits import Limits
 from pdproxy.pool import EndpointPool
+from pdproxy.scheduling import PickRequest
+from pdproxy.scheduling.filters import FitsLimits
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -92,8 +94,7 @@ def test_reject_mode_keeps_the_requested_output_wording() -> None:
 def test_most_permissive_endpoint_decides_and_routing_filters_the_rest() -> None:
     lim = limits(info(1000), info(4000), p2=info(3000))
     assert lim.max_prompt_tokens(None) == 2999
-    fits = lim.fits(Role.PREFILL, 2000, None)
-    assert not fits(P) and fits(P2)
+    assert FitsLimits(lim, Role.PREFILL)(PickRequest(prompt_tokens=2000), [P, P2]) == [P2]
     assert lim.violation(3000, None).endpoint == P2.name  # type: ignore[union-attr]
 
 

@@ -13,8 +13,8 @@ from pdproxy.engines import EngineInfo
 from pdproxy.errors import NoEndpointAvailable, Overloaded, QueueTimeout
 from pdproxy.limits import Limits
 from pdproxy.pool import EndpointPool
-from pdproxy.prefill_queue import PrefillQueue, PrefillSlot
-from pdproxy.scheduler import Scheduler
+from pdproxy.prefill_queue import PrefillLedger, PrefillQueue, PrefillSlot
+from pdproxy.scheduling import Scheduler
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
 
@@ -28,7 +28,9 @@ def make_queue(*, budget: int = 10_000, kv: int | None = None, aging: float = 0.
                          block_size=block_size) if p_blocks else EngineInfo(max_model_len=1_000_000))
     infos = {P: p_info, D: EngineInfo(max_model_len=1_000_000, kv_pool_tokens=kv)}
     pool = EndpointPool(list(infos))
-    return PrefillQueue(pool, Scheduler(pool, seed=1), Limits(pool, infos), budget_tokens=budget,
+    limits = Limits(pool, infos)
+    ledger = PrefillLedger(pool, limits, budget_tokens=budget)
+    return PrefillQueue(ledger, Scheduler.standard(pool, ledger=ledger),
                         max_waiting=max_waiting, timeout_s=timeout_s, aging_tokens_per_s=aging, busy_tokens=5000)
 
 
@@ -128,7 +130,7 @@ async def test_cancelled_waiter_leaves_no_trace_and_unfit_prompt_fails_fast() ->
         assert q.depth == 0
     assert q.idle()
     with pytest.raises(NoEndpointAvailable):
-        async with q.slot(10, 11, fits=lambda e: False):
+        async with q.slot(10, 11, exclude=[P]):                     # the only prefiller failed already
             pass
 
 
@@ -143,7 +145,7 @@ async def test_prompts_pinned_on_the_prefiller_stay_within_its_kv_pool() -> None
 
     async def request(tokens: int, decoded: asyncio.Event | None = None) -> None:
         async with q.slot(tokens, tokens + 1) as slot:
-            with q.pool.lease(slot.endpoint, tokens):                 # the director's prefill lease
+            with q.ledger.pool.lease(slot.endpoint, tokens):                 # the director's prefill lease
                 order.append(tokens)
                 slot.prefill_done()                                  # the prefiller answered: KV now pinned
                 if decoded is not None:
@@ -152,7 +154,7 @@ async def test_prompts_pinned_on_the_prefiller_stay_within_its_kv_pool() -> None
     async with asyncio.TaskGroup() as tg:
         tg.create_task(request(2000, first_event))
         await until(lambda: order == [2000])
-        assert q.inflight_tokens(P) == 0 and q.kv_held_tokens(P) == 2000 + 127   # whole blocks, upper bound
+        assert q.ledger.inflight_tokens(P) == 0 and q.ledger.kv_held_tokens(P) == 2000 + 127   # whole blocks, upper bound
         tg.create_task(request(2001))
         await until(lambda: q.depth == 1)
         tg.create_task(request(3))                                   # 1 block: fits next to the pinned 16
@@ -161,7 +163,7 @@ async def test_prompts_pinned_on_the_prefiller_stay_within_its_kv_pool() -> None
         first_event.set()
         await until(lambda: len(order) == 3)
     assert order == [2000, 3, 2001]
-    assert q.idle() and q.pool.idle() and q.kv_held_tokens(P) == 0
+    assert q.idle() and q.ledger.pool.idle() and q.ledger.kv_held_tokens(P) == 0
     assert q.stats.waited_total == 2 and q.stats.granted_total == 3
 
 

@@ -13,8 +13,8 @@ from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines import EngineInfo
 from pdproxy.limits import Limits
 from pdproxy.pool import EndpointPool
-from pdproxy.prefill_queue import PrefillQueue
-from pdproxy.scheduler import Scheduler
+from pdproxy.prefill_queue import PrefillLedger, PrefillQueue
+from pdproxy.scheduling import Scheduler
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
 
@@ -29,7 +29,9 @@ def make_queue(*, p_blocks: int | None = None, decoder_kv: int | None = None) ->
               if p_blocks else EngineInfo(max_model_len=1_000_000))
     infos = {P: p_info, D: EngineInfo(max_model_len=1_000_000, kv_pool_tokens=decoder_kv)}
     pool = EndpointPool(list(infos))
-    return PrefillQueue(pool, Scheduler(pool, seed=1), Limits(pool, infos), budget_tokens=32_768, max_waiting=10,
+    limits = Limits(pool, infos)
+    ledger = PrefillLedger(pool, limits, budget_tokens=32_768)
+    return PrefillQueue(ledger, Scheduler.standard(pool, ledger=ledger), max_waiting=10,
                         timeout_s=HOUR_S, aging_tokens_per_s=0.0, busy_tokens=5000, poll_s=HOUR_S)
 
 
@@ -45,7 +47,7 @@ async def test_releasing_a_prefill_lease_grants_the_waiting_long_prompt_at_once(
     q = make_queue(p_blocks=18)
     async with AsyncExitStack() as stack:
         first = await stack.enter_async_context(q.slot(2000, 2001))
-        lease = stack.enter_context(q.pool.lease(first.endpoint, 2000))  # the director's prefill lease
+        lease = stack.enter_context(q.ledger.pool.lease(first.endpoint, 2000))  # the director's prefill lease
         first.prefill_done()                                           # answered: budget free, KV still pinned
         first.decode_started()
         waiter = asyncio.ensure_future(stack.enter_async_context(q.slot(2001, 2002)))
@@ -57,21 +59,21 @@ async def test_releasing_a_prefill_lease_grants_the_waiting_long_prompt_at_once(
         assert second.endpoint == P and q.depth == 0
         lease.release()                                                # idempotent: no second wake-up, no grant
         assert q.stats.granted_total == 2
-    assert q.idle() and q.pool.idle() and q.kv_held_tokens(P) == 0
+    assert q.idle() and q.ledger.pool.idle() and q.ledger.kv_held_tokens(P) == 0
     assert q.stats.waited_total == 1 and q.stats.timed_out_total == 0
 
 
 async def test_releasing_a_decode_lease_grants_the_prefill_waiting_for_decoder_kv_at_once() -> None:
     q = make_queue(decoder_kv=3000)
     async with AsyncExitStack() as stack:
-        decode = stack.enter_context(q.pool.lease(D, 2500))            # a running stream holds decoder KV
+        decode = stack.enter_context(q.ledger.pool.lease(D, 2500))            # a running stream holds decoder KV
         waiter = asyncio.ensure_future(stack.enter_async_context(q.slot(1000, 1001)))
         await until(lambda: q.depth == 1)                              # 1,001 > 3,000 − 2,500
         assert q.stats.granted_total == 0
         decode.release()                                               # the stream ended
         assert q.stats.granted_total == 1
         assert (await waiter).endpoint == P
-    assert q.idle() and q.pool.idle()
+    assert q.idle() and q.ledger.pool.idle()
 
 
 def test_pool_calls_release_listeners_once_per_lease_and_forgets_removed_ones() -> None:

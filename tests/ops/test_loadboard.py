@@ -9,7 +9,7 @@ import pytest
 
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.loadboard import LoadBoard
-from pdproxy.scheduler import Scheduler, least_loaded
+from pdproxy.scheduling import PickRequest, Scheduler
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -62,9 +62,9 @@ def test_health_flags_stay_per_worker_and_totals_are_read_only(boards: tuple[Loa
 def test_scheduler_sees_other_workers_leases(boards: tuple[LoadBoard, LoadBoard]) -> None:
     a, b = boards
     pa, pb = a.pool(ENDPOINTS, 0), b.pool(ENDPOINTS, 1)
-    sched_a = Scheduler(pa, picker=least_loaded, seed=1)
+    sched_a = Scheduler.standard(pa)
     with pb.lease(D0, 10), pb.lease(D0, 10):  # worker b holds two requests on d0
-        picks = {sched_a.choose(Role.DECODE) for _ in range(20)}
+        picks = {sched_a.pick(Role.DECODE, PickRequest(f"r{i}")) for i in range(20)}
         assert picks == {D1}
 
 

@@ -9,7 +9,7 @@ from pdproxy.endpoints import Role, expand
 from pdproxy.errors import NoEndpointAvailable
 from pdproxy.health import HealthMonitor
 from pdproxy.pool import EndpointPool
-from pdproxy.scheduler import Scheduler
+from pdproxy.scheduling import PickRequest, Scheduler
 
 pytestmark = pytest.mark.timeout(5)
 
@@ -115,11 +115,12 @@ def test_monitor_filters_open_endpoints_and_reports_retry_after() -> None:
     pool = EndpointPool(eps)
     health = HealthMonitor(pool, engines=None, infos={}, interval_s=1.0, refresh_interval_s=1.0,  # type: ignore
                            breaker_failures=1, breaker_open_s=3.0, clock=clock)
-    sched = Scheduler(pool, seed=1)
+    sched = Scheduler.standard(pool, health=health)
     health.record_failure(eps[0])
-    assert {sched.choose(Role.PREFILL, fits=health.admits()) for _ in range(20)} == {eps[1]}
+    assert {sched.pick(Role.PREFILL, PickRequest(f"r{i}")) for i in range(20)} == {eps[1]}
     health.record_failure(eps[1], retry_after_s=10)
-    with pytest.raises(NoEndpointAvailable):
-        sched.choose(Role.PREFILL, fits=health.admits())
+    with pytest.raises(NoEndpointAvailable) as refused:
+        sched.pick(Role.PREFILL, PickRequest())
+    assert "circuit breaker" in refused.value.message and refused.value.headers["retry-after"] == "3"
     assert health.retry_after_s(eps) == 3
     assert health.snapshot(eps[1])["breaker"] == "open"

@@ -114,7 +114,7 @@ def test_disconnect_in_the_gap_between_prefill_and_decode(fleet4: Fleet4) -> Non
             await asyncio.Event().wait()  # until cancelled by the client's disconnect
             return False
 
-        director.run_decode = pause_before_decode  # type: ignore[method-assign]
+        director.decode.run = pause_before_decode  # type: ignore[method-assign]
         pinned_while_paused: list[int] = []
 
         def all_paused(_ev: list[int]) -> bool:

@@ -22,7 +22,7 @@ from pdproxy.endpoints import Endpoint, Role, expand
 from pdproxy.errors import NoEndpointAvailable
 from pdproxy.health import HealthMonitor
 from pdproxy.pool import EndpointPool
-from pdproxy.scheduler import Scheduler
+from pdproxy.scheduling import PickRequest, Scheduler
 
 ENDPOINTS = expand(["http://p0:1", "http://p1:1"], Role.PREFILL) + expand(["http://d0:1"], Role.DECODE, dp_size=2)
 STEPS = ("picked_prefill", "prefilled", "picked_decode", "first_event", "streamed")
@@ -58,9 +58,7 @@ def check(pool: EndpointPool) -> None:
 async def request(pool: EndpointPool, sched: Scheduler, health: HealthMonitor, script: Script,
                   gate: asyncio.Queue[str]) -> str:
     def pick(role: Role, exclude: list[Endpoint]) -> Endpoint:
-        e = sched.choose(role, exclude=exclude, fits=health.admits())
-        health.on_pick(e)
-        return e
+        return sched.pick(role, PickRequest(f"t{script.tokens}"), exclude)   # breaker filter + its trial slot
 
     async def step(name: str) -> None:
         assert await gate.get() == "go"
@@ -106,9 +104,9 @@ def test_load_counters_never_negative_and_return_to_zero(scripts: list[Script],
     async def main() -> None:
         clock = FakeClock()
         pool = EndpointPool(ENDPOINTS)
-        sched = Scheduler(pool, seed=0)
         health = HealthMonitor(pool, engines=None, infos={}, interval_s=1.0,  # type: ignore[arg-type]
                                refresh_interval_s=1.0, breaker_failures=2, breaker_open_s=1.0, clock=clock)
+        sched = Scheduler.standard(pool, health=health)
         gates: list[asyncio.Queue[str]] = [asyncio.Queue() for _ in scripts]
         tasks: list[asyncio.Task[Any]] = [asyncio.create_task(request(pool, sched, health, s, g))
                                           for s, g in zip(scripts, gates, strict=True)]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from pdproxy.endpoints import Role, expand
 from pdproxy.errors import NoEndpointAvailable
 from pdproxy.pool import EndpointPool
-from pdproxy.scheduler import Scheduler, least_loaded, power_of_two
+from pdproxy.scheduling import PickRequest, Scheduler
 
 P = expand(["http://p0:1", "http://p1:1"], Role.PREFILL)
 D = expand(["http://d0:1"], Role.DECODE, dp_size=4)
@@ -37,18 +37,18 @@ def test_internal_dp_expansion_sets_rank_header() -> None:
 
 def test_prefill_choice_follows_in_flight_tokens() -> None:
     pool = EndpointPool(P + D)
-    sched = Scheduler(pool, picker=least_loaded, seed=1)
+    sched = Scheduler.standard(pool)
     with pool.lease(P[0], 120_000):
-        assert {sched.choose(Role.PREFILL) for _ in range(20)} == {P[1]}
+        assert {sched.pick(Role.PREFILL, PickRequest(f"r{i}")) for i in range(20)} == {P[1]}
 
 
 def test_power_of_two_avoids_the_busiest_and_breaks_ties_randomly() -> None:
     pool = EndpointPool(D)
-    sched = Scheduler(pool, picker=power_of_two, seed=3)
+    sched = Scheduler.standard(pool, picker="power_of_two", seed=3)
     leases = [pool.lease(D[0], 1) for _ in range(5)]
     for lease_cm in leases:
         lease_cm.__enter__()
-    picks = [sched.choose(Role.DECODE) for _ in range(200)]
+    picks = [sched.pick(Role.DECODE, PickRequest()) for _ in range(200)]
     assert D[0] not in picks
     assert set(picks) == set(D[1:])  # ties among idle ranks spread at random
     for lease_cm in leases:
@@ -58,15 +58,15 @@ def test_power_of_two_avoids_the_busiest_and_breaks_ties_randomly() -> None:
 
 def test_unhealthy_draining_and_excluded_endpoints_are_skipped() -> None:
     pool = EndpointPool(P + D)
-    sched = Scheduler(pool, seed=0)
+    sched = Scheduler.standard(pool)
     pool.load(P[0]).healthy = False
-    assert sched.choose(Role.PREFILL) == P[1]
+    assert sched.pick(Role.PREFILL, PickRequest()) == P[1]
     pool.load(P[1]).draining = True
     with pytest.raises(NoEndpointAvailable) as e:
-        sched.choose(Role.PREFILL)
+        sched.pick(Role.PREFILL, PickRequest())
     assert e.value.status_code == 503 and e.value.headers["retry-after"]
     with pytest.raises(NoEndpointAvailable):
-        sched.choose(Role.DECODE, exclude=D)
+        sched.pick(Role.DECODE, PickRequest(), exclude=D)
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["pick", "release", "fail", "cancel"]), st.integers(0, 50)), max_size=60)
@@ -77,12 +77,12 @@ OPS = st.lists(st.tuples(st.sampled_from(["pick", "release", "fail", "cancel"]),
 def test_random_interleavings_never_go_negative_and_return_to_zero(ops: list[tuple[str, int]], seed: int) -> None:
     """Property (issue 5): pick / release / fail / cancel in any order keep counters ≥ 0 and end at zero."""
     pool = EndpointPool(P + D)
-    sched = Scheduler(pool, seed=seed)
+    sched = Scheduler.standard(pool, picker="power_of_two", seed=seed)
     rng = random.Random(seed)
     open_leases: list[tuple[object, object]] = []
     for op, tokens in ops:
         if op == "pick":
-            cm = pool.lease(sched.choose(rng.choice([Role.PREFILL, Role.DECODE])), tokens)
+            cm = pool.lease(sched.pick(rng.choice([Role.PREFILL, Role.DECODE]), PickRequest()), tokens)
             open_leases.append((cm, cm.__enter__()))
         elif open_leases:
             cm, lease = open_leases.pop(rng.randrange(len(open_leases)))

@@ -1,0 +1,148 @@
+"""The decode leg: send the client's body with the prefiller's ``kv_transfer_params`` to a decoder and relay its
+answer — an SSE stream (:class:`~pdproxy.relay.StreamRelay`) or one JSON body.
+
+The prefiller's lease (the KV pinned on it, counted by the prefill queue) is released as soon as the decoder starts
+answering: at its first event for a stream, at its status line for a JSON answer.  A decoder that answers has the
+request and has pulled (or will free) the prompt's KV, so holding the lease longer only over-counts the prefiller's
+pinned KV.  (vLLM itself sends a non-streamed answer's status line together with its body, after the generation:
+``vllm/entrypoints/openai/chat_completion/api_router.py`` returns a ``JSONResponse``; an engine or gateway that
+sends the status line first lets the lease go that much earlier.)
+
+A decoder fault before anything reached the client is :class:`DecodeFailed` (the director may try another
+decoder); the client's status line goes out only once the decoder's first event (stream) or whole body (JSON) is
+in, so a decoder error reaches the client with the engine's status and body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import orjson
+
+from pdproxy import kv_transfer, recompute
+from pdproxy.endpoints import Endpoint, Role
+from pdproxy.engine_headers import EngineHeaders
+from pdproxy.errors import ProxyError, UpstreamTimeout, UpstreamUnavailable
+from pdproxy.h1client import H1Response
+from pdproxy.health import HealthMonitor
+from pdproxy.pool import EndpointPool
+from pdproxy.prefill_leg import PrefillResult
+from pdproxy.protocol import ProxyRequest, completion_tokens_in, patch_usage_bytes
+from pdproxy.relay import Responder, StreamRelay
+from pdproxy.scheduling import PickRequest, Scheduler
+from pdproxy.settings import Settings
+from pdproxy.timeline import RequestContext
+from pdproxy.upstream import Upstream, UpstreamRefused
+
+
+class DecodeFailed(Exception):
+    """A decoder failed before its first event reached the client (internal: the director may fail over).
+    ``kv_intact``: the decoder never saw the request, so the prefiller's KV handle is still good."""
+
+    def __init__(self, error: ProxyError, endpoint: Endpoint, kv_intact: bool) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.endpoint = endpoint
+        self.kv_intact = kv_intact
+
+
+def routing_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:
+    """Response headers naming the prefiller and decoder used (setting ``expose_routing_headers``)."""
+    out = []
+    if ctx.prefiller:
+        out.append((b"x-pdproxy-prefiller", ctx.prefiller.encode()))
+    if ctx.decoder:
+        out.append((b"x-pdproxy-decoder", ctx.decoder.encode()))
+    return out
+
+
+class DecodeLeg:
+    """Runs the decode leg of a request (see the module docstring).  ``scheduler`` picks the decoder, ``pool``
+    holds its lease, ``health`` hears the verdict, ``upstream`` opens it with ``headers``."""
+
+    def __init__(self, settings: Settings, *, scheduler: Scheduler, pool: EndpointPool, health: HealthMonitor,
+                 upstream: Upstream, headers: EngineHeaders) -> None:
+        self.settings = settings
+        self.scheduler = scheduler
+        self.pool = pool
+        self.health = health
+        self.upstream = upstream
+        self.headers = headers
+
+    async def run(self, req: ProxyRequest, ctx: RequestContext, pick: PickRequest, prefill: PrefillResult,
+                  out: Responder, exclude: list[Endpoint], transcript: recompute.Transcript | None) -> bool:
+        """Pick a decoder (not in ``exclude``), open the decode leg and relay its answer to ``out``.
+
+        Raises :class:`DecodeFailed` for an engine fault before the client got anything,
+        :class:`~pdproxy.errors.UpstreamHTTPError` for its 4xx, the scheduler's refusal when no decoder is
+        usable.  Returns True when the decoder ended with ``stop_reason "recomputed"``.
+        """
+        s = self.settings
+        tokens = (req.prompt_tokens or 0) + (req.max_output_tokens or 0)
+        endpoint = self.scheduler.pick(Role.DECODE, pick, exclude)
+        prefill.decoders.append(endpoint)
+        ctx.decoder = endpoint.name
+        ctx.decoder_dp_rank = endpoint.dp_rank
+        body = kv_transfer.decode_body_bytes(req.raw, prefill.params)
+        strip_usage = bool(req.stream and transcript is not None and not req.include_usage)
+        if strip_usage:
+            body = recompute.force_usage_bytes(body, req.body)
+        ctx.timeline.decode_start_at = time.monotonic()
+        first_byte_s = s.decode_first_byte_timeout_s if req.stream else s.decode_nonstream_timeout_s
+        routing = routing_headers(ctx) if s.expose_routing_headers else []
+        with self.pool.lease(endpoint, tokens):
+            if prefill.slot is not None:
+                prefill.slot.decode_started()
+            try:
+                async with self.upstream.open_stream(
+                        endpoint, req.api.value, body, self.headers.leg(endpoint, ctx.request_id, ctx.authorization),
+                        first_byte_timeout_s=first_byte_s) as resp:
+                    if req.stream:
+                        recomputed = await StreamRelay(
+                            resp, out, ctx, cached_tokens=prefill.cached_tokens, first_event_timeout_s=first_byte_s,
+                            on_first_event=prefill.consume, headers=routing, transcript=transcript,
+                            strip_usage=strip_usage, idle_timeout_s=s.decode_idle_timeout_s).run()
+                    else:
+                        prefill.consume()          # the decoder answered: it has the request and its KV
+                        recomputed = await relay_json(resp, ctx, prefill.cached_tokens, out, transcript,
+                                                      first_byte_s, routing)
+            except ProxyError as exc:
+                if not self.health.record_error(endpoint, exc):
+                    raise
+                raise DecodeFailed(exc, endpoint, kv_intact=isinstance(exc, UpstreamRefused)) from None
+        self.health.record_success(endpoint)
+        return recomputed
+
+
+async def relay_json(resp: H1Response, ctx: RequestContext, cached_tokens: int | None, out: Responder,
+                     transcript: recompute.Transcript | None, timeout_s: float,
+                     routing: list[tuple[bytes, bytes]]) -> bool:
+    """Read a non-streaming decode answer (within ``timeout_s`` seconds) and send it with ``routing`` headers:
+    usage patched with the prefiller's ``cached_tokens``; a ``recomputed`` answer is kept back and True returned;
+    a continuation's answer is merged with the earlier text.  Raises :class:`UpstreamUnavailable` /
+    :class:`UpstreamTimeout` when the body does not arrive."""
+    endpoint = ctx.decoder or ""
+    try:
+        async with asyncio.timeout(timeout_s):
+            data = await resp.read()
+    except aiohttp.ClientError as exc:
+        raise UpstreamUnavailable(f"decoder {endpoint} failed: {exc.__class__.__name__}: {exc}",
+                                  endpoint=endpoint) from None
+    except TimeoutError:
+        raise UpstreamTimeout(f"decoder {endpoint} did not finish within {timeout_s:.1f} s",
+                              endpoint=endpoint) from None
+    ctx.timeline.first_token_at = ctx.timeline.last_token_at = time.monotonic()
+    if transcript is not None and (recompute.MARKER in data or transcript.attempts > 1):
+        obj = orjson.loads(data)
+        if recompute.is_recomputed(obj):
+            transcript.observe(obj)
+            return True
+        if transcript.attempts > 1:
+            data = orjson.dumps(transcript.merge_json(obj))
+    if b'"completion_tokens"' in data:
+        ctx.completion_tokens = completion_tokens_in(data)
+    await out.json(resp.status, patch_usage_bytes(data, cached_tokens if transcript is None
+                                                  or transcript.attempts == 1 else None), routing)
+    return False

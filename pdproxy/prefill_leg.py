@@ -1,0 +1,138 @@
+"""The prefill leg: wait for a prefill slot, send the prompt to the prefiller, get its ``kv_transfer_params``.
+
+Failure policy (the director's, pdproxy/director.py): a prefiller that refuses, resets, times out or answers
+502/503/504 is replaced by another one (``prefill_attempts``, jittered exponential backoff); a 500 is retried at
+most once elsewhere; a 4xx is the request's fault and passes through at once.  ``Retry-After`` holds that
+prefiller's breaker open (:meth:`~pdproxy.health.HealthMonitor.record_error`).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+
+import orjson
+
+from pdproxy import kv_transfer
+from pdproxy.backoff import Backoff
+from pdproxy.endpoints import Endpoint, Role
+from pdproxy.engine_headers import EngineHeaders
+from pdproxy.errors import NoEndpointAvailable, ProxyError, UpstreamHTTPError, UpstreamUnavailable
+from pdproxy.health import HealthMonitor
+from pdproxy.pool import EndpointLoad, EndpointPool, Lease
+from pdproxy.prefill_queue import PrefillQueue, PrefillSlot
+from pdproxy.protocol import ProxyRequest
+from pdproxy.scheduling import PickRequest
+from pdproxy.settings import Settings
+from pdproxy.timeline import RequestContext
+from pdproxy.upstream import Upstream
+
+# Prefiller answers worth another prefiller: they say "not me, not now".  500 gets one more try elsewhere.
+_RETRYABLE_STATUS = frozenset({502, 503, 504})
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """What the prefill leg produced: the prefiller, its still-held lease (released when the decoder starts
+    answering — the KV stays pinned on the prefiller until pulled), the opaque ``kv_transfer_params`` (None only
+    when decode-side prefill is allowed) and the prefiller's ``cached_tokens``.  ``consumed``: a decoder answered,
+    so it pulled the KV (nothing left to release); ``decoders``: the decoders sent this handle (a release leg
+    avoids them); ``slot``: the prefill queue's slot (its decoder reservation ends when the decode lease starts)."""
+
+    endpoint: Endpoint
+    lease: Lease
+    params: kv_transfer.KVTransferParams | None
+    cached_tokens: int | None
+    consumed: bool = field(default=False)
+    decoders: list[Endpoint] = field(default_factory=list)
+    slot: PrefillSlot | None = None
+
+    @classmethod
+    def skipped(cls) -> PrefillResult:
+        """Conditional disaggregation (``ctx.disaggregated`` False, decided by admission): no prefill leg; the
+        decoder gets the client's body without ``kv_transfer_params`` and prefills the prompt itself."""
+        none = Endpoint("decode-only:", Role.PREFILL)
+        return cls(none, Lease(none, EndpointLoad(), 0), None, None, consumed=True)
+
+    def consume(self) -> None:
+        """Mark the KV as pulled (a decoder answered) and release the prefiller's lease; nothing is left to free."""
+        self.consumed = True
+        self.lease.release()
+
+
+class PrefillLeg:
+    """Runs the prefill leg of a request (see the module docstring).  ``queue`` grants the prefiller (the
+    scheduler's pick inside it), ``pool`` holds its lease, ``health`` hears each attempt's verdict, ``upstream``
+    sends it with ``headers``; ``backoff`` spaces the attempts."""
+
+    def __init__(self, settings: Settings, *, queue: PrefillQueue, pool: EndpointPool, health: HealthMonitor,
+                 upstream: Upstream, headers: EngineHeaders, backoff: Backoff) -> None:
+        self.settings = settings
+        self.queue = queue
+        self.pool = pool
+        self.health = health
+        self.upstream = upstream
+        self.headers = headers
+        self.backoff = backoff
+
+    async def run(self, req: ProxyRequest, ctx: RequestContext, pick: PickRequest,
+                  stack: AsyncExitStack) -> PrefillResult:
+        """Send the prefill leg, failing over to other prefillers; the slot and the lease live in ``stack``.
+
+        Raises :class:`UpstreamHTTPError` for an engine 4xx (passed through), the last failure when every attempt
+        failed, the scheduler's refusal (:class:`NoEndpointAvailable`, :class:`~pdproxy.errors.ModelNotFound`)
+        when no prefiller is usable, :class:`UpstreamUnavailable` when the answer has no ``kv_transfer_params``
+        (unless decode-side prefill is allowed).
+        """
+        s = self.settings
+        tokens = req.prompt_tokens or 0
+        body = orjson.dumps(kv_transfer.prefill_body(req.body))
+        timeout_s = s.prefill_timeout_base_s + s.prefill_timeout_per_1k_tokens_s * tokens / 1000
+        tried: list[Endpoint] = []
+        last: ProxyError | None = None
+        retried_500 = False
+        for attempt in range(s.prefill_attempts):
+            if attempt:
+                await self.backoff.sleep(attempt)
+            try:                                       # wait in the prefill queue for a slot (queue → pick)
+                slot = await stack.enter_async_context(self.queue.slot(tokens, tokens + 1, exclude=tried,
+                                                                       request=pick))
+            except NoEndpointAvailable:
+                if last is not None:
+                    raise last from None
+                raise
+            endpoint = slot.endpoint
+            lease = stack.enter_context(self.pool.lease(endpoint, tokens))
+            ctx.prefiller = endpoint.name
+            ctx.timeline.prefill_start_at = time.monotonic()
+            try:
+                reply = await self.upstream.post_json(endpoint, req.api.value, body,
+                                                      self.headers.leg(endpoint, ctx.request_id, ctx.authorization),
+                                                      timeout_s=timeout_s)
+            except ProxyError as exc:
+                lease.release()
+                slot.release()
+                if not self.health.record_error(endpoint, exc):
+                    raise
+                status = exc.status_code if isinstance(exc, UpstreamHTTPError) else None
+                if status is not None and status not in _RETRYABLE_STATUS and (status != 500 or retried_500):
+                    raise
+                retried_500 = retried_500 or status == 500
+                tried.append(endpoint)
+                last = exc
+                continue
+            ctx.timeline.prefill_end_at = time.monotonic()
+            slot.prefill_done()
+            self.health.record_success(endpoint)
+            params = kv_transfer.extract_params(reply)
+            if params is None and not s.allow_decode_side_prefill:
+                lease.release()
+                raise UpstreamUnavailable(
+                    f"prefiller {endpoint.name} answered without kv_transfer_params: is it started with a KV "
+                    "connector (--kv-transfer-config) in the producer role? (set allow_decode_side_prefill to let "
+                    "decoders prefill locally instead)", endpoint=endpoint.name, retryable=False)
+            ctx.cached_tokens = kv_transfer.prefill_cached_tokens(reply)
+            return PrefillResult(endpoint, lease, params, ctx.cached_tokens, slot=slot)
+        assert last is not None
+        raise last

@@ -1,0 +1,181 @@
+"""The scheduler: one profile per role — filters → weighted scorers → picker — behind one ``pick`` entry point.
+
+Every choice of an endpoint in pdproxy goes through :meth:`Scheduler.pick`: the prefill queue's grant of a
+prefiller, the decode leg's decoder, the ``/tokenize`` engine, the KV release leg's decoder.  A routing policy is
+therefore changed in one place, the :class:`Profile` of its role (:func:`standard_profiles` builds the default
+ones; see :mod:`pdproxy.scheduling.filters`, :mod:`~pdproxy.scheduling.scorers`,
+:mod:`~pdproxy.scheduling.picker` for each part).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pdproxy.endpoints import Endpoint, Role
+from pdproxy.engines import EngineInfo
+from pdproxy.errors import NoEndpointAvailable, ProxyError
+from pdproxy.health import HealthMonitor
+from pdproxy.limits import Limits
+from pdproxy.pool import EndpointPool
+from pdproxy.scheduling import filters as f
+from pdproxy.scheduling import scorers as s
+from pdproxy.scheduling.picker import PICKER_NAMES, LeastCost, Picker, PowerOfTwo, Score
+from pdproxy.scheduling.request import PickRequest
+
+if TYPE_CHECKING:
+    from pdproxy.prefill_queue import PrefillLedger
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How one role's endpoints are chosen: ``filters`` run in order, then ``scorers`` (weighted, by tier), then
+    ``picker``."""
+
+    role: Role
+    filters: tuple[f.Filter, ...]
+    scorers: tuple[s.Weighted, ...]
+    picker: Picker
+    tiers: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tiers", tuple(sorted({w.tier for w in self.scorers})))
+
+
+def standard_profiles(pool: EndpointPool, *, health: HealthMonitor | None = None,
+                      infos: Mapping[Endpoint, EngineInfo] | None = None, limits: Limits | None = None,
+                      ledger: PrefillLedger | None = None, picker: Picker | str = LeastCost.name,
+                      seed: int | None = None) -> dict[Role, Profile]:
+    """pdproxy's routing policy.  Filters whose input is not given are left out (``health``: the breaker filter;
+    ``infos``: the served-model filter; ``limits``: the limits filter; ``ledger``: the prefill-room filter), so
+    unit tests can build a scheduler from a bare pool.  ``picker``: a :class:`Picker` or its setting name
+    (``"least_cost"``, ``"power_of_two"``; ``seed`` seeds the latter's sampling).
+
+    - prefill — filters: healthy, not draining, breaker, serves model, fits limits, DP rank, prefill room; cost:
+      tier 0 = uncached prompt tokens + in-flight prefill tokens (tokens), tier 1 = in-flight prefill requests;
+    - decode — the same filters but prefill room; cost: tier 0 = in-flight decode requests, tier 1 = the tokens
+      they hold.
+    """
+    def make_picker() -> Picker:
+        if not isinstance(picker, str):
+            return picker
+        if picker == LeastCost.name:
+            return LeastCost()
+        if picker == PowerOfTwo.name:
+            return PowerOfTwo(random.Random(seed))
+        raise ValueError(f"unknown routing picker {picker!r}; one of {', '.join(PICKER_NAMES)}")
+
+    def role_filters(role: Role) -> tuple[f.Filter, ...]:
+        chain: list[f.Filter] = [f.Healthy(pool, infos), f.NotDraining(pool)]
+        if health is not None:
+            chain.append(f.BreakerClosed(health))
+        if infos is not None:
+            chain.append(f.ServesModel(infos))
+        if limits is not None:
+            chain.append(f.FitsLimits(limits, role))
+        chain.append(f.OnDpRank())
+        if role is Role.PREFILL and ledger is not None:
+            chain.append(f.HasPrefillRoom(ledger))
+        return tuple(chain)
+
+    inflight_tokens, inflight_requests = s.InflightTokens(pool), s.InflightRequests(pool)
+    return {
+        Role.PREFILL: Profile(Role.PREFILL, role_filters(Role.PREFILL),
+                              (s.Weighted(s.UncachedPromptTokens()), s.Weighted(inflight_tokens),
+                               s.Weighted(inflight_requests, tier=1)), make_picker()),
+        Role.DECODE: Profile(Role.DECODE, role_filters(Role.DECODE),
+                             (s.Weighted(inflight_requests), s.Weighted(inflight_tokens, tier=1)), make_picker()),
+    }
+
+
+class Scheduler:
+    """Chooses endpoints of ``pool`` by ``profiles`` (one per role).  ``health``, when given, gets each pick
+    (:meth:`HealthMonitor.on_pick`: a half-open breaker's trial slot) and sets ``Retry-After`` on a 503."""
+
+    def __init__(self, pool: EndpointPool, profiles: Mapping[Role, Profile], *,
+                 health: HealthMonitor | None = None) -> None:
+        self.pool = pool
+        self.profiles = dict(profiles)
+        self.health = health
+
+    @classmethod
+    def standard(cls, pool: EndpointPool, *, health: HealthMonitor | None = None,
+                 infos: Mapping[Endpoint, EngineInfo] | None = None, limits: Limits | None = None,
+                 ledger: PrefillLedger | None = None, picker: Picker | str = LeastCost.name,
+                 seed: int | None = None) -> Scheduler:
+        """A scheduler with :func:`standard_profiles` (same arguments)."""
+        return cls(pool, standard_profiles(pool, health=health, infos=infos, limits=limits, ledger=ledger,
+                                           picker=picker, seed=seed), health=health)
+
+    def _filter(self, role: Role, request: PickRequest, exclude: Sequence[Endpoint],
+                capacity: bool) -> tuple[list[Endpoint], ProxyError | None]:
+        candidates = self.pool.endpoints(role)
+        if not candidates:
+            return [], NoEndpointAvailable(role.value, "none is configured")
+        if exclude:
+            candidates = [e for e in candidates if e not in exclude]
+            if not candidates:
+                return [], NoEndpointAvailable(role.value, "all candidates failed for this request")
+        for rule in self.profiles[role].filters:
+            if rule.capacity and not capacity:
+                continue
+            candidates = rule(request, candidates)
+            if not candidates:
+                return [], rule.refusal(role, request)
+        return candidates, None
+
+    def _refuse(self, role: Role, error: ProxyError) -> ProxyError:
+        if isinstance(error, NoEndpointAvailable) and self.health is not None:
+            error.headers["retry-after"] = str(self.health.retry_after_s(self.pool.endpoints(role)))
+        return error
+
+    def eligible(self, role: Role, request: PickRequest, exclude: Sequence[Endpoint] = (), *,
+                 capacity: bool = True) -> list[Endpoint]:
+        """The endpoints of ``role`` that pass every filter of its profile (``capacity=False``: all but the
+        capacity filters, i.e. those that could take ``request`` once capacity frees up), minus ``exclude``."""
+        return self._filter(role, request, exclude, capacity)[0]
+
+    def require(self, role: Role, request: PickRequest, exclude: Sequence[Endpoint] = ()) -> None:
+        """Raise at once when no endpoint of ``role`` could ever take ``request`` (capacity aside): the first
+        filter's refusal that ruled every one out — :class:`NoEndpointAvailable` (503 + ``Retry-After``) or
+        :class:`~pdproxy.errors.ModelNotFound` (404)."""
+        candidates, error = self._filter(role, request, exclude, False)
+        if not candidates:
+            assert error is not None
+            raise self._refuse(role, error)
+
+    def score(self, role: Role, request: PickRequest, candidates: Sequence[Endpoint]) -> list[Score]:
+        """Each candidate's cost per tier of ``role``'s profile (weighted sums; same order as ``candidates``)."""
+        profile = self.profiles[role]
+        n = len(candidates)
+        rows = {tier: [0.0] * n for tier in profile.tiers}
+        for w in profile.scorers:
+            row = rows[w.tier]
+            for i, cost in enumerate(w.scorer(request, candidates)):
+                row[i] += w.weight * cost
+        return [tuple(rows[tier][i] for tier in profile.tiers) for i in range(n)]
+
+    def pick(self, role: Role, request: PickRequest, exclude: Sequence[Endpoint] = (), *,
+             capacity: bool = True, trial: bool = True) -> Endpoint:
+        """The endpoint of ``role`` for ``request``: filters (all, or all but the capacity ones when ``capacity``
+        is False), minus ``exclude``, then scores, then the picker.  With ``trial`` the health monitor hears of the
+        pick (a half-open breaker's trial slot is taken; the caller then reports the leg's verdict with
+        ``HealthMonitor.record_*``); ``trial=False`` for calls whose outcome is not reported (``/tokenize``).
+
+        Raises :class:`NoEndpointAvailable` (503, ``Retry-After`` = seconds until a breaker re-admits) or
+        :class:`~pdproxy.errors.ModelNotFound` (404) when no candidate is left: the refusal of the first filter
+        that left none.
+        """
+        candidates, error = self._filter(role, request, exclude, capacity)
+        if not candidates:
+            assert error is not None
+            raise self._refuse(role, error)
+        if len(candidates) == 1:
+            endpoint = candidates[0]
+        else:
+            endpoint = self.profiles[role].picker(request, candidates, self.score(role, request, candidates))
+        if trial and self.health is not None:
+            self.health.on_pick(endpoint)
+        return endpoint
