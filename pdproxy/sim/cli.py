@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     v.add_argument("--max-tokens-overflow", choices=("clamp", "reject"), default="clamp", help=s_overflow)
     v.add_argument("--data-parallel-size", type=int, default=1, help="DP ranks served by this process")
     v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require one of these keys (Authorization: Bearer KEY) on /v1/* routes, as vLLM does")
     s = parser.add_argument_group("simulator flags")
     s.add_argument("--role", choices=("prefill", "decode", "both"), default="both",
                    help="kv_producer / kv_consumer / plain engine that also accepts both")
@@ -101,7 +103,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         recompute_stop=args.recompute_stop, enable_auto_tool_choice=args.enable_auto_tool_choice,
         max_tokens_overflow=args.max_tokens_overflow,
         refuse_connections=args.refuse_connections, faults=faults,
-        seed=args.seed, record_limit=args.record_limit, engine_id=args.engine_id)
+        seed=args.seed, record_limit=args.record_limit, engine_id=args.engine_id,
+        api_key=tuple(args.api_key or ()))
 
 
 async def serve(config: SimConfig) -> None:

@@ -34,6 +34,10 @@ class SimConfig:
 
     ``max_tokens_overflow``: ``"clamp"`` (vLLM 0.32: ``max_tokens`` is lowered to ``max_model_len - prompt``) or
     ``"reject"`` (vLLM ≤ 0.26 and vLLM-Ascend builds on it: 400 when ``prompt + max_tokens > max_model_len``).
+
+    ``api_key`` (vLLM's ``--api-key``): when given, requests under ``/v1``, ``/v2``, ``/inference`` and ``/cohere``
+    need ``Authorization: Bearer <one of them>``, else 401 ``{"error": "Unauthorized"}``; ``/health``,
+    ``/metrics``, ``/tokenize`` and ``/sim/*`` stay open (``vllm/entrypoints/serve/middleware/authenticate.py``).
     """
 
     host: str = "127.0.0.1"
@@ -69,6 +73,7 @@ class SimConfig:
     seed: int = 0
     record_limit: int = 10_000
     engine_id: str = field(default="")
+    api_key: tuple[str, ...] = ()
     version: str = "0.32.0"
 
     @property

@@ -44,6 +44,8 @@ from pdproxy.sim.scheduler import EngineRequest
 from pdproxy.tokens import load_tokenizer, prompt_token_ids
 
 DP_RANK_HEADER = "X-data-parallel-rank"
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+"""Paths ``--api-key`` protects (vLLM 0.32 ``GUARDED_PREFIX``)."""
 _INVALID = object()
 
 
@@ -111,7 +113,8 @@ class SimServer:
             listener.port = sock.getsockname()[1]
             self._stack.callback(sock.close)
         else:
-            app = web.Application(client_max_size=1 << 30, middlewares=[self._count_request])
+            guards = [self._authenticate] if self.config.api_key else []
+            app = web.Application(client_max_size=1 << 30, middlewares=[*guards, self._count_request])
             self._add_routes(app, listener)
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
             await runner.setup()
@@ -127,6 +130,16 @@ class SimServer:
         else:
             for rank in self.ranks:
                 rank.port = listener.port
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """vLLM's ``--api-key`` check (``vllm/entrypoints/serve/middleware/authenticate.py``): paths under
+        ``GUARDED_PREFIXES`` need ``Authorization: Bearer <key>``; OPTIONS and other paths pass."""
+        if request.method != "OPTIONS" and request.path.startswith(GUARDED_PREFIXES):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not any(secrets.compare_digest(token, k) for k in self.config.api_key):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     @web.middleware
     async def _count_request(self, request: web.Request, handler: Any) -> web.StreamResponse:
