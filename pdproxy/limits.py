@@ -181,6 +181,12 @@ class Limits:
         found = self._table.get(endpoint)
         return found if found is not None else self._read(endpoint)
 
+    def table(self) -> Mapping[Endpoint, EngineLimits]:
+        """Every pool endpoint's limits as of the current snapshot (for a filter that reads many at once; an
+        endpoint missing from it is read with :meth:`of`)."""
+        self._snapshot()
+        return self._table
+
     def _read(self, endpoint: Endpoint) -> EngineLimits:
         info = self.infos.get(endpoint)
         if info is None:

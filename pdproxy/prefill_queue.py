@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.errors import Overloaded, ProxyError, QueueTimeout
-from pdproxy.limits import Limits
+from pdproxy.limits import EngineLimits, Limits
 from pdproxy.pool import EndpointPool
 from pdproxy.scheduling import PickRequest, Scheduler
 
@@ -169,12 +169,12 @@ class PrefillLedger:
         held = self._inflight.get(endpoint)
         return held.tokens if held is not None else 0
 
-    def kv_held_tokens(self, endpoint: Endpoint) -> int:
+    def kv_held_tokens(self, endpoint: Endpoint, lim: EngineLimits | None = None) -> int:
         """An upper bound on the KV (tokens, whole blocks) that prompts in flight or pinned hold on ``endpoint``:
         the pool's leases on it (the director's prefill leases, held until the decoder starts answering) plus
         slots granted and not yet leased — or the unanswered prefills alone if more (a holder that takes no
-        lease)."""
-        lim = self.limits.of(endpoint)
+        lease).  ``lim``: the endpoint's limits when the caller has them."""
+        lim = lim or self.limits.of(endpoint)
         pad = lim.block_size - 1 if lim.block_size else 0
         try:
             load = self.pool.load(endpoint)
@@ -195,7 +195,7 @@ class PrefillLedger:
         lim = self.limits.of(endpoint)
         if lim.kv_pool_tokens is None:
             return True
-        pinned = self.kv_held_tokens(endpoint)
+        pinned = self.kv_held_tokens(endpoint, lim)
         need = -(-tokens // lim.block_size) * lim.block_size if lim.block_size else tokens
         return pinned == 0 or pinned + need <= lim.kv_pool_tokens
 
@@ -331,10 +331,10 @@ class PrefillQueue:
         elif request.prompt_tokens is None:
             request = dataclasses.replace(request, prompt_tokens=tokens)
         w = _Waiter(tokens, decode_tokens, tuple(exclude), request, seq)
-        if not self._placeable(w):
-            self._unplaceable(w)
-        elif not self._waiting and self._try_grant(w):
+        if not self._waiting and self._try_grant(w):    # nobody ahead and room now (implies placeable)
             pass
+        elif not self._placeable(w):
+            self._unplaceable(w)
         elif len(self._waiting) >= self.max_waiting:
             self.stats.rejected_full_total += 1
             raise Overloaded(f"pdproxy's prefill queue is full ({self.max_waiting} requests waiting); retry later",

@@ -128,22 +128,29 @@ class ServesModel(_Rule):
     def __init__(self, infos: Mapping[Endpoint, EngineInfo]) -> None:
         self.infos = infos
 
-    def served(self, endpoint: Endpoint) -> set[str] | None:
+    def served(self, endpoint: Endpoint) -> list[str] | None:
         """The model ids ``endpoint`` serves; None when unknown."""
         info = self.infos.get(endpoint)
         if info is None or not info.models:
             return None
-        return {m["id"] for m in info.models if isinstance(m.get("id"), str)}
+        return [m["id"] for m in info.models if isinstance(m.get("id"), str)]
 
     def __call__(self, request: PickRequest, candidates: list[Endpoint]) -> list[Endpoint]:
         model = request.model
         if not model:
             return candidates
+        get = self.infos.get
         out = []
         for e in candidates:
-            ids = self.served(e)
-            if ids is None or model in ids:
+            info = get(e)
+            models = info.models if info is not None else None
+            if not models:
                 out.append(e)
+                continue
+            for card in models:
+                if card.get("id") == model:
+                    out.append(e)
+                    break
         return out
 
     def refusal(self, role: Role, request: PickRequest) -> ProxyError:
@@ -168,10 +175,12 @@ class FitsLimits(_Rule):
         tokens = request.limit_tokens
         if tokens is None:
             return candidates
-        of, role, clamp, out = self.limits.of, self.role, self.limits.clamp, request.max_output_tokens
+        limits = self.limits
+        table, role, clamp, out = limits.table(), self.role, limits.clamp, request.max_output_tokens
         kept = []
         for e in candidates:
-            allowed = of(e).allowed_prompt(role, out, clamp)
+            lim = table.get(e) or limits.of(e)
+            allowed = lim.allowed_prompt(role, out, clamp)
             if allowed is None or tokens <= allowed:
                 kept.append(e)
         return kept

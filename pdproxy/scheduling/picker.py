@@ -35,25 +35,54 @@ class Picker(Protocol):
         ...
 
 
+_MASK = (1 << 64) - 1
+
+
+def stable_hash(data: bytes) -> int:
+    """A 64-bit hash of ``data``, identical in every process and Python version (BLAKE2b, not ``hash()``, which
+    ``PYTHONHASHSEED`` changes)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def mix64(x: int) -> int:
+    """SplitMix64's finaliser: a bijection of 64-bit integers whose every output bit depends on every input bit."""
+    z = (x + 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
 def rendezvous_weight(key: bytes, endpoint: Endpoint) -> int:
-    """The highest-random-weight hash of ``key`` and ``endpoint.name``: a 64-bit integer, identical in every
-    process and Python version (BLAKE2b, not ``hash()``, which ``PYTHONHASHSEED`` changes)."""
-    return int.from_bytes(hashlib.blake2b(key + b"\x00" + endpoint.name.encode(), digest_size=8).digest(), "big")
+    """The highest-random-weight hash of ``key`` and ``endpoint.name``: ``mix64(stable_hash(key) ^
+    stable_hash(name))``, a 64-bit integer identical in every process."""
+    return mix64(stable_hash(key) ^ stable_hash(endpoint.name.encode()))
 
 
 class LeastCost:
     """The lowest score; ties go to the tied endpoint with the highest :func:`rendezvous_weight` for
-    ``request.routing_key`` (see the module docstring)."""
+    ``request.routing_key`` (see the module docstring).  Endpoint names' hashes are kept per picker."""
 
     name = "least_cost"
+
+    def __init__(self) -> None:
+        self._name_hash: dict[str, int] = {}
+
+    def _endpoint_hash(self, endpoint: Endpoint) -> int:
+        name = endpoint.name
+        h = self._name_hash.get(name)
+        if h is None:
+            if len(self._name_hash) > 65_536:          # endpoints come and go (admin API): stay bounded
+                self._name_hash.clear()
+            h = self._name_hash[name] = stable_hash(name.encode())
+        return h
 
     def __call__(self, request: PickRequest, candidates: Sequence[Endpoint], scores: Sequence[Score]) -> Endpoint:
         best = min(scores)
         tied = [c for c, s in zip(candidates, scores, strict=True) if s == best]
         if len(tied) == 1:
             return tied[0]
-        key = request.routing_key
-        return max(tied, key=lambda e: rendezvous_weight(key, e))
+        key = stable_hash(request.routing_key)
+        return max(tied, key=lambda e: mix64(key ^ self._endpoint_hash(e)))
 
 
 class PowerOfTwo:

@@ -39,9 +39,14 @@ class Profile:
     scorers: tuple[s.Weighted, ...]
     picker: Picker
     tiers: tuple[int, ...] = field(init=False)
+    plan: tuple[tuple[s.Scorer, float, int], ...] = field(init=False, repr=False)
+    static_filters: tuple[f.Filter, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "tiers", tuple(sorted({w.tier for w in self.scorers})))
+        tiers = tuple(sorted({w.tier for w in self.scorers}))
+        object.__setattr__(self, "tiers", tiers)
+        object.__setattr__(self, "plan", tuple((w.scorer, w.weight, tiers.index(w.tier)) for w in self.scorers))
+        object.__setattr__(self, "static_filters", tuple(r for r in self.filters if not r.capacity))
 
 
 def standard_profiles(pool: EndpointPool, *, health: HealthMonitor | None = None,
@@ -118,9 +123,8 @@ class Scheduler:
             candidates = [e for e in candidates if e not in exclude]
             if not candidates:
                 return [], NoEndpointAvailable(role.value, "all candidates failed for this request")
-        for rule in self.profiles[role].filters:
-            if rule.capacity and not capacity:
-                continue
+        profile = self.profiles[role]
+        for rule in profile.filters if capacity else profile.static_filters:
             candidates = rule(request, candidates)
             if not candidates:
                 return [], rule.refusal(role, request)
@@ -149,13 +153,14 @@ class Scheduler:
     def score(self, role: Role, request: PickRequest, candidates: Sequence[Endpoint]) -> list[Score]:
         """Each candidate's cost per tier of ``role``'s profile (weighted sums; same order as ``candidates``)."""
         profile = self.profiles[role]
-        n = len(candidates)
-        rows = {tier: [0.0] * n for tier in profile.tiers}
-        for w in profile.scorers:
-            row = rows[w.tier]
-            for i, cost in enumerate(w.scorer(request, candidates)):
-                row[i] += w.weight * cost
-        return [tuple(rows[tier][i] for tier in profile.tiers) for i in range(n)]
+        rows: list[list[float] | None] = [None] * len(profile.tiers)
+        for scorer, weight, tier in profile.plan:
+            costs = scorer(request, candidates)
+            if weight != 1.0:
+                costs = [weight * c for c in costs]
+            row = rows[tier]
+            rows[tier] = costs if row is None else [a + b for a, b in zip(row, costs, strict=True)]
+        return list(zip(*(row or [0.0] * len(candidates) for row in rows), strict=True))
 
     def pick(self, role: Role, request: PickRequest, exclude: Sequence[Endpoint] = (), *,
              capacity: bool = True, trial: bool = True) -> Endpoint:
