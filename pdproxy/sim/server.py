@@ -138,7 +138,7 @@ class SimServer:
         if request.method != "OPTIONS" and request.path.startswith(GUARDED_PREFIXES):
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not any(secrets.compare_digest(token, k) for k in self.config.api_key):
-                return web.json_response({"error": "Unauthorized"}, status=401)
+                return web.Response(status=401, body=b'{"error":"Unauthorized"}', content_type="application/json")
         return await handler(request)
 
     @web.middleware
