@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                    help="require one of these keys (Authorization: Bearer KEY) on /v1/* routes, as vLLM does")
+    v.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help='publish KV cache events like vLLM, e.g. \'{"enable_kv_cache_events": true, "publisher": '
+                        '"zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (DP rank k: port+k)')
     s = parser.add_argument_group("simulator flags")
     s.add_argument("--role", choices=("prefill", "decode", "both"), default="both",
                    help="kv_producer / kv_consumer / plain engine that also accepts both")
@@ -80,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--fault", action="append", default=[], metavar="JSON",
                    help='fault spec, e.g. \'{"kind":"status","status":503,"on_request":2}\' (repeatable)')
     s.add_argument("--engine-id", default="", help="engine id base (default: random uuid)")
+    s.add_argument("--kv-events-encoding", choices=("map", "array"), default="map",
+                   help="KV event encoding: map (newer vLLM) or array (vLLM <= 0.23, vLLM-Ascend 0.23)")
     s.add_argument("--record-limit", type=int, default=d.record_limit, help="requests kept for /sim/received")
 
 
@@ -88,6 +93,10 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     faults = tuple(json.loads(f) for f in args.fault)
     for spec in faults:
         parse_fault(spec)
+    if args.kv_events_config is not None:
+        from pdproxy.sim.kv_publisher import parse_kv_events_config
+
+        parse_kv_events_config(args.kv_events_config)
     return SimConfig(
         host=args.host, port=args.port, served_model_name=args.served_model_name, max_model_len=args.max_model_len,
         block_size=args.block_size, num_gpu_blocks_override=args.num_gpu_blocks_override,
@@ -104,7 +113,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_tokens_overflow=args.max_tokens_overflow,
         refuse_connections=args.refuse_connections, faults=faults,
         seed=args.seed, record_limit=args.record_limit, engine_id=args.engine_id,
-        api_key=tuple(args.api_key or ()))
+        api_key=tuple(args.api_key or ()),
+        kv_events_config=args.kv_events_config, kv_events_encoding=args.kv_events_encoding)
 
 
 async def serve(config: SimConfig) -> None:
@@ -120,6 +130,9 @@ async def serve(config: SimConfig) -> None:
         ready = {"event": "sim_ready", "ports": server.ports, "base_urls": server.base_urls, "role": config.role,
                  "data_parallel_size": config.data_parallel_size,
                  "engine_ids": [rank.engine_id for rank in server.ranks]}
+        if server.kv_event_publishers:
+            ready["kv_events_endpoints"] = [p.endpoint for p in server.kv_event_publishers]
+            ready["kv_events_replay_endpoints"] = [p.replay_endpoint for p in server.kv_event_publishers]
         sys.stdout.write(json.dumps(ready) + "\n")
         sys.stdout.flush()
         await stop.wait()

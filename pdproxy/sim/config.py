@@ -74,6 +74,10 @@ class SimConfig:
     record_limit: int = 10_000
     engine_id: str = field(default="")
     api_key: tuple[str, ...] = ()
+    kv_events_config: str | None = None
+    """vLLM's ``--kv-events-config`` JSON: publish the prefix cache's KV events (``pdproxy/sim/kv_publisher.py``)."""
+    kv_events_encoding: Literal["map", "array"] = "map"
+    """Event encoding: ``map`` (newer vLLM) or ``array`` (vLLM <= 0.23, vLLM-Ascend 0.23)."""
     version: str = "0.32.0"
 
     @property

@@ -7,12 +7,20 @@ Model (``vllm/v1/core/block_pool.py``, ``vllm/v1/core/kv_cache_utils.py``):
   request's blocks return to the free queue but keep their hash, so a later request with the same prefix
   reuses them (a "hit") until they are evicted. Eviction takes the least recently freed block first.
 * ``usage = 1 - free / total``. Cached-but-free blocks count as free, as in vLLM's ``kv_cache_usage_perc``.
+* KV events (``--kv-events-config``): with an ``event_sink``, the pool reports what vLLM's ``BlockPool`` queues
+  for its publisher: ``BlockStored`` for each run of newly cached blocks (parent = the hash of the block before
+  the run, token ids of the run's blocks), ``BlockRemoved`` for cached blocks evicted on reuse, and
+  ``AllBlocksCleared`` on a prefix-cache reset. Hashes are published as unsigned 64-bit ints (vLLM's default,
+  ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
+
+HASH_MASK = (1 << 64) - 1
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
@@ -45,6 +53,8 @@ class BlockPool:
         self._ref = [0] * num_blocks
         self._hash_of: dict[int, int] = {}
         self._block_of_hash: dict[int, int] = {}
+        self.event_sink: Callable[[str, dict[str, Any]], None] | None = None
+        """Called with ``("BlockStored" | "BlockRemoved" | "AllBlocksCleared", fields)`` (see the module doc)."""
 
     @property
     def num_free(self) -> int:
@@ -88,23 +98,50 @@ class BlockPool:
                 del self._free[b]
             self._ref[b] += 1
         fresh: list[int] = []
+        evicted: list[int] = []
         for _ in range(num_new):
             b, _none = self._free.popitem(last=False)
             old = self._hash_of.pop(b, None)
             if old is not None and self._block_of_hash.get(old) == b:
                 del self._block_of_hash[old]
+                evicted.append(old & HASH_MASK)
             self._ref[b] = 1
             fresh.append(b)
+        if evicted and self.event_sink is not None:
+            self.event_sink("BlockRemoved", {"block_hashes": evicted})
         return [*cached, *fresh]
 
-    def cache_blocks(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
-        """Register ``hashes[i]`` for ``blocks[i]`` (full prompt blocks whose KV is now computed)."""
+    def cache_blocks(self, blocks: Sequence[int], hashes: Sequence[int],
+                     token_ids: Sequence[int] | None = None) -> None:
+        """Register ``hashes[i]`` for ``blocks[i]`` (full prompt blocks whose KV is now computed).
+
+        ``token_ids``: the request's tokens (from its first), for the ``BlockStored`` events of the event sink."""
         if not self.enable_prefix_caching:
             return
-        for b, h in zip(blocks, hashes, strict=False):
+        new: list[int] = []
+        for i, (b, h) in enumerate(zip(blocks, hashes, strict=False)):
             if b not in self._hash_of and h not in self._block_of_hash:
                 self._hash_of[b] = h
                 self._block_of_hash[h] = b
+                new.append(i)
+        if new and self.event_sink is not None and token_ids is not None:
+            self._stored_events(new, hashes, token_ids)
+
+    def _stored_events(self, new: list[int], hashes: Sequence[int], token_ids: Sequence[int]) -> None:
+        """One ``BlockStored`` per run of consecutive newly cached block indices ``new``."""
+        assert self.event_sink is not None
+        bs = self.block_size
+        run_start = prev = new[0]
+        for i in [*new[1:], -1]:
+            if i == prev + 1:
+                prev = i
+                continue
+            self.event_sink("BlockStored", {
+                "block_hashes": [h & HASH_MASK for h in hashes[run_start:prev + 1]],
+                "parent_block_hash": hashes[run_start - 1] & HASH_MASK if run_start > 0 else None,
+                "token_ids": list(token_ids[run_start * bs:(prev + 1) * bs]),
+                "block_size": bs})
+            run_start = prev = i
 
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference on each block. Blocks reaching zero go to the free queue, tail blocks first,
@@ -118,3 +155,5 @@ class BlockPool:
         """Forget every hash (blocks in use stay allocated), like vLLM's ``/reset_prefix_cache``."""
         self._hash_of.clear()
         self._block_of_hash.clear()
+        if self.event_sink is not None:
+            self.event_sink("AllBlocksCleared", {})

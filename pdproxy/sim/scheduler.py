@@ -188,7 +188,7 @@ class EngineCore:
             stats.nixl_bytes.observe(blocks * self.config.block_size * KV_BYTES_PER_TOKEN)
             stats.nixl_descriptors.observe(2 * blocks)
             full = request.num_computed_tokens // self.config.block_size
-            self.pool.cache_blocks(request.blocks[:full], request.hashes[:full])
+            self.pool.cache_blocks(request.blocks[:full], request.hashes[:full], request.prompt_token_ids)
             return
         request.kv_failed = True
         self.stats.kv_failed_transfers += 1
@@ -358,7 +358,7 @@ class EngineCore:
                     self.stats.prompt_tokens += local
                     self.stats.prompt_tokens_local += local
                 done = min(req.num_computed_tokens, req.num_prompt_tokens) // bs
-                self.pool.cache_blocks(req.blocks[:done], req.hashes[:done])
+                self.pool.cache_blocks(req.blocks[:done], req.hashes[:done], req.prompt_token_ids)
             if req.num_computed_tokens < req.num_tokens:
                 continue
             req.num_output_tokens += 1

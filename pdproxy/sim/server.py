@@ -84,6 +84,7 @@ class SimServer:
         self.fingerprint = f"vllm-{config.version}-{secrets.token_hex(4)}"
         self.http_requests: dict[tuple[str, str, str], int] = {}
         self._stack = contextlib.AsyncExitStack()
+        self.kv_event_publishers: list[Any] = []
         for listener in self.listeners:
             for spec in config.faults:
                 listener.faults.add(spec)
@@ -95,6 +96,7 @@ class SimServer:
             self._session = await self._stack.enter_async_context(aiohttp.ClientSession())
             for rank in self.ranks:
                 await self._stack.enter_async_context(rank)
+            await self._start_kv_events()
             for listener in self.listeners:
                 await self._start_listener(listener)
         except BaseException:
@@ -104,6 +106,21 @@ class SimServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.aclose()
+
+    async def _start_kv_events(self) -> None:
+        """One KV event publisher per rank when ``--kv-events-config`` enables them (``sim/kv_publisher.py``)."""
+        if not self.config.kv_events_config:
+            return
+        from pdproxy.sim.kv_publisher import SimKVEventPublisher, parse_kv_events_config
+
+        cfg = parse_kv_events_config(self.config.kv_events_config)
+        if not cfg.enabled:
+            return
+        for rank in self.ranks:
+            publisher = SimKVEventPublisher(cfg, rank.dp_rank, self.config.kv_events_encoding)
+            await self._stack.enter_async_context(publisher)
+            rank.core.pool.event_sink = publisher.sink
+            self.kv_event_publishers.append(publisher)
 
     async def _start_listener(self, listener: Listener) -> None:
         if self.config.refuse_connections:
