@@ -9,6 +9,7 @@ abandons on a prefiller is freed quickly instead of keeping it busy for 30 s.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -26,6 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "real-vllm.sh"
 KV_CONFIG = ('{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu",'
              '"kv_connector_extra_config":{"kv_lease_duration":10}}')
+KV_EVENTS_TOPIC = "kv-events"
 START_TIMEOUT_S = 420
 """Seconds ``start`` may take (40–75 s warm; the first compile took ~3.5 min on a loaded 2-core machine)."""
 STOP_GRACE_S = 15
@@ -57,6 +59,10 @@ class Engines:
     model_dir: Path
     served_model: str
     max_model_len: int
+    prefill_kv_events: str = ""
+    """The prefiller's KV event PUB address (``tcp://127.0.0.1:PORT``): every configuration starts the prefiller
+    with ``--enable-prefix-caching --kv-events-config`` (a PUB and a replay ROUTER socket; no cost when idle)."""
+    prefill_kv_replay: str = ""
 
 
 class RealEngines:
@@ -65,7 +71,9 @@ class RealEngines:
     def __init__(self) -> None:
         ports = {name: os.environ.get(name) or str(free_port()) for name in (
             "REAL_VLLM_PREFILL_PORT", "REAL_VLLM_DECODE_PORT", "REAL_VLLM_PREFILL_SIDE_PORT",
-            "REAL_VLLM_DECODE_SIDE_PORT")}
+            "REAL_VLLM_DECODE_SIDE_PORT", "REAL_VLLM_KV_EVENTS_PORT", "REAL_VLLM_KV_REPLAY_PORT")}
+        self.kv_events_port = int(ports["REAL_VLLM_KV_EVENTS_PORT"])
+        self.kv_replay_port = int(ports["REAL_VLLM_KV_REPLAY_PORT"])
         self.env = {**os.environ, **ports, "REAL_VLLM_KV_CONFIG": KV_CONFIG,
                     "REAL_VLLM_START_TIMEOUT": str(START_TIMEOUT_S), "REAL_VLLM_STOP_GRACE": str(STOP_GRACE_S)}
         self.keep = os.environ.get("REAL_VLLM_KEEP") == "1"
@@ -100,14 +108,22 @@ class RealEngines:
             return self.current
         self.stop()
         started = time.monotonic()
-        self._run("start", timeout_s=START_TIMEOUT_S + 60, REAL_VLLM_PREFILL_ARGS=config.prefill_args,
+        self._run("start", timeout_s=START_TIMEOUT_S + 60,
+                  REAL_VLLM_PREFILL_ARGS=f"{config.prefill_args} {self.kv_events_args()}".strip(),
                   REAL_VLLM_DECODE_ARGS=config.decode_args)
         self.timings[f"start_{config.name}_s"] = time.monotonic() - started
         env = self.script_env()
         self.current = Engines(config, env["REAL_VLLM_PREFILL_URL"], env["REAL_VLLM_DECODE_URL"],
                                Path(env["REAL_VLLM_MODEL_DIR"]), env["REAL_VLLM_SERVED_MODEL"],
-                               int(env["REAL_VLLM_MAX_MODEL_LEN"]))
+                               int(env["REAL_VLLM_MAX_MODEL_LEN"]), f"tcp://127.0.0.1:{self.kv_events_port}",
+                               f"tcp://127.0.0.1:{self.kv_replay_port}")
         return self.current
+
+    def kv_events_args(self) -> str:
+        """The prefiller's prefix-cache and KV-event flags (no spaces: the script splits its extra args on them)."""
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.kv_events_port}",
+                  "replay_endpoint": f"tcp://*:{self.kv_replay_port}", "topic": KV_EVENTS_TOPIC}
+        return "--enable-prefix-caching --kv-events-config " + json.dumps(config, separators=(",", ":"))
 
     def stop(self, final: bool = False) -> None:
         """Stop whatever runs (SIGTERM to each engine's process group, SIGKILL after the grace period).

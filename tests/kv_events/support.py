@@ -1,0 +1,137 @@
+"""Helpers for the KV-event tests: an async ``until``, a vLLM-like publisher the test drives message by message
+(real PUB and ROUTER sockets on loopback), and a subscriber + index bundle."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from pdproxy.kv_events import END_SEQ, BatchEncoder, Encoding, KVEvent, removed, seq_frame
+from pdproxy.kv_subscriber import KVEventSource, KVEventSubscriber
+from pdproxy.prefix_index import PrefixIndex
+
+
+async def until(cond: Callable[[], Any], timeout_s: float = 15.0, what: str = "") -> Any:
+    """Poll ``cond`` (every 10 ms, yielding to the loop) until truthy; AssertionError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = cond()
+        if last:
+            return last
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what or cond}: last={last!r}")
+
+
+class FakePublisher:
+    """vLLM's ``ZmqEventPublisher`` behaviour, one message at a time: :meth:`publish` sends ``[topic, seq,
+    payload]`` on a PUB socket and keeps it for the replay ROUTER (answers ``["", topic?, seq, payload]`` then
+    sequence -1); ``deliver=False`` keeps a message for replay only (the PUB dropped it)."""
+
+    def __init__(self, encoding: Encoding = "map", replay: bool = True, topic: str = "",
+                 buffer_steps: int = 10_000, rank: int | None = 0) -> None:
+        self.encoding: Encoding = encoding
+        self.with_replay = replay
+        self.topic = topic.encode()
+        self.rank = rank
+        self.seq = 0
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.encoder = BatchEncoder(encoding)
+        self.ctx = zmq.asyncio.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub_port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.router: zmq.asyncio.Socket | None = None
+        self.replay_port: int | None = None
+        self.replay_requests = 0
+        if replay:
+            self.router = self.ctx.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self._task: asyncio.Task[None] | None = None
+
+    def source(self, endpoint: str = "http://engine:8000", dp_rank: int | None = None) -> KVEventSource:
+        return KVEventSource(endpoint, f"tcp://127.0.0.1:{self.pub_port}",
+                             f"tcp://127.0.0.1:{self.replay_port}" if self.replay_port else None, dp_rank,
+                             self.topic.decode())
+
+    async def __aenter__(self) -> FakePublisher:
+        if self.router is not None:
+            self._task = asyncio.get_running_loop().create_task(self._serve())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self.pub.close(0)
+        if self.router is not None:
+            self.router.close(0)
+        self.ctx.term()
+
+    async def publish(self, *events: KVEvent, deliver: bool = True, skip: int = 0) -> int:
+        """Send one batch; returns its sequence number.  ``skip``: sequence numbers jumped over first."""
+        self.seq += skip
+        seq = self.seq
+        payload = self.encoder.encode(time.time(), list(events), self.rank)
+        self.buffer.append((seq, payload))
+        if deliver:
+            await self.pub.send_multipart([self.topic, seq_frame(seq), payload])
+        self.seq += 1
+        return seq
+
+    async def send_raw(self, frames: list[bytes]) -> None:
+        await self.pub.send_multipart(frames)
+
+    def restart(self) -> None:
+        """A new publisher process: sequence from 0, empty replay buffer."""
+        self.seq = 0
+        self.buffer.clear()
+
+    async def prime(self, sub: KVEventSubscriber, endpoint: str = "http://engine:8000") -> None:
+        """Publish harmless batches until the subscriber has one (a SUB misses what is sent before its
+        subscription reaches the PUB)."""
+        await until(lambda: sub.is_live(endpoint), what="connected")
+        status = sub.status(endpoint)
+        assert status is not None
+        start = status.batches
+        while status.batches == start:
+            await self.publish(removed([0xDEAD], encoding=self.encoding))
+            for _ in range(20):
+                if status.batches > start:
+                    break
+                await asyncio.sleep(0.01)
+
+    async def _serve(self) -> None:
+        assert self.router is not None
+        while True:
+            client, _empty, start_b = await self.router.recv_multipart()
+            self.replay_requests += 1
+            start = int.from_bytes(start_b, "big")
+            head = [self.topic] if self.encoding == "map" else []
+            for seq, payload in list(self.buffer):
+                if seq >= start:
+                    await self.router.send_multipart([client, b"", *head, seq_frame(seq), payload])
+            await self.router.send_multipart([client, b"", *([b""] if head else []), END_SEQ, b""])
+
+
+@contextlib.asynccontextmanager
+async def subscribed(*sources: KVEventSource, silent_after_s: float = 10.0,
+                     replay_timeout_s: float = 5.0) -> AsyncIterator[tuple[KVEventSubscriber, PrefixIndex]]:
+    """A :class:`PrefixIndex` fed by a running :class:`KVEventSubscriber` of ``sources``."""
+    index = PrefixIndex()
+    async with KVEventSubscriber(sources, index, silent_after_s=silent_after_s,
+                                 replay_timeout_s=replay_timeout_s) as sub:
+        yield sub, index
