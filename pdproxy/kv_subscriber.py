@@ -12,6 +12,9 @@ replay ROUTER socket (``replay_endpoint``, offset the same way).  Per message (`
   entries are **forgotten** and the stream is followed from this message on;
 - ``seq <= last`` that is not a replayed duplicate: the publisher restarted (a new process counts from 0):
   forget, then replay from 0 if a replay socket is configured;
+- a **reconnect** (the ZMQ monitor reports the connection back): with a replay socket, ask it from our last
+  sequence; the same batch (same ``ts``) there means the same process (fill the gap), anything else a new
+  process (forget, replay from 0); without one, forget (messages sent meanwhile are lost);
 - the first message ever: replay from 0 when configured (the publisher keeps ``buffer_steps`` batches);
 - a connection down for ``silent_after_s`` (the peer is found dead by ZMQ heartbeats or TCP): the publisher is
   **not live** (:meth:`KVEventSubscriber.is_live` is False, routing falls back to the approximate index) and its
@@ -129,6 +132,7 @@ class SourceStatus:
     ever_connected: bool = False
     disconnected_since: float | None = None
     last_seq: int | None = None
+    last_ts: float | None = None
     last_message_at: float | None = None
     last_data_parallel_rank: int | None = None
     encoding: str | None = None
@@ -279,7 +283,8 @@ class KVEventSubscriber:
             while True:
                 ready = dict(await poller.poll(tick_ms))
                 if monitor in ready:
-                    self._on_monitor(st, parse_monitor_message(await monitor.recv_multipart()))
+                    event = parse_monitor_message(await monitor.recv_multipart())
+                    await self._on_monitor(st, event, decoder, replay)
                 if sub in ready:
                     frames = await sub.recv_multipart()
                     await self._on_message(st, frames, decoder, replay)
@@ -292,11 +297,15 @@ class KVEventSubscriber:
             if replay[0] is not None:
                 replay[0].close(0)
 
-    def _on_monitor(self, st: SourceStatus, event: dict[str, Any]) -> None:
+    async def _on_monitor(self, st: SourceStatus, event: dict[str, Any], decoder: BatchDecoder,
+                          replay: list[zmq.asyncio.Socket | None]) -> None:
         if event["event"] == zmq.EVENT_CONNECTED:
+            again = st.ever_connected
             st.connected = st.ever_connected = True
             st.disconnected_since = None
             st.forgotten_silent = False
+            if again:
+                await self._resync(st, decoder, replay)
         elif event["event"] == zmq.EVENT_DISCONNECTED and st.connected:
             st.connected = False
             st.disconnected_since = self._clock()
@@ -306,6 +315,7 @@ class KVEventSubscriber:
         if (since is not None and not st.forgotten_silent and st.ever_connected
                 and self._clock() - since >= self.silent_after_s):
             st.forgotten_silent = True
+            st.last_seq = st.last_ts = None
             self._forget(st, f"publisher silent (disconnected {self.silent_after_s:g} s)")
 
     async def _on_message(self, st: SourceStatus, frames: list[bytes], decoder: BatchDecoder,
@@ -339,7 +349,7 @@ class KVEventSubscriber:
                 return
             st.restarts += 1
             self._forget(st, f"sequence went back {last} -> {seq} (publisher restarted)")
-            st.last_seq = None
+            st.last_seq = st.last_ts = None
             if st.source.replay and seq > 0:
                 await self._replay(st, 0, seq, decoder, replay)
         if st.last_seq is not None and seq <= st.last_seq:
@@ -362,6 +372,7 @@ class KVEventSubscriber:
         if batch.bad_events:
             st.bad_events += batch.bad_events
             self._log_error(st, f"batch {frame.seq}: {batch.bad_events} undecodable event(s) skipped")
+        st.last_ts = batch.ts
         st.encoding = batch.encoding
         st.last_data_parallel_rank = batch.data_parallel_rank
         expected = st.source.dp_rank
@@ -374,10 +385,10 @@ class KVEventSubscriber:
         st.events += len(batch.events)
         self.index.apply(st.source.endpoint, batch.events)
 
-    async def _replay(self, st: SourceStatus, start: int, until: int, decoder: BatchDecoder,
-                      holder: list[zmq.asyncio.Socket | None]) -> None:
-        """Fetch and apply batches from ``start`` on (the live message ``until`` is in hand).  A replay that does
-        not begin at ``start`` (the buffer moved on) forgets the endpoint first; a timeout forgets it too."""
+    async def _fetch(self, st: SourceStatus, start: int,
+                     holder: list[zmq.asyncio.Socket | None]) -> list[Frame] | None:
+        """Every batch the replay socket still has from ``start`` on, in order (None: no answer within
+        ``replay_timeout_s``; the socket is then replaced so a late answer is not read as the next one's)."""
         address = st.source.replay
         assert address is not None
         sock = holder[0]
@@ -386,15 +397,13 @@ class KVEventSubscriber:
             sock.connect(address)
         await sock.send_multipart([b"", seq_frame(start)])
         deadline = self._clock() + self.replay_timeout_s
-        expected, first, got = start, True, 0
-        outcome = "complete"
+        frames_out: list[Frame] = []
         while True:
             remaining_ms = int((deadline - self._clock()) * 1000)
             if remaining_ms <= 0 or not await sock.poll(remaining_ms):
-                outcome = "timeout"
-                sock.close(0)  # late answers must not be read as the next replay's
+                sock.close(0)
                 holder[0] = None
-                break
+                return None
             frames = await sock.recv_multipart()
             if frames and frames[0] == b"":
                 frames = frames[1:]
@@ -405,23 +414,63 @@ class KVEventSubscriber:
                 self._log_error(st, f"malformed replay message: {exc}")
                 continue
             if frame.seq < 0:
-                break
-            if frame.seq < expected:
-                continue
-            if frame.seq > expected and first:
-                outcome = "partial"
-                self._forget(st, f"replay starts at {frame.seq}, needed {expected}")
-            first = False
-            self._apply(st, frame, decoder)
-            got += 1
-            expected = frame.seq + 1
-        if outcome == "timeout" and got == 0:
-            self._forget(st, f"replay from {start} timed out")
-        elif outcome == "complete" and got == 0 and start < until:
+                return frames_out
+            if frame.seq >= start and (not frames_out or frame.seq > frames_out[-1].seq):
+                frames_out.append(frame)
+
+    async def _replay(self, st: SourceStatus, start: int, until: int, decoder: BatchDecoder,
+                      holder: list[zmq.asyncio.Socket | None]) -> None:
+        """Fetch and apply batches from ``start`` on (the live message ``until`` is in hand).  A replay that does
+        not begin at ``start`` (the buffer moved on) forgets the endpoint first; no answer forgets it too."""
+        frames = await self._fetch(st, start, holder)
+        self._apply_replayed(st, start, until, frames, decoder)
+
+    def _apply_replayed(self, st: SourceStatus, start: int, until: int, frames: list[Frame] | None,
+                        decoder: BatchDecoder) -> None:
+        if frames is None:
+            outcome = "timeout"
+            self._forget(st, f"replay from {start} unanswered")
+        elif not frames:
             outcome = "empty"
-            self._forget(st, f"replay from {start} returned nothing")
+            if start < until:
+                self._forget(st, f"replay from {start} returned nothing")
+        else:
+            outcome = "complete"
+            if frames[0].seq > start:
+                outcome = "partial"
+                self._forget(st, f"replay starts at {frames[0].seq}, needed {start}")
+            for frame in frames:
+                self._apply(st, frame, decoder)
+            st.replayed_batches += len(frames)
+            st.replay_window = (until, frames[-1].seq)
         st.replay_outcome(outcome)
-        st.replayed_batches += got
-        if got:
-            st.replay_window = (until, expected - 1)
-        log.info("kv events %s: replay from %d: %s, %d batch(es)", st.source.endpoint, start, outcome, got)
+        log.info("kv events %s: replay from %d: %s, %d batch(es)", st.source.endpoint, start, outcome,
+                 len(frames or ()))
+
+    async def _resync(self, st: SourceStatus, decoder: BatchDecoder,
+                      holder: list[zmq.asyncio.Socket | None]) -> None:
+        """After a reconnect: the same publisher process (its replay still has our last batch, same timestamp)
+        → fill what was missed; a new process, or no way to tell (no replay socket) → forget and start over."""
+        last, last_ts = st.last_seq, st.last_ts
+        if last is None:
+            return
+        if not st.source.replay:
+            st.last_seq = st.last_ts = None
+            self._forget(st, "reconnected without a replay endpoint (messages may be lost)")
+            return
+        frames = await self._fetch(st, last, holder)
+        if frames and frames[0].seq == last:
+            try:
+                same = decoder.decode(frames[0].payload).ts == last_ts
+            except DecodeError:
+                same = False
+            if same:
+                if len(frames) > 1:
+                    self._apply_replayed(st, last + 1, frames[-1].seq + 1, frames[1:], decoder)
+                return
+        st.restarts += 1
+        st.last_seq = st.last_ts = None
+        self._forget(st, "reconnected to a new publisher process")
+        frames = await self._fetch(st, 0, holder)
+        if frames:
+            self._apply_replayed(st, 0, frames[-1].seq + 1, frames, decoder)

@@ -374,6 +374,10 @@ class SimServer:
         states = [self._rank_state(rk) for rk in self.ranks]
         served = [states[rk.dp_rank] for rk in self._served(listener)]
         out: dict[str, Any] = {k: sum(s[k] for s in served) for k in served[0] if k not in ("dp_rank", "port")}
+        if self.kv_event_publishers:  # KV event batches published (the next batch's sequence number)
+            for state, publisher in zip(states, self.kv_event_publishers, strict=True):
+                state["kv_events_published"] = publisher.published
+            out["kv_events_published"] = sum(s["kv_events_published"] for s in served)
         if len(self.ranks) > 1:
             out["ranks"] = states
         return _json(out)

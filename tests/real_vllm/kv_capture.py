@@ -74,15 +74,15 @@ class Recorder(threading.Thread):
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(address)
         self.messages: list[list[bytes]] = []
-        self._stop = threading.Event()
+        self._done = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._done.is_set():
             if self.sub.poll(100):
                 self.messages.append(self.sub.recv_multipart())
 
     def stop(self) -> None:
-        self._stop.set()
+        self._done.set()
         self.join(5)
         self.sub.close(0)
         self.ctx.term()
