@@ -22,6 +22,8 @@ sizes tokens.  Three kinds of series:
   ``pdproxy_inflight_requests``, ``pdproxy_inflight_tokens``, ``pdproxy_endpoint_healthy``,
   ``pdproxy_endpoint_draining``, ``pdproxy_endpoint_breaker_state{state}`` (1 for the current state),
   ``pdproxy_endpoint_breaker_opened_total``; with ``--workers N`` also ``pdproxy_worker_inflight_requests{worker}``;
+- **prefix cache** (when a ``PrefixCacheCollector`` is added with :meth:`ProxyMetrics.add_collector`):
+  ``pdproxy_kv_events_*`` and ``pdproxy_prefix_index_*`` (:mod:`pdproxy.kv_metrics`);
 - **the engines' own gauges**, as last read from each engine's ``/metrics`` by the health loop
   (``state.infos``), re-exported with ``role``/``endpoint``/``dp_rank`` labels:
   ``pdproxy_engine_up``, ``pdproxy_engine_max_model_len``, ``pdproxy_engine_kv_pool_tokens`` (``num_gpu_blocks ×
@@ -160,8 +162,16 @@ class ProxyMetrics:
         self._children: dict[Any, Any] = {}
         self._state = state
         self.state_collector = StateCollector(state)
+        self._collectors: list[Any] = [self.state_collector]
         if self.multiprocess_dir is None:
             reg.register(self.state_collector)
+
+    def add_collector(self, collector: Any) -> None:
+        """Serve one more scrape-time collector (e.g. ``pdproxy.kv_metrics.PrefixCacheCollector``) from this
+        app's ``/metrics``, in single-process and multiprocess mode alike."""
+        self._collectors.append(collector)
+        if self.multiprocess_dir is None:
+            self.registry.register(collector)
 
     def sync(self) -> None:
         """Copy the admission and prefill-queue counters (plain ints in ``pdproxy/admission.py`` and
@@ -244,5 +254,6 @@ class ProxyMetrics:
             return generate_latest(self.registry)
         registry = CollectorRegistry(auto_describe=False)
         MultiProcessCollector(registry, path=self.multiprocess_dir)
-        registry.register(self.state_collector)
+        for collector in self._collectors:
+            registry.register(collector)
         return generate_latest(registry)

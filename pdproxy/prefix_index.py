@@ -543,7 +543,7 @@ class ApproxPrefixIndex(_MaskTable):
         sent = loc.sent
         bit = loc.bit
         holders = self._holders
-        for key in keys.keys:
+        for key in reversed(keys.keys):  # head last = most recent: the tail goes first, as the engine frees it
             if sent.pop(key, None) is None:
                 holders[key] = holders.get(key, 0) | bit
             sent[key] = now

@@ -163,15 +163,50 @@ class Settings(BaseSettings):
         1024, ge=0, description="while every prefiller is busy with long work, prompts up to this many tokens go "
                                 "straight to a decoder (0 = off)")
 
+    # --- prefix cache: the engines' KV events (pdproxy/kv_subscriber.py) and the index (pdproxy/prefix_index.py)
+    kv_events: StrList = Field([], description="ENGINE_URL=tcp://HOST:PORT: subscribe to that engine's KV events "
+                                               "(vLLM --kv-events-config endpoint; repeatable). An engine URL with "
+                                               "internal DP ranks: rank k on PORT+k")
+    kv_events_replay: StrList = Field([], description="ENGINE_URL=tcp://HOST:PORT: the engine's replay endpoint "
+                                                      "(vLLM replay_endpoint), asked after a sequence gap")
+    kv_events_topic: str = Field("", description="topic to subscribe to (vLLM --kv-events-config topic)")
+    kv_events_silent_after_s: float = Field(
+        10.0, gt=0, description="a KV event publisher whose connection is down this long is not live: its entries "
+                                "are forgotten and routing uses the approximate index for it (seconds)")
+    kv_events_replay_timeout_s: float = Field(2.0, gt=0, description="longest wait for one replay answer (s)")
+    prefix_index_max_blocks: int = Field(
+        2_000_000, ge=1, description="block entries the precise prefix index keeps over all engines (memory "
+                                     "bound; see docs/kv-events.md for the bytes per entry)")
+    prefix_approx_capacity_blocks: int = Field(
+        65536, ge=1, description="approximate index: blocks remembered per engine when its KV pool size is unknown")
+    prefix_approx_ttl_s: float = Field(600.0, gt=0, description="approximate index: forget a block sent this long "
+                                                                "ago (seconds)")
+    prefix_text_chunk_chars: int = Field(256, ge=1, description="without a tokenizer: characters per key of the "
+                                                                "rendered prompt (approximate index only)")
+
     _split = field_validator(
         "prefill", "decode", "prefiller_hosts", "prefiller_ports", "decoder_hosts", "decoder_ports", "api_keys",
-        "model_tokenizers",
+        "model_tokenizers", "kv_events", "kv_events_replay",
         mode="before")(_split_list)
+
+    @field_validator("kv_events", "kv_events_replay")
+    @classmethod
+    def _kv_events(cls, v: list[str]) -> list[str]:
+        from pdproxy.kv_subscriber import parse_engine_address
+
+        return [f"{url}={address}" for url, address in (parse_engine_address(e) for e in v)]
 
     @model_validator(mode="after")
     def _check_endpoints(self) -> Settings:
         self.all_endpoints()  # raises ValueError on bad/duplicate URLs
+        self.kv_event_sources()  # raises ValueError on a replay entry without its --kv-events entry
         return self
+
+    def kv_event_sources(self) -> list[Any]:
+        """The KV event publishers to follow (``pdproxy.kv_subscriber.KVEventSource``), one per engine DP rank."""
+        from pdproxy.kv_subscriber import build_sources
+
+        return build_sources(self.kv_events, self.kv_events_replay, self.all_endpoints(), self.kv_events_topic)
 
     def all_endpoints(self) -> list[Endpoint]:
         """Every configured endpoint, prefillers first.  Raises ``ValueError`` on duplicates or bad URLs."""
