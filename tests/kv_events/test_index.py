@@ -107,6 +107,7 @@ def test_approximate_index_is_bounded_and_aged() -> None:
     approx.record(E, a)
     assert approx.match(a) == {E: 32} and approx.entries(E) == 8     # capacity 8 of 10: the tail goes
     approx.set_capacity(E, 100)
+    approx.set_capacity(F, 100)
     approx.record(E, a)
     assert approx.match(a) == {E: 36}
     clock.now += 30
