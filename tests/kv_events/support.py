@@ -135,3 +135,47 @@ async def subscribed(*sources: KVEventSource, silent_after_s: float = 10.0,
     async with KVEventSubscriber(sources, index, silent_after_s=silent_after_s,
                                  replay_timeout_s=replay_timeout_s) as sub:
         yield sub, index
+
+
+class SubscriberThread:
+    """A subscriber + index on their own event loop in a background thread, for synchronous tests (the real-vLLM
+    stage): :meth:`call` runs a function on that loop (the index is not thread-safe) and returns its result."""
+
+    def __init__(self, *sources: KVEventSource, silent_after_s: float = 10.0) -> None:
+        import threading
+
+        self.sources = sources
+        self.silent_after_s = silent_after_s
+        self.loop = asyncio.new_event_loop()
+        self.index = PrefixIndex()
+        self.sub: KVEventSubscriber | None = None
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kv-subscriber")
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._stop = asyncio.Event()
+            async with KVEventSubscriber(self.sources, self.index, silent_after_s=self.silent_after_s) as sub:
+                self.sub = sub
+                self._ready.set()
+                await self._stop.wait()
+
+        self.loop.run_until_complete(main())
+        self.loop.close()
+
+    def __enter__(self) -> SubscriberThread:
+        self._thread.start()
+        self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._stop is not None:
+            self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        async def run() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
