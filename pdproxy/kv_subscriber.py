@@ -35,7 +35,6 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -284,7 +283,7 @@ class KVEventSubscriber:
                 ready = dict(await poller.poll(tick_ms))
                 if monitor in ready:
                     event = parse_monitor_message(await monitor.recv_multipart())
-                    await self._on_monitor(st, event, decoder, replay)
+                    await self._on_monitor(st, int(event["event"]), decoder, replay)
                 if sub in ready:
                     frames = await sub.recv_multipart()
                     await self._on_message(st, frames, decoder, replay)
@@ -297,16 +296,16 @@ class KVEventSubscriber:
             if replay[0] is not None:
                 replay[0].close(0)
 
-    async def _on_monitor(self, st: SourceStatus, event: dict[str, Any], decoder: BatchDecoder,
+    async def _on_monitor(self, st: SourceStatus, event: int, decoder: BatchDecoder,
                           replay: list[zmq.asyncio.Socket | None]) -> None:
-        if event["event"] == zmq.EVENT_CONNECTED:
+        if event == zmq.EVENT_CONNECTED:
             again = st.ever_connected
             st.connected = st.ever_connected = True
             st.disconnected_since = None
             st.forgotten_silent = False
             if again:
                 await self._resync(st, decoder, replay)
-        elif event["event"] == zmq.EVENT_DISCONNECTED and st.connected:
+        elif event == zmq.EVENT_DISCONNECTED and st.connected:
             st.connected = False
             st.disconnected_since = self._clock()
 

@@ -73,10 +73,7 @@ def chain_keys(parent: int, token_ids: Sequence[int], block_size: int, num_block
     keys: list[int] = []
     append = keys.append
     h = hash
-    if isinstance(token_ids, list | tuple):
-        ids = token_ids
-    else:
-        ids = list(token_ids)
+    ids = token_ids if isinstance(token_ids, list | tuple) else list(token_ids)
     start = 0
     for i in range(n):
         end = start + block_size

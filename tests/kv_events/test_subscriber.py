@@ -160,7 +160,7 @@ async def test_never_connected_publisher_is_not_live() -> None:
 
 
 async def test_rank_stamp_is_checked() -> None:
-    async with FakePublisher(rank=1) as pub, subscribed(pub.source(dp_rank=0)) as (sub, index):
+    async with FakePublisher(rank=1) as pub, subscribed(pub.source(dp_rank=0)) as (sub, _index):
         await pub.prime(sub)
         status = sub.status(E)
         assert status is not None and status.rank_mismatches >= 1 and status.last_data_parallel_rank == 1
