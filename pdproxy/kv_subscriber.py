@@ -1,7 +1,7 @@
 """Subscribes to the engines' KV event publishers (ZMQ SUB, zmq.asyncio) and keeps :class:`PrefixIndex` in step.
 
 One :class:`KVEventSource` per publisher: an engine DP rank's PUB socket (vLLM binds ``endpoint`` and offsets its
-port by the DP rank: rank ``k`` of ``tcp://*:5557`` publishes on 5558 + k - 1 = 5557 + k), and optionally its
+port by the DP rank: rank ``k`` of ``tcp://*:5557`` publishes on ``5557 + k``), and optionally its
 replay ROUTER socket (``replay_endpoint``, offset the same way).  Per message (``docs/kv-events.md``):
 
 - ``seq == last + 1``: apply the batch;
@@ -458,6 +458,11 @@ class KVEventSubscriber:
             self._forget(st, "reconnected without a replay endpoint (messages may be lost)")
             return
         frames = await self._fetch(st, last, holder)
+        if frames is None:
+            st.last_seq = st.last_ts = None
+            st.replay_outcome("timeout")
+            self._forget(st, "reconnected; the replay endpoint did not answer")
+            return
         if frames and frames[0].seq == last:
             try:
                 same = decoder.decode(frames[0].payload).ts == last_ts

@@ -12,7 +12,7 @@ from pdproxy.prefix_cache import Prediction, PrefixCache
 from pdproxy.prefix_index import block_keys
 from pdproxy.settings import load_settings
 from tests.kv_events.support import FakePublisher, until
-from tests.kv_events.test_subscriber import BS, E, A, chain
+from tests.kv_events.test_subscriber import BS, A, E, chain
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 F = "http://other:8000"
