@@ -92,6 +92,24 @@ class FakePublisher:
         self.seq += 1
         return seq
 
+    async def rebind(self) -> None:
+        """Close the PUB socket and bind a new one on the same port (subscribers see a disconnect, then a
+        reconnect): the same process after a network cut, or with :meth:`restart` a new one."""
+        self.pub.close(0)
+        await asyncio.sleep(0)
+        for _ in range(200):
+            sock = self.ctx.socket(zmq.PUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            try:
+                sock.bind(f"tcp://127.0.0.1:{self.pub_port}")
+            except zmq.ZMQError:
+                sock.close(0)
+                await asyncio.sleep(0.02)
+                continue
+            self.pub = sock
+            return
+        raise AssertionError(f"port {self.pub_port} not free again")
+
     async def send_raw(self, frames: list[bytes]) -> None:
         await self.pub.send_multipart(frames)
 

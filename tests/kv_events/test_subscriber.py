@@ -164,3 +164,34 @@ async def test_rank_stamp_is_checked() -> None:
         await pub.prime(sub)
         status = sub.status(E)
         assert status is not None and status.rank_mismatches >= 1 and status.last_data_parallel_rank == 1
+
+
+async def test_reconnect_to_the_same_process_fills_the_gap_by_replay() -> None:
+    async with FakePublisher() as pub, subscribed(pub.source()) as (sub, index):
+        await pub.prime(sub)
+        await pub.publish(chain(A, 1000))
+        await until(lambda: held(index, A) == 12)
+        status = sub.status(E)
+        assert status is not None
+        await pub.rebind()                                           # the connection is cut …
+        await until(lambda: not status.connected, what="disconnect seen")
+        await pub.publish(chain(B, 2000))                            # … this one is lost (nobody subscribed yet)
+        await until(lambda: held(index, B) == 8, what="B filled in after the reconnect")
+        assert held(index, A) == 12 and status.restarts == 0 and status.forgotten == 0
+        assert status.replayed_batches >= 1 and status.replays.get("complete", 0) >= 1
+
+
+async def test_reconnect_to_a_new_process_forgets_the_old_one() -> None:
+    async with FakePublisher() as pub, subscribed(pub.source()) as (sub, index):
+        await pub.prime(sub)
+        await pub.publish(chain(A, 1000))
+        await pub.publish(chain(B, 2000))
+        await until(lambda: held(index, B) == 8)
+        status = sub.status(E)
+        assert status is not None
+        await pub.rebind()
+        pub.restart()                                                # a new engine: seq 0, empty buffer
+        await until(lambda: not status.connected, what="disconnect seen")
+        await pub.publish(chain(C, 3000))                            # sent before the subscriber is back
+        await until(lambda: held(index, C) == 4, what="C from the new process's replay")
+        assert held(index, A) == 0 and held(index, B) == 0 and status.restarts == 1
