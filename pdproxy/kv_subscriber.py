@@ -15,7 +15,9 @@ replay ROUTER socket (``replay_endpoint``, offset the same way).  Per message (`
 - a **reconnect** (the ZMQ monitor reports the connection back): with a replay socket, ask it from our last
   sequence; the same batch (same ``ts``) there means the same process (fill the gap), anything else a new
   process (forget, replay from 0); without one, forget (messages sent meanwhile are lost);
-- the first message ever: replay from 0 when configured (the publisher keeps ``buffer_steps`` batches);
+- the first connection, with a replay socket: 0.2 s later (once the subscription has reached the publisher),
+  fetch what was published before it, from 0 (the publisher keeps ``buffer_steps`` batches); likewise a first
+  message whose sequence is not 0;
 - a connection down for ``silent_after_s`` (the peer is found dead by ZMQ heartbeats or TCP): the publisher is
   **not live** (:meth:`KVEventSubscriber.is_live` is False, routing falls back to the approximate index) and its
   entries are forgotten.  vLLM publishes only when the cache changes, so an idle engine on a live connection
@@ -49,6 +51,9 @@ log = logging.getLogger("pdproxy.kv_events")
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
 LOGGED_ERRORS = 5
+SYNC_DELAY_S = 0.2
+"""After the first connection, wait this long (for the subscription to reach the publisher) before asking the
+replay socket for what was published until then."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +153,7 @@ class SourceStatus:
     bad_events: int = 0
     rank_mismatches: int = 0
     replay_window: tuple[int, int] | None = None
+    sync_at: float | None = None
 
     def replay_outcome(self, outcome: str) -> None:
         self.replays[outcome] = self.replays.get(outcome, 0) + 1
@@ -287,6 +293,9 @@ class KVEventSubscriber:
                 if sub in ready:
                     frames = await sub.recv_multipart()
                     await self._on_message(st, frames, decoder, replay)
+                if st.sync_at is not None and self._clock() >= st.sync_at:
+                    st.sync_at = None
+                    await self._initial_sync(st, decoder, replay)
                 self._check_silence(st)
         finally:
             with contextlib.suppress(Exception):
@@ -305,6 +314,8 @@ class KVEventSubscriber:
             st.forgotten_silent = False
             if again:
                 await self._resync(st, decoder, replay)
+            elif st.source.replay:
+                st.sync_at = self._clock() + SYNC_DELAY_S
         elif event == zmq.EVENT_DISCONNECTED and st.connected:
             st.connected = False
             st.disconnected_since = self._clock()
@@ -441,10 +452,25 @@ class KVEventSubscriber:
             for frame in frames:
                 self._apply(st, frame, decoder)
             st.replayed_batches += len(frames)
-            st.replay_window = (until, frames[-1].seq)
+            st.replay_window = (min(start, until), frames[-1].seq)
         st.replay_outcome(outcome)
         log.info("kv events %s: replay from %d: %s, %d batch(es)", st.source.endpoint, start, outcome,
                  len(frames or ()))
+
+    async def _initial_sync(self, st: SourceStatus, decoder: BatchDecoder,
+                            holder: list[zmq.asyncio.Socket | None]) -> None:
+        """Shortly after the first connection: fetch what the publisher sent before our subscription reached it
+        (a SUB misses those messages), from the start of its history or after the last batch we have."""
+        start = 0 if st.last_seq is None else st.last_seq + 1
+        frames = await self._fetch(st, start, holder)
+        if not frames:
+            st.replay_outcome("sync_empty" if frames is not None else "timeout")
+            return
+        for frame in frames:
+            self._apply(st, frame, decoder)
+        st.replayed_batches += len(frames)
+        st.replay_window = (start, frames[-1].seq)
+        st.replay_outcome("sync")
 
     async def _resync(self, st: SourceStatus, decoder: BatchDecoder,
                       holder: list[zmq.asyncio.Socket | None]) -> None:

@@ -105,7 +105,7 @@ async def test_dp_ranks_kept_apart(encoding: str) -> None:
         assert [s.publisher for s in sources] == [f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{events + 1}"]
         r0, r1 = (e.name for e in endpoints)
         async with subscribed(*sources) as (sub, index), httpx.AsyncClient(timeout=30) as client:
-            await until(lambda: sub.is_live(r0) and sub.is_live(r1))
+            await until(lambda: sub.is_live(r0) and sub.is_live(r1), what=f"both ranks connected: {sub.statuses()}")
             a, b = prompt(10, 100), prompt(11, 100)
             assert await cached(client, proc.url, a, rank=0) == 0
             assert await cached(client, proc.url, b, rank=1) == 0
@@ -147,9 +147,9 @@ async def test_engine_restart_forgets_what_the_old_process_held() -> None:
     second = None
     try:
         async with subscribed(source) as (sub, index), httpx.AsyncClient(timeout=30) as client:
-            await until(lambda: sub.is_live(first.url))
+            await until(lambda: sub.is_live(first.url), what="connected")
             await cached(client, first.url, a)
-            await until(lambda: index.entries(first.url) == 7)
+            await until(lambda: index.entries(first.url) == 7, what="a stored")
             first.stop()
             second, _e, _r = sim(port=first.port, events=events, replay=replay)
             second.start()
