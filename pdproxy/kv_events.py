@@ -247,11 +247,11 @@ def decode_batch(payload: bytes) -> EventBatch:
 def stored(block_hashes: list[int | bytes], parent_block_hash: int | bytes | None, token_ids: list[int],
            block_size: int, *, encoding: Encoding = "map", lora_id: int | None = None, medium: str | None = "GPU",
            lora_name: str | None = None, extra_keys: list[Any] | None = None,
-           group_idx: int | None = None) -> BlockStored:
+           group_idx: int | None = None, kv_cache_spec_kind: str | None = None) -> BlockStored:
     """A ``BlockStored`` event as vLLM builds it (``token_ids``: the tokens of all ``block_hashes`` blocks)."""
     cls = MapBlockStored if encoding == "map" else ArrayBlockStored
     return cls(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name,
-               extra_keys, group_idx)
+               extra_keys, group_idx, kv_cache_spec_kind)
 
 
 def removed(block_hashes: list[int | bytes], *, encoding: Encoding = "map", medium: str | None = "GPU",
@@ -279,6 +279,7 @@ class _VllmMapStored(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockSto
     lora_name: str | None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
 
 
 class _VllmMapRemoved(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockRemoved"):
@@ -297,6 +298,7 @@ class _VllmArrayStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     lora_name: str | None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
 
 
 class _VllmArrayRemoved(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="BlockRemoved"):
@@ -315,7 +317,8 @@ def _wire(event: KVEvent, encoding: Encoding) -> Any:
     if isinstance(event, MapBlockStored | ArrayBlockStored):
         cls_s = _VllmMapStored if encoding == "map" else _VllmArrayStored
         return cls_s(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
-                     event.lora_id, event.medium, event.lora_name, event.extra_keys, event.group_idx)
+                     event.lora_id, event.medium, event.lora_name, event.extra_keys, event.group_idx,
+                     event.kv_cache_spec_kind)
     if isinstance(event, MapBlockRemoved | ArrayBlockRemoved):
         cls_r = _VllmMapRemoved if encoding == "map" else _VllmArrayRemoved
         return cls_r(event.block_hashes, event.medium, event.group_idx)

@@ -165,7 +165,8 @@ class SimKVEventPublisher:
             n = len(fields["block_hashes"])
             self._pending.append(stored(fields["block_hashes"], fields["parent_block_hash"], fields["token_ids"],
                                         fields["block_size"], encoding=enc, medium="GPU",
-                                        extra_keys=[None] * n if enc == "map" else None, group_idx=group))
+                                        extra_keys=[None] * n if enc == "map" else None, group_idx=group,
+                                        kv_cache_spec_kind="full_attention" if enc == "map" else None))
         elif kind == "BlockRemoved":
             self._pending.append(removed(fields["block_hashes"], encoding=enc, medium="GPU", group_idx=group))
         else:
