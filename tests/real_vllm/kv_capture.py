@@ -105,6 +105,18 @@ def replay(address: str, start: int) -> list[list[bytes]]:
     return answers
 
 
+def dump(capture: dict[str, Any]) -> str:
+    """JSON with one line per top-level key and per list item (token lists stay on one line)."""
+    lines = []
+    for key, value in capture.items():
+        if isinstance(value, list):
+            items = ",\n  ".join(json.dumps(v) for v in value)
+            lines.append(f" {json.dumps(key)}: [\n  {items}\n ]" if value else f" {json.dumps(key)}: []")
+        else:
+            lines.append(f" {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
 def b64(frames: list[bytes]) -> list[str]:
     return [base64.b64encode(f).decode() for f in frames]
 
@@ -144,13 +156,13 @@ def main() -> int:
             "replay_from_0": [b64(m) for m in answers],
         }
         CAPTURES.mkdir(parents=True, exist_ok=True)
-        MAP_FILE.write_text(json.dumps(capture, indent=1) + "\n")
+        MAP_FILE.write_text(dump(capture))
         derived = dict(capture, vllm=capture["vllm"] + "; events re-encoded positionally (vLLM <= 0.23 layout) by "
                        "tests/real_vllm/kv_capture.py::derive_array_payload",
                        messages=[m[:2] + [base64.b64encode(derive_array_payload(base64.b64decode(m[2]))).decode()]
                                  for m in capture["messages"]],
                        replay_from_0=[])
-        ARRAY_FILE.write_text(json.dumps(derived, indent=1) + "\n")
+        ARRAY_FILE.write_text(dump(derived))
         print(f"{len(recorder.messages)} messages, {len(answers)} replay answers -> {MAP_FILE}, {ARRAY_FILE}")
     finally:
         manager.stop()
