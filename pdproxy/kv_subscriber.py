@@ -312,7 +312,7 @@ class KVEventSubscriber:
             st.connected = st.ever_connected = True
             st.disconnected_since = None
             st.forgotten_silent = False
-            if again:
+            if again and st.last_seq is not None:
                 await self._resync(st, decoder, replay)
             elif st.source.replay:
                 st.sync_at = self._clock() + SYNC_DELAY_S
