@@ -71,8 +71,8 @@ async def cached(client: httpx.AsyncClient, url: str, ids: list[int], rank: int 
 
 async def test_index_follows_evictions_on_a_small_pool() -> None:
     proc, events, replay = sim(blocks=24)                            # 384 tokens of KV
-    proc.start()
     try:
+        proc.start()
         source = KVEventSource(proc.url, f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}")
         async with subscribed(source) as (sub, index), httpx.AsyncClient(timeout=30) as client:
             await until(lambda: sub.is_live(proc.url))
@@ -97,8 +97,8 @@ async def test_index_follows_evictions_on_a_small_pool() -> None:
 @pytest.mark.parametrize("encoding", ["map", "array"])
 async def test_dp_ranks_kept_apart(encoding: str) -> None:
     proc, events, replay = sim("--data-parallel-size", "2", "--dp-single-port", "--kv-events-encoding", encoding)
-    proc.start()
     try:
+        proc.start()
         endpoints = [Endpoint(proc.url, Role.PREFILL, dp_rank=r, internal_dp=True) for r in (0, 1)]
         sources = build_sources([f"{proc.url}=tcp://127.0.0.1:{events}"], [f"{proc.url}=tcp://127.0.0.1:{replay}"],
                                 endpoints)
@@ -123,8 +123,8 @@ async def test_dp_ranks_kept_apart(encoding: str) -> None:
 
 async def test_reset_prefix_cache_clears_the_engine() -> None:
     proc, events, replay = sim()
-    proc.start()
     try:
+        proc.start()
         source = KVEventSource(proc.url, f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}")
         async with subscribed(source) as (sub, index), httpx.AsyncClient(timeout=30) as client:
             await until(lambda: sub.is_live(proc.url))
@@ -141,11 +141,11 @@ async def test_reset_prefix_cache_clears_the_engine() -> None:
 
 async def test_engine_restart_forgets_what_the_old_process_held() -> None:
     first, events, replay = sim()
-    first.start()
     source = KVEventSource(first.url, f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}")
     a, b = prompt(30, 120), prompt(31, 120)
     second = None
     try:
+        first.start()
         async with subscribed(source) as (sub, index), httpx.AsyncClient(timeout=30) as client:
             await until(lambda: sub.is_live(first.url), what="connected")
             await cached(client, first.url, a)

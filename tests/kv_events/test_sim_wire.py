@@ -33,9 +33,10 @@ def test_sim_events_have_the_real_engines_shape() -> None:
     pub, rep = free_port(), free_port()
     cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
            "replay_endpoint": f"tcp://*:{rep}", "topic": real["topic"]}
-    sim = SimProcess("prefill", "--block-size", "128", "--kv-events-config", json.dumps(cfg)).start()
+    sim = SimProcess("prefill", "--block-size", "128", "--kv-events-config", json.dumps(cfg))
     ctx = zmq.Context()
     try:
+        sim.start()
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(f"tcp://127.0.0.1:{pub}")
