@@ -106,19 +106,21 @@ class SimKVEventPublisher:
         self._ctx: zmq.asyncio.Context | None = None
         self._pub: zmq.Socket[bytes] | None = None
         self._router: zmq.asyncio.Socket | None = None
+        self._sockets: list[zmq.asyncio.Socket] = []
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> SimKVEventPublisher:
         self._ctx = zmq.asyncio.Context()
         try:
             pub = self._ctx.socket(zmq.PUB)
+            self._sockets.append(pub)
             pub.setsockopt(zmq.LINGER, 0)
             pub.set_hwm(self.config.hwm)
             self.endpoint = self._attach(pub, self.endpoint)
             self._pub = zmq.Socket.shadow(pub.underlying)
-            self._pub_async = pub
             if self.replay_endpoint is not None:
                 router = self._ctx.socket(zmq.ROUTER)
+                self._sockets.append(router)
                 router.setsockopt(zmq.LINGER, 0)
                 self.replay_endpoint = self._attach(router, self.replay_endpoint, always_bind=True)
                 self._router = router
@@ -136,10 +138,10 @@ class SimKVEventPublisher:
             self._task = None
         if self._pending:
             self._flush()
-        for sock in (getattr(self, "_pub_async", None), self._router):
-            if sock is not None:
-                sock.close(0)
         self._pub = None
+        for sock in self._sockets:  # every socket, bound or not: Context.term waits for open sockets
+            sock.close(0)
+        self._sockets.clear()
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
