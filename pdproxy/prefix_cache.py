@@ -5,6 +5,7 @@ Built from :class:`~pdproxy.settings.Settings` (``kv_events*``, ``prefix_*``), u
 PrefixCache(settings) as cache`` in the app's lifespan::
 
     keys = block_keys(token_ids, block_size, namespace)      # pdproxy.prefix_index; once per request
+    cache.hints(keys, prefillers)                            # PrefixHints for PickRequest (pdproxy/scheduling)
     cache.predict(keys, [e.name for e in prefillers])        # {name: Prediction(cached_tokens, precise)}
     cache.record(chosen.name, keys)                          # after dispatching: the approximate bookkeeping
     cache.update_engine(endpoint, info)                      # on each EngineInfo refresh (block size, pool)
@@ -25,6 +26,7 @@ from pdproxy.engines import EngineInfo
 from pdproxy.kv_metrics import PrefixCacheCollector
 from pdproxy.kv_subscriber import KVEventSource, KVEventSubscriber
 from pdproxy.prefix_index import ApproxPrefixIndex, BlockKeys, PrefixIndex
+from pdproxy.scheduling import PrefixHints
 from pdproxy.settings import Settings
 
 
@@ -35,6 +37,9 @@ class Prediction:
 
     cached_tokens: int
     precise: bool
+
+
+_NONE = Prediction(0, False)
 
 
 class PrefixCache:
@@ -77,6 +82,16 @@ class PrefixCache:
         if other:
             out.update((n, Prediction(t, False)) for n, t in self.approx.match(keys, other).items())
         return out
+
+    def hints(self, keys: BlockKeys, endpoints: Iterable[Endpoint]) -> PrefixHints:
+        """The scheduler's :class:`~pdproxy.scheduling.PrefixHints` for ``keys``' prompt over ``endpoints``:
+        the predicted cached tokens per endpoint, and the first block's key as the routing key (the same prompt
+        start gives the same key in every replica), or None for a prompt shorter than one block."""
+        eps = list(endpoints)
+        predicted = self.predict(keys, [e.name for e in eps])
+        cached = {e: predicted[e.name].cached_tokens for e in eps if predicted.get(e.name, _NONE).cached_tokens}
+        key = keys.keys[0].to_bytes(8, "big", signed=True) if keys.keys else None
+        return PrefixHints(cached_tokens=cached, routing_key=key)
 
     def record(self, endpoint: str, keys: BlockKeys) -> None:
         """``keys``' prompt was sent to ``endpoint`` (approximate bookkeeping)."""

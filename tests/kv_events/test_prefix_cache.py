@@ -36,6 +36,10 @@ async def test_precise_where_live_approximate_elsewhere_and_metrics() -> None:
         await pub.publish(chain(A[:8], 1000))                    # but E's engine reports only two blocks
         await until(lambda: cache.predict(keys, [E])[E].cached_tokens == 8)
         assert cache.predict(keys, [E, F]) == {E: Prediction(8, True), F: Prediction(12, False)}
+        e_ep, f_ep, g_ep = (Endpoint(n, Role.PREFILL) for n in (E, F, "http://g:1"))
+        hints = cache.hints(keys, [e_ep, f_ep, g_ep])             # the scheduler's seam (pdproxy/scheduling)
+        assert dict(hints.cached_tokens) == {e_ep: 8, f_ep: 12} and hints.cached(g_ep) == 0
+        assert hints.routing_key == cache.hints(block_keys(A[:4], BS), [g_ep]).routing_key is not None
         text = metrics.render().decode()
         for line in ('pdproxy_kv_events_batches_total{endpoint="http://engine:8000"}',
                      'pdproxy_kv_events_publisher_live{endpoint="http://engine:8000"} 1.0',
