@@ -21,14 +21,18 @@ from pdproxy.settings import Settings, load_settings
 
 # Settings that get a CLI flag of the same name (dashes for underscores); list/bool types are derived.
 _SKIP = {"endpoints"}
+# The settings `pdproxy doctor` reads: which engines, how to reach them (the rest only matter to `serve`).
+ENGINE_SETTINGS = ("prefill", "decode", "prefiller_hosts", "prefiller_ports", "decoder_hosts", "decoder_ports",
+                   "decoder_dp_size", "prefiller_dp_size", "engine_api_key", "model_name")
 
 
-def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+def add_serve_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
     """Add one flag per setting (``--decoder-dp-size``, ``--prefill-timeout-base-s`` …), all defaulting to None
-    so that only flags actually given override the environment and the config file."""
+    so that only flags actually given override the environment and the config file.  ``only``: just these
+    settings (``pdproxy doctor`` takes the engine settings, :data:`ENGINE_SETTINGS`)."""
     p.add_argument("--config", help="YAML/JSON/TOML settings file (see config/)")
     for name, field in Settings.model_fields.items():
-        if name in _SKIP:
+        if name in _SKIP or (only is not None and name not in only):
             continue
         flag = "--" + name.replace("_", "-")
         ann = str(field.annotation)
@@ -113,8 +117,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     from pdproxy import demo
 
     demo.add_arguments(p_demo)
-    p_doctor = sub.add_parser("doctor", help="check every configured engine (seed 000's verification steps)")
-    add_serve_arguments(p_doctor)
+    p_doctor = sub.add_parser("doctor", help="check every configured engine (KV pool vs max_model_len, idle "
+                              "gauges, a P→D tool call, a cold long-context probe); ends within --budget-s")
+    add_serve_arguments(p_doctor, only=ENGINE_SETTINGS)
     from pdproxy import doctor
 
     doctor.add_arguments(p_doctor)
