@@ -8,7 +8,6 @@ win over ``PDPROXY_*`` environment variables, which win over the ``--config`` fi
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -65,9 +64,11 @@ def serve(settings: Settings) -> int:
     import uvicorn
 
     from pdproxy.app import create_app
+    from pdproxy.logs import configure_logging, listen_urls, log_banner
+    from pdproxy.tls import apply_to_uvicorn, server_ssl_context
 
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per health probe otherwise
+    configure_logging(settings)
+    tls = server_ssl_context(settings)  # a bad certificate / key / CA file stops here (ValueError → exit 2)
     roles = {e.role for e in settings.all_endpoints()}
     if len(roles) < 2 and not settings.admin_key:
         missing = " and ".join(r.value for r in Role if r not in roles)
@@ -86,8 +87,13 @@ def serve(settings: Settings) -> int:
     # pdproxy/shutdown.py); uvicorn's own grace only covers what is left after that.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
                             http="httptools", log_level="warning", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=1)
-    DrainingServer(config, app, grace_s=settings.shutdown_grace_s).run()
+                            timeout_graceful_shutdown=1, log_config=None)
+    apply_to_uvicorn(config, tls)
+    server = DrainingServer(config, app, grace_s=settings.shutdown_grace_s,
+                            on_started=lambda addresses: log_banner(settings, listen_urls(addresses, tls)))
+    server.run()
+    if not server.started:  # e.g. the port is taken (uvicorn logged why)
+        return 1
     return 0
 
 
