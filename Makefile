@@ -29,7 +29,7 @@ test: $(VENV)/.installed-test
 	bash scripts/test-all.sh
 
 bench: $(VENV)/.installed-bench
-	$(BIN)/python -m loadtest.bench
+	$(BIN)/python -m loadtest.bench --out loadtest/results/latest.json
 	$(BIN)/python -m loadtest.plots loadtest/results/latest.json --out loadtest/results
 
 clean:

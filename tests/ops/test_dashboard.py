@@ -112,7 +112,7 @@ def test_dashboard_layout_imports_cleanly() -> None:
     assert len({p["id"] for p in items}) == len(items)
     for p in items:
         g = p["gridPos"]
-        assert p["title"] and 0 <= g["x"] and g["x"] + g["w"] <= 24 and g["h"] > 0, p["title"]
+        assert p["title"] and g["x"] >= 0 and g["x"] + g["w"] <= 24 and g["h"] > 0, p["title"]
         if p["type"] != "row":
             assert p["datasource"]["uid"] == "${datasource}" and p["targets"], p["title"]
             assert all(t["datasource"]["uid"] == "${datasource}" and t["refId"] for t in p["targets"]), p["title"]
