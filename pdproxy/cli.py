@@ -89,7 +89,7 @@ def serve(settings: Settings) -> int:
                             http="httptools", log_level="warning", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=1, log_config=None)
     apply_to_uvicorn(config, tls)
-    server = DrainingServer(config, app, grace_s=settings.shutdown_grace_s,
+    server = DrainingServer(config, app, grace_s=settings.shutdown_grace_s, delay_s=settings.shutdown_delay_s,
                             on_started=lambda addresses: log_banner(settings, listen_urls(addresses, tls)))
     server.run()
     if not server.started:  # e.g. the port is taken (uvicorn logged why)

@@ -102,6 +102,9 @@ class Settings(BaseSettings):
     decode_nonstream_timeout_s: float = Field(600.0, gt=0, description="whole non-streaming decode leg")
     request_timeout_s: float | None = Field(None, gt=0, description="optional end-to-end deadline")
     shutdown_grace_s: float = Field(30.0, ge=0)
+    shutdown_delay_s: float = Field(0.0, ge=0, description="after SIGTERM, /health answers 503 at once but new "
+                                                           "requests are still served this long (a load "
+                                                           "balancer's health check takes the replica out first)")
 
     # --- retries (issue 5; see director.py for the policy)
     prefill_attempts: int = Field(3, ge=1, le=10, description="prefillers tried per request (refuse/reset/timeout/"

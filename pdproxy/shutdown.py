@@ -3,6 +3,9 @@
 uvicorn alone closes its listening socket at once on SIGTERM (new clients get a refused connection, not an
 answer) and cuts in-flight requests after ``timeout_graceful_shutdown``.  :class:`DrainingServer` instead:
 
+0. with ``delay_s`` (setting ``shutdown_delay_s``) > 0: ``GET /health`` answers 503 at once (``proxy.unready``)
+   while new requests are still served for ``delay_s`` seconds, so that a load balancer's health check
+   (Envoy, a Kubernetes readiness probe) stops sending before the replica starts refusing;
 1. marks the proxy ``shutting_down``: new completion requests get **503 + ``Retry-After``** (``ShuttingDown``)
    and ``GET /health`` answers 503, so load balancers and Kubernetes readiness probes take the replica out;
 2. keeps serving the requests already in flight — streams run to their ``data: [DONE]`` — for at most
@@ -34,11 +37,12 @@ class DrainingServer(uvicorn.Server):
     """``uvicorn.Server`` with the drain above.  ``proxy``: the :class:`pdproxy.app.PDProxyApp` being served;
     ``grace_s``: seconds in-flight requests get after the signal; ``poll_s``: how often in-flight is checked."""
 
-    def __init__(self, config: uvicorn.Config, proxy: Any, *, grace_s: float, poll_s: float = 0.05,
-                 on_started: Callable[[list[tuple[Any, ...]]], None] | None = None) -> None:
+    def __init__(self, config: uvicorn.Config, proxy: Any, *, grace_s: float, delay_s: float = 0.0,
+                 poll_s: float = 0.05, on_started: Callable[[list[tuple[Any, ...]]], None] | None = None) -> None:
         super().__init__(config)
         self.proxy = proxy
         self.grace_s = grace_s
+        self.delay_s = delay_s
         self.poll_s = poll_s
         self.on_started = on_started
         self.draining = False
@@ -75,13 +79,20 @@ class DrainingServer(uvicorn.Server):
         state = getattr(self.proxy, "state", None)
         in_flight = state.in_flight if state is not None else 0
         extra = {"event": "shutdown_started", "signal": signal.Signals(sig).name, "in_flight": in_flight,
-                 "grace_s": self.grace_s}
+                 "grace_s": self.grace_s, "delay_s": self.delay_s}
+        if self.delay_s > 0:
+            log.info("pdproxy: %s: /health answers 503 now; new requests are still served for %.1f s "
+                     "(shutdown_delay_s) so that load balancers stop sending first", signal.Signals(sig).name,
+                     self.delay_s)
         if in_flight:
             log.warning("pdproxy: %s: draining: waiting up to %.0f s for %d request(s) in flight; a second signal "
                         "(Ctrl-C again) cuts them now", signal.Signals(sig).name, self.grace_s, in_flight, extra=extra)
         else:
             log.info("pdproxy: %s: shutting down (nothing in flight)", signal.Signals(sig).name, extra=extra)
-        self.begin_drain()
+        if self.delay_s <= 0:
+            self.begin_drain()
+        elif hasattr(self.proxy, "unready"):
+            self.proxy.unready = True
         self._loop.call_soon_threadsafe(self._start_drain_task)
 
     def begin_drain(self) -> None:
@@ -94,8 +105,12 @@ class DrainingServer(uvicorn.Server):
         self._drain_task = asyncio.get_running_loop().create_task(self.drain())
 
     async def drain(self) -> None:
-        """Wait until nothing is in flight or ``grace_s`` passed, then ask uvicorn to exit."""
+        """After ``delay_s`` refuse new work, wait until nothing is in flight or ``grace_s`` passed, then ask
+        uvicorn to exit."""
         loop = asyncio.get_running_loop()
+        if self.delay_s > 0:
+            await asyncio.sleep(self.delay_s)
+            self.begin_drain()
         deadline = loop.time() + self.grace_s
         while loop.time() < deadline:
             state = getattr(self.proxy, "state", None)

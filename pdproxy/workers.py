@@ -105,7 +105,7 @@ def worker_main(settings: Settings, sock: socket.socket, board_path: str, row: i
         config = uvicorn.Config(app, loop="uvloop", http="httptools", log_level="warning", access_log=False,
                                 lifespan="on", timeout_graceful_shutdown=1, log_config=None)
         apply_to_uvicorn(config, server_ssl_context(settings))  # each worker builds its own (contexts don't pickle)
-        server = DrainingServer(config, app, grace_s=settings.shutdown_grace_s)  # SIGTERM drains (shutdown.py)
+        server = DrainingServer(config, app, grace_s=settings.shutdown_grace_s, delay_s=settings.shutdown_delay_s)  # SIGTERM drains (shutdown.py)
 
         def watch() -> None:  # mark the row ready once serving; leave if the supervisor is gone
             while not server.should_exit:
@@ -194,7 +194,7 @@ class Supervisor:
         for proc in alive:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.settings.shutdown_grace_s + 5.0
+        deadline = time.monotonic() + self.settings.shutdown_delay_s + self.settings.shutdown_grace_s + 5.0
         for proc in alive:
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
