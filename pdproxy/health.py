@@ -1,7 +1,7 @@
 """Endpoint health: active ``/health`` probes, passive outlier detection, and one circuit breaker per endpoint.
 
 - **Active**: every ``interval_s`` seconds each endpoint's ``GET /health`` is probed (vLLM answers 200, or 503
-  when the engine core is dead — ``vllm/entrypoints/serve``; reference §2.1); the result is the pool's
+  when the engine core is dead — ``vllm/entrypoints/serve``); the result is the pool's
   ``healthy`` flag.  What the engine declares (``/v1/models``, ``/metrics``) is refreshed every
   ``refresh_interval_s`` seconds into ``infos`` (used by admission and routing).
 - **Passive**: the request path reports each leg's verdict.  Transport failures, timeouts and 5xx answers count
