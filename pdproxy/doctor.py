@@ -190,8 +190,8 @@ def check_consistency(report: Report, infos: dict[Endpoint, EngineInfo]) -> None
     else:
         report.add("pd_models", "P/D", "ok", f"every engine serves {', '.join(sorted(common))}",
                    models=sorted(common))
-    p_len = {i.max_model_len for i in p_infos} - {None}
-    d_len = {i.max_model_len for i in d_infos} - {None}
+    p_len = {i.max_model_len for i in p_infos if i.max_model_len is not None}
+    d_len = {i.max_model_len for i in d_infos if i.max_model_len is not None}
     lens = {"prefill_max_model_len": sorted(p_len), "decode_max_model_len": sorted(d_len)}
     if len(p_len | d_len) > 1:
         report.add("pd_limits", "P/D", "warn", f"max_model_len differs: prefillers {sorted(p_len)}, decoders "

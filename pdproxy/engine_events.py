@@ -22,6 +22,7 @@ Every record carries ``event``, ``endpoint`` and ``role`` (and the figures) in `
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pdproxy.breaker import BreakerState
@@ -88,7 +89,7 @@ class EngineEvents:
             self._limits_changed(endpoint, before, now, limits)
         self._said[endpoint] = now
 
-    def _limits_changed(self, endpoint: Endpoint, before: _Said, now: _Said, limits: dict[str, object]) -> None:
+    def _limits_changed(self, endpoint: Endpoint, before: _Said, now: _Said, limits: Mapping[str, object]) -> None:
         parts = []
         if before.max_model_len != now.max_model_len:
             parts.append(f"max_model_len {_num(before.max_model_len)} → {_num(now.max_model_len)}")
