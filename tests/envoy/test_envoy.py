@@ -46,7 +46,13 @@ class Engines:
 @pytest.fixture(scope="module")
 def engines() -> Iterator[Engines]:
     with running(SimProcess("prefill", *SIM), SimProcess("decode", *SIM), SimProcess("decode", *SIM)) as sims:
-        yield Engines(sims[0], list(sims[1:]))
+        engines = Engines(sims[0], list(sims[1:]))
+        try:
+            yield engines
+        finally:  # a test may have replaced a decoder by a restarted one
+            for d in engines.decoders:
+                if d not in sims:
+                    d.stop()
 
 
 @dataclass
