@@ -1,32 +1,36 @@
 # The two commands a new user needs (see README):
-#   make demo   -> installs into .venv, then runs the proxy on :8000 in front of 1 simulated prefiller + 2 decoders
-#   make test   -> installs into .venv, then runs the whole test suite
+#   make demo   -> installs pdproxy (+ the openai client) into .venv, then runs the proxy on :8000 in front of
+#                  1 simulated prefiller + 2 decoders
+#   make test   -> installs pdproxy + the test tools into .venv, then runs the whole test suite
+# Each target installs only its own extra (pyproject.toml); an extra is installed once (stamp files in .venv/).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
 
 .PHONY: demo test install fast-test real-vllm-test bench clean
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,loadtest]'
-	touch $(STAMP)
 
-install: $(STAMP)
+$(VENV)/.installed-%: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[$*]'
+	touch $@
 
-demo: $(STAMP)
+install: $(VENV)/.installed-test $(VENV)/.installed-bench
+
+demo: $(VENV)/.installed-demo
 	$(BIN)/pdproxy demo
 
-fast-test: $(STAMP)
+fast-test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -m "not real_vllm" -q
 
-test: $(STAMP)
+test: $(VENV)/.installed-test
 	bash scripts/test-all.sh
 
-bench: $(STAMP)
-	$(BIN)/python -m loadtest.bench
+bench: $(VENV)/.installed-bench
+	$(BIN)/python -m loadtest.bench --out loadtest/results/latest.json
+	$(BIN)/python -m loadtest.plots loadtest/results/latest.json --out loadtest/results
 
 clean:
 	rm -rf $(VENV)

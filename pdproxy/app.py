@@ -59,6 +59,7 @@ class PDProxyApp:
         self.settings = settings
         self.state: ProxyState | None = None
         self.director: Director | None = None
+        self.unready = False  # /health answers 503 (shutdown_delay_s: draining soon, still serving)
         self.pool_factory = pool_factory
         self.metrics = ProxyMetrics(lambda: self.state)
         self.request_log = RequestLog(settings)
@@ -233,7 +234,7 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
     async def health() -> Response:
         """200 when at least one prefiller and one decoder are healthy; 503 otherwise (or when shutting down)."""
         st = state()
-        ok = not st.shutting_down and bool(st.pool.available(Role.PREFILL)) and bool(st.pool.available(Role.DECODE))
+        ok = not st.shutting_down and not proxy.unready and bool(st.pool.available(Role.PREFILL)) and bool(st.pool.available(Role.DECODE))
         return Response(status_code=200 if ok else 503, headers={} if ok else {"retry-after": "1"})
 
     @app.get("/metrics")

@@ -8,7 +8,6 @@ win over ``PDPROXY_*`` environment variables, which win over the ``--config`` fi
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -21,14 +20,18 @@ from pdproxy.settings import Settings, load_settings
 
 # Settings that get a CLI flag of the same name (dashes for underscores); list/bool types are derived.
 _SKIP = {"endpoints"}
+# The settings `pdproxy doctor` reads: which engines, how to reach them (the rest only matter to `serve`).
+ENGINE_SETTINGS = ("prefill", "decode", "prefiller_hosts", "prefiller_ports", "decoder_hosts", "decoder_ports",
+                   "decoder_dp_size", "prefiller_dp_size", "engine_api_key", "model_name")
 
 
-def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+def add_serve_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
     """Add one flag per setting (``--decoder-dp-size``, ``--prefill-timeout-base-s`` …), all defaulting to None
-    so that only flags actually given override the environment and the config file."""
+    so that only flags actually given override the environment and the config file.  ``only``: just these
+    settings (``pdproxy doctor`` takes the engine settings, :data:`ENGINE_SETTINGS`)."""
     p.add_argument("--config", help="YAML/JSON/TOML settings file (see config/)")
     for name, field in Settings.model_fields.items():
-        if name in _SKIP:
+        if name in _SKIP or (only is not None and name not in only):
             continue
         flag = "--" + name.replace("_", "-")
         ann = str(field.annotation)
@@ -61,9 +64,11 @@ def serve(settings: Settings) -> int:
     import uvicorn
 
     from pdproxy.app import create_app
+    from pdproxy.logs import configure_logging, listen_urls, log_banner
+    from pdproxy.tls import apply_to_uvicorn, server_ssl_context
 
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per health probe otherwise
+    configure_logging(settings)
+    tls = server_ssl_context(settings)  # a bad certificate / key / CA file stops here (ValueError → exit 2)
     roles = {e.role for e in settings.all_endpoints()}
     if len(roles) < 2 and not settings.admin_key:
         missing = " and ".join(r.value for r in Role if r not in roles)
@@ -82,8 +87,13 @@ def serve(settings: Settings) -> int:
     # pdproxy/shutdown.py); uvicorn's own grace only covers what is left after that.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
                             http="httptools", log_level="warning", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=1)
-    DrainingServer(config, app, grace_s=settings.shutdown_grace_s).run()
+                            timeout_graceful_shutdown=1, log_config=None)
+    apply_to_uvicorn(config, tls)
+    server = DrainingServer(config, app, grace_s=settings.shutdown_grace_s, delay_s=settings.shutdown_delay_s,
+                            on_started=lambda addresses: log_banner(settings, listen_urls(addresses, tls)))
+    server.run()
+    if not server.started:  # e.g. the port is taken (uvicorn logged why)
+        return 1
     return 0
 
 
@@ -113,8 +123,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     from pdproxy import demo
 
     demo.add_arguments(p_demo)
-    p_doctor = sub.add_parser("doctor", help="check every configured engine (seed 000's verification steps)")
-    add_serve_arguments(p_doctor)
+    p_doctor = sub.add_parser("doctor", help="check every configured engine (KV pool vs max_model_len, idle "
+                              "gauges, a P→D tool call, a cold long-context probe); ends within --budget-s")
+    add_serve_arguments(p_doctor, only=ENGINE_SETTINGS)
     from pdproxy import doctor
 
     doctor.add_arguments(p_doctor)

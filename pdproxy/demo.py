@@ -27,7 +27,7 @@ pdproxy demo is up: proxy http://127.0.0.1:{port}  (prefiller {p}, decoders {d})
   curl -N http://127.0.0.1:{port}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "stream": true, "max_tokens": 16}}'
 
-  python - <<'EOF'
+  {python} - <<'EOF'
   from openai import OpenAI
   client = OpenAI(base_url="http://127.0.0.1:{port}/v1", api_key="none")
   for chunk in client.chat.completions.create(model="{model}", stream=True, max_tokens=16,
@@ -142,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
         with simulated_engines(args) as (prefill, decode):
             settings = load_settings(host=args.host, port=args.port, prefill=prefill, decode=decode,
                                      expose_routing_headers=True, health_interval_s=1.0)
-            print(SNIPPET.format(port=args.port, p=prefill[0], d=", ".join(decode), model=args.model), flush=True)
+            print(SNIPPET.format(port=args.port, p=prefill[0], d=", ".join(decode), model=args.model,
+                                 python=sys.executable), flush=True)  # this interpreter has the openai client
             return serve(settings)
     except DemoError as exc:
         print(f"pdproxy demo: {exc}", file=sys.stderr)

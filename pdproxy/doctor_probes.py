@@ -3,16 +3,29 @@
 Both send real requests to the engines, so ``pdproxy doctor`` has switches to skip them on a busy production
 deployment.  Facts they rely on:
 
-- the P→D round trip is the proxy's own handshake (:mod:`pdproxy.kv_transfer`, reference §1): prefill with the
+- the P→D round trip is the proxy's own handshake (:mod:`pdproxy.kv_transfer`): prefill with the
   ``do_remote_decode`` stub and ``max_tokens=1``; a prefiller with a KV connector answers with
   ``kv_transfer_params``; the decoder gets the original body plus those params and pulls the KV.  Both legs
-  carry the same ``X-Request-Id`` (reference §1.6).  A tool call expects ``finish_reason: "tool_calls"``
-  (vLLM needs ``--enable-auto-tool-choice --tool-call-parser …`` for that; seed 000's final check);
+  carry the same ``X-Request-Id`` (vLLM's ``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`` does the
+  same).  A tool call expects ``finish_reason: "tool_calls"`` (vLLM needs ``--enable-auto-tool-choice
+  --tool-call-parser …`` for that; the last verification step of the field report in ``docs/field-reports.md``);
 - the cold probe sends plain completions (no ``kv_transfer_params``, so nothing stays pinned) of unique text —
-  a counter and a nonce in every paragraph, so the prefix cache cannot help (seed 000: repeated filler "passed"
-  49.4K tokens, unique text only 13.4K) — with ``max_tokens=1`` at growing sizes up to ``max_model_len − 1``.
-  A size that does not finish within the timeout has *stalled*: the request is abandoned by closing its
-  connection, which makes vLLM abort it (reference §1.5).  Sizes are measured with the engine's ``/tokenize``.
+  a counter and a nonce in every paragraph, so the prefix cache cannot help (``docs/field-reports.md``: repeated
+  filler "passed" 49.4K tokens, unique text only 13.4K) — with ``max_tokens=1``.  Sizes are measured with the
+  engine's ``/tokenize`` (vLLM ``vllm/entrypoints/serve/tokenize/protocol.py``: ``{"count", "max_model_len",
+  "tokens"}``).  A size that does not finish within its wait has *stalled*: the request is abandoned by closing
+  its connection, which makes vLLM abort it (``vllm/entrypoints/utils.py::with_cancellation``).
+
+Two plans (:func:`cold_probe`):
+
+- **boundary** — the engine's KV pool is below ``max_model_len`` (``kv_pool``'s static check already proved the
+  cliff): one prompt just under the pool, then one just over it.  The under-pool time calibrates how long the
+  over-pool prompt is given (:func:`stall_wait_s`), so the confirmation costs seconds, not ``max_model_len``'s
+  worth of prefill;
+- **ladder** — otherwise: doubling sizes up to ``max_model_len − 1``, each given a wait scaled from the last
+  size's time, then a bisection between the last success and the first stall.
+
+Every attempt is reported to a :class:`ProbeProgress` as it starts and ends (``pdproxy doctor`` prints it).
 """
 
 from __future__ import annotations
@@ -20,7 +33,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import httpx
 
@@ -32,6 +45,27 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "city name"}},
                    "required": ["city"]}}}]
 TOOL_MESSAGES = [{"role": "user", "content": "What is the weather in Paris right now? Use the get_weather tool."}]
+
+Outcome = Literal["ok", "stalled", "error"]
+Plan = Literal["boundary", "ladder"]
+
+
+class ProbeProgress(Protocol):
+    """Receives each cold-probe attempt as it starts (``wait_s``: how long it is given) and ends."""
+
+    def attempt_started(self, endpoint: str, tokens: int, wait_s: float) -> None: ...
+
+    def attempt_ended(self, endpoint: str, tokens: int, outcome: Outcome, elapsed_s: float) -> None: ...
+
+
+class NoProgress:
+    """A :class:`ProbeProgress` that ignores everything."""
+
+    def attempt_started(self, endpoint: str, tokens: int, wait_s: float) -> None:
+        """Ignore the start of an attempt."""
+
+    def attempt_ended(self, endpoint: str, tokens: int, outcome: Outcome, elapsed_s: float) -> None:
+        """Ignore the end of an attempt."""
 
 
 @dataclass(slots=True)
@@ -48,20 +82,78 @@ class RoundTrip:
 
 
 @dataclass(slots=True)
+class Attempt:
+    """One cold prompt: its size (prompt tokens), what happened, how long it ran and was allowed to (seconds)."""
+
+    tokens: int
+    outcome: Outcome
+    elapsed_s: float
+    wait_s: float
+
+
+@dataclass(slots=True)
 class ColdProbe:
-    """Outcome of a cold long-context probe on one engine.  Sizes are prompt tokens."""
+    """Outcome of a cold long-context probe on one engine.  Sizes are prompt tokens.
+
+    ``plan``: ``boundary`` (``kv_pool`` below ``max_model_len``: one prompt under the pool, one over) or ``ladder``;
+    ``limit``: the largest prompt the engine declares it accepts (``max_model_len − 1``); ``kv_pool``: the pool the
+    boundary plan probes around (None for a ladder)."""
 
     endpoint: str
     limit: int
-    completed: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds)
-    stalled_at: int | None = None
+    plan: Plan = "ladder"
+    kv_pool: int | None = None
+    attempts: list[Attempt] = field(default_factory=list)
     error: str | None = None
     skipped: str | None = None
+
+    @property
+    def completed(self) -> list[tuple[int, float]]:
+        """``(tokens, seconds)`` of every attempt that completed."""
+        return [(a.tokens, a.elapsed_s) for a in self.attempts if a.outcome == "ok"]
 
     @property
     def largest_ok(self) -> int | None:
         """The largest prompt (tokens) that completed, or None if none did."""
         return max((n for n, _ in self.completed), default=None)
+
+    @property
+    def stalled_at(self) -> int | None:
+        """The smallest prompt (tokens) that stalled, or None if none did."""
+        return min((a.tokens for a in self.attempts if a.outcome == "stalled"), default=None)
+
+    def wait_of(self, tokens: int) -> float | None:
+        """How long (seconds) the attempt of ``tokens`` tokens was given, or None if there was none."""
+        return next((a.wait_s for a in self.attempts if a.tokens == tokens), None)
+
+
+@dataclass(frozen=True, slots=True)
+class ColdPlan:
+    """The knobs of one cold probe: ``start_tokens`` (first ladder size), ``min_wait_s`` / ``max_wait_s`` (bounds
+    of the wait given to one size, seconds), ``deadline`` (``time.monotonic()`` instant after which no size is
+    started and no wait runs past), ``bisect_steps`` (ladder sizes tried between the last success and the first
+    stall), ``margin_tokens`` (how far under / over the pool the boundary prompts aim)."""
+
+    start_tokens: int = 1024
+    min_wait_s: float = 5.0
+    max_wait_s: float = 30.0
+    deadline: float = float("inf")
+    bisect_steps: int = 2
+    margin_tokens: int = 64
+
+
+def stall_wait_s(tokens: int, last: tuple[int, float] | None, *, min_s: float, max_s: float) -> float:
+    """How long a cold prompt of ``tokens`` tokens is given before it counts as stalled (seconds).
+
+    ``last``: ``(tokens, seconds)`` of the largest prompt that completed so far.  Prefill time grows at most
+    quadratically with the prompt (attention), so the wait is 3 × ``seconds × (tokens / last_tokens)²``, within
+    ``[min_s, max_s]``; with nothing completed yet it is ``max_s``.
+    """
+    if last is None or last[0] <= 0:
+        return max_s
+    n0, t0 = last
+    scale = max(1.0, tokens / n0) ** 2
+    return min(max_s, max(min_s, 3.0 * t0 * scale))
 
 
 def _headers(endpoint: Endpoint, request_id: str, api_key: str | None) -> dict[str, str]:
@@ -79,7 +171,8 @@ def _brief(resp: httpx.Response) -> str:
 async def pd_round_trip(client: httpx.AsyncClient, prefiller: Endpoint, decoder: Endpoint, model: str, *,
                         timeout_s: float, api_key: str | None = None, tools: bool = True) -> RoundTrip:
     """Chat (with a tool unless ``tools`` is False) through ``prefiller`` then ``decoder``, the way the proxy
-    does.  Never raises for engine or transport errors (they go to ``RoundTrip.error``)."""
+    does; each leg is given ``timeout_s`` seconds.  Never raises for engine or transport errors (they go to
+    ``RoundTrip.error``)."""
     out = RoundTrip(prefiller.name, decoder.name)
     body: dict[str, Any] = {"model": model, "messages": TOOL_MESSAGES, "max_tokens": 64, "temperature": 0}
     if tools:
@@ -107,7 +200,7 @@ async def pd_round_trip(client: httpx.AsyncClient, prefiller: Endpoint, decoder:
         choices = r.json().get("choices") or [{}]
         out.finish_reason = choices[0].get("finish_reason")
     except httpx.TimeoutException:
-        out.error = f"no answer within {timeout_s:.0f} s"
+        out.error = f"no answer within {timeout_s:g} s"
     except (httpx.HTTPError, ValueError) as exc:
         out.error = f"{exc.__class__.__name__}: {exc}"
     return out
@@ -120,9 +213,8 @@ def cold_paragraph(i: int, nonce: str) -> str:
 
 
 class PromptSizer:
-    """Builds unique prompts of about ``n`` tokens for one engine, measured with its ``/tokenize``
-    (vLLM ``serve/tokenize``: ``{"count", "max_model_len", "tokens"}``; reference §2.1).  Falls back to
-    4 characters per token when the engine has no ``/tokenize``."""
+    """Builds unique prompts of a wanted size for one engine, measured with its ``/tokenize`` (``count``).  Falls
+    back to 4 characters per token when the engine has no ``/tokenize`` (then sizes are estimates)."""
 
     def __init__(self, client: httpx.AsyncClient, endpoint: Endpoint, model: str, api_key: str | None,
                  timeout_s: float) -> None:
@@ -132,9 +224,9 @@ class PromptSizer:
         self.exact = True
 
     async def count(self, text: str) -> int | None:
-        """Prompt tokens of ``text`` per the engine's ``POST /tokenize`` (its ``count`` field; vLLM
-        ``serve/tokenize/protocol.py``, reference §2.1), or None when the engine has no usable ``/tokenize``
-        (transport error, non-200, malformed JSON); then ``exact`` becomes False.  Never raises."""
+        """Prompt tokens of ``text`` per the engine's ``POST /tokenize`` (its ``count`` field), or None when the
+        engine has no usable ``/tokenize`` (transport error, non-200, malformed JSON); then ``exact`` becomes
+        False.  Never raises."""
         try:
             r = await self.client.post(self.endpoint.url + "/tokenize", json={"model": self.model, "prompt": text},
                                        headers=_headers(self.endpoint, uuid.uuid4().hex, self.api_key),
@@ -146,27 +238,31 @@ class PromptSizer:
         self.exact = False
         return None
 
-    async def build(self, target: int, limit: int) -> tuple[str, int]:
-        """``(text, tokens)``: a unique prompt of about ``min(target, limit)`` tokens, at most ``limit`` when the
-        engine can count (a few ``/tokenize`` calls); otherwise an estimate."""
-        target = min(target, limit)
+    async def build(self, lo: int, hi: int) -> tuple[str, int]:
+        """``(text, tokens)``: a unique prompt whose size is within ``[lo, hi]`` tokens when the engine can count
+        (a few ``/tokenize`` calls; the closest found otherwise, preferring one inside ``hi``); an estimate
+        aiming at the middle without ``/tokenize``."""
+        lo, hi = max(1, min(lo, hi)), max(1, hi)
+        target = (lo + hi) // 2
         nonce = uuid.uuid4().hex[:12]
         if self.per_paragraph is None:
             sample = "".join(cold_paragraph(i, nonce) for i in range(32))
             n = await self.count(sample)
             self.per_paragraph = max(1.0, (n if n else len(sample) / 4) / 32)
         best: tuple[str, int] | None = None
+        text, counted = "", 0
         for _ in range(6):
-            paragraphs = max(1, int(target / self.per_paragraph))
+            paragraphs = max(1, round(target / self.per_paragraph))
             text = "".join(cold_paragraph(i, nonce) for i in range(paragraphs))
-            counted = await self.count(text) if self.exact else None
-            if counted is None:
-                return text, min(limit, len(text) // 4)
+            got = await self.count(text) if self.exact else None
+            if got is None:
+                return text, max(1, len(text) // 4)
+            counted = got
             self.per_paragraph = max(1.0, counted / paragraphs)  # refine with what the engine counted
-            if counted <= limit and (best is None or counted > best[1]):
+            if lo <= counted <= hi:
+                return text, counted
+            if best is None or abs(counted - target) < abs(best[1] - target):
                 best = (text, counted)
-            if counted <= limit and counted >= target - 2 * self.per_paragraph:
-                break
         return best if best is not None else (text, counted)
 
 
@@ -180,54 +276,98 @@ def cold_sizes(limit: int, start: int) -> list[int]:
     return sizes
 
 
-async def cold_probe(client: httpx.AsyncClient, endpoint: Endpoint, model: str, max_model_len: int, *,
-                     start_tokens: int, timeout_s: float, deadline: float, bisect_steps: int = 2,
-                     api_key: str | None = None) -> ColdProbe:
-    """Probe growing cold prompts on one engine until one stalls, then bisect a little (``bisect_steps``).
+class _Prober:
+    """One engine's cold probe: builds prompts, sends them, records :class:`Attempt` s (see :func:`cold_probe`)."""
 
-    ``deadline`` is a ``time.monotonic()`` instant after which no new size is tried.  Never raises for engine or
-    transport errors.
-    """
-    limit = max_model_len - 1  # max_tokens=1 must still fit: prompt + 1 ≤ max_model_len
-    out = ColdProbe(endpoint.name, limit)
-    sizer = PromptSizer(client, endpoint, model, api_key, timeout_s)
+    def __init__(self, client: httpx.AsyncClient, endpoint: Endpoint, model: str, plan: ColdPlan,
+                 api_key: str | None, progress: ProbeProgress, out: ColdProbe) -> None:
+        self.client, self.endpoint, self.model, self.plan = client, endpoint, model, plan
+        self.api_key, self.progress, self.out = api_key, progress, out
+        self.sizer = PromptSizer(client, endpoint, model, api_key, min(10.0, plan.max_wait_s))
 
-    async def attempt(target: int) -> bool | None:
-        """True: completed; False: stalled; None: error (recorded)."""
-        text, tokens = await sizer.build(target, limit)
-        body = {"model": model, "prompt": text, "max_tokens": 1, "temperature": 0}
+    def remaining_s(self) -> float:
+        return self.plan.deadline - time.monotonic()
+
+    def last_ok(self) -> tuple[int, float] | None:
+        done = self.out.completed
+        return max(done) if done else None
+
+    async def attempt(self, lo: int, hi: int) -> Outcome | None:
+        """Send one prompt of ``[lo, hi]`` tokens.  None: not sent (no time left; ``skipped`` is set)."""
+        if self.remaining_s() < 1.0:
+            self.out.skipped = f"time budget used up before {lo:,} tokens"
+            return None
+        text, tokens = await self.sizer.build(lo, hi)
+        wait = min(stall_wait_s(tokens, self.last_ok(), min_s=self.plan.min_wait_s, max_s=self.plan.max_wait_s),
+                   self.remaining_s())
+        if wait < 1.0:
+            self.out.skipped = f"time budget used up before {tokens:,} tokens"
+            return None
+        name = self.endpoint.name
+        self.progress.attempt_started(name, tokens, wait)
+        body = {"model": self.model, "prompt": text, "max_tokens": 1, "temperature": 0}
         t0 = time.monotonic()
+        outcome: Outcome = "ok"
         try:
-            r = await client.post(endpoint.url + "/v1/completions", json=body, timeout=timeout_s,
-                                  headers=_headers(endpoint, f"pdproxy-doctor-cold-{uuid.uuid4().hex}", api_key))
-        except httpx.TimeoutException:
-            out.stalled_at = tokens if out.stalled_at is None else min(out.stalled_at, tokens)
-            return False
-        except httpx.HTTPError as exc:
-            out.error = f"{tokens:,} tokens: {exc.__class__.__name__}: {exc}"
-            return None
-        if r.status_code != 200:
-            out.error = f"{tokens:,} tokens: {_brief(r)}"
-            return None
-        usage = r.json().get("usage") or {}
-        out.completed.append((int(usage.get("prompt_tokens") or tokens), time.monotonic() - t0))
-        return True
+            r = await self.client.post(self.endpoint.url + "/v1/completions", json=body, timeout=wait,
+                                       headers=_headers(self.endpoint, f"pdproxy-doctor-cold-{uuid.uuid4().hex}",
+                                                        self.api_key))
+            if r.status_code != 200:
+                outcome, self.out.error = "error", f"{tokens:,} tokens: {_brief(r)}"
+            else:
+                usage = r.json().get("usage") or {}
+                tokens = int(usage.get("prompt_tokens") or tokens)
+        except httpx.TimeoutException:  # closing the connection makes vLLM abort the request
+            outcome = "stalled"
+        except (httpx.HTTPError, ValueError) as exc:
+            outcome, self.out.error = "error", f"{tokens:,} tokens: {exc.__class__.__name__}: {exc}"
+        elapsed = time.monotonic() - t0
+        self.out.attempts.append(Attempt(tokens, outcome, elapsed, wait))
+        self.progress.attempt_ended(name, tokens, outcome, elapsed)
+        return outcome
 
-    for size in cold_sizes(limit, start_tokens):
-        if time.monotonic() >= deadline:
-            out.skipped = f"time budget used up before {size:,} tokens"
-            return out
-        ok = await attempt(size)
-        if ok is None:
-            return out
-        if not ok:
-            break
+    async def boundary(self, pool: int) -> None:
+        """One prompt just under the pool (it must fit, with a token to spare), then one just over."""
+        m = self.plan.margin_tokens
+        under = min(pool - 1, self.out.limit)
+        if await self.attempt(max(1, under - m), under) is None:
+            return
+        await self.attempt(pool + 1, pool + m)
+
+    async def ladder(self) -> None:
+        """Doubling sizes until one stalls, then ``bisect_steps`` sizes between the last success and the stall."""
+        limit = self.out.limit
+        for size in cold_sizes(limit, self.plan.start_tokens):
+            outcome = await self.attempt(max(1, size - self.plan.margin_tokens), size)
+            if outcome is None or outcome == "error":
+                return
+            if outcome == "stalled":
+                break
+        else:
+            return
+        for _ in range(self.plan.bisect_steps):
+            lo, hi = self.out.largest_ok or 0, self.out.stalled_at or limit
+            if hi - lo < 2 * self.plan.margin_tokens:
+                break
+            mid = (lo + hi) // 2
+            if await self.attempt(mid - self.plan.margin_tokens // 2, mid + self.plan.margin_tokens // 2) in (
+                    None, "error"):
+                break
+
+
+async def cold_probe(client: httpx.AsyncClient, endpoint: Endpoint, model: str, max_model_len: int, *,
+                     kv_pool_tokens: int | None = None, plan: ColdPlan = ColdPlan(), api_key: str | None = None,
+                     progress: ProbeProgress | None = None) -> ColdProbe:
+    """Probe one engine with cold prompts (module docstring: the boundary plan when ``kv_pool_tokens`` is below
+    ``max_model_len``, else the ladder).  Never raises for engine or transport errors, and starts nothing after
+    ``plan.deadline``."""
+    limit = max_model_len - 1  # max_tokens=1 must still fit: prompt + 1 ≤ max_model_len
+    boundary = kv_pool_tokens is not None and 1 < kv_pool_tokens < max_model_len
+    out = ColdProbe(endpoint.name, limit, plan="boundary" if boundary else "ladder",
+                    kv_pool=kv_pool_tokens if boundary else None)
+    prober = _Prober(client, endpoint, model, plan, api_key, progress or NoProgress(), out)
+    if boundary and kv_pool_tokens is not None:
+        await prober.boundary(kv_pool_tokens)
     else:
-        return out
-    for _ in range(bisect_steps):
-        lo, hi = out.largest_ok or 0, out.stalled_at or limit
-        if hi - lo < 64 or time.monotonic() >= deadline:
-            break
-        if await attempt((lo + hi) // 2) is None:
-            break
+        await prober.ladder()
     return out

@@ -4,7 +4,7 @@ What each engine declares is cached in :class:`EngineInfo` and refreshed in the 
 (``engine_refresh_interval_s``): served model ids and ``max_model_len`` from ``/v1/models`` (vLLM
 ``entrypoints/openai/engine/protocol.py::ModelCard`` has ``max_model_len``), and the KV pool from
 ``vllm:cache_config_info`` on ``/metrics`` (``num_gpu_blocks × block_size`` tokens, or
-``kv_cache_size_tokens`` where vLLM ≥ 0.32 exports it; reference §3 and §7).
+``kv_cache_size_tokens`` where vLLM ≥ 0.32 exports it; ``vllm/config/cache.py``, ``docs/real-vllm.md``).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class EngineClient:
                                        headers={**endpoint.extra_headers(), **(headers or {})})
 
     async def metrics_text(self, endpoint: Endpoint) -> str:
-        """The engine's ``GET /metrics`` body (Prometheus text exposition; reference §2.1, §3).  No DP-rank header:
+        """The engine's ``GET /metrics`` body (Prometheus text exposition).  No DP-rank header:
         one ``/metrics`` per API server covers every internal-DP rank (``engine`` label).  Raises
         ``httpx.HTTPError`` on transport errors or error statuses."""
         r = await self._client.get(endpoint.url + "/metrics")

@@ -1,7 +1,7 @@
 """Endpoint health: active ``/health`` probes, passive outlier detection, and one circuit breaker per endpoint.
 
 - **Active**: every ``interval_s`` seconds each endpoint's ``GET /health`` is probed (vLLM answers 200, or 503
-  when the engine core is dead — ``vllm/entrypoints/serve``; reference §2.1); the result is the pool's
+  when the engine core is dead — ``vllm/entrypoints/serve``); the result is the pool's
   ``healthy`` flag.  What the engine declares (``/v1/models``, ``/metrics``) is refreshed every
   ``refresh_interval_s`` seconds into ``infos`` (used by admission and routing).
 - **Passive**: the request path reports each leg's verdict.  Transport failures, timeouts and 5xx answers count
@@ -26,6 +26,7 @@ import time
 
 from pdproxy.breaker import BreakerState, CircuitBreaker, Clock
 from pdproxy.endpoints import Endpoint
+from pdproxy.engine_events import EngineEvents
 from pdproxy.engines import EngineClient, EngineInfo
 from pdproxy.errors import ProxyError, UpstreamHTTPError
 from pdproxy.pool import EndpointPool
@@ -57,6 +58,7 @@ class HealthMonitor:
         self.leaving: set[Endpoint] = set()
         self._task: asyncio.Task[None] | None = None
         self._probing: dict[Endpoint, asyncio.Task[bool]] = {}
+        self.events = EngineEvents()  # logs each change of reachability, limits, breaker once (engine_events.py)
 
     # --- breakers -------------------------------------------------------------------------------------------
     def breaker(self, endpoint: Endpoint) -> CircuitBreaker:
@@ -77,7 +79,9 @@ class HealthMonitor:
         """Call right after the scheduler chose ``endpoint`` (takes a half-open trial slot if needed)."""
         b = self.breakers.get(endpoint)
         if b is not None:
+            before = b.state
             b.on_pick()
+            self.events.breaker_changed(endpoint, before, b.state)
 
     def retry_after_s(self, endpoints: list[Endpoint]) -> int:
         """Whole seconds until one of ``endpoints`` may take traffic again (≥ 1), for ``Retry-After``."""
@@ -88,7 +92,11 @@ class HealthMonitor:
         """A leg to ``endpoint`` failed at the transport level, timed out or got a 5xx (never a 4xx).
         ``retry_after_s``: the engine's ``Retry-After`` (seconds), honoured by the breaker; ``hard``: the
         connection was refused (nothing listens), which opens the breaker at once."""
-        self.breaker(endpoint).record_failure(retry_after_s=retry_after_s, hard=hard)
+        b = self.breaker(endpoint)
+        before = b.state
+        b.record_failure(retry_after_s=retry_after_s, hard=hard)
+        self.events.breaker_changed(endpoint, before, b.state, failures=b.consecutive_failures,
+                                    retry_in_s=b.seconds_until_retry())
         self.probe_soon(endpoint)
 
     def record_error(self, endpoint: Endpoint, exc: ProxyError) -> bool:
@@ -106,7 +114,9 @@ class HealthMonitor:
         """A leg to ``endpoint`` succeeded (closes its breaker)."""
         b = self.breakers.get(endpoint)
         if b is not None and (b.state is not BreakerState.CLOSED or b.consecutive_failures):
+            before = b.state
             b.record_success()
+            self.events.breaker_changed(endpoint, before, b.state)
 
     def record_neutral(self, endpoint: Endpoint) -> None:
         """A leg ended without a verdict on the engine (client left, 4xx): frees a half-open trial slot."""
@@ -117,6 +127,7 @@ class HealthMonitor:
     def forget(self, endpoint: Endpoint) -> None:
         """Drop an endpoint's breaker and probe (admin remove)."""
         self.breakers.pop(endpoint, None)
+        self.events.forget(endpoint)
         task = self._probing.pop(endpoint, None)
         if task is not None:
             task.cancel()
@@ -171,6 +182,7 @@ class HealthMonitor:
             ok = info.reachable
         with contextlib.suppress(KeyError):
             self.pool.load(endpoint).healthy = ok
+        self.events.observe(endpoint, info, ok)
         if ok:
             b = self.breakers.get(endpoint)
             if b is not None:
@@ -203,8 +215,10 @@ class HealthMonitor:
         async def one(e: Endpoint) -> None:
             info = self.infos.setdefault(e, EngineInfo())
             await self._refresh(e, info)
+            up = info.reachable and await self.engines.health(e)
             with contextlib.suppress(KeyError):
-                self.pool.load(e).healthy = info.reachable and await self.engines.health(e)
+                self.pool.load(e).healthy = up
+            self.events.observe(e, info, up)
         await asyncio.gather(*(one(e) for e in self.pool.endpoints()))
 
     async def _loop(self) -> None:

@@ -1,6 +1,6 @@
 """Prometheus metrics of one proxy app: ``GET /metrics``.
 
-Names mirror vLLM's (``vllm/v1/metrics/loggers.py``, reference §3) with a ``pdproxy_`` prefix; times are seconds,
+Names mirror vLLM's (``vllm/v1/metrics/loggers.py``) with a ``pdproxy_`` prefix; times are seconds,
 sizes tokens.  Three kinds of series:
 
 - **per request** (observed once, when a request ends — :meth:`ProxyMetrics.observe`):

@@ -5,7 +5,7 @@ pool (with ``--workers N`` the pool's view sums every worker's row of the shared
 flags, the circuit breaker's state (``HealthMonitor.snapshot``); per worker, the requests each one holds; and the
 engines' own gauges as the health loop last read them from each engine's ``/metrics`` (``state.infos``: vLLM's
 ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:num_requests_waiting_by_reason``,
-``vllm:kv_cache_usage_perc``, and the KV pool from ``vllm:cache_config_info``; reference §3).  Nothing here is
+``vllm:kv_cache_usage_perc``, and the KV pool from ``vllm:cache_config_info``; ``docs/real-vllm.md``).  Nothing here is
 stored between scrapes, so the collector needs no multiprocess files.  Names: see :mod:`pdproxy.metrics`.
 """
 

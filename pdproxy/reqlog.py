@@ -95,7 +95,7 @@ class RequestLog:
                 sys.stdout.buffer.write(line + b"\n")
                 sys.stdout.buffer.flush()
             else:
-                self._logger.info(line.decode())
+                self._logger.info(line.decode(), extra={"raw_json": True})  # JSON log format: as is
         except (OSError, ValueError) as exc:
             if not self._failed:
                 self._failed = True

@@ -58,6 +58,13 @@ class Settings(BaseSettings):
     workers: int = Field(1, ge=1, le=64, description="worker processes sharing the port and one load view "
                                                      "(pdproxy/workers.py); 1 = a single process")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = Field("text", description="log lines as text or as one JSON object each "
+                                                                    "(pdproxy/logs.py)")
+    ssl_keyfile: str | None = Field(None, description="TLS private key file (PEM); serves HTTPS with ssl_certfile")
+    ssl_certfile: str | None = Field(None, description="TLS certificate chain file (PEM); turns HTTPS on")
+    ssl_ca_certs: str | None = Field(None, description="CA certificates (PEM) client certificates are checked against")
+    ssl_cert_reqs: int = Field(0, ge=0, le=2, description="client certificates: 0 = not asked (ssl.CERT_NONE), "
+                                                          "1 = optional, 2 = required (as vllm serve / uvicorn)")
     log_prompts: bool = Field(False, description="include the prompt / messages in request log lines")
     request_log: bool = Field(True, description="one JSON line per request at completion (pdproxy/reqlog.py)")
     request_log_path: str | None = Field(None, description="where request lines go: unset = the pdproxy.requests "
@@ -95,6 +102,9 @@ class Settings(BaseSettings):
     decode_nonstream_timeout_s: float = Field(600.0, gt=0, description="whole non-streaming decode leg")
     request_timeout_s: float | None = Field(None, gt=0, description="optional end-to-end deadline")
     shutdown_grace_s: float = Field(30.0, ge=0)
+    shutdown_delay_s: float = Field(0.0, ge=0, description="after SIGTERM, /health answers 503 at once but new "
+                                                           "requests are still served this long (a load "
+                                                           "balancer's health check takes the replica out first)")
 
     # --- retries (issue 5; see director.py for the policy)
     prefill_attempts: int = Field(3, ge=1, le=10, description="prefillers tried per request (refuse/reset/timeout/"

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from pdproxy.loadboard import LoadBoard
+from pdproxy.logs import listen_urls, log_banner
 from pdproxy.metrics import MULTIPROC_ENV
 from pdproxy.settings import Settings
 
@@ -92,18 +93,19 @@ def worker_main(settings: Settings, sock: socket.socket, board_path: str, row: i
     import uvicorn
 
     from pdproxy.app import PDProxyApp
+    from pdproxy.logs import configure_logging
     from pdproxy.shutdown import DrainingServer
+    from pdproxy.tls import apply_to_uvicorn, server_ssl_context
 
     os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor only; it sends each worker one SIGTERM (drain)
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s %(name)s[w{row}] %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per health probe otherwise
+    configure_logging(settings, worker=row)
     parent = os.getppid()
     with LoadBoard.attach(Path(board_path), settings.all_endpoints(), settings.workers) as board:
         app = PDProxyApp(settings, pool_factory=lambda endpoints: board.pool(endpoints, row))
         config = uvicorn.Config(app, loop="uvloop", http="httptools", log_level="warning", access_log=False,
-                                lifespan="on", timeout_graceful_shutdown=1)
-        server = DrainingServer(config, app, grace_s=settings.shutdown_grace_s)  # SIGTERM drains (shutdown.py)
+                                lifespan="on", timeout_graceful_shutdown=1, log_config=None)
+        apply_to_uvicorn(config, server_ssl_context(settings))  # each worker builds its own (contexts don't pickle)
+        server = DrainingServer(config, app, grace_s=settings.shutdown_grace_s, delay_s=settings.shutdown_delay_s)  # SIGTERM drains (shutdown.py)
 
         def watch() -> None:  # mark the row ready once serving; leave if the supervisor is gone
             while not server.should_exit:
@@ -159,8 +161,15 @@ class Supervisor:
 
     def run(self) -> int:
         """Run until SIGTERM/SIGINT.  Returns the process exit code."""
+        def stop(sig: int, _frame: object) -> None:
+            if not self.stop.is_set():
+                log.info("pdproxy: %s: stopping %d worker(s) (each drains up to %.0f s)", signal.Signals(sig).name,
+                         len(self.procs), self.settings.shutdown_grace_s,
+                         extra={"event": "shutdown_started", "signal": signal.Signals(sig).name})
+            self.stop.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop.set())
+            signal.signal(sig, stop)
         code = 0
         try:
             for row in range(len(self.procs)):
@@ -185,7 +194,7 @@ class Supervisor:
         for proc in alive:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.settings.shutdown_grace_s + 5.0
+        deadline = time.monotonic() + self.settings.shutdown_delay_s + self.settings.shutdown_grace_s + 5.0
         for proc in alive:
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
@@ -200,9 +209,8 @@ def serve_workers(settings: Settings) -> int:
     with run_directory() as run_dir, listening_socket(settings.host, settings.port) as sock, \
             LoadBoard.create(run_dir / BOARD_FILE, endpoints, settings.workers) as board:
         metrics_dir = prepare_metrics_dir(run_dir)
-        host, port = sock.getsockname()[:2]
-        log.info("pdproxy: %d workers on %s:%d (load board %s, metrics %s)", settings.workers, host, port,
-                 board.path, metrics_dir)
-        print(f"pdproxy: {settings.workers} workers listening on http://{host}:{port} (run directory {run_dir})",
-              file=sys.stderr, flush=True)
-        return Supervisor(settings, sock, board).run()
+        log_banner(settings, listen_urls([sock.getsockname()], bool(settings.ssl_certfile)), workers=settings.workers)
+        log.info("pdproxy: run directory %s (load board %s, metrics %s)", run_dir, board.path, metrics_dir)
+        code = Supervisor(settings, sock, board).run()
+        log.info("pdproxy: shutdown complete (workers stopped)", extra={"event": "shutdown_done"})
+        return code

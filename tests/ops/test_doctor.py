@@ -1,13 +1,16 @@
 """``pdproxy doctor`` (the real command, as a process) against simulated engines: a healthy fleet passes; an engine
 configured like seed 000 (KV pool 4,584 tokens under max_model_len 133,120) is reported with the mismatch in
-words and the cold-context cliff; a prefiller without a KV connector is reported.  Probes leave engines idle."""
+words and the cliff confirmed at the pool's boundary, streaming its rows and ending well inside a minute with
+default flags; a prefiller without a KV connector is reported.  Probes leave engines idle."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
-from typing import Any
+from typing import IO, Any
 
 import orjson
 import pytest
@@ -73,21 +76,100 @@ def seed000() -> Iterator[list[SimProcess]]:
             e.stop()
 
 
-def test_seed000_pool_mismatch_and_cold_cliff(seed000: list[SimProcess]) -> None:
+def cold_prompts(sim: SimProcess) -> list[dict[str, Any]]:
+    return [r for r in sim.completions_received() if r["headers"]["x-request-id"].startswith("pdproxy-doctor-cold")]
+
+
+def test_seed000_pool_mismatch_and_cliff_confirmed_at_the_boundary(seed000: list[SimProcess]) -> None:
     p, d = seed000
-    code, report = doctor([p.url], [d.url], "--cold-timeout-s", "1.5", "--cold-bisect-steps", "1")
+    code, report = doctor([p.url], [d.url], "--cold-min-timeout-s", "1.5")
     assert code == 1 and not report["ok"]
     for row in rows(report, "kv_pool"):
         assert row["status"] == "fail"
         assert "prompts between 4,585 and 133,120 tokens will queue forever" in row["detail"]
         assert (row["data"]["kv_pool_tokens"], row["data"]["max_model_len"]) == (4584, 133120)
     for row in rows(report, "cold_context"):
-        assert row["status"] == "fail" and "stalled at" in row["detail"]
-        ok, stalled = row["data"]["largest_ok"], row["data"]["stalled_at"]
-        assert 2048 <= ok <= 4584 < stalled <= 8192, row  # the cliff is the KV pool, far below max_model_len
+        assert row["status"] == "fail" and "KV-pool cliff confirmed" in row["detail"], row
+        data = row["data"]
+        assert data["plan"] == "boundary" and data["kv_pool_tokens"] == 4584
+        # one prompt just under the pool completed, one just over it stalled: nothing near max_model_len
+        assert [outcome for _, outcome, _, _ in data["attempts"]] == ["ok", "stalled"]
+        assert 4584 - 128 <= data["largest_ok"] <= 4584 < data["stalled_at"] <= 4584 + 128, data
     assert [c["status"] for c in rows(report, "tool_call")] == ["ok"]  # small requests still work
-    for e in seed000:  # the stalled probes were aborted by closing their connections
+    for e in seed000:
+        sizes = [e.client.post("/tokenize", json={"model": "glm", "prompt": r["body"]["prompt"]}).json()["count"]
+                 for r in cold_prompts(e)]  # what the engine received: two prompts, either side of the pool
+        assert len(sizes) == 2 and sizes[0] <= 4584 < sizes[1], sizes
+        assert_idle(e)  # the stalled probe was aborted by closing its connection
+        assert e.state()["aborted"] >= 1
+
+
+def _lines(stream: IO[str], into: list[tuple[float, str]]) -> threading.Thread:
+    def read() -> None:
+        for line in stream:
+            into.append((time.monotonic(), line.rstrip("\n")))
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_seed000_default_flags_streams_rows_and_ends_within_a_minute(seed000: list[SimProcess]) -> None:
+    """As a new user runs it (table output, default flags): the first check row appears within 5 s and the run
+    ends within 60 s (generous bounds: about 1 s and 7 s on an idle machine), with cold-probe progress meanwhile."""
+    p, d = seed000
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "pdproxy", "doctor", "--prefill", p.url, "--decode", d.url],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out: list[tuple[float, str]] = []
+    err: list[tuple[float, str]] = []
+    readers = [_lines(proc.stdout, out), _lines(proc.stderr, err)]  # type: ignore[arg-type]
+    try:
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    ended = time.monotonic()
+    for r in readers:
+        r.join(timeout=5)
+    assert code == 1, (out, err)
+    first_row = next(t for t, line in out if line.startswith("engine "))
+    assert first_row - t0 < 5.0, out
+    assert ended - t0 < 60.0
+    texts = [line for _, line in out]
+    # rows were written as checks completed: the engine rows came out before the cold probe ended
+    last_cold = max(t for t, line in out if line.startswith("cold_context"))
+    assert first_row < last_cold
+    assert sum("KV-pool cliff confirmed" in line for line in texts) == 2
+    assert texts[-1].startswith("PROBLEMS FOUND")
+    progress = [line for _, line in err]
+    assert any("cold_context" in line and "sending 4," in line for line in progress), progress
+    assert any("stalled" in line for line in progress), progress
+    for e in seed000:
         assert_idle(e)
+
+
+def test_doctor_help_lists_engine_flags_only() -> None:
+    done = subprocess.run([sys.executable, "-m", "pdproxy", "doctor", "--help"], capture_output=True, text=True,
+                          timeout=30, check=True)
+    for flag in ("--prefill", "--decoder-ports", "--engine-api-key", "--budget-s", "--cold-timeout-s", "--json"):
+        assert flag in done.stdout
+    for flag in ("--port", "--workers", "--shutdown-grace-s", "--api-keys", "--request-log", "--ssl-certfile",
+                 "--prefill-budget-tokens"):
+        assert f"{flag} " not in done.stdout and f"{flag}\n" not in done.stdout, flag
+
+
+def test_engine_that_never_answers_completions_ends_within_the_budget(sims: Fleet) -> None:
+    """A prefiller that accepts completions and never answers: the round trip and the cold probe are given
+    bounded waits and the run still ends, with the budget named."""
+    sims.prefillers[0].faults({"kind": "hang", "path": "/v1/completions"})
+    code, report = doctor([s.url for s in sims.prefillers], [s.url for s in sims.decoders[:1]], "--no-round-trip",
+                          "--budget-s", "6", "--cold-timeout-s", "3", "--cold-min-timeout-s", "1")
+    assert code == 1
+    cold = {c["target"]: c for c in rows(report, "cold_context")}
+    stuck = cold[sims.prefillers[0].url]
+    assert stuck["status"] == "fail" and stuck["data"]["stalled_at"] is not None, stuck
+    assert stuck["data"]["largest_ok"] is None
 
 
 def test_table_output_and_missing_kv_connector(sims: Fleet) -> None:

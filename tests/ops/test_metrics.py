@@ -35,6 +35,8 @@ def test_metrics_count_known_traffic(proxy: ProxyThread, sims: Fleet) -> None:
     bad = httpx.post(proxy.url + "/v1/chat/completions", json={"model": "sim-model", "max_tokens": 4})
     assert bad.status_code == 400
     proxy.wait_idle()
+    # a request is recorded just after it leaves in_flight (app.py: the outer finally), so wait for the last one
+    wait_until(lambda: scrape(proxy.url).total("pdproxy_requests_total") == 4, 5, what="every request recorded")
 
     m = scrape(proxy.url)
     assert m.value("pdproxy_requests_total", api="chat", status="200", outcome="ok") == 2

@@ -62,7 +62,7 @@ def test_two_workers_share_one_load_view(tmp_path: Path) -> None:
             s.start()
         decoders = [s.url for s in sims[1:]]
         args = ["--workers", "2", "--host", "127.0.0.1", "--port", str(port), "--prefill", sims[0].url,
-                "--decode", *decoders, "--health-interval-s", "0.3", "--log-level", "warning",
+                "--decode", *decoders, "--health-interval-s", "0.3", "--log-level", "info",
                 "--no-request-log", "--shutdown-grace-s", "2"]
         with _serve(args, log) as proc:
             def ready() -> bool:
@@ -139,7 +139,7 @@ def test_two_workers_share_one_load_view(tmp_path: Path) -> None:
             assert m.total("pdproxy_requests_total", api="completions") >= 6 + survivors  # the dead one recorded none
 
             # SIGTERM: workers drain and exit, the supervisor removes its run directory.
-            found = re.search(r"run directory (\S+)\)", log.read_text())
+            found = re.search(r"run directory (\S+) \(load board", log.read_text())  # the supervisor logs it
             assert found is not None
             run_dir = Path(found.group(1))
             assert (run_dir / "load.board").exists()

@@ -1,0 +1,112 @@
+"""What ``pdproxy serve`` (the real command) says about itself, read from its log: the banner; each engine found
+with its limits, unreachable, back, with changed limits; a breaker opening and closing; the drain at SIGTERM —
+each once per change however many probes and requests pass meanwhile, in the JSON log format (every line one
+JSON object, request lines included as they are) and in the text format."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pdproxy import __version__
+from tests.conftest import Fleet
+from tests.ops.serveproc import ServeProcess
+from tests.support import SimProcess, free_port, wait_until
+
+pytestmark = pytest.mark.timeout(90)
+
+SIM = ("--served-model-name", "sim-model", "--decode-tokens-per-s", "0")
+
+
+def chat(url: str) -> int:
+    r = httpx.post(url + "/v1/chat/completions", timeout=20, json={
+        "model": "sim-model", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    return r.status_code
+
+
+def test_json_log_says_each_change_once(sims: Fleet, tmp_path: Path) -> None:
+    p_url, d_url = sims.prefillers[0].url, sims.decoders[0].url
+    x_port = free_port()
+    x_url = f"http://127.0.0.1:{x_port}"
+    proxy = ServeProcess(tmp_path / "serve.log", "--prefill", p_url, "--decode", d_url, x_url, "--log-format", "json",
+                         "--engine-refresh-interval-s", "0.2", "--shutdown-grace-s", "5")
+    x: SimProcess | None = None
+    try:
+        proxy.start()
+        wait_until(lambda: proxy.events("serve_started"), 10, what="banner")
+        (banner,) = proxy.events("serve_started")
+        assert banner["version"] == __version__ and banner["listen"] == [proxy.url]
+        assert (banner["prefillers"], banner["decoders"], banner["tls"]) == (1, 2, False)
+        assert banner["level"] == "INFO" and f"listening on {proxy.url}" in banner["message"]
+        for url, role in ((p_url, "prefill"), (d_url, "decode")):
+            (up,) = proxy.events("engine_up", endpoint=url)
+            assert (up["role"], up["max_model_len"], up["level"]) == (role, 4096, "INFO")
+            assert up["kv_pool_tokens"] == 4 * 4096 and "max_model_len 4,096" in up["message"]
+        (down,) = proxy.events("engine_unreachable", endpoint=x_url)
+        assert down["level"] == "WARNING" and down["error"]
+
+        # the engine comes up (many probes of the dead port happened meanwhile: still one line), goes away, and
+        # comes back with a smaller max_model_len
+        x = SimProcess("decode", *SIM, "--max-model-len", "4096", port=x_port).start()
+        wait_until(lambda: proxy.events("engine_up", endpoint=x_url), 10, what="x up")
+        assert len(proxy.events("engine_unreachable", endpoint=x_url)) == 1
+        x.stop()
+        wait_until(lambda: len(proxy.events("engine_unreachable", endpoint=x_url)) == 2, 10, what="x down")
+        x = SimProcess("decode", *SIM, "--max-model-len", "2048", port=x_port).start()
+        wait_until(lambda: proxy.events("engine_reachable", endpoint=x_url), 10, what="x back")
+        (changed,) = wait_until(lambda: proxy.events("engine_limits_changed", endpoint=x_url), 10, what="limits")
+        assert (changed["previous_max_model_len"], changed["max_model_len"]) == (4096, 2048)
+        assert changed["level"] == "WARNING" and "max_model_len 4,096 → 2,048" in changed["message"]
+
+        # a 503 with Retry-After opens x's breaker; once x answers again a request closes it
+        x.faults({"kind": "status", "status": 503, "retry_after": 1, "times": 1})
+
+        def opened() -> bool:
+            assert chat(proxy.url) == 200  # the decode leg moved to the other decoder
+            return bool(proxy.events("breaker_opened", endpoint=x_url))
+
+        wait_until(opened, 20, 0.05, "breaker opened")
+        wait_until(lambda: chat(proxy.url) == 200 and proxy.events("breaker_closed", endpoint=x_url), 20, 0.05,
+                   "breaker closed")
+        (bo,) = proxy.events("breaker_opened", endpoint=x_url)
+        assert bo["level"] == "WARNING" and bo["role"] == "decode"
+        assert len(proxy.events("breaker_closed", endpoint=x_url)) == 1
+        for url in (p_url, d_url):  # nothing changed for the others: nothing more said about them
+            assert [r["event"] for r in proxy.json_lines() if r.get("endpoint") == url] == ["engine_up"]
+
+        assert proxy.terminate() == 0
+        (started,) = proxy.events("shutdown_started")
+        assert started["signal"] == "SIGTERM" and started["in_flight"] == 0
+        assert proxy.events("shutdown_done")
+        lines = [line for line in proxy.text().splitlines() if line.strip()]
+        records = proxy.json_lines()
+        assert len(records) == len(lines), [line for line in lines if not line.startswith("{")]  # all JSON
+        requests = [r for r in records if r.get("event") == "request"]
+        assert requests and all("message" not in r and r["status"] == 200 for r in requests)  # as they are
+    finally:
+        proxy.stop()
+        if x is not None:
+            x.stop()
+
+
+def test_text_log_banner_engines_and_shutdown(sims: Fleet, tmp_path: Path) -> None:
+    proxy = ServeProcess(tmp_path / "serve.log", "--prefill", sims.prefillers[0].url, "--decode",
+                         *(s.url for s in sims.decoders), "--no-request-log")
+    try:
+        proxy.start()
+        wait_until(lambda: "listening on" in proxy.text(), 10, what="banner")
+        text = proxy.text()
+        assert re.search(rf"INFO pdproxy pdproxy {re.escape(__version__)} listening on {re.escape(proxy.url)}: "
+                         r"1 prefiller\(s\), 2 decoder\(s\); TLS off; 1 worker\(s\)", text), text
+        for s in sims.all:
+            assert len(re.findall(rf"INFO pdproxy\.engines engine {re.escape(s.url)} \(\w+\) up: model sim-model, "
+                                  r"max_model_len 4,096", text)) == 1, text
+        assert chat(proxy.url) == 200
+        assert proxy.terminate() == 0
+        text = proxy.text()
+        assert "SIGTERM: shutting down" in text and "shutdown complete" in text
+    finally:
+        proxy.stop()
