@@ -19,6 +19,7 @@ import sys
 
 from pdproxy.sim.config import SimConfig
 from pdproxy.sim.faults import parse_fault
+from pdproxy.sim.models import parse_lora_modules
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +46,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "(vLLM 0.32); reject = 400 (vLLM <= 0.26, vLLM-Ascend)")
     v.add_argument("--max-tokens-overflow", choices=("clamp", "reject"), default="clamp", help=s_overflow)
     v.add_argument("--data-parallel-size", type=int, default=1, help="DP ranks served by this process")
+    v.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters listed in /v1/models with their parent (name=path or vLLM's JSON form)")
+    v.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=False,
+                   help="accepted for vLLM launch-line compatibility (adapters come from --lora-modules)")
+    v.add_argument("--max-lora-rank", type=int, default=16, help="accepted for vLLM launch-line compatibility")
+    v.add_argument("--tool-call-parser", default=d.tool_call_parser,
+                   help="tool parser name ('none' = no parser: tool_choice required/named/auto get vLLM's 400)")
+    v.add_argument("--enable-scale-out", action=argparse.BooleanOptionalAction, default=d.enable_scale_out,
+                   help="serve the render routes and /inference/v1/generate (off: vLLM's 403)")
+    v.add_argument("--runner", choices=("generate", "pooling"), default=d.runner,
+                   help="pooling: an embedding/classification model (pooling routes, no generation routes)")
+    v.add_argument("--convert", choices=("none", "embed", "classify"), default=d.convert,
+                   help="the pooling task of --runner pooling (none = embed)")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                    help="require one of these keys (Authorization: Bearer KEY) on /v1/* routes, as vLLM does")
@@ -86,6 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--kv-events-encoding", choices=("map", "array"), default="map",
                    help="KV event encoding: map (newer vLLM) or array (vLLM <= 0.23, vLLM-Ascend 0.23)")
     s.add_argument("--record-limit", type=int, default=d.record_limit, help="requests kept for /sim/received")
+    s.add_argument("--embedding-size", type=int, default=d.embedding_size, help="floats per embedding vector")
+    s.add_argument("--transcription", action="store_true",
+                   help="also serve /v1/audio/transcriptions and /v1/audio/translations (a speech-to-text model)")
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -97,6 +114,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         from pdproxy.sim.kv_publisher import parse_kv_events_config
 
         parse_kv_events_config(args.kv_events_config)
+    parse_lora_modules(args.lora_modules)
     return SimConfig(
         host=args.host, port=args.port, served_model_name=args.served_model_name, max_model_len=args.max_model_len,
         block_size=args.block_size, num_gpu_blocks_override=args.num_gpu_blocks_override,
@@ -114,7 +132,11 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         refuse_connections=args.refuse_connections, faults=faults,
         seed=args.seed, record_limit=args.record_limit, engine_id=args.engine_id,
         api_key=tuple(args.api_key or ()),
-        kv_events_config=args.kv_events_config, kv_events_encoding=args.kv_events_encoding)
+        kv_events_config=args.kv_events_config, kv_events_encoding=args.kv_events_encoding,
+        lora_modules=tuple(args.lora_modules), enable_scale_out=args.enable_scale_out,
+        tool_call_parser=None if args.tool_call_parser in ("", "none") else args.tool_call_parser,
+        runner=args.runner, convert=args.convert, embedding_size=args.embedding_size,
+        transcription=args.transcription)
 
 
 async def serve(config: SimConfig) -> None:

@@ -1,18 +1,29 @@
-"""The two completion routes of the simulator (``/v1/completions``, ``/v1/chat/completions``).
+"""The simulator's generation loop, shared by every generation route (``/v1/completions``,
+``/v1/chat/completions``, ``/v1/responses``, ``/v1/messages``, ``/inference/v1/generate``).
 
-Flow per request: validate (vLLM's 400s; a rejected decoder request releases its prefiller pin,
-reference §1.5). Then build an :class:`EngineRequest`, submit it to the rank, and answer:
+Flow per request: the route's parser validates (vLLM's 400s/404s; a rejected decoder request releases its
+prefiller pin, reference §1.5) and returns a :class:`~pdproxy.sim.protocol.ParsedRequest`; :func:`run_generation`
+builds one engine request per output sequence (``n`` per prompt, every prompt of a list; see
+:mod:`pdproxy.sim.generation`), submits them to the rank, and answers through the route's
+:class:`~pdproxy.sim.generation.Writer`:
 
 * streaming: 200 ``text/event-stream`` headers at once, as vLLM's ``StreamingResponse`` does (seed 000:
-  "200 OK but nothing happens"). Then one SSE event per engine wake-up, carrying every new token. A failed
-  KV pull becomes an error event + ``[DONE]``;
-* non-streaming: one JSON body when the request finishes. A failed KV pull becomes HTTP 500.
+  "200 OK but nothing happens"), then the writer's head events (Responses: ``response.created``), then one event
+  per engine wake-up and sequence, carrying every new token, then the tail and the terminator. A failed KV pull
+  becomes the writer's failure events (OpenAI routes: an error event + ``[DONE]``);
+* non-streaming: one JSON body when every sequence finished. A failed KV pull becomes HTTP 500.
 
-Client disconnect cancels the handler (aiohttp ``handler_cancellation``), which aborts the engine request and
-frees its blocks. Output sizes: ``max_tokens`` given → exactly that many tokens, ``finish_reason "length"``.
-Without it, completions generate ``min(--output-tokens, room)`` tokens ("length", vLLM's default cap of 16).
-Chat generates ``--output-tokens`` and finishes ``"stop"``, like a model's EOS. Tool calls finish
-``"tool_calls"``.
+Client disconnect cancels the handler (aiohttp ``handler_cancellation``), which aborts the engine requests and
+frees their blocks. Output sizes: ``max_tokens`` given → at most that many tokens, ``finish_reason "length"``.
+Without it, completions generate ``min(--output-tokens, room)`` tokens ("length", vLLM's default cap of 16); chat,
+Responses and Messages generate ``--output-tokens`` and finish ``"stop"``, like a model's EOS. Stop strings, stop
+token ids, ``min_tokens``, ``ignore_eos`` and fixed contents (JSON, tool calls) end sequences as
+:mod:`pdproxy.sim.outputs` describes.
+
+PD: a prefill leg (``kv_transfer_params.do_remote_decode``) pins every sequence's blocks and returns the params
+of one sequence only (the last child of the first prompt), as vLLM 0.32 does for ``n > 1`` and prompt lists
+(``tests/real_vllm/captures/apis/pd_n2_prefill.json``): the others stay pinned until they expire. A decode leg
+(``do_remote_prefill``) pulls for its first sequence; other sequences compute their prompt locally.
 """
 
 from __future__ import annotations
@@ -27,13 +38,18 @@ from aiohttp import web
 
 from pdproxy.sim import connector
 from pdproxy.sim.faults import Fault, slice_event
-from pdproxy.sim.protocol import Api, ParsedRequest, SimHTTPError, kv_load_failed_body, parse_request
+from pdproxy.sim.generation import Seq, Usage, Writer
+from pdproxy.sim.outputs import json_example, json_text, plan_output, tool_arguments
+from pdproxy.sim.protocol import Api, ParsedRequest, SimHTTPError, parse_request
 from pdproxy.sim.responses import DONE, ResponseWriter
 from pdproxy.sim.scheduler import EngineRequest
 
 if TYPE_CHECKING:
     from pdproxy.sim.runner import RankEngine
     from pdproxy.sim.server import Listener, SimServer
+
+__all__ = ["DONE", "abort_transport", "handle_completion", "notify_rejected", "pre_response_fault",
+           "run_generation"]
 
 
 class _Wake:
@@ -126,30 +142,17 @@ class _SSE:
                 abort_transport(self.request)
                 raise ConnectionResetError("sim fault: reset_after_events")
 
-    async def done(self) -> None:
-        """Write ``data: [DONE]`` unless a ``close_without_done`` fault stopped the stream."""
+    async def send_all(self, events: list[bytes]) -> None:
+        """Write each of ``events``."""
+        for event in events:
+            await self.send(event)
+
+    async def done(self, marker: bytes) -> None:
+        """Write the terminator (``data: [DONE]``; nothing for APIs without one) unless a ``close_without_done``
+        fault stopped the stream."""
         if self.limit is not None and self.stopped and not self.reset:
             return
-        await self.send(DONE)
-
-
-def _sizes(parsed: ParsedRequest, writer: ResponseWriter, output_tokens: int, max_model_len: int,
-           fault: Fault | None) -> tuple[int, int | None]:
-    room = max(max_model_len - len(parsed.prompt_token_ids), 1)
-    eos: int | None = None
-    if parsed.max_tokens is not None:
-        max_tokens = parsed.max_tokens
-    elif parsed.api == "completions":
-        max_tokens = min(output_tokens, room)
-    else:
-        max_tokens, eos = room, min(output_tokens, room)
-    if writer.natural_length is not None:
-        eos = writer.natural_length
-    if fault is not None and fault.kind == "no_kv_params":
-        eos = 1
-    if eos is not None:
-        eos = max(eos, parsed.min_tokens)
-    return max_tokens, eos
+        await self.send(marker)
 
 
 def notify_rejected(server: SimServer, rank: RankEngine, body: Any) -> None:
@@ -170,37 +173,137 @@ def notify_rejected(server: SimServer, rank: RankEngine, body: Any) -> None:
 
 async def handle_completion(server: SimServer, listener: Listener, request: web.Request, api: Api,
                             raw: bytes, body: Any, rank: RankEngine, fault: Fault | None) -> web.StreamResponse:
-    """Validate, run on ``rank`` and answer one completion request (see the module docstring)."""
+    """Validate, run on ``rank`` and answer one chat or completions request (see the module docstring)."""
     cfg = server.config
     try:
-        parsed = parse_request(body, api, request.headers, cfg, server.tokenizer)
+        parsed = parse_request(body, api, request.headers, cfg, server.tokenizer, server.models)
     except SimHTTPError as exc:
         notify_rejected(server, rank, body)
         return web.Response(status=exc.status_code, body=exc.body(), content_type="application/json")
+    writer = ResponseWriter(parsed, parsed.model or cfg.served_model_name, int(time.time()), server.fingerprint)
+    return await run_generation(server, listener, request, parsed, writer, rank, fault)
+
+
+def fixed_content(parsed: ParsedRequest) -> str | None:
+    """The fixed output of a request whose answer is constrained: a tool call's arguments, or JSON for
+    ``response_format``/``structured_outputs``; None for free text."""
+    if parsed.tool_mode is not None:
+        return tool_arguments(parsed.tool_schema)
+    structured = parsed.structured
+    if structured is None:
+        return None
+    if structured.kind == "json":
+        return json_text(json_example(structured.schema))
+    if structured.kind == "json_object":
+        return json_text({"answer": "sim", "engine": "pdproxy sim"})
+    if structured.kind == "choice":
+        return structured.choices[0]
+    return None
+
+
+def _limits(parsed: ParsedRequest, prompt: list[int], limit: int | None, output_tokens: int, max_model_len: int,
+            fault: Fault | None) -> tuple[int, int | None]:
+    """``(max_tokens, plain-text EOS)`` of one sequence (tokens): chat-like APIs end by themselves after
+    ``--output-tokens``; completions and generate run to their limit."""
+    room = max(max_model_len - len(prompt), 1)
+    eos: int | None = None
+    if limit is not None:
+        max_tokens = limit
+    elif parsed.api in ("completions", "generate"):
+        max_tokens = min(output_tokens, room)
+    else:
+        max_tokens = room
+    if parsed.api not in ("completions", "generate"):
+        eos = min(output_tokens, room)
+    if fault is not None and fault.kind == "no_kv_params":
+        eos = 1
+    return max_tokens, eos
+
+
+def build_sequences(server: SimServer, rank: RankEngine, parsed: ParsedRequest, wake: _Wake,
+                    fault: Fault | None) -> list[Seq]:
+    """One :class:`Seq` per output sequence, each with its engine request (not yet submitted)."""
+    cfg = server.config
     params = parsed.kv_transfer_params
     remote = connector.remote_prefill_source(params) if cfg.role in ("decode", "both") else None
     pin = connector.wants_remote_decode(params) and cfg.role in ("prefill", "both")
-    writer = ResponseWriter(parsed, cfg.served_model_name, int(time.time()), server.next_word_offset(),
-                            server.fingerprint)
-    max_tokens, eos = _sizes(parsed, writer, cfg.output_tokens, cfg.max_model_len, fault)
+    content = fixed_content(parsed)
+    n = parsed.sampling.n
+    now = asyncio.get_running_loop().time()
+    seqs: list[Seq] = []
+    for p, prompt in enumerate(parsed.prompts):
+        max_tokens, eos = _limits(parsed, prompt, parsed.prompt_max_tokens[p], cfg.output_tokens, cfg.max_model_len,
+                                  fault)
+        parent = connector.internal_request_id(parsed.response_id, parsed.api, p)
+        for k in range(n):
+            index = p * n + k
+            plan = plan_output(server.next_word_offset(), server.token_table, parsed.sampling.rules, max_tokens,
+                               eos, content)
+            if fault is not None and fault.kind == "no_kv_params":
+                plan.end = 1
+            rid = connector.child_request_id(parent, k, n)
+            ereq = EngineRequest(rid, prompt, max_tokens, now, eos_after=plan.end,
+                                 remote_prefill=remote if index == 0 else None, pin_on_finish=pin, listener=wake)
+            seqs.append(Seq(index, p, ereq, plan))
+    return seqs
+
+
+def usage_of(seqs: list[Seq], parsed: ParsedRequest, block_size: int, counted: dict[int, int] | None = None) -> Usage:
+    """Usage of a request: every prompt once, every sequence's output (``counted``: tokens per sequence index,
+    default what the engine produced), the prefix-cache hits and the prompt tokens this engine cached."""
+    prompt = cached = created = 0
+    seen: set[int] = set()
+    completion = 0
+    for seq in seqs:
+        completion += counted[seq.index] if counted is not None else seq.ereq.num_output_tokens
+        if seq.prompt_index in seen:
+            continue
+        seen.add(seq.prompt_index)
+        e = seq.ereq
+        n_prompt = len(e.prompt_token_ids)
+        prompt += n_prompt
+        hits = max(e.num_cached_tokens, 0)
+        cached += hits
+        if e.remote_prefill is None and e.num_cached_tokens >= 0:
+            created += max((n_prompt // block_size) * block_size - hits, 0)
+    return Usage(prompt, completion, cached, created)
+
+
+def _kv_params(server: SimServer, listener: Listener, rank: RankEngine, seqs: list[Seq]) -> dict[str, Any] | None:
+    """The ``kv_transfer_params`` a prefill leg returns: those of the first prompt's last pinned sequence."""
+    first = [s for s in seqs if s.prompt_index == 0 and s.ereq.pinned]
+    if not first:
+        return None
+    ereq = first[-1].ereq
+    return connector.prefill_params(server.config, engine_id=rank.engine_id, request_id=ereq.request_id,
+                                    host=server.advertised_host, port=rank.port or listener.port,
+                                    block_ids=server.pinned_block_ids(rank, ereq),
+                                    num_tokens=len(ereq.prompt_token_ids), last_token_id=server.last_token_id(ereq),
+                                    cached_tokens=max(ereq.num_cached_tokens, 0))
+
+
+async def run_generation(server: SimServer, listener: Listener, request: web.Request, parsed: ParsedRequest,
+                         writer: Writer, rank: RankEngine, fault: Fault | None,
+                         headers: dict[str, str] | None = None) -> web.StreamResponse:
+    """Run a validated request on ``rank`` and answer it through ``writer`` (see the module docstring)."""
     wake = _Wake()
-    ereq = EngineRequest(connector.internal_request_id(parsed.response_id, api), parsed.prompt_token_ids,
-                         max_tokens, asyncio.get_running_loop().time(), eos_after=eos, remote_prefill=remote,
-                         pin_on_finish=pin, listener=wake)
-    headers = {"X-Request-Id": parsed.base_id}
+    seqs = build_sequences(server, rank, parsed, wake, fault)
+    headers = {"X-Request-Id": parsed.base_id} if headers is None else headers
     recompute_after = int(fault.params.get("tokens", fault.params.get("events", 1))) if (
         fault is not None and fault.kind == "recomputed") else None
     slow = (float(fault.params.get("factor", 10.0)), float(fault.params.get("min_gap_s", 0.005))) if (
         fault is not None and fault.kind == "slow") else None
-    rank.submit(ereq)
+    for seq in seqs:
+        rank.submit(seq.ereq)
     try:
         if parsed.stream:
-            return await _stream(server, request, rank, parsed, writer, ereq, wake, headers, fault,
+            return await _stream(server, listener, request, rank, parsed, writer, seqs, wake, headers, fault,
                                  recompute_after, slow)
-        return await _unary(server, listener, rank, parsed, writer, ereq, wake, headers, recompute_after, slow)
+        return await _unary(server, listener, rank, parsed, writer, seqs, wake, headers, recompute_after, slow)
     finally:
-        if not ereq.finished:
-            rank.abort(ereq)
+        for seq in seqs:
+            if not seq.ereq.finished:
+                rank.abort(seq.ereq)
 
 
 async def _stretch(slow: tuple[float, float] | None, waited_s: float) -> None:
@@ -209,8 +312,23 @@ async def _stretch(slow: tuple[float, float] | None, waited_s: float) -> None:
         await asyncio.sleep(max(waited_s, min_gap) * max(factor - 1.0, 0.0))
 
 
-async def _stream(server: SimServer, request: web.Request, rank: RankEngine, parsed: ParsedRequest,
-                  writer: ResponseWriter, ereq: EngineRequest, wake: _Wake, headers: dict[str, str],
+def _progress(seq: Seq, rank: RankEngine, recompute_after: int | None) -> tuple[int, str | None, Any]:
+    """``(tokens produced, finish reason or None, stop_reason)`` of ``seq`` now; a ``recomputed`` fault ends it
+    after its token count with vLLM-Ascend's ``stop_reason``."""
+    ereq = seq.ereq
+    n = ereq.num_output_tokens
+    if recompute_after is not None and n >= recompute_after:
+        rank.abort(ereq)
+        seq.finish, seq.reason = "stop", "recomputed"
+        return recompute_after, "stop", "recomputed"
+    if ereq.finished:
+        seq.settle()
+        return n, seq.finish, seq.reason
+    return n, None, None
+
+
+async def _stream(server: SimServer, listener: Listener, request: web.Request, rank: RankEngine,
+                  parsed: ParsedRequest, writer: Writer, seqs: list[Seq], wake: _Wake, headers: dict[str, str],
                   fault: Fault | None, recompute_after: int | None,
                   slow: tuple[float, float] | None) -> web.StreamResponse:
     resp = web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream; charset=utf-8",
@@ -219,85 +337,79 @@ async def _stream(server: SimServer, request: web.Request, rank: RankEngine, par
     sse = _SSE(resp, request, fault)
     rank.active_streams += 1
     loop = asyncio.get_running_loop()
+    block_size = server.config.block_size
+    counted: dict[int, int] = {s.index: 0 for s in seqs}
     try:
-        role_sent = False
-        sent = 0
-        stop_reason: Any = None
-        while not sse.stopped:
+        await sse.send_all(writer.head())
+        open_seqs = list(seqs)
+        failed = False
+        while open_seqs and not sse.stopped:
             started = loop.time()
             await wake.wait()
             waited_s = loop.time() - started
-            if ereq.kv_failed:
-                await sse.send(writer.error_event("Internal server error", "InternalServerError", 500))
+            if seqs[0].ereq.kv_failed:
+                await sse.send_all(writer.failure())
+                failed = True
+                if getattr(writer, "abort_on_failure", False):  # Responses: the connection is cut
+                    abort_transport(request)
+                    return resp
                 break
-            n = ereq.num_output_tokens
-            finish = ereq.finish_reason if ereq.finished else None
-            stop_reason = ereq.stop_reason
-            if recompute_after is not None and n >= recompute_after:
-                n, finish, stop_reason = recompute_after, "stop", "recomputed"
-                rank.abort(ereq)
-            if (n > sent or finish is not None) and not role_sent:
-                await sse.send(writer.role_event())  # vLLM sends it with the first output
-                role_sent = True
-            if n > sent or finish is not None:
-                usage = writer.usage(len(parsed.prompt_token_ids), n, ereq.num_cached_tokens, stream=True) if (
-                    parsed.continuous_usage) else None
+            for seq in list(open_seqs):
+                n, finish, stop_reason = _progress(seq, rank, recompute_after)
+                sent = seq.sent
+                if n <= sent and finish is None:
+                    continue
+                usage = usage_of(seqs, parsed, block_size, {**counted, seq.index: n}) if (
+                    writer.continuous_usage) else None
                 if slow is not None:  # one token per event, each gap stretched
                     per_token_s = waited_s / max(n - sent, 1)
                     while n - sent > 1:
                         await _stretch(slow, per_token_s)
-                        await sse.send(writer.token_event(sent, sent + 1, None, None, usage))
+                        await sse.send_all(writer.output(seq, sent, sent + 1, None, None, usage, False))
                         sent += 1
                     await _stretch(slow, per_token_s)
                 if finish is not None and stop_reason == "recomputed" and n > sent:
-                    await sse.send(writer.token_event(sent, n, None, None, usage))
+                    await sse.send_all(writer.output(seq, sent, n, None, None, usage, False))
                     sent = n
-                last = finish is not None and not parsed.include_usage
-                await sse.send(writer.token_event(sent, n, finish, stop_reason, usage, last))
-                sent = n
-            if finish is not None:
-                if parsed.include_usage:
-                    await sse.send(writer.usage_event(writer.usage(len(parsed.prompt_token_ids), sent,
-                                                                   ereq.num_cached_tokens, stream=True)))
-                break
-        await sse.done()
+                last = finish is not None and not writer.include_usage and len(open_seqs) == 1
+                await sse.send_all(writer.output(seq, sent, n, finish, stop_reason, usage, last))
+                seq.sent = counted[seq.index] = n
+                if finish is not None:
+                    open_seqs.remove(seq)
+        if not failed and not open_seqs:
+            kv = _kv_params(server, listener, rank, seqs)
+            await sse.send_all(writer.tail(seqs, usage_of(seqs, parsed, block_size, counted), kv))
+        if not failed or writer.done:
+            await sse.done(writer.done)
         if not sse.reset:
             await resp.write_eof()
     except ConnectionResetError:
-        pass  # the client went away (or a reset fault fired); the caller aborts the engine request
+        pass  # the client went away (or a reset fault fired); the caller aborts the engine requests
     finally:
         rank.active_streams -= 1
     return resp
 
 
-async def _unary(server: SimServer, listener: Listener, rank: RankEngine, parsed: ParsedRequest,
-                 writer: ResponseWriter, ereq: EngineRequest, wake: _Wake, headers: dict[str, str],
-                 recompute_after: int | None, slow: tuple[float, float] | None) -> web.StreamResponse:
+async def _unary(server: SimServer, listener: Listener, rank: RankEngine, parsed: ParsedRequest, writer: Writer,
+                 seqs: list[Seq], wake: _Wake, headers: dict[str, str], recompute_after: int | None,
+                 slow: tuple[float, float] | None) -> web.StreamResponse:
     loop = asyncio.get_running_loop()
     started = loop.time()
-    stop_reason: Any = None
-    n = 0
-    while not ereq.finished:
+    pending = list(seqs)
+    while pending:
         await wake.wait()
-        if recompute_after is not None and ereq.num_output_tokens >= recompute_after:
-            rank.abort(ereq)
-            n, stop_reason = recompute_after, "recomputed"
+        if seqs[0].ereq.kv_failed:
             break
+        for seq in list(pending):
+            n, finish, _reason = _progress(seq, rank, recompute_after)
+            if finish is not None:
+                seq.sent = n
+                pending.remove(seq)
     await _stretch(slow, loop.time() - started)
-    if ereq.kv_failed:
-        return web.Response(status=500, body=kv_load_failed_body(), content_type="application/json",
-                            headers=headers)
-    finish = "stop" if stop_reason == "recomputed" else ereq.finish_reason
-    if stop_reason is None:
-        n, stop_reason = ereq.num_output_tokens, ereq.stop_reason
-    kv_params = None
-    if ereq.pinned:
-        kv_params = connector.prefill_params(server.config, engine_id=rank.engine_id, request_id=ereq.request_id,
-                                             host=server.advertised_host, port=rank.port or listener.port,
-                                             block_ids=server.pinned_block_ids(rank, ereq),
-                                             num_tokens=len(parsed.prompt_token_ids),
-                                             last_token_id=server.last_token_id(ereq),
-                                             cached_tokens=max(ereq.num_cached_tokens, 0))
-    usage = writer.usage(len(parsed.prompt_token_ids), n, ereq.num_cached_tokens)
-    body = writer.json_body(n, finish, stop_reason, usage, kv_params)
+    if seqs[0].ereq.kv_failed:
+        status, body = writer.failure_body()
+        return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+    counted = {s.index: s.sent for s in seqs}
+    usage = usage_of(seqs, parsed, server.config.block_size, counted)
+    body = writer.body(seqs, usage, _kv_params(server, listener, rank, seqs))
     return web.Response(status=200, body=body, content_type="application/json", headers=headers)

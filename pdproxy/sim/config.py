@@ -32,6 +32,15 @@ class SimConfig:
     ``tool_choice`` absent or ``"auto"`` is refused with vLLM's 400, as a real engine started without a tool
     parser does. The simulator defaults to True (it then answers with a tool call).
 
+    ``lora_modules`` (vLLM's ``--lora-modules``): adapters served besides the base model (``name=path`` or vLLM's
+    JSON form; ``pdproxy/sim/models.py``). ``tool_call_parser`` (vLLM's ``--tool-call-parser``): ``tool_choice``
+    ``"required"`` and named choices need one, ``"auto"`` needs it and ``enable_auto_tool_choice``; None = no
+    parser (vLLM's 400s). ``enable_scale_out`` (vLLM's ``--enable-scale-out``): the render routes and
+    ``/inference/v1/generate`` (off: vLLM's 403). ``runner``/``convert`` (vLLM's ``--runner pooling --convert
+    embed|classify``): a pooling model serving ``pdproxy/sim/pooling.py``'s routes and no generation route, with
+    ``embedding_size``-float vectors. ``transcription``: also serve ``/v1/audio/transcriptions`` (a speech-to-text
+    model).
+
     ``max_tokens_overflow``: ``"clamp"`` (vLLM 0.32: ``max_tokens`` is lowered to ``max_model_len - prompt``) or
     ``"reject"`` (vLLM ≤ 0.26 and vLLM-Ascend builds on it: 400 when ``prompt + max_tokens > max_model_len``).
 
@@ -79,6 +88,13 @@ class SimConfig:
     kv_events_encoding: Literal["map", "array"] = "map"
     """Event encoding: ``map`` (newer vLLM) or ``array`` (vLLM <= 0.23, vLLM-Ascend 0.23)."""
     version: str = "0.32.0"
+    lora_modules: tuple[str, ...] = ()
+    tool_call_parser: str | None = "hermes"
+    enable_scale_out: bool = True
+    runner: Literal["generate", "pooling"] = "generate"
+    convert: Literal["none", "embed", "classify"] = "none"
+    embedding_size: int = 256
+    transcription: bool = False
 
     @property
     def num_gpu_blocks(self) -> int:

@@ -40,13 +40,28 @@ def engine_id_for(base: str, dp_rank: int) -> str:
     return f"{base}_dp{dp_rank}"
 
 
-def internal_request_id(response_id: str, api: str) -> str:
+def internal_request_id(response_id: str, api: str, prompt_index: int = 0) -> str:
     """The engine-internal id with vLLM's random suffix (PR #27987, ``input_processor.py::assign_request_id``).
 
-    completions: ``cmpl-<X-Request-Id>-0-<8hex>`` (per-prompt child 0); chat: ``chatcmpl-<X-Request-Id>-<8hex>``.
+    completions: ``cmpl-<X-Request-Id>-<prompt index>-<8hex>``; chat and Messages:
+    ``chatcmpl-<X-Request-Id>-<8hex>``; Responses: ``resp_<16hex>_0-<8hex>`` (sub-request 0);
+    ``/inference/v1/generate``: ``generate-tokens-<X-Request-Id>-<8hex>``. With ``n > 1`` each child's id is
+    :func:`child_request_id`.
     """
     suffix = secrets.token_hex(4)
-    return f"{response_id}-0-{suffix}" if api == "completions" else f"{response_id}-{suffix}"
+    if api == "completions":
+        rid = f"{response_id}-{prompt_index}-{suffix}"
+    elif api == "responses":
+        rid = f"{response_id}_0-{suffix}"
+    else:
+        rid = f"{response_id}-{suffix}"
+    return rid
+
+
+def child_request_id(parent: str, child: int, n: int) -> str:
+    """Child ``child`` of an ``n``-sequence request: ``<k>_<parent id>`` (real vLLM 0.32 returned
+    ``1_cmpl-…-0-…`` for ``n=2``); the parent id itself when ``n`` is 1."""
+    return f"{child}_{parent}" if n > 1 else parent
 
 
 def prefill_params(config: SimConfig, *, engine_id: str, request_id: str, host: str, port: int,

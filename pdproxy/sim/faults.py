@@ -9,8 +9,8 @@ A spec is a JSON object::
   fires on every matching request, ``times`` times if given, else forever.
 * ``probability``: fire at random with that probability, from a ``random.Random(seed)``. Without it, faults
   are deterministic.
-* ``path``: only requests whose path starts with it match. The default is the two completion routes. The
-  ``/sim/`` control paths never match.
+* ``path``: only requests whose path starts with it match. The default is the generation routes
+  (:data:`DEFAULT_PATHS`). The ``/sim/`` control paths never match.
 
 Kinds and their params: ``refuse`` (close the connection, no response), ``hang`` (never answer),
 ``status`` (``status``, ``body``, ``retry_after``), ``headers_then_stall`` (200 SSE headers, then nothing),
@@ -31,7 +31,7 @@ from typing import Any
 KINDS = frozenset({"refuse", "hang", "status", "headers_then_stall", "reset_after_events", "close_without_done",
                    "slow", "slice", "recomputed", "no_kv_params"})
 SLICE_MODES = frozenset({"byte", "crlf", "data", "utf8"})
-DEFAULT_PATHS = ("/v1/completions", "/v1/chat/completions")
+DEFAULT_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/inference/v1/generate")
 _META = ("kind", "on_request", "times", "path", "probability")
 
 

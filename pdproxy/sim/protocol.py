@@ -27,36 +27,24 @@ Length rule (vLLM 0.32 as observed; its 0.26 rejection of prompt + max_tokens > 
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
 from pdproxy.sim.config import SimConfig
+from pdproxy.sim.errors import SimHTTPError, error_body
 from pdproxy.tokens import Tokenizer, prompt_token_ids
 
-Api = Literal["chat", "completions"]
+if TYPE_CHECKING:
+    from pdproxy.sim.models import ModelRegistry
+    from pdproxy.sim.validation import SamplingSpec, Structured
 
+Api = Literal["chat", "completions", "responses", "messages", "generate"]
+ToolMode = Literal["auto", "required", "named"]
 
-class SimHTTPError(Exception):
-    """An HTTP error answered in vLLM's envelope (``status_code``, ``error_type``, ``param``)."""
-
-    def __init__(self, status_code: int, message: str, error_type: str = "BadRequestError",
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.error_type = error_type
-        self.param = param
-
-    def body(self) -> bytes:
-        """The JSON envelope bytes."""
-        return error_body(self.message, self.error_type, self.status_code, self.param)
-
-
-def error_body(message: str, error_type: str, code: int, param: str | None = None) -> bytes:
-    """``{"error": {"message", "type", "param", "code"}}`` as bytes."""
-    return orjson.dumps({"error": {"message": message, "type": error_type, "param": param, "code": code}})
+__all__ = ["Api", "ParsedRequest", "SimHTTPError", "check_length", "error_body", "kv_load_failed_body",
+           "parse_request", "request_base_id"]
 
 
 def kv_load_failed_body() -> bytes:
@@ -64,9 +52,21 @@ def kv_load_failed_body() -> bytes:
     return error_body("Internal server error", "InternalServerError", 500)
 
 
+def _default_sampling() -> SamplingSpec:
+    from pdproxy.sim.validation import SamplingSpec
+
+    return SamplingSpec()
+
+
 @dataclass(slots=True)
 class ParsedRequest:
-    """A validated completion request: the body plus the fields the simulator acts on (tokens)."""
+    """A validated generation request: the body plus the fields the simulator acts on (tokens).
+
+    ``prompts`` holds every prompt (a completions list has several; ``prompt_token_ids`` is the first) and
+    ``prompt_max_tokens`` each one's output limit after vLLM's clamp. ``model`` is the served name the request
+    selected (the base model or a LoRA adapter). ``tool_mode``/``tool_name``/``tool_schema``: the tool call the
+    answer makes (None: plain text). ``content``: fixed content (JSON for a structured-output constraint).
+    """
 
     api: Api
     body: dict[str, Any]
@@ -81,6 +81,20 @@ class ParsedRequest:
     kv_transfer_params: Any
     tools: list[dict[str, Any]] | None
     tool_choice: Any
+    sampling: SamplingSpec = field(default_factory=_default_sampling)
+    prompts: list[list[int]] = field(default_factory=list)
+    prompt_max_tokens: list[int | None] = field(default_factory=list)
+    model: str = ""
+    tool_mode: ToolMode | None = None
+    tool_name: str | None = None
+    tool_schema: Any = None
+    structured: Structured | None = None
+    return_token_ids: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            self.prompts = [self.prompt_token_ids]
+            self.prompt_max_tokens = [self.max_tokens]
 
 
 def request_base_id(headers: Any, body: dict[str, Any]) -> str:
@@ -89,97 +103,123 @@ def request_base_id(headers: Any, body: dict[str, Any]) -> str:
     return str(rid) if rid else secrets.token_hex(8)
 
 
-def _validation(message: str) -> SimHTTPError:
-    return SimHTTPError(400, message, "Bad Request")
-
-
-def _pydantic_error(kind: str, key: str, msg: str, value: Any) -> SimHTTPError:
-    """A FastAPI/pydantic request-model failure as vLLM 0.32 words it (``type: "Bad Request"``)."""
-    detail = {"type": kind, "loc": f"body.{key}", "msg": msg, "input": value}
-    return SimHTTPError(400, f"1 validation error:\n  {detail!r}", "Bad Request", f"body.{key}")
-
-
-def _optional_int(body: dict[str, Any], key: str) -> int | None:
-    """An integer field in pydantic's lax mode: ints, bools, integral floats and numeric strings are accepted."""
-    value = body.get(key)
-    if value is None or isinstance(value, int):
-        return None if value is None else int(value)
-    if isinstance(value, float):
-        if value.is_integer():
-            return int(value)
-        raise _pydantic_error("int_from_float", key, "Input should be a valid integer, got a number with a "
-                              "fractional part", value)
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            raise _pydantic_error("int_parsing", key, "Input should be a valid integer, unable to parse string "
-                                  "as an integer", value) from None
-    raise _pydantic_error("int_type", key, "Input should be a valid integer", value)
-
-
-def parse_request(body: Any, api: Api, headers: Any, config: SimConfig, tokenizer: Tokenizer) -> ParsedRequest:
-    """Validate a request like vLLM's OpenAI server. ``body`` is the decoded JSON, or the raw ``bytes`` when
-    they may not be JSON. Raises :class:`SimHTTPError` (400/404) on bad input."""
+def decode_body(body: Any) -> dict[str, Any]:
+    """The request object (``body``: decoded JSON, or raw bytes that may not be JSON). Raises the 400s vLLM
+    gives for a body that is not JSON or not an object."""
     if isinstance(body, (bytes, bytearray)):
         try:
             body = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
-            raise _validation(f"JSON decode error: {exc}") from None
+            raise SimHTTPError(400, f"JSON decode error: {exc}", "Bad Request") from None
     if not isinstance(body, dict):
-        raise _validation("Input should be a valid dictionary or object to extract fields from")
-    key = "messages" if api == "chat" else "prompt"
-    if body.get(key) is None:
-        raise _pydantic_error("missing", key, "Field required", body)
-    model = body.get("model")
-    if model is not None and model != config.served_model_name:
-        raise SimHTTPError(404, f"The model `{model}` does not exist. Valid aliases: {config.served_model_name}.",
-                           "NotFoundError", "model")
-    stream = bool(body.get("stream", False))
-    stream_options = body.get("stream_options")
-    if stream_options is not None and not stream:
-        raise SimHTTPError(400, "Stream options can only be defined when `stream=True`. "
-                                "(parameter=stream_options)", param="stream_options")
-    max_tokens = _optional_int(body, "max_tokens")
-    if api == "chat":
-        max_completion = _optional_int(body, "max_completion_tokens")
+        raise SimHTTPError(400, "Input should be a valid dictionary or object to extract fields from", "Bad Request")
+    return body
+
+
+def choose_tool(tools: list[dict[str, Any]], tool_choice: Any) -> dict[str, Any]:
+    """The tool a tool-calling answer calls: ``tool_choice``'s named function, else the first tool."""
+    if isinstance(tool_choice, dict):
+        wanted = (tool_choice.get("function") or {}).get("name", tool_choice.get("name"))
+        for tool in tools:
+            function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+            if function.get("name") == wanted:
+                return tool
+    return tools[0]
+
+
+def tool_plan(tools: list[dict[str, Any]] | None, choice: Any, config: SimConfig,
+              ) -> tuple[ToolMode | None, str | None, Any]:
+    """``(mode, name, parameters schema)`` of the tool call a chat answer makes, or raises vLLM's 400 when the
+    engine's flags do not allow the ``tool_choice`` (``--enable-auto-tool-choice``, ``--tool-call-parser``)."""
+    if not tools or choice == "none" or (choice is None and not tools):
+        return None, None, None
+    parser = config.tool_call_parser
+    if choice is None or choice == "auto":
+        if not config.enable_auto_tool_choice or not parser:
+            raise SimHTTPError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                                    "to be set")
+        mode: ToolMode = "auto"
+    elif choice == "required":
+        if not parser:
+            raise SimHTTPError(400, 'tool_choice="required" requires --tool-call-parser to be set')
+        mode = "required"
+    else:
+        if not parser:
+            name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else choice
+            raise SimHTTPError(400, f'tool_choice=function "{name}" requires --tool-call-parser to be set')
+        mode = "named"
+    tool = choose_tool(tools, choice)
+    function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+    return mode, str(function.get("name", "tool")), function.get("parameters")
+
+
+def completion_prompts(tokenizer: Tokenizer, prompt: Any) -> list[list[int]]:
+    """The token ids of each prompt of a completions request (a string, token ids, or a list of either)."""
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        return [prompt_token_ids(tokenizer, {"prompt": p}, "completions") for p in prompt]
+    return [prompt_token_ids(tokenizer, {"prompt": prompt}, "completions")]
+
+
+def parse_request(body: Any, api: Api, headers: Any, config: SimConfig, tokenizer: Tokenizer,
+                  models: ModelRegistry | None = None) -> ParsedRequest:
+    """Validate a chat or completions request like vLLM's OpenAI server. ``body`` is the decoded JSON, or the raw
+    ``bytes`` when they may not be JSON. Raises :class:`SimHTTPError` (400/404) on bad input.
+
+    Order as in vLLM: field types (pydantic), the request model's validators, the model (404), the tool-choice
+    flags, the prompt and the length rule, then ``SamplingParams``' range checks."""
+    from pdproxy.sim import validation as v
+    from pdproxy.sim.models import ModelRegistry
+
+    body = decode_body(body)
+    chat = api == "chat"
+    key = "messages" if chat else "prompt"
+    if chat and body.get("messages") is None:
+        raise v.missing("messages", body)
+    max_tokens = v.get_int(body, "max_tokens")
+    if chat:
+        max_completion = v.get_int(body, "max_completion_tokens")
         max_tokens = max_completion if max_completion is not None else max_tokens
-    min_tokens = _optional_int(body, "min_tokens") or 0
-    n = body.get("n", 1)
-    if n not in (None, 1):
-        raise SimHTTPError(400, "pdproxy sim serves one sequence per request: n must be 1.", param="n")
-    tools = body.get("tools") if api == "chat" else None
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise _pydantic_error("list_type", "tools", "Input should be a valid list of tool objects", tools)
+    elif "max_tokens" not in body:
+        max_tokens = None
+    stream = v.get_bool(body, "stream")
+    stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
-        raise _pydantic_error("model_type", "stream_options", "Input should be a valid dictionary or instance of "
-                              "StreamOptions", stream_options)
-    tool_choice = body.get("tool_choice")
-    if tools and tool_choice in (None, "auto") and not config.enable_auto_tool_choice:
-        raise SimHTTPError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
-                                "to be set")
+        raise v.pydantic_error("model_type", "stream_options", "Input should be a valid dictionary or instance of "
+                               "StreamOptions", stream_options)
+    tools = body.get("tools") if chat else None
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise v.pydantic_error("list_type", "tools", "Input should be a valid list", tools)
+    fields = v.read_sampling(body, api)  # type: ignore[arg-type]
+    structured = v.structured_from_response_format(body.get("response_format"))
+    if chat:
+        v.check_chat_validators(body)
+    else:
+        v.check_completion_validators(body)
+    if body.get("structured_outputs") is not None:
+        structured = v.structured_from_params(body.get("structured_outputs")) or structured
+    registry = models or ModelRegistry(config.served_model_name, config.max_model_len)
+    model = registry.resolve(body.get("model"))
+    tool_choice = body.get("tool_choice", "auto" if tools else None) if chat else None
+    mode, tool_name, tool_schema = tool_plan(tools, tool_choice, config) if chat else (None, None, None)
     try:
-        ids = prompt_token_ids(tokenizer, body, api)
+        prompts = [prompt_token_ids(tokenizer, body, api)] if chat else completion_prompts(tokenizer, body["prompt"])
     except ValueError as exc:
         raise SimHTTPError(400, str(exc), param=key) from None
-    max_tokens = check_length(len(ids), max_tokens, config.max_model_len, clamp=config.max_tokens_overflow == "clamp")
-    if max_tokens is not None and max_tokens < 1:
-        raise SimHTTPError(400, f"max_tokens must be at least 1, got {max_tokens}. "
-                                f"(parameter=max_tokens, value={max_tokens})", param="max_tokens")
-    if min_tokens < 0:
-        raise SimHTTPError(400, f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
-    if max_tokens is not None and min_tokens > max_tokens:
-        raise SimHTTPError(400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
+    clamp = config.max_tokens_overflow == "clamp"
+    limits = [check_length(len(ids), max_tokens, config.max_model_len, clamp=clamp) for ids in prompts]
+    spec = fields.verify(limits[0] if limits[0] is not None else None)
+    for limit in limits[1:]:
+        fields.verify(limit)
     base = request_base_id(headers, body)
-    if not tools or tool_choice == "none":
-        tools = None
     options = stream_options if isinstance(stream_options, dict) else {}
     return ParsedRequest(
-        api=api, body=body, base_id=base, response_id=("chatcmpl-" if api == "chat" else "cmpl-") + base,
+        api=api, body=body, base_id=base, response_id=("chatcmpl-" if chat else "cmpl-") + base,
         stream=stream, include_usage=bool(options.get("include_usage")),
-        continuous_usage=bool(options.get("continuous_usage_stats")), prompt_token_ids=ids,
-        max_tokens=max_tokens, min_tokens=min_tokens, kv_transfer_params=body.get("kv_transfer_params"),
-        tools=tools, tool_choice=tool_choice)
+        continuous_usage=bool(options.get("continuous_usage_stats")), prompt_token_ids=prompts[0],
+        max_tokens=limits[0], min_tokens=spec.rules.min_tokens, kv_transfer_params=body.get("kv_transfer_params"),
+        tools=tools if mode is not None else None, tool_choice=tool_choice, sampling=spec, prompts=prompts,
+        prompt_max_tokens=limits, model=model, tool_mode=mode, tool_name=tool_name, tool_schema=tool_schema,
+        structured=structured if mode is None else None, return_token_ids=v.get_bool(body, "return_token_ids"))
 
 
 def check_length(prompt_tokens: int, max_tokens: int | None, max_model_len: int, clamp: bool = True) -> int | None:

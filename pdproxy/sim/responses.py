@@ -1,128 +1,92 @@
-"""Response bodies and SSE events shaped like vLLM's OpenAI server (reference §2.3).
+"""Response bodies and SSE events of the OpenAI chat and completions routes, shaped like vLLM's (reference
+captures in ``tests/real_vllm/captures/``, kept by ``tests/real_vllm/test_sim_contract.py``).
 
-* Completion chunk: ``{"id","object":"text_completion","created","model","choices":[{"index":0,"text",
-  "logprobs":null,"finish_reason","stop_reason","prompt_token_ids":null,"token_ids":null}]}``.
-* Chat: first chunk ``delta {"role":"assistant","content":""}``, then ``delta.content`` (or
-  ``delta.tool_calls``) chunks. The chunk carrying the last token has ``finish_reason`` and ``stop_reason``.
-* Usage chunk (only with ``stream_options.include_usage``): ``choices: []`` plus ``usage`` with
-  ``prompt_tokens_details.cached_tokens``; then ``data: [DONE]``.
+* Completion chunk: ``{"id","object":"text_completion","created","model","choices":[{"index","text",
+  "logprobs","finish_reason","stop_reason","prompt_token_ids":null,"token_ids":null}]}``.
+* Chat: each choice's first chunk ``delta {"role":"assistant","content":""}`` (sent with its first output), then
+  ``delta.content`` (or ``delta.tool_calls``) chunks; the chunk carrying a choice's last token has
+  ``finish_reason`` and ``stop_reason``. With ``n > 1`` the choices' chunks interleave, one choice per chunk,
+  in the order their tokens came.
+* Usage chunk (only with ``stream_options.include_usage``): ``choices: []`` plus ``usage``; then
+  ``data: [DONE]``. Usage counts every prompt once and sums every choice's output.
 
-Exact shapes are vLLM 0.32's as captured (``tests/real_vllm/captures/``, checked by
-``tests/real_vllm/test_sim_contract.py``): compact JSON events (``{"id":...}``); chat's role chunk carries
-top-level ``prompt_token_ids``/``prompt_text`` (null); every chat choice chunk has ``token_ids: null``; the
-last JSON event of a stream (the usage chunk, else the finishing chunk) carries ``system_fingerprint``
+Compact JSON events; chat's role chunk carries top-level ``prompt_token_ids``/``prompt_text`` (null); every chat
+choice chunk has ``token_ids: null``; the last JSON event of a stream carries ``system_fingerprint``
 (``"vllm-<version>-<8 hex>"``); usage in a stream drops null details (``{"cached_tokens": 0}``, chat adds
-``"created_cache_tokens": 0``) while a JSON body keeps them and adds ``completion_tokens_details: null``;
-JSON bodies carry ``routed_experts``, ``ec_transfer_params`` and ``metrics`` as null. The mid-stream error
-event alone is written by ``json.dumps`` (``{"error": {"message": ...}}``, with spaces).
+``"created_cache_tokens"``) while a JSON body keeps them and adds ``completion_tokens_details: null``; JSON bodies
+carry ``routed_experts``, ``ec_transfer_params`` and ``metrics`` as null. The mid-stream error event alone is
+written by ``json.dumps`` (``{"error": {"message": ...}}``, with spaces).
 
-Generated text: output token ``i`` is the word ``_WORDS[(offset + i) % len]``. Each word is exactly one
-SimTokenizer token, so ``completion_tokens`` agrees with a re-tokenization. Some words are multi-byte
-UTF-8 (``" naïve"``, ``" 世界"``), so relays must handle characters split across reads.
+Logprobs (``logprobs`` / ``top_logprobs``): chat ``{"content": [{"token","logprob","bytes","top_logprobs":
+[{"token","logprob","bytes"}]}]}``; completions ``{"text_offset","token_logprobs","tokens","top_logprobs":
+[{token: logprob}]}`` (the sampled token is always among the top entries).
 
-Tool calls (``tools`` given, ``tool_choice`` not ``"none"``): the called function is the named one in
-``tool_choice``, else the first tool. Its ``arguments`` JSON is built from the schema's required properties
-and streamed in 4-character pieces, one piece per output token. ``finish_reason`` is ``"tool_calls"``.
+Tool calls: ``tool_choice`` auto (the simulator's ``--enable-auto-tool-choice``) calls the first tool,
+``"required"`` the first tool, a named choice that tool; ``arguments`` is JSON built from the tool's parameter
+schema, streamed in 4-character pieces. ``finish_reason`` is ``"tool_calls"`` for auto and required, ``"stop"``
+for a named choice (``vllm/entrypoints/openai/chat_completion/serving.py``); required and named answers have
+``content: ""`` and stream ``{"content": null, "tool_calls": [...]}`` deltas, the name first, then the
+arguments, then a finishing chunk with an empty delta.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any
 
 import orjson
 
+from pdproxy.sim.generation import Seq, Usage
 from pdproxy.sim.protocol import ParsedRequest
 
-_WORDS = (" Hello", " from", " the", " simulated", " engine", " naïve", " token", " stream", " 世界", " café",
-          " prefill", " decode", " block", " cache", " step", " done")
-_EXAMPLE_BY_TYPE: Mapping[str, Any] = MappingProxyType({"string": "sim", "integer": 1, "number": 1.5,
-                                                        "boolean": True, "array": (), "object": None, "null": None})
 DONE = b"data: [DONE]\n\n"
 
 
-def tool_call_arguments(tool: dict[str, Any]) -> str:
-    """A JSON string of arguments satisfying the tool schema's required properties (example values)."""
-    params = (tool.get("function") or {}).get("parameters") or {}
-    props = params.get("properties") or {}
-    required = params.get("required") or list(props)
-    args: dict[str, Any] = {}
-    for name in required:
-        spec = props.get(name) or {}
-        if spec.get("enum"):
-            args[name] = spec["enum"][0]
-        else:
-            kind = spec.get("type", "string")
-            value = _EXAMPLE_BY_TYPE.get(kind if isinstance(kind, str) else "string", "sim")
-            args[name] = [] if kind == "array" else {} if kind == "object" else value
-    return orjson.dumps(args).decode()
-
-
-def choose_tool(tools: list[dict[str, Any]], tool_choice: Any) -> dict[str, Any]:
-    """The tool a tool-calling answer calls: ``tool_choice``'s named function, else the first tool."""
-    if isinstance(tool_choice, dict):
-        wanted = (tool_choice.get("function") or {}).get("name")
-        for tool in tools:
-            if (tool.get("function") or {}).get("name") == wanted:
-                return tool
-    return tools[0]
-
-
 class ResponseWriter:
-    """Builds the bytes of one request's answer (SSE events or the JSON body). Token counts are tokens.
+    """Builds the bytes of one chat/completions request's answer (SSE events or the JSON body).
 
-    ``fingerprint`` is the ``system_fingerprint`` value (``"vllm-<version>-<8 hex>"``).
+    ``fingerprint`` is the ``system_fingerprint`` value (``"vllm-<version>-<8 hex>"``); ``model`` is the name
+    the request asked for (a LoRA adapter's name is echoed).
     """
 
-    def __init__(self, req: ParsedRequest, model: str, created: int, word_offset: int,
-                 fingerprint: str | None = None) -> None:
+    done = DONE
+
+    def __init__(self, req: ParsedRequest, model: str, created: int, fingerprint: str | None = None) -> None:
         self.req = req
         self.model = model
         self.created = created
-        self.offset = word_offset
         self.fingerprint = fingerprint
-        self.tool_name: str | None = None
-        self.tool_pieces: list[str] = []
-        self.tool_id = f"chatcmpl-tool-{secrets.token_hex(16)}"
-        if req.tools:
-            tool = choose_tool(req.tools, req.tool_choice)
-            self.tool_name = str((tool.get("function") or {}).get("name", "tool"))
-            args = tool_call_arguments(tool)
-            self.tool_pieces = [args[i:i + 4] for i in range(0, len(args), 4)] or [""]
-        self._head = {"id": req.response_id,
-                      "object": "chat.completion.chunk" if req.api == "chat" else "text_completion",
+        self.include_usage = req.include_usage
+        self.continuous_usage = req.continuous_usage
+        self.chat = req.api == "chat"
+        self.tool_name = req.tool_name
+        self.tool_mode = req.tool_mode
+        self._tool_ids: dict[int, str] = {}
+        self._head = {"id": req.response_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                       "created": created, "model": model}
 
-    @property
-    def natural_length(self) -> int | None:
-        """Output tokens after which the answer ends by itself ("stop"), or None for plain text."""
-        return len(self.tool_pieces) if self.tool_name else None
-
-    def text(self, start: int, end: int) -> str:
-        """The text of output tokens ``[start, end)``."""
-        if self.tool_name:
-            return "".join(self.tool_pieces[start:end])
-        words, off = _WORDS, self.offset
-        return "".join(words[(off + i) % len(words)] for i in range(start, end))
+    def tool_id(self, index: int) -> str:
+        """The tool call id of choice ``index`` (``chatcmpl-tool-<16 hex>``, stable within the request)."""
+        tid = self._tool_ids.get(index)
+        if tid is None:
+            tid = self._tool_ids[index] = f"chatcmpl-tool-{secrets.token_hex(8)}"
+        return tid
 
     def public_finish_reason(self, finish_reason: str | None) -> str | None:
-        """``stop`` becomes ``tool_calls`` for a tool-calling answer."""
-        if finish_reason == "stop" and self.tool_name:
+        """``stop`` becomes ``tool_calls`` for an auto or required tool call."""
+        if finish_reason == "stop" and self.tool_mode in ("auto", "required"):
             return "tool_calls"
         return finish_reason
 
-    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-              stream: bool = False) -> dict[str, Any]:
-        """OpenAI/vLLM usage with ``prompt_tokens_details.cached_tokens`` (JSON-body form, or the stream form
-        without null details when ``stream``)."""
-        details: dict[str, Any] = {"cached_tokens": max(cached_tokens, 0),
-                                   "created_cache_tokens": 0 if self.req.api == "chat" else None,
+    def usage(self, figures: Usage, stream: bool = False) -> dict[str, Any]:
+        """OpenAI/vLLM usage with ``prompt_tokens_details`` (JSON-body form, or the stream form without null
+        details when ``stream``). ``created_cache_tokens`` is reported by chat only."""
+        details: dict[str, Any] = {"cached_tokens": max(figures.cached, 0),
+                                   "created_cache_tokens": figures.created if self.chat else None,
                                    "multimodal_tokens": None}
-        usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-                                 "completion_tokens": completion_tokens}
+        usage: dict[str, Any] = {"prompt_tokens": figures.prompt, "total_tokens": figures.total,
+                                 "completion_tokens": figures.completion}
         if stream:
             usage["prompt_tokens_details"] = {k: v for k, v in details.items() if v is not None}
         else:
@@ -130,37 +94,90 @@ class ResponseWriter:
             usage["completion_tokens_details"] = None
         return usage
 
-    # ---- streaming ----------------------------------------------------------------------------------------
-    def role_event(self) -> bytes:
-        """Chat's first chunk (``delta.role``), sent with the first output; completions have none (b"")."""
-        if self.req.api != "chat":
-            return b""
-        return self._event({**self._head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                       "logprobs": None, "finish_reason": None}],
-                            "prompt_token_ids": None, "prompt_text": None})
+    # ---- logprobs -----------------------------------------------------------------------------------------
+    def _logprobs(self, seq: Seq, start: int, end: int) -> dict[str, Any] | None:
+        top = self.req.sampling.logprobs
+        if top is None or end <= start:
+            return None
+        plan = seq.plan
+        if self.chat:
+            content = []
+            for i in range(start, end):
+                token, lp, alts = plan.logprobs(i, max(top, 1))
+                content.append({"token": token, "logprob": lp, "bytes": list(token.encode()),
+                                "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                                                 for t, v in alts[:top]]})
+            return {"content": content}
+        offset = len(plan.text(0, start))
+        offsets, token_lps, tokens, tops = [], [], [], []
+        for i in range(start, end):
+            token, lp, alts = plan.logprobs(i, max(top, 1))
+            offsets.append(offset)
+            offset += len(token)
+            token_lps.append(lp)
+            tokens.append(token)
+            tops.append(dict(alts))
+        return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}
 
-    def token_event(self, start: int, end: int, finish_reason: str | None = None, stop_reason: Any = None,
-                    usage: dict[str, Any] | None = None, last: bool = False) -> bytes:
-        """One SSE event carrying output tokens ``[start, end)`` (vLLM merges tokens when the client lags).
-        ``last``: no usage chunk follows, so this event carries ``system_fingerprint``."""
-        finish = self.public_finish_reason(finish_reason)
-        text = self.text(start, end)
-        if self.req.api == "chat":
-            if self.tool_name:
+    # ---- streaming ----------------------------------------------------------------------------------------
+    def head(self) -> list[bytes]:
+        """Nothing: chat's role chunk goes with a choice's first output."""
+        return []
+
+    def output(self, seq: Seq, start: int, end: int, finish: str | None, stop_reason: Any,
+               usage: Usage | None, last: bool) -> list[bytes]:
+        """The chunk(s) for tokens ``[start, end)`` of ``seq`` (chat: preceded by its role chunk the first time)."""
+        events: list[bytes] = []
+        if self.chat and not seq.started:
+            events.append(self._event({**self._head, "choices": [{
+                "index": seq.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}], "prompt_token_ids": None, "prompt_text": None}))
+        seq.started = True
+        public = self.public_finish_reason(finish)
+        usage_obj = self.usage(usage, stream=True) if usage is not None else None
+        text = seq.plan.text(start, end)
+        if self.chat and self.tool_mode in ("required", "named"):
+            return events + self._forced_tool_chunks(seq, start, end, text, public, stop_reason, usage_obj, last)
+        if self.chat:
+            if self.tool_mode == "auto":
                 call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
                 if start == 0:
-                    call = {"id": self.tool_id, "type": "function", "index": 0,
+                    call = {"id": self.tool_id(seq.index), "type": "function", "index": 0,
                             "function": {"name": self.tool_name, "arguments": text}}
                 delta: dict[str, Any] = {"tool_calls": [call]} if end > start or start == 0 else {}
             else:
                 delta = {"content": text} if end > start else {}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            if finish is not None:
+            choice: dict[str, Any] = {"index": seq.index, "delta": delta, "logprobs": self._logprobs(seq, start, end),
+                                      "finish_reason": public}
+            if public is not None:
                 choice["stop_reason"] = stop_reason
             choice["token_ids"] = None
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
-                      "stop_reason": stop_reason, "prompt_token_ids": None, "token_ids": None}
+            choice = {"index": seq.index, "text": text, "logprobs": self._logprobs(seq, start, end),
+                      "finish_reason": public, "stop_reason": stop_reason, "prompt_token_ids": None,
+                      "token_ids": None}
+        events.append(self._chunk(choice, usage_obj, last))
+        return events
+
+    def _forced_tool_chunks(self, seq: Seq, start: int, end: int, text: str, finish: str | None, stop_reason: Any,
+                            usage: dict[str, Any] | None, last: bool) -> list[bytes]:
+        events: list[bytes] = []
+        lp = self._logprobs(seq, start, end)
+        if start == 0 and end > 0:
+            events.append(self._chunk({"index": seq.index, "delta": {"content": None, "tool_calls": [{
+                "id": self.tool_id(seq.index), "type": "function", "index": 0,
+                "function": {"name": self.tool_name}}]}, "logprobs": None, "finish_reason": None,
+                "token_ids": None}, None, False))
+        if text:
+            events.append(self._chunk({"index": seq.index, "delta": {"content": None, "tool_calls": [{
+                "index": 0, "function": {"arguments": text}}]}, "logprobs": lp, "finish_reason": None,
+                "token_ids": None}, usage if finish is None else None, False))
+        if finish is not None:
+            events.append(self._chunk({"index": seq.index, "delta": {}, "logprobs": None, "finish_reason": finish,
+                                       "stop_reason": stop_reason, "token_ids": None}, usage, last))
+        return events
+
+    def _chunk(self, choice: dict[str, Any], usage: dict[str, Any] | None, last: bool) -> bytes:
         chunk: dict[str, Any] = {**self._head, "choices": [choice]}
         if usage is not None:
             chunk["usage"] = usage
@@ -168,9 +185,24 @@ class ResponseWriter:
             chunk["system_fingerprint"] = self.fingerprint
         return self._event(chunk)
 
-    def usage_event(self, usage: dict[str, Any]) -> bytes:
-        """The final ``choices: []`` usage chunk (it carries ``system_fingerprint``)."""
-        return self._event({**self._head, "choices": [], "usage": usage, "system_fingerprint": self.fingerprint})
+    def tail(self, seqs: list[Seq], usage: Usage, kv_params: dict[str, Any] | None) -> list[bytes]:
+        """The final ``choices: []`` usage chunk (with ``stream_options.include_usage``; it carries
+        ``system_fingerprint``). vLLM never puts ``kv_transfer_params`` in a chat/completions stream."""
+        if not self.include_usage:
+            return []
+        return [self._event({**self._head, "choices": [], "usage": self.usage(usage, stream=True),
+                             "system_fingerprint": self.fingerprint})]
+
+    def failure(self) -> list[bytes]:
+        """vLLM's mid-stream error chunk for a failed KV load (``data: [DONE]`` follows)."""
+        return [self.error_event("Internal server error", "InternalServerError", 500)]
+
+    @staticmethod
+    def failure_body() -> tuple[int, bytes]:
+        """The 500 of a non-streaming request whose KV pull failed."""
+        from pdproxy.sim.errors import error_body
+
+        return 500, error_body("Internal server error", "InternalServerError", 500)
 
     @staticmethod
     def error_event(message: str, error_type: str, code: int) -> bytes:
@@ -184,34 +216,42 @@ class ResponseWriter:
         return b"data: " + orjson.dumps(obj) + b"\n\n"
 
     # ---- non-streaming --------------------------------------------------------------------------------------
-    def json_body(self, completion_tokens: int, finish_reason: str | None, stop_reason: Any,
-                  usage: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> bytes:
+    def body(self, seqs: list[Seq], usage: Usage, kv_params: dict[str, Any] | None) -> bytes:
         """The full JSON response, with vLLM's top-level ``kv_transfer_params`` (null unless pinned)."""
-        finish = self.public_finish_reason(finish_reason)
-        text = self.text(0, completion_tokens)
-        if self.req.api == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
-                                       "audio": None, "function_call": None}
-            if self.tool_name:
-                message["content"] = None
-                message["tool_calls"] = [{"id": self.tool_id, "type": "function",
-                                          "function": {"name": self.tool_name, "arguments": text}}]
-            message["reasoning"] = None
+        choices = [self._json_choice(seq) for seq in seqs]
+        usage_obj = self.usage(usage)
+        if self.chat:
             body: dict[str, Any] = {
                 "id": self.req.response_id, "object": "chat.completion", "created": self.created,
-                "model": self.model,
-                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish,
-                             "stop_reason": stop_reason, "token_ids": None, "routed_experts": None}],
-                "service_tier": None, "system_fingerprint": self.fingerprint, "usage": usage,
-                "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
-                "kv_transfer_params": kv_transfer_params, "ec_transfer_params": None, "metrics": None}
+                "model": self.model, "choices": choices, "service_tier": None,
+                "system_fingerprint": self.fingerprint, "usage": usage_obj, "prompt_logprobs": None,
+                "prompt_token_ids": None, "prompt_text": None, "kv_transfer_params": kv_params,
+                "ec_transfer_params": None, "metrics": None}
         else:
             body = {
                 "id": self.req.response_id, "object": "text_completion", "created": self.created,
-                "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
-                             "stop_reason": stop_reason, "token_ids": None, "prompt_logprobs": None,
-                             "prompt_token_ids": None, "routed_experts": None}],
-                "service_tier": None, "system_fingerprint": self.fingerprint, "usage": usage,
-                "kv_transfer_params": kv_transfer_params, "ec_transfer_params": None, "metrics": None}
+                "model": self.model, "choices": choices, "service_tier": None,
+                "system_fingerprint": self.fingerprint, "usage": usage_obj, "kv_transfer_params": kv_params,
+                "ec_transfer_params": None, "metrics": None}
         return orjson.dumps(body)
+
+    def _json_choice(self, seq: Seq) -> dict[str, Any]:
+        n = seq.sent
+        finish = self.public_finish_reason(seq.finish)
+        text = seq.plan.text(0, n)
+        logprobs = self._logprobs(seq, 0, n)
+        stop_reason = seq.reason
+        token_ids = seq.plan.token_ids(0, n) if self.req.return_token_ids else None
+        if not self.chat:
+            return {"index": seq.index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                    "stop_reason": stop_reason, "token_ids": token_ids, "prompt_logprobs": None,
+                    "prompt_token_ids": None, "routed_experts": None}
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
+                                   "audio": None, "function_call": None}
+        if self.tool_mode is not None:
+            message["content"] = None if self.tool_mode == "auto" else ""
+            message["tool_calls"] = [{"id": self.tool_id(seq.index), "type": "function",
+                                      "function": {"name": self.tool_name, "arguments": text}}]
+        message["reasoning"] = None
+        return {"index": seq.index, "message": message, "logprobs": logprobs, "finish_reason": finish,
+                "stop_reason": stop_reason, "token_ids": token_ids, "routed_experts": None}

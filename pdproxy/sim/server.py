@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import secrets
 import socket
-import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
@@ -34,10 +33,12 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from pdproxy.sim import completion, connector
+from pdproxy.sim import api_routes, completion, connector
 from pdproxy.sim.config import SimConfig
 from pdproxy.sim.faults import FaultBook
 from pdproxy.sim.metrics import UNCOUNTED_HANDLERS, render_metrics
+from pdproxy.sim.models import ModelRegistry, parse_lora_modules
+from pdproxy.sim.outputs import TokenTable
 from pdproxy.sim.protocol import SimHTTPError, error_body
 from pdproxy.sim.runner import RankEngine
 from pdproxy.sim.scheduler import EngineRequest
@@ -81,6 +82,9 @@ class SimServer:
         self.advertised_host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
         self._session: aiohttp.ClientSession | None = None
         self._word_offset = config.seed
+        self.models = ModelRegistry(config.served_model_name, config.max_model_len,
+                                    parse_lora_modules(config.lora_modules))
+        self.token_table = TokenTable(self.tokenizer)
         self.fingerprint = f"vllm-{config.version}-{secrets.token_hex(4)}"
         self.http_requests: dict[tuple[str, str, str], int] = {}
         self._stack = contextlib.AsyncExitStack()
@@ -250,8 +254,9 @@ class SimServer:
             return _json({"added": [f.spec() for f in added], "faults": listener.faults.pending()})
 
         r = app.router
-        r.add_post("/v1/chat/completions", chat)
-        r.add_post("/v1/completions", completions)
+        if self.config.runner == "generate":
+            r.add_post("/v1/chat/completions", chat)
+            r.add_post("/v1/completions", completions)
         r.add_get("/v1/models", self._models)
         r.add_post("/tokenize", self._tokenize)
         r.add_post("/detokenize", self._detokenize)
@@ -268,8 +273,18 @@ class SimServer:
         r.add_route("*", "/sim/faults", faults)
         r.add_post(connector.PULL_PATH, self._kv_pull)
         r.add_post(connector.RELEASE_PATH, self._kv_release)
+        api_routes.add_routes(self, app, listener)
 
     async def _completion(self, listener: Listener, request: web.Request, api: str) -> web.StreamResponse:
+        async def run(raw: bytes, payload: Any, rank: RankEngine, fault: Any) -> web.StreamResponse:
+            return await completion.handle_completion(self, listener, request, api,  # type: ignore[arg-type]
+                                                      raw, payload, rank, fault)
+
+        return await self.serve_generation(listener, request, run)
+
+    async def serve_generation(self, listener: Listener, request: web.Request, run: Any) -> web.StreamResponse:
+        """Record a generation request, pick its DP rank, apply pre-response faults, then ``await run(raw, body,
+        rank, fault)`` (``body``: the decoded JSON, or the raw bytes when they are not JSON)."""
         raw = await request.read()
         try:
             body: Any = orjson.loads(raw)
@@ -292,22 +307,13 @@ class SimServer:
                         completion.notify_rejected(self, rank, body)
                     return early
             payload = raw if body is _INVALID else body
-            return await completion.handle_completion(self, listener, request, api,  # type: ignore[arg-type]
-                                                      raw, payload, rank, fault)
+            result: web.StreamResponse = await run(raw, payload, rank, fault)
+            return result
         except ConnectionResetError:  # the client left; aiohttp drops this response quietly
             return web.Response(status=499)
 
     async def _models(self, _request: web.Request) -> web.Response:
-        name = self.config.served_model_name
-        created = int(time.time())
-        return _json({"object": "list", "data": [{
-            "id": name, "object": "model", "created": created, "owned_by": "vllm", "root": name, "parent": None,
-            "max_model_len": self.config.max_model_len,
-            "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
-                            "created": created, "allow_create_engine": False, "allow_sampling": True,
-                            "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
-                            "allow_fine_tuning": False, "organization": "*", "group": None,
-                            "is_blocking": False}]}]})
+        return _json(self.models.cards())
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         try:

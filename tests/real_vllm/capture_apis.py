@@ -25,14 +25,17 @@ Stdlib only.
 
 from __future__ import annotations
 
+import http.client
 import json
 import struct
 import sys
+import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from capture import DECODE, MESSAGES, MODEL, PREFILL, PREFILL_KV, PROMPT, Recorder, exchange  # noqa: E402
+from capture import DECODE, MESSAGES, MODEL, PREFILL, PREFILL_KV, PROMPT, Recorder
 
 LORA = "tiny-lora"
 TOOLS = [{"type": "function", "function": {
@@ -41,6 +44,39 @@ TOOLS = [{"type": "function", "function": {
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
 ANTHROPIC_MESSAGES = [{"role": "user", "content": "Hi there"}]
+
+
+def exchange(base: str, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
+             timeout: float = 60.0) -> dict[str, Any]:
+    """One HTTP exchange in ``capture.py``'s format; a body the server cuts short (an incomplete chunked
+    stream) is kept as read, with ``"incomplete": true``."""
+    hdrs = {"Content-Type": "application/json", **(headers or {})} if body is not None else dict(headers or {})
+    url = urllib.parse.urlsplit(base)
+    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=timeout)
+    t0 = time.monotonic()
+    conn.request(method, path, body=json.dumps(body).encode() if body is not None else None, headers=hdrs)
+    resp = conn.getresponse()
+    chunks: list[bytes] = []
+    incomplete = False
+    try:
+        while chunk := resp.read1(65536):
+            chunks.append(chunk)
+    except http.client.IncompleteRead as exc:
+        chunks.append(exc.partial)
+        incomplete = True
+    conn.close()
+    elapsed = time.monotonic() - t0
+    lower = {k.lower(): v for k, v in resp.getheaders() if k.lower() != "date"}
+    out: dict[str, Any] = {"status": resp.status, "headers": lower}
+    text = b"".join(chunks).decode("utf-8", errors="replace")
+    if lower.get("content-type", "").startswith("application/json") and not incomplete:
+        out["json"] = json.loads(text)
+    else:
+        out["text"] = text
+    if incomplete:
+        out["incomplete"] = True
+    return {"request": {"method": method, "url_path": path, "headers": hdrs, "body": body}, "response": out,
+            "elapsed_s": round(elapsed, 4)}
 
 
 def write_lora_adapter(out: Path, rank: int = 8) -> Path:

@@ -147,9 +147,11 @@ async def test_reject_mode_refuses_prompt_plus_max_tokens_over_the_limit(http: a
      "min_tokens must be less than or equal to max_tokens=2, got 3.", "BadRequestError"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
      "max_tokens must be at least 1", "BadRequestError"),
-    ("/v1/completions", {"model": "sim-model"}, "prompt", "Bad Request"),
+    ("/v1/completions", {"model": "sim-model"}, "Either prompt or prompt_embeds must be provided and non-empty. "
+     "(parameter=prompt)", "BadRequestError"),
     ("/v1/chat/completions", {"model": "sim-model"}, "messages", "Bad Request"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "several prompts", "BadRequestError"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": -1},
+     "temperature must be non-negative, got -1.0. (parameter=temperature, value=-1.0)", "BadRequestError"),
 ])
 async def test_validation_errors(sim: SimServer, http: aiohttp.ClientSession, path: str, body: dict, needle: str,
                                  error_type: str) -> None:
