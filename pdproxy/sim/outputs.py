@@ -122,16 +122,16 @@ class OutputPlan:
     def logprobs(self, i: int, top: int) -> tuple[str, float, list[tuple[str, float]]]:
         """``(token text, its logprob, [(alternative, logprob), ...])`` for output token ``i``: ``top`` entries,
         the sampled token first (most likely)."""
-        token = self.text(i, i + 1) if self._limit is not None else self.piece(i)
+        token = self.piece(i)
         seed = zlib.crc32(f"{self.offset}:{i}".encode())
-        lp = -(0.05 + (seed % 1000) / 1000.0)
+        lp = -round(0.05 + (seed % 1000) / 1000.0, 4)
         out: list[tuple[str, float]] = [(token, lp)]
         k = 1
         while len(out) < top and k <= len(WORDS):
             alt = WORDS[(seed + 5 * k) % len(WORDS)]
             k += 1
             if all(alt != t for t, _ in out):
-                out.append((alt, lp - 0.4 * len(out) - (seed % 7) / 10.0))
+                out.append((alt, round(lp - 0.4 * len(out) - (seed % 7) / 10.0, 4)))
         return token, lp, out[:top]
 
     # ---- stop resolution ------------------------------------------------------------------------------
