@@ -13,6 +13,10 @@ builds one engine request per output sequence (``n`` per prompt, every prompt of
   becomes the writer's failure events (OpenAI routes: an error event + ``[DONE]``);
 * non-streaming: one JSON body when every sequence finished. A failed KV pull becomes HTTP 500.
 
+Outputs: each request says something else (a word offset per request), except that a request with ``seed``
+always says the same thing, and a greedy one (``temperature: 0``) always says the same thing for the same prompt,
+as a real model does.
+
 Client disconnect cancels the handler (aiohttp ``handler_cancellation``), which aborts the engine requests and
 frees their blocks. Output sizes: ``max_tokens`` given → at most that many tokens, ``finish_reason "length"``.
 Without it, completions generate ``min(--output-tokens, room)`` tokens ("length", vLLM's default cap of 16); chat,
@@ -31,7 +35,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import struct
 import time
+import zlib
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -43,6 +49,7 @@ from pdproxy.sim.outputs import json_example, json_text, plan_output, tool_argum
 from pdproxy.sim.protocol import Api, ParsedRequest, SimHTTPError, parse_request
 from pdproxy.sim.responses import DONE, ResponseWriter
 from pdproxy.sim.scheduler import EngineRequest
+from pdproxy.sim.validation import SAMPLING_EPS
 
 if TYPE_CHECKING:
     from pdproxy.sim.runner import RankEngine
@@ -231,14 +238,20 @@ def build_sequences(server: SimServer, rank: RankEngine, parsed: ParsedRequest, 
     n = parsed.sampling.n
     now = asyncio.get_running_loop().time()
     seqs: list[Seq] = []
+    spec = parsed.sampling
     for p, prompt in enumerate(parsed.prompts):
         max_tokens, eos = _limits(parsed, prompt, parsed.prompt_max_tokens[p], cfg.output_tokens, cfg.max_model_len,
                                   fault)
         parent = connector.internal_request_id(parsed.response_id, parsed.api, p)
+        if spec.seed is not None:  # the same seed says the same thing
+            base = spec.seed * 7
+        elif spec.temperature < SAMPLING_EPS:  # greedy: a prompt always gets the same answer
+            base = zlib.crc32(struct.pack(f"<{len(prompt)}q", *prompt))
+        else:
+            base = server.next_word_offset()
         for k in range(n):
             index = p * n + k
-            plan = plan_output(server.next_word_offset(), server.token_table, parsed.sampling.rules, max_tokens,
-                               eos, content)
+            plan = plan_output(base + 3 * k, server.token_table, spec.rules, max_tokens, eos, content)
             if fault is not None and fault.kind == "no_kv_params":
                 plan.end = 1
             rid = connector.child_request_id(parent, k, n)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import bisect
 import json
 import zlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -267,7 +266,3 @@ def tool_arguments(tool_schema: Any) -> str:
     return json.dumps(value if isinstance(value, dict) else {}, separators=(",", ":"), ensure_ascii=False)
 
 
-def first_sequence_offsets(base: int, count: int) -> Sequence[int]:
-    """Word offsets of ``count`` sequences of one request (``base`` from the server's counter): different
-    sequences say different things."""
-    return [base + 3 * k for k in range(count)]
