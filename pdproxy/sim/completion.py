@@ -18,9 +18,10 @@ always says the same thing, and a greedy one (``temperature: 0``) always says th
 as a real model does.
 
 Client disconnect cancels the handler (aiohttp ``handler_cancellation``), which aborts the engine requests and
-frees their blocks. Output sizes: ``max_tokens`` given → at most that many tokens, ``finish_reason "length"``.
-Without it, completions generate ``min(--output-tokens, room)`` tokens ("length", vLLM's default cap of 16); chat,
-Responses and Messages generate ``--output-tokens`` and finish ``"stop"``, like a model's EOS. Stop strings, stop
+frees their blocks. Output sizes: a chat/completions ``max_tokens`` → exactly that many tokens, ``finish_reason
+"length"``. Without it, completions generate ``min(--output-tokens, room)`` tokens ("length", vLLM's default cap of
+16); chat generates ``--output-tokens`` and finishes ``"stop"``, like a model's EOS; Responses and Messages do the
+same under their (required or usual) limit, and stop at the limit when it is lower. Stop strings, stop
 token ids, ``min_tokens``, ``ignore_eos`` and fixed contents (JSON, tool calls) end sequences as
 :mod:`pdproxy.sim.outputs` describes.
 
@@ -210,18 +211,21 @@ def fixed_content(parsed: ParsedRequest) -> str | None:
 
 def _limits(parsed: ParsedRequest, prompt: list[int], limit: int | None, output_tokens: int, max_model_len: int,
             fault: Fault | None) -> tuple[int, int | None]:
-    """``(max_tokens, plain-text EOS)`` of one sequence (tokens): chat-like APIs end by themselves after
-    ``--output-tokens``; completions and generate run to their limit."""
+    """``(max_tokens, plain-text EOS)`` of one sequence (tokens). Chat, Responses and Messages end by themselves
+    after ``--output-tokens`` ("stop"); completions and generate run to their limit. A chat or completions request
+    that sets ``max_tokens`` gets exactly that many tokens ("length"), as the simulator has always answered; the
+    Responses and Messages limits are caps (``max_tokens`` is required in Messages), reached only when they are
+    below ``--output-tokens``."""
     room = max(max_model_len - len(prompt), 1)
     eos: int | None = None
     if limit is not None:
         max_tokens = limit
+        if parsed.api in ("responses", "messages") and output_tokens < limit:
+            eos = output_tokens
     elif parsed.api in ("completions", "generate"):
         max_tokens = min(output_tokens, room)
     else:
-        max_tokens = room
-    if parsed.api not in ("completions", "generate"):
-        eos = min(output_tokens, room)
+        max_tokens, eos = room, min(output_tokens, room)
     if fault is not None and fault.kind == "no_kv_params":
         eos = 1
     return max_tokens, eos

@@ -74,10 +74,12 @@ def test_stop_token_ids_and_min_tokens(sim: SimProcess) -> None:
     later = post(sim, "/v1/completions", {"prompt": "x", "max_tokens": 40, "stop_token_ids": [target],
                                           "min_tokens": first + 1, "seed": 5}).json()
     assert later["usage"]["completion_tokens"] > first + 1  # not before min_tokens
-    chat = post(sim, "/v1/chat/completions", {"messages": MESSAGES, "min_tokens": 12, "max_tokens": 30}).json()
+    chat = post(sim, "/v1/chat/completions", {"messages": MESSAGES, "min_tokens": 12}).json()
     assert chat["usage"]["completion_tokens"] == 12 and chat["choices"][0]["finish_reason"] == "stop"
-    eos = post(sim, "/v1/chat/completions", {"messages": MESSAGES, "ignore_eos": True, "max_tokens": 30}).json()
-    assert eos["usage"]["completion_tokens"] == 30 and eos["choices"][0]["finish_reason"] == "length"
+    natural = post(sim, "/v1/responses", {"input": "hi", "max_output_tokens": 30}).json()
+    assert natural["usage"]["output_tokens"] == 8 and natural["status"] == "completed"
+    eos = post(sim, "/v1/responses", {"input": "hi", "max_output_tokens": 30, "ignore_eos": True}).json()
+    assert eos["usage"]["output_tokens"] == 30 and eos["status"] == "incomplete"
 
 
 def test_logprobs_chat_and_completions(oai: openai.OpenAI) -> None:
