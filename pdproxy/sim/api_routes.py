@@ -64,7 +64,8 @@ def add_routes(server: SimServer, app: web.Application, listener: Listener) -> N
         def generation(run: Any) -> Any:
             async def handle(request: web.Request) -> web.StreamResponse:
                 async def go(raw: bytes, body: Any, rank: RankEngine, fault: Any) -> web.StreamResponse:
-                    return await run(server, listener, request, body, rank, fault)
+                    response: web.StreamResponse = await run(server, listener, request, body, rank, fault)
+                    return response
 
                 return await server.serve_generation(listener, request, go)
             return handle

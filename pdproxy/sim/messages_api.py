@@ -133,9 +133,9 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
             "parameters": {"type": "object", **(t.get("input_schema") or {})}}} for t in tools if isinstance(t, dict)]
     choice = body.get("tool_choice")
     if isinstance(choice, dict):
-        kind = choice.get("type")
-        chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or {
-            "type": "function", "function": {"name": choice.get("name")}}
+        kind = str(choice.get("type"))
+        mapped: Any = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+        chat["tool_choice"] = mapped or {"type": "function", "function": {"name": choice.get("name")}}
     elif chat.get("tools"):
         chat["tool_choice"] = "auto"
     return chat
@@ -265,8 +265,8 @@ class MessagesWriter:
         text = seq.plan.text(start, end)
         if (text or tool) and end > start and not self._opened:
             self._opened = True
-            block = ({"type": "tool_use", "id": self.tool_id, "name": self.req.tool_name, "input": {}} if tool
-                     else {"type": "text", "text": ""})
+            block: dict[str, Any] = ({"type": "tool_use", "id": self.tool_id, "name": self.req.tool_name,
+                                      "input": {}} if tool else {"type": "text", "text": ""})
             events.append(self._event("content_block_start", {"type": "content_block_start",
                                                               "content_block": block, "index": 0}))
         if text:

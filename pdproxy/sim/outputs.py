@@ -230,7 +230,8 @@ def json_example(schema: Any, root: Any = None, depth: int = 0, required_only: b
     if kind is None:
         kind = "object" if "properties" in schema else "array" if "items" in schema else "string"
     if kind == "object":
-        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        raw_props = schema.get("properties")
+        props: dict[str, Any] = raw_props if isinstance(raw_props, dict) else {}
         if required_only and schema.get("required"):
             props = {k: props.get(k, {}) for k in schema["required"]}
         out = {name: json_example(sub, root, depth + 1) for name, sub in props.items()}

@@ -196,14 +196,14 @@ class PoolingRoutes:
         query = _ids(self.tokenizer, body["query"])
         q = embedding(query, self.size)
         prompt = len(query)
-        results = []
+        results: list[dict[str, Any]] = []
         for i, doc in enumerate(body["documents"]):
             text = doc.get("text", "") if isinstance(doc, dict) else str(doc)
             ids = _ids(self.tokenizer, text)
             prompt += len(ids)
             results.append({"index": i, "document": {"text": text, "multi_modal": None},
                             "relevance_score": cosine(q, embedding(ids, self.size))})
-        results.sort(key=lambda r: -r["relevance_score"])
+        results.sort(key=lambda r: -float(r["relevance_score"]))
         top_n = v.get_int(body, "top_n") or len(results)
         return {"id": f"score-{secrets.token_hex(8)}", "model": model,
                 "usage": {"prompt_tokens": prompt, "total_tokens": prompt}, "results": results[:top_n]}

@@ -121,8 +121,7 @@ def choose_tool(tools: list[dict[str, Any]], tool_choice: Any) -> dict[str, Any]
     if isinstance(tool_choice, dict):
         wanted = (tool_choice.get("function") or {}).get("name", tool_choice.get("name"))
         for tool in tools:
-            function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
-            if function.get("name") == wanted:
+            if _function(tool).get("name") == wanted:
                 return tool
     return tools[0]
 
@@ -148,9 +147,14 @@ def tool_plan(tools: list[dict[str, Any]] | None, choice: Any, config: SimConfig
             name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else choice
             raise SimHTTPError(400, f'tool_choice=function "{name}" requires --tool-call-parser to be set')
         mode = "named"
-    tool = choose_tool(tools, choice)
-    function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+    function = _function(choose_tool(tools, choice))
     return mode, str(function.get("name", "tool")), function.get("parameters")
+
+
+def _function(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool's function object (chat tools nest it under ``function``; Responses tools are flat)."""
+    function = tool.get("function")
+    return function if isinstance(function, dict) else tool
 
 
 def completion_prompts(tokenizer: Tokenizer, prompt: Any) -> list[list[int]]:
@@ -202,7 +206,7 @@ def parse_request(body: Any, api: Api, headers: Any, config: SimConfig, tokenize
     tool_choice = body.get("tool_choice", "auto" if tools else None) if chat else None
     mode, tool_name, tool_schema = tool_plan(tools, tool_choice, config) if chat else (None, None, None)
     try:
-        prompts = [prompt_token_ids(tokenizer, body, api)] if chat else completion_prompts(tokenizer, body["prompt"])
+        prompts = [prompt_token_ids(tokenizer, body, "chat")] if chat else completion_prompts(tokenizer, body["prompt"])
     except ValueError as exc:
         raise SimHTTPError(400, str(exc), param=key) from None
     clamp = config.max_tokens_overflow == "clamp"

@@ -123,7 +123,8 @@ def parse_generate(raw: Any, headers: Any, config: SimConfig, models: ModelRegis
                          clamp=config.max_tokens_overflow == "clamp")
     spec = fields.verify(limit)
     base = str(headers.get("X-Request-Id") or body.get("request_id") or secrets.token_hex(8))
-    options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+    raw_options = body.get("stream_options")
+    options: dict[str, Any] = raw_options if isinstance(raw_options, dict) else {}
     output_mode = body.get("output_mode", "tokens")
     if output_mode not in ("tokens", "text"):
         raise v.pydantic_error("literal_error", "output_mode", "Input should be 'tokens' or 'text'", output_mode,

@@ -37,7 +37,7 @@ import orjson
 from pdproxy.sim import validation as v
 from pdproxy.sim.errors import SimHTTPError, error_body
 from pdproxy.sim.generation import Seq, Usage
-from pdproxy.sim.protocol import ParsedRequest, check_length, decode_body
+from pdproxy.sim.protocol import ParsedRequest, ToolMode, check_length, decode_body
 from pdproxy.tokens import MEDIA_PART_TOKENS, MEDIA_TOKEN_ID, HFTokenizer, Tokenizer
 
 if TYPE_CHECKING:
@@ -165,7 +165,8 @@ def parse_responses(raw: Any, headers: Any, config: SimConfig, tokenizer: Tokeni
                          clamp=config.max_tokens_overflow == "clamp")
     effective = limit if limit is not None else config.max_model_len - len(ids)
     spec = fields.verify(effective)
-    mode, name, schema = None, None, None
+    mode: ToolMode | None = None
+    name, schema = None, None
     function_tools = [t for t in tools if isinstance(t, dict) and t.get("type", "function") == "function"]
     if function_tools and choice != "none" and (choice != "auto" or config.enable_auto_tool_choice):
         mode = "named" if isinstance(choice, dict) else "required" if choice == "required" else "auto"
