@@ -371,8 +371,12 @@ async def _stream(server: SimServer, listener: Listener, request: web.Request, r
                     abort_transport(request)
                     return resp
                 break
-            for seq in list(open_seqs):
-                n, finish, stop_reason = _progress(seq, rank, recompute_after)
+            for seq in open_seqs if len(open_seqs) == 1 else list(open_seqs):
+                ereq = seq.ereq
+                if recompute_after is None and not ereq.finished:  # the common case, inline
+                    n, finish, stop_reason = ereq.num_output_tokens, None, None
+                else:
+                    n, finish, stop_reason = _progress(seq, rank, recompute_after)
                 sent = seq.sent
                 if n <= sent and finish is None:
                     continue
@@ -389,7 +393,8 @@ async def _stream(server: SimServer, listener: Listener, request: web.Request, r
                     await sse.send_all(writer.output(seq, sent, n, None, None, usage, False))
                     sent = n
                 last = finish is not None and not writer.include_usage and len(open_seqs) == 1
-                await sse.send_all(writer.output(seq, sent, n, finish, stop_reason, usage, last))
+                for event in writer.output(seq, sent, n, finish, stop_reason, usage, last):
+                    await sse.send(event)
                 seq.sent = counted[seq.index] = n
                 if finish is not None:
                     open_seqs.remove(seq)

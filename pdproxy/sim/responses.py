@@ -62,6 +62,7 @@ class ResponseWriter:
         self.chat = req.api == "chat"
         self.tool_name = req.tool_name
         self.tool_mode = req.tool_mode
+        self._lp = req.sampling.logprobs is not None
         self._tool_ids: dict[int, str] = {}
         self._head = {"id": req.response_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                       "created": created, "model": model}
@@ -133,13 +134,15 @@ class ResponseWriter:
                 "index": seq.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}], "prompt_token_ids": None, "prompt_text": None}))
         seq.started = True
-        public = self.public_finish_reason(finish)
+        tool_mode = self.tool_mode
+        public = finish if tool_mode is None else self.public_finish_reason(finish)
         usage_obj = self.usage(usage, stream=True) if usage is not None else None
         text = seq.plan.text(start, end)
-        if self.chat and self.tool_mode in ("required", "named"):
+        logprobs = self._logprobs(seq, start, end) if self._lp else None
+        if self.chat and tool_mode in ("required", "named"):
             return events + self._forced_tool_chunks(seq, start, end, text, public, stop_reason, usage_obj, last)
         if self.chat:
-            if self.tool_mode == "auto":
+            if tool_mode == "auto":
                 call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
                 if start == 0:
                     call = {"id": self.tool_id(seq.index), "type": "function", "index": 0,
@@ -147,16 +150,20 @@ class ResponseWriter:
                 delta: dict[str, Any] = {"tool_calls": [call]} if end > start or start == 0 else {}
             else:
                 delta = {"content": text} if end > start else {}
-            choice: dict[str, Any] = {"index": seq.index, "delta": delta, "logprobs": self._logprobs(seq, start, end),
+            choice: dict[str, Any] = {"index": seq.index, "delta": delta, "logprobs": logprobs,
                                       "finish_reason": public}
             if public is not None:
                 choice["stop_reason"] = stop_reason
             choice["token_ids"] = None
         else:
-            choice = {"index": seq.index, "text": text, "logprobs": self._logprobs(seq, start, end),
-                      "finish_reason": public, "stop_reason": stop_reason, "prompt_token_ids": None,
-                      "token_ids": None}
-        events.append(self._chunk(choice, usage_obj, last))
+            choice = {"index": seq.index, "text": text, "logprobs": logprobs, "finish_reason": public,
+                      "stop_reason": stop_reason, "prompt_token_ids": None, "token_ids": None}
+        chunk: dict[str, Any] = {**self._head, "choices": [choice]}
+        if usage_obj is not None:
+            chunk["usage"] = usage_obj
+        if last:
+            chunk["system_fingerprint"] = self.fingerprint
+        events.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
         return events
 
     def _forced_tool_chunks(self, seq: Seq, start: int, end: int, text: str, finish: str | None, stop_reason: Any,
