@@ -11,9 +11,10 @@ Every listener honours the ``X-data-parallel-rank`` header (``generate/base/serv
 _get_data_parallel_rank``). Without the header, a rank listener uses its own rank, and the single listener
 picks the rank with the lowest ``waiting * 4 + running`` (``core_client.py::DPLBAsyncMPClient``).
 
-Routes (reference §2.1): ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET|POST /ping``, ``GET /version``,
-``GET /metrics``, ``GET /load``, ``POST /reset_prefix_cache``. The control API is under ``/sim/``:
+``GET /metrics``, ``GET /load``, ``POST /reset_prefix_cache``, and those of ``api_routes.py`` (Responses,
+Messages, render, generate, pooling, audio; FastAPI's 404 for the rest). The control API is under ``/sim/``:
 ``received``, ``reset``, ``state``, ``faults``, ``kv/pull`` and ``kv/release``. ``/sim/reset`` is process-wide: it clears
 records, faults, prefix-cache hashes and pinned KV (pins and their expiry).
 """
