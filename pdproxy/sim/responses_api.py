@@ -6,7 +6,8 @@ Request: ``input`` (a string, or items: messages with ``input_text``/``output_te
 absent = the room left in the context), ``text.format`` (``json_object`` / ``json_schema``), ``tools`` (function
 tools) and ``tool_choice``, ``top_logprobs`` with ``include: ["message.output_text.logprobs"]``, the sampling fields
 (``temperature``, ``top_p``, ``stop``, ``stop_token_ids``, ``ignore_eos``…), ``kv_transfer_params``. No ``n``, no
-``min_tokens``. The response id is the body's ``request_id`` or ``resp_<16 hex>``: vLLM does not use
+``min_tokens``. Without ``--tool-call-parser`` a ``tool_choice`` (even ``"required"``) is not enforced: the answer
+is text, as real vLLM 0.32 answered (``tests/real_vllm/captures/apis/responses_tool_required_no_parser.json``). The response id is the body's ``request_id`` or ``resp_<16 hex>``: vLLM does not use
 ``X-Request-Id`` for it. The prompt is the chat template applied to the messages, encoded *with* the tokenizer's
 special tokens (an HF template that writes BOS itself yields two BOS, as real vLLM 0.32 counted: 14 tokens for
 ``"Hi there"`` where Messages count 13).
@@ -168,7 +169,8 @@ def parse_responses(raw: Any, headers: Any, config: SimConfig, tokenizer: Tokeni
     mode: ToolMode | None = None
     name, schema = None, None
     function_tools = [t for t in tools if isinstance(t, dict) and t.get("type", "function") == "function"]
-    if function_tools and choice != "none" and (choice != "auto" or config.enable_auto_tool_choice):
+    if function_tools and choice != "none" and config.tool_call_parser and (
+            choice != "auto" or config.enable_auto_tool_choice):
         mode = "named" if isinstance(choice, dict) else "required" if choice == "required" else "auto"
         wanted = choice.get("name") if isinstance(choice, dict) else None
         tool = next((t for t in function_tools if t.get("name") == wanted), function_tools[0])

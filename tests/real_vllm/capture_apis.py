@@ -143,6 +143,11 @@ def generation(rec: Recorder) -> None:
     pd(rec, "/v1/responses", {**resp, "stream": True}, one, "cap-resp-stream", "pd_responses_stream")
     pd(rec, "/v1/responses", {**resp, "stream": True}, one, "cap-resp-pstream", "pd_responses_streamed_prefill",
        prefill_stream=True)
+    # The body's request_id names the response (X-Request-Id does not): both legs can carry the proxy's id.
+    pd(rec, "/v1/responses", {**resp, "request_id": "resp_cap-named"}, one, "cap-resp-named", "pd_responses_named")
+    resp_tools = [{"type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}]
+    rec.save("responses_tool_required_no_parser", exchange(PREFILL, "POST", "/v1/responses", {
+        **resp, "tools": resp_tools, "tool_choice": "required"}))
     items = {"model": MODEL, "instructions": "You are a helpful assistant.", "max_output_tokens": 8,
              "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi there"}]}]}
     rec.save("responses_items", exchange(PREFILL, "POST", "/v1/responses", items))
