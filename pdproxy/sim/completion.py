@@ -380,6 +380,9 @@ async def _stream(server: SimServer, listener: Listener, request: web.Request, r
                 sent = seq.sent
                 if n <= sent and finish is None:
                     continue
+                if not seq.started:  # chat's role chunk goes out with the first output, before any stretch
+                    for event in writer.opening(seq):
+                        await sse.send(event)
                 usage = usage_of(seqs, parsed, block_size, {**counted, seq.index: n}) if (
                     writer.continuous_usage) else None
                 if slow is not None:  # one token per event, each gap stretched

@@ -76,6 +76,10 @@ class Writer(Protocol):
     def head(self) -> list[bytes]:
         """Events sent when the stream starts, before any output."""
 
+    def opening(self, seq: Seq) -> list[bytes]:
+        """Events that open ``seq`` when its first output arrives (chat: the role chunk), sent before it; marks
+        ``seq.started``."""
+
     def output(self, seq: Seq, start: int, end: int, finish: str | None, stop_reason: Any,
                usage: Usage | None, last: bool) -> list[bytes]:
         """Events for output tokens ``[start, end)`` of ``seq`` (``finish`` set on its last event; ``last``: no

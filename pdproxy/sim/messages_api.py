@@ -250,6 +250,11 @@ class MessagesWriter:
             "id": self.req.response_id, "type": "message", "role": "assistant", "content": [], "model": self.model,
             "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}})
 
+    def opening(self, seq: Seq) -> list[bytes]:
+        """``message_start``, with the first token."""
+        seq.started = True
+        return [self._start(len(seq.ereq.prompt_token_ids))]
+
     def head(self) -> list[bytes]:
         """Nothing: ``message_start`` goes with the first token."""
         return []
@@ -257,11 +262,8 @@ class MessagesWriter:
     def output(self, seq: Seq, start: int, end: int, finish: str | None, stop_reason: Any,
                usage: Usage | None, last: bool) -> list[bytes]:
         """``message_start`` + ``content_block_start`` with the first token, then deltas."""
-        events: list[bytes] = []
         tool = self.req.tool_mode is not None
-        if not seq.started:
-            seq.started = True
-            events.append(self._start(len(seq.ereq.prompt_token_ids)))
+        events: list[bytes] = [] if seq.started else self.opening(seq)
         text = seq.plan.text(start, end)
         if (text or tool) and end > start and not self._opened:
             self._opened = True

@@ -172,6 +172,12 @@ class GenerateWriter:
         """Nothing."""
         return []
 
+    @staticmethod
+    def opening(seq: Seq) -> list[bytes]:
+        """Nothing."""
+        seq.started = True
+        return []
+
     def output(self, seq: Seq, start: int, end: int, finish: str | None, stop_reason: Any,
                usage: Usage | None, last: bool) -> list[bytes]:
         """One chunk with the new token ids."""

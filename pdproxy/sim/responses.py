@@ -125,15 +125,19 @@ class ResponseWriter:
         """Nothing: chat's role chunk goes with a choice's first output."""
         return []
 
+    def opening(self, seq: Seq) -> list[bytes]:
+        """Chat's role chunk of choice ``seq.index`` (vLLM sends it with the choice's first output)."""
+        seq.started = True
+        if not self.chat:
+            return []
+        return [self._event({**self._head, "choices": [{
+            "index": seq.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": None}], "prompt_token_ids": None, "prompt_text": None})]
+
     def output(self, seq: Seq, start: int, end: int, finish: str | None, stop_reason: Any,
                usage: Usage | None, last: bool) -> list[bytes]:
-        """The chunk(s) for tokens ``[start, end)`` of ``seq`` (chat: preceded by its role chunk the first time)."""
-        events: list[bytes] = []
-        if self.chat and not seq.started:
-            events.append(self._event({**self._head, "choices": [{
-                "index": seq.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                "finish_reason": None}], "prompt_token_ids": None, "prompt_text": None}))
-        seq.started = True
+        """The chunk(s) for tokens ``[start, end)`` of ``seq`` (preceded by :meth:`opening` the first time)."""
+        events: list[bytes] = [] if seq.started else self.opening(seq)
         tool_mode = self.tool_mode
         public = finish if tool_mode is None else self.public_finish_reason(finish)
         usage_obj = self.usage(usage, stream=True) if usage is not None else None

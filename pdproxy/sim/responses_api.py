@@ -281,19 +281,21 @@ class ResponsesWriter:
         return [self._event("response.created", {"response": initial}),
                 self._event("response.in_progress", {"response": initial})]
 
+    def opening(self, seq: Seq) -> list[bytes]:
+        """``response.output_item.added`` (+ ``response.content_part.added`` for text), with the first token."""
+        seq.started = True
+        events = [self._event("response.output_item.added", {"item": self._item(seq, False), "output_index": 0})]
+        if self.req.tool_mode is None:
+            events.append(self._event("response.content_part.added", {
+                "content_index": 0, "item_id": self.item_id, "output_index": 0,
+                "part": {"annotations": [], "text": "", "type": "output_text", "logprobs": []}}))
+        return events
+
     def output(self, seq: Seq, start: int, end: int, finish: str | None, stop_reason: Any,
                usage: Usage | None, last: bool) -> list[bytes]:
         """Item/part openers with the first token, then deltas; the done events with the last one."""
-        events: list[bytes] = []
         tool = self.req.tool_mode is not None
-        if not seq.started and (end > start or finish is not None):
-            seq.started = True
-            events.append(self._event("response.output_item.added", {"item": self._item(seq, False),
-                                                                     "output_index": 0}))
-            if not tool:
-                events.append(self._event("response.content_part.added", {
-                    "content_index": 0, "item_id": self.item_id, "output_index": 0,
-                    "part": {"annotations": [], "text": "", "type": "output_text", "logprobs": []}}))
+        events: list[bytes] = [] if seq.started else self.opening(seq)
         text = seq.plan.text(start, end)
         if text:
             if tool:
