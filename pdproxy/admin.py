@@ -1,24 +1,29 @@
-"""Admin API: list, add, drain and remove prefillers/decoders at runtime (issue 5 "Membership").
+"""Admin API: list, add, drain and remove prefillers/decoders at runtime.
 
 Mounted on the control app under ``/admin``; every route needs the admin key (setting ``admin_key``), sent as
 ``Authorization: Bearer <key>`` or ``X-Admin-Key: <key>``.  Client API keys (``api_keys``) never open it; with
-no ``admin_key`` configured the admin API answers 403 (it is off).  Errors use vLLM's envelope.
+no ``admin_key`` configured the admin API answers 403 (it is off).  Errors use vLLM's envelope (403 is typed
+``PermissionDeniedError``, as OpenAI's clients name it).
 
 Routes (JSON bodies; an endpoint is addressed by ``url`` + ``role``; a URL configured with ``dp_size > 1``
 stands for all its internal-DP ranks):
 
-- ``GET /admin/endpoints`` → ``{"endpoints": [{"name", "url", "role", "dp_rank", "healthy", "draining",
-  "leaving", "requests", "tokens", "breaker", "consecutive_failures", "opened_total", "retry_in_s",
-  "max_model_len", "kv_pool_tokens"}]}``;
+- ``GET /admin/endpoints`` → ``{"endpoints": [{"name", "url", "role", "dp_rank", "state", "healthy",
+  "draining", "leaving", "requests", "tokens", "breaker", "consecutive_failures", "opened_total", "retry_in_s",
+  "max_model_len", "kv_pool_tokens"}]}``; ``state`` is ``active``, ``draining`` (no new work, requests still in
+  flight), ``drained`` (no new work, idle: it stays listed until removed or undrained) or ``leaving`` (removed
+  without ``force``: it goes once idle);
 - ``POST /admin/endpoints`` ``{"url", "role", "dp_size"?: 1}`` → 201 with the new entries (probed once: a
   reachable engine takes traffic at once, an unreachable one when its ``/health`` answers); 409 if present;
-- ``POST /admin/endpoints/drain`` ``{"url", "role", "remove"?: true}`` → 202: no new work; in-flight requests
-  finish; with ``remove`` the endpoint leaves the pool once idle (checked every health probe interval);
-- ``POST /admin/endpoints/undrain`` ``{"url", "role"}`` → 200: takes work again;
-- ``DELETE /admin/endpoints`` ``{"url", "role", "force"?: false}`` → 202 (drain then leave) or, with ``force``,
-  200 (removed now; in-flight leases release harmlessly, pdproxy/pool.py).
+- ``POST /admin/endpoints/drain`` ``{"url", "role"}`` → 202: no new work, in-flight requests finish, the
+  endpoint stays (``draining``, then ``drained``);
+- ``POST /admin/endpoints/undrain`` ``{"url", "role"}`` → 200: takes work again (also a ``leaving`` one);
+- ``DELETE /admin/endpoints`` ``{"url", "role", "force"?: false}`` → 202 (drain, then it leaves once idle) or,
+  with ``force``, 200 (removed now; in-flight leases release harmlessly, pdproxy/pool.py).  Removing the last
+  endpoint of a role (every request would then answer 503) is refused with 409 unless ``force`` is set.
 
-With ``--workers N`` each worker has its own membership: an admin call reaches one worker (documented limit).
+Membership changes live in this process only: they are lost on restart (the configuration is read again), and
+with ``--workers N`` each worker has its own membership, so an admin call reaches one worker.
 """
 
 from __future__ import annotations
@@ -44,7 +49,6 @@ class EndpointRef(BaseModel):
     url: str
     role: Role
     dp_size: int = Field(1, ge=1, le=1024)
-    remove: bool = True
     force: bool = False
 
 
@@ -56,11 +60,11 @@ def check_admin_key(state: ProxyState, request: Request) -> None:
     """Raise :class:`Forbidden` unless the request carries the configured admin key (constant-time compare)."""
     key = state.settings.admin_key
     if not key:
-        raise Forbidden("the admin API is off: start pdproxy with --admin-key (PDPROXY_ADMIN_KEY)")
+        raise Forbidden("the admin API is off: start pdproxy with --admin-key (PDPROXY_ADMIN_KEY)", redact=False)
     auth = request.headers.get("authorization") or ""
     given = auth[7:] if auth[:7].lower() == "bearer " else request.headers.get("x-admin-key", "")
     if not hmac.compare_digest(given.encode(), key.encode()):
-        raise Forbidden("invalid or missing admin key")
+        raise Forbidden("invalid or missing admin key", redact=False)
 
 
 async def _body(request: Request) -> EndpointRef:
@@ -68,25 +72,38 @@ async def _body(request: Request) -> EndpointRef:
         ref = EndpointRef.model_validate_json(await request.body())
         ref.url = normalize_url(ref.url)
     except (ValidationError, ValueError) as exc:
-        raise BadRequest(f"invalid admin request: {exc}", param="body") from None
+        raise BadRequest(f"invalid admin request: {exc}", param="body", redact=False) from None
     return ref
 
 
 def _matching(state: ProxyState, ref: EndpointRef) -> list[Endpoint]:
     found = [e for e in state.pool.endpoints(ref.role) if e.url == ref.url]
     if not found:
-        raise NotFound(f"no {ref.role.value} endpoint {ref.url}")
+        raise NotFound(f"no {ref.role.value} endpoint {ref.url}", redact=False)
     return found
 
 
-def _drain(state: ProxyState, ref: EndpointRef, *, remove: bool) -> list[Endpoint]:
-    """Mark the endpoints of ``ref`` draining (no new work); with ``remove`` they leave the pool once idle."""
+def _drain(state: ProxyState, ref: EndpointRef) -> list[Endpoint]:
+    """Mark the endpoints of ``ref`` draining: no new work; they stay in the pool."""
     found = _matching(state, ref)
     for e in found:
         state.pool.load(e).draining = True
-        if remove:
-            state.health.leave_when_idle(e)
     return found
+
+
+def _others_remain(state: ProxyState, ref: EndpointRef) -> bool:
+    """Whether the role keeps an endpoint (another URL, not already leaving) once ``ref`` goes."""
+    return any(e.url != ref.url and e not in state.health.leaving for e in state.pool.endpoints(ref.role))
+
+
+def endpoint_state(state: ProxyState, endpoint: Endpoint) -> str:
+    """``active``, ``draining``, ``drained`` or ``leaving`` (see module docstring)."""
+    load = state.pool.load(endpoint)
+    if endpoint in state.health.leaving:
+        return "leaving"
+    if load.draining:
+        return "draining" if load.requests else "drained"
+    return "active"
 
 
 def describe(state: ProxyState, endpoint: Endpoint) -> dict[str, Any]:
@@ -94,9 +111,10 @@ def describe(state: ProxyState, endpoint: Endpoint) -> dict[str, Any]:
     load = state.pool.load(endpoint)
     info = state.infos.get(endpoint) or EngineInfo()
     return {"name": endpoint.name, "url": endpoint.url, "role": endpoint.role.value, "dp_rank": endpoint.dp_rank,
-            "healthy": load.healthy, "draining": load.draining, "leaving": endpoint in state.health.leaving,
-            "requests": load.requests, "tokens": load.tokens, **state.health.snapshot(endpoint),
-            "max_model_len": info.max_model_len, "kv_pool_tokens": info.kv_pool_tokens}
+            "state": endpoint_state(state, endpoint), "healthy": load.healthy, "draining": load.draining,
+            "leaving": endpoint in state.health.leaving, "requests": load.requests, "tokens": load.tokens,
+            **state.health.snapshot(endpoint), "max_model_len": info.max_model_len,
+            "kv_pool_tokens": info.kv_pool_tokens}
 
 
 def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
@@ -119,7 +137,7 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
         ref = await _body(request)
         new = expand([ref.url], ref.role, ref.dp_size)
         if any(e.url == ref.url for e in state.pool.endpoints(ref.role)):
-            raise Conflict(f"{ref.role.value} endpoint {ref.url} already exists")
+            raise Conflict(f"{ref.role.value} endpoint {ref.url} already exists", redact=False)
         for e in new:
             state.pool.add(e)
             state.pool.load(e).healthy = False  # until its first probe answers
@@ -132,8 +150,8 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
     async def drain_endpoint(request: Request) -> Response:
         state = authorized(request)
         ref = await _body(request)
-        found = _drain(state, ref, remove=ref.remove)
-        return _json({"draining": [describe(state, e) for e in found if e in state.pool.endpoints()]}, 202)
+        found = _drain(state, ref)
+        return _json({"draining": [describe(state, e) for e in found]}, 202)
 
     @router.post("/endpoints/undrain")
     async def undrain_endpoint(request: Request) -> Response:
@@ -149,10 +167,14 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
     async def remove_endpoint(request: Request) -> Response:
         state = authorized(request)
         ref = await _body(request)
-        if not ref.force:
-            found = _drain(state, ref, remove=True)
-            return _json({"leaving": [e.name for e in found if e in state.pool.endpoints()]}, 202)
         found = _matching(state, ref)
+        if not ref.force and not _others_remain(state, ref):
+            raise Conflict(f"{ref.url} is the last {ref.role.value} endpoint: without it every request answers "
+                           "503; send \"force\": true to remove it anyway", param="force", redact=False)
+        if not ref.force:
+            for e in _drain(state, ref):
+                state.health.leave_when_idle(e)
+            return _json({"leaving": [e.name for e in found if e in state.pool.endpoints()]}, 202)
         for e in found:
             state.health.remove(e)
         return _json({"removed": [e.name for e in found]})

@@ -13,6 +13,8 @@ Topologies operators write (all end up as a flat list of :class:`Endpoint`):
 from __future__ import annotations
 
 import enum
+import ipaddress
+import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -63,49 +65,76 @@ class Endpoint:
         return {}
 
 
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+                       r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?$")
+
+
 def normalize_url(url: str) -> str:
     """Validate and normalise an engine base URL.
 
-    Accepts ``http://host:port`` (optionally with a trailing ``/`` or ``/v1``), or ``host:port``.
-    Raises ``ValueError`` with a readable message for anything else.
+    Accepts ``http(s)://host[:port][/path]`` (a trailing ``/`` or ``/v1`` is dropped) or ``host:port``; the host
+    is a DNS name or an IP address (IPv6 in brackets).  Anything else is refused at start with a readable
+    ``ValueError`` rather than accepted and answered 503 later: a bare word (``notaurl``: no scheme and no
+    port), an unknown scheme, credentials, a query or fragment, a port outside 1-65535.
     """
     raw = url.strip()
+    shown = f"bad engine URL {url!r}"
+    if not raw or any(c.isspace() for c in raw):
+        raise ValueError(f"{shown}: give http://host:port (or host:port)")
     if "://" not in raw:
+        parts = urlsplit("http://" + raw)
+        try:
+            bare_port = parts.port
+        except ValueError as exc:
+            raise ValueError(f"{shown}: {exc}") from None
+        if bare_port is None or parts.path not in ("", "/", "/v1", "/v1/"):
+            raise ValueError(f"{shown}: give http://host:port (or host:port); a bare name is not an engine URL")
         raw = "http://" + raw
     parts = urlsplit(raw)
     if parts.scheme not in ("http", "https"):
-        raise ValueError(f"bad engine URL {url!r}: scheme must be http or https")
-    if not parts.hostname:
-        raise ValueError(f"bad engine URL {url!r}: no host")
+        raise ValueError(f"{shown}: scheme must be http or https")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(f"{shown}: credentials do not belong in the URL (use engine_api_key)")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{shown}: no query or fragment allowed")
+    host = parts.hostname
+    if not host:
+        raise ValueError(f"{shown}: no host")
     try:
         port = parts.port
     except ValueError as exc:
-        raise ValueError(f"bad engine URL {url!r}: {exc}") from None
+        raise ValueError(f"{shown}: {exc}") from None
+    if port == 0:
+        raise ValueError(f"{shown}: port must be 1-65535")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not _HOSTNAME.match(host):
+            raise ValueError(f"{shown}: {host!r} is not a host name or IP address") from None
     path = parts.path.rstrip("/")
     if path.endswith("/v1"):
         path = path[:-3]
-    host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
+    host = host if ":" not in host else f"[{host}]"
     netloc = f"{host}:{port}" if port else host
     return f"{parts.scheme}://{netloc}{path}"
 
 
 def from_host_port_lists(hosts: list[str], ports: list[int], role: Role) -> list[str]:
-    """Pair vLLM-Ascend-style ``--*-hosts`` and ``--*-ports`` lists into URLs.
+    """Pair vLLM-Ascend-style ``--*-hosts`` and ``--*-ports`` lists into URLs, position by position.
 
-    As in the example proxy, one host with several ports repeats the host; one port with several hosts repeats
-    the port; otherwise the lists must have the same length.  Raises ``ValueError`` when they cannot be paired.
+    As in vLLM-Ascend's example proxy (``load_balance_proxy_server_example.py::parse_args``) the lists must have
+    the same length — a host serving several DP-rank ports is repeated once per port — so a list one entry short
+    can never pair engines silently.  Raises ``ValueError`` when they cannot be paired.
     """
     if not hosts and not ports:
         return []
-    if not hosts or not ports:
-        raise ValueError(f"{role.value}: both hosts and ports are needed (got {len(hosts)} hosts, {len(ports)} ports)")
-    if len(hosts) == 1 and len(ports) > 1:
-        hosts = hosts * len(ports)
-    if len(ports) == 1 and len(hosts) > 1:
-        ports = ports * len(hosts)
     if len(hosts) != len(ports):
-        raise ValueError(f"{role.value}: {len(hosts)} hosts but {len(ports)} ports; give one port per host")
-    return [normalize_url(f"{h}:{p}") for h, p in zip(hosts, ports, strict=True)]
+        raise ValueError(
+            f"{role.value}: {len(hosts)} hosts but {len(ports)} ports; give one host per port, repeating a host "
+            f"for each of its ports (e.g. --{'prefiller' if role is Role.PREFILL else 'decoder'}-hosts h0 h0 "
+            f"--{'prefiller' if role is Role.PREFILL else 'decoder'}-ports 9100 9101)")
+    return [normalize_url(f"[{h}]:{p}" if ":" in h and not h.startswith("[") else f"{h}:{p}")
+            for h, p in zip(hosts, ports, strict=True)]
 
 
 def expand(urls: list[str], role: Role, dp_size: int = 1) -> list[Endpoint]:

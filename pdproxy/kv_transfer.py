@@ -1,24 +1,29 @@
 """The vLLM P→D contract — the only module that spells the ``kv_transfer_params`` wire fields.
 
-Pull model (NixlConnector, vLLM-Ascend MooncakeConnector(V1)), reference §1.1–1.3:
+Pull model (NixlConnector, vLLM-Ascend MooncakeConnector(V1)); the contract, where each rule comes from in
+vLLM's and vLLM-Ascend's sources, and what real vLLM 0.32 did with every field on a 1-token prefill are written
+up in ``docs/pd-protocol.md``.  In short:
 
-1. prefill leg: the client body as a **new** dict with ``stream: false``, ``max_tokens: 1``,
-   ``max_completion_tokens: 1`` only if the client set it, no ``stream_options``, ``min_tokens`` /
-   ``min_completion_tokens`` capped at 1 (vLLM rejects ``min_tokens > max_tokens``; vLLM-Ascend forces 1 so a
-   first-token EOS cannot end the request as stopped), and ``kv_transfer_params`` =
-   ``{"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
-   "remote_block_ids": null, "remote_host": null, "remote_port": null}``
-   (vLLM ``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py``; vLLM-Ascend
-   ``examples/disaggregated_prefill_v1/load_balance_proxy_server_example.py::build_prefill_request``);
-2. the prefiller answers JSON with a top-level ``kv_transfer_params`` dict (vLLM
-   ``entrypoints/openai/completion/serving.py``), opaque to us — vLLM 0.32 returns nested ``remote_block_ids``;
-3. decode leg: the client's original body with ``kv_transfer_params`` replaced by that dict, verbatim.
+1. prefill leg (:func:`prefill_body`): the client's body as a **new** dict with ``stream: false``,
+   ``max_tokens: 1`` (``max_completion_tokens: 1`` only if the client set it), no ``stream_options``,
+   ``min_tokens: 1`` (so neither a first-token EOS nor a stop token ends the leg before the prompt's KV is handed
+   over; stop strings are not checked until more than ``min_tokens`` tokens exist), the fields the proxy owns
+   (:data:`PROXY_OWNED`) dropped, and the ``kv_transfer_params`` stub :data:`PREFILL_STUB`.  Every other field is
+   the client's: anything that shapes the prompt (messages, tools, ``tool_choice``, ``response_format``, chat
+   template arguments, truncation, ``cache_salt``…) must render the same tokens on both legs, or the decoder
+   pulls KV computed for another prompt (vLLM 0.32's decoder engine dies on a shorter one);
+2. the prefiller answers JSON with a top-level ``kv_transfer_params`` dict, opaque to us (:func:`extract_params`);
+   an answer without one that finished ``stop`` is a complete answer to the request (:func:`ended_on_prefill`);
+3. decode leg (:func:`decode_body_bytes`): the client's bytes, byte-faithful, with the proxy-owned members removed
+   and the prefiller's dict added as ``kv_transfer_params`` — never a second member of the same name.
 
-Both legs carry the same ``X-Request-Id`` (reference §1.6).
+Both legs carry the same ``X-Request-Id``.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -27,6 +32,10 @@ KVTransferParams = dict[str, Any]
 """Opaque connector handle produced by the prefiller and consumed by the decoder."""
 
 KV_TRANSFER_PARAMS = "kv_transfer_params"
+
+PROXY_OWNED = frozenset({KV_TRANSFER_PARAMS, "ec_transfer_params"})
+"""Body fields only the proxy may set on an engine leg (the P→D handle, and vLLM's encoder-cache handle of the
+same kind): a client's value never reaches an engine."""
 
 PREFILL_STUB: KVTransferParams = {
     "do_remote_decode": True,
@@ -40,74 +49,218 @@ PREFILL_STUB: KVTransferParams = {
 # vLLM rejects these on a non-streaming request ("Stream options can only be defined when `stream=True`.").
 _STREAM_ONLY = ("stream_options",)
 
+# An answer that finished this way said everything the model had to say (EOS, a stop token or string, or a
+# tool call that ended the turn); "length" is the prefill leg's own cap.
+_COMPLETE_FINISH = frozenset({"stop", "tool_calls"})
 
-def prefill_body(original: dict[str, Any]) -> dict[str, Any]:
-    """Return a new dict: the prefill-leg body for ``original`` (a parsed client body).  Never mutates it."""
-    body = dict(original)
+
+def prefill_body(original: Mapping[str, Any], *, engine_judges: bool = False) -> dict[str, Any]:
+    """Return a new dict: the prefill-leg body for ``original`` (a parsed client body).  Never mutates it.
+
+    ``engine_judges`` (``ProxyRequest.engine_judges``: pdproxy found the request invalid for vLLM): the client's
+    body as sent — its own values, so the prefiller rejects it with vLLM's own 400 and in vLLM's own order of
+    checks, before any KV is computed — except that a proxy-owned object becomes ``{}`` (vLLM ignores an empty
+    handle, and the member count vLLM may quote stays the client's); one that is not an object stays, for vLLM
+    to refuse while validating, before any handle could be used.
+    """
+    if engine_judges:       # a client's handle becomes {} (inert: vLLM acts on a non-empty one), an invalid one stays
+        return {k: {} if k in PROXY_OWNED and isinstance(v, dict) else v for k, v in original.items()}
+    body = {k: v for k, v in original.items() if k not in PROXY_OWNED}
     body["stream"] = False
     body["max_tokens"] = 1
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
     for key in _STREAM_ONLY:
         body.pop(key, None)
-    for key in ("min_tokens", "min_completion_tokens"):
-        if key in body and body[key] is not None and body[key] > 1:
-            body[key] = 1
+    body["min_tokens"] = 1
     body[KV_TRANSFER_PARAMS] = dict(PREFILL_STUB)
     return body
 
 
-def decode_body(original: dict[str, Any], params: KVTransferParams | None) -> dict[str, Any]:
-    """Return a new dict: the decode-leg body, the client's body plus the prefiller's ``params`` verbatim.
+def engine_must_judge(max_output_tokens: int | None, max_model_len: int | None) -> bool:
+    """True when vLLM refuses the client's output-token request before any work whatever the prompt: more than
+    ``max_model_len`` (``renderers/params.py::TokenizeParams.__post_init__``).  The prefill leg then carries the
+    client's values (``prefill_body(..., engine_judges=True)``) so the prefiller says so in vLLM's words, instead
+    of computing KV for a request the decoder would refuse."""
+    return max_output_tokens is not None and max_model_len is not None and max_output_tokens > max_model_len
 
-    ``params=None`` (decode-side prefill allowed by the operator) drops any client-supplied
-    ``kv_transfer_params`` so the decoder prefills locally.
-    """
-    body = dict(original)
-    if params is None:
-        body.pop(KV_TRANSFER_PARAMS, None)
-    else:
+
+def decode_body(original: Mapping[str, Any], params: KVTransferParams | None) -> dict[str, Any]:
+    """Return a new dict: the client's body without proxy-owned fields, plus the prefiller's ``params``
+    verbatim (none when ``params`` is None: the decoder then prefills the prompt itself)."""
+    body = {k: v for k, v in original.items() if k not in PROXY_OWNED}
+    if params is not None:
         body[KV_TRANSFER_PARAMS] = params
     return body
 
 
-def decode_body_bytes(raw: bytes, params: KVTransferParams | None) -> bytes:
-    """The decode-leg body built from the client's raw JSON object bytes, which stay byte-for-byte intact.
+def decode_body_bytes(raw: bytes, params: KVTransferParams | None,
+                      parsed: Mapping[str, Any] | None = None) -> bytes:
+    """The decode-leg body built from the client's raw JSON object bytes, byte-faithful outside what changes.
 
-    ``params`` is appended as the object's last member; JSON parsers used by vLLM (``json.loads`` under FastAPI)
-    keep the last of duplicate keys, so it overrides any client-sent ``kv_transfer_params``.  Numbers, key order,
-    and multi-MB base64 images are never re-encoded.  ``params=None`` (decode-side prefill) returns ``raw``
-    without any client-sent ``kv_transfer_params``.
-    Raises ``ValueError`` if ``raw`` is not a JSON object with at least one member.
+    ``parsed`` is ``raw`` already parsed (the request's body; parsed here when omitted).  When the client sent
+    no proxy-owned member (the common case) ``raw`` is kept whole and ``params`` is inserted as the last member:
+    one copy, no scan.  Otherwise the top-level members named in :data:`PROXY_OWNED` (every occurrence, however
+    their names are escaped) are cut out with :func:`top_level_members` and the rest is kept byte for byte —
+    numbers, key order, whitespace and multi-MB base64 images are never re-encoded, and the result never holds
+    two members of one name that the proxy produced.  ``params=None`` (the decoder prefills) adds nothing.
+    Raises ``ValueError`` if ``raw`` is not a JSON object.
     """
-    if params is None:
-        if KV_TRANSFER_PARAMS.encode() not in raw:
-            return raw
-        return orjson.dumps(decode_body(orjson.loads(raw), None))
-    end = raw.rstrip().rfind(b"}")
-    if end <= 0 or not raw.lstrip().startswith(b"{"):
+    if parsed is None:
+        parsed = orjson.loads(raw)
+    if not isinstance(parsed, Mapping):
         raise ValueError("request body is not a JSON object")
-    head = raw[:end].rstrip()
-    if head.endswith(b"{"):
-        raise ValueError("request body is an empty JSON object")
-    return head + b',"' + KV_TRANSFER_PARAMS.encode() + b'":' + orjson.dumps(params) + b"}"
+    if PROXY_OWNED.isdisjoint(parsed.keys()):
+        return raw if params is None else _append_member(raw, KV_TRANSFER_PARAMS, params)
+    kept = _without_members(raw, PROXY_OWNED)
+    return kept if params is None else _append_member(kept, KV_TRANSFER_PARAMS, params)
 
 
-def extract_params(prefill_response: dict[str, Any]) -> KVTransferParams | None:
+def _append_member(raw: bytes, key: str, value: Any) -> bytes:
+    """``raw`` (a JSON object) with ``"key": value`` added before its closing brace: one copy of ``raw``."""
+    end = raw.rfind(b"}")
+    if end < 0 or raw[end + 1:].strip() or not raw.lstrip().startswith(b"{"):
+        raise ValueError("request body is not a JSON object")
+    head = end
+    while head > 0 and raw[head - 1] in b" \t\r\n":
+        head -= 1
+    sep = b"" if raw[head - 1] == 0x7B else b","  # {
+    return b"".join((memoryview(raw)[:head], sep, orjson.dumps(key), b":", orjson.dumps(value), b"}"))
+
+
+# ------------------------------------------------------------------------------------------ top-level members
+_WS = re.compile(rb"[ \t\n\r]*")
+_STRUCTURAL = re.compile(rb'["\[\]{}]')
+_SCALAR_END = re.compile(rb"[,}\] \t\n\r]")
+
+
+def _skip_ws(raw: bytes, i: int) -> int:
+    """Index of the first non-whitespace byte of ``raw`` at or after ``i``."""
+    m = _WS.match(raw, i)
+    return m.end() if m else i
+
+
+def _string_end(raw: bytes, i: int) -> int:
+    """Index just past the JSON string starting at ``raw[i] == '"'``."""
+    j = i + 1
+    while True:
+        j = raw.find(b'"', j)
+        if j < 0:
+            raise ValueError("unterminated string in request body")
+        k = j - 1
+        while raw[k] == 0x5C:  # backslash
+            k -= 1
+        if (j - 1 - k) % 2 == 0:  # an even number of backslashes: the quote is not escaped
+            return j + 1
+        j += 1
+
+
+def _value_end(raw: bytes, i: int) -> int:
+    """Index just past the JSON value starting at ``raw[i]`` (valid JSON assumed: the body parsed)."""
+    c = raw[i]
+    if c == 0x22:  # "
+        return _string_end(raw, i)
+    if c in b"{[":
+        depth, j = 0, i
+        while True:
+            m = _STRUCTURAL.search(raw, j)
+            if m is None:
+                raise ValueError("unbalanced brackets in request body")
+            j = m.start()
+            ch = raw[j]
+            if ch == 0x22:
+                j = _string_end(raw, j)
+                continue
+            depth += 1 if ch in b"{[" else -1
+            j += 1
+            if depth == 0:
+                return j
+    m = _SCALAR_END.search(raw, i)
+    return m.start() if m else len(raw)
+
+
+def top_level_members(raw: bytes) -> list[tuple[str, int, int]]:
+    """``(name, start, end)`` of every member of the JSON object ``raw``: ``raw[start:end]`` is ``"name": value``
+    exactly as sent (``name`` decoded from its escapes).  Cost: one pass over the structural characters, with
+    long strings skipped by ``bytes.find``.  Raises ``ValueError`` if ``raw`` is not a JSON object."""
+    i = _skip_ws(raw, 0)
+    if i >= len(raw) or raw[i] != 0x7B:  # {
+        raise ValueError("request body is not a JSON object")
+    members: list[tuple[str, int, int]] = []
+    i = _skip_ws(raw, i + 1)
+    while i < len(raw) and raw[i] != 0x7D:  # }
+        if raw[i] == 0x2C:  # ,
+            i = _skip_ws(raw, i + 1)
+            continue
+        key_end = _string_end(raw, i)
+        name = orjson.loads(raw[i:key_end])
+        j = _skip_ws(raw, key_end)
+        if raw[j] != 0x3A:  # :
+            raise ValueError("malformed member in request body")
+        j = _skip_ws(raw, j + 1)
+        end = _value_end(raw, j)
+        members.append((name, i, end))
+        i = _skip_ws(raw, end)
+    return members
+
+
+def _without_members(raw: bytes, names: frozenset[str]) -> bytes:
+    """``raw`` with its top-level members named in ``names`` removed; every other byte kept (each kept member
+    keeps the separator that followed it, the last kept one the object's original ending)."""
+    members = top_level_members(raw)
+    kept = [idx for idx, (name, _, _) in enumerate(members) if name not in names]
+    if len(kept) == len(members):
+        return raw
+    view = memoryview(raw)                           # slices without copies; the join copies once
+    first_start = members[0][1]
+    last_end = members[-1][2]
+    out: list[bytes | memoryview] = [view[:first_start]]
+    for pos, idx in enumerate(kept):
+        _, start, end = members[idx]
+        out.append(view[start:end])
+        if pos + 1 < len(kept):                      # its own separator (", " as sent) before the next kept one
+            out.append(view[end:members[idx + 1][1]])
+    out.append(view[last_end:] if kept else raw[last_end:].lstrip(b", \t\n\r"))
+    return b"".join(out)
+
+
+# ------------------------------------------------------------------------------------------ the prefill answer
+def extract_params(prefill_response: Mapping[str, Any]) -> KVTransferParams | None:
     """The ``kv_transfer_params`` of a prefiller's JSON answer, or None when absent/null/not a dict.
 
-    vLLM returns None when the request did not finish length-capped (e.g. first-token EOS with v0.11 NIXL or
-    vLLM-Ascend Mooncake, reference §1.2), or when the engine has no KV connector.
+    vLLM 0.32's NIXL connector returns a handle for a request that finished length-capped or stopped
+    (``nixl/pull_scheduler.py::request_finished``); older NIXL and vLLM-Ascend's Mooncake connector only for a
+    length-capped one, and no connector at all means no handle.
     """
+    return _handle(prefill_response)
+
+
+def _handle(prefill_response: Mapping[str, Any]) -> KVTransferParams | None:
     params = prefill_response.get(KV_TRANSFER_PARAMS)
     return params if isinstance(params, dict) and params else None
 
 
-def prefill_cached_tokens(prefill_response: dict[str, Any]) -> int | None:
+def finish_reason(prefill_response: Mapping[str, Any]) -> str | None:
+    """``choices[0].finish_reason`` of a prefiller's JSON answer (None when it has no choices)."""
+    choices = prefill_response.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        value = choices[0].get("finish_reason")
+        return value if isinstance(value, str) else None
+    return None
+
+
+def ended_on_prefill(prefill_response: Mapping[str, Any]) -> bool:
+    """True when the prefiller finished the request itself (``finish_reason`` ``stop`` / ``tool_calls``: EOS, a
+    stop token or string) and handed over no KV: its answer is the complete answer, not a broken handoff.  An
+    answer capped by the leg's ``max_tokens: 1`` without a handle means the prefiller has no KV connector."""
+    return _handle(prefill_response) is None and finish_reason(prefill_response) in _COMPLETE_FINISH
+
+
+def prefill_cached_tokens(prefill_response: Mapping[str, Any]) -> int | None:
     """``usage.prompt_tokens_details.cached_tokens`` of the prefiller's answer (its real prefix-cache hits).
 
     The decoder reports nearly the whole prompt as cached because it pulled it (vLLM ``v1/metrics/stats.py``
-    counts local + external hits), so the client must see the prefiller's figure (reference §2.3).
+    counts local and external hits alike), so the client must see the prefiller's figure.
     """
     usage = prefill_response.get("usage") or {}
     details = usage.get("prompt_tokens_details") or {}

@@ -46,7 +46,7 @@ def test_one_line_per_request_without_prompt_text(sims: Fleet, tmp_path: Path) -
                           timeout=10) as r:
             assert r.status_code == 200
             r.read()
-        bad = httpx.post(p.url + "/v1/completions", json={"model": "sim-model", "prompt": ""}, timeout=10)
+        bad = httpx.post(p.url + "/v1/completions", json={"model": "sim-model", "prompt": "x", "n": 2}, timeout=10)
         assert bad.status_code == 400
         p.wait_idle()
     finally:
@@ -65,7 +65,7 @@ def test_one_line_per_request_without_prompt_text(sims: Fleet, tmp_path: Path) -
         assert ok[phase] is not None and ok[phase] >= 0, phase
     assert ok["ttft_s"] <= ok["e2e_s"]
     assert (rejected["api"], rejected["status"], rejected["outcome"]) == ("completions", 400, "bad_request")
-    assert rejected["rejection"] == "bad_request:prompt" and rejected["prefiller"] is None
+    assert rejected["rejection"] == "bad_request:n" and rejected["prefiller"] is None
     assert rejected["error"]
 
 

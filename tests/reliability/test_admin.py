@@ -62,13 +62,14 @@ def test_add_drain_and_remove_at_runtime(fleet4: Fleet4) -> None:
             complete(proxy.url)
         assert d1.completions_received(), "the added decoder takes traffic"
 
-        # drain d0 while one slow stream runs on it: no new work, the stream finishes, then d0 leaves
+        # drain d0 while one slow stream runs on it: no new work, the stream finishes, d0 stays listed as drained
         for s in fleet4.all:
             s.reset()
         d0.faults({"kind": "slow", "factor": 11, "min_gap_s": 0.01})
-        r = admin(proxy.url, "POST", {"url": d1.url, "role": "decode", "remove": False},
-                  path="/admin/endpoints/drain")
+        r = admin(proxy.url, "POST", {"url": d1.url, "role": "decode"}, path="/admin/endpoints/drain")
         assert r.status_code == 202 and r.json()["draining"][0]["leaving"] is False
+        assert r.json()["draining"][0]["state"] == "drained"          # idle: drained at once, and still listed
+        assert names(proxy.url)[d1.url]["state"] == "drained"
         stream: dict[str, Any] = {}
         t = threading.Thread(target=lambda: stream.update(r=httpx.post(
             proxy.url + "/v1/chat/completions", json=CHAT, timeout=20)))
@@ -78,6 +79,7 @@ def test_add_drain_and_remove_at_runtime(fleet4: Fleet4) -> None:
         assert r.status_code == 200 and r.json()["endpoints"][0]["draining"] is False
         r = admin(proxy.url, "POST", {"url": d0.url, "role": "decode"}, path="/admin/endpoints/drain")
         assert r.status_code == 202 and r.json()["draining"][0]["requests"] == 1
+        assert r.json()["draining"][0]["state"] == "draining"
         before = len(d0.completions_received())
         for _ in range(5):
             complete(proxy.url)
@@ -87,8 +89,16 @@ def test_add_drain_and_remove_at_runtime(fleet4: Fleet4) -> None:
         events, done, errors = parse_sse(stream["r"].content)
         assert events
         assert stream["r"].status_code == 200 and done == 1 and not errors
-        wait_until(lambda: d0.url not in names(proxy.url), 5, what="drained decoder left when idle")
+        wait_until(lambda: names(proxy.url)[d0.url]["state"] == "drained", 5, what="d0 drained once idle")
+        assert d0.url in names(proxy.url)                # drain never removes: undrain still finds it
+        r = admin(proxy.url, "POST", {"url": d0.url, "role": "decode"}, path="/admin/endpoints/undrain")
+        assert r.status_code == 200 and r.json()["endpoints"][0]["state"] == "active"
 
+        r = admin(proxy.url, "DELETE", {"url": d0.url, "role": "decode"})  # d1 remains: removed once idle
+        assert r.status_code == 202
+        wait_until(lambda: d0.url not in names(proxy.url), 5, what="removed decoder left when idle")
+        r = admin(proxy.url, "DELETE", {"url": d1.url, "role": "decode"})  # the last decoder: force needed
+        assert r.status_code == 409 and r.json()["error"]["param"] == "force" and d1.url in names(proxy.url)
         assert admin(proxy.url, "DELETE", {"url": d1.url, "role": "decode", "force": True}).status_code == 200
         assert names(proxy.url).keys() == {p.url for p in fleet4.prefillers}
         r = httpx.post(proxy.url + "/v1/chat/completions", json={**CHAT, "stream": False, "stream_options": None})

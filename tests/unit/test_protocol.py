@@ -14,46 +14,77 @@ def parse(body: object, api: Api = Api.CHAT) -> object:
 
 
 @pytest.mark.parametrize(("raw", "param"), [
-    (b"{not json", "body"),
+    (b"{not json", "body.1"),
     (b"[1, 2]", "body"),
+    (b"", "body"),
 ])
 def test_not_a_json_object(raw: bytes, param: str) -> None:
+    """vLLM's FastAPI envelope for a body that is not one JSON object (json_invalid at Python's position...)."""
     with pytest.raises(BadRequest) as e:
         parse_request(raw, Api.CHAT)
     assert e.value.param == param
-    assert e.value.body()["error"]["type"] == "BadRequestError" and e.value.body()["error"]["code"] == 400
+    assert e.value.body()["error"]["type"] == "Bad Request" and e.value.body()["error"]["code"] == 400
 
 
 @pytest.mark.parametrize(("body", "api", "param"), [
-    ({"model": "m"}, Api.CHAT, "messages"),
-    ({"messages": []}, Api.CHAT, "messages"),
-    ({"model": "m"}, Api.COMPLETIONS, "prompt"),
-    ({"prompt": "x", "max_tokens": 0}, Api.COMPLETIONS, "max_tokens"),
-    ({"prompt": "x", "max_tokens": "5"}, Api.COMPLETIONS, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, Api.CHAT, "max_completion_tokens"),
     ({"prompt": ["a", "b"]}, Api.COMPLETIONS, "prompt"),
     ({"prompt": [[1, 2], [3, 4]]}, Api.COMPLETIONS, "prompt"),
     ({"prompt": "x", "n": 2}, Api.COMPLETIONS, "n"),
-    ({"prompt": "x", "echo": True}, Api.COMPLETIONS, "echo"),
-    ({"prompt": "x", "prompt_logprobs": 1}, Api.COMPLETIONS, "prompt_logprobs"),
-    ({"prompt": "x", "stream_options": {"include_usage": True}}, Api.COMPLETIONS, "stream_options"),
-    ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, Api.COMPLETIONS, "min_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": "nope"}, Api.CHAT, "tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": ["nope"]}, Api.CHAT, "tools"),
-    ({"prompt": "x", "stream": True, "stream_options": "yes"}, Api.COMPLETIONS, "stream_options"),
+    ({"prompt": "x", "n": "3"}, Api.COMPLETIONS, "n"),
 ])
-def test_bad_bodies(body: dict, api: Api, param: str) -> None:
+def test_what_pd_cannot_serve_as_one_sequence_is_a_clear_400(body: dict, api: Api, param: str) -> None:
     with pytest.raises(BadRequest) as e:
         parse(body, api)
-    assert e.value.param == param
-    assert e.value.status_code == 400
+    assert e.value.param == param and "PD disaggregation" in e.value.message
 
 
-@pytest.mark.parametrize("prompt", ["hello", [1, 2, 3], ["hello"], [[1, 2, 3]]])
+@pytest.mark.parametrize(("body", "api"), [
+    ({"model": "m"}, Api.CHAT),
+    ({"messages": "hi"}, Api.CHAT),
+    ({"messages": [1]}, Api.CHAT),
+    ({"model": "m"}, Api.COMPLETIONS),
+    ({"prompt": ""}, Api.COMPLETIONS),
+    ({"prompt": 5}, Api.COMPLETIONS),
+    ({"prompt": "x", "kv_transfer_params": "handle"}, Api.COMPLETIONS),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": "nope"}, Api.CHAT),
+    ({"prompt": "x", "max_tokens": 0}, Api.COMPLETIONS),
+    ({"prompt": "x", "max_tokens": "five"}, Api.COMPLETIONS),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, Api.CHAT),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, Api.COMPLETIONS),
+    ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, Api.COMPLETIONS),
+    ({"prompt": "x", "min_tokens": None}, Api.COMPLETIONS),
+    ({"prompt": "x", "stream": True, "stream_options": "yes"}, Api.COMPLETIONS),
+])
+def test_invalid_requests_are_judged_by_the_engine(body: dict, api: Api) -> None:
+    """pdproxy finds them invalid for vLLM: the prefiller gets the client's own values and answers vLLM's 400."""
+    req = parse(body, api)
+    assert req.engine_judges and not req.decoder_prefills  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("body", "api"), [
+    ({"prompt": "x", "prompt_logprobs": 1}, Api.COMPLETIONS),
+    ({"prompt": "x", "echo": True, "logprobs": 0}, Api.COMPLETIONS),
+    ({"messages": [{"role": "user", "content": "x"}], "echo": True}, Api.CHAT),
+    ({"prompt": "x", "use_beam_search": "true"}, Api.COMPLETIONS),
+])
+def test_requests_needing_the_prompts_logits_skip_the_prefill_leg(body: dict, api: Api) -> None:
+    assert parse(body, api).decoder_prefills  # type: ignore[attr-defined]
+
+
+def test_vllm_coercions_and_defaults() -> None:
+    req = parse({"prompt": "x", "stream": "true", "stream_options": {"include_usage": "no"}, "max_tokens": None},
+                Api.COMPLETIONS)
+    assert req.stream and not req.include_usage and req.max_output_tokens == 16  # type: ignore[attr-defined]
+    req = parse({"prompt": "x", "stream": None, "max_tokens": True, "echo": True}, Api.COMPLETIONS)
+    assert not req.stream and req.max_output_tokens == 1 and not req.decoder_prefills  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("prompt", ["hello", [1, 2, 3], ["hello"], [[1, 2, 3]], []])
 def test_single_prompts_are_accepted(prompt: object) -> None:
     req = parse({"prompt": prompt, "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}},
                 Api.COMPLETIONS)
     assert req.stream and req.include_usage and req.max_output_tokens == 5  # type: ignore[attr-defined]
+    assert not req.engine_judges  # type: ignore[attr-defined]
 
 
 def test_max_completion_tokens_wins_over_max_tokens() -> None:

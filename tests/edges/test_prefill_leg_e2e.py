@@ -1,0 +1,122 @@
+"""The P→D legs through real processes (the ``openai`` client → pdproxy → simulated engines): what each engine
+receives, and what the client gets when the prefill leg already finished the request (``docs/pd-protocol.md``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from pdproxy import kv_transfer
+from tests.conftest import Fleet
+from tests.support import ProxyThread
+
+pytestmark = pytest.mark.timeout(30)
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def client(proxy: ProxyThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0, timeout=20)
+
+
+def legs(sims: Fleet) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    return ([r for s in sims.prefillers for r in s.completions_received()],
+            [r for s in sims.decoders for r in s.completions_received()])
+
+
+def test_the_prefill_leg_asks_one_token_and_the_decoder_gets_the_clients_constraints(proxy: ProxyThread,
+                                                                                      sims: Fleet) -> None:
+    """Prefill: one token, ``min_tokens: 1`` (no first-token EOS), not streamed, the stub handle, no client
+    handle; every field that shapes the prompt or the output kept (tools, tool_choice, response_format...).
+    Decode: the client's bytes with only the handle replaced, one member of each name."""
+    sent = {"model": "sim-model", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 12, "min_tokens": 3,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "response_format": {"type": "json_object"}, "structured_outputs": {"json": {"type": "object"}},
+            "logit_bias": {"5": -1.0}, "stream": True, "stream_options": {"include_usage": True},
+            "cache_salt": "s3cr3t", "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "client"},
+            "ec_transfer_params": {"remote_host": "client"}}
+    raw = orjson.dumps(sent)
+    r = httpx.post(proxy.url + "/v1/chat/completions", content=raw, timeout=20)
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    (p,), (d,) = legs(sims)
+    pb, db = p["body"], d["body"]
+    assert (pb["max_tokens"], pb["min_tokens"], pb["stream"]) == (1, 1, False) and "stream_options" not in pb
+    assert pb["kv_transfer_params"] == kv_transfer.PREFILL_STUB and "ec_transfer_params" not in pb
+    for key in ("messages", "tools", "tool_choice", "response_format", "structured_outputs", "logit_bias",
+                "cache_salt", "model"):
+        assert pb[key] == sent[key] == db[key], key
+    assert (db["max_tokens"], db["min_tokens"], db["stream"], db["stream_options"]) == (12, 3, True,
+                                                                                        {"include_usage": True})
+    assert db["kv_transfer_params"]["do_remote_prefill"] is True and db["kv_transfer_params"]["remote_host"] != "client"
+    assert "ec_transfer_params" not in db
+    # the bytes the decoder got: the client's, the two proxy-owned members cut out, one handle inserted
+    cut = raw.replace(b',"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"client"}', b"")
+    cut = cut.replace(b',"ec_transfer_params":{"remote_host":"client"}', b"")
+    assert d["raw_len"] == len(cut) + len(b',"kv_transfer_params":') + len(orjson.dumps(db["kv_transfer_params"]))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_a_prefill_that_stops_on_its_first_token_is_the_answer(proxy: ProxyThread, sims: Fleet, api: str,
+                                                               stream: bool) -> None:
+    """The prefiller ends the request itself (first-token EOS) and hands over no KV: the client gets that
+    complete, empty answer — finish_reason "stop", usage — as JSON or as a well-formed stream; no decoder."""
+    sims.prefillers[0].faults({"kind": "no_kv_params"})
+    c = client(proxy)
+    if api == "chat":
+        kwargs: dict[str, Any] = {"model": "sim-model", "messages": MESSAGES, "max_tokens": 16}
+        if stream:
+            chunks = list(c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+            assert next(ch.choices[0].delta.role for ch in chunks if ch.choices) == "assistant"
+            text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            assert [ch.choices[0].finish_reason for ch in chunks if ch.choices] == [None, "stop"]
+            usage = chunks[-1].usage
+        else:
+            reply = c.chat.completions.create(**kwargs)
+            assert reply.choices[0].finish_reason == "stop"
+            text, usage = reply.choices[0].message.content or "", reply.usage
+    else:
+        kwargs = {"model": "sim-model", "prompt": "The weather in Paris is", "max_tokens": 16}
+        if stream:
+            chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+            text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+            assert [ch.choices[0].finish_reason for ch in chunks if ch.choices] == ["stop"]
+            usage = chunks[-1].usage
+        else:
+            comp = c.completions.create(**kwargs)
+            assert comp.choices[0].finish_reason == "stop"
+            text, usage = comp.choices[0].text, comp.usage
+    assert len(text.split()) <= 1       # the prefiller's one token (vLLM shows nothing for an EOS; the sim a word)
+    assert usage is not None and usage.completion_tokens == 1 and usage.prompt_tokens > 0
+    prefills, decodes = legs(sims)
+    assert len(prefills) == 1 and decodes == []
+
+
+def test_a_stopped_prefill_cannot_answer_a_client_asking_more_tokens(proxy: ProxyThread, sims: Fleet) -> None:
+    """With ``min_tokens`` above 1 the one-token answer is not one the client would accept: a decoder prefills
+    the request itself (no handle in its body) and answers."""
+    sims.prefillers[0].faults({"kind": "no_kv_params"})
+    reply = client(proxy).completions.create(model="sim-model", prompt="The weather in Paris is", max_tokens=8,
+                                             extra_body={"min_tokens": 4})
+    assert reply.choices[0].finish_reason == "length" and reply.usage and reply.usage.completion_tokens == 8
+    _, (d,) = legs(sims)
+    assert "kv_transfer_params" not in d["body"] and d["body"]["min_tokens"] == 4
+
+
+@pytest.mark.parametrize("extra", [{"prompt_logprobs": 1}, {"echo": True, "logprobs": 1},
+                                   {"use_beam_search": True}])
+def test_requests_needing_the_prompts_logits_go_to_a_decoder_alone(proxy: ProxyThread, sims: Fleet,
+                                                                   extra: dict[str, Any]) -> None:
+    """vLLM computes prompt logprobs (and beam search) from the prompt on whichever engine runs the request, and
+    ignores a KV handle for them: pdproxy sends no prefill leg and the decoder gets the client's body."""
+    body = {"model": "sim-model", "prompt": "The weather in Paris is", "max_tokens": 4, **extra}
+    httpx.post(proxy.url + "/v1/completions", json=body, timeout=20)
+    prefills, (d,) = legs(sims)
+    assert prefills == []
+    assert "kv_transfer_params" not in d["body"] and all(d["body"][k] == v for k, v in extra.items())
