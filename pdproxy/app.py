@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -25,10 +26,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from pdproxy import __version__
-from pdproxy.admin import build_admin_router
+from pdproxy.admin import build_admin_router, check_admin_key
 from pdproxy.director import Director
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.errors import PayloadTooLarge, ProxyError, ShuttingDown, Unauthorized, error_body
+from pdproxy.errors import Forbidden, PayloadTooLarge, ProxyError, ShuttingDown, Unauthorized, error_body
 from pdproxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pdproxy.metrics import ProxyMetrics, rejection_of
 from pdproxy.pool import EndpointPool
@@ -104,7 +105,7 @@ class PDProxyApp:
         keys = self.settings.api_keys
         if keys:
             token = auth[7:] if auth and auth[:7].lower() == "bearer " else None
-            if token not in keys:
+            if token is None or not any(hmac.compare_digest(token.encode(), k.encode()) for k in keys):
                 raise Unauthorized("invalid or missing API key")
         return auth
 
@@ -238,8 +239,15 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
         return Response(status_code=200 if ok else 503, headers={} if ok else {"retry-after": "1"})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        """Prometheus exposition of pdproxy's own metrics and the engines' gauges (pdproxy/metrics.py)."""
+    async def metrics(request: Request) -> Response:
+        """Prometheus exposition of pdproxy's own metrics and the engines' gauges (pdproxy/metrics.py); behind
+        ``metrics_key`` when it is set (403 otherwise)."""
+        key = proxy.settings.metrics_key
+        if key:
+            auth = request.headers.get("authorization") or ""
+            given = auth[7:] if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(given.encode(), key.encode()):
+                raise Forbidden("invalid or missing metrics key", redact=False)
         return Response(proxy.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/version")
@@ -272,9 +280,13 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
                         media_type="application/json")
 
     @app.get("/debug/load")
-    async def debug_load() -> dict[str, Any]:
-        """Per-endpoint in-flight requests/tokens and health (all zero when idle), and admission's counters."""
+    async def debug_load(request: Request) -> dict[str, Any]:
+        """Per-endpoint in-flight requests/tokens and health (all zero when idle), and admission's counters.
+        Open when pdproxy enforces no client keys (a trusted network); behind the admin key when ``api_keys`` is
+        set (403 without it, or when no ``admin_key`` is configured)."""
         st = state()
+        if st.settings.api_keys:
+            check_admin_key(st, request)
         return {"in_flight": st.in_flight, "admission": st.admission.snapshot(),
                 "endpoints": [{"name": e.name, "role": e.role.value, "dp_rank": e.dp_rank,
                                "requests": st.pool.load(e).requests, "tokens": st.pool.load(e).tokens,

@@ -1,12 +1,19 @@
 """One error hierarchy, serialised in vLLM's error envelope at one boundary.
 
-Envelope (vLLM ``vllm/entrypoints/openai/engine/protocol.py::ErrorResponse``, same in v0.11 and v0.26)::
+Envelope (vLLM ``vllm/entrypoints/serve/engine/protocol.py::ErrorResponse``)::
 
     {"error": {"message": str, "type": str, "param": str | None, "code": int}}
 
-``code`` is the integer HTTP status.  ``type`` follows vLLM: ``BadRequestError`` for 400,
-``NotFoundError`` for 404, ``InternalServerError`` for 500 …; where OpenAI clients detect a condition by
-a string code (``context_length_exceeded``) we add ``openai_code`` in the message-bearing object too.
+``code`` is the integer HTTP status.  ``type`` follows vLLM: ``BadRequestError`` for 400 (``Bad Request`` for a
+request that fails vLLM's pydantic model, as its FastAPI handler says), ``NotFoundError`` for 404,
+``InternalServerError`` for 500 …, and OpenAI's ``PermissionDeniedError`` for 403.
+
+The boundary is :meth:`ProxyError.body` (and :func:`sse_error_event`, built on it): a client never sees an
+engine's address.  ``message`` keeps the full text — engine URL, host:port, the transport's own words — for the
+log and the request's log line (``RequestContext.error``); :func:`public_message` is what the client reads: the
+same sentence with every URL, ``host:port``, IP address and ``('host', port)`` tuple taken out, so "prefiller
+http://10.0.0.5:8100 did not answer within 30 s" becomes "prefiller did not answer within 30 s".  An engine's own
+error body (:class:`UpstreamHTTPError`) passes through unchanged: those are vLLM's words about the request.
 
 Tree::
 
@@ -15,7 +22,7 @@ Tree::
     │   └── PromptTooLong (400)      prompt (+ max_tokens) over max_model_len or the KV pool
     ├── PayloadTooLarge (413)
     ├── Unauthorized (401)
-    ├── Forbidden (403)              admin API: missing/wrong admin key, or the admin API is off
+    ├── Forbidden (403)              admin key missing or wrong, or the admin API is off (PermissionDeniedError)
     ├── NotFound (404)               admin API: no such endpoint
     │   └── ModelNotFound (404)      no endpoint serves the request's ``model``
     ├── Conflict (409)               admin API: the endpoint already exists
@@ -30,6 +37,7 @@ Tree::
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -37,6 +45,8 @@ import orjson
 _TYPE_BY_STATUS = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    409: "ConflictError",
     404: "NotFoundError",
     408: "RequestTimeoutError",
     413: "PayloadTooLargeError",
@@ -54,12 +64,33 @@ def error_type_for(status: int) -> str:
     return _TYPE_BY_STATUS.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
 
 
+# What an engine's address looks like inside pdproxy's own messages and the transport's exception texts.
+_ADDRESS = re.compile(
+    r"[A-Za-z][A-Za-z0-9+.-]*://(?:\[[^\]\s]*\])?[^\s'\",)\]]*"        # a URL (with #dpN, paths...)
+    r"|\(\s*'[^']*'\s*,\s*\d+\s*\)"                                  # ('10.0.0.5', 8100)
+    r"|\[[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*\](?::\d+)?"                     # [fd00::5]:8100
+    r"|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b"                          # 10.0.0.5, 10.0.0.5:8100
+    r"|\b[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9-]+)*:\d{2,5}\b")  # d0.internal:9100
+_EMPTY_BRACKETS = re.compile(r"\s*(?:\(\s*\)|\[\s*\])")
+_SPACES = re.compile(r"[ \t]{2,}")
+
+
+def public_message(message: str) -> str:
+    """``message`` without engine addresses (see module docstring); the words around them are kept."""
+    if not _ADDRESS.search(message):
+        return message
+    text = _EMPTY_BRACKETS.sub("", _ADDRESS.sub("", message))
+    text = _SPACES.sub(" ", text).replace(" :", ":").replace(" ,", ",").replace(" .", ".").replace(" ]", "]")
+    return text.strip()
+
+
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
                error_type: str | None = None) -> dict[str, Any]:
     """Build vLLM's error envelope as a dict.
 
     ``code`` is the integer status as vLLM sends it, unless a string code (OpenAI's, such as
-    ``context_length_exceeded``) is given, which then goes into ``error.code`` as OpenAI does.
+    ``context_length_exceeded``) is given, which then goes into ``error.code`` as OpenAI does.  ``message`` is
+    used as given (callers with internal details pass :func:`public_message` of it).
     """
     return {
         "error": {
@@ -74,31 +105,35 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
 class ProxyError(Exception):
     """Base of every error pdproxy answers itself.
 
-    Attributes: ``status_code`` (HTTP status), ``error_type`` (envelope ``type``), ``param``,
-    ``code`` (string code or None → the status), ``headers`` (extra response headers such as Retry-After),
-    ``outcome`` (metrics/log label).
+    Attributes: ``status_code`` (HTTP status), ``message`` (full text, for logs), ``error_type`` (envelope
+    ``type``), ``param``, ``code`` (string code or None → the status), ``headers`` (extra response headers such
+    as Retry-After), ``outcome`` (metrics/log label).
     """
 
     status_code = 500
     outcome = "error"
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, error_type: str | None = None,
+                 redact: bool = True) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
         self.headers = dict(headers or {})
+        self._error_type = error_type
+        self.redact = redact
 
     @property
     def error_type(self) -> str:
-        """The envelope's ``type`` for this status (see :func:`error_type_for`)."""
-        return error_type_for(self.status_code)
+        """The envelope's ``type``: as given, else the one for this status (see :func:`error_type_for`)."""
+        return self._error_type or error_type_for(self.status_code)
 
     def body(self) -> dict[str, Any]:
-        """The error envelope for this error (see module docstring)."""
-        return error_body(self.status_code, self.message, param=self.param, code=self.code,
-                          error_type=self.error_type)
+        """The error envelope the client gets (see module docstring): :func:`public_message` of ``message``
+        (``redact=False`` for the admin API's answers, whose caller holds the admin key and names the URLs)."""
+        message = public_message(self.message) if self.redact else self.message
+        return error_body(self.status_code, message, param=self.param, code=self.code, error_type=self.error_type)
 
     def body_bytes(self) -> bytes:
         """:meth:`body` serialised as JSON bytes."""
@@ -116,7 +151,7 @@ class PromptTooLong(BadRequest):
     """Prompt tokens (+ requested output tokens) exceed an engine limit (HTTP 400).
 
     The message keeps vLLM's and OpenAI's phrase "maximum context length" (client libraries detect context
-    overflow by it); ``error.code`` stays the integer 400 as vLLM sends it (reference §2.4), so a client
+    overflow by it); ``error.code`` stays the integer 400 as vLLM sends it, so a client
     sees the same envelope as from the engine.  ``limit_kind`` is ``"max_model_len"`` or ``"kv_pool"``.
     """
 
@@ -145,7 +180,7 @@ class Forbidden(ProxyError):
 
 
 class Conflict(ProxyError):
-    """The endpoint already exists (HTTP 409)."""
+    """The endpoint already exists, or removing it would leave its role without endpoints (HTTP 409)."""
 
     status_code = 409
     outcome = "conflict"
@@ -253,7 +288,7 @@ class UpstreamHTTPError(ProxyError):
     def __init__(self, status: int, body: bytes, *, endpoint: str = "", content_type: str = "application/json",
                  retry_after: str | None = None) -> None:
         super().__init__(f"engine {endpoint} answered HTTP {status}")
-        self.status_code = status  # type: ignore[misc]
+        self.status_code = status
         self.raw_body = body
         self.endpoint = endpoint
         self.content_type = content_type
@@ -261,17 +296,18 @@ class UpstreamHTTPError(ProxyError):
         if retry_after:
             self.headers["retry-after"] = retry_after
         if 400 <= status < 500:
-            self.outcome = "upstream_rejected"  # type: ignore[misc]
+            self.outcome = "upstream_rejected"
 
     def body_bytes(self) -> bytes:
         """The engine's own error body (bytes) passed through verbatim; a generated JSON envelope if it sent none."""
         if self.raw_body:
             return self.raw_body
-        return orjson.dumps(error_body(self.status_code, f"engine {self.endpoint} answered HTTP {self.status_code}"))
+        return orjson.dumps(error_body(self.status_code, f"engine answered HTTP {self.status_code}"))
 
 
 def sse_error_event(err: ProxyError | Exception) -> bytes:
-    """An SSE error event as vLLM sends mid-stream (reference §2.4): ``data: {"error": {...}}\\n\\n``."""
+    """An SSE error event as vLLM sends mid-stream: ``data: {"error": {...}}\\n\\n`` (an engine's own error
+    object as it sent it; pdproxy's without engine addresses, see :func:`public_message`)."""
     if isinstance(err, UpstreamHTTPError):
         try:
             parsed = orjson.loads(err.raw_body)
@@ -282,5 +318,5 @@ def sse_error_event(err: ProxyError | Exception) -> bytes:
     if isinstance(err, ProxyError):
         body = err.body()
     else:
-        body = error_body(502, f"upstream stream failed: {err.__class__.__name__}: {err}")
+        body = error_body(502, public_message(f"upstream stream failed: {err.__class__.__name__}: {err}"))
     return b"data: " + orjson.dumps(body) + b"\n\n"

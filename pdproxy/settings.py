@@ -132,7 +132,10 @@ class Settings(BaseSettings):
     engine_api_key: str | None = Field(None, description="the engines' --api-key: sent on every engine call (request "
                                                          "legs, /tokenize, /v1/models, /metrics, /health) instead of "
                                                          "the client's Authorization")
-    admin_key: str | None = Field(None, description="enables the /admin API (Authorization: Bearer <key>)")
+    admin_key: str | None = Field(None, description="enables the /admin API (Authorization: Bearer <key>); also "
+                                                    "guards /debug/load whenever api_keys is set")
+    metrics_key: str | None = Field(None, description="when set, GET /metrics needs Authorization: Bearer <key> "
+                                                      "(Prometheus: authorization.credentials); unset = open")
 
     # --- admission
     max_model_len: int | None = Field(None, ge=1, description="override the engines' max_model_len")

@@ -112,7 +112,8 @@ def test_drain_on_an_idle_decoder_keeps_it_listed_and_undrain_finds_it(sims: Fle
 
 def test_normal_operation_logs_nothing_alarming(sims: Fleet, caplog: pytest.LogCaptureFixture) -> None:
     """Successful requests, a decoder that refuses a request (its 4xx frees the KV itself: no release leg)
-    and a client that leaves mid-stream produce no pdproxy log line at INFO or above, besides request lines."""
+    and a client that leaves mid-stream log no warning, no release leg and no engine 5xx (INFO lines such as an
+    engine coming up are fine)."""
     proxy = ProxyThread(prefill=[s.url for s in sims.prefillers], decode=[s.url for s in sims.decoders]).start()
     caplog.set_level(logging.INFO, logger="pdproxy")
     try:
@@ -131,6 +132,7 @@ def test_normal_operation_logs_nothing_alarming(sims: Fleet, caplog: pytest.LogC
         proxy.wait_idle()
     finally:
         proxy.stop()
-    alarming: list[Any] = [r for r in caplog.records if r.name.startswith("pdproxy") and r.levelno >= logging.INFO
-                           and r.name != "pdproxy.requests"]
+    alarming: list[Any] = [r for r in caplog.records if r.name.startswith("pdproxy") and r.name != "pdproxy.requests"
+                           and (r.levelno >= logging.WARNING or "release leg" in r.getMessage()
+                                or "HTTP 5" in r.getMessage())]
     assert not alarming, [f"{r.name} {r.levelname} {r.getMessage()}" for r in alarming]
