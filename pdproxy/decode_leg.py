@@ -24,7 +24,7 @@ import orjson
 from pdproxy import kv_transfer, recompute
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engine_headers import EngineHeaders
-from pdproxy.errors import ProxyError, UpstreamTimeout, UpstreamUnavailable
+from pdproxy.errors import ProxyError, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable
 from pdproxy.h1client import H1Response
 from pdproxy.health import HealthMonitor
 from pdproxy.pool import EndpointPool
@@ -85,7 +85,7 @@ class DecodeLeg:
         prefill.decoders.append(endpoint)
         ctx.decoder = endpoint.name
         ctx.decoder_dp_rank = endpoint.dp_rank
-        body = kv_transfer.decode_body_bytes(req.raw, prefill.params)
+        body = kv_transfer.decode_body_bytes(req.raw, prefill.params, req.body)
         strip_usage = bool(req.stream and transcript is not None and not req.include_usage)
         if strip_usage:
             body = recompute.force_usage_bytes(body, req.body)
@@ -109,6 +109,8 @@ class DecodeLeg:
                         recomputed = await relay_json(resp, ctx, prefill.cached_tokens, out, transcript,
                                                       first_byte_s, routing)
             except ProxyError as exc:
+                if isinstance(exc, UpstreamHTTPError):      # it answered an error: vLLM freed the KV it was sent
+                    prefill.handed = True
                 if not self.health.record_error(endpoint, exc):
                     raise
                 raise DecodeFailed(exc, endpoint, kv_intact=isinstance(exc, UpstreamRefused)) from None

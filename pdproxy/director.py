@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import orjson
 
-from pdproxy import recompute
+from pdproxy import prefill_answer, recompute
 from pdproxy.admission import Admission
 from pdproxy.backoff import Backoff
-from pdproxy.decode_leg import DecodeFailed, DecodeLeg
+from pdproxy.decode_leg import DecodeFailed, DecodeLeg, routing_headers
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engine_headers import EngineHeaders
 from pdproxy.errors import UpstreamTimeout, UpstreamUnavailable
@@ -146,8 +146,11 @@ class Director:
             try:
                 for attempt in range(attempts):
                     if prefill is None:
-                        prefill = (await self.prefill.run(req, ctx, pick, stack) if ctx.disaggregated
-                                   else PrefillResult.skipped())
+                        prefill = (await self.prefill.run(req, ctx, pick, stack)
+                                   if ctx.disaggregated and not req.decoder_prefills else PrefillResult.skipped())
+                        if prefill.answer is not None and await self.answer_from_prefill(
+                                req, ctx, out, prefill, transcript):
+                            return False
                     try:
                         return await self.decode.run(req, ctx, pick, prefill, out, failed, transcript)
                     except DecodeFailed as f:
@@ -166,12 +169,31 @@ class Director:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def release_kv(self, req: ProxyRequest, ctx: RequestContext, prefill: PrefillResult) -> None:
-        """Free the prefiller's pinned KV that no decoder will read (background release leg, sent to a decoder
-        other than the ones that already had the handle when possible)."""
+        """Free the prefiller's pinned KV that no decoder will read: nothing to do when a decoder answered an error
+        for the handle (vLLM freed it), else a background release leg, sent to a decoder other than the ones that
+        already had the handle when possible."""
         if not prefill.consumed:
             prefill.consumed = True
-            self.kv_release.release(req, ctx.request_id, ctx.authorization, prefill.params,
-                                    avoid=list(prefill.decoders))
+            if not prefill.handed:
+                self.kv_release.release(req, ctx.request_id, ctx.authorization, prefill.params,
+                                        avoid=list(prefill.decoders))
+
+    async def answer_from_prefill(self, req: ProxyRequest, ctx: RequestContext, out: Responder,
+                                  prefill: PrefillResult, transcript: recompute.Transcript | None) -> bool:
+        """The prefiller finished the request itself (first-token EOS or stop, no KV handle): send its answer
+        (:mod:`pdproxy.prefill_answer`) and return True — unless it cannot stand for the client's request (a
+        ``min_tokens`` above 1, or a continuation whose response already started), in which case a decoder
+        prefills the request itself (False; ``prefill.params`` is None)."""
+        reply = prefill.answer
+        assert reply is not None
+        prefill.answer = None
+        if not prefill_answer.usable(req) or out.started or (transcript is not None and transcript.attempts > 1):
+            ctx.cached_tokens = prefill.cached_tokens = None
+            return False
+        prefill.consume()
+        routing = routing_headers(ctx) if self.settings.expose_routing_headers else []
+        await prefill_answer.send(req, ctx, out, reply, routing)
+        return True
 
     def new_transcript(self, req: ProxyRequest) -> recompute.Transcript | None:
         """A transcript when ``recompute_continuation`` is on (see :mod:`pdproxy.recompute`)."""

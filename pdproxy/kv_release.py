@@ -1,19 +1,22 @@
 """Freeing a prefiller's pinned KV blocks that no decoder is going to read.
 
 After the prefill leg the prefiller holds the prompt's KV blocks ("delay free") until a decoder pulls them or the
-connector's timeout expires — 480 s for Mooncake (``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``, vllm/envs.py),
-minutes for NIXL.  vLLM has no public abort endpoint (``/abort_requests`` exists only under
-``VLLM_SERVER_DEV_MODE``).  What frees the blocks with every connector is a decoder that receives the
-``kv_transfer_params`` and then ends: when a ``do_remote_prefill`` request finishes (or is aborted, or
-rejected) on the decoder, the connector notifies the prefiller, which frees the blocks (vLLM v0.26
-``nixl/pull_scheduler.py::request_finished``, vLLM-Ascend ``mooncake_connector.py::request_finished``).
+connector's lease expires — 480 s for vLLM-Ascend Mooncake (``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``, vllm/envs.py),
+NIXL's ``kv_lease_duration`` for vLLM 0.32 (``docs/pd-protocol.md``).  vLLM has no public abort endpoint
+(``/abort_requests`` exists only under ``VLLM_SERVER_DEV_MODE``).  What frees the blocks with every connector is a
+decoder that receives the ``kv_transfer_params`` and then ends: when a ``do_remote_prefill`` request finishes, is
+aborted or is rejected on the decoder, the connector notifies the prefiller, which frees the blocks (vLLM
+``nixl/pull_scheduler.py::request_finished``, ``generate/base/serving.py::_with_kv_transfer_rejection_cleanup``;
+vLLM-Ascend ``mooncake_connector.py::request_finished``).
 
-So when a request leaves between its prefill and its decoder's first event — the client disconnected in the
-P→D gap, the decode leg failed before its first byte, the deadline passed — :meth:`KVReleaser.release` sends, in
-the background, a *release leg*: the decode body with ``max_tokens: 1`` and the prefiller's params, to a healthy
-decoder, bounded by ``timeout_s`` (the connection is closed on expiry, which aborts it on the decoder, which
-again notifies the prefiller).  If the KV was already pulled or freed, the decoder's pull fails and nothing
-else happens.  Tasks are owned by the releaser and awaited (bounded) by :meth:`aclose` at shutdown.
+A decoder that sent its first event has the KV, and one that answered an error status for the handle has freed
+it; the director sends a *release leg* (:meth:`KVReleaser.release`) only otherwise — the client left in the P→D
+gap or before the decoder answered, the deadline passed there, or the decoder was refused, reset, timed out or
+stalled (it may be gone).  The leg is the decode body with ``max_tokens: 1`` and the prefiller's params, to a
+healthy decoder, in the background, bounded by ``timeout_s`` (the connection is closed on expiry, which aborts it
+on the decoder, which again notifies the prefiller).  If the KV was already pulled or freed, the decoder's pull
+fails — the expected outcome, logged at DEBUG.  Tasks are owned by the releaser and awaited (bounded) by
+:meth:`aclose` at shutdown.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ log = logging.getLogger("pdproxy.kv_release")
 
 def release_body(original: dict[str, object], params: kv_transfer.KVTransferParams) -> bytes:
     """The release leg's body: the prefill overrides (``stream: false``, ``max_tokens: 1``, no stream options,
-    ``min_tokens`` ≤ 1) with the prefiller's ``params`` as the decoder's ``kv_transfer_params``."""
+    ``min_tokens: 1``) with the prefiller's ``params`` as the decoder's ``kv_transfer_params``."""
     return orjson.dumps(kv_transfer.decode_body(kv_transfer.prefill_body(original), params))
 
 
@@ -97,8 +100,9 @@ class KVReleaser:
             try:
                 await self.upstream.post_json(endpoint, req.api.value, release_body(req.body, params), headers,
                                               timeout_s=self.timeout_s)
-            except ProxyError as exc:  # an error answer still means the decoder saw the params and ended
-                log.info("release leg for request %s on %s: %s", request_id, endpoint.name, exc.message)
+            except ProxyError as exc:  # an error answer still means the decoder saw the params and ended: when
+                # the KV is already gone (pulled, or freed by a decoder that ended), the pull fails, as expected
+                log.debug("release leg for request %s on %s: %s", request_id, endpoint.name, exc.message)
             finally:
                 self.health.record_neutral(endpoint)
         self.released += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 
@@ -22,7 +23,7 @@ from pdproxy.errors import NoEndpointAvailable, ProxyError, UpstreamHTTPError, U
 from pdproxy.health import HealthMonitor
 from pdproxy.pool import EndpointLoad, EndpointPool, Lease
 from pdproxy.prefill_queue import PrefillQueue, PrefillSlot
-from pdproxy.protocol import ProxyRequest
+from pdproxy.protocol import ProxyRequest, over_max_model_len
 from pdproxy.scheduling import PickRequest
 from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext
@@ -38,7 +39,12 @@ class PrefillResult:
     answering — the KV stays pinned on the prefiller until pulled), the opaque ``kv_transfer_params`` (None only
     when decode-side prefill is allowed) and the prefiller's ``cached_tokens``.  ``consumed``: a decoder answered,
     so it pulled the KV (nothing left to release); ``decoders``: the decoders sent this handle (a release leg
-    avoids them); ``slot``: the prefill queue's slot (its decoder reservation ends when the decode lease starts)."""
+    avoids them); ``slot``: the prefill queue's slot (its decoder reservation ends when the decode lease starts);
+    ``handed``: a decoder answered an error status for the handle, and vLLM frees the prefiller's KV of a rejected
+    request itself (``generate/base/serving.py::_with_kv_transfer_rejection_cleanup``), so no release leg is
+    needed — a decoder that never answered (refused, reset, timed out, stalled, or the client left first) may be
+    gone; ``answer``: the prefiller's JSON answer when it finished the request itself
+    (``kv_transfer.ended_on_prefill``)."""
 
     endpoint: Endpoint
     lease: Lease
@@ -47,6 +53,8 @@ class PrefillResult:
     consumed: bool = field(default=False)
     decoders: list[Endpoint] = field(default_factory=list)
     slot: PrefillSlot | None = None
+    handed: bool = False
+    answer: dict[str, Any] | None = None
 
     @classmethod
     def skipped(cls) -> PrefillResult:
@@ -83,11 +91,12 @@ class PrefillLeg:
         Raises :class:`UpstreamHTTPError` for an engine 4xx (passed through), the last failure when every attempt
         failed, the scheduler's refusal (:class:`NoEndpointAvailable`, :class:`~pdproxy.errors.ModelNotFound`)
         when no prefiller is usable, :class:`UpstreamUnavailable` when the answer has no ``kv_transfer_params``
-        (unless decode-side prefill is allowed).
+        though it did not finish the request (a prefiller without a KV connector; unless decode-side prefill is
+        allowed), ``req.fault`` when a request pdproxy found invalid for vLLM was accepted by the prefiller.
         """
         s = self.settings
         tokens = req.prompt_tokens or 0
-        body = orjson.dumps(kv_transfer.prefill_body(req.body))
+        body = orjson.dumps(kv_transfer.prefill_body(req.body, engine_judges=req.engine_judges))
         timeout_s = s.prefill_timeout_base_s + s.prefill_timeout_per_1k_tokens_s * tokens / 1000
         tried: list[Endpoint] = []
         last: ProxyError | None = None
@@ -103,11 +112,16 @@ class PrefillLeg:
                     raise last from None
                 raise
             endpoint = slot.endpoint
+            leg, fault = body, req.fault
+            max_model_len = self.queue.ledger.limits.of(endpoint).max_model_len
+            if max_model_len is not None and kv_transfer.engine_must_judge(req.max_output_tokens, max_model_len):
+                leg = orjson.dumps(kv_transfer.prefill_body(req.body, engine_judges=True))
+                fault = over_max_model_len(req, max_model_len)
             lease = stack.enter_context(self.pool.lease(endpoint, tokens))
             ctx.prefiller = endpoint.name
             ctx.timeline.prefill_start_at = time.monotonic()
             try:
-                reply = await self.upstream.post_json(endpoint, req.api.value, body,
+                reply = await self.upstream.post_json(endpoint, req.api.value, leg,
                                                       self.headers.leg(endpoint, ctx.request_id, ctx.authorization),
                                                       timeout_s=timeout_s)
             except ProxyError as exc:
@@ -125,14 +139,19 @@ class PrefillLeg:
             ctx.timeline.prefill_end_at = time.monotonic()
             slot.prefill_done()
             self.health.record_success(endpoint)
+            if fault is not None:        # an engine that accepts what vLLM 0.32 refuses: say what vLLM would
+                lease.release()
+                raise fault
             params = kv_transfer.extract_params(reply)
-            if params is None and not s.allow_decode_side_prefill:
+            ended = kv_transfer.ended_on_prefill(reply)
+            if params is None and not ended and not s.allow_decode_side_prefill:
                 lease.release()
                 raise UpstreamUnavailable(
                     f"prefiller {endpoint.name} answered without kv_transfer_params: is it started with a KV "
                     "connector (--kv-transfer-config) in the producer role? (set allow_decode_side_prefill to let "
                     "decoders prefill locally instead)", endpoint=endpoint.name, retryable=False)
             ctx.cached_tokens = kv_transfer.prefill_cached_tokens(reply)
-            return PrefillResult(endpoint, lease, params, ctx.cached_tokens, slot=slot)
+            return PrefillResult(endpoint, lease, params, ctx.cached_tokens, slot=slot,
+                                 answer=reply if ended else None)
         assert last is not None
         raise last

@@ -32,7 +32,7 @@ def test_metrics_count_known_traffic(proxy: ProxyThread, sims: Fleet) -> None:
         chunks = list(client.chat.completions.create(**CHAT, stream=True, stream_options={"include_usage": True}))
         assert chunks[-1].usage is not None
     client.completions.create(model="sim-model", prompt="Hello there", max_tokens=4)
-    bad = httpx.post(proxy.url + "/v1/chat/completions", json={"model": "sim-model", "max_tokens": 4})
+    bad = httpx.post(proxy.url + "/v1/chat/completions", json={**CHAT, "n": 2})   # pdproxy's own 400
     assert bad.status_code == 400
     proxy.wait_idle()
     # a request is recorded just after it leaves in_flight (app.py: the outer finally), so wait for the last one
@@ -42,7 +42,7 @@ def test_metrics_count_known_traffic(proxy: ProxyThread, sims: Fleet) -> None:
     assert m.value("pdproxy_requests_total", api="chat", status="200", outcome="ok") == 2
     assert m.value("pdproxy_requests_total", api="completions", status="200", outcome="ok") == 1
     assert m.value("pdproxy_requests_total", api="chat", status="400", outcome="bad_request") == 1
-    assert m.value("pdproxy_rejections_total", reason="bad_request", detail="messages") == 1
+    assert m.value("pdproxy_rejections_total", reason="bad_request", detail="n") == 1
     assert m.total("pdproxy_rejections_total") == 1
     assert m.value("pdproxy_time_to_first_token_seconds_count", api="chat") == 2
     assert m.value("pdproxy_time_to_first_token_seconds_count", api="completions") == 1
