@@ -43,7 +43,10 @@ class EngineConfig:
     decode_args: str = ""
 
 
-STANDARD = EngineConfig("standard")
+TOOL_PARSER = "--enable-auto-tool-choice --tool-call-parser pythonic"
+"""A tool-call parser on both engines (pythonic needs no special tokens), so tool_choice "required" and named
+functions run as in production (without one vLLM refuses them); tool_choice "auto" is then accepted too."""
+STANDARD = EngineConfig("standard", prefill_args=TOOL_PARSER, decode_args=TOOL_PARSER)
 SMALL_POOL_BLOCKS = 18
 SMALL_POOL = EngineConfig("small_pool", prefill_args=f"--num-gpu-blocks-override {SMALL_POOL_BLOCKS}")
 """A prefiller whose KV pool (18 blocks × 128 = 2,304 tokens) is only a little above max_model_len (2,048)."""
