@@ -2,7 +2,8 @@
 --tool-call-parser pythonic``), the facts ``docs/pd-protocol.md`` records:
 
 - a constraint that cannot be met in one token (tool_choice "required" / a named function, response_format
-  json_object / json_schema, structured outputs, min_tokens, a first token forced to EOS) neither fails nor
+  json_object / json_schema, structured outputs, min_tokens, a first token forced to EOS, a stop string matching
+  the first token) neither fails nor
   distorts the one-token prefill: through pdproxy each request answers exactly what the decoder alone answers
   (greedy), after a real KV pull;
 - KV pulled from a prefill that ran *without* the constraint decodes under it from the first token: the decoder
@@ -85,6 +86,18 @@ def test_constraints_survive_the_one_token_prefill(engines: Engines, prompts: Pr
         assert answer(via.json()) == answer(alone.json()), name
         if name.startswith("eos_first"):      # the client's answer is vLLM's: stopped at once, nothing said
             assert answer(via.json())[2:] == ("stop", 1) and not answer(via.json())[0]
+    # a stop string that matches the first token: vLLM checks stop strings only past min_tokens, so the one-token
+    # prefill leg (min_tokens 1) still hands over its KV, and the decoder stops at once as vLLM alone does
+    body = base("chat", "Tell me the weather in Paris please, in a few words.")
+    first = httpx.post(engines.decode_url + path("chat"), json={**body, "max_tokens": 1}, timeout=60).json()
+    word = (first["choices"][0]["message"]["content"] or "").strip()
+    assert word, first
+    body["stop"] = [word]
+    before = pulled(engines.decode_url)
+    via = httpx.post(proxy.url + path("chat"), json=body, timeout=60)
+    wait_until(lambda: pulled(engines.decode_url) > before, 10, 0.1, "stop string: the KV pull")
+    alone = httpx.post(engines.decode_url + path("chat"), json=body, timeout=60)
+    assert answer(via.json()) == answer(alone.json()) and answer(via.json())[2] == "stop"
 
 
 CONSTRAINTS = ("tool_choice", "response_format", "structured_outputs", "min_tokens", "logit_bias")
