@@ -113,7 +113,8 @@ class PDProxyApp:
         """Raw ASGI handler for ``POST /v1/completions`` and ``/v1/chat/completions``."""
         state, director = self.state, self.director
         client_id = _header(scope, b"x-request-id")
-        ctx = RequestContext(request_id=new_request_id(client_id), client_request_id=client_id, api_label=api.label)
+        ctx = RequestContext(request_id=new_request_id(client_id), client_request_id=client_id, api_label=api.label,
+                             client_headers=scope["headers"])
         out = Responder(send, ctx, [(b"x-request-id", (client_id or ctx.request_id).encode("latin-1"))])
         req: ProxyRequest | None = None
         ctx.observe_gap = self.metrics.started(ctx.api_label)

@@ -34,6 +34,7 @@ from pdproxy.relay import Responder, StreamRelay
 from pdproxy.scheduling import PickRequest, Scheduler
 from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext
+from pdproxy.tracing import NO_TRACING, Tracing
 from pdproxy.upstream import Upstream, UpstreamRefused
 
 
@@ -60,16 +61,18 @@ def routing_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:
 
 class DecodeLeg:
     """Runs the decode leg of a request (see the module docstring).  ``scheduler`` picks the decoder, ``pool``
-    holds its lease, ``health`` hears the verdict, ``upstream`` opens it with ``headers``."""
+    holds its lease, ``health`` hears the verdict, ``upstream`` opens it with ``headers``; ``tracing`` spans each
+    attempt."""
 
     def __init__(self, settings: Settings, *, scheduler: Scheduler, pool: EndpointPool, health: HealthMonitor,
-                 upstream: Upstream, headers: EngineHeaders) -> None:
+                 upstream: Upstream, headers: EngineHeaders, tracing: Tracing = NO_TRACING) -> None:
         self.settings = settings
         self.scheduler = scheduler
         self.pool = pool
         self.health = health
         self.upstream = upstream
         self.headers = headers
+        self.tracing = tracing
 
     async def run(self, req: ProxyRequest, ctx: RequestContext, pick: PickRequest, prefill: PrefillResult,
                   out: Responder, exclude: list[Endpoint], transcript: recompute.Transcript | None) -> bool:
@@ -92,7 +95,7 @@ class DecodeLeg:
         ctx.timeline.decode_start_at = time.monotonic()
         first_byte_s = s.decode_first_byte_timeout_s if req.stream else s.decode_nonstream_timeout_s
         routing = routing_headers(ctx) if s.expose_routing_headers else []
-        with self.pool.lease(endpoint, tokens):
+        with self.pool.lease(endpoint, tokens), self.tracing.decode(ctx, endpoint):  # the span: the leg's traceparent
             if prefill.slot is not None:
                 prefill.slot.decode_started()
             try:

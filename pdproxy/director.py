@@ -46,6 +46,7 @@ from pdproxy.relay import Responder
 from pdproxy.scheduling import NO_HINTS, PickRequest, PrefixHints, Scheduler
 from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext, new_request_id
+from pdproxy.tracing import NO_TRACING, Tracing
 from pdproxy.upstream import Upstream
 
 if TYPE_CHECKING:
@@ -74,23 +75,25 @@ class Director:
 
     ``admission`` admits; ``scheduler`` answers "could any decoder take it" before a prefill is spent (and picks
     inside the legs); ``queue`` grants prefill slots; ``pool``, ``health``, ``upstream`` and ``headers`` serve the
-    legs; ``releaser`` frees KV that no decoder will read; ``prefix`` supplies prefix hints.  :meth:`from_state`
-    wires one from a :class:`~pdproxy.state.ProxyState`.
+    legs; ``releaser`` frees KV that no decoder will read; ``prefix`` supplies prefix hints; ``tracing`` spans
+    each step (:mod:`pdproxy.tracing`; off by default).  :meth:`from_state` wires one from a
+    :class:`~pdproxy.state.ProxyState`.
     """
 
     def __init__(self, settings: Settings, *, admission: Admission, scheduler: Scheduler, queue: PrefillQueue,
                  pool: EndpointPool, health: HealthMonitor, upstream: Upstream, headers: EngineHeaders,
-                 releaser: KVReleaser, prefix: PrefixSource | None = None) -> None:
+                 releaser: KVReleaser, prefix: PrefixSource | None = None, tracing: Tracing = NO_TRACING) -> None:
         self.settings = settings
         self.admission = admission
         self.scheduler = scheduler
         self.kv_release = releaser
         self.prefix: PrefixSource = prefix or NoPrefix()
+        self.tracing = tracing
         self.backoff = Backoff(settings.retry_backoff_s, settings.retry_backoff_max_s)
         self.prefill = PrefillLeg(settings, queue=queue, pool=pool, health=health, upstream=upstream,
-                                  headers=headers, backoff=self.backoff)
+                                  headers=headers, backoff=self.backoff, tracing=tracing)
         self.decode = DecodeLeg(settings, scheduler=scheduler, pool=pool, health=health, upstream=upstream,
-                                headers=headers)
+                                headers=headers, tracing=tracing)
 
     @classmethod
     def from_state(cls, state: ProxyState, prefix: PrefixSource | None = None) -> Director:
@@ -100,7 +103,7 @@ class Director:
                               timeout_s=state.settings.kv_release_timeout_s)
         return cls(state.settings, admission=state.admission, scheduler=state.scheduler, queue=state.queue,
                    pool=state.pool, health=state.health, upstream=state.upstream, headers=state.headers,
-                   releaser=releaser, prefix=prefix)
+                   releaser=releaser, prefix=prefix, tracing=state.tracing)
 
     async def aclose(self) -> None:
         """Let background release legs finish (bounded); the app lifespan calls this before stopping state."""
@@ -109,13 +112,15 @@ class Director:
     async def serve(self, req: ProxyRequest, ctx: RequestContext, out: Responder) -> None:
         """Serve one completion request end to end.  Raises :class:`~pdproxy.errors.ProxyError` for the handler
         to send."""
-        async with self.deadline(ctx):                                  # optional end-to-end deadline
-            await self.admission.admit(req, ctx)                        # 1. fits? (400 before any engine)
-            transcript = self.new_transcript(req)
-            leg: ProxyRequest | None = req
-            while leg is not None:
-                recomputed = await self.run_pd(leg, ctx, out, transcript)  # 2-4. queue+prefill → decode → relay
-                leg = await self.continuation(req, ctx, out, transcript) if recomputed else None  # 5. Ascend
+        with self.tracing.request(req, ctx):                                # the request's span (if tracing)
+            async with self.deadline(ctx):                                  # optional end-to-end deadline
+                with self.tracing.admission(ctx):
+                    await self.admission.admit(req, ctx)                    # 1. fits? (400 before any engine)
+                transcript = self.new_transcript(req)
+                leg: ProxyRequest | None = req
+                while leg is not None:
+                    recomputed = await self.run_pd(leg, ctx, out, transcript)  # 2-4. queue+prefill → decode → relay
+                    leg = await self.continuation(req, ctx, out, transcript) if recomputed else None  # 5. Ascend
 
     @asynccontextmanager
     async def deadline(self, ctx: RequestContext) -> AsyncIterator[None]:

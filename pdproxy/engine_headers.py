@@ -14,10 +14,15 @@ vLLM 0.32's ``--api-key`` guards the paths under ``/v1``, ``/v2``, ``/inference`
 (``vllm/entrypoints/serve/middleware/authenticate.py``, ``GUARDED_PREFIX``): ``/v1/models`` and the completion
 routes need the key, ``/health``, ``/metrics`` and ``/tokenize`` do not.  pdproxy sends it on every call anyway,
 which also suits gateways in front of engines that guard every path.
+
+Trace context (setting ``otlp_traces_endpoint``, :mod:`pdproxy.tracing`): with tracing on, a request's legs also
+carry the current span as W3C ``traceparent`` / ``tracestate``, so that an engine started with
+``--otlp-traces-endpoint`` records its spans in the request's trace.  Control-plane calls carry none.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pdproxy.endpoints import Endpoint
@@ -29,19 +34,24 @@ if TYPE_CHECKING:
 class EngineHeaders:
     """Builds engine-call headers (see the module docstring).  ``engine_api_key``: the engines' ``--api-key``;
     ``forward_client_authorization``: pass a client's ``Authorization`` through when no engine key is set (False
-    when pdproxy enforces its own ``api_keys``)."""
+    when pdproxy enforces its own ``api_keys``); ``propagate``: adds the current trace context to a leg's headers
+    (:attr:`pdproxy.tracing.Tracing.propagate`; None = tracing off)."""
 
-    __slots__ = ("_control", "_key", "forward_client_authorization")
+    __slots__ = ("_control", "_key", "_propagate", "forward_client_authorization")
 
-    def __init__(self, *, engine_api_key: str | None = None, forward_client_authorization: bool = True) -> None:
+    def __init__(self, *, engine_api_key: str | None = None, forward_client_authorization: bool = True,
+                 propagate: Callable[[dict[str, str]], None] | None = None) -> None:
         self._key = f"Bearer {engine_api_key}" if engine_api_key else None
         self.forward_client_authorization = forward_client_authorization
         self._control = {"Authorization": self._key} if self._key else {}
+        self._propagate = propagate
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> EngineHeaders:
-        """The rule for ``settings.engine_api_key`` / ``settings.api_keys``."""
-        return cls(engine_api_key=settings.engine_api_key, forward_client_authorization=not settings.api_keys)
+    def from_settings(cls, settings: Settings, propagate: Callable[[dict[str, str]], None] | None = None
+                      ) -> EngineHeaders:
+        """The rule for ``settings.engine_api_key`` / ``settings.api_keys``; ``propagate`` as in the class."""
+        return cls(engine_api_key=settings.engine_api_key, forward_client_authorization=not settings.api_keys,
+                   propagate=propagate)
 
     def authorization(self, client_authorization: str | None) -> str | None:
         """The ``Authorization`` value for a leg of a request whose client sent ``client_authorization``."""
@@ -55,11 +65,14 @@ class EngineHeaders:
 
     def leg(self, endpoint: Endpoint, request_id: str, client_authorization: str | None = None) -> dict[str, str]:
         """Headers of a JSON POST to ``endpoint`` for request ``request_id``: ``Content-Type``, ``X-Request-Id``
-        (one id across a request's legs, so engine logs line up), ``Authorization`` per the rule, and the DP-rank
-        pin (``X-data-parallel-rank``) of an internal-DP endpoint."""
+        (one id across a request's legs, so engine logs line up), ``Authorization`` per the rule, the DP-rank
+        pin (``X-data-parallel-rank``) of an internal-DP endpoint, and with tracing on ``traceparent`` (and
+        ``tracestate``) of the current span."""
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
         auth = self.authorization(client_authorization)
         if auth:
             headers["Authorization"] = auth
         headers.update(endpoint.extra_headers())
+        if self._propagate is not None:
+            self._propagate(headers)
         return headers

@@ -27,6 +27,7 @@ from pdproxy.protocol import ProxyRequest, over_max_model_len
 from pdproxy.scheduling import PickRequest
 from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext
+from pdproxy.tracing import NO_TRACING, Tracing
 from pdproxy.upstream import Upstream
 
 # Prefiller answers worth another prefiller: they say "not me, not now".  500 gets one more try elsewhere.
@@ -72,10 +73,11 @@ class PrefillResult:
 class PrefillLeg:
     """Runs the prefill leg of a request (see the module docstring).  ``queue`` grants the prefiller (the
     scheduler's pick inside it), ``pool`` holds its lease, ``health`` hears each attempt's verdict, ``upstream``
-    sends it with ``headers``; ``backoff`` spaces the attempts."""
+    sends it with ``headers``; ``backoff`` spaces the attempts; ``tracing`` spans the queue wait and each
+    attempt."""
 
     def __init__(self, settings: Settings, *, queue: PrefillQueue, pool: EndpointPool, health: HealthMonitor,
-                 upstream: Upstream, headers: EngineHeaders, backoff: Backoff) -> None:
+                 upstream: Upstream, headers: EngineHeaders, backoff: Backoff, tracing: Tracing = NO_TRACING) -> None:
         self.settings = settings
         self.queue = queue
         self.pool = pool
@@ -83,6 +85,7 @@ class PrefillLeg:
         self.upstream = upstream
         self.headers = headers
         self.backoff = backoff
+        self.tracing = tracing
 
     async def run(self, req: ProxyRequest, ctx: RequestContext, pick: PickRequest,
                   stack: AsyncExitStack) -> PrefillResult:
@@ -105,8 +108,9 @@ class PrefillLeg:
             if attempt:
                 await self.backoff.sleep(attempt)
             try:                                       # wait in the prefill queue for a slot (queue → pick)
-                slot = await stack.enter_async_context(self.queue.slot(tokens, tokens + 1, exclude=tried,
-                                                                       request=pick))
+                with self.tracing.queue_wait(ctx):
+                    slot = await stack.enter_async_context(self.queue.slot(tokens, tokens + 1, exclude=tried,
+                                                                           request=pick))
             except NoEndpointAvailable:
                 if last is not None:
                     raise last from None
@@ -121,9 +125,11 @@ class PrefillLeg:
             ctx.prefiller = endpoint.name
             ctx.timeline.prefill_start_at = time.monotonic()
             try:
-                reply = await self.upstream.post_json(endpoint, req.api.value, leg,
-                                                      self.headers.leg(endpoint, ctx.request_id, ctx.authorization),
-                                                      timeout_s=timeout_s)
+                with self.tracing.prefill(ctx, endpoint):   # the span is the leg's traceparent
+                    reply = await self.upstream.post_json(endpoint, req.api.value, leg,
+                                                          self.headers.leg(endpoint, ctx.request_id, ctx.authorization),
+                                                          timeout_s=timeout_s)
+                    ctx.cached_tokens = kv_transfer.prefill_cached_tokens(reply)
             except ProxyError as exc:
                 lease.release()
                 slot.release()
@@ -150,7 +156,6 @@ class PrefillLeg:
                     f"prefiller {endpoint.name} answered without kv_transfer_params: is it started with a KV "
                     "connector (--kv-transfer-config) in the producer role? (set allow_decode_side_prefill to let "
                     "decoders prefill locally instead)", endpoint=endpoint.name, retryable=False)
-            ctx.cached_tokens = kv_transfer.prefill_cached_tokens(reply)
             return PrefillResult(endpoint, lease, params, ctx.cached_tokens, slot=slot,
                                  answer=reply if ended else None)
         assert last is not None

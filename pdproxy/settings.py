@@ -197,6 +197,16 @@ class Settings(BaseSettings):
     prefix_text_chunk_chars: int = Field(256, ge=1, description="without a tokenizer: characters per key of the "
                                                                 "rendered prompt (approximate index only)")
 
+    # --- tracing (pdproxy/tracing.py)
+    otlp_traces_endpoint: str | None = Field(
+        None, description="OpenTelemetry collector that receives pdproxy's request spans (vLLM's "
+                          "--otlp-traces-endpoint): gRPC by default, e.g. http://collector:4317; OTLP/HTTP with "
+                          "otlp_traces_protocol http/protobuf, e.g. http://collector:4318/v1/traces; an https URL "
+                          "uses TLS. Unset = tracing off. Needs pip install 'pdproxy[tracing]'")
+    otlp_traces_protocol: Literal["grpc", "http/protobuf"] | None = Field(
+        None, description="OTLP protocol of otlp_traces_endpoint; default: the OTEL_EXPORTER_OTLP_TRACES_PROTOCOL "
+                          "environment variable, else grpc (as vLLM)")
+
     _split = field_validator(
         "prefill", "decode", "prefiller_hosts", "prefiller_ports", "decoder_hosts", "decoder_ports", "api_keys",
         "model_tokenizers", "kv_events", "kv_events_replay",
@@ -208,6 +218,17 @@ class Settings(BaseSettings):
         from pdproxy.kv_subscriber import parse_engine_address
 
         return [f"{url}={address}" for url, address in (parse_engine_address(e) for e in v)]
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _tracing_installed(cls, v: str | None) -> str | None:
+        if v:
+            from pdproxy.tracing import INSTALL_HINT, otel_missing
+
+            missing = otel_missing()
+            if missing:
+                raise ValueError(f"needs the OpenTelemetry packages {', '.join(missing)}; {INSTALL_HINT}")
+        return v or None
 
     @model_validator(mode="after")
     def _check_endpoints(self) -> Settings:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from pdproxy.pool import EndpointPool
 from pdproxy.prefill_queue import PrefillLedger, PrefillQueue
 from pdproxy.scheduling import Scheduler
 from pdproxy.settings import Settings
+from pdproxy.tracing import Tracing, tracing_from_settings
 from pdproxy.upstream import Upstream
 
 
@@ -37,6 +39,7 @@ class ProxyState:
     upstream: Upstream
     engines: EngineClient
     admission: Admission
+    tracing: Tracing
     shutting_down: bool = False
     in_flight: int = 0
     extras: dict[str, object] = field(default_factory=dict)
@@ -48,7 +51,8 @@ class ProxyState:
         shared load board, pdproxy/loadboard.py) replaces the default per-process :class:`EndpointPool`."""
         s = settings
         pool = (pool_factory or EndpointPool)(s.all_endpoints())
-        headers = EngineHeaders.from_settings(s)
+        tracing = tracing_from_settings(s)
+        headers = EngineHeaders.from_settings(s, propagate=tracing.propagate)
         engines = EngineClient(timeout_s=s.health_timeout_s, api_key=s.engine_api_key)
         infos: dict[Endpoint, EngineInfo] = {e: EngineInfo() for e in pool.endpoints()}
         limits = Limits(pool, infos, max_model_len_override=s.max_model_len, clamp=s.max_tokens_overflow == "clamp")
@@ -65,7 +69,7 @@ class ProxyState:
         admission = Admission(s, limits=limits, queue=queue, scheduler=scheduler, upstream=upstream, headers=headers)
         return cls(settings=s, pool=pool, infos=infos, limits=limits, health=health, ledger=ledger,
                    scheduler=scheduler, queue=queue, headers=headers, upstream=upstream, engines=engines,
-                   admission=admission)
+                   admission=admission, tracing=tracing)
 
     async def start(self) -> None:
         """Start the upstream pool, admission and health monitoring (health probes every engine once first)."""
@@ -74,8 +78,11 @@ class ProxyState:
         await self.health.start()
 
     async def stop(self) -> None:
-        """Stop health monitoring, admission, the upstream pool and the engine client, in that order."""
+        """Stop health monitoring, admission, the upstream pool and the engine client, in that order, then flush
+        the spans still buffered (tracing on)."""
         await self.health.stop()
         await self.admission.aclose()
         await self.upstream.close()
         await self.engines.aclose()
+        if self.tracing.enabled:
+            await asyncio.to_thread(self.tracing.shutdown)

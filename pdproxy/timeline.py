@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -68,7 +68,9 @@ def new_request_id(client_id: str | None) -> str:
 
 @dataclass(slots=True)
 class RequestContext:
-    """What one request carries through the path: ids, auth, chosen endpoints, outcome, timeline."""
+    """What one request carries through the path: ids, auth, chosen endpoints, outcome, timeline.
+    ``client_headers``: the client's request headers as (lower-case name, value) byte pairs, read only when needed
+    (the trace context, pdproxy/tracing.py)."""
 
     request_id: str
     client_request_id: str | None
@@ -89,3 +91,4 @@ class RequestContext:
     observe_gap: Callable[[float], None] | None = None  # ITL histogram: called with each gap between writes (s)
     disaggregated: bool = True
     timeline: Timeline = field(default_factory=Timeline)
+    client_headers: Sequence[tuple[bytes, bytes]] = ()
