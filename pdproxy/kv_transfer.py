@@ -256,6 +256,14 @@ def ended_on_prefill(prefill_response: Mapping[str, Any]) -> bool:
     return _handle(prefill_response) is None and finish_reason(prefill_response) in _COMPLETE_FINISH
 
 
+def prefill_prompt_tokens(prefill_response: Mapping[str, Any]) -> int | None:
+    """``usage.prompt_tokens`` of the prefiller's answer: the prompt as the engine tokenized it (chat template
+    included), which admission may only have estimated."""
+    usage = prefill_response.get("usage")
+    value = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return value if isinstance(value, int) else None
+
+
 def prefill_cached_tokens(prefill_response: Mapping[str, Any]) -> int | None:
     """``usage.prompt_tokens_details.cached_tokens`` of the prefiller's answer (its real prefix-cache hits).
 

@@ -130,6 +130,7 @@ class PrefillLeg:
                                                           self.headers.leg(endpoint, ctx.request_id, ctx.authorization),
                                                           timeout_s=timeout_s)
                     ctx.cached_tokens = kv_transfer.prefill_cached_tokens(reply)
+                    ctx.engine_prompt_tokens = kv_transfer.prefill_prompt_tokens(reply)
             except ProxyError as exc:
                 lease.release()
                 slot.release()

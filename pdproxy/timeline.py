@@ -81,6 +81,7 @@ class RequestContext:
     decoder: str | None = None
     decoder_dp_rank: int | None = None
     prompt_tokens: int | None = None
+    engine_prompt_tokens: int | None = None  # the prefiller's usage.prompt_tokens (admission may have estimated)
     cached_tokens: int | None = None
     completion_tokens: int | None = None
     events: int = 0

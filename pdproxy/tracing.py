@@ -53,7 +53,7 @@ class Attr:
     REQUEST_MODEL: Final = "gen_ai.request.model"
     REQUEST_MAX_TOKENS: Final = "gen_ai.request.max_tokens"  # GenAI and vLLM
     REQUEST_ID: Final = "gen_ai.request.id"                  # vLLM: the id the engines get as X-Request-Id
-    INPUT_TOKENS: Final = "gen_ai.usage.input_tokens"        # GenAI
+    INPUT_TOKENS: Final = "gen_ai.usage.input_tokens"        # GenAI: the prefiller's count (its usage)
     OUTPUT_TOKENS: Final = "gen_ai.usage.output_tokens"      # GenAI
     CACHED_TOKENS: Final = "gen_ai.usage.cache_read.input_tokens"  # GenAI: the prefiller's prefix-cache hit
     PROMPT_TOKENS: Final = "gen_ai.usage.prompt_tokens"      # vLLM
@@ -71,6 +71,8 @@ class Attr:
     DP_RANK: Final = "pdproxy.dp_rank"                       # the DP rank the leg was pinned to (internal DP)
     STREAM: Final = "pdproxy.stream"
     DISAGGREGATED: Final = "pdproxy.disaggregated"           # False: the decoder prefilled the prompt itself
+    ADMITTED_TOKENS: Final = "pdproxy.admission.prompt_tokens"  # what admission judged by: exact when it had to
+    #                                                              count, else an estimate under the byte bound
     PREFILLER: Final = "pdproxy.prefiller"                   # on the request span: the endpoints finally used
     DECODER: Final = "pdproxy.decoder"
     OUTCOME: Final = "pdproxy.outcome"                       # the relay's verdict when it is not "ok"

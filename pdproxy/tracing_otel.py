@@ -223,15 +223,20 @@ class OtelTracing(Tracing):
                                       Attr.REQUEST_ID: ctx.request_id}
         if endpoint.dp_rank is not None:
             attributes[Attr.DP_RANK] = endpoint.dp_rank
-        if ctx.prompt_tokens is not None:
-            attributes[Attr.INPUT_TOKENS] = attributes[Attr.PROMPT_TOKENS] = ctx.prompt_tokens
         return self._tracer.start_span(role, kind=SpanKind.CLIENT, attributes=attributes)
 
 
 # --- closing attributes (read from the request context when the step ends) ----------------------------------------
+def _prompt(span: Span, ctx: RequestContext) -> None:
+    """The engine's prompt count (the prefiller's usage); absent when no prefiller answered (admission's own
+    count is on the admission span)."""
+    _set(span, Attr.INPUT_TOKENS, ctx.engine_prompt_tokens)
+    _set(span, Attr.PROMPT_TOKENS, ctx.engine_prompt_tokens)
+
+
 def _tokens(span: Span, ctx: RequestContext) -> None:
-    _set(span, Attr.INPUT_TOKENS, ctx.prompt_tokens)
-    _set(span, Attr.PROMPT_TOKENS, ctx.prompt_tokens)
+    _prompt(span, ctx)
+    _set(span, Attr.ADMITTED_TOKENS, ctx.prompt_tokens)
     _set(span, Attr.CACHED_TOKENS, ctx.cached_tokens)
     _set(span, Attr.OUTPUT_TOKENS, ctx.completion_tokens)
     _set(span, Attr.COMPLETION_TOKENS, ctx.completion_tokens)
@@ -253,14 +258,14 @@ def _end_request(span: Span, ctx: RequestContext, failed: bool) -> None:
 
 
 def _end_admission(span: Span, ctx: RequestContext, failed: bool) -> None:
-    _set(span, Attr.INPUT_TOKENS, ctx.prompt_tokens)
-    _set(span, Attr.PROMPT_TOKENS, ctx.prompt_tokens)
+    _set(span, Attr.ADMITTED_TOKENS, ctx.prompt_tokens)
     if not failed:
         span.set_attribute(Attr.DISAGGREGATED, ctx.disaggregated)
 
 
 def _end_prefill(span: Span, ctx: RequestContext, failed: bool) -> None:
     if not failed:
+        _prompt(span, ctx)
         _set(span, Attr.CACHED_TOKENS, ctx.cached_tokens)
 
 
@@ -271,6 +276,7 @@ def _end_decode(span: Span, ctx: RequestContext, failed: bool) -> None:
             and ctx.timeline.first_token_at >= ctx.timeline.decode_start_at:
         span.add_event("first_token", timestamp=_wall_ns(ctx.timeline.first_token_at))
     if not failed:
+        _prompt(span, ctx)
         _set(span, Attr.OUTPUT_TOKENS, ctx.completion_tokens)
         _set(span, Attr.COMPLETION_TOKENS, ctx.completion_tokens)
         _record_outcome(span, ctx)

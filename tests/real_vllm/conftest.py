@@ -3,7 +3,8 @@
 - ``real_engines`` (session): runs ``scripts/real-vllm.sh setup`` (idempotent; a registry failure fails the stage
   loudly) and stops every engine it started at the end of the session;
 - ``engines`` / ``small_pool_engines`` (module): the engines in the standard configuration, or restarted with a
-  prefiller KV pool of 18 blocks (2,304 tokens) for the KV-pressure tests. Tests are ordered so that each
+  prefiller KV pool of 18 blocks (2,304 tokens) for the KV-pressure tests (``tracing_engines``, exporting their
+  spans to the test's OTLP receiver, is defined in ``test_tracing.py``). Tests are ordered so that each
   configuration starts once (standard first), and the test that triggers a start gets the start time added to
   its timeout;
 - ``make_proxy``: pdproxy (``tests.support.ProxyThread``) in front of the running engines, waited on until it has
@@ -20,7 +21,7 @@ import pytest
 from tests.real_vllm.support import SMALL_POOL, STANDARD, START_TIMEOUT_S, Engines, Prompts, RealEngines
 from tests.support import ProxyThread, wait_until
 
-ENGINE_FIXTURES = {"engines": 0, "small_pool_engines": 1}
+ENGINE_FIXTURES = {"engines": 0, "small_pool_engines": 1, "tracing_engines": 2}  # tracing: test_tracing.py
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
