@@ -55,8 +55,9 @@ PROTOCOLS = ("grpc", "http/protobuf")
 _OPERATION = {Api.CHAT: "chat", Api.COMPLETIONS: "text_completion"}  # GenAI gen_ai.operation.name values
 _TRACE_HEADERS = (b"traceparent", b"tracestate")
 
-EndHook = Callable[[Span, "RequestContext", bool], None]
-"""Sets a span's closing attributes from the request context (``failed``: an exception is leaving the span)."""
+EndHook = Callable[[Span, "RequestContext", bool, dict[str, Any]], None]
+"""Puts a span's closing attributes, read from the request context, into the dict (None values are dropped);
+``failed``: an exception is leaving the span."""
 
 
 def traces_protocol(configured: str | None) -> str:
@@ -88,24 +89,19 @@ def _wall_ns(monotonic_s: float) -> int:
     return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
 
 
-def _set(span: Span, key: str, value: Any) -> None:
-    if value is not None:
-        span.set_attribute(key, value)
-
-
-def _record_error(span: Span, exc: BaseException) -> None:
-    """Error status, ``error.type`` and an exception event for ``exc`` leaving the span (for a decoder's failure
-    before its first event, the engine's error inside :class:`~pdproxy.decode_leg.DecodeFailed`)."""
+def _record_error(span: Span, exc: BaseException, attrs: dict[str, Any]) -> None:
+    """Error status, ``error.type`` (into ``attrs``) and an exception event for ``exc`` leaving the span (for a
+    decoder's failure before its first event, the engine's error inside :class:`~pdproxy.decode_leg.DecodeFailed`)."""
     if isinstance(exc, DecodeFailed):
         exc = exc.error
     if isinstance(exc, asyncio.CancelledError):
-        span.set_attribute(Attr.ERROR_TYPE, "cancelled")
+        attrs[Attr.ERROR_TYPE] = "cancelled"
         span.set_status(Status(StatusCode.ERROR, "cancelled: the client disconnected, a deadline passed or pdproxy "
                                                  "is stopping"))
         return
-    span.set_attribute(Attr.ERROR_TYPE, exc.__class__.__name__)
+    attrs[Attr.ERROR_TYPE] = exc.__class__.__name__
     if isinstance(exc, ProxyError):
-        span.set_attribute(Attr.HTTP_STATUS, exc.status_code)
+        attrs[Attr.HTTP_STATUS] = exc.status_code
         message = exc.message
     else:
         message = f"{exc.__class__.__name__}: {exc}"
@@ -113,12 +109,11 @@ def _record_error(span: Span, exc: BaseException) -> None:
     span.set_status(Status(StatusCode.ERROR, message))
 
 
-def _record_outcome(span: Span, ctx: RequestContext) -> None:
+def _record_outcome(span: Span, ctx: RequestContext, attrs: dict[str, Any]) -> None:
     """A stream that failed after its first event ends without an exception: the relay sent the client an SSE
     error event and set ``ctx.outcome``.  That is an error of the span too."""
     if ctx.outcome != "ok":
-        span.set_attribute(Attr.OUTCOME, ctx.outcome)
-        span.set_attribute(Attr.ERROR_TYPE, ctx.outcome)
+        attrs[Attr.OUTCOME] = attrs[Attr.ERROR_TYPE] = ctx.outcome
         span.set_status(Status(StatusCode.ERROR, f"the response ended with outcome {ctx.outcome!r} (the client got "
                                                  "an error event mid-stream)"))
 
@@ -143,10 +138,12 @@ class SpanScope:
         span = self._span
         try:
             if span.is_recording():
+                attrs: dict[str, Any] = {}
                 if self._end is not None:
-                    self._end(span, self._ctx, exc is not None)
+                    self._end(span, self._ctx, exc is not None, attrs)
                 if exc is not None:
-                    _record_error(span, exc)
+                    _record_error(span, exc, attrs)
+                span.set_attributes({k: v for k, v in attrs.items() if v is not None})  # one call: one lock
         except Exception:  # observability must never break a request
             log.exception("closing span %s failed", getattr(span, "name", "?"))
         finally:
@@ -227,56 +224,38 @@ class OtelTracing(Tracing):
 
 
 # --- closing attributes (read from the request context when the step ends) ----------------------------------------
-def _prompt(span: Span, ctx: RequestContext) -> None:
-    """The engine's prompt count (the prefiller's usage); absent when no prefiller answered (admission's own
-    count is on the admission span)."""
-    _set(span, Attr.INPUT_TOKENS, ctx.engine_prompt_tokens)
-    _set(span, Attr.PROMPT_TOKENS, ctx.engine_prompt_tokens)
-
-
-def _tokens(span: Span, ctx: RequestContext) -> None:
-    _prompt(span, ctx)
-    _set(span, Attr.ADMITTED_TOKENS, ctx.prompt_tokens)
-    _set(span, Attr.CACHED_TOKENS, ctx.cached_tokens)
-    _set(span, Attr.OUTPUT_TOKENS, ctx.completion_tokens)
-    _set(span, Attr.COMPLETION_TOKENS, ctx.completion_tokens)
-
-
-def _end_request(span: Span, ctx: RequestContext, failed: bool) -> None:
-    _tokens(span, ctx)
-    _set(span, Attr.PREFILLER, ctx.prefiller)
-    _set(span, Attr.DECODER, ctx.decoder)
-    span.set_attribute(Attr.DISAGGREGATED, ctx.disaggregated)
-    if ctx.status:
-        span.set_attribute(Attr.HTTP_STATUS, ctx.status)
+def _end_request(span: Span, ctx: RequestContext, failed: bool, attrs: dict[str, Any]) -> None:
     t = ctx.timeline
-    if t.first_token_at is not None:
-        span.set_attribute(Attr.TTFT, t.first_token_at - t.arrived_at)
-    span.set_attribute(Attr.E2E, time.monotonic() - t.arrived_at)
+    attrs.update({
+        Attr.INPUT_TOKENS: ctx.engine_prompt_tokens, Attr.PROMPT_TOKENS: ctx.engine_prompt_tokens,
+        Attr.ADMITTED_TOKENS: ctx.prompt_tokens, Attr.CACHED_TOKENS: ctx.cached_tokens,
+        Attr.OUTPUT_TOKENS: ctx.completion_tokens, Attr.COMPLETION_TOKENS: ctx.completion_tokens,
+        Attr.PREFILLER: ctx.prefiller, Attr.DECODER: ctx.decoder, Attr.DISAGGREGATED: ctx.disaggregated,
+        Attr.HTTP_STATUS: ctx.status or None,
+        Attr.TTFT: None if t.first_token_at is None else t.first_token_at - t.arrived_at,
+        Attr.E2E: time.monotonic() - t.arrived_at})
     if not failed:
-        _record_outcome(span, ctx)
+        _record_outcome(span, ctx, attrs)
 
 
-def _end_admission(span: Span, ctx: RequestContext, failed: bool) -> None:
-    _set(span, Attr.ADMITTED_TOKENS, ctx.prompt_tokens)
+def _end_admission(span: Span, ctx: RequestContext, failed: bool, attrs: dict[str, Any]) -> None:
+    attrs[Attr.ADMITTED_TOKENS] = ctx.prompt_tokens
     if not failed:
-        span.set_attribute(Attr.DISAGGREGATED, ctx.disaggregated)
+        attrs[Attr.DISAGGREGATED] = ctx.disaggregated
 
 
-def _end_prefill(span: Span, ctx: RequestContext, failed: bool) -> None:
+def _end_prefill(span: Span, ctx: RequestContext, failed: bool, attrs: dict[str, Any]) -> None:
+    if not failed:   # the prefiller's usage (prompt as the engine tokenized it, its prefix-cache hit)
+        attrs[Attr.INPUT_TOKENS] = ctx.engine_prompt_tokens
+        attrs[Attr.CACHED_TOKENS] = ctx.cached_tokens
+
+
+def _end_decode(span: Span, ctx: RequestContext, failed: bool, attrs: dict[str, Any]) -> None:
+    attrs[Attr.HTTP_STATUS] = ctx.status or None
+    t = ctx.timeline
+    if t.first_token_at is not None and t.decode_start_at is not None and t.first_token_at >= t.decode_start_at:
+        span.add_event("first_token", timestamp=_wall_ns(t.first_token_at))
     if not failed:
-        _prompt(span, ctx)
-        _set(span, Attr.CACHED_TOKENS, ctx.cached_tokens)
-
-
-def _end_decode(span: Span, ctx: RequestContext, failed: bool) -> None:
-    if ctx.status:
-        span.set_attribute(Attr.HTTP_STATUS, ctx.status)
-    if ctx.timeline.first_token_at is not None and ctx.timeline.decode_start_at is not None \
-            and ctx.timeline.first_token_at >= ctx.timeline.decode_start_at:
-        span.add_event("first_token", timestamp=_wall_ns(ctx.timeline.first_token_at))
-    if not failed:
-        _prompt(span, ctx)
-        _set(span, Attr.OUTPUT_TOKENS, ctx.completion_tokens)
-        _set(span, Attr.COMPLETION_TOKENS, ctx.completion_tokens)
-        _record_outcome(span, ctx)
+        attrs[Attr.INPUT_TOKENS] = ctx.engine_prompt_tokens
+        attrs[Attr.OUTPUT_TOKENS] = ctx.completion_tokens
+        _record_outcome(span, ctx, attrs)
