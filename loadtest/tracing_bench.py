@@ -19,9 +19,14 @@ Targets (``python -m pdproxy serve`` in front of ``loadtest.fake_engine`` engine
 
 Workload: closed loop, ``concurrency`` streams of 1-token PD requests (the ``cpu_per_request`` scenario of
 ``loadtest.bench``), the proxy pinned to the last CPU and everything else to the others (``loadtest.fleet``).
-Rounds alternate the targets (baseline, off, on_grpc, on_http, baseline, …) so that drifting outside load falls on
-all of them alike; each round is a warm-up and ``windows`` windows; the figure per target is the median over all
-its windows.  CPU is the proxy process's own (``/proc``), so it includes the exporter's background thread.
+Rounds run every target once, in the opposite order each round (so no target always follows another), with the
+same pause after each (``settle_s``: the batch processor's last export of an "on" target, at most 5 s after its
+last span, must not fall into the next target's windows); each round is a warm-up and ``windows`` windows; the
+figure per target is the median over all its windows.  CPU is the proxy process's own (``/proc``), so it includes
+the exporter's background thread.  On a shared machine the process figures move by ± 5 % between windows
+(``spread_us``), more than the off path costs; ``hooks_off_us_per_request`` therefore also times the five hooks of
+a request with tracing off in this process (no-op context managers, ``timeit``), the part the process figure
+cannot resolve.
 """
 
 from __future__ import annotations
@@ -100,8 +105,40 @@ class Receiver(fleet.Child):
             return 0
 
 
-def run(baseline: str, rounds: int, windows: int, window_s: float, warmup_s: float, concurrency: int
-        ) -> dict[str, Any]:
+def hooks_off_us() -> float:
+    """µs per request of the five tracing hooks with tracing off (best of 5 × 200,000, ``timeit``)."""
+    import timeit
+
+    from pdproxy.endpoints import Endpoint, Role
+    from pdproxy.protocol import Api, parse_request
+    from pdproxy.timeline import RequestContext
+    from pdproxy.tracing import NO_TRACING as t
+
+    ctx = RequestContext(request_id="r", client_request_id=None, api_label="chat")
+    req = parse_request(b'{"model": "m", "prompt": "x"}', Api.COMPLETIONS)
+    p, d = Endpoint("http://p:1", Role.PREFILL), Endpoint("http://d:2", Role.DECODE)
+
+    def hooks() -> None:
+        with t.request(req, ctx):
+            with t.admission(ctx):
+                pass
+            with t.queue_wait(ctx):
+                pass
+            with t.prefill(ctx, p):
+                pass
+            with t.decode(ctx, d):
+                pass
+
+    def bare() -> None:
+        pass
+
+    n = 200_000
+    return round((min(timeit.repeat(hooks, number=n, repeat=5)) - min(timeit.repeat(bare, number=n, repeat=5)))
+                 / n * 1e6, 3)
+
+
+def run(baseline: str, rounds: int, windows: int, window_s: float, warmup_s: float, concurrency: int,
+        settle_s: float = 6.0) -> dict[str, Any]:
     """The whole benchmark; returns its JSON document (see the module docstring)."""
     proxy_cpus, load_cpus = fleet.cpu_split()
     with tempfile.TemporaryDirectory(prefix="pdproxy-baseline-") as tmp:
@@ -130,8 +167,8 @@ def run(baseline: str, rounds: int, windows: int, window_s: float, warmup_s: flo
             per_target: dict[str, list[dict[str, Any]]] = {name: [] for name in proxies}
             spans_seen: dict[str, int] = {name: 0 for name in proxies}
             requests_served: dict[str, float] = {name: 0 for name in proxies}
-            for _ in range(rounds):
-                for name, child in proxies.items():
+            for round_ in range(rounds):
+                for name, child in (list(proxies.items()) if round_ % 2 == 0 else list(proxies.items())[::-1]):
                     before, served_before = receiver.spans(), served(child.url)
                     spec = {"mode": "proxy", "target": child.url, "prefill": prefiller.url, "decode": decoder.url,
                             "max_tokens": 1, "arrival": {"kind": "closed", "concurrency": concurrency},
@@ -140,9 +177,8 @@ def run(baseline: str, rounds: int, windows: int, window_s: float, warmup_s: flo
                     result = fleet.run_loadgen(spec, load_cpus, 120 + warmup_s + windows * window_s * 2)
                     per_target[name].extend(result["windows"])
                     requests_served[name] += served(child.url) - served_before
-                    if name.startswith("on_"):
-                        time.sleep(6.0)  # the batch processor's last export of this round (every 5 s at most)
-                        spans_seen[name] += receiver.spans() - before
+                    time.sleep(settle_s)
+                    spans_seen[name] += receiver.spans() - before
         finally:
             for child in [*proxies.values(), receiver, prefiller, decoder]:
                 child.stop()
@@ -153,10 +189,11 @@ def run(baseline: str, rounds: int, windows: int, window_s: float, warmup_s: flo
         "machine": procstat.describe_machine(),
         "baseline_commit": commit, "baseline_ref": baseline,
         "conditions": {"rounds": rounds, "windows_per_round": windows, "window_s": window_s, "warmup_s": warmup_s,
-                       "concurrency": concurrency, "max_tokens": 1, "proxy_cpus": proxy_cpus,
+                       "concurrency": concurrency, "max_tokens": 1, "settle_s": settle_s, "proxy_cpus": proxy_cpus,
                        "engines_loadgen_receiver_cpus": load_cpus,
                        "engines": "loadtest.fake_engine (zero prefill cost)"},
         "proxy_us_per_request": us,
+        "hooks_off_us_per_request": hooks_off_us(),
         "ratios": {name: round(v / base, 4) if v and base else None for name, v in us.items()},
         "added_us_per_request": {name: round(v - base, 1) if v is not None and base is not None else None
                                  for name, v in us.items()},

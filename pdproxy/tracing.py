@@ -13,6 +13,9 @@ children for each step (:mod:`pdproxy.tracing_otel` builds them with the OpenTel
 - ``decode`` (CLIENT): the decode leg, from the request sent to a decoder to the end of the relayed answer (one per
   decoder tried).
 
+A request whose span is not sampled (the client's ``traceparent`` says so, or ``OTEL_TRACES_SAMPLER``) gets no
+children; its legs carry its context, unsampled.
+
 The ``prefill`` and ``decode`` spans are the current span while their leg's headers are built, so each engine leg
 carries its span as ``traceparent``/``tracestate`` (:class:`~pdproxy.engine_headers.EngineHeaders`); a vLLM engine
 started with ``--otlp-traces-endpoint`` then records its own ``llm_request`` span as their child in the same trace
@@ -45,9 +48,10 @@ INSTALL_HINT: Final = "install them with: pip install 'pdproxy[tracing]'"
 
 class Attr:
     """Span attribute names.  OpenTelemetry's GenAI and HTTP semantic conventions where they have one; vLLM's own
-    names (``vllm/tracing/utils.py``, ``SpanAttributes``) where vLLM has one — vLLM's older token names are set
-    next to the GenAI ones so that pdproxy's spans and vLLM's ``llm_request`` spans can be queried alike;
-    ``pdproxy.*`` for what neither has.  Durations are seconds, token counts tokens."""
+    names (``vllm/tracing/utils.py``, ``SpanAttributes``) where vLLM has one — on the request span vLLM's older
+    token names are set next to the GenAI ones, so that it and vLLM's ``llm_request`` spans can be queried alike;
+    ``pdproxy.*`` for what neither has.  Durations are seconds, token counts tokens; the prompt tokens are the
+    prefiller's ``usage.prompt_tokens`` (the engine's count), admission's own figure is ``ADMITTED_TOKENS``."""
 
     OPERATION: Final = "gen_ai.operation.name"               # "chat" | "text_completion"
     REQUEST_MODEL: Final = "gen_ai.request.model"

@@ -23,6 +23,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -39,7 +40,7 @@ from pdproxy import __version__
 from pdproxy.decode_leg import DecodeFailed
 from pdproxy.errors import ProxyError
 from pdproxy.protocol import Api
-from pdproxy.tracing import Attr, Tracing
+from pdproxy.tracing import NO_SPAN, Attr, Tracing
 
 if TYPE_CHECKING:
     from pdproxy.endpoints import Endpoint
@@ -118,7 +119,7 @@ def _record_outcome(span: Span, ctx: RequestContext, attrs: dict[str, Any]) -> N
                                                  "an error event mid-stream)"))
 
 
-class SpanScope:
+class OtelScope:
     """One step's span: current while the block runs, closed with ``end(span, ctx, failed)`` and any exception
     recorded (the exception is passed on).  Not reusable."""
 
@@ -185,7 +186,7 @@ class OtelTracing(Tracing):
         self.provider.shutdown()
 
     # --- the hooks -----------------------------------------------------------------------------------------------
-    def request(self, req: ProxyRequest, ctx: RequestContext) -> SpanScope:
+    def request(self, req: ProxyRequest, ctx: RequestContext) -> AbstractContextManager[None]:
         """The request's SERVER span, started at the request's arrival, child of the client's trace context."""
         carrier = {k.decode(): v.decode("latin-1") for k, v in ctx.client_headers if k in _TRACE_HEADERS}
         parent = self._propagator.extract(carrier) if carrier else otel_context.Context()
@@ -200,19 +201,29 @@ class OtelTracing(Tracing):
         span = self._tracer.start_span(f"{operation} {req.model}" if req.model else operation, context=parent,
                                        kind=SpanKind.SERVER, attributes=attributes,
                                        start_time=_wall_ns(ctx.timeline.arrived_at))
-        return SpanScope(span, ctx, _end_request)
+        return OtelScope(span, ctx, _end_request)
 
-    def admission(self, ctx: RequestContext) -> SpanScope:
-        return SpanScope(self._tracer.start_span("admission"), ctx, _end_admission)
+    # The children of a request span that is not sampled are not made at all (NO_SPAN): the legs then carry the
+    # request span's context, unsampled, which is all an engine needs to know.
+    def admission(self, ctx: RequestContext) -> AbstractContextManager[None]:
+        if not trace.get_current_span().is_recording():
+            return NO_SPAN
+        return OtelScope(self._tracer.start_span("admission"), ctx, _end_admission)
 
-    def queue_wait(self, ctx: RequestContext) -> SpanScope:
-        return SpanScope(self._tracer.start_span("queue_wait"), ctx, None)
+    def queue_wait(self, ctx: RequestContext) -> AbstractContextManager[None]:
+        if not trace.get_current_span().is_recording():
+            return NO_SPAN
+        return OtelScope(self._tracer.start_span("queue_wait"), ctx, None)
 
-    def prefill(self, ctx: RequestContext, endpoint: Endpoint) -> SpanScope:
-        return SpanScope(self._leg("prefill", ctx, endpoint), ctx, _end_prefill)
+    def prefill(self, ctx: RequestContext, endpoint: Endpoint) -> AbstractContextManager[None]:
+        if not trace.get_current_span().is_recording():
+            return NO_SPAN
+        return OtelScope(self._leg("prefill", ctx, endpoint), ctx, _end_prefill)
 
-    def decode(self, ctx: RequestContext, endpoint: Endpoint) -> SpanScope:
-        return SpanScope(self._leg("decode", ctx, endpoint), ctx, _end_decode)
+    def decode(self, ctx: RequestContext, endpoint: Endpoint) -> AbstractContextManager[None]:
+        if not trace.get_current_span().is_recording():
+            return NO_SPAN
+        return OtelScope(self._leg("decode", ctx, endpoint), ctx, _end_decode)
 
     def _leg(self, role: str, ctx: RequestContext, endpoint: Endpoint) -> Span:
         attributes: dict[str, Any] = {Attr.ROLE: role, Attr.ENDPOINT: endpoint.name,

@@ -119,11 +119,10 @@ def test_hooks_nest_under_the_clients_span_and_the_legs_carry_their_own(
     assert a["admission"] == {Attr.ADMITTED_TOKENS: 12, Attr.DISAGGREGATED: True}
     assert a["prefill"] == {Attr.ROLE: "prefill", Attr.ENDPOINT: PREFILLER.name, Attr.SERVER_ADDRESS: "10.0.0.5",
                             Attr.SERVER_PORT: 9100, Attr.REQUEST_ID: "rid-1", Attr.INPUT_TOKENS: 15,
-                            Attr.PROMPT_TOKENS: 15, Attr.CACHED_TOKENS: 8}
+                            Attr.CACHED_TOKENS: 8}
     assert a["decode"] == {Attr.ROLE: "decode", Attr.ENDPOINT: "http://10.0.0.6:9200#dp1", Attr.DP_RANK: 1,
                            Attr.SERVER_ADDRESS: "10.0.0.6", Attr.SERVER_PORT: 9200, Attr.REQUEST_ID: "rid-1",
-                           Attr.INPUT_TOKENS: 15, Attr.PROMPT_TOKENS: 15, Attr.HTTP_STATUS: 200,
-                           Attr.OUTPUT_TOKENS: 7, Attr.COMPLETION_TOKENS: 7}
+                           Attr.INPUT_TOKENS: 15, Attr.HTTP_STATUS: 200, Attr.OUTPUT_TOKENS: 7}
     assert [e.name for e in got["decode"].events] == ["first_token"]
     assert all(s.status.status_code is StatusCode.UNSET for s in got.values())
     assert root.start_time is not None and root.end_time is not None
@@ -184,10 +183,13 @@ def test_a_client_that_does_not_sample_is_honoured_and_told_to_the_engines(
         traced: tuple[Tracing, InMemorySpanExporter]) -> None:
     tracing, exporter = traced
     ctx, req = context(traceparent=f"00-{TRACE}-{CLIENT_SPAN}-00"), parse_request(orjson.dumps(BODY), Api.CHAT)
-    with tracing.request(req, ctx), tracing.prefill(ctx, PREFILLER):
-        headers = EngineHeaders(propagate=tracing.propagate).leg(PREFILLER, "rid-1")
+    with tracing.request(req, ctx):
+        assert tracing.prefill(ctx, PREFILLER) is NO_SPAN                  # no children of an unsampled request
+        with tracing.prefill(ctx, PREFILLER):
+            headers = EngineHeaders(propagate=tracing.propagate).leg(PREFILLER, "rid-1")
     assert exporter.get_finished_spans() == ()
     assert headers["traceparent"].startswith(f"00-{TRACE}-") and headers["traceparent"].endswith("-00")
+    assert headers["traceparent"] != f"00-{TRACE}-{CLIENT_SPAN}-00"         # the request span's own id
 
 
 def test_protocol_is_chosen_as_vllm_chooses_it(monkeypatch: pytest.MonkeyPatch) -> None:
