@@ -135,7 +135,7 @@ class Tracing:
         return NO_SPAN
 
     def shutdown(self) -> None:
-        """Export what is still buffered and stop (blocking, bounded by the exporter's timeout)."""
+        """Export what is still buffered and stop (blocking for a bounded time)."""
         return None
 
 

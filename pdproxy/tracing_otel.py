@@ -10,7 +10,9 @@ TLS, not the protocol.  Spans leave through a ``BatchSpanProcessor`` (a backgrou
 spans, never blocks a request).
 
 The provider is this object's own (never OpenTelemetry's global one), so several proxies in one process (tests)
-and ``--workers N`` processes each export their own spans.  The sampler is the SDK's default, configurable with
+and ``--workers N`` processes each export their own spans.  Stopping flushes what is buffered for at most
+``SHUTDOWN_TIMEOUT_S`` (an unreachable collector would otherwise hold the exit for the exporter's retries, 10 s
+and more); what is not out by then is dropped.  The sampler is the SDK's default, configurable with
 ``OTEL_TRACES_SAMPLER``: parent-based, so a client's ``traceparent`` with the sampled flag off is honoured (and
 passed on to the engines as such).  ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES`` name the service
 (default ``service.name`` "pdproxy").
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -50,6 +53,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdproxy.tracing")
 
+SHUTDOWN_TIMEOUT_S = 3.0
 PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 PROTOCOLS = ("grpc", "http/protobuf")
 
@@ -172,7 +176,7 @@ class OtelTracing(Tracing):
         name = os.environ.get("OTEL_SERVICE_NAME") or "pdproxy"
         resource = Resource.create({"service.name": name, "service.version": __version__,
                                     "process.pid": os.getpid()})
-        provider = TracerProvider(resource=resource)
+        provider = TracerProvider(resource=resource, shutdown_on_exit=False)  # stopped by the proxy's lifespan
         if exporter is not None:
             provider.add_span_processor(SimpleSpanProcessor(exporter))
         if settings.otlp_traces_endpoint:
@@ -181,9 +185,15 @@ class OtelTracing(Tracing):
             log.info("exporting traces to %s over OTLP %s", settings.otlp_traces_endpoint, protocol)
         return cls(provider)
 
-    def shutdown(self) -> None:
-        """Flush and stop the span processors (blocking)."""
-        self.provider.shutdown()
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Flush and stop the span processors, waiting at most ``timeout_s`` seconds (blocking; the flush goes on
+        in a daemon thread that does not hold the process's exit)."""
+        flusher = threading.Thread(target=self.provider.shutdown, name="pdproxy-tracing-shutdown", daemon=True)
+        flusher.start()
+        flusher.join(timeout_s)
+        if flusher.is_alive():
+            log.warning("traces not flushed within %.1f s (is the collector reachable?); the rest are dropped",
+                        timeout_s)
 
     # --- the hooks -----------------------------------------------------------------------------------------------
     def request(self, req: ProxyRequest, ctx: RequestContext) -> AbstractContextManager[None]:

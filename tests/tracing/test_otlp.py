@@ -11,6 +11,7 @@ spans with exception events; a refusal at admission; tracing off sending no trac
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -19,7 +20,7 @@ import pytest
 
 from loadtest.otlp_receiver import GrpcReceiver, HttpReceiver, ReceivedSpan, SpanStore, receivers
 from pdproxy.tokens import sim_prompt
-from tests.support import ProxyThread, SimProcess, running
+from tests.support import ProxyThread, SimProcess, free_port, running
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -245,3 +246,24 @@ def test_tracing_off_sends_no_trace_headers_even_when_the_client_does(
     received = legs_received(*engines)
     assert len(received) == 2 and not any("traceparent" in h or "tracestate" in h for h in received)
     assert store.snapshot() == []
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_an_unreachable_collector_fails_no_request_and_holds_no_shutdown(
+        fresh: tuple[Engines, SpanStore], monkeypatch: pytest.MonkeyPatch, protocol: str) -> None:
+    engines, _ = fresh
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "60")   # the exporter alone would retry for 60 s
+    endpoint = f"http://127.0.0.1:{free_port()}" + ("/v1/traces" if protocol == "http/protobuf" else "")
+    proxy = proxy_for(engines, otlp_traces_endpoint=endpoint, otlp_traces_protocol=protocol)
+    try:
+        for stream in (False, True):
+            r = httpx.post(proxy.url + "/v1/chat/completions", json={
+                "model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                "stream": stream}, timeout=30)
+            assert r.status_code == 200
+        proxy.wait_idle()
+    finally:
+        started = time.monotonic()
+        proxy.stop()
+    assert not proxy.thread.is_alive()
+    assert time.monotonic() - started < 30           # the flush is bounded (3 s), not the exporter's 60 s
