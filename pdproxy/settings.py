@@ -231,6 +231,14 @@ class Settings(BaseSettings):
         return v or None
 
     @model_validator(mode="after")
+    def _check_traces_protocol(self) -> Settings:
+        if self.otlp_traces_endpoint:
+            from pdproxy.tracing import traces_protocol
+
+            traces_protocol(self.otlp_traces_protocol)  # ValueError for a bad OTEL_EXPORTER_OTLP_TRACES_PROTOCOL
+        return self
+
+    @model_validator(mode="after")
     def _check_endpoints(self) -> Settings:
         self.all_endpoints()  # raises ValueError on bad/duplicate URLs
         self.kv_event_sources()  # raises ValueError on a replay entry without its --kv-events entry

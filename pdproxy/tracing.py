@@ -29,6 +29,7 @@ Off (the default): :data:`NO_TRACING`, whose hooks return one shared no-op conte
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Final
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
 OTEL_PACKAGES: Final = ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http",
                         "opentelemetry.exporter.otlp.proto.grpc")
 INSTALL_HINT: Final = "install them with: pip install 'pdproxy[tracing]'"
+PROTOCOL_ENV: Final = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+PROTOCOLS: Final = ("grpc", "http/protobuf")
 
 
 class Attr:
@@ -154,6 +157,16 @@ def otel_missing() -> list[str]:
         if not found:
             missing.append(name)
     return missing
+
+
+def traces_protocol(configured: str | None) -> str:
+    """The OTLP protocol: ``configured`` (``otlp_traces_protocol``), else ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``,
+    else ``"grpc"`` (vLLM 0.32's default).  Raises ``ValueError`` for anything but ``grpc`` / ``http/protobuf``."""
+    protocol = configured or os.environ.get(PROTOCOL_ENV) or "grpc"
+    if protocol not in PROTOCOLS:
+        source = "otlp_traces_protocol" if configured else PROTOCOL_ENV
+        raise ValueError(f"unsupported OTLP protocol {protocol!r} (from {source}): use one of {', '.join(PROTOCOLS)}")
+    return protocol
 
 
 def tracing_from_settings(settings: Settings, *, exporter: SpanExporter | None = None) -> Tracing:

@@ -43,7 +43,7 @@ from pdproxy import __version__
 from pdproxy.decode_leg import DecodeFailed
 from pdproxy.errors import ProxyError
 from pdproxy.protocol import Api
-from pdproxy.tracing import NO_SPAN, Attr, Tracing
+from pdproxy.tracing import NO_SPAN, PROTOCOL_ENV, Attr, Tracing, traces_protocol
 
 if TYPE_CHECKING:
     from pdproxy.endpoints import Endpoint
@@ -54,8 +54,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdproxy.tracing")
 
 SHUTDOWN_TIMEOUT_S = 3.0
-PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
-PROTOCOLS = ("grpc", "http/protobuf")
 
 _OPERATION = {Api.CHAT: "chat", Api.COMPLETIONS: "text_completion"}  # GenAI gen_ai.operation.name values
 _TRACE_HEADERS = (b"traceparent", b"tracestate")
@@ -63,16 +61,6 @@ _TRACE_HEADERS = (b"traceparent", b"tracestate")
 EndHook = Callable[[Span, "RequestContext", bool, dict[str, Any]], None]
 """Puts a span's closing attributes, read from the request context, into the dict (None values are dropped);
 ``failed``: an exception is leaving the span."""
-
-
-def traces_protocol(configured: str | None) -> str:
-    """The OTLP protocol: ``configured`` (``otlp_traces_protocol``), else ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``,
-    else ``"grpc"`` (vLLM 0.32's default).  Raises ``ValueError`` for anything but ``grpc`` / ``http/protobuf``."""
-    protocol = configured or os.environ.get(PROTOCOL_ENV) or "grpc"
-    if protocol not in PROTOCOLS:
-        source = "otlp_traces_protocol" if configured else PROTOCOL_ENV
-        raise ValueError(f"unsupported OTLP protocol {protocol!r} (from {source}): use one of {', '.join(PROTOCOLS)}")
-    return protocol
 
 
 def span_exporter(endpoint: str, protocol: str) -> SpanExporter:

@@ -22,8 +22,7 @@ from pdproxy.errors import PromptTooLong, UpstreamUnavailable
 from pdproxy.protocol import Api, parse_request
 from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext
-from pdproxy.tracing import NO_SPAN, NO_TRACING, Attr, Tracing, tracing_from_settings
-from pdproxy.tracing_otel import PROTOCOL_ENV, traces_protocol
+from pdproxy.tracing import NO_SPAN, NO_TRACING, PROTOCOL_ENV, Attr, Tracing, traces_protocol, tracing_from_settings
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -201,6 +200,9 @@ def test_protocol_is_chosen_as_vllm_chooses_it(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv(PROTOCOL_ENV, "http/json")
     with pytest.raises(ValueError, match=r"http/json.*OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
         traces_protocol(None)
+    with pytest.raises(ValueError, match=r"http/json.*OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
+        Settings(otlp_traces_endpoint="http://127.0.0.1:4317")               # at start, not at the first request
+    assert Settings().otlp_traces_endpoint is None                            # tracing off reads no OTEL_* variable
 
 
 def test_the_setting_says_what_to_install_when_opentelemetry_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
