@@ -17,9 +17,9 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -32,13 +32,15 @@ from pdproxy.endpoints import Endpoint, Role
 from pdproxy.errors import Forbidden, PayloadTooLarge, ProxyError, ShuttingDown, Unauthorized, error_body
 from pdproxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pdproxy.metrics import ProxyMetrics, rejection_of
-from pdproxy.pool import EndpointPool
 from pdproxy.protocol import Api, ProxyRequest, parse_request
 from pdproxy.relay import Responder
 from pdproxy.reqlog import RequestLog
 from pdproxy.settings import Settings
 from pdproxy.state import ProxyState
 from pdproxy.timeline import RequestContext, new_request_id
+
+if TYPE_CHECKING:
+    from pdproxy.worker_share import WorkerShare
 
 log = logging.getLogger("pdproxy")
 
@@ -55,13 +57,12 @@ def _header(scope: dict[str, Any], name: bytes) -> str | None:
 class PDProxyApp:
     """Top-level ASGI app.  ``state`` is None outside the lifespan."""
 
-    def __init__(self, settings: Settings, *,
-                 pool_factory: Callable[[list[Endpoint]], EndpointPool] | None = None) -> None:
+    def __init__(self, settings: Settings, *, share: WorkerShare | None = None) -> None:
         self.settings = settings
         self.state: ProxyState | None = None
         self.director: Director | None = None
         self.unready = False  # /health answers 503 (shutdown_delay_s: draining soon, still serving)
-        self.pool_factory = pool_factory
+        self.share = share
         self.metrics = ProxyMetrics(lambda: self.state)
         self.request_log = RequestLog(settings)
         self.control = build_control_app(self)
@@ -203,7 +204,7 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        state = ProxyState.build(proxy.settings, proxy.pool_factory)
+        state = ProxyState.build(proxy.settings, proxy.share)
         await state.start()
         proxy.state = state
         proxy.director = Director.from_state(state)
@@ -282,17 +283,34 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
 
     @app.get("/debug/load")
     async def debug_load(request: Request) -> dict[str, Any]:
-        """Per-endpoint in-flight requests/tokens and health (all zero when idle), and admission's counters.
+        """Per-endpoint in-flight requests/tokens and health (all zero when idle; with ``--workers N`` summed over
+        the workers), per prefiller the prefill ledger's ``prefill_inflight_tokens`` (dispatched, unanswered) and
+        ``kv_held_tokens`` (in flight or pinned, whole blocks), admission's counters; with ``--workers N`` also the
+        answering ``worker`` and each worker's row (``waiting`` in its prefill queue, ``requests`` it holds).
         Open when pdproxy enforces no client keys (a trusted network); behind the admin key when ``api_keys`` is
         set (403 without it, or when no ``admin_key`` is configured)."""
         st = state()
         if st.settings.api_keys:
             check_admin_key(st, request)
-        return {"in_flight": st.in_flight, "admission": st.admission.snapshot(),
-                "endpoints": [{"name": e.name, "role": e.role.value, "dp_rank": e.dp_rank,
-                               "requests": st.pool.load(e).requests, "tokens": st.pool.load(e).tokens,
-                               "healthy": st.pool.load(e).healthy, "draining": st.pool.load(e).draining}
-                              for e in st.pool.endpoints()]}
+
+        def endpoint(e: Endpoint) -> dict[str, Any]:
+            load = st.pool.load(e)
+            out: dict[str, Any] = {"name": e.name, "role": e.role.value, "dp_rank": e.dp_rank,
+                                   "requests": load.requests, "tokens": load.tokens, "healthy": load.healthy,
+                                   "draining": load.draining}
+            if e.role is Role.PREFILL:
+                out["prefill_inflight_tokens"] = st.ledger.inflight_tokens(e)
+                out["kv_held_tokens"] = st.ledger.kv_held_tokens(e)
+            return out
+
+        body: dict[str, Any] = {"in_flight": st.in_flight, "admission": st.admission.snapshot(),
+                                "endpoints": [endpoint(e) for e in st.pool.endpoints()]}
+        if st.share is not None:
+            board = st.share.board
+            body["worker"] = st.share.row
+            body["workers"] = [{"row": r, "waiting": board.waiting(r), "requests": board.row_totals(r)[0]}
+                               for r in range(board.rows)]
+        return body
 
     @app.exception_handler(404)
     async def _not_found(_: Request, __: Exception) -> Response:

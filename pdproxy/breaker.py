@@ -83,14 +83,21 @@ class CircuitBreaker:
         return max(0.0, self._reopen_at() - self._clock())
 
     # --- transitions ------------------------------------------------------------------------------------------
-    def on_pick(self) -> None:
+    def on_pick(self) -> bool:
         """The scheduler chose this endpoint: an open breaker past its wait becomes half-open and the pick
-        takes a trial slot (released by :meth:`record_success` / :meth:`record_failure` / :meth:`release_trial`)."""
-        if self.state is BreakerState.OPEN and self._clock() >= self._reopen_at():
+        takes a trial slot (released by :meth:`record_success` / :meth:`record_failure` / :meth:`release_trial`).
+        Returns False, taking nothing, when the breaker does not let a request in now (:meth:`can_take` is False:
+        with a breaker shared by several processes, another one may have taken the trial since it was asked)."""
+        if self.state is BreakerState.OPEN:
+            if self._clock() < self._reopen_at():
+                return False
             self.state = BreakerState.HALF_OPEN
             self._trials = 0
         if self.state is BreakerState.HALF_OPEN:
+            if self._trials >= self.half_open_trials:
+                return False
             self._trials += 1
+        return True
 
     def release_trial(self) -> None:
         """A trial ended without a verdict (client left, 4xx): free its slot, keep the state."""

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import math
 import time
+from typing import Protocol
 
 from pdproxy.breaker import BreakerState, CircuitBreaker, Clock
 from pdproxy.endpoints import Endpoint
@@ -35,17 +36,33 @@ from pdproxy.upstream import UpstreamRefused, retry_after_seconds
 log = logging.getLogger("pdproxy.health")
 
 
+class BreakerFactory(Protocol):
+    """Builds ``endpoint``'s breaker from :class:`CircuitBreaker`'s keyword arguments."""
+
+    def __call__(self, endpoint: Endpoint, *, failure_threshold: int, open_s: float, max_open_s: float,
+                 clock: Clock) -> CircuitBreaker: ...
+
+
+def _local_breaker(endpoint: Endpoint, *, failure_threshold: int, open_s: float, max_open_s: float,
+                   clock: Clock) -> CircuitBreaker:
+    return CircuitBreaker(failure_threshold=failure_threshold, open_s=open_s, max_open_s=max_open_s, clock=clock)
+
+
 class HealthMonitor:
     """Keeps ``pool`` health flags, per-endpoint breakers and ``infos`` (what each engine declares) up to date.
 
     ``interval_s``: probe period (seconds); ``refresh_interval_s``: ``/v1/models`` + ``/metrics`` refresh period;
-    ``breaker_failures`` / ``breaker_open_s``: see :class:`CircuitBreaker`; ``clock``: monotonic seconds.
-    Start with :meth:`start`, stop with :meth:`stop` (the app lifespan owns both).
+    ``breaker_failures`` / ``breaker_open_s``: see :class:`CircuitBreaker`; ``clock``: monotonic seconds;
+    ``make_breaker``: builds an endpoint's breaker from its settings (``--workers N``: one shared by every worker,
+    :mod:`pdproxy.board_breaker`); given, every endpoint's breaker is made up front, so a breaker another process
+    opened is seen before this one ever failed.  Start with :meth:`start`, stop with :meth:`stop` (the app
+    lifespan owns both).
     """
 
     def __init__(self, pool: EndpointPool, engines: EngineClient, infos: dict[Endpoint, EngineInfo], *,
                  interval_s: float, refresh_interval_s: float, breaker_failures: int = 3,
-                 breaker_open_s: float = 3.0, clock: Clock = time.monotonic) -> None:
+                 breaker_open_s: float = 3.0, clock: Clock = time.monotonic,
+                 make_breaker: BreakerFactory | None = None) -> None:
         self.pool = pool
         self.engines = engines
         self.infos = infos
@@ -59,14 +76,18 @@ class HealthMonitor:
         self._task: asyncio.Task[None] | None = None
         self._probing: dict[Endpoint, asyncio.Task[bool]] = {}
         self.events = EngineEvents()  # logs each change of reachability, limits, breaker once (engine_events.py)
+        self._make_breaker = make_breaker or _local_breaker
+        if make_breaker is not None:
+            for e in pool.endpoints():
+                self.breaker(e)
 
     # --- breakers -------------------------------------------------------------------------------------------
     def breaker(self, endpoint: Endpoint) -> CircuitBreaker:
         """The endpoint's breaker (created closed on first use)."""
         b = self.breakers.get(endpoint)
         if b is None:
-            b = CircuitBreaker(failure_threshold=self.breaker_failures, open_s=self.breaker_open_s,
-                               max_open_s=max(10 * self.breaker_open_s, 30.0), clock=self.clock)
+            b = self._make_breaker(endpoint, failure_threshold=self.breaker_failures, open_s=self.breaker_open_s,
+                                   max_open_s=max(10 * self.breaker_open_s, 30.0), clock=self.clock)
             self.breakers[endpoint] = b
         return b
 
@@ -75,13 +96,18 @@ class HealthMonitor:
         b = self.breakers.get(endpoint)
         return b is None or b.can_take()
 
-    def on_pick(self, endpoint: Endpoint) -> None:
-        """Call right after the scheduler chose ``endpoint`` (takes a half-open trial slot if needed)."""
+    def on_pick(self, endpoint: Endpoint) -> bool:
+        """Call right after the scheduler chose ``endpoint``: takes a half-open trial slot if needed; False when
+        the breaker does not let the request in after all (:meth:`CircuitBreaker.on_pick`)."""
         b = self.breakers.get(endpoint)
-        if b is not None:
-            before = b.state
-            b.on_pick()
-            self.events.breaker_changed(endpoint, before, b.state)
+        if b is None:
+            return True
+        before = b.state
+        if before is BreakerState.CLOSED:      # nothing to take (the common case: one read)
+            return True
+        taken = b.on_pick()
+        self.events.breaker_changed(endpoint, before, b.state)
+        return taken
 
     def retry_after_s(self, endpoints: list[Endpoint]) -> int:
         """Whole seconds until one of ``endpoints`` may take traffic again (≥ 1), for ``Retry-After``."""

@@ -1,42 +1,63 @@
-"""LoadBoard: one load view across the worker processes of ``pdproxy serve --workers N``, with no IPC per request.
+"""LoadBoard: what the worker processes of ``pdproxy serve --workers N`` share, with no IPC per request.
 
-Each worker process has its own event loop, pool and leases.  Without sharing, worker A would route as if
-worker B's requests did not exist, and two workers would pile onto the same decoder.  The board is a small
-table of int64 cells in a memory-mapped file that every worker maps::
+Each worker process has its own event loop, pool, prefill queue and leases.  Without sharing, worker A would route
+as if worker B's requests did not exist, admit its own prefill budget, and find a dead engine on its own.  The
+board is a small table of 8-byte cells in a memory-mapped file that every worker maps::
 
-    header : MAGIC, VERSION, rows, endpoints, fingerprint, 0, 0, 0
-    row r  : owner_pid, ready, then (in-flight requests, in-flight tokens) per endpoint
+    header          : MAGIC, VERSION, rows, endpoints, fingerprint, 0, 0, 0
+    row r           : owner_pid, ready, waiting, head_base, pending_decode,
+                      then per endpoint: requests, tokens, inflight_tokens, inflight_requests,
+                                         unleased_tokens, unleased_requests, trials
+    breaker e       : state, consecutive_failures, opened_total, reopen_count, opened_at, retry_until, open_for_s
 
-Rules that make it lock-free:
+- a **row** belongs to one worker, which is its **only writer**; readers **sum a column** over all rows.  Load
+  (``requests``, ``tokens``: :class:`SharedEndpointPool`), the prefill ledger's reservations (``inflight_*``,
+  ``unleased_*``, ``pending_decode``: :mod:`pdproxy.board_ledger`), the half-open ``trials`` a worker holds
+  (:mod:`pdproxy.board_breaker`), and its prefill queue's ``waiting`` count and ``head_base`` (the ordering key of
+  its first blocked waiter) live there;
+- a **breaker record** per endpoint is shared by all workers: it is written only inside :meth:`LoadBoard.exclusive`
+  (rare: failures and state changes) and read without it;
+- cells are 8-byte aligned int64 (or float64: ``head_base``, ``opened_at``, ``retry_until``, ``open_for_s``); an
+  aligned 8-byte store or load is one instruction on x86-64 and arm64, so a reader never sees a torn value — at
+  worst a sum a few microseconds old;
+- :meth:`LoadBoard.exclusive` is an ``flock`` on the board file: the kernel drops it when its holder dies, so a
+  killed worker never leaves it held.  The grant path takes it once per prefill grant (≈ 1 µs uncontended);
+- the supervisor (:mod:`pdproxy.workers`) zeroes the row of a worker that died, since its leases, reservations and
+  trials died with it.
 
-- every worker owns exactly one row and is the **only writer** of that row (its leases add and subtract there);
-- readers (the scheduler's scores) **sum a column** over all rows;
-- cells are 8-byte aligned int64; an aligned 8-byte store or load is one instruction on x86-64 and arm64, so a
-  reader never sees a torn value — at worst a sum a few microseconds old, which any balancer's view is anyway;
-- the supervisor (:mod:`pdproxy.workers`) zeroes the row of a worker that died, since its leases died with it.
-
-Units: requests are counts, tokens are tokens (the same quantities :class:`pdproxy.pool.EndpointLoad` keeps).
-Endpoints are identified by position in ``Settings.all_endpoints()``; a fingerprint of their names guards
-against a worker started with different settings.  Endpoints added later through the admin API are not on
-the board and keep a per-worker count.
+Units: requests are counts, tokens are tokens, times are ``time.monotonic()`` seconds (``CLOCK_MONOTONIC`` is one
+clock for every process of the machine).  Endpoints are identified by position in ``Settings.all_endpoints()``; a
+fingerprint of their names guards against a worker started with different settings.  Endpoints added later through
+the admin API are not on the board and keep per-worker counts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from pdproxy.endpoints import Endpoint
 from pdproxy.pool import EndpointLoad, EndpointPool
 
-MAGIC = 0x5044_5058_4C42_0001  # "PDPXLB" + version
+MAGIC = 0x5044_5058_4C42_0002  # "PDPXLB" + layout version
 _HEADER = 8
-_ROW_META = 2  # owner_pid, ready
 _CELL = 8
+
+# Row cells (offset from the row's first cell).
+OWNER_PID, READY, WAITING, HEAD_BASE, PENDING_DECODE = range(5)
+_ROW_META = 5
+# Per-endpoint cells in a row (offset from the endpoint's first cell in that row).
+REQUESTS, TOKENS, INFLIGHT_TOKENS, INFLIGHT_REQUESTS, UNLEASED_TOKENS, UNLEASED_REQUESTS, TRIALS = range(7)
+_ENDPOINT_CELLS = 7
+# Shared breaker record per endpoint (offset from the record's first cell); the last three are float64.
+B_STATE, B_FAILURES, B_OPENED_TOTAL, B_REOPEN_COUNT, B_OPENED_AT, B_RETRY_UNTIL, B_OPEN_FOR_S = range(7)
+_BREAKER_CELLS = 7
 
 
 def fingerprint(endpoints: list[Endpoint]) -> int:
@@ -47,25 +68,30 @@ def fingerprint(endpoints: list[Endpoint]) -> int:
 class LoadBoard:
     """The memory-mapped table (see module docstring).  Use as a context manager; ``close()`` unmaps.
 
-    ``rows``: worker slots; ``endpoints``: the endpoint list every worker routes over.
-    Raises ``ValueError`` from :meth:`attach` when the file does not match ``endpoints``.
+    ``rows``: worker slots; ``endpoints``: the endpoint list every worker routes over.  ``cells`` (int64) and
+    ``floats`` (float64) are two views of the same cells.  Raises ``ValueError`` from :meth:`attach` when the file
+    does not match ``endpoints``.
     """
 
     def __init__(self, path: Path, endpoints: list[Endpoint], rows: int, *, create: bool) -> None:
         self.path = Path(path)
         self.endpoints = list(endpoints)
         self.rows = rows
-        self.row_cells = _ROW_META + 2 * len(self.endpoints)
-        size = (_HEADER + rows * self.row_cells) * _CELL
+        self.row_cells = _ROW_META + _ENDPOINT_CELLS * len(self.endpoints)
+        self._breakers_at = _HEADER + rows * self.row_cells
+        size = (self._breakers_at + _BREAKER_CELLS * len(self.endpoints)) * _CELL
         if create:
             with open(self.path, "wb") as f:
                 f.truncate(size)
-        with open(self.path, "r+b") as f:
-            if os.fstat(f.fileno()).st_size != size:
-                raise ValueError(f"load board {self.path} was made for other settings (not {len(self.endpoints)} "
-                                 f"endpoints × {rows} rows)")
-            self._mm = mmap.mmap(f.fileno(), size)
+        self._fd = os.open(self.path, os.O_RDWR)       # kept open: mmap and the exclusive() lock
+        if os.fstat(self._fd).st_size != size:
+            os.close(self._fd)
+            raise ValueError(f"load board {self.path} was made for other settings (not {len(self.endpoints)} "
+                             f"endpoints × {rows} rows)")
+        self._mm = mmap.mmap(self._fd, size)
         self.cells: Any = memoryview(self._mm).cast("q")
+        self.floats: Any = memoryview(self._mm).cast("d")
+        self._depth = 0
         if create:
             for i, v in enumerate((MAGIC, 1, rows, len(self.endpoints), fingerprint(self.endpoints))):
                 self.cells[i] = v
@@ -76,7 +102,7 @@ class LoadBoard:
 
     @classmethod
     def create(cls, path: Path, endpoints: list[Endpoint], rows: int) -> LoadBoard:
-        """Create (or overwrite) the board file, all cells zero."""
+        """Create (or overwrite) the board file, all cells zero (every breaker closed)."""
         return cls(path, endpoints, rows, create=True)
 
     @classmethod
@@ -91,11 +117,19 @@ class LoadBoard:
         self.close()
 
     def close(self) -> None:
-        """Unmap (idempotent).  Views handed out earlier must not be used afterwards."""
+        """Unmap and close (idempotent).  Views handed out earlier must not be used afterwards (they raise
+        ``ValueError``, which the row writers swallow)."""
         if self.cells is not None:
             self.cells.release()
-            self.cells = None
+            self.floats.release()
+            self.cells = self.floats = None
             self._mm.close()
+            os.close(self._fd)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self.cells is None
 
     # --- layout -----------------------------------------------------------------------------------------------
     def _base(self, row: int) -> int:
@@ -103,42 +137,84 @@ class LoadBoard:
             raise IndexError(f"row {row} outside 0..{self.rows - 1}")
         return _HEADER + row * self.row_cells
 
+    def row_cell(self, row: int, field: int) -> int:
+        """Absolute cell index of a row field (``WAITING``, ``HEAD_BASE``, ``PENDING_DECODE`` …)."""
+        return self._base(row) + field
+
     def cell(self, row: int, endpoint_index: int, field: int) -> int:
-        """Absolute cell index of ``field`` (0 = requests, 1 = tokens) of one endpoint in one row."""
-        return self._base(row) + _ROW_META + 2 * endpoint_index + field
+        """Absolute cell index of ``field`` (``REQUESTS``, ``TOKENS``, ``INFLIGHT_TOKENS`` …) of one endpoint in one
+        row."""
+        return self._base(row) + _ROW_META + _ENDPOINT_CELLS * endpoint_index + field
+
+    def column(self, endpoint_index: int, field: int) -> tuple[int, ...]:
+        """The cell of ``field`` of one endpoint in every row (what a reader sums)."""
+        return tuple(self.cell(r, endpoint_index, field) for r in range(self.rows))
+
+    def breaker_cell(self, endpoint_index: int, field: int) -> int:
+        """Absolute cell index of ``field`` (``B_STATE`` … ``B_OPEN_FOR_S``) of one endpoint's shared breaker."""
+        if not 0 <= endpoint_index < len(self.endpoints):
+            raise IndexError(f"endpoint {endpoint_index} outside 0..{len(self.endpoints) - 1}")
+        return self._breakers_at + _BREAKER_CELLS * endpoint_index + field
+
+    def index(self, endpoint: Endpoint) -> int | None:
+        """Position of ``endpoint`` on the board; None for one that is not on it (added through the admin API)."""
+        try:
+            return self.endpoints.index(endpoint)
+        except ValueError:
+            return None
+
+    # --- the one lock -----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the board's cross-process lock for the block (``flock(LOCK_EX)`` on the board file; re-entrant
+        within a process; blocks the calling thread while another process holds it).  For check-then-publish
+        sections only: a prefill grant, a breaker transition."""
+        if self._depth == 0:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     # --- supervisor side --------------------------------------------------------------------------------------
     def claim(self, row: int, pid: int) -> None:
-        """Give ``row`` to process ``pid``, zeroed (a fresh worker holds no leases)."""
+        """Give ``row`` to process ``pid``, zeroed (a fresh worker holds no leases, reservations or trials)."""
         base = self._base(row)
-        for i in range(base + _ROW_META, base + self.row_cells):
+        for i in range(base + 1, base + self.row_cells):
             self.cells[i] = 0
-        self.cells[base + 1] = 0
-        self.cells[base] = pid
+        self.cells[base + OWNER_PID] = pid
 
     def set_owner(self, row: int, pid: int) -> None:
         """Record the pid owning ``row`` (after :meth:`clear`, once the worker process exists)."""
-        self.cells[self._base(row)] = pid
+        self.cells[self._base(row) + OWNER_PID] = pid
 
     def clear(self, row: int) -> None:
-        """Zero a dead worker's row: its leases died with it."""
+        """Zero a dead worker's row: its leases, reservations, trials and waiters died with it."""
         self.claim(row, 0)
 
     def mark_ready(self, row: int) -> None:
         """Flag ``row``'s worker as serving (set by the worker once uvicorn started).  Raises ``IndexError`` for
         a row outside the board."""
-        self.cells[self._base(row) + 1] = 1
+        self.cells[self._base(row) + READY] = 1
 
     def owner(self, row: int) -> tuple[int, bool]:
         """``(owner pid, ready)`` of a row (pid 0 = free)."""
         base = self._base(row)
-        return int(self.cells[base]), bool(self.cells[base + 1])
+        return int(self.cells[base + OWNER_PID]), bool(self.cells[base + READY])
 
     def row_totals(self, row: int) -> tuple[int, int]:
         """``(in-flight requests, in-flight tokens)`` summed over the endpoints of one worker's row."""
-        base = self._base(row) + _ROW_META
-        values = self.cells[base:base + 2 * len(self.endpoints)]
-        return sum(values[0::2]), sum(values[1::2])
+        cells = self.cells
+        n = len(self.endpoints)
+        return (sum(cells[self.cell(row, i, REQUESTS)] for i in range(n)),
+                sum(cells[self.cell(row, i, TOKENS)] for i in range(n)))
+
+    def waiting(self, row: int) -> int:
+        """Requests waiting in worker ``row``'s prefill queue (as it last published)."""
+        return int(self.cells[self._base(row) + WAITING])
 
     # --- worker side ------------------------------------------------------------------------------------------
     def pool(self, endpoints: list[Endpoint], row: int) -> SharedEndpointPool:
@@ -238,11 +314,9 @@ class SharedEndpointPool(EndpointPool):
         self.row = row
         self._views: dict[Endpoint, TotalLoad] = {}
         for i, e in enumerate(endpoints):
-            local = RowLoad(board.cells, board.cell(row, i, 0), board.cell(row, i, 1))
+            local = RowLoad(board.cells, board.cell(row, i, REQUESTS), board.cell(row, i, TOKENS))
             self._loads[e] = local
-            rows = range(board.rows)
-            self._views[e] = TotalLoad(local, board.cells, tuple(board.cell(r, i, 0) for r in rows),
-                                       tuple(board.cell(r, i, 1) for r in rows))
+            self._views[e] = TotalLoad(local, board.cells, board.column(i, REQUESTS), board.column(i, TOKENS))
 
     def load(self, endpoint: Endpoint) -> EndpointLoad:
         """The all-worker :class:`TotalLoad` of ``endpoint`` (the process-local load for one added after start).

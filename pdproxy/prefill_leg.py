@@ -122,6 +122,7 @@ class PrefillLeg:
                 leg = orjson.dumps(kv_transfer.prefill_body(req.body, engine_judges=True))
                 fault = over_max_model_len(req, max_model_len)
             lease = stack.enter_context(self.pool.lease(endpoint, tokens))
+            slot.handed_over()                         # the lease counts the prompt's KV from here on
             ctx.prefiller = endpoint.name
             ctx.timeline.prefill_start_at = time.monotonic()
             try:

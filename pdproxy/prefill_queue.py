@@ -36,9 +36,16 @@ the scheduler finds a prefiller that passes every filter including that one.
 
 Waiters are re-checked when a slot's prefill ends or its decode starts and when any pool lease is released
 (:meth:`EndpointPool.add_release_listener`: a prefill lease ending unpins prefiller KV, a decode lease ending frees
-decoder KV), synchronously inside that release; the ``poll_s`` poll is only the safety net.
+decoder KV), synchronously inside that release; the ``poll_s`` poll is only the safety net (one re-check per
+``poll_s`` however many wait).
 
-Single event loop, no awaits while the state is changed, so no locks.
+Single event loop, no awaits while the state is changed, so no locks within a process.  With ``--workers N`` the
+counts live on the shared load board (:class:`LedgerCounts` is the per-process store, :mod:`pdproxy.board_ledger`
+the shared one): every room check reads the totals of all workers, and a grant re-checks the room and publishes its
+reservation inside the board's lock (:meth:`PrefillLedger.try_hold`), so two workers granting at the same instant
+cannot overshoot the budget, the KV pool or the decoders' reservation.  Each worker orders its own waiters; across
+workers, a worker does not grant ahead of another worker's first blocked waiter with a smaller key
+(:meth:`LedgerCounts.ahead_elsewhere`), so the order — and "a large prompt is never starved" — is global too.
 """
 
 from __future__ import annotations
@@ -78,40 +85,43 @@ class PrefillSlot:
     """One dispatched prefill: ``tokens`` held against ``endpoint``'s budget until :meth:`prefill_done`, and
     ``decode_tokens`` reserved on the decoders until :meth:`decode_started`.  Both releases are idempotent."""
 
-    __slots__ = ("_decode_held", "_ledger", "_prefill_held", "_unleased", "decode_tokens", "endpoint", "tokens")
+    __slots__ = ("_counts", "_decode_held", "_ledger", "_prefill_held", "_unleased", "decode_tokens", "endpoint",
+                 "tokens")
 
     def __init__(self, ledger: PrefillLedger, endpoint: Endpoint, tokens: int, decode_tokens: int) -> None:
         self._ledger = ledger
+        self._counts = counts = ledger.counts
         self.endpoint = endpoint
         self.tokens = tokens
         self.decode_tokens = decode_tokens
         self._prefill_held = True
         self._decode_held = True
         self._unleased = True
-        ledger._inflight.setdefault(endpoint, _Held()).add(tokens, 1)
-        ledger._unleased.setdefault(endpoint, _Held()).add(tokens, 1)
-        ledger.pending_decode += decode_tokens
+        counts.add_inflight(endpoint, tokens, 1)
+        counts.add_unleased(endpoint, tokens, 1)
+        counts.add_pending_decode(decode_tokens)
 
     def handed_over(self) -> None:
-        """The holder has the slot and takes its pool lease on ``endpoint`` at once (the director does, from
-        here until the decoder starts answering): the KV it pins is counted by that lease from now on."""
+        """The holder took its pool lease on ``endpoint`` (the director does, right after the grant, and holds it
+        until the decoder starts answering): the KV it pins is counted by that lease from now on.  Call it after
+        taking the lease, so that another worker reading the two counts never sees the prompt in neither."""
         if self._unleased:
             self._unleased = False
-            self._ledger._unleased[self.endpoint].add(-self.tokens, -1)
+            self._counts.add_unleased(self.endpoint, -self.tokens, -1)
 
     def prefill_done(self) -> None:
         """The prefiller answered (or failed): its budget is free again (its KV stays counted by the lease)."""
         self.handed_over()
         if self._prefill_held:
             self._prefill_held = False
-            self._ledger._inflight[self.endpoint].add(-self.tokens, -1)
+            self._counts.add_inflight(self.endpoint, -self.tokens, -1)
             self._ledger.changed()
 
     def decode_started(self) -> None:
         """The decoder lease is taken: the pool's decode accounting now covers this request."""
         if self._decode_held:
             self._decode_held = False
-            self._ledger.pending_decode -= self.decode_tokens
+            self._counts.add_pending_decode(-self.decode_tokens)
             self._ledger.changed()
 
     def release(self) -> None:
@@ -120,16 +130,72 @@ class PrefillSlot:
         self.decode_started()
 
 
-@dataclass(slots=True)
-class _Held:
-    """Prompt tokens and requests held against one prefiller."""
+class LedgerCounts:
+    """Where a :class:`PrefillLedger` keeps its numbers — this implementation: in this process (one proxy
+    process).  Per prefiller: prompt ``(tokens, requests)`` dispatched and unanswered (``inflight``) and granted but
+    not yet leased (``unleased``); overall: decoder tokens reserved by prefills not yet decoding
+    (``pending_decode``).  The readers return totals over every process that shares the counts
+    (:class:`~pdproxy.board_ledger.BoardLedgerCounts`: all workers); the writers change this process's share.
 
-    tokens: int = 0
-    requests: int = 0
+    ``concurrent``: other processes grant against the same totals, so a grant must re-check inside
+    :meth:`exclusive`.  The queue hooks (:meth:`publish_queue`, :meth:`ahead_elsewhere`) do nothing here."""
 
-    def add(self, tokens: int, requests: int) -> None:
-        self.tokens += tokens
-        self.requests += requests
+    concurrent = False
+
+    def __init__(self) -> None:
+        self._inflight: dict[Endpoint, list[int]] = {}
+        self._unleased: dict[Endpoint, list[int]] = {}
+        self._pending_decode = 0
+
+    # --- this process's share
+    def add_inflight(self, endpoint: Endpoint, tokens: int, requests: int) -> None:
+        """Add (or with negative values, remove) dispatched prompt tokens/requests on ``endpoint``."""
+        held = self._inflight.setdefault(endpoint, [0, 0])
+        held[0] += tokens
+        held[1] += requests
+
+    def add_unleased(self, endpoint: Endpoint, tokens: int, requests: int) -> None:
+        """Add (or remove) granted-but-not-leased prompt tokens/requests on ``endpoint``."""
+        held = self._unleased.setdefault(endpoint, [0, 0])
+        held[0] += tokens
+        held[1] += requests
+
+    def add_pending_decode(self, tokens: int) -> None:
+        """Add (or remove) decoder tokens reserved by dispatched prefills."""
+        self._pending_decode += tokens
+
+    def own_idle(self) -> bool:
+        """True when this process holds nothing (no prefill in flight, no unleased slot, no reservation)."""
+        return self._pending_decode == 0 and not any(
+            t or r for t, r in (*self._inflight.values(), *self._unleased.values()))
+
+    # --- totals
+    def inflight(self, endpoint: Endpoint) -> tuple[int, int]:
+        """``(tokens, requests)`` dispatched to ``endpoint`` and not answered yet."""
+        held = self._inflight.get(endpoint)
+        return (held[0], held[1]) if held is not None else (0, 0)
+
+    def unleased(self, endpoint: Endpoint) -> tuple[int, int]:
+        """``(tokens, requests)`` granted on ``endpoint`` whose holder has not taken its pool lease yet."""
+        held = self._unleased.get(endpoint)
+        return (held[0], held[1]) if held is not None else (0, 0)
+
+    def pending_decode(self) -> int:
+        """Decoder tokens reserved by prefills dispatched and not yet decoding."""
+        return self._pending_decode
+
+    # --- grants and the queue across processes
+    def exclusive(self) -> contextlib.AbstractContextManager[None]:
+        """The section in which a grant re-checks and publishes (nothing to exclude in one process)."""
+        return contextlib.nullcontext()
+
+    def publish_queue(self, waiting: int, head_base: float | None) -> None:
+        """This process's queue: ``waiting`` requests, the first blocked one with ordering base ``head_base``
+        (``tokens + aging × arrived_at``; None when nothing is blocked).  Nothing to publish in one process."""
+
+    def ahead_elsewhere(self, base: float) -> bool:
+        """True when another process's first blocked waiter comes before a waiter of ordering base ``base``."""
+        return False
 
 
 class PrefillLedger:
@@ -137,19 +203,23 @@ class PrefillLedger:
     pinned against its KV pool) and reserved on the decoders (prefills dispatched, not yet decoding), per the
     module docstring.  ``limits`` gives the engines' KV pools and block sizes; ``decoder_capacity``: tie dispatch
     to the decoders' free KV; ``decoder_max_requests``: decode requests per decoder before prefills wait (0: no
-    limit).  Listeners (:meth:`add_listener`) hear every release."""
+    limit); ``counts``: where the numbers live (default: this process only).  Listeners (:meth:`add_listener`) hear
+    every release."""
 
     def __init__(self, pool: EndpointPool, limits: Limits, *, budget_tokens: int, decoder_capacity: bool = True,
-                 decoder_max_requests: int = 0) -> None:
+                 decoder_max_requests: int = 0, counts: LedgerCounts | None = None) -> None:
         self.pool = pool
         self.limits = limits
         self.budget_tokens = budget_tokens
         self.decoder_capacity = decoder_capacity
         self.decoder_max_requests = decoder_max_requests
-        self.pending_decode = 0
-        self._inflight: dict[Endpoint, _Held] = {}
-        self._unleased: dict[Endpoint, _Held] = {}
+        self.counts = counts if counts is not None else LedgerCounts()
         self._listeners: list[Callable[[], None]] = []
+
+    @property
+    def pending_decode(self) -> int:
+        """Decoder tokens reserved by dispatched prefills not yet decoding (all workers)."""
+        return self.counts.pending_decode()
 
     def add_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` (synchronously) whenever a slot gives budget or decoder reservation back."""
@@ -161,13 +231,23 @@ class PrefillLedger:
             listener()
 
     def hold(self, endpoint: Endpoint, tokens: int, decode_tokens: int) -> PrefillSlot:
-        """Grant a slot: ``tokens`` against ``endpoint``, ``decode_tokens`` reserved on the decoders."""
+        """Grant a slot: ``tokens`` against ``endpoint``, ``decode_tokens`` reserved on the decoders (no check)."""
         return PrefillSlot(self, endpoint, tokens, decode_tokens)
 
+    def try_hold(self, endpoint: Endpoint, tokens: int, decode_tokens: int) -> PrefillSlot | None:
+        """Grant a slot the caller found room for (the scheduler's :meth:`has_room` filter, :meth:`decode_room`).
+        When other workers grant against the same counts, the room is checked again and the slot published inside
+        the counts' exclusive section, so no two grants overshoot together; None when the room is gone."""
+        if not self.counts.concurrent:
+            return self.hold(endpoint, tokens, decode_tokens)
+        with self.counts.exclusive():
+            if not (self.has_room(endpoint, tokens) and self.decode_room(decode_tokens)):
+                return None
+            return self.hold(endpoint, tokens, decode_tokens)
+
     def inflight_tokens(self, endpoint: Endpoint) -> int:
-        """Prefill tokens dispatched to ``endpoint`` and not answered yet."""
-        held = self._inflight.get(endpoint)
-        return held.tokens if held is not None else 0
+        """Prefill tokens dispatched to ``endpoint`` and not answered yet (all workers)."""
+        return self.counts.inflight(endpoint)[0]
 
     def kv_held_tokens(self, endpoint: Endpoint, lim: EngineLimits | None = None) -> int:
         """An upper bound on the KV (tokens, whole blocks) that prompts in flight or pinned hold on ``endpoint``:
@@ -176,15 +256,16 @@ class PrefillLedger:
         lease).  ``lim``: the endpoint's limits when the caller has them."""
         lim = lim or self.limits.of(endpoint)
         pad = lim.block_size - 1 if lim.block_size else 0
+        counts = self.counts
+        unleased_tokens, unleased_requests = counts.unleased(endpoint)  # before the leases: see handed_over()
         try:
             load = self.pool.load(endpoint)
             leased_tokens, leased_requests = load.tokens, load.requests
         except KeyError:                      # removed: only our own slots are left
             leased_tokens = leased_requests = 0
-        unleased = self._unleased.get(endpoint) or _Held()
-        flying = self._inflight.get(endpoint) or _Held()
-        return max(leased_tokens + unleased.tokens + pad * (leased_requests + unleased.requests),
-                   flying.tokens + pad * flying.requests)
+        flying_tokens, flying_requests = counts.inflight(endpoint)
+        return max(leased_tokens + unleased_tokens + pad * (leased_requests + unleased_requests),
+                   flying_tokens + pad * flying_requests)
 
     def has_room(self, endpoint: Endpoint, tokens: int) -> bool:
         """True when a prompt of ``tokens`` tokens fits ``endpoint``'s budget, then its KV pool (module
@@ -208,6 +289,7 @@ class PrefillLedger:
         decoders = self.pool.available(Role.DECODE)
         if not decoders:
             return True
+        pending = self.counts.pending_decode()       # before the leases: decode_started() follows the lease
         free_total = 0
         free_best = 0
         load_of, limits_of = self.pool.load, self.limits.of
@@ -221,12 +303,11 @@ class PrefillLedger:
             free = max(0, kv - load.tokens)
             free_total += free
             free_best = max(free_best, free)
-        return free_best >= need and free_total - self.pending_decode >= need
+        return free_best >= need and free_total - pending >= need
 
     def idle(self) -> bool:
-        """True when no prefill is in flight, no slot is unleased and no decode capacity is reserved."""
-        return self.pending_decode == 0 and not any(
-            h.tokens or h.requests for h in (*self._inflight.values(), *self._unleased.values()))
+        """True when this process has no prefill in flight, no slot unleased and no decode capacity reserved."""
+        return self.counts.own_idle()
 
 
 @dataclass(slots=True)
@@ -245,7 +326,8 @@ class PrefillQueue:
     """See the module docstring.  The prefiller of a slot is the ``scheduler``'s pick (every prefill filter,
     including the ledger's room); ``ledger`` holds the accounting.  ``busy_tokens``: in-flight prefill tokens that
     make a prefiller "busy with long work" (:meth:`congested`); ``poll_s``: the safety-net re-check interval
-    (seconds).  The pool's lease releases and the ledger's changes call :meth:`notify`."""
+    (seconds).  The pool's lease releases and the ledger's changes call :meth:`notify` (with ``--workers N``,
+    other workers' releases too, through :mod:`pdproxy.wakeup`)."""
 
     def __init__(self, ledger: PrefillLedger, scheduler: Scheduler, *, max_waiting: int, timeout_s: float,
                  aging_tokens_per_s: float, busy_tokens: int, poll_s: float = POLL_S) -> None:
@@ -259,17 +341,20 @@ class PrefillQueue:
         self.stats = QueueStats()
         self._waiting: list[_Waiter] = []
         self._seq = itertools.count()
+        self._counts = ledger.counts
+        self._notified_at = 0.0
+        self._published: tuple[int, float | None] = (0, None)
         ledger.add_listener(self.notify)
         ledger.pool.add_release_listener(self.notify)  # a lease released (prefill KV unpinned, decoder KV freed)
 
     # ---- state for routing and metrics
     @property
     def depth(self) -> int:
-        """Requests waiting now."""
+        """Requests waiting now (in this process)."""
         return len(self._waiting)
 
     def idle(self) -> bool:
-        """True when nothing waits, no prefill is in flight and no decode capacity is reserved."""
+        """True when nothing waits, no prefill is in flight and no decode capacity is reserved (this process)."""
         return not self._waiting and self.ledger.idle()
 
     def congested(self, request: PickRequest | None = None) -> bool:
@@ -281,18 +366,26 @@ class PrefillQueue:
         return bool(candidates) and all(inflight(e) >= self.busy_tokens for e in candidates)
 
     # ---- dispatch
-    def _grant(self, w: _Waiter, endpoint: Endpoint) -> None:
-        w.slot = self.ledger.hold(endpoint, w.tokens, w.decode_tokens)
-        self.stats.granted_total += 1
+    def _base(self, w: _Waiter) -> float:
+        """``w``'s ordering key without the clock: key(now) = base − aging × now, so bases order waiters the way
+        keys do at any instant, in any process (one monotonic clock per machine)."""
+        return w.tokens + self.aging_tokens_per_s * w.arrived_at
 
     def _try_grant(self, w: _Waiter) -> bool:
+        if self._counts.ahead_elsewhere(self._base(w)):   # another worker's first blocked waiter goes first
+            return False
         if not self.ledger.decode_room(w.decode_tokens):
             return False
         try:
             endpoint = self.scheduler.pick(Role.PREFILL, w.request, w.exclude)
         except ProxyError:           # no room now (or no longer placeable: its own wait loop will say so)
             return False
-        self._grant(w, endpoint)
+        slot = self.ledger.try_hold(endpoint, w.tokens, w.decode_tokens)
+        if slot is None:             # another worker took the room since the filters read it
+            self.scheduler.unpick(endpoint)
+            return False
+        w.slot = slot
+        self.stats.granted_total += 1
         w.event.set()
         return True
 
@@ -300,28 +393,31 @@ class PrefillQueue:
         """Some prefiller could take ``w`` once capacity frees up (else it must not wait)."""
         return bool(self.scheduler.eligible(Role.PREFILL, w.request, w.exclude, capacity=False))
 
-    def _unplaceable(self, w: _Waiter) -> None:
-        """No prefiller can take ``w`` whatever the load: let the scheduler raise its refusal (503 with its
-        ``Retry-After``, or 404 for a model nobody serves); should it still find one, take it."""
-        self._grant(w, self.scheduler.pick(Role.PREFILL, w.request, w.exclude, capacity=False))
-
     def notify(self) -> None:
-        """Capacity may have changed: grant waiters in key order, stopping at the first that cannot be placed."""
-        if not self._waiting:
+        """Capacity may have changed: grant waiters in key order, stopping at the first that cannot be placed
+        (published, with the number waiting, for the other workers: :meth:`LedgerCounts.publish_queue`)."""
+        if not self._waiting and self._published == (0, None):
             return
-        now = time.monotonic()
+        self._notified_at = now = time.monotonic()
+        head: _Waiter | None = None
         order = sorted((w for w in self._waiting if w.slot is None),
                        key=lambda w: (w.tokens - self.aging_tokens_per_s * (now - w.arrived_at), w.seq))
         for w in order:
             if not self._try_grant(w) and self._placeable(w):
+                head = w
                 break
+        published = (sum(w.slot is None for w in self._waiting), None if head is None else self._base(head))
+        if published != self._published:
+            self._published = published
+            self._counts.publish_queue(*published)
 
     @contextlib.asynccontextmanager
     async def slot(self, tokens: int, decode_tokens: int, *, exclude: Sequence[Endpoint] = (),
                    request: PickRequest | None = None) -> AsyncIterator[PrefillSlot]:
         """Wait for and hold a prefill slot for a prompt of ``tokens`` tokens needing ``decode_tokens`` of decoder
         KV, on the prefiller the scheduler picks for ``request`` (default: one that says only its size), not in
-        ``exclude``.  Raises the scheduler's refusal at once when no prefiller could ever take it
+        ``exclude``.  The holder calls :meth:`PrefillSlot.handed_over` once it took its pool lease.  Raises the
+        scheduler's refusal at once when no prefiller could ever take it
         (:class:`~pdproxy.errors.NoEndpointAvailable`, :class:`~pdproxy.errors.ModelNotFound`),
         :class:`Overloaded` when ``max_waiting`` requests already wait, :class:`QueueTimeout` after ``timeout_s``
         seconds."""
@@ -331,18 +427,14 @@ class PrefillQueue:
         elif request.prompt_tokens is None:
             request = dataclasses.replace(request, prompt_tokens=tokens)
         w = _Waiter(tokens, decode_tokens, tuple(exclude), request, seq)
-        if not self._waiting and self._try_grant(w):    # nobody ahead and room now (implies placeable)
-            pass
-        elif not self._placeable(w):
-            self._unplaceable(w)
-        elif len(self._waiting) >= self.max_waiting:
-            self.stats.rejected_full_total += 1
-            raise Overloaded(f"pdproxy's prefill queue is full ({self.max_waiting} requests waiting); retry later",
-                             headers={"retry-after": str(FULL_RETRY_AFTER_S)})
-        else:
+        if self._waiting or not self._try_grant(w):        # somebody ahead, or no room now
+            self.scheduler.require(Role.PREFILL, w.request, w.exclude)   # never placeable: its refusal, at once
+            if len(self._waiting) >= self.max_waiting:
+                self.stats.rejected_full_total += 1
+                raise Overloaded(f"pdproxy's prefill queue is full ({self.max_waiting} requests waiting); retry "
+                                 "later", headers={"retry-after": str(FULL_RETRY_AFTER_S)})
             await self._wait(w)
         assert w.slot is not None
-        w.slot.handed_over()
         try:
             yield w.slot
         finally:
@@ -362,10 +454,10 @@ class PrefillQueue:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(min(remaining, self.poll_s)):
                         await w.event.wait()
+                if w.slot is None and time.monotonic() - self._notified_at >= self.poll_s:
+                    self.notify()                          # the safety net: once per poll_s for all waiters
                 if w.slot is None:
-                    self.notify()
-                if w.slot is None and not self._placeable(w):
-                    self._unplaceable(w)
+                    self.scheduler.require(Role.PREFILL, w.request, w.exclude)  # no longer placeable: refuse
         except BaseException:
             if w.slot is not None:           # granted while being cancelled: give it back
                 w.slot.release()
@@ -373,5 +465,5 @@ class PrefillQueue:
         finally:
             self._waiting.remove(w)
             self.stats.wait_seconds_total += time.monotonic() - w.arrived_at
-            if w.slot is None:
+            if w.slot is None or not self._waiting:
                 self.notify()

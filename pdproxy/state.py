@@ -6,8 +6,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdproxy.admission import Admission
 from pdproxy.endpoints import Endpoint
@@ -21,6 +21,9 @@ from pdproxy.scheduling import Scheduler
 from pdproxy.settings import Settings
 from pdproxy.tracing import Tracing, tracing_from_settings
 from pdproxy.upstream import Upstream
+
+if TYPE_CHECKING:
+    from pdproxy.worker_share import WorkerShare
 
 
 @dataclass
@@ -42,15 +45,17 @@ class ProxyState:
     tracing: Tracing
     shutting_down: bool = False
     in_flight: int = 0
+    share: WorkerShare | None = None
     extras: dict[str, object] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, settings: Settings,
-              pool_factory: Callable[[list[Endpoint]], EndpointPool] | None = None) -> ProxyState:
-        """Construct (not start) every component from settings.  ``pool_factory`` (``--workers N``: a pool on the
-        shared load board, pdproxy/loadboard.py) replaces the default per-process :class:`EndpointPool`."""
+    def build(cls, settings: Settings, share: WorkerShare | None = None) -> ProxyState:
+        """Construct (not start) every component from settings.  ``share`` (``--workers N``,
+        pdproxy/worker_share.py) puts the pool, the prefill ledger's counts and the breakers on the shared load
+        board instead of in this process."""
         s = settings
-        pool = (pool_factory or EndpointPool)(s.all_endpoints())
+        endpoints = s.all_endpoints()
+        pool = share.pool(endpoints) if share is not None else EndpointPool(endpoints)
         tracing = tracing_from_settings(s)
         headers = EngineHeaders.from_settings(s, propagate=tracing.propagate)
         engines = EngineClient(timeout_s=s.health_timeout_s, api_key=s.engine_api_key)
@@ -58,28 +63,37 @@ class ProxyState:
         limits = Limits(pool, infos, max_model_len_override=s.max_model_len, clamp=s.max_tokens_overflow == "clamp")
         health = HealthMonitor(pool, engines, infos, interval_s=s.health_interval_s,
                                refresh_interval_s=s.engine_refresh_interval_s,
-                               breaker_failures=s.breaker_failures, breaker_open_s=s.breaker_open_s)
+                               breaker_failures=s.breaker_failures, breaker_open_s=s.breaker_open_s,
+                               make_breaker=share.make_breaker if share is not None else None)
         ledger = PrefillLedger(pool, limits, budget_tokens=s.prefill_budget_tokens,
-                               decoder_capacity=s.prefill_tied_to_decoders, decoder_max_requests=s.decoder_max_requests)
+                               decoder_capacity=s.prefill_tied_to_decoders, decoder_max_requests=s.decoder_max_requests,
+                               counts=share.ledger_counts() if share is not None else None)
         scheduler = Scheduler.standard(pool, health=health, infos=infos, limits=limits, ledger=ledger,
                                        picker=s.routing_picker)
         queue = PrefillQueue(ledger, scheduler, max_waiting=s.prefill_queue_max, timeout_s=s.prefill_queue_timeout_s,
                              aging_tokens_per_s=s.prefill_queue_aging_tokens_per_s, busy_tokens=s.prefill_busy_tokens)
         upstream = Upstream(connect_timeout_s=s.connect_timeout_s)
         admission = Admission(s, limits=limits, queue=queue, scheduler=scheduler, upstream=upstream, headers=headers)
+        if share is not None:
+            share.connect(pool, ledger)     # this worker's releases wake the other workers' waiters
         return cls(settings=s, pool=pool, infos=infos, limits=limits, health=health, ledger=ledger,
                    scheduler=scheduler, queue=queue, headers=headers, upstream=upstream, engines=engines,
-                   admission=admission, tracing=tracing)
+                   admission=admission, tracing=tracing, share=share)
 
     async def start(self) -> None:
-        """Start the upstream pool, admission and health monitoring (health probes every engine once first)."""
+        """Start the upstream pool, admission and health monitoring (health probes every engine once first), and
+        with ``share`` the wake-ups from other workers."""
         await self.upstream.start()
         await self.admission.start()
         await self.health.start()
+        if self.share is not None:
+            self.share.listen(self.queue.notify)
 
     async def stop(self) -> None:
-        """Stop health monitoring, admission, the upstream pool and the engine client, in that order, then flush
-        the spans still buffered (tracing on)."""
+        """Stop the wake-ups, health monitoring, admission, the upstream pool and the engine client, in that
+        order, then flush the spans still buffered (tracing on)."""
+        if self.share is not None:
+            self.share.close()
         await self.health.stop()
         await self.admission.aclose()
         await self.upstream.close()

@@ -47,6 +47,8 @@ from pdproxy.loadboard import LoadBoard
 from pdproxy.logs import listen_urls, log_banner
 from pdproxy.metrics import MULTIPROC_ENV
 from pdproxy.settings import Settings
+from pdproxy.wakeup import WakeChannels, create_fifos
+from pdproxy.worker_share import WorkerShare
 
 log = logging.getLogger("pdproxy.workers")
 
@@ -101,7 +103,8 @@ def worker_main(settings: Settings, sock: socket.socket, board_path: str, row: i
     configure_logging(settings, worker=row)
     parent = os.getppid()
     with LoadBoard.attach(Path(board_path), settings.all_endpoints(), settings.workers) as board:
-        app = PDProxyApp(settings, pool_factory=lambda endpoints: board.pool(endpoints, row))
+        wake = WakeChannels(Path(board_path).parent, settings.workers, row)
+        app = PDProxyApp(settings, share=WorkerShare(board, row, wake))
         config = uvicorn.Config(app, loop="uvloop", http="httptools", log_level="warning", access_log=False,
                                 lifespan="on", timeout_graceful_shutdown=1, log_config=None)
         apply_to_uvicorn(config, server_ssl_context(settings))  # each worker builds its own (contexts don't pickle)
@@ -129,6 +132,7 @@ class Supervisor:
         self.settings = settings
         self.sock = sock
         self.board = board
+        self.wake = WakeChannels(board.path.parent, settings.workers, None)
         self.ctx = multiprocessing.get_context("spawn")
         self.procs: list[Any] = [None] * settings.workers
         self.stop = threading.Event()
@@ -147,7 +151,8 @@ class Supervisor:
         """Handle worker ``row`` having exited.  Returns False if it was a start-up failure."""
         proc = self.procs[row]
         _, ready = self.board.owner(row)
-        self.board.clear(row)
+        self.board.clear(row)   # its leases, prefill reservations and breaker trials died with it
+        self.wake.wake_all()    # capacity came back: the other workers' waiters re-check
         with contextlib.suppress(Exception):
             from prometheus_client import multiprocess
 
@@ -186,6 +191,7 @@ class Supervisor:
                     self.spawn(row)
         finally:
             self.shutdown()
+            self.wake.close()
         return code
 
     def shutdown(self) -> None:
@@ -209,6 +215,7 @@ def serve_workers(settings: Settings) -> int:
     with run_directory() as run_dir, listening_socket(settings.host, settings.port) as sock, \
             LoadBoard.create(run_dir / BOARD_FILE, endpoints, settings.workers) as board:
         metrics_dir = prepare_metrics_dir(run_dir)
+        create_fifos(run_dir, settings.workers)
         log_banner(settings, listen_urls([sock.getsockname()], bool(settings.ssl_certfile)), workers=settings.workers)
         log.info("pdproxy: run directory %s (load board %s, metrics %s)", run_dir, board.path, metrics_dir)
         code = Supervisor(settings, sock, board).run()

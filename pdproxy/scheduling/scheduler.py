@@ -95,6 +95,11 @@ def standard_profiles(pool: EndpointPool, *, health: HealthMonitor | None = None
     }
 
 
+_TRIAL_RACES = 3
+"""Picks tried in a row when the chosen endpoint's breaker refuses it at the last moment (another worker took its
+half-open trial between the filter and the pick) before answering 503."""
+
+
 class Scheduler:
     """Chooses endpoints of ``pool`` by ``profiles`` (one per role).  ``health``, when given, gets each pick
     (:meth:`HealthMonitor.on_pick`: a half-open breaker's trial slot) and sets ``Retry-After`` on a 503."""
@@ -167,20 +172,29 @@ class Scheduler:
         """The endpoint of ``role`` for ``request``: filters (all, or all but the capacity ones when ``capacity``
         is False), minus ``exclude``, then scores, then the picker.  With ``trial`` the health monitor hears of the
         pick (a half-open breaker's trial slot is taken; the caller then reports the leg's verdict with
-        ``HealthMonitor.record_*``); ``trial=False`` for calls whose outcome is not reported (``/tokenize``).
+        ``HealthMonitor.record_*``, or gives an unused pick back with :meth:`unpick`); ``trial=False`` for calls
+        whose outcome is not reported (``/tokenize``).  Should the breaker refuse the chosen endpoint after all
+        (with ``--workers N`` another worker may have taken its trial since the filter read it), it chooses again.
 
         Raises :class:`NoEndpointAvailable` (503, ``Retry-After`` = seconds until a breaker re-admits) or
         :class:`~pdproxy.errors.ModelNotFound` (404) when no candidate is left: the refusal of the first filter
         that left none.
         """
-        candidates, error = self._filter(role, request, exclude, capacity)
-        if not candidates:
-            assert error is not None
-            raise self._refuse(role, error)
-        if len(candidates) == 1:
-            endpoint = candidates[0]
-        else:
-            endpoint = self.profiles[role].picker(request, candidates, self.score(role, request, candidates))
-        if trial and self.health is not None:
-            self.health.on_pick(endpoint)
-        return endpoint
+        for _ in range(_TRIAL_RACES):
+            candidates, error = self._filter(role, request, exclude, capacity)
+            if not candidates:
+                assert error is not None
+                raise self._refuse(role, error)
+            if len(candidates) == 1:
+                endpoint = candidates[0]
+            else:
+                endpoint = self.profiles[role].picker(request, candidates, self.score(role, request, candidates))
+            if not trial or self.health is None or self.health.on_pick(endpoint):
+                return endpoint
+        raise self._refuse(role, NoEndpointAvailable(role.value, f.BreakerClosed.reason))
+
+    def unpick(self, endpoint: Endpoint) -> None:
+        """A pick made with ``trial`` that will not be used (the prefill queue's grant lost a race for the room):
+        give its half-open trial slot back, if it took one."""
+        if self.health is not None:
+            self.health.record_neutral(endpoint)
