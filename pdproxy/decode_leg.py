@@ -117,6 +117,9 @@ class DecodeLeg:
                 if not self.health.record_error(endpoint, exc):
                     raise
                 raise DecodeFailed(exc, endpoint, kv_intact=isinstance(exc, UpstreamRefused)) from None
+            except BaseException:                  # cancelled (client left, deadline): no verdict on the engine
+                self.health.record_neutral(endpoint)   # a half-open trial's slot must not stay taken
+                raise
         self.health.record_success(endpoint)
         return recomputed
 

@@ -144,6 +144,9 @@ class PrefillLeg:
                 tried.append(endpoint)
                 last = exc
                 continue
+            except BaseException:                      # cancelled (client left, deadline): no verdict on it
+                self.health.record_neutral(endpoint)   # a half-open trial's slot must not stay taken
+                raise
             ctx.timeline.prefill_end_at = time.monotonic()
             slot.prefill_done()
             self.health.record_success(endpoint)
