@@ -6,11 +6,12 @@ cells of this worker's row of the board (pdproxy/loadboard.py: ``inflight_tokens
 ``unleased_tokens``/``unleased_requests`` per endpoint, ``pending_decode`` per row), written only by this worker and
 summed over every row by the readers, so every worker's room check sees what all workers dispatched.
 
-**The bound.**  A worker's pick reads the totals without a lock; its grant then re-checks the room for the chosen
-prefiller and publishes its reservation inside the board's lock (``flock``: :meth:`LoadBoard.exclusive`,
-:meth:`~pdproxy.prefill_queue.PrefillLedger.try_hold`).  Every increase of these counts happens inside that lock
-after a check that read every row; decreases (releases, the supervisor zeroing a dead worker's row) happen
-anywhere and only make room.  So for each prefiller, across all workers:
+**The bound.**  A worker's pick reads the board's grant epoch, then the totals, without a lock; its grant then
+takes the board's lock (``flock``: :meth:`LoadBoard.exclusive`, :meth:`~pdproxy.prefill_queue.PrefillLedger.
+try_hold`), re-checks the room for the chosen prefiller if the epoch moved (another grant happened since the
+totals were read), publishes its reservation and counts the epoch up.  Every increase of these counts happens
+inside that lock after a check that read every row since the last grant; decreases (releases, the supervisor
+zeroing a dead worker's row) happen anywhere and only make room.  So for each prefiller, across all workers:
 
 - prefill tokens dispatched and unanswered ≤ ``prefill_budget_tokens``, except one prompt larger than the budget
   alone on an otherwise idle prefiller (the single-process rule);
@@ -35,6 +36,7 @@ from typing import Any
 
 from pdproxy.endpoints import Endpoint
 from pdproxy.loadboard import (
+    GRANT_EPOCH,
     HEAD_BASE,
     INFLIGHT_REQUESTS,
     INFLIGHT_TOKENS,
@@ -60,6 +62,7 @@ class BoardLedgerCounts(LedgerCounts):
         self._cells: Any = board.cells
         self._floats: Any = board.floats
         self._wake_others = wake_others
+        self._lock = board.exclusive()
         self._own: dict[Endpoint, int] = {}                  # first cell of the endpoint in this row
         self._cols: dict[Endpoint, tuple[int, ...]] = {}     # first cell of the endpoint in every row
         for i, e in enumerate(board.endpoints):
@@ -73,10 +76,12 @@ class BoardLedgerCounts(LedgerCounts):
 
     # --- this worker's share (its row; a release after the board is unmapped has nothing left to count)
     def _add(self, cell: int, tokens: int, requests: int) -> None:
-        with contextlib.suppress(ValueError):
-            cells = self._cells
+        cells = self._cells
+        try:
             cells[cell] += tokens
             cells[cell + 1] += requests
+        except ValueError:
+            pass
 
     def add_inflight(self, endpoint: Endpoint, tokens: int, requests: int) -> None:
         """Add (or remove) dispatched prompt tokens/requests on ``endpoint`` in this worker's row."""
@@ -96,8 +101,10 @@ class BoardLedgerCounts(LedgerCounts):
 
     def add_pending_decode(self, tokens: int) -> None:
         """Add (or remove) decoder tokens reserved by this worker's dispatched prefills."""
-        with contextlib.suppress(ValueError):
+        try:
             self._cells[self._pending_own] += tokens
+        except ValueError:
+            pass
 
     def own_idle(self) -> bool:
         """True when this worker's row holds no reservation (and no per-worker count for an added endpoint)."""
@@ -136,7 +143,15 @@ class BoardLedgerCounts(LedgerCounts):
     # --- grants and the queue across workers
     def exclusive(self) -> contextlib.AbstractContextManager[None]:
         """The board's lock: a grant re-checks the totals and publishes its reservation inside it."""
-        return self._board.exclusive()
+        return self._lock
+
+    def epoch(self) -> int:
+        """The board's grant epoch (header cell, counted up inside the lock by every grant of every worker)."""
+        return int(self._cells[GRANT_EPOCH])
+
+    def granted(self) -> None:
+        """Count one grant on the board's epoch (inside the lock, after the reservation's cells)."""
+        self._cells[GRANT_EPOCH] += 1
 
     def publish_queue(self, waiting: int, head_base: float | None) -> None:
         """Publish this worker's queue (``waiting`` requests; the ordering base of its first blocked waiter, or

@@ -4,7 +4,7 @@ Each worker process has its own event loop, pool, prefill queue and leases.  Wit
 as if worker B's requests did not exist, admit its own prefill budget, and find a dead engine on its own.  The
 board is a small table of 8-byte cells in a memory-mapped file that every worker maps::
 
-    header          : MAGIC, VERSION, rows, endpoints, fingerprint, 0, 0, 0
+    header          : MAGIC, VERSION, rows, endpoints, fingerprint, grant_epoch, 0, 0
     row r           : owner_pid, ready, waiting, head_base, pending_decode,
                       then per endpoint: requests, tokens, inflight_tokens, inflight_requests,
                                          unleased_tokens, unleased_requests, trials
@@ -16,7 +16,8 @@ board is a small table of 8-byte cells in a memory-mapped file that every worker
   (:mod:`pdproxy.board_breaker`), and its prefill queue's ``waiting`` count and ``head_base`` (the ordering key of
   its first blocked waiter) live there;
 - a **breaker record** per endpoint is shared by all workers: it is written only inside :meth:`LoadBoard.exclusive`
-  (rare: failures and state changes) and read without it;
+  (rare: failures and state changes) and read without it; so is the header's ``grant_epoch``, counted up by every
+  prefill grant (:mod:`pdproxy.board_ledger`);
 - cells are 8-byte aligned int64 (or float64: ``head_base``, ``opened_at``, ``retry_until``, ``open_for_s``); an
   aligned 8-byte store or load is one instruction on x86-64 and arm64, so a reader never sees a torn value — at
   worst a sum a few microseconds old;
@@ -38,7 +39,6 @@ import fcntl
 import mmap
 import os
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from pdproxy.pool import EndpointLoad, EndpointPool
 
 MAGIC = 0x5044_5058_4C42_0002  # "PDPXLB" + layout version
 _HEADER = 8
+GRANT_EPOCH = 5            # header cell
 _CELL = 8
 
 # Row cells (offset from the row's first cell).
@@ -58,6 +59,27 @@ _ENDPOINT_CELLS = 7
 # Shared breaker record per endpoint (offset from the record's first cell); the last three are float64.
 B_STATE, B_FAILURES, B_OPENED_TOTAL, B_REOPEN_COUNT, B_OPENED_AT, B_RETRY_UNTIL, B_OPEN_FOR_S = range(7)
 _BREAKER_CELLS = 7
+
+
+class BoardLock:
+    """``flock`` on the board file as a re-entrant context manager (a class, not a generator: it is on the grant
+    path).  The kernel releases it if the holding process dies."""
+
+    __slots__ = ("_depth", "_fd")
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._depth = 0
+
+    def __enter__(self) -> None:
+        if self._depth == 0:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
 
 
 def fingerprint(endpoints: list[Endpoint]) -> int:
@@ -91,7 +113,7 @@ class LoadBoard:
         self._mm = mmap.mmap(self._fd, size)
         self.cells: Any = memoryview(self._mm).cast("q")
         self.floats: Any = memoryview(self._mm).cast("d")
-        self._depth = 0
+        self._lock = BoardLock(self._fd)
         if create:
             for i, v in enumerate((MAGIC, 1, rows, len(self.endpoints), fingerprint(self.endpoints))):
                 self.cells[i] = v
@@ -164,20 +186,11 @@ class LoadBoard:
             return None
 
     # --- the one lock -----------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """Hold the board's cross-process lock for the block (``flock(LOCK_EX)`` on the board file; re-entrant
+    def exclusive(self) -> BoardLock:
+        """The board's cross-process lock, for a ``with`` block (``flock(LOCK_EX)`` on the board file; re-entrant
         within a process; blocks the calling thread while another process holds it).  For check-then-publish
         sections only: a prefill grant, a breaker transition."""
-        if self._depth == 0:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-            if self._depth == 0:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return self._lock
 
     # --- supervisor side --------------------------------------------------------------------------------------
     def claim(self, row: int, pid: int) -> None:
@@ -236,7 +249,7 @@ class RowLoad(EndpointLoad):
         self._ti = tokens_cell
         super().__init__(requests=int(cells[requests_cell]), tokens=int(cells[tokens_cell]))  # keep the row as is
 
-    @property  # type: ignore[override]
+    @property
     def requests(self) -> int:
         """In-flight requests this worker holds on the endpoint (shared-memory cell; 0 once the board is unmapped)."""
         return self._get(self._ri)
@@ -246,7 +259,7 @@ class RowLoad(EndpointLoad):
         """Write this worker's in-flight request count (ignored once the board is unmapped)."""
         self._set(self._ri, value)
 
-    @property  # type: ignore[override]
+    @property
     def tokens(self) -> int:
         """In-flight tokens this worker holds on the endpoint (shared-memory cell; 0 once the board is unmapped)."""
         return self._get(self._ti)
@@ -270,34 +283,75 @@ class RowLoad(EndpointLoad):
 
 class TotalLoad(EndpointLoad):
     """What the scheduler, admission and ``/metrics`` see: ``requests`` / ``tokens`` summed over every worker's
-    row (read-only); every other attribute reads and writes the local :class:`RowLoad`."""
+    row (read-only: leases change them through their own row); every other field is the local :class:`RowLoad`'s
+    (plain properties: the routing filters read ``healthy`` and ``draining`` for every candidate of every pick)."""
 
     __slots__ = ("_cells", "_local", "_rcells", "_tcells")
+    _cells: Any
+    _local: RowLoad
+    _rcells: tuple[int, ...]
+    _tcells: tuple[int, ...]
 
     def __init__(self, local: RowLoad, cells: Any, requests_cells: tuple[int, ...],
                  tokens_cells: tuple[int, ...]) -> None:
-        object.__setattr__(self, "_local", local)
-        object.__setattr__(self, "_cells", cells)
-        object.__setattr__(self, "_rcells", requests_cells)
-        object.__setattr__(self, "_tcells", tokens_cells)
+        self._local = local
+        self._cells = cells
+        self._rcells = requests_cells
+        self._tcells = tokens_cells
 
-    @property  # type: ignore[override]
+    @property
     def requests(self) -> int:
         """In-flight requests on the endpoint summed over every worker's row (read-only)."""
-        return sum(map(self._cells.__getitem__, self._rcells))
+        return int(sum(map(self._cells.__getitem__, self._rcells)))
 
-    @property  # type: ignore[override]
+    @requests.setter
+    def requests(self, value: int) -> None:
+        raise AttributeError("requests is a sum over workers; leases change it through their own row")
+
+    @property
     def tokens(self) -> int:
         """In-flight tokens on the endpoint summed over every worker's row (read-only)."""
-        return sum(map(self._cells.__getitem__, self._tcells))
+        return int(sum(map(self._cells.__getitem__, self._tcells)))
 
-    def __getattr__(self, name: str) -> Any:  # unset inherited slots (healthy, draining, …) → the local row
-        return getattr(object.__getattribute__(self, "_local"), name)
+    @tokens.setter
+    def tokens(self, value: int) -> None:
+        raise AttributeError("tokens is a sum over workers; leases change it through their own row")
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("requests", "tokens"):
-            raise AttributeError(f"{name} is a sum over workers; leases change it through their own row")
-        setattr(self._local, name, value)
+    @property
+    def healthy(self) -> bool:
+        """This worker's health flag for the endpoint (its own probes)."""
+        return self._local.healthy
+
+    @healthy.setter
+    def healthy(self, value: bool) -> None:
+        self._local.healthy = value
+
+    @property
+    def draining(self) -> bool:
+        """This worker's draining flag (admin API)."""
+        return self._local.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self._local.draining = value
+
+    @property
+    def leased_total(self) -> int:
+        """Leases this worker took on the endpoint (lifetime)."""
+        return self._local.leased_total
+
+    @leased_total.setter
+    def leased_total(self, value: int) -> None:
+        self._local.leased_total = value
+
+    @property
+    def released_total(self) -> int:
+        """Leases this worker released on the endpoint (lifetime)."""
+        return self._local.released_total
+
+    @released_total.setter
+    def released_total(self, value: int) -> None:
+        self._local.released_total = value
 
 
 class SharedEndpointPool(EndpointPool):

@@ -189,6 +189,14 @@ class LedgerCounts:
         """The section in which a grant re-checks and publishes (nothing to exclude in one process)."""
         return contextlib.nullcontext()
 
+    def epoch(self) -> int:
+        """A number that changes with every grant (any process); read it before reading the counts for a grant
+        (:meth:`PrefillLedger.try_hold` skips the re-check when it has not moved)."""
+        return 0
+
+    def granted(self) -> None:
+        """Count one grant (called inside :meth:`exclusive`, after the slot's counts are published)."""
+
     def publish_queue(self, waiting: int, head_base: float | None) -> None:
         """This process's queue: ``waiting`` requests, the first blocked one with ordering base ``head_base``
         (``tokens + aging × arrived_at``; None when nothing is blocked).  Nothing to publish in one process."""
@@ -234,16 +242,23 @@ class PrefillLedger:
         """Grant a slot: ``tokens`` against ``endpoint``, ``decode_tokens`` reserved on the decoders (no check)."""
         return PrefillSlot(self, endpoint, tokens, decode_tokens)
 
-    def try_hold(self, endpoint: Endpoint, tokens: int, decode_tokens: int) -> PrefillSlot | None:
-        """Grant a slot the caller found room for (the scheduler's :meth:`has_room` filter, :meth:`decode_room`).
-        When other workers grant against the same counts, the room is checked again and the slot published inside
-        the counts' exclusive section, so no two grants overshoot together; None when the room is gone."""
-        if not self.counts.concurrent:
+    def try_hold(self, endpoint: Endpoint, tokens: int, decode_tokens: int,
+                 checked_at: int | None = None) -> PrefillSlot | None:
+        """Grant a slot the caller found room for (the scheduler's :meth:`has_room` filter, :meth:`decode_room`),
+        reading the counts after :meth:`LedgerCounts.epoch` returned ``checked_at``.  When other workers grant
+        against the same counts, the slot is published inside the counts' exclusive section — after checking the
+        room again if any grant happened since ``checked_at`` (None: always) — so no two grants overshoot
+        together; None when the room is gone."""
+        counts = self.counts
+        if not counts.concurrent:
             return self.hold(endpoint, tokens, decode_tokens)
-        with self.counts.exclusive():
-            if not (self.has_room(endpoint, tokens) and self.decode_room(decode_tokens)):
+        with counts.exclusive():
+            if counts.epoch() != checked_at and not (self.has_room(endpoint, tokens)
+                                                      and self.decode_room(decode_tokens)):
                 return None
-            return self.hold(endpoint, tokens, decode_tokens)
+            slot = self.hold(endpoint, tokens, decode_tokens)
+            counts.granted()
+            return slot
 
     def inflight_tokens(self, endpoint: Endpoint) -> int:
         """Prefill tokens dispatched to ``endpoint`` and not answered yet (all workers)."""
@@ -372,15 +387,17 @@ class PrefillQueue:
         return w.tokens + self.aging_tokens_per_s * w.arrived_at
 
     def _try_grant(self, w: _Waiter) -> bool:
-        if self._counts.ahead_elsewhere(self._base(w)):   # another worker's first blocked waiter goes first
+        counts = self._counts
+        if counts.ahead_elsewhere(self._base(w)):   # another worker's first blocked waiter goes first
             return False
+        epoch = counts.epoch()                       # before the room is read (try_hold re-checks if it moved)
         if not self.ledger.decode_room(w.decode_tokens):
             return False
         try:
             endpoint = self.scheduler.pick(Role.PREFILL, w.request, w.exclude)
         except ProxyError:           # no room now (or no longer placeable: its own wait loop will say so)
             return False
-        slot = self.ledger.try_hold(endpoint, w.tokens, w.decode_tokens)
+        slot = self.ledger.try_hold(endpoint, w.tokens, w.decode_tokens, epoch)
         if slot is None:             # another worker took the room since the filters read it
             self.scheduler.unpick(endpoint)
             return False

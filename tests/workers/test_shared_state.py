@@ -22,7 +22,7 @@ from pdproxy.engines import EngineClient, EngineInfo
 from pdproxy.errors import NoEndpointAvailable
 from pdproxy.health import HealthMonitor
 from pdproxy.limits import Limits
-from pdproxy.loadboard import INFLIGHT_TOKENS, LoadBoard, SharedEndpointPool
+from pdproxy.loadboard import GRANT_EPOCH, INFLIGHT_TOKENS, LoadBoard, SharedEndpointPool
 from pdproxy.prefill_queue import PrefillLedger, PrefillQueue
 from pdproxy.scheduling import PickRequest, Scheduler
 from pdproxy.wakeup import WakeChannels, create_fifos
@@ -238,8 +238,9 @@ BUDGET = 1000
 
 
 def _hammer(path: str, run_dir: str, row: int, rounds: int, seed: int) -> int:
-    """Grant and release random prompts ``rounds`` times; after every grant, read the all-worker total and return
-    the largest seen (it must never exceed BUDGET)."""
+    """Grant and release random prompts ``rounds`` times (room read without the lock, then a grant that re-checks
+    only if another grant happened since: the queue's way); after every attempt read the all-worker total and
+    return the largest seen (it must never exceed BUDGET)."""
     import random
 
     rng = random.Random(seed)
@@ -251,7 +252,11 @@ def _hammer(path: str, run_dir: str, row: int, rounds: int, seed: int) -> int:
             if held and rng.random() < 0.5:
                 held.pop(rng.randrange(len(held))).release()
                 continue
-            slot = w.ledger.try_hold(P, rng.randrange(50, 400), 1)
+            size = rng.randrange(50, 400)
+            epoch = w.ledger.counts.epoch()           # as the queue does: the epoch, then the room, then the grant
+            if not w.ledger.has_room(P, size):
+                continue
+            slot = w.ledger.try_hold(P, size, 1, epoch)
             if slot is not None:
                 held.append(slot)
             worst = max(worst, w.ledger.inflight_tokens(P))
@@ -269,4 +274,5 @@ def test_two_processes_granting_at_once_never_overshoot(tmp_path: Path) -> None:
         with ctx.Pool(2) as procs:
             results = procs.starmap(_hammer, [(str(path), str(tmp_path), r, 20_000, r) for r in range(2)])
         assert max(results) <= BUDGET and min(results) > BUDGET // 2    # busy, never over
+        assert board.cells[GRANT_EPOCH] > 1000                          # and granting a lot
         assert board.cells[board.cell(0, 0, INFLIGHT_TOKENS)] == board.cells[board.cell(1, 0, INFLIGHT_TOKENS)] == 0
