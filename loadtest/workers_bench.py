@@ -12,8 +12,8 @@ Run: ``python -m loadtest.workers_bench [--part sharing|serve ...] [--out FILE]`
   release also writes a wake-up byte into its FIFO (``shared_waking``).  The uncontended ``flock`` pair alone is
   timed too.  Figures are µs per request (median of ``--repeats`` runs), and the differences against ``single``.
 - ``serve`` (processes, unpinned, the whole process tree's CPU over each window): ``pdproxy serve --workers 1``
-  and ``--workers 2`` in front of two ``loadtest.fake_engine`` engines, closed-loop full-speed streams and 1-token
-  PD requests from ``loadtest.loadgen``; reports events (or requests) per CPU-second of the whole proxy tree, per
+  and ``--workers 2`` in front of two ``loadtest.fake_engine`` engines, closed loops from ``loadtest.loadgen``:
+  paced streams (an event every 20 ms), full-speed streams and 1-token PD requests; reports events (or requests) per CPU-second of the whole proxy tree, per
   worker process (each worker's own CPU), and each worker's share of the CPU.  On a 2-core machine the engines and
   the generator share the cores with the workers: this shows the cost per event of the multi-worker mode, not
   scaling.
@@ -169,6 +169,13 @@ PDPROXY = ("{python} -m pdproxy serve --host 127.0.0.1 --port {port} --prefill {
            "--log-level warning --no-request-log")
 
 
+def SCENARIOS(streams: int, tokens: int) -> tuple[tuple[str, int, int, float], ...]:
+    """``(name, events per stream, concurrent streams, engine inter-token seconds)`` of the ``serve`` part."""
+    return (("paced", tokens, 2 * streams, 0.02),      # decode's real shape: one event per step per sequence
+            ("full_speed", tokens, streams, 0.0),
+            ("pd_requests", 1, streams, 0.0))          # 1-token streams: per-request cost
+
+
 def _worker_pids(root: int) -> list[int]:
     """The spawned worker processes of a ``--workers N`` supervisor (its children running ``spawn_main``)."""
     out = []
@@ -185,12 +192,20 @@ def _all_ready(url: str, workers: int) -> bool:
     except (httpx.HTTPError, ValueError):
         return False
     rows = body.get("workers")
-    return workers == 1 or (rows is not None and len(rows) == workers and all(r["ready"] for r in rows))
+    if workers == 1:
+        return True
+    if rows is not None:
+        return len(rows) == workers and all(r["ready"] for r in rows)
+    try:                                 # a pdproxy without /debug/load rows: every worker's gauge is exported
+        text = httpx.get(url + "/metrics", timeout=2).text
+    except httpx.HTTPError:
+        return False
+    return text.count("pdproxy_worker_inflight_requests{") == workers
 
 
 def serve(window_s: float, windows: int, warmup_s: float, streams: int, tokens: int) -> dict[str, Any]:
     """Full-speed streams and 1-token PD requests through ``--workers 1`` and ``--workers 2`` (unpinned)."""
-    out: dict[str, Any] = {"machine": procstat.machine(), "window_s": window_s, "windows": windows,
+    out: dict[str, Any] = {"machine": procstat.describe_machine(), "window_s": window_s, "windows": windows,
                            "warmup_s": warmup_s, "streams": streams, "tokens_per_stream": tokens}
     prefiller, decoder = fleet.fake_engine("wb-prefill", None), fleet.fake_engine("wb-decode", None)
     with prefiller, decoder:
@@ -208,10 +223,9 @@ def serve(window_s: float, windows: int, warmup_s: float, streams: int, tokens: 
                                                   "engines": [prefiller.pid, decoder.pid]}
                 for k, pid in enumerate(wpids):
                     cpu_pids[f"w{k}"] = [pid]
-                for scenario, n_tokens, concurrency in (("full_speed", tokens, streams),
-                                                        ("pd_requests", 1, streams)):
-                    for url in (prefiller.url, decoder.url):
-                        fleet.configure_engine(url, itl_s=0.0, ttft_s=0.0, prefill_s=0.0)
+                for scenario, n_tokens, concurrency, itl_s in SCENARIOS(streams, tokens):
+                    for url in (prefiller.url, decoder.url):   # type: ignore[attr-defined]
+                        fleet.configure_engine(url, itl_s=itl_s, ttft_s=0.0, prefill_s=0.0)
                     spec = {"mode": "proxy", "target": child.url,              # type: ignore[attr-defined]
                             "prefill": prefiller.url, "decode": decoder.url,   # type: ignore[attr-defined]
                             "max_tokens": n_tokens, "arrival": {"kind": "closed", "concurrency": concurrency},
@@ -222,7 +236,7 @@ def serve(window_s: float, windows: int, warmup_s: float, streams: int, tokens: 
                     per_worker = [statistics.median(w["cpu_s"][f"w{k}"] for w in ws) for k in range(len(wpids))]
                     worker_cpu = [statistics.median(sum(w["cpu_s"][f"w{k}"] for k in range(len(wpids)))
                                                     / w["wall_s"] for w in ws)]
-                    unit = "events" if scenario == "full_speed" else "requests"
+                    unit = "requests" if scenario == "pd_requests" else "events"
                     per_s = s["events_per_s"] if unit == "events" else s["requests_per_s"]
                     tree = statistics.median(w["cpu_s"]["proxy"] / w["wall_s"] for w in ws)
                     out[f"workers_{workers}_{scenario}"] = {
@@ -235,7 +249,7 @@ def serve(window_s: float, windows: int, warmup_s: float, streams: int, tokens: 
                         "proxy_us_per_event": s["proxy_us_per_event"],
                         "proxy_us_per_request": s["proxy_us_per_request"],
                         "others_cpu_frac": s["others_cpu_frac"], "loadgen_cpu_frac": s["loadgen_cpu_frac"]}
-    for scenario, unit in (("full_speed", "events"), ("pd_requests", "requests")):
+    for scenario, unit in (("paced", "events"), ("full_speed", "events"), ("pd_requests", "requests")):
         one = out[f"workers_1_{scenario}"][f"{unit}_per_cpu_s_per_worker"]
         two = out[f"workers_2_{scenario}"][f"{unit}_per_cpu_s_per_worker"]
         out[f"{scenario}_per_cpu_s_ratio_2_vs_1"] = round(two / one, 3) if one and two else None

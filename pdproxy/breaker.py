@@ -15,7 +15,9 @@ States:
   failure → ``OPEN`` again.
 
 Time is seconds from ``clock()`` (default ``time.monotonic``), so tests drive it with a fake clock and never
-sleep.  Not thread-safe: one event loop owns it, and no method awaits.
+sleep.  Not thread-safe: one event loop owns it, and no method awaits.  With ``--workers N`` one breaker per
+endpoint is shared by every worker (:mod:`pdproxy.board_breaker`: the same state machine, its fields on the load
+board, transitions under the board's lock).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@
   failure also triggers an immediate probe, so a killed engine leaves the pool within one probe round trip.
 - **Breaker** (:mod:`pdproxy.breaker`): consecutive failures open it; picks skip open endpoints (:meth:`can_take`,
   the scheduler's breaker filter);
-  a successful probe lets a trial request through; a successful request closes it.
+  a successful probe lets a trial request through; a successful request closes it.  With ``--workers N`` the
+  breakers are shared by all workers (``make_breaker``, :mod:`pdproxy.board_breaker`); probes stay per worker.
 
 So a dead engine gets at most ``breaker_failures`` (+ in-flight) attempts, is re-admitted within about one probe
 interval of answering ``/health`` again, and with no usable prefiller or decoder the scheduler raises

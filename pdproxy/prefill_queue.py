@@ -65,8 +65,9 @@ from pdproxy.pool import EndpointPool
 from pdproxy.scheduling import PickRequest, Scheduler
 
 POLL_S = 0.25
-"""A waiter re-checks at least this often (seconds, default of ``poll_s``): health and KV-pool refreshes and
-other workers' lease releases do not notify the queue.  This process's slot and pool-lease releases do."""
+"""The queue re-checks its waiters at least this often (seconds, default of ``poll_s``; once per interval however
+many wait): health and KV-pool refreshes do not notify the queue.  This process's slot and pool-lease releases do,
+and with ``--workers N`` so do the other workers' (a wake-up, :mod:`pdproxy.wakeup`)."""
 FULL_RETRY_AFTER_S = 2
 
 

@@ -1,17 +1,19 @@
-"""``pdproxy serve --workers N``: N worker processes on one listening socket, one load view, one ``/metrics``.
+"""``pdproxy serve --workers N``: N worker processes on one listening socket that behave as one proxy.
 
-Why not uvicorn's own ``--workers``: each worker would then route with only its own leases in view (the
-vLLM-Ascend example proxy shares state through a ``multiprocessing`` manager instead, which costs a
-cross-process round trip per request).  Here the supervisor (this module, in the parent process):
+Why not uvicorn's own ``--workers``: each worker would then route with only its own leases in view, admit its own
+prefill budget and find a dead engine on its own (the vLLM-Ascend example proxy shares state through a
+``multiprocessing`` manager instead, which costs a cross-process round trip per request).  Here the supervisor
+(this module, in the parent process):
 
 1. binds the listening socket once (workers inherit it; the kernel hands each new connection to one of them);
 2. creates a run directory (under ``/dev/shm`` when writable) holding the :class:`~pdproxy.loadboard.LoadBoard`
-   file — one row of in-flight requests/tokens per worker, written only by that worker, summed by readers, no
-   locks and no per-request IPC — and, unless ``PROMETHEUS_MULTIPROC_DIR`` is already set, the prometheus
-   multiprocess directory (see :mod:`pdproxy.metrics`);
-3. spawns N workers (``multiprocessing`` spawn context; worker ``k`` owns board row ``k``), each a normal
-   pdproxy app on uvicorn (uvloop + httptools) whose pool is the shared one;
-4. supervises: a worker that dies is replaced, after its board row is zeroed (its leases died with it) and its
+   file — one row per worker, written only by that worker, summed by readers, plus one breaker record per
+   endpoint — one wake-up FIFO per worker (:mod:`pdproxy.wakeup`) and, unless ``PROMETHEUS_MULTIPROC_DIR`` is
+   already set, the prometheus multiprocess directory (see :mod:`pdproxy.metrics`);
+3. spawns N workers (``multiprocessing`` spawn context; worker ``k`` owns board row ``k``), each a normal pdproxy
+   app on uvicorn (uvloop + httptools) whose state is built on the board (:mod:`pdproxy.worker_share`);
+4. supervises: a worker that dies is replaced, after its board row is zeroed (its leases, prefill reservations
+   and half-open trials died with it) and the other workers are woken to re-check their waiters, and its
    prometheus live-gauge files are dropped; a worker that dies before it ever became ready is a start-up
    failure, which stops everything (exit code 1) instead of restarting in a loop;
 5. on SIGTERM / SIGINT sends one SIGTERM to every worker (each drains for ``shutdown_grace_s``:
@@ -19,11 +21,22 @@ cross-process round trip per request).  Here the supervisor (this module, in the
    own process group, so a terminal's Ctrl-C reaches only the supervisor.
 
 Workers exit on their own if the supervisor disappears (they watch their parent pid).
-What stays per worker: health probes, breakers and engine info (each worker probes every engine; the engines'
-own ``/metrics`` are the shared truth), and the prefill queue with its per-prefiller token budget (so N workers
-admit up to N × ``prefill_budget_tokens`` per prefiller; its decoder free-KV check reads the shared view).
-Costs: a lease is ~5 µs and a score read ~1 µs on the board; prometheus multiprocess metrics ~25 µs per request
-(single process: ~6 µs).
+
+**Shared** (one for all workers): in-flight requests and tokens per endpoint (routing scores, ``/metrics``,
+``/debug/load``); the prefill ledger — the per-prefiller ``prefill_budget_tokens``, the prefiller KV-pool guard and
+the decoders' reservation (:mod:`pdproxy.board_ledger`: a grant re-checks under an ``flock`` when another grant
+happened since it read the room, so the bounds hold exactly across workers); each endpoint's circuit breaker
+(:mod:`pdproxy.board_breaker`: a failure in any worker counts for all, an open breaker is open for all, a
+half-open breaker admits one trial in all); the order of prefill waiters (a worker does not grant ahead of another
+worker's first blocked waiter with a smaller key).
+**Per worker**: the prefill queue's waiters themselves (each worker orders and wakes its own; another worker's
+release wakes it through its FIFO, the queue's poll is the safety net), health probes and ``healthy`` flags
+(each worker probes every engine), engine info, connections and the request path.
+**Costs** (loadtest/workers_bench.py, 2-core machine shared with other work): per PD request, the board's pool
+adds ≈ 14 µs of CPU over a single process and the shared ledger and breakers ≈ 14 µs more (one ``flock`` pair ≈
+1 µs of it); a release while another worker has waiters adds one FIFO write (≈ 1 µs) per such worker; prometheus
+multiprocess metrics cost more than in-process ones.  End to end, 2 workers relay ≈ 0.85–1.0× the events per
+worker CPU-second of one worker and spend ≈ 100 µs more CPU per PD request, as before the sharing.
 """
 
 from __future__ import annotations
