@@ -286,9 +286,9 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
         """Per-endpoint in-flight requests/tokens and health (all zero when idle; with ``--workers N`` summed over
         the workers), per prefiller the prefill ledger's ``prefill_inflight_tokens`` (dispatched, unanswered) and
         ``kv_held_tokens`` (in flight or pinned, whole blocks), admission's counters; with ``--workers N`` also the
-        answering ``worker`` and each worker's row (``ready``, ``waiting`` in its prefill queue, ``requests`` it
-        holds).  Open when pdproxy enforces no client keys (a trusted network); behind the admin key when
-        ``api_keys`` is set (403 without it, or when no ``admin_key`` is configured)."""
+        answering ``worker`` and each worker's row (``pid``, ``ready``, ``waiting`` in its prefill queue,
+        ``requests`` it holds).  Open when pdproxy enforces no client keys (a trusted network); behind the admin
+        key when ``api_keys`` is set (403 without it, or when no ``admin_key`` is configured)."""
         st = state()
         if st.settings.api_keys:
             check_admin_key(st, request)
@@ -308,8 +308,9 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
         if st.share is not None:
             board = st.share.board
             body["worker"] = st.share.row
-            body["workers"] = [{"row": r, "ready": board.owner(r)[1], "waiting": board.waiting(r),
-                                "requests": board.row_totals(r)[0]} for r in range(board.rows)]
+            body["workers"] = [{"row": r, "pid": board.owner(r)[0], "ready": board.owner(r)[1],
+                                "waiting": board.waiting(r), "requests": board.row_totals(r)[0]}
+                               for r in range(board.rows)]
         return body
 
     @app.exception_handler(404)

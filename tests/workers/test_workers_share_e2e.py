@@ -5,10 +5,12 @@ Requests are sent on keep-alive connections pinned to a known worker (tests/work
 received (``/sim/received``, ``/sim/state``) and the shared view (``/debug/load``) are read at the moments that
 matter: a request that must wait is seen waiting in the other worker's queue while the prefiller holds only what
 the budget allows; prefills are held in flight by the simulator's ``hang`` fault and given back by closing the
-client's connection, so nothing depends on how fast the machine is."""
+client's connection or killing the worker, so nothing depends on how fast the machine is."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from pathlib import Path
 from typing import Any
@@ -54,8 +56,8 @@ def conn_on(port: int, row: int) -> Conn:
 
 def test_prefill_budget_is_one_budget_across_workers(tmp_path: Path) -> None:
     """Budget 1,000 tokens: worker 0 dispatches two 400-token prompts (held in flight); worker 1's two 400s wait in
-    its queue — the prefiller got 2, not 4 — while a 200 still fits exactly (800 + 200 = 1,000); when worker 0's
-    clients leave, worker 1's waiters go."""
+    its queue — the prefiller got 2, not 4 — while a 200 still fits exactly (800 + 200 = 1,000); when worker 0 is
+    killed, the supervisor zeroes its reservations and wakes worker 1, whose waiters go."""
     port = free_port()
     log = tmp_path / "proxy.log"
     with running(SimProcess("prefill", *MODEL, "--max-model-len", "1024"),       # prompts > 1 KiB: counted exactly
@@ -82,15 +84,16 @@ def test_prefill_budget_is_one_budget_across_workers(tmp_path: Path) -> None:
             assert status == 200 and reply["usage"]["prompt_tokens"] == 200    # exactly the budget left
             assert len(prefiller.completions_received()) == 3
             assert debug_load(port)["workers"][1]["waiting"] == 2
-            for conn in conns[0]:                                      # worker 0's clients leave
-                conn.close()
+            victim = debug_load(port)["workers"][0]["pid"]
+            os.kill(victim, signal.SIGKILL)                            # worker 0 dies holding 800 tokens
             replies = [conn.response() for conn in waiters]            # worker 1's waiters go
         assert [s for s, _ in replies] == [200, 200]
         assert [r["usage"]["prompt_tokens"] for _, r in replies] == [400, 400]
         assert len(prefiller.completions_received()) == 5
         assert max(seen) <= 1000 and 800 in seen
         wait_until(lambda: board_idle(port), 15, what="shared view back to zero")
-        for conn in waiters:
+        assert debug_load(port)["workers"][0]["pid"] not in (0, victim)   # replaced
+        for conn in (*conns[0], *waiters):
             conn.close()
 
 
