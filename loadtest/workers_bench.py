@@ -11,6 +11,8 @@ Run: ``python -m loadtest.workers_bench [--part sharing|serve ...] [--out FILE]`
   board-backed ones and an idle second worker (``shared``), and with a second worker that has a waiter, so every
   release also writes a wake-up byte into its FIFO (``shared_waking``).  The uncontended ``flock`` pair alone is
   timed too.  Figures are µs per request (median of ``--repeats`` runs), and the differences against ``single``.
+- ``wake`` (two processes on one board): the time from worker 0 giving back prefill budget to worker 1's waiting
+  request being granted, with the FIFO wake-up (:mod:`pdproxy.wakeup`) and with the queue's poll alone (p50/p99).
 - ``serve`` (processes, unpinned, the whole process tree's CPU over each window): ``pdproxy serve --workers 1``
   and ``--workers 2`` in front of two ``loadtest.fake_engine`` engines, closed loops from ``loadtest.loadgen``:
   paced streams (an event every 20 ms), full-speed streams and 1-token PD requests; reports events (or requests) per CPU-second of the whole proxy tree, per
@@ -164,6 +166,91 @@ def sharing(iterations: int, repeats: int) -> dict[str, Any]:
     return out
 
 
+# --- wake: another worker's release to this worker's grant, across processes -----------------------------------
+def _wake_endpoints() -> list[Any]:
+    from pdproxy.endpoints import Endpoint, Role
+
+    return [Endpoint("http://p0:1", Role.PREFILL), Endpoint("http://d0:1", Role.DECODE)]
+
+
+def _ledger(share: Any) -> Any:
+    from pdproxy.engines import EngineInfo
+    from pdproxy.limits import Limits
+    from pdproxy.prefill_queue import PrefillLedger
+
+    pool = share.pool(_wake_endpoints())
+    infos = {e: EngineInfo(max_model_len=131072) for e in _wake_endpoints()}
+    return PrefillLedger(pool, Limits(pool, infos), budget_tokens=1000, counts=share.ledger_counts())
+
+
+def _waiter_process(run_dir: str, rounds: int, listen: bool, conn: Any) -> None:
+    """Worker 1: each round, ask for a 600-token slot (it waits: worker 0 holds 600 of 1,000), send back the
+    monotonic time of the grant, give the slot back."""
+    from pdproxy.loadboard import LoadBoard
+    from pdproxy.prefill_queue import PrefillQueue
+    from pdproxy.scheduling import Scheduler
+    from pdproxy.wakeup import WakeChannels
+    from pdproxy.worker_share import WorkerShare
+
+    async def main() -> None:
+        with LoadBoard.attach(Path(run_dir) / "load.board", _wake_endpoints(), 2) as board:
+            share = WorkerShare(board, 1, WakeChannels(Path(run_dir), 2, 1))
+            ledger = _ledger(share)
+            queue = PrefillQueue(ledger, Scheduler.standard(ledger.pool, ledger=ledger), max_waiting=10,
+                                 timeout_s=30, aging_tokens_per_s=0, busy_tokens=8192)
+            share.connect(ledger.pool, ledger)
+            if listen:
+                share.listen(queue.notify)
+            loop = asyncio.get_running_loop()
+            for _ in range(rounds):
+                await loop.run_in_executor(None, conn.recv)              # worker 0 holds its slot now
+                async with queue.slot(600, 601):
+                    conn.send(time.monotonic())
+            share.close()
+
+    asyncio.run(main())
+
+
+def wake(rounds: int) -> dict[str, Any]:
+    """Latency from worker 0's release to worker 1's grant (separate processes, one machine), with the FIFO
+    wake-up and with the queue's poll alone; plus the CPU of one wake-up write."""
+    import multiprocessing
+
+    from pdproxy.loadboard import WAITING, LoadBoard
+    from pdproxy.wakeup import WakeChannels, create_fifos
+    from pdproxy.worker_share import WorkerShare
+
+    out: dict[str, Any] = {"rounds": rounds}
+    ctx = multiprocessing.get_context("spawn")
+    for mode, listen, n in (("fifo", True, rounds), ("poll_only", False, max(8, rounds // 25))):
+        with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as d:
+            create_fifos(Path(d), 2)
+            with LoadBoard.create(Path(d) / "load.board", _wake_endpoints(), 2) as board:
+                share = WorkerShare(board, 0, WakeChannels(Path(d), 2, 0))
+                ledger = _ledger(share)
+                share.connect(ledger.pool, ledger)
+                mine, theirs = ctx.Pipe()
+                child = ctx.Process(target=_waiter_process, args=(d, n, listen, theirs))
+                child.start()
+                lat = []
+                waiting = board.row_cell(1, WAITING)
+                for _ in range(n):
+                    slot = ledger.hold(_wake_endpoints()[0], 600, 601)
+                    mine.send(True)
+                    while board.cells[waiting] == 0:                    # worker 1's waiter is published
+                        time.sleep(0.0002)
+                    t0 = time.monotonic()
+                    slot.release()                                      # tells worker 1 through its FIFO
+                    lat.append(mine.recv() - t0)
+                child.join(30)
+                share.close()
+        lat.sort()
+        out[mode] = {"rounds": n, "p50_ms": round(lat[len(lat) // 2] * 1e3, 3),
+                     "p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3, 3),
+                     "max_ms": round(lat[-1] * 1e3, 3)}
+    return out
+
+
 # --- serve: real processes -----------------------------------------------------------------------------------
 PDPROXY = ("{python} -m pdproxy serve --host 127.0.0.1 --port {port} --prefill {prefill} --decode {decode} "
            "--log-level warning --no-request-log")
@@ -258,7 +345,8 @@ def serve(window_s: float, windows: int, warmup_s: float, streams: int, tokens: 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", nargs="+", choices=["sharing", "serve"], default=["sharing", "serve"])
+    ap.add_argument("--part", nargs="+", choices=["sharing", "wake", "serve"], default=["sharing", "wake", "serve"])
+    ap.add_argument("--wake-rounds", type=int, default=200)
     ap.add_argument("--iterations", type=int, default=20_000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--window-s", type=float, default=5.0)
@@ -271,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {}
     if "sharing" in args.part:
         result["sharing"] = sharing(args.iterations, args.repeats)
+    if "wake" in args.part:
+        result["wake"] = wake(args.wake_rounds)
     if "serve" in args.part:
         result["serve"] = serve(args.window_s, args.windows, args.warmup_s, args.streams, args.tokens)
     text = orjson.dumps(result, option=orjson.OPT_INDENT_2).decode()
