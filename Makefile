@@ -7,7 +7,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install fast-test real-vllm-test bench clean
+.PHONY: demo test install fast-test real-vllm-test bench bench-pinned clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,7 +28,12 @@ fast-test: $(VENV)/.installed-test
 test: $(VENV)/.installed-test
 	bash scripts/test-all.sh
 
+# pdproxy vs vllm-router as users run them (nothing pinned, whole-run CPU): prints ratios (loadtest/users_bench.py)
 bench: $(VENV)/.installed-bench
+	$(BIN)/python -m loadtest.users_bench --out loadtest/results/users-latest.json
+
+# the pinned, windowed figures and plots of loadtest/RESULTS.md (latency scenarios, admission; loadtest/bench.py)
+bench-pinned: $(VENV)/.installed-bench
 	$(BIN)/python -m loadtest.bench --out loadtest/results/latest.json
 	$(BIN)/python -m loadtest.plots loadtest/results/latest.json --out loadtest/results
 

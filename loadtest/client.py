@@ -9,7 +9,9 @@ must cost a few µs per event; what it measures is when bytes arrive, per reques
 - ``end_at``: the end of the HTTP message (after ``data: [DONE]``); E2E = ``end_at − start_at``;
 - ``events``: complete ``data:`` events before ``[DONE]``; ``done``: whether ``[DONE]`` arrived.
 
-Non-streaming answers are kept whole in ``body``.  Events, gaps and TTFTs are also counted live into the pool's
+A pool made with ``read_pause_s`` stops reading each stream for that long after its first event (a slow
+reader), optionally with a small ``rcvbuf`` (``SO_RCVBUF``, bytes).  Non-streaming answers are kept whole in
+``body``.  Events, gaps and TTFTs are also counted live into the pool's
 ``sink`` (any object with ``events``, ``gaps`` and ``ttfts``), so a window sees the events of streams that
 outlive it.
 """
@@ -17,6 +19,7 @@ outlive it.
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -118,6 +121,9 @@ class Conn(asyncio.Protocol):
         if r.first_at is None:
             r.first_at = t
             sink.ttfts.append(t - r.start_at)
+            if self.pool.read_pause_s > 0 and self.transport is not None:  # a slow reader: stop reading a while
+                self.transport.pause_reading()
+                asyncio.get_running_loop().call_later(self.pool.read_pause_s, self._resume)
             k -= 1
             r.events += 1
             r.last_event_at = t
@@ -128,6 +134,10 @@ class Conn(asyncio.Protocol):
                 sink.gaps.extend([0.0] * (k - 1))
             r.events += k
             r.last_event_at = t
+
+    def _resume(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
 
     def on_message_complete(self) -> None:
         r = self.resp
@@ -161,8 +171,10 @@ class Conn(asyncio.Protocol):
 class Pool:
     """Idle keep-alive connections per ``(host, port)``."""
 
-    def __init__(self, sink: Any) -> None:
+    def __init__(self, sink: Any, *, read_pause_s: float = 0.0, rcvbuf: int = 0) -> None:
         self.sink = sink
+        self.read_pause_s = read_pause_s
+        self.rcvbuf = rcvbuf
         self.idle: dict[tuple[str, int], list[Conn]] = {}
         self.busy: set[Conn] = set()
 
@@ -202,7 +214,14 @@ class Pool:
                 self.busy.add(conn)
                 return conn
         loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(lambda: Conn(self, addr), addr[0], addr[1])
+        if self.rcvbuf:  # a small receive buffer: a paused reader pushes back on the proxy sooner
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.rcvbuf)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, addr)
+            _, conn = await loop.create_connection(lambda: Conn(self, addr), sock=sock)
+        else:
+            _, conn = await loop.create_connection(lambda: Conn(self, addr), addr[0], addr[1])
         self.busy.add(conn)
         return conn
 

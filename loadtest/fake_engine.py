@@ -16,7 +16,8 @@ Wire behaviour (shapes follow vLLM's OpenAI server, reference §1 and §2.3):
     ``max_tokens`` events (default 16), a usage chunk when ``stream_options.include_usage``, then
     ``data: [DONE]``;
 - ``GET /health``, ``/v1/models`` (``max_model_len``), ``/metrics`` (``vllm:cache_config_info``);
-- ``POST /bench/config`` ``{"itl_s", "ttft_s", "prefill_s", "burst"}`` changes timing for later requests;
+- ``POST /bench/config`` ``{"itl_s", "ttft_s", "prefill_s", "burst", "step_s"}`` changes timing for later
+  requests (``step_s``: paced events fall on a grid of that step, like an engine's scheduler steps);
   ``GET /bench/stats`` returns counters (``requests``, ``stream_events``, ``active_streams``,
   ``kv_prefills`` (prefill legs answered with kv_transfer_params), ``kv_decodes`` (decode legs that carried them),
   ``aborted``).
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -51,6 +53,9 @@ class Timing:
     ttft_s: float = 0.0
     prefill_s: float = 0.0
     burst: int = 8
+    step_s: float = 0.0
+    """Engine step grid (seconds): paced events fall on multiples of it, so streams due in the same step are
+    written in the same loop turn, as a real engine emits one token per running sequence per step (0: no grid)."""
 
 
 @dataclass(slots=True)
@@ -169,7 +174,11 @@ class Stream:
             return
         self.proto.transport.write(data)
         if t.itl_s > 0:
-            self.handle = self.engine.loop.call_later(t.itl_s, self.tick)
+            loop = self.engine.loop
+            due = loop.time() + t.itl_s
+            if t.step_s > 0:
+                due = math.ceil(due / t.step_s) * t.step_s
+            self.handle = loop.call_at(due, self.tick)
         else:
             self.handle = self.engine.loop.call_soon(self.tick)
 

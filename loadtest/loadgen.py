@@ -7,10 +7,14 @@
   then the original body plus the prefiller's ``kv_transfer_params`` to ``decode``: the floor of any PD proxy),
   ``proxy`` (POST the client body to ``target``);
 - ``api`` (``completions`` | ``chat``), ``max_tokens`` (events per stream), ``prompt_bytes`` (unique text);
-- ``arrival``: ``{"kind": "poisson", "rate": req/s}`` (open loop) or ``{"kind": "closed", "concurrency": n,
-  "ramp_s": s}`` (closed loop, workers started evenly over ``ramp_s``);
+- ``arrival``: ``{"kind": "poisson", "rate": req/s}`` (open loop), ``{"kind": "closed", "concurrency": n,
+  "ramp_s": s}`` (closed loop, workers started evenly over ``ramp_s``) or ``{"kind": "batch", "n": n,
+  "ramp_s": s}`` (``n`` requests, one each, started evenly over ``ramp_s``; the whole run, from just before the
+  first request to the last answer, is the one window: see :func:`run_batch`);
 - ``warmup_s``, ``windows``, ``window_s``: a discarded warm-up, then ``windows`` windows of ``window_s`` seconds;
 - ``stall_gap_s``: an inter-event gap longer than this counts as a stall;
+- ``read_pause_s``, ``rcvbuf``: slow readers (each stream unread for that long after its first event; the
+  client socket's ``SO_RCVBUF``), see :class:`loadtest.client.Pool`;
 - ``cpu_pids``: ``{"name": [root pid, ...]}`` whose CPU seconds (``/proc``, descendants included) and RSS are
   read at each window boundary.
 
@@ -77,7 +81,8 @@ class Workload:
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec
         self._sink = Sink()
-        self.pool = Pool(self._sink)
+        self.pool = Pool(self._sink, read_pause_s=float(spec.get("read_pause_s", 0.0)),
+                         rcvbuf=int(spec.get("rcvbuf", 0)))
         self.active = 0
         self.stopping = False
         self.rng = random.Random(spec.get("seed", 1))
@@ -192,10 +197,71 @@ def _self_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-async def run(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run the spec; return ``{"windows": [...], "spec": spec}``."""
+def _window(s: Sink, wall: float, stall: float, cpu: dict[str, float], loadgen_cpu: float, others: float,
+            rss: dict[str, int]) -> dict[str, Any]:
+    return {
+        "wall_s": round(wall, 3), "requests": s.requests, "errors": s.errors,
+        "error_samples": s.error_samples, "events": s.events, "events_per_s": round(s.events / wall, 1),
+        "requests_per_s": round(s.requests / wall, 2),
+        "ttft_ms": percentiles(s.ttfts), "gap_ms": percentiles(s.gaps), "e2e_ms": percentiles(s.e2es),
+        "stalls": sum(1 for g in s.gaps if g > stall),
+        "concurrency": {"mean": round(s.conc_sum / max(1, s.conc_n), 1), "max": s.conc_max},
+        "cpu_s": cpu, "loadgen_cpu_s": round(loadgen_cpu, 4), "others_cpu_frac": round(others / wall, 3),
+        "rss_bytes": rss,
+    }
+
+
+async def run_batch(spec: dict[str, Any]) -> dict[str, Any]:
+    """The users' measurement: ``arrival.n`` requests started evenly over ``arrival.ramp_s`` seconds, each run
+    once to its end.  CPU (utime + stime + cutime + cstime of each pid group's whole process tree,
+    ``/proc/PID/stat``) is read just before
+    the first request and after the last answer, so connection set-up, the ramp and the tail are all paid for.
+    RSS is sampled every 100 ms: ``rss_bytes`` is each group's peak, ``rss_idle_bytes`` its value before the
+    run.  Returns ``{"windows": [one window]}``."""
     w = Workload(spec)
     arrival = spec["arrival"]
+    n, ramp = int(arrival["n"]), float(arrival.get("ramp_s", 0.0))
+    stall = float(spec.get("stall_gap_s", 1.0))
+    groups = _groups(spec)
+    idle = {name: procstat.tree_rss_bytes(p) for name, p in groups.items()}
+    peak = dict(idle)
+
+    async def rss_sampler() -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            for name, p in groups.items():
+                peak[name] = max(peak[name], procstat.tree_rss_bytes(p))
+
+    async def one_at(i: int) -> None:
+        await asyncio.sleep(ramp * i / max(1, n))
+        await w.one()
+
+    cpu0 = {name: procstat.tree_stat_cpu_seconds(p) for name, p in groups.items()}
+    self0, t0, busy0 = _self_cpu(), now(), procstat.machine_busy_seconds()
+    sampler, rss_task = asyncio.ensure_future(w.sample()), asyncio.ensure_future(rss_sampler())
+    try:
+        await asyncio.gather(*(one_at(i) for i in range(n)))
+    finally:
+        sampler.cancel()
+        rss_task.cancel()
+        await asyncio.gather(sampler, rss_task, return_exceptions=True)
+    wall = now() - t0
+    groups_end = _groups(spec)  # a worker forked meanwhile is counted from 0
+    cpu = {name: round(procstat.tree_stat_cpu_seconds(groups_end[name]) - cpu0[name], 4) for name in groups}
+    own = sum(cpu.values()) + _self_cpu() - self0
+    others = max(0.0, procstat.machine_busy_seconds() - busy0 - own)
+    window = _window(w.sink, wall, stall, cpu, _self_cpu() - self0, others, peak)
+    window["rss_idle_bytes"] = idle
+    w.pool.close()
+    return {"windows": [window]}
+
+
+async def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run the spec; return ``{"windows": [...], "spec": spec}``."""
+    arrival = spec["arrival"]
+    if arrival["kind"] == "batch":
+        return await run_batch(spec)
+    w = Workload(spec)
     if arrival["kind"] == "poisson":
         driver = asyncio.ensure_future(w.poisson(float(arrival["rate"])))
     else:
@@ -216,17 +282,8 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
             cpu = {n: round(procstat.tree_cpu_seconds(p) - cpu0[n], 4) for n, p in groups.items()}
             own = sum(cpu.values()) + _self_cpu() - self0
             others = max(0.0, procstat.machine_busy_seconds() - busy0 - own)
-            windows.append({
-                "wall_s": round(wall, 3), "requests": s.requests, "errors": s.errors,
-                "error_samples": s.error_samples, "events": s.events, "events_per_s": round(s.events / wall, 1),
-                "requests_per_s": round(s.requests / wall, 2),
-                "ttft_ms": percentiles(s.ttfts), "gap_ms": percentiles(s.gaps), "e2e_ms": percentiles(s.e2es),
-                "stalls": sum(1 for g in s.gaps if g > stall),
-                "concurrency": {"mean": round(s.conc_sum / max(1, s.conc_n), 1), "max": s.conc_max},
-                "cpu_s": cpu, "loadgen_cpu_s": round(_self_cpu() - self0, 4),
-                "others_cpu_frac": round(others / wall, 3),
-                "rss_bytes": {n: procstat.tree_rss_bytes(p) for n, p in groups.items()},
-            })
+            windows.append(_window(s, wall, stall, cpu, _self_cpu() - self0, others,
+                                   {n: procstat.tree_rss_bytes(p) for n, p in groups.items()}))
     finally:
         w.stopping = True
         driver.cancel()

@@ -72,6 +72,21 @@ def tree_cpu_seconds(pids: Iterable[int]) -> float:
     return sum(cpu_seconds(p) for p in pids)
 
 
+def stat_cpu_seconds(pid: int) -> float:
+    """``utime + stime + cutime + cstime`` of ``pid`` (``/proc/PID/stat``, clock ticks → seconds): its threads,
+    live or exited, and its children already reaped; 0.0 if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return sum(int(fields[i]) for i in (11, 12, 13, 14)) * _TICK_S
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def tree_stat_cpu_seconds(pids: Iterable[int]) -> float:
+    """Sum of :func:`stat_cpu_seconds` over ``pids`` (a whole process tree: the users' way of counting)."""
+    return sum(stat_cpu_seconds(p) for p in pids)
+
+
 def machine_busy_seconds() -> float:
     """CPU seconds all CPUs spent not idle since boot (``/proc/stat``: user+nice+system+irq+softirq+steal)."""
     try:

@@ -1,13 +1,14 @@
-"""The ASGI application: a raw ASGI path for the two completion routes, FastAPI for everything else.
+"""The application: pdproxy's own HTTP protocol for the two completion routes, FastAPI for everything else.
 
 Why two paths: FastAPI's ``StreamingResponse`` plus httpx cost ~460 µs of proxy CPU per relayed event and
-~8.5 ms per PD request on this machine kind, against ~45 µs and ~340 µs for raw ASGI plus aiohttp (issue 2,
-README "Performance"); the upstream legs have since moved to :mod:`pdproxy.h1client` (≈ 27–33 µs per paced event,
-≈ 340–390 µs per PD request with every feature on: loadtest/RESULTS.md).  The control plane (models, health,
-version, metrics, admin) is not on the hot path and keeps FastAPI's conveniences.
+~8.5 ms per PD request on this machine kind; a raw ASGI handler on uvicorn still paid an ASGI message, an
+``await send()`` and a coroutine switch per event; the completion routes are now served by
+:mod:`pdproxy.server`, whose connections hand the relay the client's transport (README "Performance" has the
+figures).  The control plane (models, health, version, metrics, admin) is not on the hot path and keeps
+FastAPI's conveniences, reached through ASGI from the same server and port.
 
 ``create_app(settings)`` builds a :class:`PDProxyApp`; its state (``ProxyState``) is created in the lifespan,
-inside the running event loop, and torn down there.
+inside the running event loop, and torn down there.  Serve it with ``pdproxy.server.uvicorn_config(app, …)``.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ from pdproxy import __version__
 from pdproxy.admin import build_admin_router, check_admin_key
 from pdproxy.director import Director
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.errors import Forbidden, PayloadTooLarge, ProxyError, ShuttingDown, Unauthorized, error_body
+from pdproxy.errors import Forbidden, ProxyError, ShuttingDown, Unauthorized, error_body
+from pdproxy.gcpolicy import GcPolicy
 from pdproxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pdproxy.metrics import ProxyMetrics, rejection_of
 from pdproxy.protocol import Api, ProxyRequest, parse_request
 from pdproxy.relay import Responder
 from pdproxy.reqlog import RequestLog
+from pdproxy.server import COMPLETION_ROUTES, Exchange
 from pdproxy.settings import Settings
 from pdproxy.state import ProxyState
 from pdproxy.timeline import RequestContext, new_request_id
@@ -43,16 +46,6 @@ if TYPE_CHECKING:
     from pdproxy.worker_share import WorkerShare
 
 log = logging.getLogger("pdproxy")
-
-COMPLETION_ROUTES = {"/v1/chat/completions": Api.CHAT, "/v1/completions": Api.COMPLETIONS}
-
-
-def _header(scope: dict[str, Any], name: bytes) -> str | None:
-    for k, v in scope["headers"]:
-        if k == name:
-            return v.decode("latin-1")
-    return None
-
 
 class PDProxyApp:
     """Top-level ASGI app.  ``state`` is None outside the lifespan."""
@@ -68,41 +61,23 @@ class PDProxyApp:
         self.control = build_control_app(self)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            api = COMPLETION_ROUTES.get(scope["path"].rstrip("/"))
-            if api is not None:
-                if scope["method"] == "POST":
-                    await self.handle_completion(api, scope, receive, send)
-                else:
-                    body = orjson.dumps(error_body(405, "Method Not Allowed", error_type="MethodNotAllowed"))
-                    await send({"type": "http.response.start", "status": 405,
-                                "headers": [(b"content-type", b"application/json"), (b"allow", b"POST"),
-                                            (b"content-length", str(len(body)).encode())]})
-                    await send({"type": "http.response.body", "body": body})
-                return
+        if scope["type"] == "http" and scope["path"].rstrip("/") in COMPLETION_ROUTES:
+            if scope["method"] == "POST":  # only under a server other than pdproxy.server
+                body = orjson.dumps(error_body(500, "the completion routes need pdproxy's own HTTP protocol: serve "
+                                               "the app with pdproxy.server.uvicorn_config()"))
+                status, extra = 500, []
+            else:
+                body = orjson.dumps(error_body(405, "Method Not Allowed", error_type="MethodNotAllowed"))
+                status, extra = 405, [(b"allow", b"POST")]
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json"), *extra,
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
         await self.control(scope, receive, send)
 
-    async def _read_body(self, receive: Any, scope: dict[str, Any]) -> bytes:
-        limit = self.settings.max_body_bytes
-        declared = _header(scope, b"content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise asyncio.CancelledError
-            body = message.get("body", b"")
-            size += len(body)
-            if size > limit:
-                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-            chunks.append(body)
-            if not message.get("more_body", False):
-                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-    def _check_auth(self, scope: dict[str, Any]) -> str | None:
-        auth = _header(scope, b"authorization")
+    def _check_auth(self, ex: Exchange) -> str | None:
+        auth = ex.header(b"authorization")
         keys = self.settings.api_keys
         if keys:
             token = auth[7:] if auth and auth[:7].lower() == "bearer " else None
@@ -110,34 +85,31 @@ class PDProxyApp:
                 raise Unauthorized("invalid or missing API key")
         return auth
 
-    async def handle_completion(self, api: Api, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        """Raw ASGI handler for ``POST /v1/completions`` and ``/v1/chat/completions``."""
+    async def handle_completion(self, api: Api, ex: Exchange) -> None:
+        """``POST /v1/completions`` and ``/v1/chat/completions`` on one :class:`pdproxy.server.Exchange` (its
+        body already read whole, within ``max_body_bytes``)."""
         state, director = self.state, self.director
-        client_id = _header(scope, b"x-request-id")
+        client_id = ex.header(b"x-request-id")
         ctx = RequestContext(request_id=new_request_id(client_id), client_request_id=client_id, api_label=api.label,
-                             client_headers=scope["headers"])
-        out = Responder(send, ctx, [(b"x-request-id", (client_id or ctx.request_id).encode("latin-1"))])
+                             client_headers=ex.headers)
+        out = Responder(ex, ctx, [(b"x-request-id", (client_id or ctx.request_id).encode("latin-1"))])
         req: ProxyRequest | None = None
-        ctx.observe_gap = self.metrics.started(ctx.api_label)
+        ctx.gaps = self.metrics.started(ctx.api_label)
         try:
             try:
                 if state is None or director is None or state.shutting_down:
                     raise ShuttingDown()
-                ctx.authorization = self._check_auth(scope)
-                raw = await self._read_body(receive, scope)
-                req = parse_request(raw, api)
+                ctx.authorization = self._check_auth(ex)
+                req = parse_request(ex.body, api)
                 ctx.model = req.model
-            except asyncio.CancelledError:
-                ctx.outcome = "client_disconnected"
-                return
             except ProxyError as err:
                 ctx.outcome = err.outcome
                 ctx.rejection = rejection_of(err)
-                await out.error(err)
+                out.error_nowait(err)
                 return
             state.in_flight += 1
             try:
-                await self._serve_until_disconnect(director, req, ctx, out, receive)
+                await self._serve_until_disconnect(director, req, ctx, out, ex)
             finally:
                 state.in_flight -= 1
         finally:
@@ -154,23 +126,19 @@ class PDProxyApp:
             log.exception("recording request %s failed", ctx.request_id)
 
     async def _serve_until_disconnect(self, director: Director, req: Any, ctx: RequestContext, out: Responder,
-                                      receive: Any) -> None:
-        """Run the director in this task, cancelling it as soon as the client disconnects (uvicorn's ``receive``
-        returns ``http.disconnect`` when the connection drops), and send errors the way still open to us.
-
-        The director runs inline and a done-callback on the pending ``receive()`` cancels this task: one task
-        per request instead of two plus an ``asyncio.wait`` (loadtest/RESULTS.md, per-request CPU)."""
+                                      ex: Exchange) -> None:
+        """Run the director in this task, cancelling it as soon as the client disconnects (the connection's
+        ``on_disconnect``), and send errors the way still open to us."""
         task = asyncio.current_task()
-        disconnect = asyncio.ensure_future(receive())
         dropped = False
 
-        def on_disconnect(_: asyncio.Future[Any]) -> None:
+        def on_disconnect() -> None:
             nonlocal dropped
             if not out.ended and task is not None and not dropped:  # after the last byte it is only "complete"
                 dropped = True
                 task.cancel()
 
-        disconnect.add_done_callback(on_disconnect)
+        ex.on_disconnect = on_disconnect
         try:
             await director.serve(req, ctx, out)
         except asyncio.CancelledError:
@@ -178,25 +146,26 @@ class PDProxyApp:
                 ctx.outcome = "cancelled"  # the server is stopping now (forced shutdown): say so, briefly
                 if out.started and not out.ended:
                     with contextlib.suppress(Exception):
-                        await asyncio.wait_for(out.error(ShuttingDown()), 0.5)
+                        out.error_nowait(ShuttingDown())
                 raise
         except ProxyError as err:
             if not dropped:
                 ctx.outcome = err.outcome
                 ctx.rejection = rejection_of(err)
-                await out.error(err)
+                out.error_nowait(err)
         except Exception as exc:  # a bug, not an upstream condition: still answer, never hang
             if not dropped:
                 log.exception("request %s failed", ctx.request_id)
                 ctx.outcome = "internal_error"
-                await out.error(ProxyError(f"internal error in pdproxy: {exc.__class__.__name__}"))
+                out.error_nowait(ProxyError(f"internal error in pdproxy: {exc.__class__.__name__}"))
         finally:
-            disconnect.remove_done_callback(on_disconnect)
-            disconnect.cancel()
+            ex.on_disconnect = None
             if dropped:
                 ctx.outcome = "client_disconnected"
                 if task is not None and task.cancelling():
                     task.uncancel()
+            elif not out.ended and out.started:
+                out.end_nowait()
 
 
 def build_control_app(proxy: PDProxyApp) -> FastAPI:
@@ -208,10 +177,13 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
         await state.start()
         proxy.state = state
         proxy.director = Director.from_state(state)
+        gc_policy = GcPolicy(proxy.settings.gc_full_interval_s)  # no full-collection pauses mid-ramp (gcpolicy.py)
+        gc_policy.start()
         try:
             with proxy.request_log:
                 yield
         finally:
+            gc_policy.stop()
             state.shutting_down = True
             if proxy.director is not None:
                 await proxy.director.aclose()  # background KV release legs (bounded)

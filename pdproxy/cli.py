@@ -60,11 +60,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def serve(settings: Settings) -> int:
-    """Run the proxy with uvicorn (uvloop + httptools) until interrupted."""
-    import uvicorn
-
+    """Run the proxy (uvicorn's server, pdproxy's own HTTP protocol on uvloop + httptools) until interrupted."""
     from pdproxy.app import create_app
     from pdproxy.logs import configure_logging, listen_urls, log_banner
+    from pdproxy.server import uvicorn_config
     from pdproxy.tls import apply_to_uvicorn, server_ssl_context
 
     configure_logging(settings)
@@ -85,9 +84,8 @@ def serve(settings: Settings) -> int:
     app = create_app(settings)
     # SIGTERM drains first (503 + Retry-After for new requests, in-flight streams finish within shutdown_grace_s;
     # pdproxy/shutdown.py); uvicorn's own grace only covers what is left after that.
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
-                            http="httptools", log_level="warning", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=1, log_config=None)
+    config = uvicorn_config(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=1,
+                            log_config=None)  # pdproxy's own HTTP protocol (pdproxy/server.py)
     apply_to_uvicorn(config, tls)
     server = DrainingServer(config, app, grace_s=settings.shutdown_grace_s, delay_s=settings.shutdown_delay_s,
                             on_started=lambda addresses: log_banner(settings, listen_urls(addresses, tls)))

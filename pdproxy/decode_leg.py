@@ -18,14 +18,13 @@ from __future__ import annotations
 import asyncio
 import time
 
-import aiohttp
 import orjson
 
 from pdproxy import kv_transfer, recompute
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engine_headers import EngineHeaders
-from pdproxy.errors import ProxyError, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable
-from pdproxy.h1client import H1Response
+from pdproxy.errors import ProxyError, UpstreamHTTPError, UpstreamTimeout
+from pdproxy.h1client import H1Response, TransportError
 from pdproxy.health import HealthMonitor
 from pdproxy.pool import EndpointPool
 from pdproxy.prefill_leg import PrefillResult
@@ -35,7 +34,7 @@ from pdproxy.scheduling import PickRequest, Scheduler
 from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext
 from pdproxy.tracing import NO_TRACING, Tracing
-from pdproxy.upstream import Upstream, UpstreamRefused
+from pdproxy.upstream import Upstream, UpstreamRefused, proxy_error
 
 
 class DecodeFailed(Exception):
@@ -73,6 +72,14 @@ class DecodeLeg:
         self.upstream = upstream
         self.headers = headers
         self.tracing = tracing
+        self.recompute_decoders: set[str] = {u.rstrip("/") for u in settings.recompute_decoders}
+        """Decoder URLs known to end streams with ``recomputed`` (``recompute_decoders``, plus detected ones)."""
+
+    def sends_recomputed(self, endpoint: Endpoint) -> bool:
+        """Whether ``endpoint`` is a decoder known to end streams with ``stop_reason "recomputed"``
+        (``recompute_decoders``: its URL or ``*``; or detected in an earlier stream)."""
+        known = self.recompute_decoders
+        return "*" in known or endpoint.url in known
 
     async def run(self, req: ProxyRequest, ctx: RequestContext, pick: PickRequest, prefill: PrefillResult,
                   out: Responder, exclude: list[Endpoint], transcript: recompute.Transcript | None) -> bool:
@@ -89,6 +96,8 @@ class DecodeLeg:
         ctx.decoder = endpoint.name
         ctx.decoder_dp_rank = endpoint.dp_rank
         body = kv_transfer.decode_body_bytes(req.raw, prefill.params, req.body)
+        if req.stream and transcript is not None and transcript.attempts == 1 and not self.sends_recomputed(endpoint):
+            transcript = None  # plain splice; a "recomputed" from this decoder is detected (on_recomputed)
         strip_usage = bool(req.stream and transcript is not None and not req.include_usage)
         if strip_usage:
             body = recompute.force_usage_bytes(body, req.body)
@@ -106,7 +115,9 @@ class DecodeLeg:
                         recomputed = await StreamRelay(
                             resp, out, ctx, cached_tokens=prefill.cached_tokens, first_event_timeout_s=first_byte_s,
                             on_first_event=prefill.consume, headers=routing, transcript=transcript,
-                            strip_usage=strip_usage, idle_timeout_s=s.decode_idle_timeout_s).run()
+                            strip_usage=strip_usage, idle_timeout_s=s.decode_idle_timeout_s,
+                            on_recomputed=(lambda: self.recompute_decoders.add(endpoint.url))
+                            if s.recompute_continuation else None).run()
                     else:
                         prefill.consume()          # the decoder answered: it has the request and its KV
                         recomputed = await relay_json(resp, ctx, prefill.cached_tokens, out, transcript,
@@ -135,21 +146,20 @@ async def relay_json(resp: H1Response, ctx: RequestContext, cached_tokens: int |
     try:
         async with asyncio.timeout(timeout_s):
             data = await resp.read()
-    except aiohttp.ClientError as exc:
-        raise UpstreamUnavailable(f"decoder {endpoint} failed: {exc.__class__.__name__}: {exc}",
-                                  endpoint=endpoint) from None
+    except TransportError as exc:
+        raise proxy_error(exc, f"decoder {endpoint}", endpoint) from None
     except TimeoutError:
         raise UpstreamTimeout(f"decoder {endpoint} did not finish within {timeout_s:.1f} s",
                               endpoint=endpoint) from None
     ctx.timeline.first_token_at = ctx.timeline.last_token_at = time.monotonic()
-    if transcript is not None and (recompute.MARKER in data or transcript.attempts > 1):
+    if transcript is not None and (data.find(recompute.MARKER) >= 0 or transcript.attempts > 1):
         obj = orjson.loads(data)
         if recompute.is_recomputed(obj):
             transcript.observe(obj)
             return True
         if transcript.attempts > 1:
             data = orjson.dumps(transcript.merge_json(obj))
-    if b'"completion_tokens"' in data:
+    if data.find(b'"completion_tokens"') >= 0:
         ctx.completion_tokens = completion_tokens_in(data)
     await out.json(resp.status, patch_usage_bytes(data, cached_tokens if transcript is None
                                                   or transcript.attempts == 1 else None), routing)

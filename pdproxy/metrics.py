@@ -105,6 +105,33 @@ def rejection_of(err: ProxyError) -> tuple[str, str] | None:
     return None
 
 
+class GapCounts:
+    """One stream's inter-token gaps as histogram bucket counts, filled by the relay at the cost of one
+    ``bisect`` and one list increment per write (``counts[bisect_left(bounds, gap)] += 1; total += gap``) and added
+    to ``pdproxy_inter_token_latency_seconds`` once when the request ends (:meth:`ProxyMetrics.observe`).
+
+    ``bounds``: the histogram's upper bounds in seconds (``+Inf`` last); ``counts[i]``: gaps ``≤ bounds[i]`` and
+    ``> bounds[i-1]``; ``total``: their sum (seconds)."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.total = 0.0
+
+
+def _add_gaps(hist_child: Any, gaps: GapCounts) -> None:
+    """Add ``gaps`` to one labelled prometheus ``Histogram`` child: the same stored values ``observe`` would
+    write, one increment per non-empty bucket (works in multiprocess mode too: the values are its mmap files)."""
+    buckets = hist_child._buckets
+    for i, n in enumerate(gaps.counts):
+        if n:
+            buckets[i].inc(n)
+    if gaps.total:
+        hist_child._sum.inc(gaps.total)
+
+
 class ProxyMetrics:
     """The metric families of one app, its registry, and :meth:`render` for ``GET /metrics``.
 
@@ -214,19 +241,21 @@ class ProxyMetrics:
             child = self._children[(family, values)] = family.labels(*values)
         return child
 
-    def started(self, api: str) -> Callable[[float], None]:
-        """A completion request arrived (``pdproxy_requests_in_progress`` + 1).  Returns the ITL histogram's
-        ``observe`` for this API: the relay calls it with each gap (seconds) between writes to the client."""
+    def started(self, api: str) -> GapCounts:
+        """A completion request arrived (``pdproxy_requests_in_progress`` + 1).  Returns the request's
+        :class:`GapCounts` for the ITL histogram of this API (the relay fills it; :meth:`observe` adds it)."""
         children = self._per_api(api)
         children[0].inc()
-        return children[2].observe  # type: ignore[no-any-return]
+        return GapCounts(children[2]._upper_bounds)
 
     def observe(self, ctx: RequestContext, rejection: tuple[str, str] | None = None) -> None:
         """Record one finished request (call exactly once per :meth:`started`)."""
         self.sync()
         api = ctx.api_label
-        in_progress, ttft_h, _itl, tpot_h, phase_hs = self._per_api(api)
+        in_progress, ttft_h, itl_h, tpot_h, phase_hs = self._per_api(api)
         in_progress.dec()
+        if ctx.gaps is not None:
+            _add_gaps(itl_h, ctx.gaps)
         self._labelled(self.requests, api, str(ctx.status or 0), ctx.outcome).inc()
         if rejection is not None:
             self._labelled(self.rejections, *rejection).inc()

@@ -91,6 +91,20 @@ class Settings(BaseSettings):
                                   "by rendezvous hashing, the same in every replica) or 'power_of_two' (two "
                                   "sampled at random, the cheaper wins)")
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    max_request_head_bytes: int = Field(64 * 1024, ge=1024, description="largest request line + header fields a "
+                                                                         "client may send (431 above)")
+    timeout_keep_alive_s: float = Field(
+        75.0, gt=0, description="how long an idle client connection stays open; longer than clients' own pools "
+                                "keep idle connections (httpx 5 s, aiohttp 15 s), so the client always closes "
+                                "first and never reuses a connection the proxy is closing")
+    gc_full_interval_s: float = Field(
+        300.0, ge=0, description="run CPython's full garbage collection on this timer instead of whenever the "
+                                 "live set grows by 25 % (which pauses the loop ~1 µs per live object, mid-ramp); "
+                                 "0 keeps CPython's policy (pdproxy/gcpolicy.py)")
+    upstream_max_connections: int = Field(4096, ge=0, description="open connections per engine (0: unlimited); "
+                                                                  "one per in-flight request")
+    upstream_pool_wait_s: float = Field(10.0, gt=0, description="how long a request waits for a connection to an "
+                                                                "engine at upstream_max_connections (seconds)")
     model_name: str | None = Field(None, description="served model name to advertise if engines cannot be asked")
 
     # --- timeouts (seconds)
@@ -119,6 +133,10 @@ class Settings(BaseSettings):
         True, description="continue vLLM-Ascend 'stop_reason: recomputed' streams on a new P/D pair (forces "
                           "stream_options.include_usage upstream and strips it for clients that did not ask)")
     recompute_max_attempts: int = Field(3, ge=0, le=20, description="recomputed continuations per request")
+    recompute_decoders: StrList = Field(
+        [], description="decoder URLs that can end a stream with 'stop_reason: recomputed' (vLLM-Ascend), or '*' "
+                        "for all; a decoder that sends one is added for the rest of the process (detected). Only "
+                        "their streams keep a transcript and force usage upstream")
 
     # --- health
     health_interval_s: float = Field(2.0, gt=0)

@@ -72,7 +72,8 @@ class ProxyState:
                                        picker=s.routing_picker)
         queue = PrefillQueue(ledger, scheduler, max_waiting=s.prefill_queue_max, timeout_s=s.prefill_queue_timeout_s,
                              aging_tokens_per_s=s.prefill_queue_aging_tokens_per_s, busy_tokens=s.prefill_busy_tokens)
-        upstream = Upstream(connect_timeout_s=s.connect_timeout_s)
+        upstream = Upstream(connect_timeout_s=s.connect_timeout_s, max_connections=s.upstream_max_connections,
+                            pool_wait_s=s.upstream_pool_wait_s)
         admission = Admission(s, limits=limits, queue=queue, scheduler=scheduler, upstream=upstream, headers=headers)
         if share is not None:
             share.connect(pool, ledger)     # this worker's releases wake the other workers' waiters

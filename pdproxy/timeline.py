@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdproxy.metrics import GapCounts
 
 
 @dataclass(slots=True)
@@ -89,7 +93,7 @@ class RequestContext:
     outcome: str = "ok"
     error: str | None = None
     rejection: tuple[str, str] | None = None  # (reason, detail) when pdproxy refused the request (metrics.py)
-    observe_gap: Callable[[float], None] | None = None  # ITL histogram: called with each gap between writes (s)
+    gaps: GapCounts | None = None  # ITL: the relay counts each gap between client writes (pdproxy/metrics.py)
     disaggregated: bool = True
     timeline: Timeline = field(default_factory=Timeline)
     client_headers: Sequence[tuple[bytes, bytes]] = ()

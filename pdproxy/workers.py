@@ -11,7 +11,8 @@ prefill budget and find a dead engine on its own (the vLLM-Ascend example proxy 
    endpoint — one wake-up FIFO per worker (:mod:`pdproxy.wakeup`) and, unless ``PROMETHEUS_MULTIPROC_DIR`` is
    already set, the prometheus multiprocess directory (see :mod:`pdproxy.metrics`);
 3. spawns N workers (``multiprocessing`` spawn context; worker ``k`` owns board row ``k``), each a normal pdproxy
-   app on uvicorn (uvloop + httptools) whose state is built on the board (:mod:`pdproxy.worker_share`);
+   app on uvicorn's server with pdproxy's own HTTP protocol (:mod:`pdproxy.server`) whose state is built on the
+   board (:mod:`pdproxy.worker_share`);
 4. supervises: a worker that dies is replaced, after its board row is zeroed (its leases, prefill reservations
    and half-open trials died with it) and the other workers are woken to re-check their waiters, and its
    prometheus live-gauge files are dropped; a worker that dies before it ever became ready is a start-up
@@ -105,10 +106,9 @@ def prepare_metrics_dir(run_dir: Path) -> Path:
 
 def worker_main(settings: Settings, sock: socket.socket, board_path: str, row: int) -> None:
     """Entry point of worker ``row`` (runs in the spawned process)."""
-    import uvicorn
-
     from pdproxy.app import PDProxyApp
     from pdproxy.logs import configure_logging
+    from pdproxy.server import uvicorn_config
     from pdproxy.shutdown import DrainingServer
     from pdproxy.tls import apply_to_uvicorn, server_ssl_context
 
@@ -118,8 +118,7 @@ def worker_main(settings: Settings, sock: socket.socket, board_path: str, row: i
     with LoadBoard.attach(Path(board_path), settings.all_endpoints(), settings.workers) as board:
         wake = WakeChannels(Path(board_path).parent, settings.workers, row)
         app = PDProxyApp(settings, share=WorkerShare(board, row, wake))
-        config = uvicorn.Config(app, loop="uvloop", http="httptools", log_level="warning", access_log=False,
-                                lifespan="on", timeout_graceful_shutdown=1, log_config=None)
+        config = uvicorn_config(app, timeout_graceful_shutdown=1, log_config=None)  # own HTTP protocol (server.py)
         apply_to_uvicorn(config, server_ssl_context(settings))  # each worker builds its own (contexts don't pickle)
         server = DrainingServer(config, app, grace_s=settings.shutdown_grace_s, delay_s=settings.shutdown_delay_s)  # SIGTERM drains (shutdown.py)
 

@@ -13,6 +13,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -25,7 +26,9 @@ import httpx
 import uvicorn
 
 from pdproxy.app import PDProxyApp, create_app
+from pdproxy.server import uvicorn_config
 from pdproxy.settings import load_settings
+from pdproxy.tls import apply_to_uvicorn
 
 
 def free_port() -> int:
@@ -141,7 +144,7 @@ def running(*sims: SimProcess) -> Iterator[tuple[SimProcess, ...]]:
 class ProxyThread:
     """pdproxy served by uvicorn on 127.0.0.1 in a background thread (own event loop)."""
 
-    def __init__(self, **settings: Any) -> None:
+    def __init__(self, *, ssl_context: ssl.SSLContext | None = None, **settings: Any) -> None:
         settings.setdefault("health_interval_s", 0.2)
         settings.setdefault("host", "127.0.0.1")
         self.settings = load_settings(**settings)
@@ -149,9 +152,9 @@ class ProxyThread:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = int(self.sock.getsockname()[1])
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.app, loop="asyncio", http="httptools", log_level="warning", lifespan="on",
-                                access_log=False)
+        self.url = f"{'https' if ssl_context else 'http'}://127.0.0.1:{self.port}"
+        config = uvicorn_config(self.app, loop="asyncio")
+        apply_to_uvicorn(config, ssl_context)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -164,7 +167,8 @@ class ProxyThread:
     def start(self, timeout_s: float = 15.0) -> ProxyThread:
         self.thread.start()
         wait_until(lambda: self.server.started, timeout_s, 0.02, "proxy started")
-        wait_until(lambda: httpx.get(self.url + "/health").status_code == 200, timeout_s, 0.05, "proxy healthy")
+        wait_until(lambda: httpx.get(self.url + "/health", verify=False).status_code == 200, timeout_s, 0.05,
+                   "proxy healthy")
         return self
 
     def stop(self) -> None:

@@ -6,6 +6,7 @@ Also ``X-Request-Id`` (honoured and returned) and the optional routing headers.
 from __future__ import annotations
 
 import socket
+from bisect import bisect_left
 
 import httpx
 import openai
@@ -152,14 +153,19 @@ def test_observe_computes_ttft_itl_tpot_and_phases() -> None:
                   decode_start_at=10.5, first_token_at=10.7, last_token_at=11.7, finished_at=11.7)
     ctx = RequestContext(request_id="r", client_request_id=None, api_label="chat", status=200, events=11,
                          completion_tokens=11, timeline=tl)
-    observe_gap = metrics.started("chat")
-    for _ in range(10):  # the relay reports each gap between client writes as it writes
-        observe_gap(0.1)
+    gaps = metrics.started("chat")
+    for gap in [0.1] * 9 + [0.3]:  # the relay counts each gap between client writes into its bucket
+        gaps.counts[bisect_left(gaps.bounds, gap)] += 1
+        gaps.total += gap
+    ctx.gaps = gaps
     metrics.observe(ctx, None)
     m = Samples(metrics.render().decode())
     assert m.value("pdproxy_time_to_first_token_seconds_sum", api="chat") == pytest.approx(0.7)
-    assert m.value("pdproxy_inter_token_latency_seconds_sum", api="chat") == pytest.approx(1.0)
+    assert m.value("pdproxy_inter_token_latency_seconds_sum", api="chat") == pytest.approx(1.2)
     assert m.value("pdproxy_inter_token_latency_seconds_count", api="chat") == 10
+    assert m.value("pdproxy_inter_token_latency_seconds_bucket", api="chat", le="0.1") == 9  # same as observe()
+    assert m.value("pdproxy_inter_token_latency_seconds_bucket", api="chat", le="0.2") == 9
+    assert m.value("pdproxy_inter_token_latency_seconds_bucket", api="chat", le="0.3") == 10
     assert m.value("pdproxy_request_time_per_output_token_seconds_sum", api="chat") == pytest.approx(0.1)
     assert m.value("pdproxy_prefill_time_seconds_sum", api="chat") == pytest.approx(0.4)
     assert m.value("pdproxy_decode_first_token_seconds_sum", api="chat") == pytest.approx(0.2)

@@ -69,7 +69,7 @@ CELLS: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
     ("decoder-headers-then-stall", "D0", {"kind": "headers_then_stall"}, FAST),
     ("decoder-resets-mid-stream", "D*", {"kind": "reset_after_events", "events": 3}, {}),
     ("decoder-closes-without-done", "D*", {"kind": "close_without_done", "events": 3}, {}),
-    ("decoder-recomputed", "D*", {"kind": "recomputed", "tokens": 3, "times": N // 2}, {}),
+    ("decoder-recomputed", "D*", {"kind": "recomputed", "tokens": 3, "times": N // 2}, {"recompute_decoders": ["*"]}),
 ]
 
 

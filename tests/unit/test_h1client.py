@@ -13,9 +13,9 @@ import random
 import socket
 from contextlib import suppress
 
-import aiohttp
 import pytest
 
+from pdproxy import h1client
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.errors import UpstreamUnavailable
 from pdproxy.h1client import _PAUSE_BYTES, ConnectError, H1Pool
@@ -174,7 +174,7 @@ async def test_request_on_a_closed_connection_fails_before_sending() -> None:
     async with serving(once(answer(b"{}"))) as (engine, pool):
         conn = await pool.connect(engine.key)
         conn.abort()
-        with pytest.raises(aiohttp.ServerDisconnectedError):
+        with pytest.raises(h1client.Disconnected):
             await conn.request(b"POST / HTTP/1.1\r\nContent-Length: 0\r\n\r\n", b"", None)
         assert not conn.got_bytes  # so Upstream may retry it on a fresh connection
         assert engine.received == []
@@ -292,7 +292,7 @@ async def test_unfinished_body_aborts_the_connection(how: str) -> None:
         await asyncio.wait_for(engine.peers[0].gone.wait(), 3)  # the engine sees EOF/RST: vLLM aborts
         assert pooled(pool, engine.key) == 0 and resp._conn.closed
         if how == "close":
-            with pytest.raises(aiohttp.ClientConnectionError):
+            with pytest.raises(h1client.Disconnected):
                 await resp.readany()  # does not wait forever
 
 
@@ -333,7 +333,7 @@ async def test_idle_timeout_mid_body() -> None:
         resp = await post(pool, engine.key, idle_s=0.2)
         assert await resp.readany()
         started = asyncio.get_running_loop().time()
-        with pytest.raises(aiohttp.ServerTimeoutError, match=r"no data for 0\.2 s"):
+        with pytest.raises(h1client.ReadTimeout, match=r"no data for 0\.2 s"):
             await resp.readany()
         assert 0.15 < asyncio.get_running_loop().time() - started < 2
         resp.close()
@@ -350,7 +350,7 @@ async def test_deadline_cuts_a_trickling_body() -> None:
 
     async with serving(script) as (engine, pool):
         resp = await post(pool, engine.key, idle_s=5.0, deadline_s=0.3)
-        with pytest.raises(aiohttp.ServerTimeoutError, match="deadline"):
+        with pytest.raises(h1client.ReadTimeout, match="deadline"):
             while await resp.readany():
                 pass
         resp.close()
@@ -378,7 +378,7 @@ async def test_set_idle_timeout_on_a_live_response() -> None:
         await until(lambda: resp._waiter is not None, "the read waits")
         started = loop.time()
         resp.set_idle_timeout(0.1)
-        with pytest.raises(aiohttp.ServerTimeoutError, match=r"0\.1 s"):
+        with pytest.raises(h1client.ReadTimeout, match=r"0\.1 s"):
             await pending
         assert loop.time() - started < 2
         resp.close()
@@ -399,9 +399,9 @@ async def test_connection_broken_mid_body_raises_payload_error(how: str, framing
 
     async with serving(script) as (engine, pool):
         resp = await post(pool, engine.key)
-        with pytest.raises(aiohttp.ClientPayloadError):
+        with pytest.raises(h1client.TransportError):
             await resp.read()
-        with pytest.raises(aiohttp.ClientPayloadError):
+        with pytest.raises(h1client.TransportError):
             await resp.readany()  # stays failed
         resp.release()
         assert pooled(pool, engine.key) == 0
@@ -410,7 +410,7 @@ async def test_connection_broken_mid_body_raises_payload_error(how: str, framing
 @pytest.mark.parametrize("status_line", [b"HTPT/1.1 200 OK", b"HTTP/1.1 2x0 OK", b"\x16\x03\x01 hello"])
 async def test_malformed_status_line_raises_and_closes(status_line: bytes) -> None:
     async with serving(once(status_line + b"\r\nContent-Length: 2\r\n\r\n{}")) as (engine, pool):
-        with pytest.raises(aiohttp.ClientError, match="malformed"):
+        with pytest.raises(h1client.TransportError, match="malformed"):
             await post(pool, engine.key)
         await asyncio.wait_for(engine.peers[0].gone.wait(), 3)
         assert pooled(pool, engine.key) == 0
@@ -423,7 +423,7 @@ async def test_malformed_chunk_size_mid_body_raises_payload_error(writes: int) -
 
     async with serving(once(*([wire] if writes == 1 else [wire[:-10], wire[-10:]]))) as (engine, pool):
         resp = await post(pool, engine.key)
-        with pytest.raises(aiohttp.ClientPayloadError, match="malformed"):
+        with pytest.raises(h1client.TransportError, match="malformed"):
             await resp.read()
         await asyncio.wait_for(engine.peers[0].gone.wait(), 3)
 

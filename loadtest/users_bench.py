@@ -1,0 +1,302 @@
+"""``make bench``: pdproxy against vLLM's Rust router, measured the way users run a proxy, printed as ratios.
+
+Run: ``python -m loadtest.users_bench [--quick] [--reps 3] [--out FILE] [--no-workers] [--only SCENARIO ...]``
+(≈ 12 min; ``--quick`` ≈ 1 min, shape only).  Prints a table of figures with the pdproxy / vllm-router ratio and whether each target is
+met, then writes the whole JSON document to ``--out`` (default ``loadtest/results/users-latest.json``).
+
+Conditions (the same for every target, in one run):
+
+- **nothing pinned**: the proxies, the two engines and the load generator share the machine's CPUs as the
+  scheduler likes (what a user's host does);
+- **engines**: ``loadtest.fake_engine``, 1 prefiller + 1 decoder, zero prefill cost, paced events on a 5 ms step
+  grid (every stream due in the same engine step is written in the same loop turn, like a real engine's step);
+- **load generator**: ``loadtest.loadgen`` in its own process; every request is a PD request
+  (``stream: true``, ``stream_options.include_usage``); ``client_pd`` is the generator doing the prefill and
+  decode legs itself — the floor of any PD proxy, and the baseline of the added-TTFT figure;
+- **CPU**: ``utime + stime`` (plus reaped children) of the proxy's whole process tree, from just before the
+  first request to the last answer: connection set-up, the ramp and the tail are all paid for.  Divided by the
+  SSE events the client received;
+- **repetitions**: each scenario runs ``--reps`` times per target, interleaved (pdproxy, vllm-router,
+  client_pd, then again), and the **median** is reported.
+
+Scenarios:
+
+- ``paced_1000``: 1,000 streams of 150 tokens at 10 tokens/s, started evenly over 3 s (a 333 req/s ramp), each
+  once — CPU per event, added TTFT p99 (vs ``client_pd``), errors, stalls (an inter-event gap > 1 s), peak RSS;
+- ``full_100``: 100 streams of 2,000 tokens at full speed (the engine writes bursts of 8 events), started
+  together — CPU per event;
+- ``paced_3000``: 3,000 streams as in ``paced_1000``, started over 9 s — errors, stalls, RSS per stream;
+- ``slow_readers_1000``: 1,000 streams of 1,000 tokens at full speed (≈ 250 KiB each), started over 3 s, whose
+  clients stop reading for 4 s after the first event (64 KiB receive buffers) — peak RSS growth per stream: a
+  proxy without back-pressure buffers the whole stream;
+- ``workers_2`` (pdproxy only): ``paced_1000`` through ``pdproxy serve --workers 2`` — events per CPU-second of
+  the whole tree and per worker (on 2 cores this shows cost, not scaling).
+
+The figures' targets: CPU per event ≤ 1.0× the router's at 1,000 paced and at 100 full-speed streams; added
+TTFT p99 ≤ 20 ms during the 1,000-stream ramp; 0 errors and 0 stalls at 1,000 and 3,000 streams; RSS per
+stream ≤ the router's.  Other load on the machine is recorded per run as ``others_cpu_frac`` (CPUs' worth of
+busy time outside the benchmark); on a shared machine read the ratios, not the absolute figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from loadtest import fleet, procstat
+from loadtest.bench import PDPROXY, ROUTER
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """One workload: ``streams`` requests of ``tokens`` events every ``itl_s`` seconds (0: full speed), started
+    evenly over ``ramp_s`` seconds; ``read_pause_s``: each client stops reading for that long after its first
+    event (a slow reader, with a 64 KiB receive buffer)."""
+
+    name: str
+    streams: int
+    tokens: int
+    itl_s: float
+    ramp_s: float
+    read_pause_s: float = 0.0
+
+
+FULL = (Scenario("paced_1000", 1000, 150, 0.1, 3.0), Scenario("full_100", 100, 2000, 0.0, 0.0),
+        Scenario("paced_3000", 3000, 150, 0.1, 9.0), Scenario("slow_readers_1000", 1000, 1000, 0.0, 3.0, 4.0))
+QUICK = (Scenario("paced_1000", 100, 20, 0.1, 0.3), Scenario("full_100", 10, 200, 0.0, 0.0),
+         Scenario("paced_3000", 200, 20, 0.1, 0.6), Scenario("slow_readers_1000", 50, 1000, 0.0, 0.3, 1.0))
+STEP_S = 0.005
+
+
+class Run:
+    """Engines and proxies of one benchmark run (all unpinned)."""
+
+    def __init__(self, scenarios: tuple[Scenario, ...], reps: int, workers: bool) -> None:
+        self.scenarios = scenarios
+        self.reps = reps
+        self.workers = workers
+        self.prefiller = fleet.fake_engine("users-prefiller", None)
+        self.decoder = fleet.fake_engine("users-decoder", None)
+        self.proxies: dict[str, fleet.Child] = {}
+        self.commands: dict[str, str] = {"pdproxy": PDPROXY}
+        router = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+        if Path(router).exists():
+            self.commands["vllm-router"] = ROUTER.replace("vllm-router", router, 1)
+        self.skipped: dict[str, str] = {}
+
+    def __enter__(self) -> Run:
+        self.prefiller.start()
+        self.decoder.start()
+        for name, template in self.commands.items():
+            child = fleet.proxy_child(name, template, self.prefiller.url, self.decoder.url, None)
+            try:
+                self.proxies[name] = child.start()
+            except (RuntimeError, OSError) as exc:
+                self.skipped[name] = str(exc)[-500:]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for child in [*self.proxies.values(), self.prefiller, self.decoder]:
+            child.stop()
+
+    def once(self, target: str, sc: Scenario, child: fleet.Child | None = None) -> dict[str, Any]:
+        """One run of ``sc`` against ``target`` (a proxy name, or ``client_pd``); returns its window."""
+        for url in (self.prefiller.url, self.decoder.url):
+            fleet.configure_engine(url, itl_s=sc.itl_s, ttft_s=0.0, prefill_s=0.0, step_s=STEP_S)
+        spec: dict[str, Any] = {
+            "mode": "client_pd" if target == "client_pd" else "proxy", "prefill": self.prefiller.url,
+            "decode": self.decoder.url, "max_tokens": sc.tokens, "stall_gap_s": 1.0 + sc.read_pause_s,
+            "read_pause_s": sc.read_pause_s, "rcvbuf": 65536 if sc.read_pause_s else 0,
+            "arrival": {"kind": "batch", "n": sc.streams, "ramp_s": sc.ramp_s},
+            "cpu_pids": {"engines": [self.prefiller.pid, self.decoder.pid]}}
+        proxy = child or self.proxies.get(target)
+        if proxy is not None:
+            spec["target"] = proxy.url
+            spec["cpu_pids"]["proxy"] = [proxy.pid]
+        budget = 120 + sc.ramp_s + sc.tokens * sc.itl_s * 3
+        window = fleet.run_loadgen(spec, None, budget)["windows"][0]
+        time.sleep(1.0)  # let closed connections and timers settle before the next run
+        return dict(window)
+
+    def measure(self) -> dict[str, Any]:
+        """Every scenario × target × repetition; returns ``{scenario: {target: [windows]}}``."""
+        out: dict[str, Any] = {}
+        for sc in self.scenarios:
+            targets = [*self.proxies] + (["client_pd"] if sc.name == "paced_1000" else [])
+            runs: dict[str, list[dict[str, Any]]] = {t: [] for t in targets}
+            reps = self.reps if sc.name in ("paced_1000", "full_100") else max(1, min(self.reps, 2))
+            for _ in range(reps):
+                for t in targets:
+                    runs[t].append(self.once(t, sc))
+            out[sc.name] = runs
+        if self.workers and self.scenarios and self.scenarios[0].name == "paced_1000":
+            sc = self.scenarios[0]
+            child = fleet.proxy_child("pdproxy-w2", PDPROXY + " --workers 2", self.prefiller.url, self.decoder.url,
+                                      None)
+            with child:
+                time.sleep(1.0)
+                windows = []
+                for _ in range(self.reps):
+                    tree = procstat.process_tree([child.pid])
+                    before = {pid: procstat.stat_cpu_seconds(pid) for pid in tree}
+                    w = self.once("pdproxy-w2", sc, child)
+                    w["per_process_cpu_s"] = {str(pid): round(procstat.stat_cpu_seconds(pid) - before[pid], 3)
+                                              for pid in tree}
+                    windows.append(w)
+                out["workers_2"] = {"pdproxy --workers 2": windows}
+        return out
+
+
+def _median(windows: list[dict[str, Any]], f: Any) -> float | None:
+    values = [v for v in (f(w) for w in windows) if v is not None]
+    return round(statistics.median(values), 3) if values else None
+
+
+def summary(windows: list[dict[str, Any]], streams: int) -> dict[str, Any]:
+    """The medians of one scenario × target (``windows`` from :meth:`Run.once`)."""
+    def cpu_us(w: dict[str, Any]) -> float | None:
+        cpu = w["cpu_s"].get("proxy")
+        return cpu / w["events"] * 1e6 if cpu is not None and w["events"] else None
+
+    def rss_per_stream(w: dict[str, Any]) -> float | None:
+        if "proxy" not in w["rss_bytes"]:
+            return None
+        return (w["rss_bytes"]["proxy"] - w["rss_idle_bytes"]["proxy"]) / streams
+
+    return {
+        "runs": len(windows), "cpu_us_per_event": _median(windows, cpu_us),
+        "proxy_cpu_s": _median(windows, lambda w: w["cpu_s"].get("proxy")),
+        "events": _median(windows, lambda w: w["events"]), "wall_s": _median(windows, lambda w: w["wall_s"]),
+        "ttft_ms_p50": _median(windows, lambda w: w["ttft_ms"]["p50"]),
+        "ttft_ms_p99": _median(windows, lambda w: w["ttft_ms"]["p99"]),
+        "gap_ms_p99": _median(windows, lambda w: w["gap_ms"]["p99"]),
+        "gap_ms_max": max((w["gap_ms"]["max"] or 0.0) for w in windows),
+        "errors": sum(w["errors"] for w in windows), "stalls": sum(w["stalls"] for w in windows),
+        "error_samples": [s for w in windows for s in w["error_samples"]][:3],
+        "peak_rss_mib": _median(windows, lambda w: w["rss_bytes"].get("proxy", 0) / 2**20),
+        "rss_kib_per_stream": _median(windows, lambda w: (lambda v: None if v is None else v / 1024)(
+            rss_per_stream(w))),
+        "concurrency_max": max(w["concurrency"]["max"] for w in windows),
+        "others_cpu_frac": _median(windows, lambda w: w["others_cpu_frac"]),
+    }
+
+
+def figures(data: dict[str, Any], scenarios: tuple[Scenario, ...]) -> dict[str, Any]:
+    """Per-scenario summaries and the headline figures with their pdproxy / router ratios and targets."""
+    streams = {sc.name: sc.streams for sc in scenarios}
+    summ = {name: {t: summary(ws, streams.get(name, scenarios[0].streams)) for t, ws in runs.items()}
+            for name, runs in data.items()}
+    p, r = "pdproxy", "vllm-router"
+
+    def get(scen: str, target: str, key: str) -> Any:
+        return (summ.get(scen) or {}).get(target, {}).get(key)
+
+    def ratio(a: Any, b: Any) -> float | None:
+        return round(a / b, 3) if isinstance(a, int | float) and isinstance(b, int | float) and b else None
+
+    base = get("paced_1000", "client_pd", "ttft_ms_p99")
+    added = {t: (round(get("paced_1000", t, "ttft_ms_p99") - base, 2)
+                 if get("paced_1000", t, "ttft_ms_p99") is not None and base is not None else None)
+             for t in (p, r)}
+    rows = []
+
+    def row(label: str, key: str, pv: Any, rv: Any, target: str, ok: bool | None, rat: float | None = None) -> None:
+        rows.append({"figure": label, "key": key, "pdproxy": pv, "vllm-router": rv,
+                     "ratio": rat if rat is not None else ratio(pv, rv), "target": target, "met": ok})
+
+    pc, rc = get("paced_1000", p, "cpu_us_per_event"), get("paced_1000", r, "cpu_us_per_event")
+    row("CPU µs per event, 1,000 paced streams", "cpu_paced", pc, rc, "≤ 1.0× router",
+        None if ratio(pc, rc) is None else ratio(pc, rc) <= 1.0)  # type: ignore[operator]
+    pf, rf = get("full_100", p, "cpu_us_per_event"), get("full_100", r, "cpu_us_per_event")
+    row("CPU µs per event, 100 full-speed streams", "cpu_full", pf, rf, "≤ 1.0× router",
+        None if ratio(pf, rf) is None else ratio(pf, rf) <= 1.0)  # type: ignore[operator]
+    row("added TTFT p99 ms, 1,000-stream ramp (vs client-side PD)", "added_ttft_p99", added[p], added[r],
+        "≤ 20 ms", None if added[p] is None else added[p] <= 20.0, rat=None)
+    for scen in ("paced_1000", "paced_3000"):
+        pe = (get(scen, p, "errors") or 0) + (get(scen, p, "stalls") or 0) if scen in summ else None
+        re_ = (get(scen, r, "errors") or 0) + (get(scen, r, "stalls") or 0) if r in summ.get(scen, {}) else None
+        row(f"errors + stalls > 1 s, {scen}", f"faults_{scen}", pe, re_, "0", None if pe is None else pe == 0,
+            rat=None)
+    pr, rr = get("paced_3000", p, "rss_kib_per_stream"), get("paced_3000", r, "rss_kib_per_stream")
+    row("RSS KiB per stream, 3,000 paced streams", "rss_per_stream", pr, rr, "≤ router",
+        None if pr is None or rr is None else pr <= rr)
+    slow = next((sc for sc in scenarios if sc.name == "slow_readers_1000"), None)
+    ps, rs = get("slow_readers_1000", p, "rss_kib_per_stream"), get("slow_readers_1000", r, "rss_kib_per_stream")
+    if slow is not None:
+        stream_kib = slow.tokens * 0.25  # ~250 bytes per event: what an unbounded buffer would hold
+        row(f"RSS KiB per slow reader ({slow.streams} × {stream_kib:.0f} KiB streams)", "rss_per_slow_reader", ps,
+            rs, f"< {stream_kib:.0f} KiB",
+            None if ps is None else ps < stream_kib)
+    doc: dict[str, Any] = {"summaries": summ, "headline": rows}
+    w2 = (data.get("workers_2") or {}).get("pdproxy --workers 2")
+    if w2:
+        evs = [w["events"] / w["cpu_s"]["proxy"] for w in w2 if w["cpu_s"].get("proxy")]
+        doc["workers_2"] = {
+            "events_per_cpu_s_whole_tree": round(statistics.median(evs)) if evs else None,
+            "events_per_cpu_s_1_worker": round(1e6 / pc) if pc else None,
+            "per_process_cpu_s": [w["per_process_cpu_s"] for w in w2],
+            "note": "2 workers on a 2-core machine shared with the engines and the generator: the per-event cost "
+                    "of the whole tree (supervisor included), not a scaling figure"}
+    return doc
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The headline table as text."""
+    lines = ["", "pdproxy vs vllm-router — users' conditions (nothing pinned; whole-run CPU of each proxy's process "
+             "tree, ramp included; median of runs)", ""]
+    head = f"{'figure':58} {'pdproxy':>10} {'router':>10} {'ratio':>7}  {'target':14} met"
+    lines += [head, "-" * len(head)]
+    for r in doc["headline"]:
+        def fmt(v: Any) -> str:
+            return "—" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
+        met = {True: "yes", False: "NO", None: "—"}[r["met"]]
+        lines.append(f"{r['figure']:58} {fmt(r['pdproxy']):>10} {fmt(r['vllm-router']):>10} {fmt(r['ratio']):>7}  "
+                     f"{r['target']:14} {met}")
+    w2 = doc.get("workers_2")
+    if w2:
+        lines += ["", f"--workers 2: {w2['events_per_cpu_s_whole_tree']} events per CPU-second (whole tree) vs "
+                      f"{w2['events_per_cpu_s_1_worker']} with 1 worker; {w2['note']}"]
+    others = {k: {t: s.get("others_cpu_frac") for t, s in v.items()} for k, v in doc["summaries"].items()}
+    lines += ["", f"outside load (CPUs' worth, median per run): {orjson.dumps(others).decode()}", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run, print the table, write the JSON; returns 0."""
+    ap = argparse.ArgumentParser(prog="python -m loadtest.users_bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, one repetition: shape only (≈ 1 min)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-workers", action="store_true", help="skip the --workers 2 runs")
+    ap.add_argument("--only", nargs="+", metavar="SCENARIO", help="run only these scenarios (names as above)")
+    ap.add_argument("--out", default=str(fleet.ROOT / "loadtest" / "results" / "users-latest.json"))
+    args = ap.parse_args(argv)
+    scenarios = QUICK if args.quick else FULL
+    if args.only:
+        scenarios = tuple(sc for sc in scenarios if sc.name in args.only)
+    reps = 1 if args.quick else args.reps
+    t0 = time.monotonic()
+    with Run(scenarios, reps, workers=not args.no_workers) as run:
+        data = run.measure()
+        commands, skipped = run.commands, run.skipped
+    doc = {"machine": procstat.describe_machine(), "conditions": __doc__.split("Conditions", 1)[1].split(
+        "Scenarios:", 1)[0].strip(), "scenarios": [asdict(s) for s in scenarios], "step_s": STEP_S, "reps": reps,
+        "commands": commands, "skipped": skipped, **figures(data, scenarios), "runs": data,
+        "elapsed_s": round(time.monotonic() - t0, 1),
+        "command": "python -m loadtest.users_bench " + " ".join(argv if argv is not None else sys.argv[1:])}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
+    print(render(doc))
+    print(f"JSON: {args.out}  (elapsed {doc['elapsed_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""The relay's splice in process: a raw engine socket on one side, a recording client connection on the other
+(pdproxy/relay.py).  Flow control, the stall cut, the end at ``[DONE]``, usage rewriting, recompute detection."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import orjson
+import pytest
+
+from pdproxy.errors import UpstreamUnavailable
+from pdproxy.h1client import H1Pool, H1Response
+from pdproxy.metrics import GapCounts
+from pdproxy.relay import Responder, StreamRelay
+from pdproxy.timeline import RequestContext
+from tests.unit.rawengine import Engine, Peer, post, until
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
+
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+@pytest.fixture(params=[pytest.param(("asyncio", {}), id="asyncio"),
+                        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop")])
+def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, bool]]:
+    return request.param  # type: ignore[no-any-return]
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def event(obj: dict) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+TOKEN = event({"id": "c1", "choices": [{"index": 0, "text": " t", "finish_reason": None}]})
+USAGE = event({"id": "c1", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}})
+DONE = b"data: [DONE]\n\n"
+
+
+class Client:
+    """A :class:`pdproxy.relay.ClientConnection` that records what it was given."""
+
+    def __init__(self) -> None:
+        self.flow: object = None
+        self._paused = False
+        self.status = 0
+        self.body: list[bytes] = []
+        self.finished = False
+        self.aborted = False
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.status = status
+
+    def write(self, data: bytes) -> None:
+        self.body.append(data)
+
+    def finish(self, data: bytes = b"") -> None:
+        self.body.append(data)
+        self.finished = True
+
+    def body_writer(self):  # type: ignore[no-untyped-def]
+        return self.body.append
+
+    async def drain(self) -> None:
+        return None
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def pause(self) -> None:  # what the server protocol does when the transport crosses its high-water mark
+        self._paused = True
+        self.flow.client_paused()  # type: ignore[attr-defined]
+
+    def resume(self) -> None:
+        self._paused = False
+        self.flow.client_resumed()  # type: ignore[attr-defined]
+
+    @property
+    def text(self) -> bytes:
+        return b"".join(self.body)
+
+
+class Script:
+    """The engine side of one stream, driven step by step by the test."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.peer: Peer | None = None
+
+    async def __call__(self, peer: Peer) -> None:
+        self.peer = peer
+        await peer.request()
+        while (piece := await self.queue.get()) is not None:
+            await peer.send(piece)
+        await peer.wait_gone()
+
+    def send(self, data: bytes) -> None:
+        self.queue.put_nowait(data)
+
+
+@asynccontextmanager
+async def relaying(script: Script, **kw: object) -> AsyncIterator[tuple[asyncio.Task[bool], Client, RequestContext,
+                                                                         H1Response]]:
+    async with Engine(script) as engine:
+        pool = H1Pool(connect_timeout_s=1.0, keepalive_s=30.0)
+        script.send(HEAD + chunk(TOKEN))
+        resp = await post(pool, engine.key)
+        ctx = RequestContext(request_id="r", client_request_id=None, api_label="completions", decoder="d")
+        ctx.gaps = GapCounts((0.1, float("inf")))
+        client = Client()
+        options: dict[str, object] = {"cached_tokens": None, "first_event_timeout_s": 5.0, "idle_timeout_s": 5.0}
+        options.update(kw)
+        relay = StreamRelay(resp, Responder(client, ctx, []), ctx, **options)  # type: ignore[arg-type]
+        task = asyncio.ensure_future(relay.run())
+        try:
+            await until(lambda: client.status == 200, "the status line")
+            yield task, client, ctx, resp
+        finally:
+            if not task.done():
+                task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            if not resp.at_eof():
+                resp.close()
+            else:
+                resp.release()
+            pool.close()
+            script.send(None)  # type: ignore[arg-type]
+
+
+async def test_a_client_above_its_high_water_mark_pauses_the_decoder_read_until_it_catches_up() -> None:
+    script = Script()
+    async with relaying(script) as (task, client, _ctx, resp):
+        conn = resp._conn
+        client.pause()
+        assert conn.paused  # the decoder socket is no longer read
+        script.send(chunk(TOKEN))
+        for _ in range(50):  # the engine's bytes wait in the kernel, not in the proxy
+            await asyncio.sleep(0)
+        assert client.body == [TOKEN]
+        client.resume()
+        assert not conn.paused
+        await until(lambda: len(client.body) == 2, "the held event after resume")
+        script.send(chunk(DONE) + b"0\r\n\r\n")
+        assert await task is False
+        assert client.finished and client.text == TOKEN + TOKEN + DONE
+
+
+async def test_a_client_that_stays_paused_for_the_idle_timeout_is_cut() -> None:
+    script = Script()
+    async with relaying(script, idle_timeout_s=0.2) as (task, client, ctx, resp):
+        client.pause()
+        await until(lambda: client.aborted, "the stalled client cut", timeout_s=5)
+        assert not task.done()  # the server's connection_lost cancels the director's task, whose decode leg
+        assert "read nothing" in (ctx.error or "")  # is then closed by Upstream.open_stream (vLLM aborts)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert not resp.at_eof()  # unfinished: Upstream.open_stream closes it (the engine sees the abort)
+
+
+async def test_done_ends_the_client_response_before_the_decoder_ends_its_body() -> None:
+    script = Script()
+    async with relaying(script) as (task, client, ctx, resp):
+        script.send(chunk(TOKEN + USAGE + DONE))
+        await until(lambda: client.finished, "the response ended at [DONE]")
+        assert not task.done()  # the decoder still owes its last chunk
+        assert client.text == TOKEN + TOKEN + USAGE + DONE and client.body[-1].endswith(DONE)
+        assert ctx.completion_tokens == 3
+        script.send(b"0\r\n\r\n")
+        assert await task is False
+        assert resp.at_eof()  # the connection can go back to the pool
+        assert ctx.events == 2 and sum(ctx.gaps.counts) == 1  # type: ignore[union-attr]
+
+
+async def test_usage_cached_tokens_patched_and_a_forced_usage_chunk_stripped() -> None:
+    script = Script()
+    async with relaying(script, cached_tokens=4) as (task, client, _ctx, _resp):
+        script.send(chunk(USAGE + DONE) + b"0\r\n\r\n")
+        await task
+    usage = orjson.loads(client.text.split(b"\n\n")[1][6:])["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 4}
+    script = Script()
+    async with relaying(script, strip_usage=True) as (task, client, _ctx, _resp):
+        script.send(chunk(USAGE) + chunk(DONE) + b"0\r\n\r\n")
+        await task
+    assert client.text == TOKEN + DONE
+
+
+async def test_events_split_across_reads_are_forwarded_whole() -> None:
+    script = Script()
+    async with relaying(script) as (task, client, _ctx, _resp):
+        script.send(chunk(TOKEN[:7]))
+        script.send(chunk(TOKEN[7:] + TOKEN[:3]))
+        await until(lambda: len(client.body) == 2, "the reassembled event")
+        assert client.body[1] == TOKEN
+        script.send(chunk(TOKEN[3:] + DONE) + b"0\r\n\r\n")
+        await task
+    assert client.text == TOKEN * 3 + DONE
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["own-block", "with-done"])
+async def test_a_decoder_not_known_for_recomputed_is_detected_and_the_stream_ends_with_an_error(split: bool) -> None:
+    detected: list[bool] = []
+    recomputed = event({"id": "c1", "choices": [{"index": 0, "text": "", "finish_reason": "stop",
+                                                 "stop_reason": "recomputed"}]})
+    script = Script()
+    async with relaying(script, on_recomputed=lambda: detected.append(True)) as (task, client, ctx, _resp):
+        if split:  # the paced case: the chunk is its own write and already forwarded when usage / [DONE] come
+            script.send(chunk(recomputed))
+            await until(lambda: len(client.body) == 2, "the recomputed chunk relayed")
+            script.send(chunk(USAGE) + chunk(DONE) + b"0\r\n\r\n")
+        else:
+            script.send(chunk(recomputed + DONE) + b"0\r\n\r\n")
+        assert await task is False
+    assert detected == [True]
+    events = [e + b"\n\n" for e in client.text.split(b"\n\n") if e]
+    assert events[0] == TOKEN
+    assert events[1:-2] == ([recomputed] if split else [])  # nothing after that chunk, usage included
+    assert b'"error"' in events[-2] and b"preempted" in events[-2] and events[-1] == DONE and client.finished
+    assert ctx.outcome == "upstream_error"
+
+
+async def test_decoder_reset_mid_stream_becomes_an_error_event() -> None:
+    script = Script()
+    async with relaying(script) as (task, client, ctx, _resp):
+        await until(lambda: script.peer is not None, "the engine peer")
+        assert script.peer is not None
+        script.peer.reset()
+        assert await task is False
+    assert b'"error"' in client.text and client.text.endswith(DONE) and client.finished
+    assert ctx.outcome == "upstream_error" and "mid-stream" in (ctx.error or "")
+    assert issubclass(UpstreamUnavailable, Exception)
