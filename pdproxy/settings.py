@@ -99,7 +99,7 @@ class Settings(BaseSettings):
                                 "first and never reuses a connection the proxy is closing")
     gc_full_interval_s: float = Field(
         300.0, ge=0, description="run CPython's full garbage collection on this timer instead of whenever the "
-                                 "live set grows by 25 % (which pauses the loop ~1 µs per live object, mid-ramp); "
+                                 "live set grows by a quarter (which pauses the loop ~1 µs per live object, mid-ramp); "
                                  "0 keeps CPython's policy (pdproxy/gcpolicy.py)")
     upstream_max_connections: int = Field(4096, ge=0, description="open connections per engine (0: unlimited); "
                                                                   "one per in-flight request")

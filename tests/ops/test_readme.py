@@ -123,5 +123,8 @@ def test_each_make_target_installs_only_its_extra(target: str, extra: str) -> No
                           check=True)
     installs = re.findall(r"pip install -q -e '\.\[([\w,]+)\]'", done.stdout)
     assert installs == [extra], done.stdout
-    if target == "bench":  # the benchmark's JSON, then its plots
-        assert done.stdout.index("loadtest.bench") < done.stdout.index("loadtest.plots")
+    if target == "bench":  # the users' benchmark (pdproxy vs vllm-router, ratios); the pinned one: JSON, then plots
+        assert "loadtest.users_bench" in done.stdout
+        pinned = subprocess.run(["make", "-n", "-B", "bench-pinned"], capture_output=True, text=True, timeout=30,
+                                cwd=ROOT, check=True).stdout
+        assert pinned.index("loadtest.bench") < pinned.index("loadtest.plots")
