@@ -44,7 +44,7 @@ from pdproxy.errors import BadRequest, NoEndpointAvailable, ProxyError, Upstream
 from pdproxy.limits import Limits
 from pdproxy.prefill_queue import PrefillQueue
 from pdproxy.prompt_bounds import PromptBounds, prompt_bounds
-from pdproxy.protocol import Api, ProxyRequest
+from pdproxy.protocol import ProxyRequest
 from pdproxy.scheduling import PickRequest, Scheduler
 from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext
@@ -157,22 +157,23 @@ class Admission:
         ``/tokenize`` (:class:`UpstreamHTTPError`).
         """
         s = self.settings
-        chat = req.api is Api.CHAT
+        view, chat, special = req.count_view()         # Responses / Messages: the chat they render
         max_output = req.max_output_tokens
-        limit = self.limits.max_prompt_tokens(max_output)
+        limit = self.limits.max_prompt_tokens(max_output, model=req.model)
+        overhead = s.chat_template_max_overhead_tokens + (2 if special else 0)
         bounds = await self._offload(functools.partial(
-            prompt_bounds, req.body, chat, template_overhead=s.chat_template_max_overhead_tokens), size=len(req.raw))
+            prompt_bounds, view, chat, template_overhead=overhead), size=len(req.raw))
         lower = bounds.lower if bounds.exact or s.word_bound else 0
         if bounds.exact:                                   # token ids
             tokens, exact, method, upper = bounds.lower, True, "ids", bounds.lower
         elif limit is None or bounds.upper <= limit:       # fits: no count needed
             tokens, exact, method, upper = bounds.estimate, False, "bound", bounds.upper
-        elif lower > limit and not self._ambiguous(lower, max_output):   # too long whatever the exact count
+        elif lower > limit and not self._ambiguous(lower, max_output, req.model):   # too long whatever the exact count
             tokens, exact, method, upper = lower, False, "bound", bounds.upper
         else:
             started = time.perf_counter()
             counted = await self._count(req, ctx, chat, bounds, limit)
-            if counted is not None and self._ambiguous(counted.tokens, max_output, exact=counted.exact):
+            if counted is not None and self._ambiguous(counted.tokens, max_output, req.model, exact=counted.exact):
                 counted = await self._count(req, ctx, chat, bounds, None)      # stopped at exactly L: go on
             self.stats.count_seconds_total += time.perf_counter() - started
             if counted is None:                            # the engine enforces its own limit
@@ -182,7 +183,7 @@ class Admission:
         AdmissionStats.bump(self.stats.counted_total, method)
         ctx.prompt_tokens = tokens
         if method != "estimate" and limit is not None and tokens > limit:
-            violation = self.limits.violation(tokens, max_output)
+            violation = self.limits.violation(tokens, max_output, model=req.model)
             if violation is not None:
                 AdmissionStats.bump(self.stats.rejected_total, f"{violation.role.value}:{violation.limit_kind}")
                 raise violation.error(tokens, exact=exact)
@@ -192,11 +193,11 @@ class Admission:
         self._choose_path(req, ctx)
         ctx.timeline.admitted_at = time.monotonic()
 
-    def _ambiguous(self, lower: int, max_output: int | None, *, exact: bool = False) -> bool:
+    def _ambiguous(self, lower: int, max_output: int | None, model: str | None, *, exact: bool = False) -> bool:
         """True when a rejection at ``lower`` (a lower bound unless ``exact``) would hit a ``max_model_len`` of
         exactly ``lower`` or more: the word bound misses BOS and special tokens, so "exactly L" and "L + 1" cannot
         be told apart and vLLM words them differently (:meth:`~pdproxy.limits.Violation.ambiguous`)."""
-        violation = self.limits.violation(lower, max_output)
+        violation = self.limits.violation(lower, max_output, model=model)
         return violation is not None and violation.ambiguous(lower, exact=exact)
 
     def _choose_path(self, req: ProxyRequest, ctx: RequestContext) -> None:
@@ -222,17 +223,19 @@ class Admission:
         if source == "estimate":
             return None
         counter = self._local.get(source)
+        view, _, special = req.count_view()
         if counter is not None:
             try:
-                return await self._offload(functools.partial(counter.count, req.body, chat, limit),
-                                           size=bounds.text_bytes)
+                return await self._offload(functools.partial(counter.count, view, chat, limit,
+                                                             add_special_tokens=special), size=bounds.text_bytes)
             except ValueError as exc:
                 raise BadRequest(f"the chat template rejected the request: {exc}", param=req.prompt_param) from None
         return await self._engine_count(req, ctx, chat, bounds)
 
     async def _engine_count(self, req: ProxyRequest, ctx: RequestContext, chat: bool,
                             bounds: PromptBounds) -> token_count.TokenCount | None:
-        key = await self._offload(functools.partial(token_count.engine_cache_key, req.body, chat),
+        view, _, special = req.count_view()
+        key = await self._offload(functools.partial(token_count.engine_cache_key, view, chat, special),
                                   size=bounds.text_bytes)
         cached = self._engine_cache.get(key)
         if cached is not None:
@@ -242,7 +245,7 @@ class Admission:
         except ProxyError:
             self.stats.count_errors_total += 1
             return None
-        body = orjson.dumps(token_count.tokenize_body(req.body, chat))
+        body = orjson.dumps(token_count.tokenize_body(view, chat, special))
         headers = self.headers.leg(endpoint, f"{ctx.request_id}-tokenize", ctx.authorization)
         try:
             reply = await self.upstream.post_json(endpoint, "/tokenize", body, headers,

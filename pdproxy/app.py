@@ -92,7 +92,7 @@ class PDProxyApp:
         client_id = ex.header(b"x-request-id")
         ctx = RequestContext(request_id=new_request_id(client_id), client_request_id=client_id, api_label=api.label,
                              client_headers=ex.headers)
-        out = Responder(ex, ctx, [(b"x-request-id", (client_id or ctx.request_id).encode("latin-1"))])
+        out = Responder(ex, ctx, [(b"x-request-id", (client_id or ctx.request_id).encode("latin-1"))], api)
         req: ProxyRequest | None = None
         ctx.gaps = self.metrics.started(ctx.api_label)
         try:
@@ -230,28 +230,15 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        """The models the decoders serve, as vLLM lists them (with ``max_model_len``, the smallest across the
-        engines that serve the model, since a request must fit both its prefiller and its decoder)."""
+        """The union of the models the engines serve, as vLLM lists them — LoRA adapters with their ``parent`` —
+        each with the smallest ``max_model_len`` of the engines serving it, since a request must fit both its
+        prefiller and its decoder (:meth:`pdproxy.served_models.ServedModels.cards`)."""
         st = state()
-        merged: dict[str, dict[str, Any]] = {}
-        for info in st.infos.values():
-            for card in info.models:
-                mid = card.get("id")
-                if not isinstance(mid, str):
-                    continue
-                entry = merged.setdefault(mid, dict(card))
-                mml = card.get("max_model_len")
-                if isinstance(mml, int) and (not isinstance(entry.get("max_model_len"), int)
-                                             or mml < entry["max_model_len"]):
-                    entry["max_model_len"] = mml
-        if st.settings.max_model_len:
-            for entry in merged.values():
-                entry["max_model_len"] = st.settings.max_model_len
-        if not merged and st.settings.model_name:
-            merged[st.settings.model_name] = {"id": st.settings.model_name, "object": "model", "owned_by": "vllm",
-                                              "max_model_len": st.settings.max_model_len}
-        return Response(orjson.dumps({"object": "list", "data": list(merged.values())}),
-                        media_type="application/json")
+        cards = st.served.cards(st.settings.max_model_len)
+        if not cards and st.settings.model_name:
+            cards = [{"id": st.settings.model_name, "object": "model", "owned_by": "vllm",
+                      "max_model_len": st.settings.max_model_len}]
+        return Response(orjson.dumps({"object": "list", "data": cards}), media_type="application/json")
 
     @app.get("/debug/load")
     async def debug_load(request: Request) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import time
 
 import orjson
 
-from pdproxy import kv_transfer, recompute
+from pdproxy import api_streams, kv_transfer, recompute
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engine_headers import EngineHeaders
 from pdproxy.errors import ProxyError, UpstreamHTTPError, UpstreamTimeout
@@ -28,7 +28,7 @@ from pdproxy.h1client import H1Response, TransportError
 from pdproxy.health import HealthMonitor
 from pdproxy.pool import EndpointPool
 from pdproxy.prefill_leg import PrefillResult
-from pdproxy.protocol import ProxyRequest, completion_tokens_in, patch_usage_bytes
+from pdproxy.protocol import Api, ProxyRequest, completion_tokens_in, patch_usage_bytes
 from pdproxy.relay import Responder, StreamRelay
 from pdproxy.scheduling import PickRequest, Scheduler
 from pdproxy.settings import Settings
@@ -95,7 +95,7 @@ class DecodeLeg:
         prefill.decoders.append(endpoint)
         ctx.decoder = endpoint.name
         ctx.decoder_dp_rank = endpoint.dp_rank
-        body = kv_transfer.decode_body_bytes(req.raw, prefill.params, req.body)
+        body = kv_transfer.decode_leg_body(req.api, req.raw, req.body, prefill.params, ctx.request_id)
         if req.stream and transcript is not None and transcript.attempts == 1 and not self.sends_recomputed(endpoint):
             transcript = None  # plain splice; a "recomputed" from this decoder is detected (on_recomputed)
         strip_usage = bool(req.stream and transcript is not None and not req.include_usage)
@@ -117,11 +117,12 @@ class DecodeLeg:
                             on_first_event=prefill.consume, headers=routing, transcript=transcript,
                             strip_usage=strip_usage, idle_timeout_s=s.decode_idle_timeout_s,
                             on_recomputed=(lambda: self.recompute_decoders.add(endpoint.url))
-                            if s.recompute_continuation else None).run()
+                            if s.recompute_continuation else None,
+                            api_stream=api_streams.stream_for(req.api, ctx, prefill.cached_tokens)).run()
                     else:
                         prefill.consume()          # the decoder answered: it has the request and its KV
                         recomputed = await relay_json(resp, ctx, prefill.cached_tokens, out, transcript,
-                                                      first_byte_s, routing)
+                                                      first_byte_s, routing, req.api)
             except ProxyError as exc:
                 if isinstance(exc, UpstreamHTTPError):      # it answered an error: vLLM freed the KV it was sent
                     prefill.handed = True
@@ -137,11 +138,11 @@ class DecodeLeg:
 
 async def relay_json(resp: H1Response, ctx: RequestContext, cached_tokens: int | None, out: Responder,
                      transcript: recompute.Transcript | None, timeout_s: float,
-                     routing: list[tuple[bytes, bytes]]) -> bool:
+                     routing: list[tuple[bytes, bytes]], api: Api = Api.CHAT) -> bool:
     """Read a non-streaming decode answer (within ``timeout_s`` seconds) and send it with ``routing`` headers:
-    usage patched with the prefiller's ``cached_tokens``; a ``recomputed`` answer is kept back and True returned;
-    a continuation's answer is merged with the earlier text.  Raises :class:`UpstreamUnavailable` /
-    :class:`UpstreamTimeout` when the body does not arrive."""
+    usage patched with the prefiller's ``cached_tokens`` (in ``api``'s usage shape); a ``recomputed`` answer is
+    kept back and True returned; a continuation's answer is merged with the earlier text.  Raises
+    :class:`UpstreamUnavailable` / :class:`UpstreamTimeout` when the body does not arrive."""
     endpoint = ctx.decoder or ""
     try:
         async with asyncio.timeout(timeout_s):
@@ -152,6 +153,11 @@ async def relay_json(resp: H1Response, ctx: RequestContext, cached_tokens: int |
         raise UpstreamTimeout(f"decoder {endpoint} did not finish within {timeout_s:.1f} s",
                               endpoint=endpoint) from None
     ctx.timeline.first_token_at = ctx.timeline.last_token_at = time.monotonic()
+    if api is Api.RESPONSES or api is Api.MESSAGES:
+        if data.find(b'"output_tokens"') >= 0:
+            ctx.completion_tokens = api_streams.output_tokens_in(data)
+        await out.json(resp.status, api_streams.patch_json(api, data, cached_tokens), routing)
+        return False
     if transcript is not None and (data.find(recompute.MARKER) >= 0 or transcript.attempts > 1):
         obj = orjson.loads(data)
         if recompute.is_recomputed(obj):

@@ -202,7 +202,9 @@ class Director:
 
     def new_transcript(self, req: ProxyRequest) -> recompute.Transcript | None:
         """A transcript when ``recompute_continuation`` is on (see :mod:`pdproxy.recompute`)."""
-        return recompute.Transcript(req.api is Api.CHAT) if self.settings.recompute_continuation else None
+        if not self.settings.recompute_continuation or req.api not in (Api.CHAT, Api.COMPLETIONS):
+            return None
+        return recompute.Transcript(req.api is Api.CHAT)
 
     async def continuation(self, req: ProxyRequest, ctx: RequestContext, out: Responder,
                            transcript: recompute.Transcript | None) -> ProxyRequest | None:

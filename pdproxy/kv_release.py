@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import orjson
 
@@ -35,19 +34,18 @@ from pdproxy.engine_headers import EngineHeaders
 from pdproxy.errors import ProxyError
 from pdproxy.health import HealthMonitor
 from pdproxy.pool import EndpointPool
+from pdproxy.protocol import Api, ProxyRequest
 from pdproxy.scheduling import PickRequest, Scheduler
 from pdproxy.upstream import Upstream
-
-if TYPE_CHECKING:
-    from pdproxy.protocol import ProxyRequest
 
 log = logging.getLogger("pdproxy.kv_release")
 
 
-def release_body(original: dict[str, object], params: kv_transfer.KVTransferParams) -> bytes:
-    """The release leg's body: the prefill overrides (``stream: false``, ``max_tokens: 1``, no stream options,
-    ``min_tokens: 1``) with the prefiller's ``params`` as the decoder's ``kv_transfer_params``."""
-    return orjson.dumps(kv_transfer.decode_body(kv_transfer.prefill_body(original), params))
+def release_body(original: dict[str, object], params: kv_transfer.KVTransferParams, api: Api = Api.CHAT) -> bytes:
+    """The release leg's body: the prefill overrides of ``api`` (``stream: false``, a one-token limit, no stream
+    options, ``min_tokens: 1`` on chat and completions) with the prefiller's ``params`` as the decoder's
+    ``kv_transfer_params``."""
+    return orjson.dumps(kv_transfer.decode_body(kv_transfer.prefill_body(original, api), params))
 
 
 class KVReleaser:
@@ -98,8 +96,8 @@ class KVReleaser:
         headers = self.headers.leg(endpoint, request_id, authorization)
         with self.pool.lease(endpoint, req.prompt_tokens or 0):
             try:
-                await self.upstream.post_json(endpoint, req.api.value, release_body(req.body, params), headers,
-                                              timeout_s=self.timeout_s)
+                await self.upstream.post_json(endpoint, req.api.value, release_body(req.body, params, req.api),
+                                              headers, timeout_s=self.timeout_s)
             except ProxyError as exc:  # an error answer still means the decoder saw the params and ended: when
                 # the KV is already gone (pulled, or freed by a decoder that ended), the pull fails, as expected
                 log.debug("release leg for request %s on %s: %s", request_id, endpoint.name, exc.message)

@@ -18,6 +18,30 @@ up in ``docs/pd-protocol.md``.  In short:
    and the prefiller's dict added as ``kv_transfer_params`` — never a second member of the same name.
 
 Both legs carry the same ``X-Request-Id``.
+
+**Per API** (vLLM 0.32; what was seen on the real engines is in ``docs/apis-through-pd.md``, captures in
+``tests/real_vllm/captures/apis/``).  Every generation route hands the request's ``kv_transfer_params`` to the
+engine the same way (``SamplingParams.extra_args``, e.g. ``openai/responses/protocol.py::to_sampling_params``):
+
+- ``/v1/chat/completions``, ``/v1/completions``: as above;
+- ``/v1/responses`` (``openai/responses/protocol.py::ResponsesRequest``): the output limit is
+  ``max_output_tokens`` (there is no ``max_tokens``, ``min_tokens`` or ``stream_options``), so the prefill leg
+  sets ``max_output_tokens: 1``; the params come back at the top level of the JSON ``response`` object (a streamed
+  leg would carry them only in its last event, ``response.completed``, after events sent before the engine ran);
+  cached tokens are ``usage.input_tokens_details.cached_tokens``.  The engine ignores ``X-Request-Id`` and names
+  the response (and its engine request, ``<id>_0-<suffix>``) after the body's ``request_id``
+  (``responses/serving.py::create_responses``), so both legs carry the same ``request_id`` —
+  ``resp_<pdproxy request id>`` unless the client set its own (:func:`responses_request_id`);
+- ``/v1/messages`` (``anthropic/protocol.py::AnthropicMessagesRequest``, served as a chat completion by
+  ``anthropic/serving.py::to_chat_completion_request``): the prefill leg sets ``max_tokens: 1`` and **must** be
+  non-streaming — ``message_stream_converter`` builds its events from chat chunks, which never carry
+  ``kv_transfer_params``, so a streamed prefill leg pins the KV and returns no handle; the params come back at the
+  top level of the JSON message (the key is absent when null, ``api_router.py`` dumps with ``exclude_none``);
+  cached tokens are ``usage.cache_read_input_tokens``, and ``usage.input_tokens`` is net of them
+  (``anthropic/serving.py::_build_anthropic_usage``).  ``thinking.budget_tokens < max_tokens`` is not checked on
+  a leg with ``do_remote_decode`` (``anthropic/protocol.py::validate_thinking_budget``), so ``max_tokens: 1`` is
+  safe with thinking on.  Neither API has ``min_tokens``; a first-token EOS still hands over the KV on vLLM 0.32
+  (NIXL returns a handle for a stopped request too, ``nixl/pull_scheduler.py::request_finished``).
 """
 
 from __future__ import annotations
@@ -27,6 +51,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import orjson
+
+from pdproxy.protocol import Api
 
 KVTransferParams = dict[str, Any]
 """Opaque connector handle produced by the prefiller and consumed by the decoder."""
@@ -54,8 +80,11 @@ _STREAM_ONLY = ("stream_options",)
 _COMPLETE_FINISH = frozenset({"stop", "tool_calls"})
 
 
-def prefill_body(original: Mapping[str, Any], *, engine_judges: bool = False) -> dict[str, Any]:
-    """Return a new dict: the prefill-leg body for ``original`` (a parsed client body).  Never mutates it.
+def prefill_body(original: Mapping[str, Any], api: Api = Api.CHAT, *, engine_judges: bool = False,
+                 request_id: str | None = None) -> dict[str, Any]:
+    """Return a new dict: the prefill-leg body for ``original`` (a parsed client body of ``api``; the one-token
+    limit per API in the module docstring).  Never mutates it.  ``request_id``: pdproxy's id of the request, named
+    in a Responses body (:func:`responses_request_id`).
 
     ``engine_judges`` (``ProxyRequest.engine_judges``: pdproxy found the request invalid for vLLM): the client's
     body as sent — its own values, so the prefiller rejects it with vLLM's own 400 and in vLLM's own order of
@@ -67,14 +96,31 @@ def prefill_body(original: Mapping[str, Any], *, engine_judges: bool = False) ->
         return {k: {} if k in PROXY_OWNED and isinstance(v, dict) else v for k, v in original.items()}
     body = {k: v for k, v in original.items() if k not in PROXY_OWNED}
     body["stream"] = False
-    body["max_tokens"] = 1
-    if "max_completion_tokens" in body:
-        body["max_completion_tokens"] = 1
-    for key in _STREAM_ONLY:
-        body.pop(key, None)
-    body["min_tokens"] = 1
+    if api is Api.RESPONSES:
+        body["max_output_tokens"] = 1
+        rid = responses_request_id(original, request_id)
+        if rid is not None:
+            body["request_id"] = rid
+    elif api is Api.MESSAGES:
+        body["max_tokens"] = 1
+    else:
+        body["max_tokens"] = 1
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = 1
+        for key in _STREAM_ONLY:
+            body.pop(key, None)
+        body["min_tokens"] = 1
     body[KV_TRANSFER_PARAMS] = dict(PREFILL_STUB)
     return body
+
+
+def responses_request_id(original: Mapping[str, Any], request_id: str | None) -> str | None:
+    """The ``request_id`` both legs of a Responses request carry (the engine names the response after it): None
+    when the client set its own (which then stays, on both legs) or when ``request_id`` is None, else
+    ``resp_<request_id>``."""
+    if request_id is None or isinstance(original.get("request_id"), str):
+        return None
+    return f"resp_{request_id}"
 
 
 def engine_must_judge(max_output_tokens: int | None, max_model_len: int | None) -> bool:
@@ -114,6 +160,19 @@ def decode_body_bytes(raw: bytes, params: KVTransferParams | None,
         return raw if params is None else _append_member(raw, KV_TRANSFER_PARAMS, params)
     kept = _without_members(raw, PROXY_OWNED)
     return kept if params is None else _append_member(kept, KV_TRANSFER_PARAMS, params)
+
+
+def decode_leg_body(api: Api, raw: bytes, original: Mapping[str, Any], params: KVTransferParams | None,
+                    request_id: str | None = None) -> bytes:
+    """The decode-leg body of a request of ``api``: :func:`decode_body_bytes` of the client's ``raw`` bytes
+    (``original``: them parsed), and for Responses the ``request_id`` the prefill leg named
+    (:func:`responses_request_id`), appended the same way."""
+    body = decode_body_bytes(raw, params, original)
+    if api is Api.RESPONSES:
+        rid = responses_request_id(original, request_id)
+        if rid is not None:
+            body = _append_member(body, "request_id", rid)
+    return body
 
 
 def _append_member(raw: bytes, key: str, value: Any) -> bytes:
@@ -256,21 +315,36 @@ def ended_on_prefill(prefill_response: Mapping[str, Any]) -> bool:
     return _handle(prefill_response) is None and finish_reason(prefill_response) in _COMPLETE_FINISH
 
 
-def prefill_prompt_tokens(prefill_response: Mapping[str, Any]) -> int | None:
-    """``usage.prompt_tokens`` of the prefiller's answer: the prompt as the engine tokenized it (chat template
-    included), which admission may only have estimated."""
+def prefill_prompt_tokens(prefill_response: Mapping[str, Any], api: Api = Api.CHAT) -> int | None:
+    """The prompt's tokens in the prefiller's usage, as the engine tokenized it (chat template included), which
+    admission may only have estimated: ``usage.prompt_tokens`` (chat, completions), ``usage.input_tokens``
+    (Responses), ``input_tokens`` + ``cache_read_input_tokens`` + ``cache_creation_input_tokens`` (Messages, whose
+    ``input_tokens`` is net of the cache)."""
     usage = prefill_response.get("usage")
-    value = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-    return value if isinstance(value, int) else None
+    if not isinstance(usage, Mapping):
+        return None
+    if api is Api.MESSAGES:
+        parts = [usage.get(k) for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")]
+        nums = [p for p in parts if isinstance(p, int) and not isinstance(p, bool)]
+        return sum(nums) if isinstance(parts[0], int) else None
+    value = usage.get("input_tokens" if api is Api.RESPONSES else "prompt_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def prefill_cached_tokens(prefill_response: Mapping[str, Any]) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` of the prefiller's answer (its real prefix-cache hits).
+def prefill_cached_tokens(prefill_response: Mapping[str, Any], api: Api = Api.CHAT) -> int | None:
+    """The prefiller's real prefix-cache hits in its answer: ``usage.prompt_tokens_details.cached_tokens`` (chat,
+    completions), ``usage.input_tokens_details.cached_tokens`` (Responses), ``usage.cache_read_input_tokens``
+    (Messages); None when absent.
 
     The decoder reports nearly the whole prompt as cached because it pulled it (vLLM ``v1/metrics/stats.py``
-    counts local and external hits alike), so the client must see the prefiller's figure.
+    counts local and external hits alike; 0 with NIXL on vLLM 0.32), so the client must see the prefiller's figure.
     """
     usage = prefill_response.get("usage") or {}
-    details = usage.get("prompt_tokens_details") or {}
-    value = details.get("cached_tokens")
-    return value if isinstance(value, int) else None
+    if not isinstance(usage, Mapping):
+        return None
+    if api is Api.MESSAGES:
+        value = usage.get("cache_read_input_tokens")
+    else:
+        details = usage.get("input_tokens_details" if api is Api.RESPONSES else "prompt_tokens_details") or {}
+        value = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

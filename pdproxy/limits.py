@@ -20,7 +20,8 @@ Rules (reference §2.4 "PD trap": P validates with ``max_tokens=1``, so the prox
     ``prompt + max_tokens <= max_model_len``, checked here so that no prefill is spent on a request the decoder
     would refuse (reference §2.4 "PD trap").
 
-A request is admitted when some prefiller and some decoder allow its prompt; :meth:`Limits.max_prompt_tokens`
+A request is admitted when some prefiller and some decoder *serving its model* allow its prompt
+(:mod:`pdproxy.served_models`: two models on two pools have their own limits); :meth:`Limits.max_prompt_tokens`
 is that threshold ("M"), so a counted prompt of M tokens passes and M + 1 is rejected.  Which endpoints a request
 then goes to is the scheduler's limits filter (:class:`pdproxy.scheduling.filters.FitsLimits`).
 """
@@ -36,6 +37,7 @@ from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines import EngineInfo
 from pdproxy.errors import PromptTooLong
 from pdproxy.pool import EndpointPool
+from pdproxy.served_models import ServedModels
 
 LimitKind = Literal["max_model_len", "kv_pool"]
 
@@ -156,14 +158,16 @@ class Limits:
     the per-request cost to a few dictionary lookups."""
 
     def __init__(self, pool: EndpointPool, infos: Mapping[Endpoint, EngineInfo], *,
-                 max_model_len_override: int | None = None, clamp: bool = True) -> None:
+                 max_model_len_override: int | None = None, clamp: bool = True,
+                 served: ServedModels | None = None) -> None:
         self.pool = pool
         self.clamp = clamp
         self.infos = infos
+        self.served = served if served is not None else ServedModels(infos)
         self.max_model_len_override = max_model_len_override
         self._table: dict[Endpoint, EngineLimits] = {}
         self._by_role: dict[Role, list[tuple[Endpoint, EngineLimits]]] = {}
-        self._m: dict[int | None, int | None] = {}
+        self._m: dict[tuple[int | None, str | None], int | None] = {}
         self._built_at = -1.0
 
     def _snapshot(self) -> dict[Role, list[tuple[Endpoint, EngineLimits]]]:
@@ -195,11 +199,16 @@ class Limits:
                             kv_pool_tokens=info.kv_pool_tokens, num_gpu_blocks=info.num_gpu_blocks,
                             block_size=info.block_size)
 
-    def _best(self, role: Role, max_output: int | None) -> tuple[int | None, Endpoint | None]:
-        """The most permissive endpoint of ``role`` (configured, healthy or not): (allowed prompt, endpoint)."""
+    def _best(self, role: Role, max_output: int | None, model: str | None = None
+              ) -> tuple[int | None, Endpoint | None]:
+        """The most permissive endpoint of ``role`` serving ``model`` (configured, healthy or not): (allowed
+        prompt, endpoint)."""
         best: int | None = None
         best_ep: Endpoint | None = None
+        serves = self.served.serves
         for e, lim in self._snapshot()[role]:
+            if model and not serves(e, model):
+                continue
             allowed = lim.allowed_prompt(role, max_output, self.clamp)
             if allowed is None:
                 return None, e
@@ -207,26 +216,30 @@ class Limits:
                 best, best_ep = allowed, e
         return best, best_ep
 
-    def max_prompt_tokens(self, max_output: int | None, *, roles: tuple[Role, ...] = (Role.PREFILL, Role.DECODE)
-                          ) -> int | None:
-        """M: the largest prompt some endpoint of every role in ``roles`` accepts (None = no known limit).  A role
-        with an endpoint of unknown limits, or with no endpoints, imposes none."""
+    def max_prompt_tokens(self, max_output: int | None, *, roles: tuple[Role, ...] = (Role.PREFILL, Role.DECODE),
+                          model: str | None = None) -> int | None:
+        """M: the largest prompt some endpoint of every role in ``roles`` serving ``model`` (None: any) accepts
+        (None = no known limit).  A role with an endpoint of unknown limits, or with no endpoints, imposes none."""
         by_role = self._snapshot()
-        key = max_output if roles == (Role.PREFILL, Role.DECODE) else -1
-        if key != -1 and key in self._m:
+        key = (max_output, model)
+        cached = roles == (Role.PREFILL, Role.DECODE)
+        if cached and key in self._m:
             return self._m[key]
-        bests = [b for b in (self._best(r, max_output)[0] for r in roles if by_role[r]) if b is not None]
+        bests = [b for b in (self._best(r, max_output, model)[0] for r in roles if by_role[r]) if b is not None]
         found = min(bests) if bests else None
-        if key != -1:
+        if cached:
+            if len(self._m) > 4096:
+                self._m.clear()
             self._m[key] = found
         return found
 
     def violation(self, prompt_tokens: int, max_output: int | None,
-                  roles: tuple[Role, ...] = (Role.PREFILL, Role.DECODE)) -> Violation | None:
-        """The rule a prompt breaks on the most permissive endpoint of the first role (prefill, then decode) where
-        no endpoint accepts it; None when every role has an endpoint that does."""
+                  roles: tuple[Role, ...] = (Role.PREFILL, Role.DECODE), model: str | None = None
+                  ) -> Violation | None:
+        """The rule a prompt breaks on the most permissive endpoint serving ``model`` of the first role (prefill,
+        then decode) where no endpoint accepts it; None when every role has an endpoint that does."""
         for role in roles:
-            best, endpoint = self._best(role, max_output)
+            best, endpoint = self._best(role, max_output, model)
             if best is not None and endpoint is not None and prompt_tokens > best:
                 found = self.of(endpoint).violation(role, endpoint, prompt_tokens, max_output, self.clamp)
                 if found is not None:

@@ -99,7 +99,8 @@ class PrefillLeg:
         """
         s = self.settings
         tokens = req.prompt_tokens or 0
-        body = orjson.dumps(kv_transfer.prefill_body(req.body, engine_judges=req.engine_judges))
+        body = orjson.dumps(kv_transfer.prefill_body(req.body, req.api, engine_judges=req.engine_judges,
+                                                     request_id=ctx.request_id))
         timeout_s = s.prefill_timeout_base_s + s.prefill_timeout_per_1k_tokens_s * tokens / 1000
         tried: list[Endpoint] = []
         last: ProxyError | None = None
@@ -119,7 +120,7 @@ class PrefillLeg:
             leg, fault = body, req.fault
             max_model_len = self.queue.ledger.limits.of(endpoint).max_model_len
             if max_model_len is not None and kv_transfer.engine_must_judge(req.max_output_tokens, max_model_len):
-                leg = orjson.dumps(kv_transfer.prefill_body(req.body, engine_judges=True))
+                leg = orjson.dumps(kv_transfer.prefill_body(req.body, req.api, engine_judges=True))
                 fault = over_max_model_len(req, max_model_len)
             lease = stack.enter_context(self.pool.lease(endpoint, tokens))
             slot.handed_over()                         # the lease counts the prompt's KV from here on
@@ -130,8 +131,8 @@ class PrefillLeg:
                     reply = await self.upstream.post_json(endpoint, req.api.value, leg,
                                                           self.headers.leg(endpoint, ctx.request_id, ctx.authorization),
                                                           timeout_s=timeout_s)
-                    ctx.cached_tokens = kv_transfer.prefill_cached_tokens(reply)
-                    ctx.engine_prompt_tokens = kv_transfer.prefill_prompt_tokens(reply)
+                    ctx.cached_tokens = kv_transfer.prefill_cached_tokens(reply, req.api)
+                    ctx.engine_prompt_tokens = kv_transfer.prefill_prompt_tokens(reply, req.api)
             except ProxyError as exc:
                 lease.release()
                 slot.release()

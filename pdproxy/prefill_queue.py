@@ -412,18 +412,32 @@ class PrefillQueue:
         return bool(self.scheduler.eligible(Role.PREFILL, w.request, w.exclude, capacity=False))
 
     def notify(self) -> None:
-        """Capacity may have changed: grant waiters in key order, stopping at the first that cannot be placed
-        (published, with the number waiting, for the other workers: :meth:`LedgerCounts.publish_queue`)."""
+        """Capacity may have changed: grant waiters in key order.  The first waiter that cannot be granted but
+        could be placed later blocks the waiters behind it that could go to the same prefillers (strict order per
+        pool), not those of other pools: a model whose prefillers are full does not hold up another model's.  The
+        first such waiter is published, with the number waiting, for the other workers
+        (:meth:`LedgerCounts.publish_queue`)."""
         if not self._waiting and self._published == (0, None):
             return
         self._notified_at = now = time.monotonic()
         head: _Waiter | None = None
         order = sorted((w for w in self._waiting if w.slot is None),
                        key=lambda w: (w.tokens - self.aging_tokens_per_s * (now - w.arrived_at), w.seq))
+        blocked: set[Endpoint] = set()
         for w in order:
-            if not self._try_grant(w) and self._placeable(w):
-                head = w
-                break
+            placeable: list[Endpoint] | None = None
+            if blocked:
+                placeable = self.scheduler.eligible(Role.PREFILL, w.request, w.exclude, capacity=False)
+                if not blocked.isdisjoint(placeable):
+                    continue
+            if not self._try_grant(w):
+                if placeable is None:
+                    placeable = self.scheduler.eligible(Role.PREFILL, w.request, w.exclude, capacity=False)
+                if placeable:
+                    head = head or w
+                    blocked.update(placeable)
+                    if blocked.issuperset(self.ledger.pool.endpoints(Role.PREFILL)):
+                        break                            # one pool (the usual case): nothing behind can go
         published = (sum(w.slot is None for w in self._waiting), None if head is None else self._base(head))
         if published != self._published:
             self._published = published

@@ -17,19 +17,32 @@ from typing import Annotated, Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pdproxy import api_requests
 from pdproxy.errors import BadRequest
 
 
 class Api(enum.StrEnum):
-    """Which OpenAI endpoint a request came in on (value = the path on the engines)."""
+    """Which generation API a request came in on (value = the path on the engines).  All four go through the
+    same P→D path; :mod:`pdproxy.kv_transfer` holds what each needs on its legs."""
 
     CHAT = "/v1/chat/completions"
     COMPLETIONS = "/v1/completions"
+    RESPONSES = "/v1/responses"
+    MESSAGES = "/v1/messages"
 
     @property
     def label(self) -> str:
-        """Short name for logs and metrics: ``"chat"`` or ``"completions"``."""
-        return "chat" if self is Api.CHAT else "completions"
+        """Short name for logs and metrics: ``"chat"``, ``"completions"``, ``"responses"`` or ``"messages"``."""
+        return _LABELS[self]
+
+    @property
+    def chat_shaped(self) -> bool:
+        """True when the prompt is a chat (messages rendered by the chat template): all but completions."""
+        return self is not Api.COMPLETIONS
+
+
+_LABELS = {Api.CHAT: "chat", Api.COMPLETIONS: "completions", Api.RESPONSES: "responses", Api.MESSAGES: "messages"}
+_PROMPT_PARAMS = {Api.CHAT: "messages", Api.COMPLETIONS: "prompt", Api.RESPONSES: "input", Api.MESSAGES: "messages"}
 
 
 @dataclass(slots=True)
@@ -45,7 +58,10 @@ class ProxyRequest:
     leg is sent; ``engine_judges``: a field the prefill leg would rewrite is invalid for vLLM, so the prefill leg
     carries the client's values and the prefiller answers vLLM's own 400 (``kv_transfer.prefill_body``);
     ``fault``: what pdproxy found (vLLM's wording), answered by pdproxy itself should an engine accept the request
-    after all; ``prompt_tokens``: filled in by admission (tokens), None until counted.
+    after all; ``prompt_tokens``: filled in by admission (tokens), None until counted; ``n``: choices per prompt
+    and ``prompts``: prompts of a completion prompt list (their product is the number of sequences,
+    :mod:`pdproxy.fanout`).  Responses and Messages requests (:mod:`pdproxy.api_requests`) have
+    ``max_output_tokens`` = their ``max_output_tokens`` / ``max_tokens``.
     """
 
     api: Api
@@ -62,11 +78,34 @@ class ProxyRequest:
     decoder_prefills: bool = False
     engine_judges: bool = False
     fault: BadRequest | None = None
+    n: int = 1
+    prompts: int = 1
 
     @property
     def prompt_param(self) -> str:
-        """The request field holding the prompt (``"messages"`` or ``"prompt"``), used as an error's ``param``."""
-        return "messages" if self.api is Api.CHAT else "prompt"
+        """The request field holding the prompt (``"messages"``, ``"prompt"`` or ``"input"``), used as an error's
+        ``param``."""
+        return _PROMPT_PARAMS[self.api]
+
+    @property
+    def sequences(self) -> int:
+        """How many sequences the request asks for: ``n`` × prompts (1 for one prompt and ``n`` 1)."""
+        return self.n * self.prompts
+
+    def count_view(self) -> tuple[dict[str, Any], bool, bool]:
+        """``(body, chat, add_special_tokens)`` to count the prompt with: the client's body for chat and
+        completions; for Responses and Messages the chat they render (:mod:`pdproxy.api_requests`), Responses
+        encoded with the tokenizer's special tokens."""
+        view = self.extra.get("count_view")
+        if view is None:
+            if self.api is Api.RESPONSES:
+                view = (api_requests.responses_chat(self.body), True, True)
+            elif self.api is Api.MESSAGES:
+                view = (api_requests.messages_chat(self.body), True, False)
+            else:
+                view = (self.body, self.api is Api.CHAT, False)
+            self.extra["count_view"] = view
+        return view
 
 
 # ------------------------------------------------------------------------------------------ vLLM's field types
@@ -206,6 +245,16 @@ def _prompt_count(prompt: Any) -> int:
     return len(prompt)
 
 
+def prompt_list(prompt: Any) -> list[Any] | None:
+    """The prompts of a completion ``prompt`` (vLLM: a string, a list of token ids, a list of strings, a list of
+    token-id lists), or None when it is none of these."""
+    if isinstance(prompt, str) or (_is_token_ids(prompt) and prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+        return list(prompt)
+    return None
+
+
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -237,9 +286,10 @@ def _body_error(raw: bytes) -> BadRequest:
 def parse_request(raw: bytes, api: Api) -> ProxyRequest:
     """Read a client body with vLLM's types and meaning.
 
-    pdproxy answers a 400 itself only for a body that is not one JSON object (vLLM's own envelope for it) and for
-    what PD cannot serve as one sequence: ``n`` > 1 and a list of several prompts.  Everything else reaches an
-    engine, which judges it with vLLM's own rules and order of checks: a valid request as the legs need it; a
+    pdproxy answers a 400 itself only for a body that is not one JSON object (vLLM's own envelope for it); ``n`` > 1
+    and a list of several prompts are read as that many sequences (``ProxyRequest.n`` / ``prompts``: one P/D pair
+    each, :mod:`pdproxy.fanout`); Responses and Messages bodies are read by :mod:`pdproxy.api_requests`.
+    Everything else reaches an engine, which judges it with vLLM's own rules and order of checks: a valid request as the legs need it; a
     request pdproxy finds invalid (its field types read as vLLM's models type them, its cross-field rules) with
     the client's own values on the prefill leg (:attr:`ProxyRequest.engine_judges`), so the client gets exactly
     vLLM's 400 before any KV is computed.  Raises :class:`BadRequest` (HTTP 400, vLLM's envelope).
@@ -250,7 +300,16 @@ def parse_request(raw: bytes, api: Api) -> ProxyRequest:
         raise _body_error(raw) from None
     if not isinstance(body, dict):
         raise _body_error(raw)
+    if api is Api.RESPONSES:
+        stream_r, model_r, limit = api_requests.responses_fields(body)
+        return ProxyRequest(api=api, body=body, raw=raw, stream=stream_r, include_usage=False, model=model_r,
+                            max_output_tokens=limit)
+    if api is Api.MESSAGES:
+        stream_m, model_m, required = api_requests.messages_fields(body)
+        return ProxyRequest(api=api, body=body, raw=raw, stream=stream_m, include_usage=False, model=model_m,
+                            max_output_tokens=required)
     chat = api is Api.CHAT
+    prompts = 1
     faults: list[BadRequest] = []
     if not chat:                                          # completion/protocol.py::validate_prompt_and_...
         prompt, embeds = body.get("prompt"), body.get("prompt_embeds")
@@ -261,10 +320,8 @@ def parse_request(raw: bytes, api: Api) -> ProxyRequest:
     except ValidationError as exc:
         faults.append(_validation_error(exc))
     else:
-        if not chat and _prompt_count(body.get("prompt")) > 1:
-            raise BadRequest(
-                "a list of several prompts cannot be served through PD disaggregation as one request "
-                "(one kv_transfer_params handle covers one sequence); send one prompt per request", param="prompt")
+        if not chat:
+            prompts = _prompt_count(body.get("prompt"))
     leg: _Leg
     try:
         leg = (_ChatLeg if chat else _CompletionLeg).model_validate(body, from_attributes=True)
@@ -273,10 +330,7 @@ def parse_request(raw: bytes, api: Api) -> ProxyRequest:
         leg = (_ChatLeg if chat else _CompletionLeg)()
     if body.get("stream_options") and not body.get("stream"):     # validate_stream_options, on the raw values
         faults.append(_vllm_error("Stream options can only be defined when `stream=True`.", "stream_options"))
-    n = getattr(leg, "n", 1)
-    if n is not None and n > 1:
-        raise BadRequest("n > 1 cannot be served through PD disaggregation (one kv_transfer_params handle per "
-                         "sequence); send n separate requests", param="n")
+    n = getattr(leg, "n", 1) or 1
     if isinstance(leg, _ChatLeg):
         max_output = leg.max_completion_tokens if leg.max_completion_tokens is not None else leg.max_tokens
     else:                                                 # completion/protocol.py::normalize_null_max_tokens
@@ -299,7 +353,7 @@ def parse_request(raw: bytes, api: Api) -> ProxyRequest:
         model=model if isinstance(model, str) else None, max_output_tokens=None if judges else max_output,
         min_tokens=leg.min_tokens, continuous_usage=bool(stream and options and options.continuous_usage_stats),
         decoder_prefills=not judges and bool(logits or leg.use_beam_search), engine_judges=judges,
-        fault=faults[0] if faults else None)
+        fault=faults[0] if faults else None, n=max(n, 1), prompts=max(prompts, 1))
 
 
 _COMPLETION_TOKENS_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')

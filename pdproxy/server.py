@@ -24,7 +24,8 @@ What a connection does (RFC 9112):
   the sockets (TLS included, via the ``ssl`` context the listening socket is created with), signals and the
   lifespan, and calls :meth:`ServerProtocol.shutdown` on every connection.
 
-Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` are read whole and given to
+Routes: the generation routes (``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses``,
+``/v1/messages``: :data:`COMPLETION_ROUTES`) are read whole and given to
 ``PDProxyApp.handle_completion(api, exchange)`` with an :class:`Exchange` (which implements
 :class:`pdproxy.relay.ClientConnection`); any other request runs the ASGI app (``PDProxyApp.__call__``: FastAPI's
 control plane) through :class:`_AsgiCycle`.
@@ -53,7 +54,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdproxy.server")
 
-COMPLETION_ROUTES = {"/v1/chat/completions": Api.CHAT, "/v1/completions": Api.COMPLETIONS}
+COMPLETION_ROUTES = {api.value: api for api in Api}
+"""The generation routes served through PD (chat, completions, Responses, Anthropic Messages), read whole here."""
 MAX_URL_BYTES = 8 * 1024
 
 

@@ -35,11 +35,14 @@ IntList = Annotated[list[int], NoDecode]
 
 
 class EndpointConfig(BaseModel):
-    """An endpoint written out in a config file: ``{url, role, dp_size}``."""
+    """An endpoint written out in a config file: ``{url, role, dp_size, models}``.  ``models``: pin the endpoint
+    to these model ids (served names or LoRA adapters; empty = whatever its ``/v1/models`` lists,
+    pdproxy/served_models.py)."""
 
     url: str
     role: Role
     dp_size: int = Field(1, ge=1, le=1024)
+    models: list[str] = []
 
     @field_validator("url")
     @classmethod
@@ -105,6 +108,9 @@ class Settings(BaseSettings):
                                                                   "one per in-flight request")
     upstream_pool_wait_s: float = Field(10.0, gt=0, description="how long a request waits for a connection to an "
                                                                 "engine at upstream_max_connections (seconds)")
+    fan_out_max_sequences: int = Field(
+        16, ge=1, le=1024, description="most sequences one request may fan out to (n x prompts of a completion "
+                                       "prompt list), each served by its own prefill/decode pair; more is a 400")
     model_name: str | None = Field(None, description="served model name to advertise if engines cannot be asked")
 
     # --- timeouts (seconds)
@@ -267,6 +273,10 @@ class Settings(BaseSettings):
         from pdproxy.kv_subscriber import build_sources
 
         return build_sources(self.kv_events, self.kv_events_replay, self.all_endpoints(), self.kv_events_topic)
+
+    def model_pins(self) -> dict[tuple[Role, str], frozenset[str]]:
+        """``(role, url) → model ids`` of the ``endpoints`` entries that pin models (pdproxy/served_models.py)."""
+        return {(ec.role, ec.url): frozenset(ec.models) for ec in self.endpoints if ec.models}
 
     def all_endpoints(self) -> list[Endpoint]:
         """Every configured endpoint, prefillers first.  Raises ``ValueError`` on duplicates or bad URLs."""

@@ -18,6 +18,7 @@ from pdproxy.limits import Limits
 from pdproxy.pool import EndpointPool
 from pdproxy.prefill_queue import PrefillLedger, PrefillQueue
 from pdproxy.scheduling import Scheduler
+from pdproxy.served_models import ServedModels
 from pdproxy.settings import Settings
 from pdproxy.tracing import Tracing, tracing_from_settings
 from pdproxy.upstream import Upstream
@@ -33,6 +34,7 @@ class ProxyState:
     settings: Settings
     pool: EndpointPool
     infos: dict[Endpoint, EngineInfo]
+    served: ServedModels
     limits: Limits
     health: HealthMonitor
     ledger: PrefillLedger
@@ -60,7 +62,9 @@ class ProxyState:
         headers = EngineHeaders.from_settings(s, propagate=tracing.propagate)
         engines = EngineClient(timeout_s=s.health_timeout_s, api_key=s.engine_api_key)
         infos: dict[Endpoint, EngineInfo] = {e: EngineInfo() for e in pool.endpoints()}
-        limits = Limits(pool, infos, max_model_len_override=s.max_model_len, clamp=s.max_tokens_overflow == "clamp")
+        served = ServedModels(infos, s.model_pins())
+        limits = Limits(pool, infos, max_model_len_override=s.max_model_len, clamp=s.max_tokens_overflow == "clamp",
+                        served=served)
         health = HealthMonitor(pool, engines, infos, interval_s=s.health_interval_s,
                                refresh_interval_s=s.engine_refresh_interval_s,
                                breaker_failures=s.breaker_failures, breaker_open_s=s.breaker_open_s,
@@ -69,7 +73,7 @@ class ProxyState:
                                decoder_capacity=s.prefill_tied_to_decoders, decoder_max_requests=s.decoder_max_requests,
                                counts=share.ledger_counts() if share is not None else None)
         scheduler = Scheduler.standard(pool, health=health, infos=infos, limits=limits, ledger=ledger,
-                                       picker=s.routing_picker)
+                                       picker=s.routing_picker, served=served)
         queue = PrefillQueue(ledger, scheduler, max_waiting=s.prefill_queue_max, timeout_s=s.prefill_queue_timeout_s,
                              aging_tokens_per_s=s.prefill_queue_aging_tokens_per_s, busy_tokens=s.prefill_busy_tokens)
         upstream = Upstream(connect_timeout_s=s.connect_timeout_s, max_connections=s.upstream_max_connections,
@@ -77,7 +81,7 @@ class ProxyState:
         admission = Admission(s, limits=limits, queue=queue, scheduler=scheduler, upstream=upstream, headers=headers)
         if share is not None:
             share.connect(pool, ledger)     # this worker's releases wake the other workers' waiters
-        return cls(settings=s, pool=pool, infos=infos, limits=limits, health=health, ledger=ledger,
+        return cls(settings=s, pool=pool, infos=infos, served=served, limits=limits, health=health, ledger=ledger,
                    scheduler=scheduler, queue=queue, headers=headers, upstream=upstream, engines=engines,
                    admission=admission, tracing=tracing, share=share)
 

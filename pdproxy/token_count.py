@@ -270,30 +270,39 @@ class LocalCounter:
             if cap is not None and n > cap:
                 return False, n
 
-    def count(self, body: dict[str, Any], chat: bool, cap: int | None = None) -> TokenCount:
-        """Count a request body's prompt tokens (see module docstring).  Raises ``ValueError`` (bad messages)."""
+    def count(self, body: dict[str, Any], chat: bool, cap: int | None = None, *,
+              add_special_tokens: bool = False) -> TokenCount:
+        """Count a request body's prompt tokens (see module docstring); ``add_special_tokens``: the rendered chat
+        is encoded with the tokenizer's special tokens (BOS), as vLLM encodes a Responses prompt.  Raises
+        ``ValueError`` (bad messages)."""
         rendered = self.render(body, chat)
         if isinstance(rendered, list):
             return TokenCount(len(rendered), True, "local")
         text, extra = rendered
+        if chat and add_special_tokens and isinstance(self.backend, _HFBackend):
+            extra += self.backend.bos_tokens
         tokens, exact = self.count_text(text, None if cap is None else cap - extra)
         return TokenCount(tokens + extra, exact, "local")
 
 
-def tokenize_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+def tokenize_body(body: dict[str, Any], chat: bool, add_special_tokens: bool = False) -> dict[str, Any]:
     """The ``POST /tokenize`` request for a client body: the fields that shape the prompt (vLLM
-    ``TokenizeChatRequest`` / ``TokenizeCompletionRequest``)."""
+    ``TokenizeChatRequest`` / ``TokenizeCompletionRequest``, ``vllm/entrypoints/serve/tokenize/protocol.py``);
+    ``add_special_tokens`` asks for the tokenizer's special tokens on a chat (a Responses prompt)."""
     keys = (("model", "messages", "tools", "add_generation_prompt", "continue_final_message",
              "chat_template_kwargs", "mm_processor_kwargs") if chat else ("model", "prompt"))
-    return {k: body[k] for k in keys if body.get(k) is not None}
+    out = {k: body[k] for k in keys if body.get(k) is not None}
+    if chat and add_special_tokens:
+        out["add_special_tokens"] = True
+    return out
 
 
-def engine_cache_key(body: dict[str, Any], chat: bool) -> bytes:
+def engine_cache_key(body: dict[str, Any], chat: bool, add_special_tokens: bool = False) -> bytes:
     """Digest of what determines an engine's count (``tokenize_body``), for the whole-prompt cache."""
     import orjson
 
-    return hashlib.blake2b(orjson.dumps(tokenize_body(body, chat), option=orjson.OPT_SORT_KEYS),
-                           digest_size=16).digest()
+    return hashlib.blake2b(orjson.dumps(tokenize_body(body, chat, add_special_tokens),
+                                        option=orjson.OPT_SORT_KEYS), digest_size=16).digest()
 
 
 def parse_tokenize_reply(reply: dict[str, Any]) -> int:

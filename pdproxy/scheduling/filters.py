@@ -14,7 +14,8 @@ The filters, in the order the standard profiles run them (:func:`pdproxy.schedul
 - :class:`Healthy` — the endpoint's last health probe passed (``EndpointLoad.healthy``, :mod:`pdproxy.health`);
 - :class:`NotDraining` — the admin API has not drained it (``EndpointLoad.draining``);
 - :class:`BreakerClosed` — its circuit breaker lets a request in (:mod:`pdproxy.breaker`);
-- :class:`ServesModel` — it serves the request's ``model`` per its ``/v1/models`` (an unknown model list accepts);
+- :class:`ServesModel` — it serves the request's ``model`` per its ``/v1/models`` and the operator's pins
+  (:mod:`pdproxy.served_models`; an unknown model list accepts);
 - :class:`FitsLimits` — the prompt fits its ``max_model_len`` and KV pool (:mod:`pdproxy.limits`);
 - :class:`OnDpRank` — it is the DP rank the request is pinned to, if any;
 - :class:`HasPrefillRoom` (prefill only, ``capacity``) — the prompt fits its prefill budget and the KV it has free
@@ -36,6 +37,7 @@ from pdproxy.scheduling.request import PickRequest
 
 if TYPE_CHECKING:
     from pdproxy.prefill_queue import PrefillLedger
+    from pdproxy.served_models import ServedModels
 
 
 class Filter(Protocol):
@@ -119,44 +121,30 @@ class BreakerClosed(_Rule):
 
 
 class ServesModel(_Rule):
-    """Endpoints that serve ``request.model``: it is one of the ``id``s its ``/v1/models`` listed (served model
-    names and LoRA adapters alike).  A request without ``model``, or an endpoint whose model list is not known
-    (never refreshed, or empty), passes."""
+    """Endpoints that serve ``request.model`` (:class:`~pdproxy.served_models.ServedModels`: the ids its
+    ``/v1/models`` listed — served model names and LoRA adapters alike — narrowed to the operator's pins).  A
+    request without ``model``, or an endpoint whose model list is not known (never refreshed, or empty), passes."""
 
     name = "serves_model"
 
-    def __init__(self, infos: Mapping[Endpoint, EngineInfo]) -> None:
-        self.infos = infos
+    def __init__(self, served: ServedModels) -> None:
+        self.served_models = served
 
     def served(self, endpoint: Endpoint) -> list[str] | None:
         """The model ids ``endpoint`` serves; None when unknown."""
-        info = self.infos.get(endpoint)
-        if info is None or not info.models:
-            return None
-        return [m["id"] for m in info.models if isinstance(m.get("id"), str)]
+        ids = self.served_models.ids(endpoint)
+        return sorted(ids) if ids is not None else None
 
     def __call__(self, request: PickRequest, candidates: list[Endpoint]) -> list[Endpoint]:
         model = request.model
         if not model:
             return candidates
-        get = self.infos.get
-        out = []
-        for e in candidates:
-            info = get(e)
-            models = info.models if info is not None else None
-            if not models:
-                out.append(e)
-                continue
-            for card in models:
-                if card.get("id") == model:
-                    out.append(e)
-                    break
-        return out
+        serves = self.served_models.serves
+        return [e for e in candidates if serves(e, model)]
 
     def refusal(self, role: Role, request: PickRequest) -> ProxyError:
-        """404 in vLLM's words, listing the models the endpoints of ``role`` serve."""
-        served = sorted({m for e in self.infos if e.role is role for m in (self.served(e) or ())})
-        return ModelNotFound(request.model or "", role.value, served)
+        """404 in vLLM's words, listing the base models the endpoints of ``role`` serve."""
+        return ModelNotFound(request.model or "", role.value, self.served_models.base_ids(role))
 
 
 class FitsLimits(_Rule):

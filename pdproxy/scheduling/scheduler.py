@@ -24,6 +24,7 @@ from pdproxy.scheduling import filters as f
 from pdproxy.scheduling import scorers as s
 from pdproxy.scheduling.picker import PICKER_NAMES, LeastCost, Picker, PowerOfTwo, Score
 from pdproxy.scheduling.request import PickRequest
+from pdproxy.served_models import ServedModels
 
 if TYPE_CHECKING:
     from pdproxy.prefill_queue import PrefillLedger
@@ -52,9 +53,10 @@ class Profile:
 def standard_profiles(pool: EndpointPool, *, health: HealthMonitor | None = None,
                       infos: Mapping[Endpoint, EngineInfo] | None = None, limits: Limits | None = None,
                       ledger: PrefillLedger | None = None, picker: Picker | str = LeastCost.name,
-                      seed: int | None = None) -> dict[Role, Profile]:
+                      seed: int | None = None, served: ServedModels | None = None) -> dict[Role, Profile]:
     """pdproxy's routing policy.  Filters whose input is not given are left out (``health``: the breaker filter;
-    ``infos``: the served-model filter; ``limits``: the limits filter; ``ledger``: the prefill-room filter), so
+    ``infos``: the served-model filter, on ``served`` when given (the operator's pins) or on ``infos`` alone;
+    ``limits``: the limits filter; ``ledger``: the prefill-room filter), so
     unit tests can build a scheduler from a bare pool.  ``picker``: a :class:`Picker` or its setting name
     (``"least_cost"``, ``"power_of_two"``; ``seed`` seeds the latter's sampling).
 
@@ -76,8 +78,8 @@ def standard_profiles(pool: EndpointPool, *, health: HealthMonitor | None = None
         chain: list[f.Filter] = [f.Healthy(pool, infos), f.NotDraining(pool)]
         if health is not None:
             chain.append(f.BreakerClosed(health))
-        if infos is not None:
-            chain.append(f.ServesModel(infos))
+        if served is not None or infos is not None:
+            chain.append(f.ServesModel(served if served is not None else ServedModels(infos or {})))
         if limits is not None:
             chain.append(f.FitsLimits(limits, role))
         chain.append(f.OnDpRank())
@@ -114,10 +116,10 @@ class Scheduler:
     def standard(cls, pool: EndpointPool, *, health: HealthMonitor | None = None,
                  infos: Mapping[Endpoint, EngineInfo] | None = None, limits: Limits | None = None,
                  ledger: PrefillLedger | None = None, picker: Picker | str = LeastCost.name,
-                 seed: int | None = None) -> Scheduler:
+                 seed: int | None = None, served: ServedModels | None = None) -> Scheduler:
         """A scheduler with :func:`standard_profiles` (same arguments)."""
         return cls(pool, standard_profiles(pool, health=health, infos=infos, limits=limits, ledger=ledger,
-                                           picker=picker, seed=seed), health=health)
+                                           picker=picker, seed=seed, served=served), health=health)
 
     def _filter(self, role: Role, request: PickRequest, exclude: Sequence[Endpoint],
                 capacity: bool) -> tuple[list[Endpoint], ProxyError | None]:
