@@ -26,11 +26,19 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from pdproxy import __version__
+from pdproxy import __version__, api_streams, passthrough
 from pdproxy.admin import build_admin_router, check_admin_key
 from pdproxy.director import Director
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.errors import Forbidden, ProxyError, ShuttingDown, Unauthorized, error_body
+from pdproxy.errors import (
+    Forbidden,
+    PayloadTooLarge,
+    ProxyError,
+    ShuttingDown,
+    Unauthorized,
+    UpstreamHTTPError,
+    error_body,
+)
 from pdproxy.gcpolicy import GcPolicy
 from pdproxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pdproxy.metrics import ProxyMetrics, rejection_of
@@ -47,6 +55,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdproxy")
 
+def _header(scope: dict[str, Any], name: bytes) -> str | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return bytes(v).decode("latin-1")
+    return None
+
+
 class PDProxyApp:
     """Top-level ASGI app.  ``state`` is None outside the lifespan."""
 
@@ -61,23 +76,94 @@ class PDProxyApp:
         self.control = build_control_app(self)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].rstrip("/") in COMPLETION_ROUTES:
-            if scope["method"] == "POST":  # only under a server other than pdproxy.server
-                body = orjson.dumps(error_body(500, "the completion routes need pdproxy's own HTTP protocol: serve "
-                                               "the app with pdproxy.server.uvicorn_config()"))
-                status, extra = 500, []
-            else:
-                body = orjson.dumps(error_body(405, "Method Not Allowed", error_type="MethodNotAllowed"))
-                status, extra = 405, [(b"allow", b"POST")]
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [(b"content-type", b"application/json"), *extra,
-                                    (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
-            return
+        if scope["type"] == "http":
+            path = scope["path"].rstrip("/")
+            if path in COMPLETION_ROUTES:
+                if scope["method"] == "POST":  # only under a server other than pdproxy.server
+                    body = orjson.dumps(error_body(500, "the completion routes need pdproxy's own HTTP protocol: "
+                                                   "serve the app with pdproxy.server.uvicorn_config()"))
+                    status, extra = 500, []
+                else:
+                    body = orjson.dumps(error_body(405, "Method Not Allowed", error_type="MethodNotAllowed"))
+                    status, extra = 405, [(b"allow", b"POST")]
+                await send({"type": "http.response.start", "status": status,
+                            "headers": [(b"content-type", b"application/json"), *extra,
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+            label = passthrough.ROUTES.get(path)
+            if label is not None:
+                if scope["method"] == "POST":
+                    await self.handle_passthrough(path, label, scope, receive, send)
+                else:
+                    body = orjson.dumps(error_body(405, "Method Not Allowed", error_type="MethodNotAllowed"))
+                    await send({"type": "http.response.start", "status": 405,
+                                "headers": [(b"content-type", b"application/json"), (b"allow", b"POST"),
+                                            (b"content-length", str(len(body)).encode())]})
+                    await send({"type": "http.response.body", "body": body})
+                return
         await self.control(scope, receive, send)
 
-    def _check_auth(self, ex: Exchange) -> str | None:
-        auth = ex.header(b"authorization")
+    async def handle_passthrough(self, path: str, label: str, scope: dict[str, Any], receive: Any,
+                                 send: Any) -> None:
+        """Raw ASGI handler for the routes passed through to one engine (:mod:`pdproxy.passthrough`)."""
+        state = self.state
+        client_id = _header(scope, b"x-request-id")
+        ctx = RequestContext(request_id=new_request_id(client_id), client_request_id=client_id, api_label=label)
+        out = passthrough.TrackedSend(send, [(b"x-request-id", (client_id or ctx.request_id).encode("latin-1"))])
+        ctx.gaps = self.metrics.started(label)
+        anthropic = path in passthrough.ANTHROPIC_ROUTES
+        try:
+            if state is None or state.shutting_down:
+                raise ShuttingDown()
+            ctx.authorization = self._check_auth(lambda name: _header(scope, name))
+            body = await self._read_body(receive, scope)
+            headers = {k: v.decode("latin-1") for k, v in scope["headers"] if k in (b"content-type", b"accept")}
+            state.in_flight += 1
+            try:
+                work = state.passthrough.serve(path, body, headers, ctx, out)
+                if await passthrough.until_disconnect(work, receive, lambda: out.ended):
+                    ctx.outcome = "client_disconnected"
+            finally:
+                state.in_flight -= 1
+        except asyncio.CancelledError:
+            ctx.outcome = "client_disconnected"
+        except ProxyError as err:
+            ctx.outcome = err.outcome
+            ctx.rejection = rejection_of(err)
+            ctx.error = err.message
+            if not out.started:
+                body = api_streams.error_json(Api.MESSAGES if anthropic else Api.CHAT, err)
+                ctype = err.content_type if isinstance(err, UpstreamHTTPError) else "application/json"
+                ctx.status = err.status_code
+                await out({"type": "http.response.start", "status": err.status_code,
+                           "headers": [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode()),
+                                       *((k.lower().encode(), v.encode()) for k, v in err.headers.items())]})
+                await out({"type": "http.response.body", "body": body})
+        finally:
+            self._finished(ctx, None)
+
+    async def _read_body(self, receive: Any, scope: dict[str, Any]) -> bytes:
+        limit = self.settings.max_body_bytes
+        declared = _header(scope, b"content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise asyncio.CancelledError
+            body = message.get("body", b"")
+            size += len(body)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            chunks.append(body)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _check_auth(self, header: Callable[[bytes], str | None]) -> str | None:
+        auth = header(b"authorization")
         keys = self.settings.api_keys
         if keys:
             token = auth[7:] if auth and auth[:7].lower() == "bearer " else None
@@ -99,7 +185,7 @@ class PDProxyApp:
             try:
                 if state is None or director is None or state.shutting_down:
                     raise ShuttingDown()
-                ctx.authorization = self._check_auth(ex)
+                ctx.authorization = self._check_auth(ex.header)
                 req = parse_request(ex.body, api)
                 ctx.model = req.model
             except ProxyError as err:

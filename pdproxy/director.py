@@ -17,6 +17,10 @@ Failure policy, decided here and in the two leg modules and nowhere else:
   ``stop_reason "recomputed"``, which is continued on a new P→D pair (:mod:`pdproxy.recompute`).
 - **leaving early** (client disconnect, deadline, error) between the prefill and the decoder's first event: the
   prefiller's pinned KV is released by a release leg (:mod:`pdproxy.kv_release`).
+
+A request for a model no decoder serves is vLLM's 404 before anything else (:mod:`pdproxy.served_models`); a
+request of several sequences (``n > 1``, a completion prompt list) runs one P→D path per sequence
+(:mod:`pdproxy.fanout`), each the same :meth:`Director.run_sequence` as a single request.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import orjson
 
-from pdproxy import prefill_answer, recompute
+from pdproxy import fanout, prefill_answer, recompute
 from pdproxy.admission import Admission
 from pdproxy.backoff import Backoff
 from pdproxy.decode_leg import DecodeFailed, DecodeLeg, routing_headers
@@ -44,6 +48,7 @@ from pdproxy.prefill_queue import PrefillQueue
 from pdproxy.protocol import Api, ProxyRequest, parse_request
 from pdproxy.relay import Responder
 from pdproxy.scheduling import NO_HINTS, PickRequest, PrefixHints, Scheduler
+from pdproxy.served_models import ServedModels
 from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext, new_request_id
 from pdproxy.tracing import NO_TRACING, Tracing
@@ -82,8 +87,10 @@ class Director:
 
     def __init__(self, settings: Settings, *, admission: Admission, scheduler: Scheduler, queue: PrefillQueue,
                  pool: EndpointPool, health: HealthMonitor, upstream: Upstream, headers: EngineHeaders,
-                 releaser: KVReleaser, prefix: PrefixSource | None = None, tracing: Tracing = NO_TRACING) -> None:
+                 releaser: KVReleaser, prefix: PrefixSource | None = None, tracing: Tracing = NO_TRACING,
+                 served: ServedModels | None = None) -> None:
         self.settings = settings
+        self.served = served
         self.admission = admission
         self.scheduler = scheduler
         self.kv_release = releaser
@@ -94,6 +101,8 @@ class Director:
                                   headers=headers, backoff=self.backoff, tracing=tracing)
         self.decode = DecodeLeg(settings, scheduler=scheduler, pool=pool, health=health, upstream=upstream,
                                 headers=headers, tracing=tracing)
+        self.fan_out = fanout.FanOut(admit=self.admit, run=self.run_sequence,
+                                     max_sequences=settings.fan_out_max_sequences)
 
     @classmethod
     def from_state(cls, state: ProxyState, prefix: PrefixSource | None = None) -> Director:
@@ -103,7 +112,7 @@ class Director:
                               timeout_s=state.settings.kv_release_timeout_s)
         return cls(state.settings, admission=state.admission, scheduler=state.scheduler, queue=state.queue,
                    pool=state.pool, health=state.health, upstream=state.upstream, headers=state.headers,
-                   releaser=releaser, prefix=prefix, tracing=state.tracing)
+                   releaser=releaser, prefix=prefix, tracing=state.tracing, served=state.served)
 
     async def aclose(self) -> None:
         """Let background release legs finish (bounded); the app lifespan calls this before stopping state."""
@@ -114,13 +123,27 @@ class Director:
         to send."""
         with self.tracing.request(req, ctx):                                # the request's span (if tracing)
             async with self.deadline(ctx):                                  # optional end-to-end deadline
-                with self.tracing.admission(ctx):
-                    await self.admission.admit(req, ctx)                    # 1. fits? (400 before any engine)
-                transcript = self.new_transcript(req)
-                leg: ProxyRequest | None = req
-                while leg is not None:
-                    recomputed = await self.run_pd(leg, ctx, out, transcript)  # 2-4. queue+prefill → decode → relay
-                    leg = await self.continuation(req, ctx, out, transcript) if recomputed else None  # 5. Ascend
+                if self.served is not None:
+                    self.served.require(req.model)                          # 0. a served model? (vLLM's 404)
+                if req.sequences > 1 and not (req.engine_judges or req.decoder_prefills):
+                    await self.fan_out.serve(req, ctx, out)                 # n > 1, prompt lists: a pair per
+                    return                                                  # sequence (a decoder alone serves
+                await self.admit(req, ctx)                                  # the others) 1. fits? (400 first)
+                await self.run_sequence(req, ctx, out)
+
+    async def admit(self, req: ProxyRequest, ctx: RequestContext) -> None:
+        """Admission (:meth:`Admission.admit`: counted, fits, which path), in its tracing span."""
+        with self.tracing.admission(ctx):
+            await self.admission.admit(req, ctx)
+
+    async def run_sequence(self, req: ProxyRequest, ctx: RequestContext, out: Responder) -> None:
+        """One admitted sequence: queue + prefill → decode → relay, continued on a new pair after vLLM-Ascend's
+        ``stop_reason "recomputed"``."""
+        transcript = self.new_transcript(req)
+        leg: ProxyRequest | None = req
+        while leg is not None:
+            recomputed = await self.run_pd(leg, ctx, out, transcript)  # 2-4. queue+prefill → decode → relay
+            leg = await self.continuation(req, ctx, out, transcript) if recomputed else None  # 5. Ascend
 
     @asynccontextmanager
     async def deadline(self, ctx: RequestContext) -> AsyncIterator[None]:
@@ -143,7 +166,7 @@ class Director:
         KV handle is known intact).  Returns True when the decoder ended with ``stop_reason "recomputed"``.
         Raises the scheduler's refusal at once when no decoder could take the request (no prefill is spent)."""
         attempts = self.settings.decode_attempts
-        pick = PickRequest.of(req, ctx.request_id, await self.prefix.hints(req))
+        pick = PickRequest.of(req, ctx.request_id, fanout.with_affinity(req, await self.prefix.hints(req)))
         failed: list[Endpoint] = []
         prefill: PrefillResult | None = None
         self.scheduler.require(Role.DECODE, pick)

@@ -162,6 +162,8 @@ class PrefillLeg:
                     f"prefiller {endpoint.name} answered without kv_transfer_params: is it started with a KV "
                     "connector (--kv-transfer-config) in the producer role? (set allow_decode_side_prefill to let "
                     "decoders prefill locally instead)", endpoint=endpoint.name, retryable=False)
+            if ctx.on_prefilled is not None:
+                ctx.on_prefilled(endpoint)
             return PrefillResult(endpoint, lease, params, ctx.cached_tokens, slot=slot,
                                  answer=reply if ended else None)
         assert last is not None

@@ -15,6 +15,7 @@ from pdproxy.engine_headers import EngineHeaders
 from pdproxy.engines import EngineClient, EngineInfo
 from pdproxy.health import HealthMonitor
 from pdproxy.limits import Limits
+from pdproxy.passthrough import Passthrough
 from pdproxy.pool import EndpointPool
 from pdproxy.prefill_queue import PrefillLedger, PrefillQueue
 from pdproxy.scheduling import Scheduler
@@ -45,6 +46,7 @@ class ProxyState:
     engines: EngineClient
     admission: Admission
     tracing: Tracing
+    passthrough: Passthrough
     shutting_down: bool = False
     in_flight: int = 0
     share: WorkerShare | None = None
@@ -81,9 +83,10 @@ class ProxyState:
         admission = Admission(s, limits=limits, queue=queue, scheduler=scheduler, upstream=upstream, headers=headers)
         if share is not None:
             share.connect(pool, ledger)     # this worker's releases wake the other workers' waiters
+        passthrough = Passthrough(s, scheduler=scheduler, served=served, pool=pool, health=health, headers=headers)
         return cls(settings=s, pool=pool, infos=infos, served=served, limits=limits, health=health, ledger=ledger,
                    scheduler=scheduler, queue=queue, headers=headers, upstream=upstream, engines=engines,
-                   admission=admission, tracing=tracing, share=share)
+                   admission=admission, tracing=tracing, passthrough=passthrough, share=share)
 
     async def start(self) -> None:
         """Start the upstream pool, admission and health monitoring (health probes every engine once first), and
@@ -95,13 +98,14 @@ class ProxyState:
             self.share.listen(self.queue.notify)
 
     async def stop(self) -> None:
-        """Stop the wake-ups, health monitoring, admission, the upstream pool and the engine client, in that
-        order, then flush the spans still buffered (tracing on)."""
+        """Stop the wake-ups, health monitoring, admission, the upstream pool, the passthrough client and the
+        engine client, in that order, then flush the spans still buffered (tracing on)."""
         if self.share is not None:
             self.share.close()
         await self.health.stop()
         await self.admission.aclose()
         await self.upstream.close()
+        await self.passthrough.aclose()
         await self.engines.aclose()
         if self.tracing.enabled:
             await asyncio.to_thread(self.tracing.shutdown)

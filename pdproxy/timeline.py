@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pdproxy.metrics import GapCounts
@@ -94,6 +94,7 @@ class RequestContext:
     error: str | None = None
     rejection: tuple[str, str] | None = None  # (reason, detail) when pdproxy refused the request (metrics.py)
     gaps: GapCounts | None = None  # ITL: the relay counts each gap between client writes (pdproxy/metrics.py)
+    on_prefilled: Callable[[Any], None] | None = None  # called with the prefiller once its answer is in (fan-out)
     disaggregated: bool = True
     timeline: Timeline = field(default_factory=Timeline)
     client_headers: Sequence[tuple[bytes, bytes]] = ()
