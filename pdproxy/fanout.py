@@ -196,10 +196,18 @@ class Merger:
             self.failure = err
         self.failed.set()
 
-    def _rewrite(self, seq: Sequence, obj: dict[str, Any]) -> dict[str, Any]:
+    def _head(self, seq: Sequence, obj: dict[str, Any]) -> dict[str, Any]:
+        """The ``id`` / ``created`` / ``model`` every chunk and answer carries: the first sequence's, its id naming
+        the request (vLLM's ids embed the request id, ``chatcmpl-<X-Request-Id>``; a sequence's is ``<id>-<i>``)."""
         if self.head is None:
-            self.head = {k: obj[k] for k in ("id", "created", "model") if k in obj}
-        obj.update(self.head)
+            head = {k: obj[k] for k in ("id", "created", "model") if k in obj}
+            if isinstance(head.get("id"), str):
+                head["id"] = head["id"].replace(seq.ctx.request_id, self.ctx.request_id)
+            self.head = head
+        return self.head
+
+    def _rewrite(self, seq: Sequence, obj: dict[str, Any]) -> dict[str, Any]:
+        obj.update(self._head(seq, obj))
         choices = obj.get("choices")
         if isinstance(choices, list):
             for j, choice in enumerate(choices):
@@ -280,6 +288,7 @@ class Merger:
             headers = headers or [h for h in sink.headers if h[0].startswith(b"x-pdproxy-")]
         answers.sort(key=lambda so: so[0].index)
         merged = dict(answers[0][1])
+        merged.update(self._head(answers[0][0], merged))
         choices: list[Any] = []
         for seq, obj in answers:
             for j, choice in enumerate(obj.get("choices") or []):

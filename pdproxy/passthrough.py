@@ -37,6 +37,7 @@ from typing import Any
 import httpx
 import orjson
 
+from pdproxy.decode_leg import routing_headers
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engine_headers import EngineHeaders
 from pdproxy.errors import (
@@ -145,7 +146,10 @@ class Passthrough:
         not_served = 0
         while (endpoint := self._candidates(request, tried)) is not None:
             tried.append(endpoint)
-            ctx.decoder = endpoint.name
+            if endpoint.role is Role.DECODE:                # the engine that served it (logs, routing header)
+                ctx.prefiller, ctx.decoder, ctx.decoder_dp_rank = None, endpoint.name, endpoint.dp_rank
+            else:
+                ctx.prefiller, ctx.decoder = endpoint.name, None
             with self.pool.lease(endpoint, 0):
                 try:
                     outcome = await self._attempt(endpoint, path, body, client, ctx, send)
@@ -199,16 +203,24 @@ class Passthrough:
             self.health.record_success(endpoint)
         return "done"
 
+    def _headers_out(self, headers: httpx.Headers, ctx: RequestContext) -> list[tuple[bytes, bytes]]:
+        """The engine's response headers for the client (hop-by-hop ones dropped), plus ``x-pdproxy-decoder`` /
+        ``x-pdproxy-prefiller`` naming the engine when ``expose_routing_headers`` is set."""
+        out = [(k, v) for k, v in headers.raw if k.lower() not in _HOP_BY_HOP]
+        if self.settings.expose_routing_headers:
+            out.extend(routing_headers(ctx))
+        return out
+
     @staticmethod
-    def _headers_out(headers: httpx.Headers) -> list[tuple[bytes, bytes]]:
-        return [(k, v) for k, v in headers.raw if k.lower() not in _HOP_BY_HOP]
+    def _who(ctx: RequestContext) -> str:
+        return ctx.decoder or ctx.prefiller or ""
 
     async def _relay_whole(self, status: int, headers: httpx.Headers, data: bytes, ctx: RequestContext,
                            send: Send) -> None:
         ctx.status = status
         ctx.timeline.first_token_at = ctx.timeline.last_token_at = time.monotonic()
         await send({"type": "http.response.start", "status": status,
-                    "headers": self._headers_out(headers) + [(b"content-length", str(len(data)).encode())]})
+                    "headers": self._headers_out(headers, ctx) + [(b"content-length", str(len(data)).encode())]})
         await send({"type": "http.response.body", "body": data})
 
     async def _relay_stream(self, resp: httpx.Response, ctx: RequestContext, send: Send) -> None:
@@ -223,20 +235,20 @@ class Passthrough:
                 if not started:
                     ctx.timeline.first_token_at = time.monotonic()
                     await send({"type": "http.response.start", "status": resp.status_code,
-                                "headers": self._headers_out(resp.headers)})
+                                "headers": self._headers_out(resp.headers, ctx)})
                     started = True
                 if chunk:
                     ctx.events += 1
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as exc:
             if not started:
-                raise UpstreamUnavailable(f"engine {ctx.decoder} failed before its answer: "
-                                          f"{exc.__class__.__name__}", endpoint=ctx.decoder or "") from None
+                raise UpstreamUnavailable(f"engine {self._who(ctx)} failed before its answer: "
+                                          f"{exc.__class__.__name__}", endpoint=self._who(ctx)) from None
             ctx.outcome = "upstream_error"
-            ctx.error = f"engine {ctx.decoder} failed mid-answer: {exc.__class__.__name__}"
+            ctx.error = f"engine {self._who(ctx)} failed mid-answer: {exc.__class__.__name__}"
         if not started:
             await send({"type": "http.response.start", "status": resp.status_code,
-                        "headers": self._headers_out(resp.headers)})
+                        "headers": self._headers_out(resp.headers, ctx)})
         ctx.timeline.last_token_at = time.monotonic()
         await send({"type": "http.response.body", "body": b""})
 

@@ -26,16 +26,18 @@ def test_not_a_json_object(raw: bytes, param: str) -> None:
     assert e.value.body()["error"]["type"] == "Bad Request" and e.value.body()["error"]["code"] == 400
 
 
-@pytest.mark.parametrize(("body", "api", "param"), [
-    ({"prompt": ["a", "b"]}, Api.COMPLETIONS, "prompt"),
-    ({"prompt": [[1, 2], [3, 4]]}, Api.COMPLETIONS, "prompt"),
-    ({"prompt": "x", "n": 2}, Api.COMPLETIONS, "n"),
-    ({"prompt": "x", "n": "3"}, Api.COMPLETIONS, "n"),
+@pytest.mark.parametrize(("body", "n", "prompts"), [
+    ({"prompt": ["a", "b"]}, 1, 2),
+    ({"prompt": [[1, 2], [3, 4]], "n": 3}, 3, 2),
+    ({"prompt": "x", "n": 2}, 2, 1),
+    ({"prompt": "x", "n": "3"}, 3, 1),
+    ({"prompt": [1, 2, 3]}, 1, 1),
 ])
-def test_what_pd_cannot_serve_as_one_sequence_is_a_clear_400(body: dict, api: Api, param: str) -> None:
-    with pytest.raises(BadRequest) as e:
-        parse(body, api)
-    assert e.value.param == param and "PD disaggregation" in e.value.message
+def test_several_sequences_are_read_for_fan_out(body: dict, n: int, prompts: int) -> None:
+    """One P/D pair per sequence (pdproxy/fanout.py): n and the prompt count are read as vLLM reads them."""
+    req = parse(body, Api.COMPLETIONS)
+    assert (req.n, req.prompts, req.sequences) == (n, prompts, n * prompts)  # type: ignore[attr-defined]
+    assert not req.engine_judges  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(("body", "api"), [

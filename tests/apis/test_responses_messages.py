@@ -1,0 +1,263 @@
+"""``/v1/responses`` and ``/v1/messages`` through pdproxy's P→D path, with the real ``openai`` and ``anthropic``
+clients against simulated engines (processes on loopback).
+
+Asserts what the prefiller and the decoder received (each API's one-token prefill leg, the client's body plus the
+prefiller's ``kv_transfer_params`` on the decoder), what the client got (its API's shapes, the prefiller's cached
+tokens in its usage shape), failover when a decoder fails after the events it sends before the engine runs, an
+error event in the API's shape when one fails later, and the Anthropic error envelope for pdproxy's own errors.
+The ``proxy`` fixture (tests/conftest.py) asserts the load counters are back to zero after each test.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.apis.support import events, legs, wait_engines_idle
+from tests.conftest import Fleet
+from tests.support import ProxyThread, SimProcess, running
+
+pytestmark = pytest.mark.timeout(60)
+
+PROMPT = "Tell me about disaggregated prefill and decode " * 12      # > 6 blocks of 16 tokens
+STUB = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
+        "remote_host": None, "remote_port": None}
+
+
+def oai(proxy: ProxyThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-client", max_retries=0, timeout=20)
+
+
+def claude(proxy: ProxyThread) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=proxy.url, api_key="sk-client", max_retries=0, timeout=20)
+
+
+def one_pair(sims: Fleet, path: str, warmed: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The request's prefill leg and decode leg (after a warm-up request: the last of each)."""
+    p, d = legs(sims.prefillers, path), legs(sims.decoders, path)
+    assert (len(p), len(d)) == ((2, 2) if warmed else (1, 1))
+    rid = p[-1]["headers"]["x-request-id"]                   # one prefiller: its last leg is the request's
+    (decode,) = [x for x in d if x["headers"]["x-request-id"] == rid]
+    return p[-1], decode
+
+
+def warm(proxy: ProxyThread, path: str, body: dict[str, Any]) -> None:
+    """Serve the prompt once, so that the next prefill of it has prefix-cache hits on the prefiller."""
+    httpx.post(proxy.url + path, json=body, timeout=20).raise_for_status()
+
+
+# ---------------------------------------------------------------------------------------------------- Responses
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_through_pd(proxy: ProxyThread, sims: Fleet, stream: bool) -> None:
+    warm(proxy, "/v1/responses", {"model": "sim-model", "input": PROMPT, "instructions": "Be brief.",
+                                  "max_output_tokens": 1})
+    c = oai(proxy)
+    kwargs = {"model": "sim-model", "input": PROMPT, "instructions": "Be brief.", "max_output_tokens": 7,
+              "temperature": 0.5}
+    if stream:
+        got = list(c.responses.create(**kwargs, stream=True))
+        kinds = [e.type for e in got]
+        assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+        assert [e.sequence_number for e in got] == list(range(len(got)))
+        assert kinds.count("response.output_text.delta") == 7
+        resp = got[-1].response
+    else:
+        resp = c.responses.create(**kwargs)
+    assert resp.status == "incomplete" and resp.incomplete_details is not None
+    assert resp.output_text and resp.usage is not None and resp.usage.output_tokens == 7
+    # the prefiller's prefix-cache hits (the warm-up left 96+ of the prompt's tokens cached), not the decoder's 0
+    cached = resp.usage.input_tokens_details.cached_tokens
+    assert cached >= 96 and cached % 16 == 0 and cached < resp.usage.input_tokens
+
+    p, d = one_pair(sims, "/v1/responses", warmed=True)
+    pb, db = p["body"], d["body"]
+    assert pb["max_output_tokens"] == 1 and pb["stream"] is False and pb["kv_transfer_params"] == STUB
+    assert "max_tokens" not in pb and pb["input"] == PROMPT and pb["instructions"] == "Be brief."
+    assert db["max_output_tokens"] == 7 and db.get("stream", False) is stream and db["input"] == PROMPT
+    assert db["kv_transfer_params"]["do_remote_prefill"] is True
+    assert db["kv_transfer_params"]["remote_block_ids"]
+    # one request id on both legs and in the answer (vLLM names a response after the body's request_id)
+    assert pb["request_id"] == db["request_id"] == resp.id == "resp_" + p["headers"]["x-request-id"]
+    assert p["headers"]["x-request-id"] == d["headers"]["x-request-id"]
+    assert p["headers"]["authorization"] == d["headers"]["authorization"] == "Bearer sk-client"
+    wait_engines_idle(sims)
+
+
+def test_responses_client_request_id_is_kept(proxy: ProxyThread, sims: Fleet) -> None:
+    r = httpx.post(proxy.url + "/v1/responses", json={"model": "sim-model", "input": "Hi", "max_output_tokens": 3,
+                                                       "request_id": "resp_mine"}, timeout=20)
+    assert r.status_code == 200 and r.json()["id"] == "resp_mine"
+    p, d = one_pair(sims, "/v1/responses")
+    assert p["body"]["request_id"] == d["body"]["request_id"] == "resp_mine"
+
+
+def test_responses_stream_fails_over_after_the_opening_events(proxy: ProxyThread, sims: Fleet) -> None:
+    """The decoder sends response.created and response.in_progress before its engine runs, then dies: the client
+    saw nothing, so another decoder serves the request (a new prefill, since the KV may have been pulled)."""
+    for d in sims.decoders:
+        d.faults({"kind": "reset_after_events", "events": 2, "on_request": 1, "path": "/v1/responses"})
+    got = list(oai(proxy).responses.create(model="sim-model", input="Hello there", max_output_tokens=5,
+                                           stream=True))
+    kinds = [e.type for e in got]
+    assert kinds.count("response.created") == 1 and kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in got] == list(range(len(got)))
+    assert got[-1].response.usage is not None and got[-1].response.usage.output_tokens == 5
+    # at least one failover, each with a new prefill (a decoder that failed may have pulled the KV; release legs,
+    # JSON and non-streaming, free the old handle and may meet the other decoder's fault)
+    streams = [x for x in legs(sims.decoders, "/v1/responses") if x["body"].get("stream")]
+    assert len(streams) >= 2 and len(legs(sims.prefillers, "/v1/responses")) == len(streams)
+    wait_engines_idle(sims)
+
+
+def test_responses_stream_failure_after_output_ends_with_an_error_event(proxy: ProxyThread, sims: Fleet) -> None:
+    for d in sims.decoders:
+        d.faults({"kind": "reset_after_events", "events": 6, "path": "/v1/responses"})
+    r = httpx.post(proxy.url + "/v1/responses", json={"model": "sim-model", "input": "Hello there",
+                                                       "max_output_tokens": 12, "stream": True}, timeout=20)
+    assert r.status_code == 200
+    got = events(r.text)
+    names = [n for n, _ in got]
+    assert "response.output_text.delta" in names and "response.completed" not in names
+    assert names[-1] == "error" and "[DONE]" not in r.text
+    name, err = got[-1]
+    assert err["type"] == "error" and "incomplete" in err["message"]
+    assert err["sequence_number"] == got[-2][1]["sequence_number"] + 1
+    assert len(legs(sims.decoders, "/v1/responses")) == 1              # nothing replayed after the first byte
+    wait_engines_idle(sims)
+
+
+def test_responses_bad_requests_never_reach_an_engine(proxy: ProxyThread, sims: Fleet) -> None:
+    for body, param in (({"model": "sim-model"}, "input"),
+                        ({"model": "sim-model", "input": "x", "max_output_tokens": 0}, "max_tokens"),
+                        ({"model": "sim-model", "input": "x", "background": True}, "background")):
+        r = httpx.post(proxy.url + "/v1/responses", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+    r = httpx.post(proxy.url + "/v1/responses", json={"model": "nope", "input": "x"})
+    assert r.status_code == 404
+    assert r.json()["error"]["message"] == "The model `nope` does not exist. Valid aliases: sim-model."
+    assert not [x for s in sims.all for x in s.received()]
+
+
+# ----------------------------------------------------------------------------------------------------- Messages
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_through_pd(proxy: ProxyThread, sims: Fleet, stream: bool) -> None:
+    body = {"model": "sim-model", "system": "Be brief.", "messages": [{"role": "user", "content": PROMPT}]}
+    warm(proxy, "/v1/messages", {**body, "max_tokens": 1})
+    c = claude(proxy)
+    if stream:
+        with c.messages.stream(**body, max_tokens=6) as s:
+            kinds = [e.type for e in s]
+            message = s.get_final_message()
+        assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+        assert kinds.count("content_block_delta") == 6
+    else:
+        message = c.messages.create(**body, max_tokens=6)
+    assert message.stop_reason == "max_tokens" and message.content[0].type == "text"
+    usage = message.usage
+    assert usage.output_tokens == 6
+    # the prefiller's cache hits, moved out of input_tokens so the prompt's total stays (decoder said 0)
+    assert usage.cache_read_input_tokens is not None and usage.cache_read_input_tokens >= 96
+    p, d = one_pair(sims, "/v1/messages", warmed=True)
+    assert usage.input_tokens + usage.cache_read_input_tokens == prompt_total(sims, body)
+    pb, db = p["body"], d["body"]
+    assert pb["max_tokens"] == 1 and pb["stream"] is False and pb["kv_transfer_params"] == STUB
+    assert db["max_tokens"] == 6 and db.get("stream", False) is stream and db["system"] == "Be brief."
+    assert db["kv_transfer_params"]["do_remote_prefill"] is True
+    assert message.id == "chatcmpl-" + p["headers"]["x-request-id"] == "chatcmpl-" + d["headers"]["x-request-id"]
+    wait_engines_idle(sims)
+
+
+def prompt_total(sims: Fleet, body: dict[str, Any]) -> int:
+    """The prompt's tokens as the engine counts them (``/v1/messages/count_tokens`` on the decoder)."""
+    r = httpx.post(sims.decoders[0].url + "/v1/messages/count_tokens", json=body)
+    return int(r.json()["input_tokens"])
+
+
+def test_messages_stream_fails_over_when_message_start_is_followed_by_an_error(proxy: ProxyThread,
+                                                                              sims: Fleet) -> None:
+    """vLLM sends message_start and then an error event when the decoder's KV pull fails: message_start is held
+    back, so the client sees one clean stream from another decoder."""
+    for d in sims.decoders:
+        d.faults({"kind": "reset_after_events", "events": 1, "on_request": 1, "path": "/v1/messages"})
+    with claude(proxy).messages.stream(model="sim-model", max_tokens=4,
+                                       messages=[{"role": "user", "content": "Hello"}]) as s:
+        kinds = [e.type for e in s]
+    assert kinds.count("message_start") == 1 and kinds[-1] == "message_stop"
+    streams = [x for x in legs(sims.decoders, "/v1/messages") if x["body"].get("stream")]
+    assert len(streams) >= 2 and len(legs(sims.prefillers, "/v1/messages")) == len(streams)
+    wait_engines_idle(sims)
+
+
+def test_messages_stream_failure_after_output_is_an_anthropic_error_event(proxy: ProxyThread,
+                                                                         sims: Fleet) -> None:
+    for d in sims.decoders:
+        d.faults({"kind": "reset_after_events", "events": 4, "path": "/v1/messages"})
+    with pytest.raises(anthropic.APIStatusError) as e:  # the client raises on the error event
+        with claude(proxy).messages.stream(model="sim-model", max_tokens=12,
+                                           messages=[{"role": "user", "content": "Hello"}]) as s:
+            for _ in s:
+                pass
+    assert isinstance(e.value.body, dict) and e.value.body["type"] == "error"
+    assert e.value.body["error"]["type"] == "BadGatewayError" and "incomplete" in e.value.body["error"]["message"]
+    assert len(legs(sims.decoders, "/v1/messages")) == 1
+    wait_engines_idle(sims)
+
+
+def test_messages_errors_pdproxy_raises_are_in_the_anthropic_shape(proxy: ProxyThread, sims: Fleet) -> None:
+    c = claude(proxy)
+    with pytest.raises(anthropic.NotFoundError) as nf:
+        c.messages.create(model="nope", max_tokens=4, messages=[{"role": "user", "content": "Hello"}])
+    assert nf.value.body == {"type": "error", "error": {"type": "NotFoundError", "message":
+                             "The model `nope` does not exist. Valid aliases: sim-model."}}
+    for body, needle in (({"model": "sim-model", "messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
+                         ({"model": "sim-model", "max_tokens": 0, "messages": [{"role": "user", "content": "x"}]},
+                          "max_tokens"),
+                         ({"model": "sim-model", "max_tokens": 3, "messages": [{"role": "wizard", "content": "x"}]},
+                          "role"),
+                         ({"max_tokens": 3, "messages": [{"role": "user", "content": "x"}]}, "model")):
+        r = httpx.post(proxy.url + "/v1/messages", json=body)
+        assert r.status_code == 400, body
+        err = r.json()
+        assert err["type"] == "error" and err["error"]["type"] == "BadRequestError" and needle in err["error"][
+            "message"]
+    r = httpx.post(proxy.url + "/v1/messages", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert not [x for s in sims.all for x in s.received()]              # no engine was contacted
+
+
+def test_messages_count_tokens_passes_through(sims: Fleet) -> None:
+    proxy = ProxyThread(prefill=[s.url for s in sims.prefillers], decode=[s.url for s in sims.decoders],
+                        expose_routing_headers=True).start()
+    try:
+        body = {"model": "sim-model", "system": "Be brief.", "messages": [{"role": "user", "content": "Hi there"}]}
+        raw = claude(proxy).messages.with_raw_response.count_tokens(**body)
+        assert raw.parse().input_tokens == prompt_total(sims, body) > 0
+        assert raw.headers["x-pdproxy-decoder"] in [s.url for s in sims.decoders]      # decoders first
+        r = httpx.post(proxy.url + "/v1/messages/count_tokens", json={**body, "model": "nope"})
+        assert r.status_code == 404 and r.json()["type"] == "error"                     # Anthropic envelope
+        proxy.wait_idle()
+    finally:
+        proxy.stop()
+
+
+def test_the_anthropic_client_key_reaches_engines_as_authorization() -> None:
+    """vLLM's --api-key reads only ``Authorization``; the Anthropic client sends ``x-api-key``: with
+    ``engine_api_key`` pdproxy presents the engine key itself on both legs."""
+    args = ("--served-model-name", "sim-model", "--api-key", "engine-key", "--prefill-tokens-per-s", "0",
+            "--decode-tokens-per-s", "0")
+    with running(SimProcess("prefill", *args), SimProcess("decode", *args)) as (p, d):
+        proxy = ProxyThread(prefill=[p.url], decode=[d.url], engine_api_key="engine-key").start()
+        try:
+            message = claude(proxy).messages.create(model="sim-model", max_tokens=3,
+                                                    messages=[{"role": "user", "content": "Hello"}])
+            assert message.usage.output_tokens == 3
+            for sim in (p, d):
+                (leg,) = [r for r in sim.received() if r["path"] == "/v1/messages"]
+                assert leg["headers"]["authorization"] == "Bearer engine-key"
+            proxy.wait_idle()
+        finally:
+            proxy.stop()
