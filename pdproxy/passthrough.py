@@ -74,10 +74,19 @@ ANTHROPIC_ROUTES = frozenset({"/v1/messages/count_tokens"})
 """Routes whose own errors take the Anthropic envelope."""
 
 _RETRYABLE = frozenset({502, 503, 504})
-_ROUTE_NOT_FOUND = b'{"detail":"Not Found"}'
 _MULTIPART_MODEL = re.compile(rb'name="model"\r?\n(?:[^\r\n]+\r?\n)*\r?\n([^\r\n]*)\r?\n')
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
-                         b"proxy-authenticate", b"proxy-authorization", b"content-length", b"server", b"date"})
+                         b"proxy-authenticate", b"proxy-authorization", b"content-length", b"server", b"date",
+                         b"x-request-id"})
+"""Engine response headers not relayed (hop-by-hop, framing, and the ones pdproxy sets itself)."""
+
+
+def _route_not_found(data: bytes) -> bool:
+    """True for FastAPI's 404 body ``{"detail": "Not Found"}``: the engine does not serve the route at all."""
+    try:
+        return bool(orjson.loads(data) == {"detail": "Not Found"})
+    except orjson.JSONDecodeError:
+        return False
 
 
 def request_model(body: bytes, content_type: str) -> str | None:
@@ -186,7 +195,7 @@ class Passthrough:
         try:
             if resp.status_code == 404 or resp.status_code in _RETRYABLE:
                 data = await resp.aread()
-                if resp.status_code == 404 and data.replace(b" ", b"") == _ROUTE_NOT_FOUND:
+                if resp.status_code == 404 and _route_not_found(data):
                     self.health.record_neutral(endpoint)
                     return "not_served"
                 if resp.status_code in _RETRYABLE:

@@ -1,0 +1,107 @@
+"""Several models without sockets: served ids with the operator's pins, limits and the prefill queue per model,
+the ``/v1/models`` union."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdproxy.endpoints import Endpoint, Role
+from pdproxy.engines import EngineInfo
+from pdproxy.errors import ModelNotFound
+from pdproxy.limits import Limits
+from pdproxy.pool import EndpointPool
+from pdproxy.prefill_queue import PrefillLedger, PrefillQueue
+from pdproxy.scheduling import PickRequest, Scheduler
+from pdproxy.served_models import ServedModels
+
+PA, PB = Endpoint("http://pa", Role.PREFILL), Endpoint("http://pb", Role.PREFILL)
+DA, DB = Endpoint("http://da", Role.DECODE), Endpoint("http://db", Role.DECODE)
+
+
+def card(mid: str, mml: int | None = None, parent: str | None = None) -> dict[str, object]:
+    return {"id": mid, "object": "model", "max_model_len": mml, "parent": parent}
+
+
+def two_models() -> dict[Endpoint, EngineInfo]:
+    return {PA: EngineInfo(models=[card("a", 2048), card("a-lora", None, "a")], max_model_len=2048),
+            DA: EngineInfo(models=[card("a", 1024)], max_model_len=1024),
+            PB: EngineInfo(models=[card("b", 8192)], max_model_len=8192),
+            DB: EngineInfo(models=[card("b", 8192)], max_model_len=8192)}
+
+
+def test_served_ids_follow_the_listing_narrowed_by_pins() -> None:
+    infos = two_models()
+    served = ServedModels(infos, {(Role.PREFILL, "http://pa"): frozenset({"a"})})
+    assert served.ids(PA) == {"a"}                               # pinned: the adapter is not taken there
+    assert served.ids(DB) == {"b"} and served.serves(DB, "b") and not served.serves(DB, "a")
+    assert served.serves(DA, None)                                # no model: any endpoint
+    infos[DA] = EngineInfo()                                      # never refreshed: not ruled out
+    assert served.serves(DA, "anything")
+    pinned_unknown = ServedModels({DB: EngineInfo()}, {(Role.DECODE, "http://db"): frozenset({"b"})})
+    assert pinned_unknown.ids(DB) == {"b"} and not pinned_unknown.serves(DB, "a")
+
+
+def test_unknown_model_is_vllms_404_listing_base_models_only() -> None:
+    served = ServedModels(two_models())
+    served.require("a")
+    with pytest.raises(ModelNotFound) as e:
+        served.require("zzz")
+    assert e.value.message == "The model `zzz` does not exist. Valid aliases: a, b."
+    with pytest.raises(ModelNotFound):
+        served.require("a-lora")                                  # only a prefiller lists it: no decoder serves it
+    assert served.prefix_namespace("a-lora") == "a-lora" and served.prefix_namespace("a") == ""
+
+
+def test_models_union_has_each_models_smallest_max_model_len() -> None:
+    cards = {c["id"]: c for c in ServedModels(two_models()).cards()}
+    assert cards["a"]["max_model_len"] == 1024 and cards["b"]["max_model_len"] == 8192
+    assert cards["a-lora"]["parent"] == "a" and cards["a-lora"]["max_model_len"] is None
+    assert ServedModels(two_models()).cards(max_model_len_override=512)[0]["max_model_len"] == 512
+
+
+def test_limits_are_per_model() -> None:
+    infos = two_models()
+    pool = EndpointPool(list(infos))
+    limits = Limits(pool, infos, served=ServedModels(infos))
+    assert limits.max_prompt_tokens(None, model="a") == 1023       # DA's 1024 - 1 output token
+    assert limits.max_prompt_tokens(None, model="b") == 8191
+    assert limits.max_prompt_tokens(None) == 8191                  # no model: the most permissive pair
+    violation = limits.violation(1500, None, model="a")
+    assert violation is not None and violation.limit == 1024 and violation.role is Role.DECODE
+    assert limits.violation(1500, None, model="b") is None
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(10)
+async def test_a_model_whose_prefillers_are_full_does_not_hold_up_another_models_queue() -> None:
+    infos = two_models()
+    pool = EndpointPool(list(infos))
+    served = ServedModels(infos)
+    limits = Limits(pool, infos, served=served)
+    ledger = PrefillLedger(pool, limits, budget_tokens=1000, decoder_capacity=False)
+    queue = PrefillQueue(ledger, Scheduler.standard(pool, ledger=ledger, infos=infos, limits=limits, served=served),
+                         max_waiting=10, timeout_s=5, aging_tokens_per_s=0.0, busy_tokens=10_000)
+    release = asyncio.Event()
+    granted: list[str] = []
+
+    async def take(model: str, tokens: int) -> None:
+        async with queue.slot(tokens, tokens + 1, request=PickRequest(request_id=f"{model}{tokens}", model=model,
+                                                                      prompt_tokens=tokens)) as slot:
+            granted.append(f"{model}:{tokens}:{slot.endpoint.url}")
+            await release.wait()
+
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(take("a", 900))
+        while not granted:
+            await asyncio.sleep(0.005)
+        tg.create_task(take("a", 700))                             # does not fit PA's budget: waits, first in line
+        while queue.depth < 1:
+            await asyncio.sleep(0.005)
+        tg.create_task(take("b", 800))                             # behind it in order, but for another pool
+        while len(granted) < 2:
+            await asyncio.sleep(0.005)
+        assert granted == ["a:900:http://pa", "b:800:http://pb"] and queue.depth == 1
+        release.set()
+    assert granted[-1] == "a:700:http://pa" and queue.idle()

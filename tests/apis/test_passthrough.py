@@ -1,0 +1,160 @@
+"""Every other vLLM route through pdproxy to one engine serving the request's model: tokenize, render, generate
+(streamed as the engine streams), pooling routes on a pooling engine, a multipart transcription on a speech
+engine; failover to the next engine; a route no engine serves; unknown routes and models as 404s in the OpenAI
+envelope.  Engines are simulated processes on loopback; ``x-pdproxy-decoder`` / ``x-pdproxy-prefiller`` name the
+engine that answered."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.apis.support import events
+from tests.support import ProxyThread, SimProcess, running
+
+pytestmark = pytest.mark.timeout(60)
+
+FAST = ("--prefill-tokens-per-s", "0", "--decode-tokens-per-s", "0")
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[dict[str, SimProcess]]:
+    fleet = {"p": SimProcess("prefill", "--served-model-name", "gen", *FAST),
+             "d": SimProcess("decode", "--served-model-name", "gen", *FAST),
+             "emb": SimProcess("both", "--served-model-name", "emb", "--runner", "pooling", "--embedding-size", "8",
+                               *FAST),
+             "asr": SimProcess("both", "--served-model-name", "whisper", "--transcription", *FAST)}
+    with running(*fleet.values()):
+        yield fleet
+
+
+@pytest.fixture
+def proxy(engines: dict[str, SimProcess]) -> Iterator[ProxyThread]:
+    for s in engines.values():
+        s.reset()
+    # the pooling and speech engines are listed as decoders: passthrough tries decoders first
+    p = ProxyThread(prefill=[engines["p"].url], decode=[engines["d"].url, engines["emb"].url, engines["asr"].url],
+                    expose_routing_headers=True).start()
+    try:
+        yield p
+        p.wait_idle()
+    finally:
+        p.stop()
+
+
+def served_by(r: httpx.Response) -> str | None:
+    return r.headers.get("x-pdproxy-decoder") or r.headers.get("x-pdproxy-prefiller")
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/tokenize", {"model": "gen", "prompt": "Hello there world"}),
+    ("/tokenize", {"model": "gen", "messages": [{"role": "user", "content": "Hello"}]}),
+    ("/detokenize", {"model": "gen", "tokens": [1, 2, 3]}),
+    ("/v1/completions/render", {"model": "gen", "prompt": "Hello there"}),
+    ("/v1/chat/completions/render", {"model": "gen", "messages": [{"role": "user", "content": "Hello"}]}),
+    ("/v1/messages/render", {"model": "gen", "max_tokens": 4, "messages": [{"role": "user", "content": "Hello"}]}),
+    ("/v1/responses/render", {"model": "gen", "input": "Hello"}),
+    ("/inference/v1/generate", {"model": "gen", "token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 3}}),
+])
+def test_generate_model_routes_reach_a_decoder_serving_the_model(proxy: ProxyThread,
+                                                                 engines: dict[str, SimProcess], path: str,
+                                                                 body: dict[str, object]) -> None:
+    r = httpx.post(proxy.url + path, json=body, headers={"x-request-id": "client-7"}, timeout=20)
+    direct = httpx.post(engines["d"].url + path, json=body, timeout=20)
+    assert r.status_code == direct.status_code == 200
+    assert served_by(r) == engines["d"].url and r.headers["x-request-id"] == "client-7"
+    mine, theirs = r.json(), direct.json()
+    for key in ("tokens", "count", "prompt", "token_ids"):               # the exact ids the engine gives
+        if isinstance(mine, dict) and key in mine:
+            assert mine[key] == theirs[key]
+    if isinstance(mine, list):
+        assert [m["token_ids"] for m in mine] == [t["token_ids"] for t in theirs]
+
+
+def test_generate_streams_as_the_engine_streams(proxy: ProxyThread, engines: dict[str, SimProcess]) -> None:
+    with httpx.stream("POST", proxy.url + "/inference/v1/generate", timeout=20,
+                      json={"model": "gen", "token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4},
+                            "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert "content-length" not in r.headers                       # relayed chunk by chunk
+        text = "".join(r.iter_text())
+    got = events(text)
+    assert got[-1] == (None, "[DONE]")
+    assert sum(len(data["choices"][0]["token_ids"]) for _, data in got[:-1]) == 4
+    generated = [r for r in engines["d"].received() if r["path"] == "/inference/v1/generate"]
+    assert len(generated) == 1 and generated[0]["body"]["stream"] is True
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/embeddings", {"model": "emb", "input": ["a cat", "a dog"]}),
+    ("/v1/embeddings", {"input": "no model named: the engines that do not serve the route are skipped"}),
+    ("/pooling", {"model": "emb", "input": "a cat"}),
+    ("/score", {"model": "emb", "text_1": "a cat", "text_2": ["a dog", "a cat"]}),
+    ("/rerank", {"model": "emb", "query": "a cat", "documents": ["a dog", "a cat"]}),
+    ("/v1/rerank", {"model": "emb", "query": "a cat", "documents": ["a dog", "a cat"]}),
+    ("/v2/rerank", {"model": "emb", "query": "a cat", "documents": ["a dog", "a cat"]}),
+])
+def test_pooling_routes_reach_the_pooling_engine(proxy: ProxyThread, engines: dict[str, SimProcess], path: str,
+                                                 body: dict[str, object]) -> None:
+    r = httpx.post(proxy.url + path, json=body, timeout=20)
+    assert r.status_code == 200, r.text
+    assert served_by(r) == engines["emb"].url
+    direct = httpx.post(engines["emb"].url + path, json=body, timeout=20).json()
+    mine = r.json()
+    if "data" in mine and isinstance(mine["data"], list) and mine["data"] and "embedding" in mine["data"][0]:
+        assert [d["embedding"] for d in mine["data"]] == [d["embedding"] for d in direct["data"]]
+        assert len(mine["data"][0]["embedding"]) == 8
+
+
+def test_a_route_no_engine_serves_is_an_openai_404(proxy: ProxyThread) -> None:
+    r = httpx.post(proxy.url + "/classify", json={"model": "emb", "input": "a cat"})   # an embed model: no classify
+    assert r.status_code == 404
+    assert r.json()["error"]["type"] == "NotFoundError" and "/classify" in r.json()["error"]["message"]
+
+
+def test_a_multipart_transcription_reaches_the_speech_engine(proxy: ProxyThread,
+                                                             engines: dict[str, SimProcess]) -> None:
+    audio = b"RIFF\x24\x08\x00\x00WAVEfmt " + bytes(range(256)) * 64
+    r = httpx.post(proxy.url + "/v1/audio/transcriptions", files={"file": ("clip.wav", audio, "audio/wav")},
+                   data={"model": "whisper", "language": "en"}, timeout=20)
+    assert r.status_code == 200, r.text
+    assert served_by(r) == engines["asr"].url
+    body = r.json()
+    assert body["text"] and body["usage"]["type"] == "duration"
+
+
+def test_a_failing_engine_is_replaced_by_the_next_one(proxy: ProxyThread, engines: dict[str, SimProcess]) -> None:
+    engines["d"].faults({"kind": "status", "status": 503, "path": "/inference/v1/generate", "times": 1})
+    r = httpx.post(proxy.url + "/inference/v1/generate", timeout=20,
+                   json={"model": "gen", "token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2
+    assert served_by(r) == engines["p"].url                            # the decoder said 503: the prefiller took it
+    assert [len(s.received()) for s in (engines["d"], engines["p"])] == [1, 1]
+    assert proxy.state.health.breaker(next(e for e in proxy.state.pool.endpoints()
+                                           if e.url == engines["d"].url)).consecutive_failures == 1
+
+
+def test_engine_errors_are_relayed_honestly(proxy: ProxyThread) -> None:
+    r = httpx.post(proxy.url + "/tokenize", json={"model": "gen"})       # neither prompt nor messages
+    assert 400 <= r.status_code < 500 and r.json()                     # the engine's own 4xx, as it said it
+
+
+def test_unknown_routes_and_models_are_openai_404s(proxy: ProxyThread) -> None:
+    for method in ("GET", "POST"):
+        r = httpx.request(method, proxy.url + "/v1/no-such-route", json={})
+        assert r.status_code == 404
+        assert r.json() == {"error": {"message": "Not Found", "type": "NotFoundError", "param": None, "code": 404}}
+    r = httpx.post(proxy.url + "/v1/embeddings", json={"model": "nope", "input": "x"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model" and not served_by(r)
+    r = httpx.get(proxy.url + "/tokenize")
+    assert r.status_code == 405
+
+
+def test_passthrough_requests_are_counted_per_route(proxy: ProxyThread) -> None:
+    httpx.post(proxy.url + "/tokenize", json={"model": "gen", "prompt": "Hello"}).raise_for_status()
+    httpx.post(proxy.url + "/v1/embeddings", json={"model": "emb", "input": "x"}).raise_for_status()
+    text = httpx.get(proxy.url + "/metrics").text
+    assert 'pdproxy_requests_total{api="tokenize",outcome="ok",status="200"} 1.0' in text
+    assert 'pdproxy_requests_total{api="embeddings",outcome="ok",status="200"} 1.0' in text
