@@ -200,10 +200,11 @@ class Merger:
         """The ``id`` / ``created`` / ``model`` every chunk and answer carries: the first sequence's, its id naming
         the request (vLLM's ids embed the request id, ``chatcmpl-<X-Request-Id>``; a sequence's is ``<id>-<i>``)."""
         if self.head is None:
-            head = {k: obj[k] for k in ("id", "created", "model") if k in obj}
+            head: dict[str, Any] = {k: obj[k] for k in ("id", "created", "model") if k in obj}
             if isinstance(head.get("id"), str):
                 head["id"] = head["id"].replace(seq.ctx.request_id, self.ctx.request_id)
             self.head = head
+            return head
         return self.head
 
     def _rewrite(self, seq: Sequence, obj: dict[str, Any]) -> dict[str, Any]:

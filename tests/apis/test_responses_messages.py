@@ -123,7 +123,7 @@ def test_responses_stream_failure_after_output_ends_with_an_error_event(proxy: P
     names = [n for n, _ in got]
     assert "response.output_text.delta" in names and "response.completed" not in names
     assert names[-1] == "error" and "[DONE]" not in r.text
-    name, err = got[-1]
+    _, err = got[-1]
     assert err["type"] == "error" and "incomplete" in err["message"]
     assert err["sequence_number"] == got[-2][1]["sequence_number"] + 1
     assert len(legs(sims.decoders, "/v1/responses")) == 1              # nothing replayed after the first byte
@@ -196,11 +196,10 @@ def test_messages_stream_failure_after_output_is_an_anthropic_error_event(proxy:
                                                                          sims: Fleet) -> None:
     for d in sims.decoders:
         d.faults({"kind": "reset_after_events", "events": 4, "path": "/v1/messages"})
-    with pytest.raises(anthropic.APIStatusError) as e:  # the client raises on the error event
-        with claude(proxy).messages.stream(model="sim-model", max_tokens=12,
-                                           messages=[{"role": "user", "content": "Hello"}]) as s:
-            for _ in s:
-                pass
+    with pytest.raises(anthropic.APIStatusError) as e, claude(proxy).messages.stream(  # raises at the error event
+            model="sim-model", max_tokens=12, messages=[{"role": "user", "content": "Hello"}]) as s:
+        for _ in s:
+            pass
     assert isinstance(e.value.body, dict) and e.value.body["type"] == "error"
     assert e.value.body["error"]["type"] == "BadGatewayError" and "incomplete" in e.value.body["error"]["message"]
     assert len(legs(sims.decoders, "/v1/messages")) == 1
