@@ -92,14 +92,19 @@ class ServedModels:
         return sorted(out)
 
     def require(self, model: str | None, role: Role = Role.DECODE) -> None:
-        """Raise :class:`ModelNotFound` (404, vLLM's words) when no endpoint of ``role`` serves ``model``; a request
-        without ``model`` passes (the engine picks its own)."""
+        """Raise :class:`ModelNotFound` (404, vLLM's words) when there are endpoints of ``role`` and none serves
+        ``model``; a request without ``model`` passes (the engine picks its own), and so does any request when no
+        endpoint of ``role`` is known (the scheduler then says there is none: 503)."""
         if not model:
             return
+        known = False
         for e in self.infos:
-            if e.role is role and self.serves(e, model):
-                return
-        raise ModelNotFound(model, role.value, self.base_ids(role))
+            if e.role is role:
+                if self.serves(e, model):
+                    return
+                known = True
+        if known:
+            raise ModelNotFound(model, role.value, self.base_ids(role))
 
     def is_adapter(self, model: str | None) -> bool:
         """True when some endpoint lists ``model`` as a LoRA adapter (a card with a ``parent``)."""
