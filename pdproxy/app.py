@@ -163,10 +163,13 @@ class PDProxyApp:
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def _check_auth(self, header: Callable[[bytes], str | None]) -> str | None:
+        """Enforce ``api_keys``: the client's key is ``Authorization: Bearer <key>``, or ``x-api-key: <key>`` as
+        the Anthropic client sends it (``header``: the request's header by lower-case name).  Returns the client's
+        ``Authorization`` (for the engine-header rule)."""
         auth = header(b"authorization")
         keys = self.settings.api_keys
         if keys:
-            token = auth[7:] if auth and auth[:7].lower() == "bearer " else None
+            token = auth[7:] if auth and auth[:7].lower() == "bearer " else header(b"x-api-key")
             if token is None or not any(hmac.compare_digest(token.encode(), k.encode()) for k in keys):
                 raise Unauthorized("invalid or missing API key")
         return auth

@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -52,7 +53,10 @@ from pdproxy.endpoints import Endpoint
 from pdproxy.errors import BadRequest, ProxyError, UpstreamHTTPError, UpstreamUnavailable
 from pdproxy.protocol import Api, ProxyRequest, prompt_list
 from pdproxy.relay import SSE_HEADERS, Responder
+from pdproxy.scheduling import PrefixHints
 from pdproxy.timeline import RequestContext
+
+log = logging.getLogger("pdproxy.fanout")
 
 GREEDY_EPS = 1e-5
 """vLLM's ``_SAMPLING_EPS`` (``vllm/sampling_params.py``): a temperature below it is greedy sampling."""
@@ -393,6 +397,9 @@ class FanOut:
                                               endpoint=seq.ctx.decoder or ""))
         except ProxyError as err:
             merger.fail(err)
+        except Exception as exc:             # a bug, not an engine condition: still fail the response honestly
+            log.exception("sequence %s of request %s failed", seq.index, seq.ctx.request_id)
+            merger.fail(ProxyError(f"internal error in pdproxy: {exc.__class__.__name__}"))
         finally:
             seq.prefilled.set()              # siblings never wait on a sequence that is over
 
@@ -417,7 +424,7 @@ class FanOut:
                 ctx.outcome = s.ctx.outcome
 
 
-def with_affinity(req: ProxyRequest, hints: Any) -> Any:
+def with_affinity(req: ProxyRequest, hints: PrefixHints) -> PrefixHints:
     """``hints`` (:class:`~pdproxy.scheduling.PrefixHints`) plus the prefiller a sibling sequence's prompt was
     just prefilled on (``req.extra["affinity"]``: endpoint → cached tokens), so the sibling goes there."""
     affinity = req.extra.get("affinity")

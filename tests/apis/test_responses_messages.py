@@ -260,3 +260,22 @@ def test_the_anthropic_client_key_reaches_engines_as_authorization() -> None:
             proxy.wait_idle()
         finally:
             proxy.stop()
+
+
+def test_the_anthropic_clients_x_api_key_is_a_client_key(sims: Fleet) -> None:
+    """With ``api_keys`` pdproxy checks the client's key itself: the Anthropic client's ``x-api-key`` counts."""
+    proxy = ProxyThread(prefill=[s.url for s in sims.prefillers], decode=[s.url for s in sims.decoders],
+                        api_keys=["sk-client"]).start()
+    try:
+        assert claude(proxy).messages.create(model="sim-model", max_tokens=2, messages=[
+            {"role": "user", "content": "Hello"}]).usage.output_tokens == 2
+        wrong = anthropic.Anthropic(base_url=proxy.url, api_key="sk-wrong", max_retries=0)
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            wrong.messages.create(model="sim-model", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+        assert e.value.body == {"type": "error", "error": {"type": "AuthenticationError",
+                                                           "message": "invalid or missing API key"}}
+        (leg,) = [r for r in sims.prefillers[0].received() if r["path"] == "/v1/messages"]
+        assert "authorization" not in leg["headers"] and "x-api-key" not in leg["headers"]   # never forwarded
+        proxy.wait_idle()
+    finally:
+        proxy.stop()

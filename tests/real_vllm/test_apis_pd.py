@@ -91,12 +91,12 @@ def test_messages_through_pdproxy_take_the_pd_path(engines: Engines, prompts: Pr
     n_prompt = int(httpx.post(engines.decode_url + "/v1/messages/count_tokens", json=body).json()["input_tokens"])
     before = counters(engines.prefill_url), counters(engines.decode_url)
     if stream:
-        with client.messages.stream(**body, max_tokens=MAX_TOKENS, temperature=0) as s:
+        with client.messages.stream(**body, max_tokens=MAX_TOKENS, extra_body={"temperature": 0}) as s:
             kinds = [e.type for e in s]
             message = s.get_final_message()
         assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
     else:
-        message = client.messages.create(**body, max_tokens=MAX_TOKENS, temperature=0)
+        message = client.messages.create(**body, max_tokens=MAX_TOKENS, extra_body={"temperature": 0})
     assert message.stop_reason == "max_tokens" and message.usage.output_tokens == MAX_TOKENS
     assert message.usage.cache_read_input_tokens == 0
     assert message.usage.input_tokens == n_prompt
