@@ -84,7 +84,7 @@ def test_real_streams_open_end_and_carry_usage_where_the_relay_looks(name: str, 
     last = orjson.loads(patched.rsplit(b"data: ", 1)[1])
     usage = last["response"]["usage"] if "response" in last else None
     if stream_class is api_streams.MessagesStream:
-        delta = orjson.loads([e for e in patched.split(b"\n\n") if e.startswith(b"event: message_delta")][0]
+        delta = orjson.loads(next(e for e in patched.split(b"\n\n") if e.startswith(b"event: message_delta"))
                              .split(b"data: ", 1)[1])
         usage = delta["usage"]                                    # 13 prompt tokens: 8 cached, 5 not
         assert (usage["cache_read_input_tokens"], usage["input_tokens"]) == (8, 5)
