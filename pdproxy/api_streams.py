@@ -69,11 +69,16 @@ def output_tokens_in(data: bytes) -> int | None:
     return int(found[-1]) if found else None
 
 
+def public_message(err: ProxyError) -> str:
+    """The message the client may read (no engine addresses: :func:`pdproxy.errors.public_message`)."""
+    return str(err.body()["error"]["message"])
+
+
 def anthropic_error(err: ProxyError) -> dict[str, Any]:
     """An error pdproxy raises on ``/v1/messages``, in vLLM's Anthropic envelope
     (``anthropic/api_router.py::translate_error_response``: ``{"type": "error", "error": {"type": <vLLM's error
     type>, "message"}}``)."""
-    return {"type": "error", "error": {"type": err.error_type, "message": err.message}}
+    return {"type": "error", "error": {"type": err.error_type, "message": public_message(err)}}
 
 
 def error_json(api: Api, err: ProxyError) -> bytes:
@@ -207,8 +212,8 @@ class ResponsesStream:
         """The Responses API's ``error`` event for a failure after the first byte (it ends the stream)."""
         self.sequence += 1
         code = err.code if isinstance(err.code, str) else error_type_for(err.status_code)
-        return named_event(b"error", {"type": "error", "code": code, "message": err.message, "param": err.param,
-                                      "sequence_number": self.sequence})
+        return named_event(b"error", {"type": "error", "code": code, "message": public_message(err),
+                                      "param": err.param, "sequence_number": self.sequence})
 
 
 class MessagesStream:

@@ -121,15 +121,22 @@ class Director:
     async def serve(self, req: ProxyRequest, ctx: RequestContext, out: Responder) -> None:
         """Serve one completion request end to end.  Raises :class:`~pdproxy.errors.ProxyError` for the handler
         to send."""
-        with self.tracing.request(req, ctx):                                # the request's span (if tracing)
-            async with self.deadline(ctx):                                  # optional end-to-end deadline
+        with self.tracing.request(req, ctx):                            # the request's span (if tracing)
+            async with self.deadline(ctx):                              # optional end-to-end deadline
                 if self.served is not None:
-                    self.served.require(req.model)                          # 0. a served model? (vLLM's 404)
-                if req.sequences > 1 and not (req.engine_judges or req.decoder_prefills):
-                    await self.fan_out.serve(req, ctx, out)                 # n > 1, prompt lists: a pair per
-                    return                                                  # sequence (a decoder alone serves
-                await self.admit(req, ctx)                                  # the others) 1. fits? (400 first)
-                await self.run_sequence(req, ctx, out)
+                    self.served.require(req.model)                      # 0. a served model? (vLLM's 404)
+                if self.fans_out(req):
+                    await self.fan_out.serve(req, ctx, out)             # n > 1, prompt lists: a pair per sequence
+                    return
+                await self.admit(req, ctx)                              # 1. fits? (400 before any engine)
+                await self.run_sequence(req, ctx, out)                  # 2-5. queue, prefill, decode, relay
+
+    @staticmethod
+    def fans_out(req: ProxyRequest) -> bool:
+        """True for a request of several sequences served one P/D pair each (:mod:`pdproxy.fanout`); not for one
+        the prefiller judges with the client's own body (invalid for vLLM: its 400, ``n`` included) or one a
+        decoder serves alone anyway (beam search, prompt logits), whose ``n`` and prompts the decoder runs."""
+        return req.sequences > 1 and not (req.engine_judges or req.decoder_prefills)
 
     async def admit(self, req: ProxyRequest, ctx: RequestContext) -> None:
         """Admission (:meth:`Admission.admit`: counted, fits, which path), in its tracing span."""

@@ -28,6 +28,10 @@ prompt, so the scheduler sends them where the prompt is now cached and their pre
 - a stream interleaves the sequences' chunks as they come, one chunk per choice (each chat choice with its own
   role chunk and finishing chunk), then one usage chunk (if the client asked) and one ``data: [DONE]``.
 
+Not fanned out: a request pdproxy finds invalid (its prefill leg carries the client's own body, so the prefiller
+answers vLLM's 400 for it, ``n`` included) and one a decoder serves alone anyway (beam search, prompt logprobs:
+``ProxyRequest.decoder_prefills``), whose ``n`` and prompt list the decoder runs as vLLM does.
+
 **Failures**: the response fails honestly — never a short list.  A sequence that fails before its first event is
 failed over by its own P→D path (another decoder, re-prefilling as needed); if it still fails, or fails after its
 first event, the other sequences are cancelled (their legs closed, their KV released) and the client gets the error:
@@ -51,7 +55,7 @@ import orjson
 from pdproxy import sse
 from pdproxy.endpoints import Endpoint
 from pdproxy.errors import BadRequest, ProxyError, UpstreamHTTPError, UpstreamUnavailable
-from pdproxy.protocol import Api, ProxyRequest, prompt_list
+from pdproxy.protocol import Api, ProxyRequest, parse_request, prompt_list
 from pdproxy.relay import SSE_HEADERS, Responder
 from pdproxy.scheduling import PrefixHints
 from pdproxy.timeline import RequestContext
@@ -95,7 +99,8 @@ def check(req: ProxyRequest, max_sequences: int) -> None:
 
 
 def plan(req: ProxyRequest, parent: RequestContext) -> list[Sequence]:
-    """The sequences of ``req`` (module docstring), in index order."""
+    """The sequences of ``req`` (module docstring), in index order; each is read by
+    :func:`~pdproxy.protocol.parse_request` like a request of its own (``min_tokens``, usage options…)."""
     body = req.body
     prompts = prompt_list(body.get("prompt")) if req.api is Api.COMPLETIONS else None
     prompts = prompts or [None]
@@ -113,9 +118,7 @@ def plan(req: ProxyRequest, parent: RequestContext) -> list[Sequence]:
                 options = body.get("stream_options")
                 leg["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
             index = pi * req.n + k
-            seq_req = ProxyRequest(api=req.api, body=leg, raw=orjson.dumps(leg), stream=req.stream,
-                                   include_usage=True if req.stream else req.include_usage, model=req.model,
-                                   max_output_tokens=req.max_output_tokens)
+            seq_req = parse_request(orjson.dumps(leg), req.api)          # read as any one-sequence request
             ctx = RequestContext(request_id=f"{parent.request_id}-{index}",
                                  client_request_id=parent.client_request_id, api_label=parent.api_label,
                                  authorization=parent.authorization, model=parent.model)

@@ -63,7 +63,7 @@ def test_the_decode_leg_is_the_client_body_plus_the_handle(api: Api) -> None:
     if api is Api.RESPONSES:                                       # a client's own request_id stays, on both legs
         assert orjson.loads(kv_transfer.decode_leg_body(api, own, orjson.loads(own), {}, "rid"))[
             "request_id"] == "resp_client"
-        assert kv_transfer.prefill_body(orjson.loads(own), api, "rid")["request_id"] == "resp_client"
+        assert kv_transfer.prefill_body(orjson.loads(own), api, request_id="rid")["request_id"] == "resp_client"
 
 
 @pytest.mark.parametrize(("name", "stream_class", "first_real"), [

@@ -11,11 +11,12 @@ body (``tests/real_vllm/vllm_oracle.py`` live, or the verdicts it recorded in ``
 
 - vLLM accepts it → pdproxy accepts it with vLLM's meaning (stream, output-token request, ``min_tokens``, usage
   options, whether the prompt's logits are needed), and every leg it builds is accepted by vLLM with the
-  meaning the leg must have (prefill: one token, not streamed; decode: the client's) — except ``n`` > 1 and a
-  list of several prompts, which pdproxy refuses with its own clear 400 (not served through PD yet);
+  meaning the leg must have (prefill: one token, not streamed; decode: the client's); ``n`` > 1 and a list of
+  several prompts fan out (``pdproxy/fanout.py``): every sequence's legs are accepted with that meaning, one
+  prompt and no ``n`` each;
 - vLLM refuses it → the first engine leg that refuses it gets vLLM's own 400 for it (an engine judges it), or,
-  for a body that is not one JSON object, pdproxy answers that same 400 itself: the client sees exactly vLLM's
-  answer.  ``n`` > 1 and several prompts get pdproxy's own 400 whatever else is wrong with the request.
+  for a body that is not one JSON object or asks for ``n`` > 1 with greedy sampling, pdproxy answers that same
+  400 itself: the client sees exactly vLLM's answer.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from typing import Any
 import orjson
 from hypothesis import strategies as st
 
-from pdproxy import kv_transfer
+from pdproxy import fanout, kv_transfer
 from pdproxy.errors import BadRequest
 from pdproxy.protocol import Api, ProxyRequest, parse_request
+from pdproxy.timeline import RequestContext
 
 Judge = Callable[[str, bytes], tuple[int, dict[str, Any]]]
 MAX_MODEL_LEN = 2048
@@ -37,6 +39,8 @@ MAX_MODEL_LEN = 2048
 HANDLE = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1]],
           "remote_engine_id": "e", "remote_request_id": "r", "remote_host": "h", "remote_port": 1}
 ABSENT = object()
+FAN_OUT_MAX = 16
+"""pdproxy's default ``fan_out_max_sequences``."""
 
 INTS = st.sampled_from([None, 0, 1, 2, 7, 16, 2047, 2048, 5000, -1, "5", "x", 5.0, 5.5, True, False, [3]])
 COMMON: dict[str, st.SearchStrategy[Any]] = {
@@ -146,14 +150,14 @@ def check(api: str, body: dict[str, Any], judge: Judge) -> None:
     status, verdict = judge(api, raw)
     try:
         req = parse_request(raw, Api.CHAT if api == "chat" else Api.COMPLETIONS)
+        if req.sequences > 1 and not (req.engine_judges or req.decoder_prefills):
+            fanout.check(req, FAN_OUT_MAX)
     except BadRequest as exc:
         mine = exc.body()
-        if exc.param in ("n", "prompt") and "PD disaggregation" in exc.message:  # not served through PD yet:
-            n, prompt = body.get("n"), body.get("prompt")                      # pdproxy's own clear 400
-            assert (isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt)
-                    ) or str(n).strip() not in ("None", "1", "1.0"), f"{body}: pdproxy refused it as {mine}"
-            return
         assert mine == verdict and status == 400, f"{body}: pdproxy answered {mine}, vLLM {status} {verdict}"
+        return
+    if req.sequences > 1 and not (req.engine_judges or req.decoder_prefills):
+        check_fan_out(api, body, req, status, verdict, judge)
         return
     who, leg = first_leg(req)
     leg_status, leg_verdict = judge(api, leg)
@@ -177,3 +181,28 @@ def check(api: str, body: dict[str, Any], judge: Judge) -> None:
             f"{body}: decode leg {dec_status} {dec_verdict}")
     else:
         assert meaning(leg_verdict) == meaning(verdict)
+
+
+def check_fan_out(api: str, body: dict[str, Any], req: ProxyRequest, status: int, verdict: dict[str, Any],
+                  judge: Judge) -> None:
+    """The rule for a request of several sequences (one P/D pair each, ``pdproxy/fanout.py``): vLLM refuses it →
+    the first sequence's first leg gets that same 400; vLLM accepts it → pdproxy read it as vLLM did, and every
+    sequence's legs are accepted (prefill: one token, not streamed; decode: the client's meaning, usage asked for
+    when streaming, which the merge needs)."""
+    seqs = fanout.plan(req, RequestContext(request_id="r", client_request_id=None, api_label=api))
+    assert len(seqs) == req.sequences
+    if status != 200:
+        _, leg = first_leg(seqs[0].req)
+        assert judge(api, leg) == (status, verdict), f"{body}: vLLM says {status} {verdict}"
+        return
+    assert understood(req, verdict) == meaning(verdict), (
+        f"{body}: vLLM {meaning(verdict)}, pdproxy {understood(req, verdict)}")
+    want = {**meaning(verdict), "include_usage": verdict["stream"]}
+    for seq in seqs:
+        assert "n" not in seq.req.body and seq.req.sequences == 1
+        _, leg = first_leg(seq.req)
+        leg_status, leg_verdict = judge(api, leg)
+        assert leg_status == 200 and (leg_verdict["stream"], leg_verdict["requested_max_tokens"],
+                                      leg_verdict["min_tokens"]) == (False, 1, 1), f"{body}: {leg!r} {leg_verdict}"
+        dec_status, dec_verdict = judge(api, kv_transfer.decode_body_bytes(seq.req.raw, HANDLE, seq.req.body))
+        assert dec_status == 200 and meaning(dec_verdict) == want, f"{body}: decode leg {dec_status} {dec_verdict}"
