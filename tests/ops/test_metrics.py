@@ -33,7 +33,7 @@ def test_metrics_count_known_traffic(proxy: ProxyThread, sims: Fleet) -> None:
         chunks = list(client.chat.completions.create(**CHAT, stream=True, stream_options={"include_usage": True}))
         assert chunks[-1].usage is not None
     client.completions.create(model="sim-model", prompt="Hello there", max_tokens=4)
-    bad = httpx.post(proxy.url + "/v1/chat/completions", json={**CHAT, "n": 2})   # pdproxy's own 400
+    bad = httpx.post(proxy.url + "/v1/chat/completions", json={**CHAT, "n": 99})  # pdproxy's own 400: over the fan-out bound
     assert bad.status_code == 400
     proxy.wait_idle()
     # a request is recorded just after it leaves in_flight (app.py: the outer finally), so wait for the last one
