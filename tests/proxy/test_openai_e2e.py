@@ -182,7 +182,7 @@ def test_prefiller_4xx_is_passed_through_and_decoder_untouched(proxy: ProxyThrea
 @pytest.mark.parametrize(("raw", "param"), [
     (b"{bad json", "body.1"),                                  # vLLM's FastAPI envelope: json_invalid at char 1
     (b"[1, 2]", "body"),
-    (b'{"messages": [{"role": "user", "content": "x"}], "n": 2}', "n"),   # not served through PD yet
+    (b'{"messages": [{"role": "user", "content": "x"}], "n": 99}', "n"),  # over the fan-out bound
 ])
 def test_malformed_bodies_get_400_without_reaching_an_engine(proxy: ProxyThread, sims: Fleet, raw: bytes,
                                                              param: str) -> None:
