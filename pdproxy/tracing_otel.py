@@ -55,7 +55,8 @@ log = logging.getLogger("pdproxy.tracing")
 
 SHUTDOWN_TIMEOUT_S = 3.0
 
-_OPERATION = {Api.CHAT: "chat", Api.COMPLETIONS: "text_completion"}  # GenAI gen_ai.operation.name values
+_OPERATION = {Api.CHAT: "chat", Api.COMPLETIONS: "text_completion",  # GenAI gen_ai.operation.name values:
+              Api.RESPONSES: "chat", Api.MESSAGES: "chat"}           # Responses and Messages are chats
 _TRACE_HEADERS = (b"traceparent", b"tracestate")
 
 EndHook = Callable[[Span, "RequestContext", bool, dict[str, Any]], None]
