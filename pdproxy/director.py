@@ -173,7 +173,7 @@ class Director:
         KV handle is known intact).  Returns True when the decoder ended with ``stop_reason "recomputed"``.
         Raises the scheduler's refusal at once when no decoder could take the request (no prefill is spent)."""
         attempts = self.settings.decode_attempts
-        pick = PickRequest.of(req, ctx.request_id, fanout.with_affinity(req, await self.prefix.hints(req)))
+        pick = PickRequest.of(req, ctx.request_id, await self.prefix.hints(req))
         failed: list[Endpoint] = []
         prefill: PrefillResult | None = None
         self.scheduler.require(Role.DECODE, pick)

@@ -14,8 +14,8 @@ and ``n: 1``; with a ``seed``, child ``k`` of a prompt gets ``seed + k`` as vLLM
 sampling"), are 400s.
 
 **Order**: each prompt is admitted once (its count serves its ``n`` children).  The first child of each prompt is
-sent at once; its siblings after its prefill answered, with a prefix hint naming that prefiller as holding the whole
-prompt, so the scheduler sends them where the prompt is now cached and their prefills are prefix-cache hits.
+sent at once; its siblings after its prefill answered, bound to that prefiller while it can take them
+(``PickRequest.affinity``, :class:`~pdproxy.scheduling.filters.Affinity`), so their prefills are prefix-cache hits.
 
 **Merge** (:class:`Merger`), as vLLM 0.32 merges (``chat_completion/serving.py``, ``completion/serving.py``):
 
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -57,7 +56,6 @@ from pdproxy.endpoints import Endpoint
 from pdproxy.errors import BadRequest, ProxyError, UpstreamHTTPError, UpstreamUnavailable
 from pdproxy.protocol import Api, ProxyRequest, parse_request, prompt_list
 from pdproxy.relay import SSE_HEADERS, Responder
-from pdproxy.scheduling import PrefixHints
 from pdproxy.timeline import RequestContext
 
 log = logging.getLogger("pdproxy.fanout")
@@ -388,8 +386,8 @@ class FanOut:
         try:
             if first is not seq and first.ctx.disaggregated:
                 await first.prefilled.wait()
-                if first.prefiller is not None and seq.req.prompt_tokens:
-                    seq.req.extra["affinity"] = {first.prefiller: seq.req.prompt_tokens}
+                if first.prefiller is not None:
+                    seq.req.extra["affinity"] = first.prefiller
             out = Responder(sink, seq.ctx, [], seq.req.api)
             await self.run(seq.req, seq.ctx, out)
             if merger.stream and out.started and not out.done_sent:
@@ -425,15 +423,3 @@ class FanOut:
         for s in seqs:
             if s.ctx.outcome != "ok" and ctx.outcome == "ok":
                 ctx.outcome = s.ctx.outcome
-
-
-def with_affinity(req: ProxyRequest, hints: PrefixHints) -> PrefixHints:
-    """``hints`` (:class:`~pdproxy.scheduling.PrefixHints`) plus the prefiller a sibling sequence's prompt was
-    just prefilled on (``req.extra["affinity"]``: endpoint → cached tokens), so the sibling goes there."""
-    affinity = req.extra.get("affinity")
-    if not affinity:
-        return hints
-    cached = dict(hints.cached_tokens)
-    for endpoint, tokens in affinity.items():
-        cached[endpoint] = max(cached.get(endpoint, 0), tokens)
-    return dataclasses.replace(hints, cached_tokens=cached)

@@ -18,6 +18,8 @@ The filters, in the order the standard profiles run them (:func:`pdproxy.schedul
   (:mod:`pdproxy.served_models`; an unknown model list accepts);
 - :class:`FitsLimits` — the prompt fits its ``max_model_len`` and KV pool (:mod:`pdproxy.limits`);
 - :class:`OnDpRank` — it is the DP rank the request is pinned to, if any;
+- :class:`Affinity` (prefill only) — the prefiller a fan-out sibling's prompt was just computed on, when it is
+  still among the candidates (soft: otherwise all stay);
 - :class:`HasPrefillRoom` (prefill only, ``capacity``) — the prompt fits its prefill budget and the KV it has free
   (:class:`~pdproxy.prefill_queue.PrefillLedger`).
 """
@@ -189,6 +191,23 @@ class OnDpRank(_Rule):
     def refusal(self, role: Role, request: PickRequest) -> ProxyError:
         """503: no usable endpoint of ``role`` is that rank."""
         return NoEndpointAvailable(role.value, f"none of the others is DP rank {request.dp_rank}")
+
+
+class Affinity(_Rule):
+    """The endpoint ``request.affinity`` names, when it passed the filters before this one; every candidate when
+    it did not or when there is none (a soft preference, never a refusal).  A fan-out sibling (``n > 1``,
+    :mod:`pdproxy.fanout`) names the prefiller that has just computed the same prompt: its prefill there is a
+    prefix-cache hit, which the cost scorers cannot see while the first sequence's KV is still pinned there (its
+    lease counts as in-flight prefill tokens).  Not a capacity filter: the sibling waits for that prefiller's room
+    rather than recompute the prompt elsewhere."""
+
+    name = "affinity"
+
+    def __call__(self, request: PickRequest, candidates: list[Endpoint]) -> list[Endpoint]:
+        preferred = request.affinity
+        if preferred is None or preferred not in candidates:
+            return candidates
+        return [preferred]
 
 
 class HasPrefillRoom(_Rule):

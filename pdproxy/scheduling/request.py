@@ -50,7 +50,9 @@ class PickRequest:
     e.g. a ``/tokenize`` pick); ``prompt_tokens_upper``: an upper bound on them, checked against the engines'
     limits (None: use ``prompt_tokens``); ``max_output_tokens``: the client's ``max_tokens`` /
     ``max_completion_tokens`` (None: the engine decides); ``dp_rank``: a DP rank the request must run on (None:
-    any); ``hints``: the prefix cache's view of this prompt.
+    any); ``hints``: the prefix cache's view of this prompt; ``affinity``: the prefiller that has just computed
+    this very prompt (a fan-out sibling, :mod:`pdproxy.fanout`), preferred while it can take it
+    (:class:`~pdproxy.scheduling.filters.Affinity`).
     """
 
     request_id: str = ""
@@ -60,6 +62,7 @@ class PickRequest:
     max_output_tokens: int | None = None
     dp_rank: int | None = None
     hints: PrefixHints = NO_HINTS
+    affinity: Endpoint | None = None
 
     @property
     def limit_tokens(self) -> int | None:
@@ -75,8 +78,10 @@ class PickRequest:
     @classmethod
     def of(cls, req: ProxyRequest, request_id: str, hints: PrefixHints = NO_HINTS) -> PickRequest:
         """The pick request for a client request after admission (``req.prompt_tokens`` counted, the upper bound
-        in ``req.extra["prompt_tokens_upper"]``)."""
+        in ``req.extra["prompt_tokens_upper"]``, a fan-out sibling's prefiller in ``req.extra["affinity"]``)."""
         upper = req.extra.get("prompt_tokens_upper")
+        affinity = req.extra.get("affinity")
         return cls(request_id=request_id, model=req.model, prompt_tokens=req.prompt_tokens,
                    prompt_tokens_upper=upper if isinstance(upper, int) else None,
-                   max_output_tokens=req.max_output_tokens, hints=hints)
+                   max_output_tokens=req.max_output_tokens, hints=hints,
+                   affinity=affinity if isinstance(affinity, Endpoint) else None)

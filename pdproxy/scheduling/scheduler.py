@@ -60,7 +60,8 @@ def standard_profiles(pool: EndpointPool, *, health: HealthMonitor | None = None
     unit tests can build a scheduler from a bare pool.  ``picker``: a :class:`Picker` or its setting name
     (``"least_cost"``, ``"power_of_two"``; ``seed`` seeds the latter's sampling).
 
-    - prefill — filters: healthy, not draining, breaker, serves model, fits limits, DP rank, prefill room; cost:
+    - prefill — filters: healthy, not draining, breaker, serves model, fits limits, DP rank, affinity, prefill
+      room; cost:
       tier 0 = uncached prompt tokens + in-flight prefill tokens (tokens), tier 1 = in-flight prefill requests;
     - decode — the same filters but prefill room; cost: tier 0 = in-flight decode requests, tier 1 = the tokens
       they hold.
@@ -83,6 +84,8 @@ def standard_profiles(pool: EndpointPool, *, health: HealthMonitor | None = None
         if limits is not None:
             chain.append(f.FitsLimits(limits, role))
         chain.append(f.OnDpRank())
+        if role is Role.PREFILL:
+            chain.append(f.Affinity())
         if role is Role.PREFILL and ledger is not None:
             chain.append(f.HasPrefillRoom(ledger))
         return tuple(chain)

@@ -208,3 +208,25 @@ def test_the_client_leaving_mid_way_closes_every_leg_and_frees_every_pin(slow_pr
                what=f"{started} aborted decode legs")
     wait_engines_idle(slow)
     slow_proxy.wait_idle()
+
+
+def test_siblings_follow_their_prompts_prefiller_among_several(sims: Fleet) -> None:
+    """With two prefillers, the siblings of n = 3 go to the prefiller that computed the prompt for the first
+    sequence (its prefix cache), although its cost still counts the first sequence's pinned KV."""
+    args = (*SIM_ARGS[:4], "--prefill-tokens-per-s", "0", "--decode-tokens-per-s", "0")
+    with running(SimProcess("prefill", *args), SimProcess("prefill", *args)) as prefillers:
+        proxy = ProxyThread(prefill=[p.url for p in prefillers], decode=[d.url for d in sims.decoders]).start()
+        try:
+            for round_ in range(4):
+                messages = [{"role": "user", "content": f"round {round_}: " + PROMPT}]
+                hits = [prefix_hits(p) for p in prefillers]
+                resp = oai(proxy).chat.completions.create(model="sim-model", messages=messages, n=3, max_tokens=2)
+                assert [c.index for c in resp.choices] == [0, 1, 2]
+                legs_per = [len([r for r in p.received() if r["body"]["messages"] == messages]) for p in prefillers]
+                assert sorted(legs_per) == [0, 3], legs_per                 # all three on one prefiller
+                served = prefillers[legs_per.index(3)]
+                full = count(sims.decoders[0], messages=messages) // 16 * 16
+                assert prefix_hits(served) - hits[legs_per.index(3)] >= 2 * full   # the siblings hit its cache
+            proxy.wait_idle()
+        finally:
+            proxy.stop()
