@@ -24,16 +24,19 @@ Usage patching: the client sees the *prefiller's* cached-token figure (the decod
 prompt on some connectors: reference §2.3).  Messages keeps the total: the tokens moved into
 ``cache_read_input_tokens`` come out of ``input_tokens``.
 
-Each stream class has the relay transform shape (``trigger`` bytes — the relay calls ``feed`` only for blocks
-holding them — ``feed(block, prev) -> bytes``, ``recomputed`` always False), plus :meth:`ended` (the block holds the
-event that ends the stream), :meth:`first_error` (the first real event is an error: an HTTP error instead of a 200
-stream) and :meth:`error_event` (a failure after the first byte, in this API's shape, ending the stream).
+Each stream class is a transform of the relay's splice (:mod:`pdproxy.relay`: ``trigger`` bytes — the splice calls
+``feed`` only for blocks holding them — ``feed(block, prev) -> bytes``, ``recomputed`` always False), with the
+stream's ``done_event`` (the bytes that end it: the splice ends the client's response on them; Responses' last
+event has no fixed bytes, so its marker never matches and the end is its :meth:`ended` event, seen by ``feed``,
+which marks the ``responder`` done), ``opening`` (events held back until a later one arrives), :meth:`ended`,
+:meth:`first_error` (the first real event is an error: an HTTP error instead of a 200 stream) and
+:meth:`error_event` (a failure after the first byte, in this API's shape, ending the stream).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -41,6 +44,13 @@ from pdproxy import sse
 from pdproxy.errors import ProxyError, UpstreamHTTPError, error_type_for
 from pdproxy.protocol import Api
 from pdproxy.timeline import RequestContext
+
+
+class Ends(Protocol):
+    """The client side of a response as a stream class sees it (:class:`pdproxy.relay.Responder`)."""
+
+    done_sent: bool
+
 
 _SEQ_RE = re.compile(rb'"sequence_number"\s*:\s*(\d+)')
 _OUTPUT_TOKENS_RE = re.compile(rb'"output_tokens"\s*:\s*(\d+)')
@@ -169,10 +179,12 @@ class ResponsesStream:
     """A Responses SSE stream (module docstring).  ``ctx`` gets ``completion_tokens``; ``cached_tokens``: the
     prefiller's figure for the usage in ``response.completed`` (None: leave it)."""
 
-    __slots__ = ("cached", "ctx", "sequence")
+    __slots__ = ("cached", "ctx", "responder", "sequence")
     opening = (b"response.created", b"response.in_progress")
     terminal = (b"event: response.completed", b"event: response.incomplete", b"event: response.failed",
                 ERROR_EVENT)
+    done_event = b"event: response.completed"   # a marker only: a block never ends with it (see module docstring)
+    end_name = "response.completed"
     trigger = b""                       # every block: the last sequence number is kept for an error event
     recomputed = False
 
@@ -180,14 +192,20 @@ class ResponsesStream:
         self.ctx = ctx
         self.cached = cached_tokens
         self.sequence = -1
+        self.responder: Ends | None = None
 
     def feed(self, block: bytes, prev: bytes = b"") -> bytes:
-        """``block`` with ``response.completed``'s usage patched; the sequence number and output tokens noted."""
+        """``block`` with ``response.completed``'s usage patched; the sequence number and output tokens noted, the
+        response marked done at the stream's last event."""
         at = block.rfind(b'"sequence_number"')
         if at >= 0:
             found = _SEQ_RE.match(block, at)
             if found:
                 self.sequence = int(found.group(1))
+        if self.responder is not None and self.ended(block):
+            self.responder.done_sent = True
+            if block.find(ERROR_EVENT) >= 0:
+                self.ctx.outcome = "upstream_error"
         if block.find(b"event: response.completed") < 0 and block.find(b"event: response.incomplete") < 0:
             return block
         tokens = output_tokens_in(block)
@@ -220,18 +238,26 @@ class MessagesStream:
     """An Anthropic Messages SSE stream (module docstring).  ``ctx`` gets ``completion_tokens``;
     ``cached_tokens``: the prefiller's figure for the final usage in ``message_delta`` (None: leave it)."""
 
-    __slots__ = ("cached", "ctx")
+    __slots__ = ("cached", "ctx", "responder")
     opening = (b"message_start",)
     terminal = (b"event: message_stop", ERROR_EVENT)
-    trigger = b'"usage"'
+    done_event = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'   # vLLM's last event, byte for byte
+    end_name = "message_stop"
+    trigger = b"event: "                # every block: the usage, the end and an engine's error event
     recomputed = False
 
     def __init__(self, ctx: RequestContext, cached_tokens: int | None) -> None:
         self.ctx = ctx
         self.cached = cached_tokens
+        self.responder: Ends | None = None
 
     def feed(self, block: bytes, prev: bytes = b"") -> bytes:
-        """``block`` (it holds a usage) with ``message_delta``'s usage patched; output tokens noted."""
+        """``block`` with ``message_delta``'s usage patched; output tokens noted; the response marked done at
+        ``message_stop`` or at the engine's own error event (after which vLLM sends nothing)."""
+        if self.responder is not None and self.ended(block):
+            self.responder.done_sent = True
+            if block.find(ERROR_EVENT) >= 0:
+                self.ctx.outcome = "upstream_error"
         if block.find(b"event: message_delta") < 0:
             return block
         tokens = output_tokens_in(block)

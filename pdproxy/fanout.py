@@ -45,6 +45,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from bisect import bisect_left
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,8 +151,10 @@ def merge_usage(usages: list[tuple[Sequence, dict[str, Any]]], stream: bool) -> 
 
 
 class _SequenceSink:
-    """The ASGI ``send`` of one sequence's :class:`Responder`: what the sequence would have sent its client goes to
-    the :class:`Merger` instead."""
+    """One sequence's client connection (:class:`pdproxy.relay.ClientConnection`, under its own
+    :class:`Responder`): what its relay would send a client goes to the :class:`Merger` instead — SSE blocks as they
+    come (synchronously, from the splice), a JSON answer whole.  Flow control is the real client's: ``paused`` and
+    ``drain`` are its connection's, and the merger hands its pause / resume / loss to every sequence's ``flow``."""
 
     def __init__(self, merger: Merger, seq: Sequence) -> None:
         self.merger = merger
@@ -160,21 +163,37 @@ class _SequenceSink:
         self.headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
         self.ended = False
+        self.flow: Any = None
 
-    async def __call__(self, message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.start":
-            self.status = int(message["status"])
-            self.headers = list(message.get("headers") or [])
+    @property
+    def paused(self) -> bool:
+        return bool(self.merger.out.conn.paused)
+
+    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.status = status
+        self.headers = list(headers)
+
+    def write(self, data: bytes) -> None:
+        if not data:
             return
-        data = message.get("body", b"")
-        more = bool(message.get("more_body", False))
         if self.merger.stream and self.status == 200:
-            if data:
-                await self.merger.sequence_events(self, data)
-        elif data:
+            self.merger.sequence_events(self, data)
+        else:
             self.body.append(data)
-        if not more:
-            self.ended = True
+
+    def finish(self, data: bytes = b"") -> None:
+        self.write(data)
+        self.ended = True
+
+    def body_writer(self) -> Callable[[bytes], None]:
+        return self.write
+
+    async def drain(self) -> None:
+        await self.merger.out.conn.drain()
+
+    def abort(self) -> None:
+        """The sequence's relay gave up on the client (it kept its transport full too long): drop the client."""
+        self.merger.out.conn.abort()
 
 
 class Merger:
@@ -187,13 +206,39 @@ class Merger:
         self.out = out
         self.stream = req.stream
         self.include_usage = req.include_usage
-        self.lock = asyncio.Lock()
+        self.sinks: list[_SequenceSink] = []
         self.head: dict[str, Any] | None = None            # id / created / model of the first chunk or answer
         self.usages: list[tuple[Sequence, dict[str, Any]]] = []
         self.usage_chunk: dict[str, Any] | None = None
         self.failure: ProxyError | None = None
         self.failed = asyncio.Event()
         self.last_write = 0.0
+        self.gaps = ctx.gaps
+
+    # --- the client's flow control, handed to every sequence's relay (ClientConnection.flow) ---------------------
+    def attach(self, sinks: list[_SequenceSink]) -> None:
+        """Listen to the client connection's flow control for ``sinks`` (until :meth:`detach`)."""
+        self.sinks = sinks
+        self.out.conn.flow = self
+
+    def detach(self) -> None:
+        if self.out.conn.flow is self:
+            self.out.conn.flow = None
+
+    def client_paused(self) -> None:
+        for sink in self.sinks:
+            if sink.flow is not None:
+                sink.flow.client_paused()
+
+    def client_resumed(self) -> None:
+        for sink in self.sinks:
+            if sink.flow is not None:
+                sink.flow.client_resumed()
+
+    def client_gone(self) -> None:
+        for sink in self.sinks:
+            if sink.flow is not None:
+                sink.flow.client_gone()
 
     def fail(self, err: ProxyError) -> None:
         """Record the first failure; the orchestrator cancels the other sequences and reports it."""
@@ -221,21 +266,25 @@ class Merger:
                     choice["index"] = seq.index + j
         return obj
 
-    async def _write(self, data: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    def _write(self, data: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+        """``data`` to the client (its status line first: with the first sequence's first events); one ITL gap
+        counted per write after the first (:class:`pdproxy.metrics.GapCounts`)."""
         out = self.out
         now = time.monotonic()
         if not out.started:
             self.ctx.timeline.first_token_at = now
             keep = [h for h in headers if h[0] not in (b"x-request-id", b"content-type", b"cache-control",
                                                        b"x-accel-buffering")]
-            await out.start(200, SSE_HEADERS + keep)
-        elif self.ctx.observe_gap is not None:
-            self.ctx.observe_gap(now - self.last_write)
+            out.start_nowait(200, SSE_HEADERS + keep)
+        elif self.gaps is not None:
+            gap = now - self.last_write
+            self.gaps.counts[bisect_left(self.gaps.bounds, gap)] += 1
+            self.gaps.total += gap
         self.last_write = now
         self.ctx.events += 1
-        await out.write(data)
+        out.conn.write(data)
 
-    async def sequence_events(self, sink: _SequenceSink, block: bytes) -> None:
+    def sequence_events(self, sink: _SequenceSink, block: bytes) -> None:
         """A block of complete SSE events from one sequence's stream: chunks re-indexed and written, its usage
         chunk kept, ``[DONE]`` dropped, an error event fails the response."""
         seq = sink.seq
@@ -259,29 +308,27 @@ class Merger:
                     self.usage_chunk = obj
                 continue
             out.append(sse.data_event(orjson.dumps(self._rewrite(seq, obj))))
-        if out and self.failure is None:
-            async with self.lock:
-                if self.failure is None and not self.out.ended:
-                    await self._write(b"".join(out), sink.headers)
+        if out and self.failure is None and not self.out.ended:
+            self._write(b"".join(out), sink.headers)
 
     async def finish(self, sinks: list[_SequenceSink]) -> None:
         """Every sequence succeeded: end the stream (usage chunk, ``[DONE]``) or send the merged JSON answer."""
         out = self.out
         if self.stream:
-            async with self.lock:
-                tail = b""
-                usage = merge_usage(self.usages, stream=True)
-                if self.include_usage and usage is not None:
-                    chunk = dict(self.usage_chunk or {"object": "chat.completion.chunk" if self.req.api is Api.CHAT
-                                                       else "text_completion", "choices": []})
-                    chunk.update(self.head or {})
-                    chunk["usage"] = usage
-                    tail = sse.data_event(orjson.dumps(chunk))
-                self._account(usage)
-                if not out.started:
-                    await out.start(200, SSE_HEADERS)
-                out.done_sent = True
-                await out.end(tail + sse.DONE_EVENT)
+            tail = b""
+            usage = merge_usage(self.usages, stream=True)
+            if self.include_usage and usage is not None:
+                chunk = dict(self.usage_chunk or {"object": "chat.completion.chunk" if self.req.api is Api.CHAT
+                                                   else "text_completion", "choices": []})
+                chunk.update(self.head or {})
+                chunk["usage"] = usage
+                tail = sse.data_event(orjson.dumps(chunk))
+            self._account(usage)
+            if not out.started:
+                out.start_nowait(200, SSE_HEADERS)
+            out.done_sent = True
+            self.ctx.timeline.last_token_at = time.monotonic()
+            out.end_nowait(tail + sse.DONE_EVENT)
             return
         answers: list[tuple[Sequence, dict[str, Any]]] = []
         headers: list[tuple[bytes, bytes]] = []
@@ -336,6 +383,7 @@ class FanOut:
         await self._admit(seqs, ctx)
         merger = Merger(req, ctx, out)
         sinks = [_SequenceSink(merger, s) for s in seqs]
+        merger.attach(sinks)
         tasks = [asyncio.get_running_loop().create_task(self._sequence(merger, s, sinks[i], seqs))
                  for i, s in enumerate(seqs)]
         done = asyncio.gather(*tasks)
@@ -350,6 +398,7 @@ class FanOut:
                 await asyncio.gather(*tasks, return_exceptions=True)
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await done
+            merger.detach()
             self._summarise(ctx, seqs)
         if merger.failure is not None:
             ctx.outcome = merger.failure.outcome

@@ -52,7 +52,11 @@ Adding an API (e.g. ``/v1/responses`` with usage inside ``response.completed``, 
 with usage in ``message_start`` and ``message_delta`` and no ``[DONE]``) is a new transform class (trigger
 ``"usage"``, a ``feed`` that patches those events) returned by :meth:`StreamRelay.transforms` for that API, plus
 the ``done_event`` that ends its stream (e.g. ``event: message_stop``; None: the stream ends at the decoder's
-end of body), passed to :class:`StreamRelay`; the splice does not change.
+end of body), passed to :class:`StreamRelay`; the splice does not change.  ``/v1/responses`` and ``/v1/messages``
+are relayed that way: :class:`pdproxy.api_streams.ResponsesStream` / :class:`~pdproxy.api_streams.MessagesStream`
+(the ``api_stream`` of :class:`StreamRelay`) are their transforms, and also say which opening events the first
+block holds back (sent before the engine ran), how a first error event looks, and the error event that ends the
+stream when pdproxy must (:class:`Responder` sends it once the stream started).
 """
 
 from __future__ import annotations
@@ -65,11 +69,11 @@ from typing import Any, Protocol
 
 import orjson
 
-from pdproxy import recompute, sse
+from pdproxy import api_streams, recompute, sse
 from pdproxy.errors import ProxyError, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable, sse_error_event
 from pdproxy.h1client import H1Response, ReadTimeout, TransportError
 from pdproxy.metrics import GapCounts
-from pdproxy.protocol import completion_tokens_in, patch_usage
+from pdproxy.protocol import Api, completion_tokens_in, patch_usage
 from pdproxy.timeline import RequestContext
 from pdproxy.upstream import proxy_error
 
@@ -109,17 +113,22 @@ class ClientConnection(Protocol):
 class Responder:
     """The client side of one request: tracks whether the status line went out, so errors are sent right.
 
-    Before ``start()``: an error becomes an HTTP status with a JSON envelope.  After: an SSE error event
-    followed by ``data: [DONE]`` (if not already sent).  ``headers``: the proxy's own response headers
-    (``x-request-id``), added to every status line.
+    Before ``start()``: an error becomes an HTTP status with a JSON envelope (the Anthropic one on ``/v1/messages``,
+    :func:`pdproxy.api_streams.error_json`).  After: an SSE error event followed by ``data: [DONE]`` (if not already
+    sent) — on Responses and Messages their own error event, which ends those streams (``api_stream``, set by the
+    relay when the stream starts).  ``headers``: the proxy's own response headers (``x-request-id``), added to every
+    status line; ``api``: the route the request came in on.
     """
 
-    __slots__ = ("conn", "ctx", "done_sent", "ended", "headers", "started")
+    __slots__ = ("api", "api_stream", "conn", "ctx", "done_sent", "ended", "headers", "started")
 
-    def __init__(self, conn: ClientConnection, ctx: RequestContext, headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(self, conn: ClientConnection, ctx: RequestContext, headers: list[tuple[bytes, bytes]],
+                 api: Api = Api.CHAT) -> None:
         self.conn = conn
         self.ctx = ctx
         self.headers = headers
+        self.api = api
+        self.api_stream: api_streams.ApiStream | None = None
         self.started = False
         self.ended = False
         self.done_sent = False
@@ -168,12 +177,17 @@ class Responder:
         if not self.started:
             extra = [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
             ctype = err.content_type if isinstance(err, UpstreamHTTPError) else "application/json"
-            body = err.body_bytes()
+            body = api_streams.error_json(self.api, err)
             self.start_nowait(err.status_code, [(b"content-type", ctype.encode()),
                                                 (b"content-length", str(len(body)).encode())] + extra)
             self.end_nowait(body)
             return
         if self.ended:
+            return
+        fmt = self.api_stream or api_streams.stream_for(self.api, self.ctx, None)
+        if fmt is not None:                     # Responses / Messages: their error event ends the stream
+            self.done_sent = True
+            self.end_nowait(fmt.error_event(err))
             return
         tail = sse_error_event(err)
         if not self.done_sent:
@@ -623,6 +637,8 @@ class StreamRelay:
     was opened with (the decode leg opens with ``decode_first_byte_timeout_s``).  None: no limit.
     ``on_recomputed``: without a transcript, called if the decoder does end with ``recomputed`` (detection).
     ``done_event``: the event that ends this API's stream (None: the decoder's end of body ends it).
+    ``api_stream``: a Responses or Messages stream (:mod:`pdproxy.api_streams`): its transform, opening events,
+    first-error rule, end event and error event replace the chat ones (None: chat / completions).
     """
 
     def __init__(self, resp: H1Response, out: Responder, ctx: RequestContext, *,
@@ -631,7 +647,11 @@ class StreamRelay:
                  headers: list[tuple[bytes, bytes]] | None = None,
                  transcript: recompute.Transcript | None = None, strip_usage: bool = False,
                  idle_timeout_s: float | None = None, on_recomputed: Callable[[], None] | None = None,
-                 done_event: bytes | None = sse.DONE_EVENT) -> None:
+                 done_event: bytes | None = sse.DONE_EVENT,
+                 api_stream: api_streams.ApiStream | None = None) -> None:
+        self.api_stream = api_stream
+        if api_stream is not None:
+            done_event = api_stream.done_event
         self.resp = resp
         self.out = out
         self.ctx = ctx
@@ -648,6 +668,8 @@ class StreamRelay:
 
     def transforms(self) -> Any:
         """The transform for this stream (see module docstring), chosen once when it starts."""
+        if self.api_stream is not None:
+            return self.api_stream
         t = self.transcript
         if t is not None and t.attempts > 1:
             return ContinueTranscript(self.ctx, t, keep_usage=not self.strip_usage)
@@ -658,11 +680,15 @@ class StreamRelay:
     async def _first_block(self, framer: sse.EventFramer) -> bytes:
         """The first complete event(s), within ``first_event_timeout_s`` (a deadline on the response's reads, not
         an ``asyncio.timeout``: no task lookup, no extra timer).  Raises :class:`TransportError` (a
-        :class:`ReadTimeout` when the deadline passes)."""
+        :class:`ReadTimeout` when the deadline passes).  A Responses / Messages stream's opening events (sent before
+        the engine ran, :mod:`pdproxy.api_streams`) are held back until a later event is in: ``b""`` if the stream
+        ends before one."""
         resp = self.resp
         before = resp.deadline_at
         deadline = resp.loop.time() + self.first_event_timeout_s
         resp.deadline_at = deadline if before is None else min(before, deadline)
+        opening = self.api_stream.opening if self.api_stream is not None else ()
+        held = b""
         try:
             while True:
                 chunk = await resp.readany()
@@ -670,7 +696,10 @@ class StreamRelay:
                     return b""
                 block = framer.feed(chunk)
                 if block:
-                    return block
+                    if opening and api_streams.only_opening(block, opening):
+                        held += block
+                        continue
+                    return held + block if held else block
         finally:
             resp.deadline_at = before
 
@@ -691,10 +720,14 @@ class StreamRelay:
             raise proxy_error(exc, who, ctx.decoder or "", " before its first event") from None
         if not block:
             raise UpstreamUnavailable(f"{who} closed the stream before its first event", endpoint=ctx.decoder or "")
-        err = _first_event_error(block)
+        fmt = self.api_stream
+        err = _first_event_error(block) if fmt is None else fmt.first_error(block)
         if err is not None:
             err.endpoint = ctx.decoder or ""
             raise err
+        if fmt is not None:
+            fmt.responder = out                 # the stream's end event marks the response done
+            out.api_stream = fmt
         if self.on_first_event is not None:
             self.on_first_event()
         if not out.started:
@@ -713,7 +746,8 @@ class StreamRelay:
                 ctx.outcome = "upstream_error"
                 failure: ProxyError
                 if isinstance(exc, _NoDone):
-                    failure = UpstreamUnavailable(f"{who} ended the stream without data: [DONE]; the response may "
+                    end = fmt.end_name if fmt is not None else "data: [DONE]"
+                    failure = UpstreamUnavailable(f"{who} ended the stream without {end}; the response may "
                                                   "be incomplete", endpoint=ctx.decoder or "")
                 else:
                     failure = proxy_error(exc, who, ctx.decoder or "", " mid-stream")
