@@ -7,7 +7,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install fast-test real-vllm-test bench bench-pinned clean
+.PHONY: demo test install fast-test real-vllm-test bench bench-pinned prefix-bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,9 @@ bench: $(VENV)/.installed-bench
 bench-pinned: $(VENV)/.installed-bench
 	$(BIN)/python -m loadtest.bench --out loadtest/results/latest.json
 	$(BIN)/python -m loadtest.plots loadtest/results/latest.json --out loadtest/results
+
+prefix-bench: $(VENV)/.installed-bench
+	$(BIN)/python -m loadtest.prefix_bench --json loadtest/results/prefix.json
 
 clean:
 	rm -rf $(VENV)

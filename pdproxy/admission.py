@@ -121,7 +121,8 @@ class Admission:
         for src in sources:
             self._local[src] = await self._offload(
                 functools.partial(token_count.LocalCounter, src,
-                                  cache_entries=self.settings.token_count_cache_entries), size=INLINE_BYTES + 1)
+                                  cache_entries=self.settings.token_count_cache_entries,
+                                  ids_cache_tokens=self.settings.token_ids_cache_tokens), size=INLINE_BYTES + 1)
 
     async def aclose(self) -> None:
         """Stop the worker threads (counts in progress are abandoned)."""
@@ -141,6 +142,43 @@ class Admission:
         if size <= INLINE_BYTES or self._executor is None:
             return fn()
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    async def offload(self, fn: Callable[[], T], *, size: int) -> T:
+        """Run ``fn`` off the event loop in the tokenizer threads when ``size`` (bytes of input, or 4 per token)
+        is above :data:`INLINE_BYTES`, else inline (prefix routing hashes its block keys here)."""
+        return await self._offload(fn, size=size)
+
+    async def prompt_token_ids(self, req: ProxyRequest, ctx: RequestContext,
+                               derive: Callable[[list[int]], T]) -> T | None:
+        """``derive(ids)`` for the prompt's token ids, or None when they cannot be had (``token_count =
+        "estimate"``, no engine answers ``/tokenize``, the template rejects the messages: the engine will say so).
+
+        The counting path's sources, in its order: an id prompt as given; the model's local tokenizer
+        (:meth:`~pdproxy.token_count.LocalCounter.token_ids`, in a worker thread, blocks cached); else the
+        engine's ``/tokenize`` (a round trip, ``tokens`` of its answer).  ``derive`` runs in the same worker thread
+        as the tokenizer for large prompts (prefix routing computes its block keys there)."""
+        view, chat, special = req.count_view()         # Responses / Messages: the chat they render
+        prompt = None if chat else view.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            ids = [int(t) for t in prompt]
+            return await self._offload(functools.partial(derive, ids), size=4 * len(ids))
+        source = self.source_for(req.model)
+        if source == "estimate":
+            return None
+        counter = self._local.get(source)
+        if counter is not None:
+            def local() -> T:
+                return derive(counter.token_ids(view, chat, add_special_tokens=special))
+            try:
+                return await self._offload(local, size=len(req.raw))
+            except ValueError:
+                return None
+        engine_ids = await self._engine_ids(req, ctx)
+        if engine_ids is None:
+            return None
+        return await self._offload(functools.partial(derive, engine_ids), size=4 * len(engine_ids))
 
     def source_for(self, model: str | None) -> str:
         """How this model's prompts are counted: ``"estimate"``, ``"engine"`` or a local tokenizer source."""
@@ -261,6 +299,23 @@ class Admission:
             return None
         self._engine_cache.put(key, count)
         return token_count.TokenCount(count, True, "engine")
+
+    async def _engine_ids(self, req: ProxyRequest, ctx: RequestContext) -> list[int] | None:
+        """The prompt's token ids from an engine's ``/tokenize`` (None when no engine answers with them)."""
+        try:
+            endpoint = self._tokenize_endpoint(PickRequest(request_id=ctx.request_id, model=req.model))
+        except ProxyError:
+            return None
+        view, chat, special = req.count_view()
+        body = orjson.dumps(token_count.tokenize_body(view, chat, special))
+        headers = self.headers.leg(endpoint, f"{ctx.request_id}-tokenize", ctx.authorization)
+        try:
+            reply = await self.upstream.post_json(endpoint, "/tokenize", body, headers,
+                                                  timeout_s=self.settings.tokenize_timeout_s)
+        except ProxyError:
+            self.stats.count_errors_total += 1
+            return None
+        return token_count.parse_tokenize_ids(reply)
 
     def _tokenize_endpoint(self, request: PickRequest) -> Endpoint:
         """An engine to ask ``/tokenize``: the scheduler's prefiller, else its decoder (both run the model).

@@ -31,6 +31,7 @@ from pdproxy.admin import build_admin_router, check_admin_key
 from pdproxy.director import Director
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.errors import (
+    BadRequest,
     Forbidden,
     PayloadTooLarge,
     ProxyError,
@@ -40,6 +41,7 @@ from pdproxy.errors import (
     error_body,
 )
 from pdproxy.gcpolicy import GcPolicy
+from pdproxy.kv_metrics import PrefixCacheCollector
 from pdproxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pdproxy.metrics import ProxyMetrics, rejection_of
 from pdproxy.protocol import Api, ProxyRequest, parse_request
@@ -72,6 +74,10 @@ class PDProxyApp:
         self.unready = False  # /health answers 503 (shutdown_delay_s: draining soon, still serving)
         self.share = share
         self.metrics = ProxyMetrics(lambda: self.state)
+        self.metrics.add_collector(PrefixCacheCollector(     # pdproxy_kv_events_*, pdproxy_prefix_index_*
+            lambda: self.state.prefix_cache.subscriber if self.state else None,
+            lambda: self.state.prefix_cache.index if self.state else None,
+            lambda: self.state.prefix_cache.approx if self.state else None))
         self.request_log = RequestLog(settings)
         self.control = build_control_app(self)
 
@@ -360,6 +366,36 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
                                 "waiting": board.waiting(r), "requests": board.row_totals(r)[0]}
                                for r in range(board.rows)]
         return body
+
+    @app.api_route("/debug/prefix", methods=["GET", "POST"])
+    async def debug_prefix(request: Request) -> Response:
+        """Which endpoint holds how much of a prompt: POST a chat or completions body (``messages`` → chat), or
+        ``GET ?prompt=TEXT`` (a completions prompt).  Answers ``{"prefix_routing", "keys", "prompt_tokens",
+        "blocks", "endpoints": [{"name", "role", "dp_rank", "cached_tokens", "source", "publisher_live",
+        "block_size"}]}``; nothing is sent to an engine but, without a local tokenizer, ``/tokenize``.  Open when
+        pdproxy enforces no client keys; behind the admin key when ``api_keys`` is set (as ``/debug/load``)."""
+        st = state()
+        if st.settings.api_keys:                                 # as /debug/load: the admin key then
+            check_admin_key(st, request)
+        authorization = None if st.settings.api_keys else request.headers.get("authorization")
+        if request.method == "POST":
+            raw = await request.body()
+            try:
+                shape = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                shape = None
+            api = Api.CHAT if isinstance(shape, dict) and "messages" in shape else Api.COMPLETIONS
+        else:
+            prompt = request.query_params.get("prompt")
+            if not prompt:
+                raise BadRequest("give the prompt as ?prompt=TEXT, or POST a completion request body",
+                                 param="prompt")
+            raw = orjson.dumps({"prompt": prompt, "model": request.query_params.get("model")})
+            api = Api.COMPLETIONS
+        req = parse_request(raw, api)
+        ctx = RequestContext(request_id=new_request_id(None), client_request_id=None, api_label=api.label,
+                             authorization=authorization, model=req.model)
+        return Response(orjson.dumps(await st.prefix.explain(req, ctx)), media_type="application/json")
 
     @app.exception_handler(404)
     async def _not_found(_: Request, __: Exception) -> Response:

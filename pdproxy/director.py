@@ -29,7 +29,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import orjson
 
@@ -45,9 +45,10 @@ from pdproxy.kv_release import KVReleaser
 from pdproxy.pool import EndpointPool
 from pdproxy.prefill_leg import PrefillLeg, PrefillResult
 from pdproxy.prefill_queue import PrefillQueue
+from pdproxy.prefix_source import NoPrefix, PrefixSource
 from pdproxy.protocol import Api, ProxyRequest, parse_request
 from pdproxy.relay import Responder
-from pdproxy.scheduling import NO_HINTS, PickRequest, PrefixHints, Scheduler
+from pdproxy.scheduling import PickRequest, Scheduler
 from pdproxy.served_models import ServedModels
 from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext, new_request_id
@@ -56,23 +57,6 @@ from pdproxy.upstream import Upstream
 
 if TYPE_CHECKING:
     from pdproxy.state import ProxyState
-
-
-class PrefixSource(Protocol):
-    """Where a request's :class:`~pdproxy.scheduling.PrefixHints` come from (a prefix index); the default knows
-    nothing (:class:`NoPrefix`)."""
-
-    async def hints(self, req: ProxyRequest) -> PrefixHints:
-        """Which endpoints hold how much of ``req``'s prompt (called once per P→D pair, after admission)."""
-        ...
-
-
-class NoPrefix:
-    """No prefix index: every pick sees :data:`~pdproxy.scheduling.NO_HINTS` (pure load routing)."""
-
-    async def hints(self, req: ProxyRequest) -> PrefixHints:
-        """Always :data:`~pdproxy.scheduling.NO_HINTS`."""
-        return NO_HINTS
 
 
 class Director:
@@ -106,13 +90,14 @@ class Director:
 
     @classmethod
     def from_state(cls, state: ProxyState, prefix: PrefixSource | None = None) -> Director:
-        """A director on ``state``'s components (the app lifespan's wiring)."""
+        """A director on ``state``'s components (the app lifespan's wiring); ``prefix`` defaults to the state's
+        prefix router (:class:`~pdproxy.prefix_routing.PrefixRouter`)."""
         releaser = KVReleaser(scheduler=state.scheduler, pool=state.pool, health=state.health,
                               upstream=state.upstream, headers=state.headers,
                               timeout_s=state.settings.kv_release_timeout_s)
         return cls(state.settings, admission=state.admission, scheduler=state.scheduler, queue=state.queue,
                    pool=state.pool, health=state.health, upstream=state.upstream, headers=state.headers,
-                   releaser=releaser, prefix=prefix, tracing=state.tracing, served=state.served)
+                   releaser=releaser, prefix=prefix or state.prefix, tracing=state.tracing, served=state.served)
 
     async def aclose(self) -> None:
         """Let background release legs finish (bounded); the app lifespan calls this before stopping state."""
@@ -173,7 +158,8 @@ class Director:
         KV handle is known intact).  Returns True when the decoder ended with ``stop_reason "recomputed"``.
         Raises the scheduler's refusal at once when no decoder could take the request (no prefill is spent)."""
         attempts = self.settings.decode_attempts
-        pick = PickRequest.of(req, ctx.request_id, await self.prefix.hints(req))
+        hints = await self.prefix.hints(req, ctx)                       # who holds the prompt's prefix
+        pick = PickRequest.of(req, ctx.request_id, hints)
         failed: list[Endpoint] = []
         prefill: PrefillResult | None = None
         self.scheduler.require(Role.DECODE, pick)
@@ -181,8 +167,9 @@ class Director:
             try:
                 for attempt in range(attempts):
                     if prefill is None:
-                        prefill = (await self.prefill.run(req, ctx, pick, stack)
-                                   if ctx.disaggregated and not req.decoder_prefills else PrefillResult.skipped())
+                        disaggregated = ctx.disaggregated and not req.decoder_prefills
+                        prefill = (await self.prefill.run(req, ctx, pick, stack, self.prefix) if disaggregated
+                                   else PrefillResult.skipped())
                         if prefill.answer is not None and await self.answer_from_prefill(
                                 req, ctx, out, prefill, transcript):
                             return False

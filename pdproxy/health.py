@@ -24,6 +24,7 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from pdproxy.breaker import BreakerState, CircuitBreaker, Clock
@@ -81,6 +82,12 @@ class HealthMonitor:
         if make_breaker is not None:
             for e in pool.endpoints():
                 self.breaker(e)
+        self._refresh_listeners: list[Callable[[Endpoint, EngineInfo], None]] = []
+
+    def add_refresh_listener(self, listener: Callable[[Endpoint, EngineInfo], None]) -> None:
+        """Call ``listener(endpoint, info)`` after each refresh of an engine's :class:`EngineInfo` (the prefix
+        cache takes the block size and KV pool from it)."""
+        self._refresh_listeners.append(listener)
 
     # --- breakers -------------------------------------------------------------------------------------------
     def breaker(self, endpoint: Endpoint) -> CircuitBreaker:
@@ -231,6 +238,8 @@ class HealthMonitor:
         """Refresh ``info``; log (once per change) when the engine starts or stops refusing pdproxy's key."""
         refused = info.auth_failed
         await self.engines.refresh(endpoint, info)
+        for listener in self._refresh_listeners:
+            listener(endpoint, info)
         if info.auth_failed and not refused:
             log.warning("%s %s refuses pdproxy's control-plane calls (%s): it was started with --api-key; set "
                         "engine_api_key to that key", endpoint.role.value, endpoint.name, info.error)

@@ -61,9 +61,7 @@ class PrefixCacheCollector:
 
     def collect(self) -> Iterator[Metric]:
         """Yield the ``pdproxy_kv_events_*`` and ``pdproxy_prefix_index_*`` families."""
-        sub = self._subscriber()
-        if sub is not None:
-            yield from self._sources(sub)
+        yield from self._sources(self._subscriber())      # declared, empty, when nothing is followed
         index = self._index()
         if index is not None:
             yield from self._precise(index)
@@ -71,8 +69,8 @@ class PrefixCacheCollector:
         if approx is not None:
             yield from self._approximate(approx)
 
-    def _sources(self, sub: KVEventSubscriber) -> Iterator[Metric]:
-        statuses = sub.statuses()
+    def _sources(self, sub: KVEventSubscriber | None) -> Iterator[Metric]:
+        statuses = sub.statuses() if sub is not None else []
         for attr, name, doc in _SOURCE_COUNTERS:
             family = CounterMetricFamily(name, doc, labels=("endpoint",))
             for st in statuses:
@@ -90,7 +88,7 @@ class PrefixCacheCollector:
             name = st.source.endpoint
             for outcome, n in sorted(st.replays.items()):
                 replays.add_metric((name, outcome), float(n))
-            live.add_metric((name,), 1.0 if sub.is_live(name) else 0.0)
+            live.add_metric((name,), 1.0 if sub is not None and sub.is_live(name) else 0.0)
             if st.last_message_at is not None:
                 age.add_metric((name,), max(now - st.last_message_at, 0.0))
         yield replays

@@ -22,8 +22,12 @@ sizes tokens.  Three kinds of series:
   ``pdproxy_inflight_requests``, ``pdproxy_inflight_tokens``, ``pdproxy_endpoint_healthy``,
   ``pdproxy_endpoint_draining``, ``pdproxy_endpoint_breaker_state{state}`` (1 for the current state),
   ``pdproxy_endpoint_breaker_opened_total``; with ``--workers N`` also ``pdproxy_worker_inflight_requests{worker}``;
-- **prefix cache** (when a ``PrefixCacheCollector`` is added with :meth:`ProxyMetrics.add_collector`):
-  ``pdproxy_kv_events_*`` and ``pdproxy_prefix_index_*`` (:mod:`pdproxy.kv_metrics`);
+- **prefix cache** (when a ``PrefixCacheCollector`` is added with :meth:`ProxyMetrics.add_collector`, as the app
+  does): ``pdproxy_kv_events_*`` and ``pdproxy_prefix_index_*`` (:mod:`pdproxy.kv_metrics`); and per request,
+  prefix routing's prediction for the prefiller against its report, by the prediction's ``source`` (``precise`` |
+  ``approximate`` | ``text``): ``pdproxy_prefix_predicted_cached_tokens_total{source}``,
+  ``pdproxy_prefix_actual_cached_tokens_total{source}``, ``pdproxy_prefix_predictions_total{source,outcome}``
+  (``exact`` | ``over`` | ``under`` | ``unreported``);
 - **the engines' own gauges**, as last read from each engine's ``/metrics`` by the health loop
   (``state.infos``), re-exported with ``role``/``endpoint``/``dp_rank`` labels:
   ``pdproxy_engine_up``, ``pdproxy_engine_max_model_len``, ``pdproxy_engine_kv_pool_tokens`` (``num_gpu_blocks ×
@@ -183,6 +187,17 @@ class ProxyMetrics:
             "timed_out_total": Counter("pdproxy_prefill_queue_timed_out", "Requests that waited past the queue "
                                        "deadline.", registry=reg),
         }
+        self.prefix_predicted = Counter(
+            "pdproxy_prefix_predicted_cached_tokens", "Prefix routing: cached tokens predicted for the prefiller "
+            "each request went to, by the prediction's source (precise | approximate | text).", ("source",),
+            registry=reg)
+        self.prefix_actual = Counter(
+            "pdproxy_prefix_actual_cached_tokens", "Prefix routing: cached tokens the prefiller reported "
+            "(usage.prompt_tokens_details.cached_tokens) for the same requests, by the prediction's source.",
+            ("source",), registry=reg)
+        self.prefix_predictions = Counter(
+            "pdproxy_prefix_predictions", "Prefix routing: predictions by source and outcome against the "
+            "prefiller's report (exact | over | under | unreported).", ("source", "outcome"), registry=reg)
         self.queue_depth = Gauge("pdproxy_prefill_queue_depth", "Requests waiting in pdproxy's prefill queue.",
                                  registry=reg, multiprocess_mode="livesum")
         self._synced: dict[tuple[str, str], float] = {}
@@ -259,6 +274,8 @@ class ProxyMetrics:
         self._labelled(self.requests, api, str(ctx.status or 0), ctx.outcome).inc()
         if rejection is not None:
             self._labelled(self.rejections, *rejection).inc()
+        if ctx.prefix_mode is not None and ctx.predicted_cached_tokens is not None:
+            self._observe_prefix(ctx.prefix_mode, ctx.predicted_cached_tokens, ctx.cached_tokens)
         tl = ctx.timeline
         phases = tl.phases()
         for key, hist in phase_hs:
@@ -275,6 +292,16 @@ class ProxyMetrics:
             span = max(0.0, tl.last_token_at - tl.first_token_at)
             if ctx.events >= 2 and ctx.completion_tokens is not None and ctx.completion_tokens >= 2:
                 tpot_h.observe(span / (ctx.completion_tokens - 1))  # streamed only: JSON has one instant
+
+    def _observe_prefix(self, source: str, predicted: int, actual: int | None) -> None:
+        """One prefill's predicted cached tokens against what the prefiller reported (None: not reported)."""
+        self._labelled(self.prefix_predicted, source).inc(predicted)
+        if actual is None:
+            outcome = "unreported"
+        else:
+            self._labelled(self.prefix_actual, source).inc(actual)
+            outcome = "exact" if actual == predicted else ("over" if predicted > actual else "under")
+        self._labelled(self.prefix_predictions, source, outcome).inc()
 
     def render(self) -> bytes:
         """The exposition text (Prometheus text format 0.0.4)."""

@@ -23,12 +23,15 @@ from pdproxy.errors import NoEndpointAvailable, ProxyError, UpstreamHTTPError, U
 from pdproxy.health import HealthMonitor
 from pdproxy.pool import EndpointLoad, EndpointPool, Lease
 from pdproxy.prefill_queue import PrefillQueue, PrefillSlot
+from pdproxy.prefix_source import NoPrefix, PrefixSource
 from pdproxy.protocol import ProxyRequest, over_max_model_len
 from pdproxy.scheduling import PickRequest
 from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext
 from pdproxy.tracing import NO_TRACING, Tracing
 from pdproxy.upstream import Upstream
+
+_NO_PREFIX = NoPrefix()
 
 # Prefiller answers worth another prefiller: they say "not me, not now".  500 gets one more try elsewhere.
 _RETRYABLE_STATUS = frozenset({502, 503, 504})
@@ -87,9 +90,11 @@ class PrefillLeg:
         self.backoff = backoff
         self.tracing = tracing
 
-    async def run(self, req: ProxyRequest, ctx: RequestContext, pick: PickRequest,
-                  stack: AsyncExitStack) -> PrefillResult:
+    async def run(self, req: ProxyRequest, ctx: RequestContext, pick: PickRequest, stack: AsyncExitStack,
+                  prefix: PrefixSource | None = None) -> PrefillResult:
         """Send the prefill leg, failing over to other prefillers; the slot and the lease live in ``stack``.
+        ``prefix`` hears of each attempt (:meth:`PrefixSource.prefilling <pdproxy.prefix_source.PrefixSource.
+        prefilling>`: in flight, then answered or failed).
 
         Raises :class:`UpstreamHTTPError` for an engine 4xx (passed through), the last failure when every attempt
         failed, the scheduler's refusal (:class:`NoEndpointAvailable`, :class:`~pdproxy.errors.ModelNotFound`)
@@ -127,7 +132,8 @@ class PrefillLeg:
             ctx.prefiller = endpoint.name
             ctx.timeline.prefill_start_at = time.monotonic()
             try:
-                with self.tracing.prefill(ctx, endpoint):   # the span is the leg's traceparent
+                with (self.tracing.prefill(ctx, endpoint),                 # the span is the leg's traceparent
+                      (prefix or _NO_PREFIX).prefilling(req, ctx, endpoint)):  # in flight there; answered/failed
                     reply = await self.upstream.post_json(endpoint, req.api.value, leg,
                                                           self.headers.leg(endpoint, ctx.request_id, ctx.authorization),
                                                           timeout_s=timeout_s)

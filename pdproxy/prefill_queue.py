@@ -12,7 +12,9 @@ Two parts: :class:`PrefillLedger` counts what is held against each prefiller and
 the scheduler finds a prefiller that passes every filter including that one.
 
 - **Budget.**  A prefiller may hold ``budget_tokens`` of dispatched-but-unanswered prefill tokens; a prompt larger
-  than the budget runs only on an otherwise idle prefiller.  ``budget_tokens = 0`` turns the budget off.
+  than the budget runs only on an otherwise idle prefiller.  ``budget_tokens = 0`` turns the budget off.  The
+  tokens counted are those the prefiller will compute: the prompt minus what the prefix index says it holds
+  (``PickRequest.hints``, :mod:`pdproxy.prefix_routing`), so a 100K-token turn with 99K cached is a 1K prefill.
 - **KV pool.**  The prompt tokens in flight *or pinned* on a prefiller must also fit its KV pool
   (``EngineInfo.kv_pool_tokens`` via :class:`~pdproxy.limits.Limits`, from ``vllm:cache_config_info``): after the
   prefill the engine keeps the prompt's blocks until the decoder pulls them (the KV connector's delayed free,
@@ -23,7 +25,8 @@ the scheduler finds a prefiller that passes every filter including that one.
   at most ``block_size − 1`` tokens more than its prompt), as vLLM allocates them.  Without it a second long
   prompt is dispatched and waits inside the engine, where it holds every smaller request behind it (vLLM's
   head-of-line blocking, seed 000).
-- **Order.**  Waiters are served by ``key = prompt_tokens − aging_tokens_per_s × waited_s`` (smallest first): a
+- **Order.**  Waiters are served by ``key = uncached tokens − aging_tokens_per_s × waited_s`` (smallest first;
+  uncached = the prompt minus the most any prefiller holds of it, the whole prompt when nothing is known): a
   small prompt goes ahead of a large one, and a large one's key falls every second it waits until it is first.
   Dispatch is strict in that order (the first waiter that cannot be placed blocks the ones behind it), so a large
   prompt is never starved.
@@ -83,22 +86,26 @@ class QueueStats:
 
 
 class PrefillSlot:
-    """One dispatched prefill: ``tokens`` held against ``endpoint``'s budget until :meth:`prefill_done`, and
-    ``decode_tokens`` reserved on the decoders until :meth:`decode_started`.  Both releases are idempotent."""
+    """One dispatched prefill of a ``tokens``-token prompt: ``compute_tokens`` of it (the tokens the prefiller
+    has not cached; default all) held against ``endpoint``'s budget until :meth:`prefill_done` (the ledger's
+    in-flight count), the whole prompt unleased until :meth:`handed_over`, and ``decode_tokens`` reserved on the
+    decoders until :meth:`decode_started`.  The releases are idempotent."""
 
-    __slots__ = ("_counts", "_decode_held", "_ledger", "_prefill_held", "_unleased", "decode_tokens", "endpoint",
-                 "tokens")
+    __slots__ = ("_counts", "_decode_held", "_ledger", "_prefill_held", "_unleased", "compute_tokens",
+                 "decode_tokens", "endpoint", "tokens")
 
-    def __init__(self, ledger: PrefillLedger, endpoint: Endpoint, tokens: int, decode_tokens: int) -> None:
+    def __init__(self, ledger: PrefillLedger, endpoint: Endpoint, tokens: int, decode_tokens: int,
+                 compute_tokens: int | None = None) -> None:
         self._ledger = ledger
         self._counts = counts = ledger.counts
         self.endpoint = endpoint
         self.tokens = tokens
+        self.compute_tokens = tokens if compute_tokens is None else compute_tokens
         self.decode_tokens = decode_tokens
         self._prefill_held = True
         self._decode_held = True
         self._unleased = True
-        counts.add_inflight(endpoint, tokens, 1)
+        counts.add_inflight(endpoint, self.compute_tokens, 1)
         counts.add_unleased(endpoint, tokens, 1)
         counts.add_pending_decode(decode_tokens)
 
@@ -115,7 +122,7 @@ class PrefillSlot:
         self.handed_over()
         if self._prefill_held:
             self._prefill_held = False
-            self._counts.add_inflight(self.endpoint, -self.tokens, -1)
+            self._counts.add_inflight(self.endpoint, -self.compute_tokens, -1)
             self._ledger.changed()
 
     def decode_started(self) -> None:
@@ -239,12 +246,14 @@ class PrefillLedger:
         for listener in self._listeners:
             listener()
 
-    def hold(self, endpoint: Endpoint, tokens: int, decode_tokens: int) -> PrefillSlot:
-        """Grant a slot: ``tokens`` against ``endpoint``, ``decode_tokens`` reserved on the decoders (no check)."""
-        return PrefillSlot(self, endpoint, tokens, decode_tokens)
+    def hold(self, endpoint: Endpoint, tokens: int, decode_tokens: int,
+             compute_tokens: int | None = None) -> PrefillSlot:
+        """Grant a slot (no check): a ``tokens``-token prompt on ``endpoint`` of which ``compute_tokens`` (default
+        all) are not cached there and count against its budget; ``decode_tokens`` reserved on the decoders."""
+        return PrefillSlot(self, endpoint, tokens, decode_tokens, compute_tokens)
 
     def try_hold(self, endpoint: Endpoint, tokens: int, decode_tokens: int,
-                 checked_at: int | None = None) -> PrefillSlot | None:
+                 checked_at: int | None = None, compute_tokens: int | None = None) -> PrefillSlot | None:
         """Grant a slot the caller found room for (the scheduler's :meth:`has_room` filter, :meth:`decode_room`),
         reading the counts after :meth:`LedgerCounts.epoch` returned ``checked_at``.  When other workers grant
         against the same counts, the slot is published inside the counts' exclusive section — after checking the
@@ -252,24 +261,25 @@ class PrefillLedger:
         together; None when the room is gone."""
         counts = self.counts
         if not counts.concurrent:
-            return self.hold(endpoint, tokens, decode_tokens)
+            return self.hold(endpoint, tokens, decode_tokens, compute_tokens)
         with counts.exclusive():
-            if counts.epoch() != checked_at and not (self.has_room(endpoint, tokens)
+            if counts.epoch() != checked_at and not (self.has_room(endpoint, tokens, compute_tokens)
                                                       and self.decode_room(decode_tokens)):
                 return None
-            slot = self.hold(endpoint, tokens, decode_tokens)
+            slot = self.hold(endpoint, tokens, decode_tokens, compute_tokens)
             counts.granted()
             return slot
 
     def inflight_tokens(self, endpoint: Endpoint) -> int:
-        """Prefill tokens dispatched to ``endpoint`` and not answered yet (all workers)."""
+        """Prefill tokens dispatched to ``endpoint``, not answered yet and not cached there (all workers): the
+        prefill work queued on it (the budget's measure and the prefill scorer's load)."""
         return self.counts.inflight(endpoint)[0]
 
     def kv_held_tokens(self, endpoint: Endpoint, lim: EngineLimits | None = None) -> int:
         """An upper bound on the KV (tokens, whole blocks) that prompts in flight or pinned hold on ``endpoint``:
         the pool's leases on it (the director's prefill leases, held until the decoder starts answering) plus
         slots granted and not yet leased — or the unanswered prefills alone if more (a holder that takes no
-        lease).  ``lim``: the endpoint's limits when the caller has them."""
+        lease; those count their uncached tokens).  ``lim``: the endpoint's limits when the caller has them."""
         lim = lim or self.limits.of(endpoint)
         pad = lim.block_size - 1 if lim.block_size else 0
         counts = self.counts
@@ -283,11 +293,13 @@ class PrefillLedger:
         return max(leased_tokens + unleased_tokens + pad * (leased_requests + unleased_requests),
                    flying_tokens + pad * flying_requests)
 
-    def has_room(self, endpoint: Endpoint, tokens: int) -> bool:
-        """True when a prompt of ``tokens`` tokens fits ``endpoint``'s budget, then its KV pool (module
+    def has_room(self, endpoint: Endpoint, tokens: int, compute_tokens: int | None = None) -> bool:
+        """True when a prompt of ``tokens`` tokens, ``compute_tokens`` of them not cached on ``endpoint``
+        (default all), fits its budget (by the tokens to compute), then its KV pool (by the whole prompt; module
         docstring); an idle prefiller takes any prompt the limits let in."""
         held = self.inflight_tokens(endpoint)
-        if not (self.budget_tokens <= 0 or held == 0 or held + tokens <= self.budget_tokens):
+        compute = tokens if compute_tokens is None else compute_tokens
+        if not (self.budget_tokens <= 0 or held == 0 or held + compute <= self.budget_tokens):
             return False
         lim = self.limits.of(endpoint)
         if lim.kv_pool_tokens is None:
@@ -333,6 +345,8 @@ class _Waiter:
     exclude: Sequence[Endpoint]
     request: PickRequest
     seq: int
+    order_tokens: int = 0
+    """The queue key's tokens: the prompt minus the most any prefiller holds of it (what will be computed)."""
     arrived_at: float = field(default_factory=time.monotonic)
     event: asyncio.Event = field(default_factory=asyncio.Event)
     slot: PrefillSlot | None = None
@@ -385,7 +399,7 @@ class PrefillQueue:
     def _base(self, w: _Waiter) -> float:
         """``w``'s ordering key without the clock: key(now) = base − aging × now, so bases order waiters the way
         keys do at any instant, in any process (one monotonic clock per machine)."""
-        return w.tokens + self.aging_tokens_per_s * w.arrived_at
+        return w.order_tokens + self.aging_tokens_per_s * w.arrived_at
 
     def _try_grant(self, w: _Waiter) -> bool:
         counts = self._counts
@@ -398,7 +412,8 @@ class PrefillQueue:
             endpoint = self.scheduler.pick(Role.PREFILL, w.request, w.exclude)
         except ProxyError:           # no room now (or no longer placeable: its own wait loop will say so)
             return False
-        slot = self.ledger.try_hold(endpoint, w.tokens, w.decode_tokens, epoch)
+        compute = max(0, w.tokens - w.request.hints.cached(endpoint))
+        slot = self.ledger.try_hold(endpoint, w.tokens, w.decode_tokens, epoch, compute)
         if slot is None:             # another worker took the room since the filters read it
             self.scheduler.unpick(endpoint)
             return False
@@ -422,7 +437,7 @@ class PrefillQueue:
         self._notified_at = now = time.monotonic()
         head: _Waiter | None = None
         order = sorted((w for w in self._waiting if w.slot is None),
-                       key=lambda w: (w.tokens - self.aging_tokens_per_s * (now - w.arrived_at), w.seq))
+                       key=lambda w: (w.order_tokens - self.aging_tokens_per_s * (now - w.arrived_at), w.seq))
         blocked: set[Endpoint] = set()
         for w in order:
             placeable: list[Endpoint] | None = None
@@ -458,7 +473,9 @@ class PrefillQueue:
             request = PickRequest(request_id=f"prefill-slot-{seq}", prompt_tokens=tokens)
         elif request.prompt_tokens is None:
             request = dataclasses.replace(request, prompt_tokens=tokens)
-        w = _Waiter(tokens, decode_tokens, tuple(exclude), request, seq)
+        cached = request.hints.cached_tokens
+        w = _Waiter(tokens, decode_tokens, tuple(exclude), request, seq,
+                    max(0, tokens - max(cached.values(), default=0)))
         if self._waiting or not self._try_grant(w):        # somebody ahead, or no room now
             self.scheduler.require(Role.PREFILL, w.request, w.exclude)   # never placeable: its refusal, at once
             if len(self._waiting) >= self.max_waiting:

@@ -71,14 +71,17 @@ class PrefixCache:
         """Whether ``endpoint``'s predictions come from its own live KV events."""
         return self.subscriber is not None and self.subscriber.is_live(endpoint)
 
-    def predict(self, keys: BlockKeys, endpoints: Iterable[str]) -> dict[str, Prediction]:
-        """Per endpoint name, the cached tokens to expect for ``keys``' prompt (0 when nothing is known)."""
+    def predict(self, keys: BlockKeys, endpoints: Iterable[str], *, precise: bool = True,
+                approximate: bool = True) -> dict[str, Prediction]:
+        """Per endpoint name, the cached tokens to expect for ``keys``' prompt (0 when nothing is known): from
+        the precise index where the endpoint's publisher is live (unless ``precise`` is False), else from the
+        approximate index (unless ``approximate`` is False: then such endpoints are left out of the answer)."""
         names = list(endpoints)
-        precise = [n for n in names if self.is_precise(n)]
-        other = [n for n in names if n not in set(precise)]
+        live = [n for n in names if self.is_precise(n)] if precise else []
+        other = [n for n in names if n not in set(live)] if approximate else []
         out: dict[str, Prediction] = {}
-        if precise:
-            out.update((n, Prediction(t, True)) for n, t in self.index.match(keys, precise).items())
+        if live:
+            out.update((n, Prediction(t, True)) for n, t in self.index.match(keys, live).items())
         if other:
             out.update((n, Prediction(t, False)) for n, t in self.approx.match(keys, other).items())
         return out

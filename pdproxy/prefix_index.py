@@ -96,12 +96,17 @@ class BlockKeys:
     num_tokens: int
     namespace: str = ""
     kind: Literal["tokens", "text"] = "tokens"
+    num_chars: int = 0
+    """Text keys: the rendered prompt's length in characters (the partial last chunk included)."""
 
     @property
     def tokens_per_block(self) -> float:
-        """Tokens one key stands for (``block_size`` for token keys; estimated for text chunks)."""
+        """Tokens one key stands for (``block_size`` for token keys; for text chunks ``num_tokens`` spread
+        evenly over the characters)."""
         if self.kind == "tokens":
             return float(self.block_size)
+        if self.num_chars:
+            return self.num_tokens * self.block_size / self.num_chars
         return self.num_tokens / len(self.keys) if self.keys else 0.0
 
     def cached_tokens(self, blocks: int) -> int:
@@ -145,7 +150,7 @@ def text_keys(text: str, *, chunk_chars: int = DEFAULT_TEXT_CHUNK_CHARS, namespa
         parent = blake(chunk, digest_size=8, key=parent).digest()
         keys.append(int.from_bytes(parent, "big", signed=True))
     estimate = num_tokens if num_tokens is not None else int(len(text) / chars_per_token)
-    return BlockKeys(keys, chunk_chars, estimate, namespace, "text")
+    return BlockKeys(keys, chunk_chars, estimate, namespace, "text", len(text))
 
 
 def rendezvous_order(key: int, endpoints: Iterable[str]) -> list[str]:

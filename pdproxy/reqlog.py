@@ -5,11 +5,15 @@ Fields (snake_case, stable; absent values are ``null``)::
     {"event": "request", "ts": 1755000000.123, "request_id": "<engine-side id>", "client_request_id": "<X-Request-Id>",
      "api": "chat", "model": "m", "stream": true, "status": 200, "outcome": "ok", "rejection": null,
      "prefiller": "http://p0:9100", "decoder": "http://d0:9101", "dp_rank": 1,
-     "prompt_tokens": 5120, "completion_tokens": 256, "cached_tokens": 4096, "events": 258,
+     "prompt_tokens": 5120, "completion_tokens": 256, "cached_tokens": 4096, "predicted_cached_tokens": 4096,
+     "prefix_mode": "precise", "events": 258,
      "admission_wait_s": 0.0001, "prefill_s": 0.41, "pd_gap_s": 0.0002, "decode_first_token_s": 0.05,
      "decode_s": 5.1, "ttft_s": 0.46, "e2e_s": 5.56, "error": null, "pid": 4242}
 
-``prompt_tokens`` is the proxy's count (admission); ``cached_tokens`` the prefiller's prefix-cache hits.  The
+``prompt_tokens`` is the proxy's count (admission; exact when prefix routing had the token ids);
+``cached_tokens`` the prefiller's prefix-cache hits; ``predicted_cached_tokens`` what prefix routing expected
+there and ``prefix_mode`` from where (``precise``: the engine's KV events, ``approximate``: pdproxy's record of
+token keys, ``text``: of text keys; both null when prefix routing is off or the request skipped the prefiller).  The
 prompt text is never logged unless ``log_prompts`` is set (then ``prompt`` or ``messages`` is added as sent).
 Times are seconds (``ts`` wall clock, the rest durations from :meth:`Timeline.phases`).
 
@@ -45,7 +49,8 @@ def request_record(ctx: RequestContext, req: ProxyRequest | None, *, rejection: 
         "rejection": ":".join(x for x in rejection if x) if rejection else None,
         "prefiller": ctx.prefiller, "decoder": ctx.decoder, "dp_rank": ctx.decoder_dp_rank,
         "prompt_tokens": ctx.prompt_tokens, "completion_tokens": ctx.completion_tokens,
-        "cached_tokens": ctx.cached_tokens, "events": ctx.events,
+        "cached_tokens": ctx.cached_tokens, "predicted_cached_tokens": ctx.predicted_cached_tokens,
+        "prefix_mode": ctx.prefix_mode, "events": ctx.events,
     }
     for key, value in ctx.timeline.phases().items():
         record[key] = None if value is None else round(value, 6)

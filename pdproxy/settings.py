@@ -93,6 +93,10 @@ class Settings(BaseSettings):
         "least_cost", description="how the scheduler picks among scored endpoints: 'least_cost' (lowest cost, ties "
                                   "by rendezvous hashing, the same in every replica) or 'power_of_two' (two "
                                   "sampled at random, the cheaper wins)")
+    prefill_cost_resolution_tokens: int = Field(
+        256, ge=0, description="queued prefill work is compared in steps of this many tokens: prefillers whose "
+                               "queues differ by less tie on load, and in-flight requests then the rendezvous "
+                               "tie-break decide (prefix hits count exactly; 0 = exact)")
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     max_request_head_bytes: int = Field(64 * 1024, ge=1024, description="largest request line + header fields a "
                                                                          "client may send (431 above)")
@@ -220,6 +224,18 @@ class Settings(BaseSettings):
                                                                 "ago (seconds)")
     prefix_text_chunk_chars: int = Field(256, ge=1, description="without a tokenizer: characters per key of the "
                                                                 "rendered prompt (approximate index only)")
+    prefix_routing: Literal["auto", "precise", "approximate", "off"] = Field(
+        "auto", description="prefix-cache-aware prefill routing (pdproxy/prefix_routing.py): 'auto' = from the "
+                            "engine's KV events where its publisher is live, else from where pdproxy sent earlier "
+                            "prompts; 'precise' = KV events only; 'approximate' = pdproxy's own record only; "
+                            "'off' = load only")
+    prefix_keys: Literal["auto", "text"] = Field(
+        "auto", description="what prefix routing hashes: 'auto' = the prompt's token ids (local tokenizer, else the "
+                            "engine's /tokenize; text when neither answers); 'text' = chunks of the rendered text "
+                            "(no tokenizer work; approximate only)")
+    token_ids_cache_tokens: int = Field(
+        4_000_000, ge=0, description="token ids of rendered blocks (system prompts, earlier turns) the local "
+                                     "tokenizer keeps for prefix routing, in tokens (4 bytes each)")
 
     # --- tracing (pdproxy/tracing.py)
     otlp_traces_endpoint: str | None = Field(

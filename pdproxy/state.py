@@ -18,6 +18,8 @@ from pdproxy.limits import Limits
 from pdproxy.passthrough import Passthrough
 from pdproxy.pool import EndpointPool
 from pdproxy.prefill_queue import PrefillLedger, PrefillQueue
+from pdproxy.prefix_cache import PrefixCache
+from pdproxy.prefix_routing import PrefixRouter
 from pdproxy.scheduling import Scheduler
 from pdproxy.served_models import ServedModels
 from pdproxy.settings import Settings
@@ -47,6 +49,8 @@ class ProxyState:
     admission: Admission
     tracing: Tracing
     passthrough: Passthrough
+    prefix_cache: PrefixCache
+    prefix: PrefixRouter
     shutting_down: bool = False
     in_flight: int = 0
     share: WorkerShare | None = None
@@ -75,7 +79,8 @@ class ProxyState:
                                decoder_capacity=s.prefill_tied_to_decoders, decoder_max_requests=s.decoder_max_requests,
                                counts=share.ledger_counts() if share is not None else None)
         scheduler = Scheduler.standard(pool, health=health, infos=infos, limits=limits, ledger=ledger,
-                                       picker=s.routing_picker, served=served)
+                                       picker=s.routing_picker, served=served,
+                                       prefill_resolution_tokens=s.prefill_cost_resolution_tokens)
         queue = PrefillQueue(ledger, scheduler, max_waiting=s.prefill_queue_max, timeout_s=s.prefill_queue_timeout_s,
                              aging_tokens_per_s=s.prefill_queue_aging_tokens_per_s, busy_tokens=s.prefill_busy_tokens)
         upstream = Upstream(connect_timeout_s=s.connect_timeout_s, max_connections=s.upstream_max_connections,
@@ -84,25 +89,32 @@ class ProxyState:
         if share is not None:
             share.connect(pool, ledger)     # this worker's releases wake the other workers' waiters
         passthrough = Passthrough(s, scheduler=scheduler, served=served, pool=pool, health=health, headers=headers)
+        prefix_cache = PrefixCache(s)
+        health.add_refresh_listener(prefix_cache.update_engine)        # block size, KV pool of each engine
+        prefix = PrefixRouter(s, cache=prefix_cache, admission=admission, pool=pool, infos=infos)
         return cls(settings=s, pool=pool, infos=infos, served=served, limits=limits, health=health, ledger=ledger,
                    scheduler=scheduler, queue=queue, headers=headers, upstream=upstream, engines=engines,
-                   admission=admission, tracing=tracing, passthrough=passthrough, share=share)
+                   admission=admission, tracing=tracing, passthrough=passthrough, prefix_cache=prefix_cache,
+                   prefix=prefix, share=share)
 
     async def start(self) -> None:
-        """Start the upstream pool, admission and health monitoring (health probes every engine once first), and
-        with ``share`` the wake-ups from other workers."""
+        """Start the upstream pool, admission, the prefix cache's KV event subscriber and health monitoring
+        (health probes every engine once first), and with ``share`` the wake-ups from other workers."""
         await self.upstream.start()
         await self.admission.start()
+        await self.prefix_cache.__aenter__()
         await self.health.start()
         if self.share is not None:
             self.share.listen(self.queue.notify)
 
     async def stop(self) -> None:
-        """Stop the wake-ups, health monitoring, admission, the upstream pool, the passthrough client and the
-        engine client, in that order, then flush the spans still buffered (tracing on)."""
+        """Stop the wake-ups, health monitoring, the KV event subscriber, admission, the upstream pool, the
+        passthrough client and the engine client, in that order, then flush the spans still buffered (tracing
+        on)."""
         if self.share is not None:
             self.share.close()
         await self.health.stop()
+        await self.prefix_cache.__aexit__(None, None, None)
         await self.admission.aclose()
         await self.upstream.close()
         await self.passthrough.aclose()

@@ -87,6 +87,8 @@ class RequestContext:
     prompt_tokens: int | None = None
     engine_prompt_tokens: int | None = None  # the prefiller's usage.prompt_tokens (admission may have estimated)
     cached_tokens: int | None = None
+    predicted_cached_tokens: int | None = None  # prefix routing's prediction for the prefiller (pdproxy/prefix_routing)
+    prefix_mode: str | None = None  # where that prediction came from: precise | approximate | text
     completion_tokens: int | None = None
     events: int = 0
     status: int = 0

@@ -15,6 +15,10 @@ digit and before a non-space), where GPT-2-style pre-tokenizers always split; th
 (``encode_batch`` releases the GIL) and counting stops as soon as the running total passes ``cap`` — the prompt is
 then reported as "at least" that many tokens, as vLLM does.  The chunking is enabled for a Hugging Face tokenizer
 only when it has no normalizer, a byte-level (regex) pre-tokenizer and passes a self-check at load.
+
+**Token ids** (prefix routing, :mod:`pdproxy.prefix_routing`): :meth:`LocalCounter.token_ids` encodes the same
+blocks and keeps the ids of each cached-size block in an :class:`IdsCache` bounded in tokens, so a conversation's
+next turn encodes only its new messages; ``/tokenize`` answers carry the ids too (:func:`parse_tokenize_ids`).
 """
 
 from __future__ import annotations
@@ -24,13 +28,14 @@ import itertools
 import json
 import re
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdproxy.tokens import MEDIA_PART_TOKENS, SimTokenizer, Tokenizer, load_tokenizer
+from pdproxy.tokens import MEDIA_PART_TOKENS, MEDIA_TOKEN_ID, SimTokenizer, Tokenizer, load_tokenizer
 
 CACHE_MIN_CHARS = 256
 """Blocks shorter than this (characters) are counted, not cached."""
@@ -92,6 +97,45 @@ class BlockCache:
                 self._data.popitem(last=False)
 
 
+class IdsCache:
+    """Thread-safe LRU of ``digest(block text) -> token ids`` holding at most ``max_tokens`` ids in all (stored as
+    ``array('i')``: 4 bytes a token).  A block longer than a quarter of the bound is not kept."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self._data: OrderedDict[bytes, array[int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: bytes) -> array[int] | None:
+        """The cached ids, or None (counted in ``hits`` / ``misses``)."""
+        with self._lock:
+            value = self._data.get(key)
+            if value is None:
+                self.misses += 1
+                return None
+            self._data.move_to_end(key)
+            self.hits += 1
+            return value
+
+    def put(self, key: bytes, ids: Sequence[int]) -> None:
+        """Remember ``ids`` for ``key``, evicting the least recently used blocks past ``max_tokens``."""
+        if len(ids) * 4 > self.max_tokens:
+            return
+        value = array("i", ids)
+        with self._lock:
+            old = self._data.pop(key, None)
+            if old is not None:
+                self.tokens -= len(old)
+            self._data[key] = value
+            self.tokens += len(value)
+            while self.tokens > self.max_tokens:
+                _, dropped = self._data.popitem(last=False)
+                self.tokens -= len(dropped)
+
+
 def word_cuts(text: str, size: int) -> Iterator[str]:
     """Split ``text`` lazily into pieces of about ``size`` characters, each cut just before a space that follows a
     letter or digit and precedes a non-space (a pre-token boundary for GPT-2-style regexes).  The pieces joined give
@@ -134,6 +178,12 @@ class _SimBackend:
     def count_many(self, pieces: Sequence[str]) -> list[int]:
         return [self.tok.count(p) for p in pieces]
 
+    def ids_many(self, pieces: Sequence[str]) -> list[list[int]]:
+        return [self.tok.encode(p) for p in pieces]
+
+    def special_id(self, text: str) -> int:
+        raise AssertionError("the sim tokenizer has no special tokens")  # pragma: no cover
+
 
 class _HFBackend:
     """Counting with a ``tokenizers`` tokenizer loaded from ``tokenizer.json`` (``add_special_tokens=False``)."""
@@ -148,7 +198,8 @@ class _HFBackend:
                     for t in added)
         contents = sorted({t["content"] for t in added}, key=len, reverse=True)
         self._specials = re.compile("|".join(map(re.escape, contents))) if plain and contents else None
-        self.bos_tokens = len(self.tok.encode("", add_special_tokens=True).ids)
+        self.bos_ids: list[int] = list(self.tok.encode("", add_special_tokens=True).ids)
+        self.bos_tokens = len(self.bos_ids)
         pre = spec.get("pre_tokenizer") or {}
         members = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
         byte_level = [m for m in members if m.get("type") == "ByteLevel"]
@@ -178,19 +229,30 @@ class _HFBackend:
             return [len(self.tok.encode(pieces[0], add_special_tokens=False).ids)]
         return [len(e.ids) for e in self.tok.encode_batch(list(pieces), add_special_tokens=False)]
 
+    def ids_many(self, pieces: Sequence[str]) -> list[list[int]]:
+        if len(pieces) == 1:
+            return [list(self.tok.encode(pieces[0], add_special_tokens=False).ids)]
+        return [list(e.ids) for e in self.tok.encode_batch(list(pieces), add_special_tokens=False)]
+
+    def special_id(self, text: str) -> int:
+        """The id of an added special token's text (a block :meth:`blocks` gave a fixed count of 1)."""
+        token_id = self.tok.token_to_id(text)
+        return int(token_id) if token_id is not None else len(self.tok.encode(text, add_special_tokens=False).ids)
+
 
 class LocalCounter:
     """Counts prompts with a local tokenizer (``"sim"`` for the built-in one, or a directory with
     ``tokenizer.json``).  :meth:`count` is synchronous and meant for a worker thread.  Raises
     ``FileNotFoundError`` for a directory without ``tokenizer.json``."""
 
-    def __init__(self, source: str, *, cache_entries: int = 4096) -> None:
+    def __init__(self, source: str, *, cache_entries: int = 4096, ids_cache_tokens: int = 4_000_000) -> None:
         self.tokenizer: Tokenizer = load_tokenizer(None if source == "sim" else source)
         if isinstance(self.tokenizer, SimTokenizer):
             self.backend: _SimBackend | _HFBackend = _SimBackend(self.tokenizer)
         else:
             self.backend = _HFBackend(Path(source))
         self.cache = BlockCache(cache_entries)
+        self.ids_cache = IdsCache(ids_cache_tokens)
 
     def render(self, body: dict[str, Any], chat: bool) -> tuple[str, int] | list[int]:
         """The prompt text and its extra tokens (media parts, BOS), or the token ids of an id prompt.
@@ -270,6 +332,63 @@ class LocalCounter:
             if cap is not None and n > cap:
                 return False, n
 
+    def text_ids(self, text: str) -> list[int]:
+        """Token ids of rendered ``text`` (no special tokens added): its blocks' ids, concatenated, the blocks of
+        cacheable size taken from :attr:`ids_cache` when there and encoded together (``encode_batch``) when not;
+        a large block is split at word boundaries when the tokenizer allows it (:func:`word_cuts`)."""
+        backend = self.backend
+        parts: list[Sequence[int] | None] = []
+        todo: list[tuple[int, bytes | None, list[str]]] = []
+        for block, fixed in backend.blocks(text):
+            if fixed is not None:
+                parts.append([backend.special_id(block)])
+                continue
+            key = BlockCache.key(block) if CACHE_MIN_CHARS <= len(block) <= CACHE_MAX_CHARS else None
+            cached = self.ids_cache.get(key) if key is not None else None
+            if cached is not None:
+                parts.append(cached)
+                continue
+            pieces = list(word_cuts(block, CHUNK_CHARS)) if len(block) > GROUP_CHARS and backend.chunkable else [block]
+            todo.append((len(parts), key, pieces))
+            parts.append(None)
+        if todo:
+            flat = [p for _, _, pieces in todo for p in pieces]
+            encoded = iter(backend.ids_many(flat))
+            for slot, key, pieces in todo:
+                ids = [t for _ in pieces for t in next(encoded)] if len(pieces) > 1 else next(encoded)
+                parts[slot] = ids
+                if key is not None:
+                    self.ids_cache.put(key, ids)
+        out: list[int] = []
+        for part in parts:
+            assert part is not None
+            out.extend(part)
+        return out
+
+    def token_ids(self, body: dict[str, Any], chat: bool, *, add_special_tokens: bool = False) -> list[int]:
+        """The prompt's token ids as the engine builds them (what :func:`pdproxy.tokens.prompt_token_ids` gives,
+        with the block cache): chat bodies rendered with the chat template plus media placeholder ids (and the
+        tokenizer's BOS first with ``add_special_tokens``, as :meth:`count`), completion prompts with the
+        tokenizer's BOS, id prompts as they are.  Raises ``ValueError`` when the chat template rejects the
+        messages."""
+        if not chat:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1:
+                prompt = prompt[0]
+            if isinstance(prompt, list):
+                return [int(t) for t in prompt]
+            head = list(self.backend.bos_ids) if isinstance(self.backend, _HFBackend) else []
+            return head + self.text_ids(str(prompt or ""))
+        rendered = self.render(body, chat)
+        assert not isinstance(rendered, list)
+        text, media = rendered
+        ids = self.text_ids(text)
+        if add_special_tokens and isinstance(self.backend, _HFBackend):
+            ids[:0] = self.backend.bos_ids
+        if media:
+            ids.extend([MEDIA_TOKEN_ID] * media)
+        return ids
+
     def count(self, body: dict[str, Any], chat: bool, cap: int | None = None, *,
               add_special_tokens: bool = False) -> TokenCount:
         """Count a request body's prompt tokens (see module docstring); ``add_special_tokens``: the rendered chat
@@ -303,6 +422,14 @@ def engine_cache_key(body: dict[str, Any], chat: bool, add_special_tokens: bool 
 
     return hashlib.blake2b(orjson.dumps(tokenize_body(body, chat, add_special_tokens),
                                         option=orjson.OPT_SORT_KEYS), digest_size=16).digest()
+
+
+def parse_tokenize_ids(reply: dict[str, Any]) -> list[int] | None:
+    """``tokens`` (the prompt's token ids) from a ``/tokenize`` answer, or None when absent or not ints."""
+    tokens = reply.get("tokens")
+    if isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        return tokens
+    return None
 
 
 def parse_tokenize_reply(reply: dict[str, Any]) -> int:

@@ -20,8 +20,8 @@ The filters, in the order the standard profiles run them (:func:`pdproxy.schedul
 - :class:`OnDpRank` — it is the DP rank the request is pinned to, if any;
 - :class:`Affinity` (prefill only) — the prefiller a fan-out sibling's prompt was just computed on, when it is
   still among the candidates (soft: otherwise all stay);
-- :class:`HasPrefillRoom` (prefill only, ``capacity``) — the prompt fits its prefill budget and the KV it has free
-  (:class:`~pdproxy.prefill_queue.PrefillLedger`).
+- :class:`HasPrefillRoom` (prefill only, ``capacity``) — the prompt's uncached tokens fit its prefill budget and
+  the whole prompt the KV it has free (:class:`~pdproxy.prefill_queue.PrefillLedger`).
 """
 
 from __future__ import annotations
@@ -211,8 +211,10 @@ class Affinity(_Rule):
 
 
 class HasPrefillRoom(_Rule):
-    """Prefillers with room for the prompt now: its tokens fit the per-prefiller budget and the prefiller's free
-    KV (:meth:`~pdproxy.prefill_queue.PrefillLedger.has_room`).  A capacity filter: the prefill queue waits for it."""
+    """Prefillers with room for the prompt now: the tokens it would compute there (the prompt minus what
+    ``request.hints`` says the prefiller holds) fit the per-prefiller budget, and the whole prompt fits the
+    prefiller's free KV (:meth:`~pdproxy.prefill_queue.PrefillLedger.has_room`).  A capacity filter: the prefill
+    queue waits for it."""
 
     name = "prefill_room"
     capacity = True
@@ -225,5 +227,5 @@ class HasPrefillRoom(_Rule):
         tokens = request.prompt_tokens
         if tokens is None:
             return candidates
-        has_room = self.ledger.has_room
-        return [e for e in candidates if has_room(e, tokens)]
+        has_room, cached = self.ledger.has_room, request.hints.cached
+        return [e for e in candidates if has_room(e, tokens, max(0, tokens - cached(e)))]

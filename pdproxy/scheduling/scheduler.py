@@ -53,18 +53,21 @@ class Profile:
 def standard_profiles(pool: EndpointPool, *, health: HealthMonitor | None = None,
                       infos: Mapping[Endpoint, EngineInfo] | None = None, limits: Limits | None = None,
                       ledger: PrefillLedger | None = None, picker: Picker | str = LeastCost.name,
-                      seed: int | None = None, served: ServedModels | None = None) -> dict[Role, Profile]:
+                      seed: int | None = None, served: ServedModels | None = None,
+                      prefill_resolution_tokens: float = 0.0) -> dict[Role, Profile]:
     """pdproxy's routing policy.  Filters whose input is not given are left out (``health``: the breaker filter;
     ``infos``: the served-model filter, on ``served`` when given (the operator's pins) or on ``infos`` alone;
     ``limits``: the limits filter; ``ledger``: the prefill-room filter), so
     unit tests can build a scheduler from a bare pool.  ``picker``: a :class:`Picker` or its setting name
-    (``"least_cost"``, ``"power_of_two"``; ``seed`` seeds the latter's sampling).
+    (``"least_cost"``, ``"power_of_two"``; ``seed`` seeds the latter's sampling); ``prefill_resolution_tokens``:
+    the step in which queued prefill work is counted (:class:`~pdproxy.scheduling.scorers.QueuedPrefillTokens`;
+    setting ``prefill_cost_resolution_tokens``).
 
     - prefill — filters: healthy, not draining, breaker, serves model, fits limits, DP rank, affinity, prefill
-      room; cost:
-      tier 0 = uncached prompt tokens + in-flight prefill tokens (tokens), tier 1 = in-flight prefill requests;
+      room; cost: tier 0 = uncached prompt tokens + queued prefill tokens (the ledger's uncached in-flight tokens;
+      the pool's in-flight tokens without a ledger), tier 1 = in-flight prefill requests;
     - decode — the same filters but prefill room; cost: tier 0 = in-flight decode requests, tier 1 = the tokens
-      they hold.
+      they hold + the prompt tokens the decoder would pull (uncached there).
     """
     def make_picker() -> Picker:
         if not isinstance(picker, str):
@@ -91,12 +94,15 @@ def standard_profiles(pool: EndpointPool, *, health: HealthMonitor | None = None
         return tuple(chain)
 
     inflight_tokens, inflight_requests = s.InflightTokens(pool), s.InflightRequests(pool)
+    queued: s.Scorer = (s.QueuedPrefillTokens(ledger, prefill_resolution_tokens) if ledger is not None
+                        else inflight_tokens)
     return {
         Role.PREFILL: Profile(Role.PREFILL, role_filters(Role.PREFILL),
-                              (s.Weighted(s.UncachedPromptTokens()), s.Weighted(inflight_tokens),
+                              (s.Weighted(s.UncachedPromptTokens()), s.Weighted(queued),
                                s.Weighted(inflight_requests, tier=1)), make_picker()),
         Role.DECODE: Profile(Role.DECODE, role_filters(Role.DECODE),
-                             (s.Weighted(inflight_requests), s.Weighted(inflight_tokens, tier=1)), make_picker()),
+                             (s.Weighted(inflight_requests), s.Weighted(inflight_tokens, tier=1),
+                              s.Weighted(s.UncachedPromptTokens(), tier=1)), make_picker()),
     }
 
 
@@ -119,10 +125,12 @@ class Scheduler:
     def standard(cls, pool: EndpointPool, *, health: HealthMonitor | None = None,
                  infos: Mapping[Endpoint, EngineInfo] | None = None, limits: Limits | None = None,
                  ledger: PrefillLedger | None = None, picker: Picker | str = LeastCost.name,
-                 seed: int | None = None, served: ServedModels | None = None) -> Scheduler:
+                 seed: int | None = None, served: ServedModels | None = None,
+                 prefill_resolution_tokens: float = 0.0) -> Scheduler:
         """A scheduler with :func:`standard_profiles` (same arguments)."""
         return cls(pool, standard_profiles(pool, health=health, infos=infos, limits=limits, ledger=ledger,
-                                           picker=picker, seed=seed, served=served), health=health)
+                                           picker=picker, seed=seed, served=served,
+                                           prefill_resolution_tokens=prefill_resolution_tokens), health=health)
 
     def _filter(self, role: Role, request: PickRequest, exclude: Sequence[Endpoint],
                 capacity: bool) -> tuple[list[Endpoint], ProxyError | None]:

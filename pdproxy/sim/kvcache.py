@@ -112,20 +112,30 @@ class BlockPool:
         return [*cached, *fresh]
 
     def cache_blocks(self, blocks: Sequence[int], hashes: Sequence[int],
-                     token_ids: Sequence[int] | None = None) -> None:
-        """Register ``hashes[i]`` for ``blocks[i]`` (full prompt blocks whose KV is now computed).
+                     token_ids: Sequence[int] | None = None, *, announce: bool = True) -> list[int]:
+        """Register ``hashes[i]`` for ``blocks[i]`` (full prompt blocks whose KV is computed, or is being computed
+        in the step that allocated them: vLLM caches blocks at allocation, ``vllm/v1/core/kv_cache_manager.py::
+        allocate_slots`` → ``cache_blocks``, so a request scheduled later in the same step hits them).  Returns the
+        indices newly registered.
 
-        ``token_ids``: the request's tokens (from its first), for the ``BlockStored`` events of the event sink."""
+        ``token_ids``: the request's tokens (from its first), for the ``BlockStored`` events of the event sink;
+        ``announce=False`` leaves the events to :meth:`announce` (vLLM publishes a step's events after it ran)."""
         if not self.enable_prefix_caching:
-            return
+            return []
         new: list[int] = []
         for i, (b, h) in enumerate(zip(blocks, hashes, strict=False)):
             if b not in self._hash_of and h not in self._block_of_hash:
                 self._hash_of[b] = h
                 self._block_of_hash[h] = b
                 new.append(i)
+        if announce:
+            self.announce(new, hashes, token_ids)
+        return new
+
+    def announce(self, new: Sequence[int], hashes: Sequence[int], token_ids: Sequence[int] | None) -> None:
+        """The ``BlockStored`` events of the blocks :meth:`cache_blocks` registered at indices ``new``."""
         if new and self.event_sink is not None and token_ids is not None:
-            self._stored_events(new, hashes, token_ids)
+            self._stored_events(list(new), hashes, token_ids)
 
     def _stored_events(self, new: list[int], hashes: Sequence[int], token_ids: Sequence[int]) -> None:
         """One ``BlockStored`` per run of consecutive newly cached block indices ``new``."""

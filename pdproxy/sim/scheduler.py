@@ -70,6 +70,8 @@ class EngineRequest:
     num_cached_tokens: int = -1
     blocks: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
+    unannounced: list[int] = field(default_factory=list)
+    """Indices of blocks cached when this step allocated them, whose ``BlockStored`` goes out when it completes."""
     kv_ready: bool = False
     kv_failed: bool = False
     scheduled_at: float | None = None
@@ -257,6 +259,7 @@ class EngineCore:
                 continue
             if need > 0:
                 req.blocks.extend(self.pool.allocate(need))
+            self._cache_scheduled(req, n)
             scheduled.append((req, n))
             budget -= n
             i += 1
@@ -336,11 +339,22 @@ class EngineCore:
             if req.scheduled_at is None:
                 req.scheduled_at = self._now
             self.running.append(req)
+            self._cache_scheduled(req, n)
             scheduled.append((req, n))
             budget -= n
         if skipped:
             self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _cache_scheduled(self, req: EngineRequest, n: int) -> None:
+        """Cache the prompt blocks ``req`` fills in this step (``n`` tokens) now, as vLLM does when it allocates
+        them (``vllm/v1/core/kv_cache_manager.py::allocate_slots``): a request admitted after it in this step
+        finds them.  Their ``BlockStored`` events wait for the step to complete."""
+        if req.remote_prefill is not None or req.num_computed_tokens >= req.num_prompt_tokens:
+            return
+        full = min(req.num_computed_tokens + n, req.num_prompt_tokens) // self.config.block_size
+        new = self.pool.cache_blocks(req.blocks[:full], req.hashes[:full], req.prompt_token_ids, announce=False)
+        req.unannounced.extend(new)
 
     def complete(self, plan: StepPlan, now: float) -> list[EngineRequest]:
         """Apply ``plan`` at time ``now``: advance computed tokens, sample, finish. Returns requests with news."""
@@ -348,6 +362,9 @@ class EngineCore:
         touched: list[EngineRequest] = list(plan.finished_early)
         bs = self.config.block_size
         for req, n in plan.scheduled:
+            if req.unannounced:
+                self.pool.announce(req.unannounced, req.hashes, req.prompt_token_ids)
+                req.unannounced = []
             if req.status is not Status.RUNNING:
                 continue
             before = req.num_computed_tokens

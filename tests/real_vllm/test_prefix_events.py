@@ -11,6 +11,8 @@ included), keys from :func:`pdproxy.prefix_index.block_keys` with the engine's b
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -78,6 +80,52 @@ def test_predicted_cached_tokens_match_the_prefiller_on_a_conversation(
         assert all(s[2] >= 3 * bs for s in seen[1:]), seen   # turns 2 and 3 hit the history
         status = sub.call(lambda: sub.sub.status(url))
         assert status.decode_errors == 0 and status.bad_events == 0 and status.encoding == "map"
+
+
+def held(proxy: ProxyThread, url: str, body: dict[str, Any]) -> int | None:
+    """What pdproxy's index says ``url`` holds of ``body``'s prompt (``POST /debug/prefix``, answered on the
+    proxy's own loop, which owns the index)."""
+    r = httpx.post(proxy.url + "/debug/prefix", json=body, timeout=30)
+    r.raise_for_status()
+    return {e["name"]: e["cached_tokens"] for e in r.json()["endpoints"]}.get(url)
+
+
+@pytest.mark.parametrize("ids", ["local", "engine"])
+def test_pdproxy_predicts_the_cached_tokens_of_requests_it_routes(
+        engines: Engines, prompts: Prompts, real_engines: Any, make_proxy: Any, tmp_path: Path, ids: str) -> None:
+    """Through pdproxy with the prefiller's KV events: its prediction for the prefiller each turn went to (the
+    request log's ``predicted_cached_tokens``, the prediction metrics) equals the prefiller's ``cached_tokens``.
+    Token ids from the tiny model's tokenizer directory (``local``) or from the engine's ``/tokenize``."""
+    url = engines.prefill_url
+    log = tmp_path / "requests.log"
+    tokenizer = {"tokenizer": str(real_engines.model_dir())} if ids == "local" else {}
+    proxy: ProxyThread = make_proxy(engines, kv_events=[f"{url}={engines.prefill_kv_events}"],
+                                    kv_events_replay=[f"{url}={engines.prefill_kv_replay}"],
+                                    kv_events_topic=KV_EVENTS_TOPIC, request_log_path=str(log), **tokenizer)
+    cache = proxy.state.prefix_cache
+    wait_until(lambda: cache.is_precise(url), 20, 0.05, "pdproxy follows the prefiller's events")
+    bs = block_size(url)
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0)
+    seed = 9300 if ids == "local" else 9400
+    messages: list[dict[str, Any]] = [{"role": "system", "content": prompts.unique(400, seed=seed)},
+                                      {"role": "user", "content": prompts.unique(50, seed=seed + 1)}]
+    turns = 3 if ids == "local" else 2
+    for turn in range(turns):
+        reply = client.chat.completions.create(model=engines.served_model, messages=messages, max_tokens=4)
+        prompt_ids = prompt_token_ids(prompts.tok, {"messages": messages}, "chat")
+        want = ((len(prompt_ids) - 1) // bs) * bs
+        body = {"model": engines.served_model, "messages": messages}
+        wait_until(lambda b=body, w=want: held(proxy, url, b) == w, 20, 0.1,
+                   "the turn's BlockStored events in pdproxy's index")
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                     {"role": "user", "content": prompts.unique(120, seed=seed + 10 + turn)}]
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    seen = [(x["prompt_tokens"], x["predicted_cached_tokens"], x["cached_tokens"], x["prefix_mode"]) for x in lines]
+    assert len(seen) == turns and all(m == "precise" for *_, m in seen), seen
+    assert all(p == c for _n, p, c, _m in seen), seen          # predicted = the prefiller's report, every turn
+    assert all(c >= 3 * bs for _n, _p, c, _m in seen[1:]), seen  # and the later turns did hit their history
+    metrics = httpx.get(proxy.url + "/metrics").text
+    assert f'pdproxy_prefix_predictions_total{{outcome="exact",source="precise"}} {float(turns)}' in metrics
 
 
 def test_index_follows_evictions_on_a_small_real_pool(small_pool_engines: Engines, prompts: Prompts) -> None:

@@ -3,11 +3,13 @@ independent schedulers (and processes), and prefix hints deciding against load."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import ExitStack
 
 import pytest
@@ -149,36 +151,52 @@ def test_the_first_filter_that_leaves_none_names_the_reason() -> None:
 
 # ---- scorers: tokens ---------------------------------------------------------------------------------------------
 
-def test_prefill_cost_is_uncached_plus_inflight_prefill_tokens() -> None:
-    pool, _, _, sched = build()
+@contextlib.contextmanager
+def prefilling(pool: EndpointPool, ledger: PrefillLedger, endpoint: Endpoint, tokens: int,
+               compute: int | None = None) -> Iterator[None]:
+    """A dispatched prefill as the director holds it: the queue's slot (its uncached ``compute`` tokens against
+    the budget) and the pool's lease (the whole prompt's KV)."""
+    slot = ledger.hold(endpoint, tokens, 0, compute)
+    try:
+        with pool.lease(endpoint, tokens):
+            yield
+    finally:
+        slot.release()
+
+
+def test_prefill_cost_is_uncached_plus_queued_prefill_tokens() -> None:
+    pool, _, ledger, sched = build()
     hints = PrefixHints(cached_tokens={P[0]: 8000, P[1]: 2000})
     req = PickRequest("r", prompt_tokens=10_000, hints=hints)
-    with pool.lease(P[0], 5000), pool.lease(P[1], 500), pool.lease(P[1], 500):
+    with (prefilling(pool, ledger, P[0], 5000), prefilling(pool, ledger, P[1], 500),
+          prefilling(pool, ledger, P[1], 20_000, compute=500)):       # 19,500 of it cached: 500 to compute
         scores = sched.score(Role.PREFILL, req, P)
         assert scores == [(2000 + 5000, 1), (8000 + 1000, 2), (10_000, 0)]   # tokens, then requests
         assert sched.pick(Role.PREFILL, req) == P[0]
 
 
 def test_a_busy_cache_holder_loses_to_an_idle_miss() -> None:
-    pool, _, _, sched = build()
+    pool, _, ledger, sched = build()
     hints = PrefixHints(cached_tokens={P[0]: 9_000})
     reqs = [PickRequest(f"r{i}", prompt_tokens=10_000, hints=hints) for i in range(20)]
     assert {sched.pick(Role.PREFILL, r) for r in reqs} == {P[0]}     # idle and holding the prefix: 1,000 wins
-    with pool.lease(P[0], 120_000):                                   # busy with a 120K-token prefill
+    with prefilling(pool, ledger, P[0], 120_000):                     # busy with a 120K-token prefill
         assert {sched.pick(Role.PREFILL, r) for r in reqs} == {P[1], P[2]}   # 121,000 > a full 10,000
+    with prefilling(pool, ledger, P[0], 120_000, compute=2_000):      # a 120K turn, 118K cached: a small prefill
+        assert {sched.pick(Role.PREFILL, r) for r in reqs} == {P[0]}     # 3,000 < 10,000
 
 
 def test_a_prefix_every_prefiller_holds_spreads_by_load() -> None:
-    pool, _, _, sched = build()
+    pool, _, ledger, sched = build()
     everywhere = PrefixHints(cached_tokens=dict.fromkeys(P, 1500), routing_key=b"system-prompt")
     chosen = []
-    with ExitStack() as leases:                                   # held, as the director holds prefill leases
+    with ExitStack() as held:                                     # held, as the director holds prefill slots
         for i in range(30):
             req = PickRequest(f"r{i}", prompt_tokens=1600, hints=everywhere)
             e = sched.pick(Role.PREFILL, req)
             chosen.append(e)
-            leases.enter_context(pool.lease(e, 1600))
-    assert Counter(chosen) == {P[0]: 10, P[1]: 10, P[2]: 10} and pool.idle()
+            held.enter_context(prefilling(pool, ledger, e, 1600, compute=100))
+    assert Counter(chosen) == {P[0]: 10, P[1]: 10, P[2]: 10} and pool.idle() and ledger.idle()
 
 
 def test_decoder_cost_is_requests_then_tokens() -> None:

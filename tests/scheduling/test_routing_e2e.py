@@ -3,14 +3,17 @@ prefix hints supplied at the director's seam steer prefills (what a prefix index
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from pdproxy.endpoints import Endpoint
 from pdproxy.protocol import ProxyRequest
 from pdproxy.scheduling import PrefixHints
+from pdproxy.timeline import RequestContext
 from tests.conftest import SIM_ARGS
 from tests.support import ProxyThread, SimProcess, running
 
@@ -55,8 +58,12 @@ class HoldsItAll:
     def __init__(self, holder: str, proxy: ProxyThread) -> None:
         self.endpoint = next(e for e in proxy.state.pool.endpoints() if e.name == holder)
 
-    async def hints(self, req: ProxyRequest) -> PrefixHints:
+    async def hints(self, req: ProxyRequest, ctx: RequestContext) -> PrefixHints:
         return PrefixHints(cached_tokens={self.endpoint: (req.prompt_tokens or 1) - 1})
+
+    @contextlib.contextmanager
+    def prefilling(self, req: ProxyRequest, ctx: RequestContext, endpoint: Endpoint) -> Iterator[None]:
+        yield
 
 
 def test_prefix_hints_at_the_directors_seam_steer_the_prefill(proxy: ProxyThread,

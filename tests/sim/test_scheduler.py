@@ -100,7 +100,7 @@ def test_step_time_follows_the_documented_model() -> None:
     cfg = SimConfig(prefill_tokens_per_s=1000, decode_tokens_per_s=50, step_overhead_s=0.01, decode_seq_cost_s=0.001)
     core = EngineCore(cfg)
     core.add_request(req("a", 100, 3))
-    core.add_request(req("b", 100, 3))
+    core.add_request(req("b", 100, 3, tokens=list(range(1000, 1100))))   # no prefix shared with "a"
     plan, _ = core.step(0.0)
     assert (plan.prefill_tokens, plan.decode_tokens) == (200, 2)
     assert plan.duration_s == pytest.approx(0.01 + 200 / 1000 + 1 / 50 + 2 * 0.001)
@@ -179,8 +179,9 @@ def test_abort_frees_blocks_at_any_stage() -> None:
 
 def test_prefiller_pins_length_capped_requests_until_released_or_expired() -> None:
     core = EngineCore(SimConfig(kv_pin_timeout_s=480.0))
-    kept, expired, eos = (req("kept", 100, 1, pin_on_finish=True), req("exp", 50, 1, pin_on_finish=True),
-                          req("eos", 100, 1, pin_on_finish=True, eos_after=1))
+    kept, expired, eos = (req("kept", 100, 1, pin_on_finish=True),     # distinct prompts: no shared blocks
+                          req("exp", 50, 1, pin_on_finish=True, tokens=list(range(1000, 1050))),
+                          req("eos", 100, 1, pin_on_finish=True, eos_after=1, tokens=list(range(2000, 2100))))
     for r in (kept, expired, eos):
         core.add_request(r)
     Clock(core).run(5)

@@ -1,0 +1,149 @@
+"""In process: the token ids prefix routing hashes are the engine's (local tokenizer, chat template, block cache);
+text rendering keeps a conversation's prefix; the tie-break key skips what every prefiller holds; decoders that
+hold the prompt are preferred only among equally loaded ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdproxy.endpoints import Role, expand
+from pdproxy.pool import EndpointPool
+from pdproxy.prefix_index import block_keys, text_keys
+from pdproxy.prefix_routing import PrefixLookup, PrefixRouter, render_text
+from pdproxy.scheduling import PickRequest, PrefixHints, Scheduler
+from pdproxy.tinymodel import write_tokenizer
+from pdproxy.token_count import IdsCache, LocalCounter
+from pdproxy.tokens import load_tokenizer, prompt_token_ids, sim_prompt
+
+pytestmark = pytest.mark.timeout(60)
+
+TOOLS = [{"type": "function", "function": {"name": "grep", "parameters": {"type": "object"}}}]
+
+
+def bodies() -> list[tuple[dict[str, Any], str]]:
+    system = "You are an agent working in a repository. " * 40
+    return [
+        ({"messages": [{"role": "system", "content": system}, {"role": "user", "content": "Find the bug."}],
+          "tools": TOOLS}, "chat"),
+        ({"messages": [{"role": "system", "content": system}, {"role": "user", "content": "Find the bug."},
+                       {"role": "assistant", "content": "",
+                        "tool_calls": [{"id": "c1", "type": "function",
+                                        "function": {"name": "grep", "arguments": "{\"q\": \"bug\"}"}}]},
+                       {"role": "tool", "tool_call_id": "c1", "content": "main.py:3: bug " * 50}],
+          "tools": TOOLS}, "chat"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this"},
+                                                    {"type": "image_url", "image_url": {"url": "x"}}]}]}, "chat"),
+        ({"prompt": "Hello world. " * 300}, "completions"),
+        ({"prompt": [5, 6, 7, 8]}, "completions"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.mark.parametrize("source", ["sim", "hf"])
+def test_token_ids_are_the_engines_and_the_block_cache_keeps_them(source: str, hf_dir: Path) -> None:
+    src = "sim" if source == "sim" else str(hf_dir)
+    counter = LocalCounter(src)
+    tok = load_tokenizer(None if source == "sim" else src)
+    for body, api in bodies():
+        expected = prompt_token_ids(tok, body, api)   # what pdproxy sim (and vLLM) build for the prompt
+        assert counter.token_ids(body, api == "chat") == expected
+        hits = counter.ids_cache.hits
+        assert counter.token_ids(body, api == "chat") == expected      # again: from the cache
+        assert counter.ids_cache.hits > hits or len(str(body)) < 300
+    huge = {"messages": [{"role": "user", "content": sim_prompt(60_000, unique=True, seed=3)}]}
+    assert counter.token_ids(huge, True) == prompt_token_ids(tok, huge, "chat")   # split at word boundaries
+
+
+def test_the_ids_cache_is_bounded_in_tokens() -> None:
+    cache = IdsCache(max_tokens=1000)
+    for i in range(10):
+        cache.put(bytes([i]), list(range(200)))
+    assert cache.tokens <= 1000 and cache.get(bytes([9])) is not None and cache.get(bytes([0])) is None
+    cache.put(b"big", list(range(300)))                  # over a quarter of the bound: not kept
+    assert cache.get(b"big") is None
+
+
+def test_text_rendering_keeps_a_conversations_prefix() -> None:
+    turn1 = bodies()[0][0]
+    turn2 = bodies()[1][0]
+    a, b = render_text(turn1, True), render_text(turn2, True)
+    assert b.startswith(a[:-len("Find the bug.")])
+    ka, kb = text_keys(a, chunk_chars=64), text_keys(b, chunk_chars=64)
+    assert kb.keys[:len(ka.keys)] == ka.keys and len(kb.keys) > len(ka.keys)
+    assert render_text({"prompt": ["one prompt"]}, False) == "one prompt"
+    assert render_text({"prompt": [1, 2]}, False) == ""
+
+
+P = expand(["http://p0:1", "http://p1:1", "http://p2:1"], Role.PREFILL)
+D = expand(["http://d0:1", "http://d1:1"], Role.DECODE)
+
+
+def test_the_tie_break_key_is_the_first_block_not_every_prefiller_holds() -> None:
+    ids = list(range(1000, 1000 + 16 * 10))
+    keys = block_keys(ids, 16)
+    lookup = PrefixLookup({16: keys}, "tokens", block_sizes={e.name: 16 for e in P})
+    targets = [(e, True, True) for e in P]
+
+    def key(cached: dict[Any, int]) -> bytes | None:
+        return PrefixRouter._routing_key(lookup, targets, cached)
+
+    first = keys.keys[0].to_bytes(8, "big", signed=True)
+    assert key({}) == first                                         # nobody holds anything: the first block
+    assert key({P[0]: 64}) == first                                 # not everyone: still the first
+    assert key(dict.fromkeys(P, 64)) == keys.keys[4].to_bytes(8, "big", signed=True)   # past a shared prompt
+    assert key(dict.fromkeys(P, 10_000)) == keys.keys[-1].to_bytes(8, "big", signed=True)
+
+
+def test_a_decoder_holding_the_prompt_wins_only_among_equally_loaded() -> None:
+    pool = EndpointPool(P + D)
+    sched = Scheduler.standard(pool)
+    hints = PrefixHints(cached_tokens={D[1]: 4000})
+    req = PickRequest("r", prompt_tokens=5000, hints=hints)
+    assert {sched.pick(Role.DECODE, PickRequest(f"r{i}", prompt_tokens=5000, hints=hints))
+            for i in range(10)} == {D[1]}                              # pulls 1,000 instead of 5,000
+    with pool.lease(D[1], 100):                                       # one more request in its batch: tier 0
+        assert sched.pick(Role.DECODE, req) == D[0]
+
+
+def test_prompts_in_flight_count_as_cached_where_they_run() -> None:
+    from pdproxy.prefix_routing import InflightPrefixes, common_prefix
+
+    assert [common_prefix([1, 2, 3, 4], b) for b in ([1, 2, 3, 4], [1, 2, 9], [9], [], [1, 2, 3, 4, 5])] == \
+        [4, 2, 0, 0, 4]
+    flying = InflightPrefixes()
+    system = list(range(16 * 8))
+    a = block_keys(system + [1] * 40, 16)
+    b = block_keys(system + [2] * 40, 16)
+    flying.add("p0", a)
+    assert flying.match(b, "p0") == 16 * 8 and flying.match(b, "p1") == 0
+    assert flying.match(block_keys(system + [1] * 40, 32), "p0") == 0      # another block size: other keys
+    flying.remove("p0", a)
+    assert flying.match(b, "p0") == 0 and len(flying) == 0
+
+
+def test_queues_closer_than_the_resolution_tie_and_in_flight_requests_decide() -> None:
+    from pdproxy.limits import Limits
+    from pdproxy.prefill_queue import PrefillLedger
+
+    pool = EndpointPool(P + D)
+    ledger = PrefillLedger(pool, Limits(pool, {}), budget_tokens=0)
+    sched = Scheduler.standard(pool, ledger=ledger, prefill_resolution_tokens=256)
+    everywhere = PrefixHints(cached_tokens=dict.fromkeys(P, 1500))
+    req = PickRequest("r", prompt_tokens=1575, hints=everywhere)
+    slot = ledger.hold(P[0], 1575, 0, compute_tokens=75)             # P0 answers a small prefill...
+    with pool.lease(P[1], 1575), pool.lease(P[1], 1575):            # ...P1 has two requests in flight
+        assert [sc[0] for sc in sched.score(Role.PREFILL, req, P)] == [75.0, 75.0, 75.0]   # 75 queued rounds to 0
+        assert sched.pick(Role.PREFILL, req) in (P[0], P[2])          # tier 1: fewer requests in flight
+        slot.release()
+        held = ledger.hold(P[2], 5000, 0, compute_tokens=300)        # a queue one step longer counts
+        assert sched.pick(Role.PREFILL, req) == P[0]
+        held.release()
+    hints = PrefixHints(cached_tokens={P[2]: 1510})                  # a prefix hit counts to the token
+    assert sched.pick(Role.PREFILL, PickRequest("r", prompt_tokens=1575, hints=hints)) == P[2]
