@@ -30,7 +30,8 @@ holding the prefix is cheaper to hand the request to, but where a decoder's cach
 **In flight.**  A prompt dispatched to a prefiller and not answered yet counts there as cached for the prompts
 routed meanwhile (:class:`InflightPrefixes`): they queue behind it in the engine and find its blocks computed. So
 the first users of a new system prompt spread by load at once (the first one's prefiller is not left looking like
-the only holder while the others compute theirs), and concurrent duplicates go where the work is already done.
+the only holder while the others compute theirs), and concurrent duplicates go where the work is already done.  An
+answered prompt stays there a few seconds more, until the engine's events about it have surely been read.
 
 **Record.**  In ``auto`` and ``approximate``, every answered prefill is recorded in the approximate index
 (:meth:`PrefixCache.record <pdproxy.prefix_cache.PrefixCache.record>`), also on engines with live events, so the
@@ -41,7 +42,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -133,31 +135,44 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class InflightPrefixes:
-    """The keys of prefills dispatched and not answered yet, per endpoint name: a few prompts per endpoint, each
-    held until its prefiller answers (or the attempt fails)."""
+    """The keys of prefills dispatched and not answered yet, per endpoint name — and of those answered in the last
+    ``settle_s`` seconds, until the engine's own ``BlockStored`` events (published after its step, read by the
+    subscriber on this loop) have surely caught up: a conversation's next turn can arrive first.  A few prompts per
+    endpoint.  ``clock``: monotonic seconds."""
 
-    def __init__(self) -> None:
-        self._flying: dict[str, list[BlockKeys]] = {}
+    def __init__(self, settle_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settle_s = settle_s
+        self.clock = clock
+        self._flying: dict[str, list[list[Any]]] = {}     # endpoint -> [[keys, answered_at | None], ...]
 
     def add(self, endpoint: str, keys: BlockKeys) -> None:
         """``keys``' prompt is being prefilled on ``endpoint``."""
-        self._flying.setdefault(endpoint, []).append(keys)
+        self._flying.setdefault(endpoint, []).append([keys, None])
 
-    def remove(self, endpoint: str, keys: BlockKeys) -> None:
-        """That prefill ended (answered or failed)."""
+    def remove(self, endpoint: str, keys: BlockKeys, *, answered: bool = False) -> None:
+        """That prefill ended: it failed (gone now), or the prefiller ``answered`` (kept for ``settle_s``)."""
         flying = self._flying.get(endpoint)
-        if flying is not None:
-            for i, k in enumerate(flying):
-                if k is keys:
+        if flying is None:
+            return
+        now = self.clock()
+        for i, entry in enumerate(flying):
+            if entry[0] is keys and entry[1] is None:
+                if answered:
+                    entry[1] = now
+                else:
                     del flying[i]
-                    break
-            if not flying:
-                del self._flying[endpoint]
+                break
+        flying[:] = [e for e in flying if e[1] is None or now - e[1] <= self.settle_s]
+        if not flying:
+            del self._flying[endpoint]
 
     def match(self, keys: BlockKeys, endpoint: str) -> int:
-        """Tokens of ``keys``' prompt that a prefill in flight on ``endpoint`` computes (0 if none)."""
+        """Tokens of ``keys``' prompt that a prefill in flight (or just answered) on ``endpoint`` computes."""
         best = 0
-        for other in self._flying.get(endpoint, ()):
+        now = self.clock()
+        for other, answered_at in self._flying.get(endpoint, ()):
+            if answered_at is not None and now - answered_at > self.settle_s:
+                continue
             if other.block_size == keys.block_size and other.kind == keys.kind:
                 best = max(best, common_prefix(keys.keys, other.keys))
         return keys.cached_tokens(best) if best else 0
@@ -332,8 +347,10 @@ class PrefixRouter:
         self.inflight.add(endpoint.name, keys)
         try:
             yield
-        finally:
+        except BaseException:
             self.inflight.remove(endpoint.name, keys)
+            raise
+        self.inflight.remove(endpoint.name, keys, answered=True)
         self.prefilled(req, ctx, endpoint)
 
     def prefilled(self, req: ProxyRequest, ctx: RequestContext, endpoint: Endpoint) -> None:

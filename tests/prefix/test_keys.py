@@ -124,8 +124,16 @@ def test_prompts_in_flight_count_as_cached_where_they_run() -> None:
     flying.add("p0", a)
     assert flying.match(b, "p0") == 16 * 8 and flying.match(b, "p1") == 0
     assert flying.match(block_keys(system + [1] * 40, 32), "p0") == 0      # another block size: other keys
-    flying.remove("p0", a)
+    flying.remove("p0", a)                                       # the attempt failed: gone
     assert flying.match(b, "p0") == 0 and len(flying) == 0
+    now = [100.0]
+    settling = InflightPrefixes(settle_s=5.0, clock=lambda: now[0])
+    settling.add("p0", a)
+    settling.remove("p0", a, answered=True)                    # answered: until its KV events are surely read
+    now[0] += 4.0
+    assert settling.match(b, "p0") == 16 * 8
+    now[0] += 2.0
+    assert settling.match(b, "p0") == 0
 
 
 def test_queues_closer_than_the_resolution_tie_and_in_flight_requests_decide() -> None:
