@@ -290,6 +290,40 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def router_cost(order: list[dict[str, Any]], prefillers: int = 3) -> dict[str, float]:
+    """Process CPU (µs) per request of pdproxy's whole prefix-routing path in this process, no network: the
+    router's ``hints`` (token ids in the tokenizer thread, keys, the index query, the tie-break key) and
+    ``prefilling`` (in flight, the approximate record, the prediction), round-robin over ``prefillers``
+    endpoints (approximate mode, sim tokenizer), against the same requests with ``prefix_routing: off``."""
+    from pdproxy.endpoints import Role
+    from pdproxy.protocol import Api, parse_request
+    from pdproxy.settings import load_settings
+    from pdproxy.state import ProxyState
+    from pdproxy.timeline import RequestContext
+
+    async def run(mode: str) -> float:
+        settings = load_settings(prefill=[f"http://p{i}:1" for i in range(prefillers)], decode=["http://d:1"],
+                                 tokenizer="sim", prefix_routing=mode)
+        state = ProxyState.build(settings)
+        await state.admission.start()
+        try:
+            router, ends = state.prefix, state.pool.endpoints(Role.PREFILL)
+            t0 = time.process_time()
+            for i, body in enumerate(order):
+                req = parse_request(orjson.dumps(body), Api.CHAT)
+                ctx = RequestContext(request_id=f"r{i}", client_request_id=None, api_label="chat")
+                req.prompt_tokens = 1
+                await router.hints(req, ctx)
+                with router.prefilling(req, ctx, ends[i % len(ends)]):
+                    pass
+            return (time.process_time() - t0) / len(order) * 1e6
+        finally:
+            await state.admission.aclose()
+
+    off, on = asyncio.run(run("off")), asyncio.run(run("approximate"))
+    return {"off": round(off, 1), "approximate": round(on, 1), "added": round(on - off, 1)}
+
+
 def tokenizer_cost(turns: list[list[dict[str, Any]]], hf_dir: Path) -> dict[str, Any]:
     """Token ids + block keys (block 16) per request, in this process: the agent workload in order (the ids
     cache as the proxy has it), and a 128K-token chat cold and as the next turn of a cached history."""
@@ -302,6 +336,7 @@ def tokenizer_cost(turns: list[list[dict[str, Any]]], hf_dir: Path) -> dict[str,
     for body in order:
         block_keys(counter.token_ids(body, True), BLOCK)
     out["agent_workload_sim_us_per_request"] = round((time.process_time() - t0) / len(order) * 1e6, 1)
+    out["agent_workload_router_us_per_request"] = router_cost(order)
 
     def long_chat(src: str, target: int) -> tuple[dict[str, Any], dict[str, Any], int]:
         from pdproxy.tokens import load_tokenizer, prompt_token_ids

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -118,67 +119,72 @@ class PrefixLookup:
         return self.keys.get(size) if size is not None else None
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of ``a`` and ``b`` (binary search over C-level slice comparisons)."""
-    lo, hi = 0, min(len(a), len(b))
-    if hi == 0 or a[0] != b[0]:
-        return 0
-    if a[:hi] == b[:hi]:
-        return hi
-    while lo < hi:                      # invariant: a[:lo] == b[:lo], a[:hi + 1] != b[:hi + 1] beyond hi
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 class InflightPrefixes:
     """The keys of prefills dispatched and not answered yet, per endpoint name — and of those answered in the last
     ``settle_s`` seconds, until the engine's own ``BlockStored`` events (published after its step, read by the
-    subscriber on this loop) have surely caught up: a conversation's next turn can arrive first.  A few prompts per
-    endpoint.  ``clock``: monotonic seconds."""
+    subscriber on this loop) have surely caught up: a conversation's next turn can arrive first.  Per endpoint a
+    count per block key (chained keys: a key held means its whole prefix was sent), so a query walks the prompt's
+    keys once, as the indexes do.  ``clock``: monotonic seconds."""
 
     def __init__(self, settle_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.settle_s = settle_s
         self.clock = clock
-        self._flying: dict[str, list[list[Any]]] = {}     # endpoint -> [[keys, answered_at | None], ...]
+        self._held: dict[str, dict[int, int]] = {}
+        self._answered: deque[tuple[float, str, BlockKeys]] = deque()
+        self._flying = 0
+
+    def _take(self, endpoint: str, keys: BlockKeys) -> None:
+        held = self._held.get(endpoint)
+        if held is None:
+            return
+        for k in keys.keys:
+            n = held.get(k, 0) - 1
+            if n > 0:
+                held[k] = n
+            else:
+                held.pop(k, None)
+        if not held:
+            del self._held[endpoint]
+
+    def _expire(self, now: float) -> None:
+        answered = self._answered
+        while answered and now - answered[0][0] > self.settle_s:
+            _at, endpoint, keys = answered.popleft()
+            self._take(endpoint, keys)
 
     def add(self, endpoint: str, keys: BlockKeys) -> None:
         """``keys``' prompt is being prefilled on ``endpoint``."""
-        self._flying.setdefault(endpoint, []).append([keys, None])
+        held = self._held.setdefault(endpoint, {})
+        for k in keys.keys:
+            held[k] = held.get(k, 0) + 1
+        self._flying += 1
 
     def remove(self, endpoint: str, keys: BlockKeys, *, answered: bool = False) -> None:
-        """That prefill ended: it failed (gone now), or the prefiller ``answered`` (kept for ``settle_s``)."""
-        flying = self._flying.get(endpoint)
-        if flying is None:
-            return
+        """That prefill ended: it failed (its keys go now), or the prefiller ``answered`` (kept ``settle_s``)."""
+        self._flying -= 1
         now = self.clock()
-        for i, entry in enumerate(flying):
-            if entry[0] is keys and entry[1] is None:
-                if answered:
-                    entry[1] = now
-                else:
-                    del flying[i]
-                break
-        flying[:] = [e for e in flying if e[1] is None or now - e[1] <= self.settle_s]
-        if not flying:
-            del self._flying[endpoint]
+        if answered:
+            self._answered.append((now, endpoint, keys))
+        else:
+            self._take(endpoint, keys)
+        self._expire(now)
 
     def match(self, keys: BlockKeys, endpoint: str) -> int:
         """Tokens of ``keys``' prompt that a prefill in flight (or just answered) on ``endpoint`` computes."""
-        best = 0
-        now = self.clock()
-        for other, answered_at in self._flying.get(endpoint, ()):
-            if answered_at is not None and now - answered_at > self.settle_s:
-                continue
-            if other.block_size == keys.block_size and other.kind == keys.kind:
-                best = max(best, common_prefix(keys.keys, other.keys))
-        return keys.cached_tokens(best) if best else 0
+        self._expire(self.clock())
+        held = self._held.get(endpoint)
+        if not held:
+            return 0
+        n = 0
+        for k in keys.keys:
+            if k not in held:
+                break
+            n += 1
+        return keys.cached_tokens(n) if n else 0
 
     def __len__(self) -> int:
-        return sum(len(v) for v in self._flying.values())
+        """Prompts in flight or settling."""
+        return self._flying + len(self._answered)
 
 
 class PrefixRouter:
