@@ -77,13 +77,19 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
+def _command(proc: subprocess.Popen[bytes]) -> str:
+    """The command line ``proc`` was started with, for messages."""
+    args = proc.args
+    return " ".join(str(a) for a in args) if isinstance(args, list | tuple) else str(args)
+
+
 def _wait_healthy(urls: list[str], procs: list[subprocess.Popen[bytes]], timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     pending = list(urls)
     while pending:
         for proc in procs:
             if proc.poll() is not None:
-                raise DemoError(f"simulated engine exited with code {proc.returncode}: {' '.join(proc.args)}")
+                raise DemoError(f"simulated engine exited with code {proc.returncode}: {_command(proc)}")
         url = pending[0]
         try:
             if httpx.get(url + "/health", timeout=1.0).status_code == 200:

@@ -42,7 +42,10 @@ import zlib
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import jinja2
 
 MEDIA_PART_TOKENS = 256
 """Tokens counted per image/audio/video content part. The real count depends on the model's processor;
@@ -82,9 +85,9 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str:
         """Text of token ``ids``."""
 
-    def render_chat(self, messages: list[dict], *, tools: list[dict] | None = None,
+    def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    chat_template_kwargs: dict | None = None) -> str:
+                    chat_template_kwargs: dict[str, Any] | None = None) -> str:
         """The chat template applied to ``messages`` (and ``tools``), as prompt text; the
         flags mean what they mean in vLLM's chat request (``add_generation_prompt``, ``continue_final_message``,
         ``chat_template_kwargs``)."""
@@ -128,9 +131,9 @@ class SimTokenizer:
         get = self._id_to_piece.get
         return "".join(get(i) or f" w{i}" for i in ids)
 
-    def render_chat(self, messages: list[dict], *, tools: list[dict] | None = None,
+    def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    chat_template_kwargs: dict | None = None) -> str:
+                    chat_template_kwargs: dict[str, Any] | None = None) -> str:
         """Render with the fixed sim template. Raises ``ValueError`` for a message without a valid role."""
         parts: list[str] = []
         if tools:
@@ -177,9 +180,9 @@ class HFTokenizer:
         """Text of ``ids`` (special tokens kept)."""
         return str(self._tok.decode(list(ids), skip_special_tokens=False))
 
-    def render_chat(self, messages: list[dict], *, tools: list[dict] | None = None,
+    def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    chat_template_kwargs: dict | None = None) -> str:
+                    chat_template_kwargs: dict[str, Any] | None = None) -> str:
         """Render ``tokenizer_config.json``'s ``chat_template`` with jinja2, as transformers does."""
         if not self._templates:
             raise ValueError(f"tokenizer {self.name} has no chat_template")
@@ -210,7 +213,7 @@ def load_tokenizer(path: str | None) -> Tokenizer:
     return HFTokenizer(path)
 
 
-def prompt_token_ids(tok: Tokenizer, body: dict, api: Literal["chat", "completions"]) -> list[int]:
+def prompt_token_ids(tok: Tokenizer, body: dict[str, Any], api: Literal["chat", "completions"]) -> list[int]:
     """Token ids of the prompt that vLLM would build from a request ``body``.
 
     chat: ``render_chat(messages, tools, add_generation_prompt, continue_final_message, chat_template_kwargs)``
@@ -249,7 +252,7 @@ def prompt_token_ids(tok: Tokenizer, body: dict, api: Literal["chat", "completio
     raise ValueError("a list of several prompts cannot be counted as one prompt")
 
 
-def prompt_token_count(tok: Tokenizer, body: dict, api: Literal["chat", "completions"]) -> int:
+def prompt_token_count(tok: Tokenizer, body: dict[str, Any], api: Literal["chat", "completions"]) -> int:
     """``len(prompt_token_ids(tok, body, api))``, using :meth:`SimTokenizer.count` when it applies (admission
     checks need only the count). Raises ``ValueError`` like :func:`prompt_token_ids`."""
     if isinstance(tok, SimTokenizer):
@@ -304,7 +307,7 @@ def _letters(value: int, width: int) -> str:
     return "".join(reversed(out))
 
 
-def _as_vllm_renders(message: dict) -> dict:
+def _as_vllm_renders(message: dict[str, Any]) -> dict[str, Any]:
     """A message as vLLM hands it to a chat template (``vllm/renderers/chat_utils.py``): list content joined to
     text, and each tool call's ``function`` as ``{"arguments": <parsed JSON>, "name": ...}`` (that key order)."""
     out = {**message, "content": _content_text(message.get("content"))} if isinstance(
@@ -325,7 +328,7 @@ def _as_vllm_renders(message: dict) -> dict:
     return out
 
 
-def _tools_as_vllm_renders(tools: list[dict] | None) -> list[dict] | None:
+def _tools_as_vllm_renders(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     """Tools as vLLM hands them to a chat template: the pydantic dump ``{"type", "function": {"name",
     "description" (null if absent), "parameters"}}`` (seen in ``tests/real_vllm/captures/tokenize_chat_tools``)."""
     if not tools:
@@ -371,7 +374,7 @@ def _templates_of(value: Any) -> dict[str, str]:
     return {}
 
 
-def _jinja_env() -> Any:
+def _jinja_env() -> jinja2.Environment:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:

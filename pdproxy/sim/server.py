@@ -21,14 +21,15 @@ records, faults, prefix-cache hashes and pinned KV (pins and their expiry).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
 import socket
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import orjson
@@ -44,6 +45,8 @@ from pdproxy.sim.protocol import SimHTTPError, error_body
 from pdproxy.sim.runner import RankEngine
 from pdproxy.sim.scheduler import EngineRequest
 from pdproxy.tokens import load_tokenizer, prompt_token_ids
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 DP_RANK_HEADER = "X-data-parallel-rank"
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
@@ -145,7 +148,7 @@ class SimServer:
             await site.start()
             listener.runner, listener.site = runner, site
             server = site._server
-            if server is not None and server.sockets:
+            if isinstance(server, asyncio.Server) and server.sockets:
                 listener.port = server.sockets[0].getsockname()[1]
         if listener.rank is not None:
             self.ranks[listener.rank].port = listener.port
@@ -154,7 +157,7 @@ class SimServer:
                 rank.port = listener.port
 
     @web.middleware
-    async def _authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    async def _authenticate(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """vLLM's ``--api-key`` check (``vllm/entrypoints/serve/middleware/authenticate.py``): paths under
         ``GUARDED_PREFIXES`` need ``Authorization: Bearer <key>``; OPTIONS and other paths pass."""
         if request.method != "OPTIONS" and request.path.startswith(GUARDED_PREFIXES):
@@ -164,7 +167,7 @@ class SimServer:
         return await handler(request)
 
     @web.middleware
-    async def _count_request(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    async def _count_request(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """``http_requests_total{handler,method,status}`` as vLLM's HTTP instrumentation counts it."""
         resource = request.match_info.route.resource
         path = resource.canonical if resource is not None else None
@@ -265,8 +268,7 @@ class SimServer:
         r.add_route("*", "/ping", self._health)
         r.add_get("/version", lambda _req: self._version())
         r.add_get("/metrics", lambda _req: self._metrics(listener))
-        r.add_get("/load", lambda _req: _json({"server_load": sum(
-            len(rk.core.running) + len(rk.core.waiting) for rk in self._served(listener))}))
+        r.add_get("/load", lambda _req: self._load(listener))
         r.add_post("/reset_prefix_cache", lambda _req: self._reset_prefix_cache())
         r.add_get("/sim/received", received)
         r.add_post("/sim/reset", lambda _req: self._reset())
@@ -319,7 +321,8 @@ class SimServer:
     async def _tokenize(self, request: web.Request) -> web.Response:
         try:
             body = orjson.loads(await request.read())
-            api = "chat" if isinstance(body, dict) and "messages" in body else "completions"
+            api: Literal["chat", "completions"] = (
+                "chat" if isinstance(body, dict) and "messages" in body else "completions")
             ids = prompt_token_ids(self.tokenizer, body, api)
         except (orjson.JSONDecodeError, ValueError, AttributeError) as exc:
             return web.Response(status=400, body=error_body(str(exc), "BadRequestError", 400),
@@ -337,6 +340,10 @@ class SimServer:
 
     async def _health(self, _request: web.Request) -> web.Response:
         return web.Response(status=200)
+
+    async def _load(self, listener: Listener) -> web.Response:
+        """vLLM's ``/load``: ``{"server_load": <requests in flight>}``."""
+        return _json({"server_load": sum(len(rk.core.running) + len(rk.core.waiting) for rk in self._served(listener))})
 
     async def _version(self) -> web.Response:
         return _json({"version": self.config.version})

@@ -35,7 +35,9 @@ def test_client_disconnect_mid_stream_frees_the_decoder(engines: Engines, prompt
     log = tmp_path / "requests.jsonl"
     proxy = make_proxy(engines, tokenizer=str(engines.model_dir), request_log_path=str(log))
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    d0 = scrape(engines.decode_url)
+    # a request of an earlier test may still be ending on the decoder (running, or waiting for its KV): its
+    # finish would count here, so start from an idle decoder
+    d0 = wait_until(lambda: _idle(scrape(engines.decode_url)), 30, 0.1, "the decoder to be idle")
     prompt = prompts.unique(PROMPT_TOKENS, seed=900 + len(api))
     max_tokens = engines.max_model_len - 64
     if api == "chat":
@@ -62,8 +64,16 @@ def test_client_disconnect_mid_stream_frees_the_decoder(engines: Engines, prompt
     generated = metric(d1, "vllm:generation_tokens_total") - metric(d0, "vllm:generation_tokens_total")
     # vLLM counts an aborted request in no finished_reason; it just stops generating for it
     finished = sum(metric(d1, "vllm:request_success_total", finished_reason=r) for r in ("length", "stop"))
-    assert finished == sum(metric(d0, "vllm:request_success_total", finished_reason=r) for r in ("length", "stop"))
+    before = sum(metric(d0, "vllm:request_success_total", finished_reason=r) for r in ("length", "stop"))
+    assert finished == before, (f"the decoder finished {finished - before:g} request(s) normally after "
+                                f"{generated:g} generated tokens; pdproxy logged {log.read_text()!r}")
     assert 1 <= generated < max_tokens, f"the decoder generated {generated:g} of {max_tokens} tokens"
     proxy.wait_idle(10)
     (line,) = [orjson.loads(x) for x in log.read_bytes().splitlines()]
     assert line["outcome"] == "client_disconnected" and line["decoder"] == engines.decode_url
+
+
+def _idle(text: str) -> str | None:
+    """``text`` (a decoder's /metrics) if it has no request running or waiting, else None."""
+    busy = metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting")
+    return text if busy == 0 else None
