@@ -1,8 +1,8 @@
-"""Admission benchmark (issue 4): small requests under long prefills, and how fast over-length prompts are refused.
+"""Admission benchmark: small requests under long prefills, and how fast over-length prompts are refused.
 
 Run: ``python -m loadtest.admission_bench [--quick] [--out FILE]``.  Prints one JSON document with figures and
-ratios from this run.  Engines are ``pdproxy sim`` processes with the issue's model: 10,000 prefill tokens/s in
-8,192-token chunks (one chunk step = 0.82 s), ``max_model_len`` 133,120.
+ratios from this run.  Engines are ``pdproxy sim`` processes with this benchmark's engine model: 10,000 prefill
+tokens/s in 8,192-token chunks (one chunk step = 0.82 s), ``max_model_len`` 133,120.
 
 Scenarios:
 

@@ -2,7 +2,8 @@
 
 Run: ``python -m loadtest.bench [--profile full|quick] [--other NAME=COMMAND ...] [--out FILE]`` (``make bench``).
 Prints one JSON document (also written to ``--out``): the machine, the CPU pinning, per-scenario summaries
-(median of ``windows`` windows) for every target, and the figures of issue 8 with the targets they meet.
+(median of ``windows`` windows) for every target, and the headline figures (``loadtest/report.py``) with the
+targets they meet.
 
 Targets: ``direct`` (client → decoder, no PD), ``client_pd`` (the generator calls prefill then decode itself: the
 floor for any PD proxy), ``pdproxy`` (``python -m pdproxy serve``) and every ``--other`` proxy command (template
@@ -194,7 +195,7 @@ class Bench:
 
 
 def figures(scen: dict[str, Any], name: str) -> dict[str, Any]:
-    """The issue-8 figures of one proxy from the scenario summaries."""
+    """The headline figures of one proxy from the scenario summaries."""
     fig: dict[str, Any] = {}
     idle = scen.get("idle", {})
     if name in idle:

@@ -1,4 +1,4 @@
-"""Chaos run (issue 5): steady load through pdproxy while a decoder and then a prefiller process are killed
+"""Chaos run: steady load through pdproxy while a decoder and then a prefiller process are killed
 (SIGKILL) and brought back on the same port.
 
 Run: ``python -m loadtest.chaos [--duration-s 24] [--concurrency 16] [--out FILE]``.  Prints one JSON document:

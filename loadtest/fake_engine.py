@@ -1,11 +1,12 @@
 """A minimal vLLM-shaped engine on a raw asyncio protocol (uvloop + httptools), for overhead benchmarks.
 
 Why not ``pdproxy sim``: the benchmark must measure the proxy, so the engines have to cost far less CPU per
-event than any proxy (the issue-8 harness rule).  This engine does no scheduling, tokenizing or validation: it
+event than any proxy.  This engine does no scheduling, tokenizing or validation: it
 answers the shapes a PD proxy relays, with scripted timing, and costs a few µs per event (``bench.py`` reports
 its CPU next to the proxy's).
 
-Wire behaviour (shapes follow vLLM's OpenAI server, reference §1 and §2.3):
+Wire behaviour (shapes follow vLLM's OpenAI server: the handle of ``docs/pd-protocol.md`` §1, the SSE stream of
+``vllm/entrypoints/openai/completion/serving.py`` and ``chat_completion/serving.py``):
 
 - ``POST /v1/completions`` and ``/v1/chat/completions``:
   - ``stream`` false: one JSON body after ``prefill_s`` seconds; when the body carries

@@ -3,8 +3,9 @@
 ``python -m loadtest.loadgen '<spec JSON>'`` prints one JSON result.  Spec keys:
 
 - ``mode``: ``direct`` (POST the client body to ``decode``), ``client_pd`` (the generator itself POSTs the prefill
-  leg to ``prefill`` — ``stream`` false, ``max_tokens`` 1, the ``kv_transfer_params`` stub of reference §1.2 —
-  then the original body plus the prefiller's ``kv_transfer_params`` to ``decode``: the floor of any PD proxy),
+  leg to ``prefill`` — ``stream`` false, ``max_tokens`` 1, the ``kv_transfer_params`` stub of
+  docs/pd-protocol.md §1 — then the original body plus the prefiller's ``kv_transfer_params`` to ``decode``: the
+  floor of any PD proxy),
   ``proxy`` (POST the client body to ``target``);
 - ``api`` (``completions`` | ``chat``), ``max_tokens`` (events per stream), ``prompt_bytes`` (unique text);
 - ``arrival``: ``{"kind": "poisson", "rate": req/s}`` (open loop), ``{"kind": "closed", "concurrency": n,

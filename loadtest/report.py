@@ -1,6 +1,6 @@
 """Reduce load-generator windows to figures: medians over windows, then ratios against the client-side PD floor.
 
-Definitions (the issue-8 figures):
+Definitions (the headline figures):
 
 - **added TTFT** (ms) = TTFT through the proxy − TTFT of the client-side PD floor (the generator itself calls
   prefill then decode), at p50 and p99, each the median over windows;
@@ -86,7 +86,7 @@ def versus(proxy: dict[str, Any], floor: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_targets(fig: dict[str, Any], router: dict[str, Any] | None) -> dict[str, bool | None]:
-    """The issue-8 targets that one run can decide (None = not measured)."""
+    """The overhead targets that one run can decide (None = not measured)."""
     def le(v: float | None, limit: float) -> bool | None:
         return None if v is None else v <= limit
 

@@ -1,4 +1,4 @@
-"""How fast one simulator process streams: the issue-3 target is ≥ 20,000 streamed tokens/s on one core.
+"""How fast one simulator process streams: the target is ≥ 20,000 streamed tokens/s on one core.
 
 Run: ``python -m loadtest.sim_throughput [--quick] [--streams 256] [--seconds 5]`` — prints one JSON document.
 

@@ -1,7 +1,7 @@
 """Admission: count the prompt, check it against the engines' real limits before any engine is contacted, decide
 whether it needs the prefiller at all, and own the prefill queue.
 
-Steps of :meth:`Admission.admit` (issue 4):
+Steps of :meth:`Admission.admit`:
 
 1. **Limit.**  ``M`` = the largest prompt some prefiller and some decoder accept (:mod:`pdproxy.limits`: their
    ``max_model_len`` and real KV pool, with this request's ``max_tokens`` counted on the decoder).

@@ -20,8 +20,8 @@ Facts (vLLM 0.32, ``docs/apis-through-pd.md``; captures ``tests/real_vllm/captur
   failed KV pull on a decoder gives ``message_start`` then ``event: error`` ``{"type": "error", "error":
   {"type", "message"}}``, so ``message_start`` is held back too.  pdproxy's own mid-stream errors take that shape.
 
-Usage patching: the client sees the *prefiller's* cached-token figure (the decoder's is 0 on NIXL, or the whole
-prompt on some connectors: reference §2.3).  Messages keeps the total: the tokens moved into
+Usage patching: the client sees the *prefiller's* cached-token figure (the decoder's is 0 on NIXL,
+docs/apis-through-pd.md, or the whole prompt on some connectors).  Messages keeps the total: the tokens moved into
 ``cache_read_input_tokens`` come out of ``input_tokens``.
 
 Each stream class is a transform of the relay's splice (:mod:`pdproxy.relay`: ``trigger`` bytes — the splice calls

@@ -201,7 +201,7 @@ class H1Response:
         self._conn.done(self, reusable=self._eof and self.keep_alive)
 
     def close(self) -> None:
-        """Drop the connection (the engine sees a disconnect and aborts the request, docs/vllm-protocol.md);
+        """Drop the connection (the engine sees a disconnect and aborts the request, docs/pd-protocol.md §6);
         reads of an unfinished body then raise :class:`Disconnected`; a sink is not told."""
         self._stop_timer()
         self.sink = None

@@ -1,11 +1,12 @@
 """Per-endpoint context limits — ``max_model_len`` and the real KV pool — and the over-length 400.
 
 Sources: ``max_model_len`` from ``/v1/models`` (vLLM ``ModelCard.max_model_len``), the KV pool from ``/metrics``
-``vllm:cache_config_info`` (``num_gpu_blocks × block_size`` tokens, or ``kv_cache_size_tokens``; reference §3 and
-§7), both read from ``state.infos`` (:class:`~pdproxy.engines.EngineInfo`, refreshed by ``health.py``).  The
+``vllm:cache_config_info`` (``num_gpu_blocks × block_size`` tokens, or ``kv_cache_size_tokens``; docs/real-vllm.md),
+both read from ``state.infos`` (:class:`~pdproxy.engines.EngineInfo`, refreshed by ``health.py``).  The
 ``max_model_len`` setting overrides what engines declare.  Unknown values impose no limit (the engine decides).
 
-Rules (reference §2.4 "PD trap": P validates with ``max_tokens=1``, so the proxy must check D's rule up front):
+Rules (the PD trap: the prefiller validates a leg of ``max_tokens=1``, so only the proxy can check the decoder's
+rule before a prefill is spent):
 
 - prefiller: ``prompt + 1 <= max_model_len`` (the prefill leg asks for ``max_tokens=1``, and vLLM checks
   ``prompt + max_tokens <= max_model_len``) and ``prompt <= kv_pool`` (a prompt larger than the pool can never be
@@ -18,7 +19,7 @@ Rules (reference §2.4 "PD trap": P validates with ``max_tokens=1``, so the prox
     of exactly ``max_model_len`` tokens gets vLLM's "max_tokens must be at least 1, got 0" (``param: max_tokens``);
   - ``reject`` (vLLM ≤ 0.26, ``renderers/params.py::_token_len_check``, and vLLM-Ascend builds on it):
     ``prompt + max_tokens <= max_model_len``, checked here so that no prefill is spent on a request the decoder
-    would refuse (reference §2.4 "PD trap").
+    would refuse (the PD trap above).
 
 A request is admitted when some prefiller and some decoder *serving its model* allow its prompt
 (:mod:`pdproxy.served_models`: two models on two pools have their own limits); :meth:`Limits.max_prompt_tokens`

@@ -1,7 +1,7 @@
 """Cheap bounds on a prompt's token count, computed without a tokenizer.
 
-Admission uses them to skip the exact count when a bound already decides (reference §2.4: vLLM itself runs a
-character pre-check before tokenizing).  Both bounds are in tokens.
+Admission uses them to skip the exact count when a bound already decides (vLLM itself runs a character pre-check
+before tokenizing: ``vllm/renderers/params.py::TokenizeParams._text_len_check``).  Both bounds are in tokens.
 
 **Lower bound — whitespace-to-word transitions.**  Every BPE tokenizer that pre-tokenizes with a GPT-2-style
 regex (GPT-2, Llama 3, Qwen 2/3, DeepSeek, GLM-4, pdproxy's :class:`~pdproxy.tokens.SimTokenizer`) or splits on

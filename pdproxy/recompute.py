@@ -2,9 +2,10 @@
 
 vLLM-Ascend's RecomputeScheduler (``--additional-config '{"recompute_scheduler_enable": true}'``,
 ``vllm_ascend/core/recompute_scheduler.py::_add_recomputed_outputs``) does not preempt on a KV consumer: it
-finishes the victim with ``finish_reason "stop"``, ``stop_reason "recomputed"`` and empty text (reference §4).
-vLLM-Ascend's example proxy then re-runs P→D with the text so far, but rewrites only ``messages[0]``, assumes one
-token per SSE chunk and uses a default budget of 16 (reference §5).  Here:
+finishes the victim with ``finish_reason "stop"``, ``stop_reason "recomputed"`` and empty text.
+vLLM-Ascend's example proxy (``examples/disaggregated_prefill_v1/load_balance_proxy_server_example.py``) then
+re-runs P→D with the text so far, but rewrites only ``messages[0]``, assumes one token per SSE chunk and uses a
+default budget of 16.  Here:
 
 - the client never sees the ``recomputed`` chunk, nor the first attempt's usage chunk or ``[DONE]``;
 - the continuation re-prefills the original request plus the text already sent: chat gets an assistant message

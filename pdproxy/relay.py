@@ -201,8 +201,8 @@ def _patch_block(block: bytes, cached_tokens: int | None, strip_usage: bool = Fa
     ``strip_usage`` drop the usage-only chunk (``choices: []``) the proxy asked for but the client did not.
 
     Only the events from the first one mentioning ``"usage"`` on are split and parsed (vLLM sends usage in the
-    last chunk before ``[DONE]``, reference §2.3), so a large full-speed block costs one scan, not one parse per
-    event."""
+    last chunk before ``[DONE]``: ``vllm/entrypoints/openai/chat_completion/serving.py``), so a large full-speed
+    block costs one scan, not one parse per event."""
     first = block.find(b'"usage"')
     if first < 0:
         return block
@@ -226,8 +226,8 @@ def _patch_block(block: bytes, cached_tokens: int | None, strip_usage: bool = Fa
 
 
 def _split_recomputed(block: bytes, transcript: recompute.Transcript) -> tuple[bytes, bool]:
-    """Cut ``block`` at a ``stop_reason "recomputed"`` chunk (vLLM-Ascend, reference §4): the events before it
-    are returned for the client; it and everything after are only recorded in ``transcript``."""
+    """Cut ``block`` at a ``stop_reason "recomputed"`` chunk (vLLM-Ascend, :mod:`pdproxy.recompute`): the events
+    before it are returned for the client; it and everything after are only recorded in ``transcript``."""
     out: list[bytes] = []
     after: list[bytes] = []
     for event in sse.split_events(block):
@@ -250,8 +250,9 @@ def _split_recomputed(block: bytes, transcript: recompute.Transcript) -> tuple[b
 
 
 def _first_event_error(block: bytes) -> UpstreamHTTPError | None:
-    """If the decoder's first event is an error object (e.g. a failed KV pull, reference §1.4), return it as
-    an HTTP error so the client gets a real status instead of a 200 stream that only carries an error."""
+    """If the decoder's first event is an error object (e.g. a failed KV pull, as in the
+    ``tests/real_vllm/captures/decode_bad_remote_stream.json`` capture), return it as an HTTP error so the client
+    gets a real status instead of a 200 stream that only carries an error."""
     if not block.startswith(b"data: {\"error\"") and not block.startswith(b"data:{\"error\""):
         return None
     data = sse.event_data(sse.split_events(block)[0]) or b""

@@ -130,7 +130,7 @@ class Settings(BaseSettings):
                                                            "requests are still served this long (a load "
                                                            "balancer's health check takes the replica out first)")
 
-    # --- retries (issue 5; see director.py for the policy)
+    # --- retries (see director.py for the policy)
     prefill_attempts: int = Field(3, ge=1, le=10, description="prefillers tried per request (refuse/reset/timeout/"
                                                                "502/503/504; a 500 once more; a 4xx never)")
     decode_attempts: int = Field(3, ge=1, le=10, description="decoders tried per request before its first event")

@@ -1,10 +1,10 @@
 """SSE framing for the relay: find event boundaries in a byte stream without decoding it.
 
 An event ends at a blank line: ``\\n\\n``, ``\\r\\n\\r\\n`` or ``\\r\\r`` (WHATWG HTML "server-sent events"
-parsing; vLLM itself writes ``data: <json>\\n\\n``, reference §2.3).  The relay forwards, per upstream read,
-every complete event it now holds as one write, and keeps the incomplete tail — so events split across reads
-are reassembled, events merged in one read stay one write, and multi-byte UTF-8 characters split across reads
-are never cut (bytes are not decoded).
+parsing; vLLM itself writes ``data: <json>\\n\\n``, ``vllm/entrypoints/openai/chat_completion/serving.py``).
+The relay forwards, per upstream read, every complete event it now holds as one write, and keeps the incomplete
+tail — so events split across reads are reassembled, events merged in one read stay one write, and multi-byte
+UTF-8 characters split across reads are never cut (bytes are not decoded).
 """
 
 from __future__ import annotations

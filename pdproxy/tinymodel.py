@@ -11,7 +11,8 @@ Two entry points with different needs:
 
 CLI: ``python -m pdproxy.tinymodel tokenizer DIR`` or ``python -m pdproxy.tinymodel model DIR``.
 
-Shape facts (reference section 7, vLLM 0.32 on CPU): the CPU attention kernel rejects head_dim 16, so
+Shape facts (vLLM 0.32 on CPU): the CPU attention kernel rejects head_dim 16 (supported sizes:
+``vllm/v1/attention/backends/cpu_attn.py::CPUAttentionBackend.get_supported_head_sizes``), so
 hidden 256 / 4 heads gives head_dim 64; ``max_position_embeddings`` must cover the served ``--max-model-len``.
 """
 

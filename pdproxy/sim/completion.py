@@ -2,8 +2,8 @@
 ``/v1/chat/completions``, ``/v1/responses``, ``/v1/messages``, ``/inference/v1/generate``).
 
 Flow per request: the route's parser validates (vLLM's 400s/404s; a rejected decoder request releases its
-prefiller pin, reference §1.5) and returns a :class:`~pdproxy.sim.protocol.ParsedRequest`; :func:`run_generation`
-builds one engine request per output sequence (``n`` per prompt, every prompt of a list; see
+prefiller pin, docs/pd-protocol.md §6) and returns a :class:`~pdproxy.sim.protocol.ParsedRequest`;
+:func:`run_generation` builds one engine request per output sequence (``n`` per prompt, every prompt of a list; see
 :mod:`pdproxy.sim.generation`), submits them to the rank, and answers through the route's
 :class:`~pdproxy.sim.generation.Writer`:
 
@@ -170,7 +170,7 @@ def notify_rejected(server: SimServer, rank: RankEngine, body: Any) -> None:
     ``body`` is the parsed request body (anything else is ignored). The release runs as a side task of
     ``rank``; no-op on a prefill-only engine or without usable ``kv_transfer_params``. Protocol source:
     vLLM >= 0.26 ``generate/base/serving.py::_with_kv_transfer_rejection_cleanup`` calls
-    ``notify_kv_transfer_request_rejected`` for every ErrorResponse (PR #41269; reference §1.5).
+    ``notify_kv_transfer_request_rejected`` for every ErrorResponse (PR #41269; docs/pd-protocol.md §6).
     """
     if server.config.role == "prefill" or not isinstance(body, dict):
         return

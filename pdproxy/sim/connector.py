@@ -3,7 +3,7 @@
 Prefiller side: :func:`prefill_params` builds the dict returned at the top level of the prefill response.
 Two shapes exist:
 
-* ``nixl`` (default): vLLM 0.32's NixlConnector as observed (reference §7; ``nixl/pull_scheduler.py::
+* ``nixl`` (default): vLLM 0.32's NixlConnector as observed (docs/pd-protocol.md §1; ``nixl/pull_scheduler.py::
   request_finished``). Nested ``remote_block_ids`` (one list per KV group), ``remote_engine_id
   "<uuid>_dp<k>"``, ``remote_request_id`` (the engine-internal id), ``remote_num_tokens``, ``tp_size``, ...
 * ``mooncake``: vLLM-Ascend MooncakeConnector (main) ``request_finished``. Flat ``remote_block_ids`` plus
@@ -17,8 +17,8 @@ call, so a wrong host or port, or expired blocks, fail like a failed KV pull:
    and now marked as being read. 404 means they are unknown or expired.
 2. The decoder waits ``prompt_tokens / kv_transfer_tokens_per_s`` seconds (the transfer).
 3. ``POST /sim/kv/release`` with ``{"remote_request_id", "remote_engine_id"}``: the prefiller frees the
-   pin. A decoder request that ends before pulling sends the same release (reference §1.5: the
-   "done" notification without reading).
+   pin. A decoder request that ends before pulling sends the same release (docs/pd-protocol.md §6:
+   the "done" notification without reading).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Per-rank engine statistics and their Prometheus text exposition under vLLM's metric names.
 
 Names, HELP texts, labels and buckets are those vLLM 0.32 on CPU exposed (``tests/real_vllm/captures/
-metrics_*.txt``, kept in step by ``tests/real_vllm/test_sim_contract.py``; reference §3 and §7). Every engine
+metrics_*.txt``, kept in step by ``tests/real_vllm/test_sim_contract.py``; docs/real-vllm.md). Every engine
 series has ``engine="<dp_rank>"`` and ``model_name="<served name>"`` labels; counters get a ``_total`` suffix,
 numbers are written the way ``prometheus_client`` writes them (Go float format). ``http_requests_total{handler,
 method,status}`` (prometheus-fastapi-instrumentator, process-wide) counts API requests by status class, so a test

@@ -1,6 +1,6 @@
 """vLLM's request validation and error envelopes, as the simulator reproduces them.
 
-Error envelope (``vllm/entrypoints/openai/engine/protocol.py::ErrorResponse``, reference §2.4):
+Error envelope (``vllm/entrypoints/serve/engine/protocol.py::ErrorResponse``):
 ``{"error": {"message", "type", "param", "code"}}``. Bodies as real vLLM 0.32 returned them (the captures in
 ``tests/real_vllm/captures/``; ``tests/real_vllm/test_sim_contract.py`` keeps the simulator to them):
 
@@ -48,7 +48,8 @@ __all__ = ["Api", "ParsedRequest", "SimHTTPError", "check_length", "error_body",
 
 
 def kv_load_failed_body() -> bytes:
-    """The 500 body of a request whose KV pull failed (``kv_load_failure_policy="fail"``, reference §1.4)."""
+    """The 500 body of a request whose KV pull failed (``kv_load_failure_policy="fail"``, vLLM's default:
+    ``vllm/config/kv_transfer.py``)."""
     return error_body("Internal server error", "InternalServerError", 500)
 
 
@@ -232,7 +233,7 @@ def check_length(prompt_tokens: int, max_tokens: int | None, max_model_len: int,
     itself when ``max_tokens`` is None and the prompt fills the context, so the caller's ``max_tokens`` check
     rejects it). None stays None while there is room (the server default applies).
 
-    ``clamp=False`` is vLLM ≤ 0.26's rule instead (``renderers/params.py::_token_len_check``, reference §2.4): a
+    ``clamp=False`` is vLLM ≤ 0.26's rule instead (``renderers/params.py::_token_len_check``): a
     given ``max_tokens`` with ``prompt + max_tokens > max_model_len`` gets the "you requested ... output tokens"
     400, and ``max_tokens`` is returned unchanged."""
     limit = max_model_len

@@ -2,7 +2,7 @@
 
 ``EngineCore.schedule()`` plans one step and ``EngineCore.complete(plan, now)`` applies it. Tests call
 :meth:`EngineCore.step` with a fake clock; the async runner sleeps ``plan.duration_s`` between the two.
-The model follows ``vllm/v1/core/sched/scheduler.py`` (v0.26), reference §4:
+The model follows ``vllm/v1/core/sched/scheduler.py`` (v0.26):
 
 * token budget ``max_num_batched_tokens`` per step. RUNNING requests are served first, in list order. Each
   takes ``min(remaining, long_prefill_token_threshold or ∞, budget)`` tokens, so a decode takes 1 and a
@@ -12,8 +12,8 @@ The model follows ``vllm/v1/core/sched/scheduler.py`` (v0.26), reference §4:
 * admission reserves blocks for the *whole* prompt (``scheduler_reserve_full_isl=True``, the v0.26 default),
   minus prefix-cache hits. If the head of the queue cannot get its blocks, either admission stops
   (``hol_blocking=True``: vLLM-Ascend 0.23 in seed 000, vLLM #39734, and vLLM 0.32 on CPU as measured by
-  ``tests/real_vllm/test_kv_pressure.py``) or later requests that fit go ahead (``hol_blocking=False``: what
-  reference §7 reported for vLLM 0.32; not reproduced by the real-vLLM tests);
+  ``tests/real_vllm/test_kv_pressure.py``) or later requests that fit go ahead (``hol_blocking=False``: a
+  what-if; vLLM 0.32's ``schedule()`` stops at the first waiting request ``allocate_slots`` cannot place);
 * a RUNNING request that cannot get a block preempts the *last* running request (recompute: its blocks are
   freed, and it re-prefills prompt + output later). With ``recompute_stop`` the victim instead finishes with
   ``finish_reason="stop"``, ``stop_reason="recomputed"`` (vLLM-Ascend ``RecomputeScheduler`` on a kv_consumer);
@@ -170,7 +170,7 @@ class EngineCore:
         Like vLLM 0.32 on a decoder: the whole prompt counts as ``external_kv_transfer`` (and as cached in
         ``vllm:prompt_tokens_cached_total``), nothing as ``local_compute``. The response's
         ``usage.prompt_tokens_details.cached_tokens`` is 0 with the NIXL connector (vLLM 0.32 as observed) and
-        ``prompt - 1`` with Mooncake (vLLM-Ascend counts local + external hits there, reference §2.3).
+        ``prompt - 1`` with Mooncake (vLLM-Ascend counts local + external hits there).
         """
         if request.finished:
             return

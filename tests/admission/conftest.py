@@ -59,7 +59,8 @@ SEED_ARGS = ("--max-model-len", "133120", "--block-size", "4", "--num-gpu-blocks
 """Seed 000: 133K tokens declared, a KV pool of 1146 × 4 = 4,584 tokens."""
 FLOW_ARGS = ("--max-model-len", "133120", "--prefill-tokens-per-s", "10000", "--max-num-batched-tokens", "8192",
              "--decode-tokens-per-s", "0")
-"""Issue 4's benchmark engine: 10K prefill tokens/s in 8,192-token chunks (one step = 0.82 s)."""
+"""The admission benchmark's engine (``loadtest/admission_bench.py``): 10K prefill tokens/s in 8,192-token chunks
+(one step = 0.82 s)."""
 
 KV18_ARGS = ("--max-model-len", "2048", "--block-size", "128", "--num-gpu-blocks-override", "18",
              "--prefill-tokens-per-s", "20000", "--kv-transfer-tokens-per-s", "4000", "--decode-tokens-per-s", "100")

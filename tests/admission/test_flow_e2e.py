@@ -1,6 +1,6 @@
-"""No head-of-line blocking, end to end on the issue's engine model (sim: 10K prefill tokens/s, 8,192-token
-chunks): a 2-token request is answered while a 120K-token prefill runs; large prompts wait in pdproxy's queue,
-smaller ones go first; a full queue answers 429.  Orderings and counters, never milliseconds."""
+"""No head-of-line blocking, end to end on the admission benchmark's engine model (sim: 10K prefill tokens/s,
+8,192-token chunks): a 2-token request is answered while a 120K-token prefill runs; large prompts wait in pdproxy's
+queue, smaller ones go first; a full queue answers 429.  Orderings and counters, never milliseconds."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ PREFILL = os.environ.get("REAL_VLLM_PREFILL_URL", "http://127.0.0.1:8100")
 DECODE = os.environ.get("REAL_VLLM_DECODE_URL", "http://127.0.0.1:8200")
 MODEL = os.environ.get("REAL_VLLM_SERVED_MODEL", "tiny")
 MAX_MODEL_LEN = int(os.environ.get("REAL_VLLM_MAX_MODEL_LEN", "2048"))
-# The prefill stub every PD proxy sends (vLLM toy_proxy_server.py; reference section 1.2).
+# The prefill stub every PD proxy sends (vLLM's toy_proxy_server.py; docs/pd-protocol.md §1).
 PREFILL_KV = {
     "do_remote_decode": True,
     "do_remote_prefill": False,

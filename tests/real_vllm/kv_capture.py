@@ -3,7 +3,7 @@
 Run with the project's venv; it starts the engines itself (small KV pool, so that evictions happen) through
 ``tests/real_vllm/support.py::RealEngines`` and stops them at the end; serialize with the other real-engine users::
 
-    REAL_VLLM_HOME=/work/main/.real-vllm flock /tmp/real-vllm.lock .venv/bin/python -m tests.real_vllm.kv_capture
+    REAL_VLLM_HOME=.real-vllm flock /tmp/real-vllm.lock .venv/bin/python -m tests.real_vllm.kv_capture
 
 Writes ``tests/real_vllm/captures/kv_events_map.json``: the engine's config, every PUB message received
 (``topic``, ``seq`` and the msgpack ``payload`` in base64, exactly as sent), a replay answer, and the requests

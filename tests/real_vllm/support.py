@@ -2,7 +2,7 @@
 token-exact prompts built with the tiny model's own tokenizer.
 
 :class:`RealEngines` runs ``scripts/real-vllm.sh start|stop`` with one :class:`EngineConfig` at a time (the
-script's facts and traps: reference section 7 and the script's header). Ports are picked free at session start
+script's facts and traps: docs/real-vllm.md and the script's header). Ports are picked free at session start
 (``REAL_VLLM_*_PORT`` from the environment win), never 8100/8200 by default (``pdproxy demo``'s). The NIXL lease (``kv_lease_duration``) is cut to 10 s, so KV a test
 abandons on a prefiller is freed quickly instead of keeping it busy for 30 s.
 """

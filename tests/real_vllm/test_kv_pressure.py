@@ -1,5 +1,5 @@
 """KV pressure on a real engine: a prefiller whose KV pool (``--num-gpu-blocks-override 18``: 18 × 128 = 2,304
-tokens) is only a little above ``max_model_len`` (2,048) — vLLM 0.32 refuses to start below it (reference §7).
+tokens) is only a little above ``max_model_len`` (2,048) — vLLM 0.32 refuses to start below it (docs/real-vllm.md).
 
 - vLLM alone: two long prompts sent at once cannot both hold KV, so the second waits inside the engine
   (``vllm:request_queue_time_seconds``); this shows the pool is really that small. And a small request that would

@@ -1,4 +1,4 @@
-"""Authorization and the body-size limit (issue 5 "Membership and shutdown").
+"""Authorization and the body-size limit.
 
 Default: the client's ``Authorization`` reaches both legs, so an engine started with ``--api-key`` answers a wrong
 key with its own 401 after ONE attempt.  With ``api_keys`` pdproxy checks client keys itself and sends the

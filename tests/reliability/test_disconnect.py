@@ -1,4 +1,4 @@
-"""Client disconnects in each phase (issue 5): within 1 s of the client leaving, every upstream connection is
+"""Client disconnects in each phase: within 1 s of the client leaving, every upstream connection is
 closed, every lease released and the prefiller's pinned KV freed.
 
 Each test starts 16 concurrent streaming requests, waits until all of them are in the phase under test (observed
@@ -161,7 +161,7 @@ def test_disconnect_mid_stream(slow_pair: tuple[SimProcess, SimProcess]) -> None
 
 
 def test_disconnect_while_waiting_in_the_prefill_queue(slow_pair: tuple[SimProcess, SimProcess]) -> None:
-    """Requests held in pdproxy's prefill queue (issue 4: a per-prefiller budget of in-flight prefill tokens)
+    """Requests held in pdproxy's prefill queue (a per-prefiller budget of in-flight prefill tokens)
     leave it when their clients go: nothing of theirs reaches an engine afterwards and the counters drain."""
     prefiller, decoder = slow_pair
     proxy = slow_proxy(slow_pair, prefill_budget_tokens=2000)

@@ -1,4 +1,4 @@
-"""Issue 5 fault matrix: each cell = 20 requests at concurrency 16 against simulated engines with one fault kind.
+"""Fault matrix: each cell = 20 requests at concurrency 16 against simulated engines with one fault kind.
 
 Every cell asserts the client-visible status and body, that no request outlived its deadline, that pinned KV,
 engine streams and the proxy's load counters are back to zero, and that the healthy endpoints kept serving.

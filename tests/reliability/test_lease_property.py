@@ -1,4 +1,4 @@
-"""Property (issue 5): under any interleaving of pick / first event / release / failure / cancellation across
+"""Property: under any interleaving of pick / first event / release / failure / cancellation across
 concurrent requests, the pool's load counters never go negative and return to zero.
 
 Each simulated request follows the director's lease pattern (pdproxy/director.py): a prefill lease in the

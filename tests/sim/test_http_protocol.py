@@ -130,7 +130,8 @@ async def test_max_tokens_is_clamped_to_the_room_left(sim: SimServer, http: aioh
 
 
 async def test_reject_mode_refuses_prompt_plus_max_tokens_over_the_limit(http: aiohttp.ClientSession) -> None:
-    """``--max-tokens-overflow reject``: vLLM <= 0.26 / vLLM-Ascend refuse instead of clamping (reference §2.4)."""
+    """``--max-tokens-overflow reject``: vLLM <= 0.26 / vLLM-Ascend refuse instead of clamping
+    (``renderers/params.py::_token_len_check``)."""
     async with running_sim(SimConfig(port=0, max_model_len=2048, max_tokens_overflow="reject")) as sim:
         url = sim.base_urls[0] + "/v1/completions"
         ok, _, _ = await post(http, url, {"prompt": sim_prompt(2000), "max_tokens": 48})

@@ -91,7 +91,7 @@ def test_chunked_prefill_a_2_token_request_finishes_within_a_few_steps_of_a_120k
 
 
 def test_without_a_long_prefill_threshold_the_running_prefill_takes_the_whole_budget() -> None:
-    clock, _ = long_prefill_race(threshold=0)  # vLLM's default: reference §4's TTFT head-of-line effect
+    clock, _ = long_prefill_race(threshold=0)  # vLLM's default (vllm/config/scheduler.py): TTFT head-of-line
     assert clock.finish_step["short"] >= clock.finish_step["long"]  # admitted into the last chunk's leftover budget
     assert clock.finish_step["long"] == -(-120_000 // 8192)
 

@@ -75,7 +75,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["pick", "release", "fail", "cancel"]),
 @settings(max_examples=300, deadline=None)
 @given(OPS, st.integers(0, 2**16))
 def test_random_interleavings_never_go_negative_and_return_to_zero(ops: list[tuple[str, int]], seed: int) -> None:
-    """Property (issue 5): pick / release / fail / cancel in any order keep counters ≥ 0 and end at zero."""
+    """Property: pick / release / fail / cancel in any order keep counters ≥ 0 and end at zero."""
     pool = EndpointPool(P + D)
     sched = Scheduler.standard(pool, picker="power_of_two", seed=seed)
     rng = random.Random(seed)
