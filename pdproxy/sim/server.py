@@ -21,7 +21,6 @@ records, faults, prefix-cache hashes and pinned KV (pins and their expiry).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import secrets
 import socket
@@ -147,9 +146,10 @@ class SimServer:
             site = web.TCPSite(runner, self.config.host, listener.port, reuse_address=True)
             await site.start()
             listener.runner, listener.site = runner, site
-            server = site._server
-            if isinstance(server, asyncio.Server) and server.sockets:
-                listener.port = server.sockets[0].getsockname()[1]
+            # asyncio's or uvloop's Server (not a subclass of asyncio.Server): both have ``sockets``
+            sockets = getattr(site._server, "sockets", None)
+            if sockets:
+                listener.port = sockets[0].getsockname()[1]
         if listener.rank is not None:
             self.ranks[listener.rank].port = listener.port
         else:
