@@ -1,5 +1,5 @@
 """The decoder's answer on ``/v1/responses`` and ``/v1/messages``: how each stream opens and ends, its usage,
-its errors — what the relay needs to relay it honestly (chat and completions are :mod:`pdproxy.relay`'s own).
+its errors — what the relay needs to relay it honestly (chat and completions are :mod:`pdproxy.stream_transforms`'s).
 
 Facts (vLLM 0.32, ``docs/apis-through-pd.md``; captures ``tests/real_vllm/captures/apis/``):
 
@@ -47,7 +47,7 @@ from pdproxy.timeline import RequestContext
 
 
 class Ends(Protocol):
-    """The client side of a response as a stream class sees it (:class:`pdproxy.relay.Responder`)."""
+    """The client side of a response as a stream class sees it (:class:`pdproxy.responder.Responder`)."""
 
     done_sent: bool
 

@@ -45,8 +45,8 @@ from pdproxy.kv_metrics import PrefixCacheCollector
 from pdproxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pdproxy.metrics import ProxyMetrics, rejection_of
 from pdproxy.protocol import Api, ProxyRequest, parse_request
-from pdproxy.relay import Responder
 from pdproxy.reqlog import RequestLog
+from pdproxy.responder import Responder
 from pdproxy.server import COMPLETION_ROUTES, Exchange
 from pdproxy.settings import Settings
 from pdproxy.state import ProxyState

@@ -29,7 +29,8 @@ from pdproxy.health import HealthMonitor
 from pdproxy.pool import EndpointPool
 from pdproxy.prefill_leg import PrefillResult
 from pdproxy.protocol import Api, ProxyRequest, completion_tokens_in, patch_usage_bytes
-from pdproxy.relay import Responder, StreamRelay
+from pdproxy.relay import StreamRelay
+from pdproxy.responder import Responder
 from pdproxy.scheduling import PickRequest, Scheduler
 from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext

@@ -47,7 +47,7 @@ from pdproxy.prefill_leg import PrefillLeg, PrefillResult
 from pdproxy.prefill_queue import PrefillQueue
 from pdproxy.prefix_source import NoPrefix, PrefixSource
 from pdproxy.protocol import Api, ProxyRequest, parse_request
-from pdproxy.relay import Responder
+from pdproxy.responder import Responder
 from pdproxy.scheduling import PickRequest, Scheduler
 from pdproxy.served_models import ServedModels
 from pdproxy.settings import Settings

@@ -56,7 +56,7 @@ from pdproxy import sse
 from pdproxy.endpoints import Endpoint
 from pdproxy.errors import BadRequest, ProxyError, UpstreamHTTPError, UpstreamUnavailable
 from pdproxy.protocol import Api, ProxyRequest, parse_request, prompt_list
-from pdproxy.relay import SSE_HEADERS, Responder
+from pdproxy.responder import SSE_HEADERS, Responder
 from pdproxy.timeline import RequestContext
 
 log = logging.getLogger("pdproxy.fanout")
@@ -151,7 +151,7 @@ def merge_usage(usages: list[tuple[Sequence, dict[str, Any]]], stream: bool) -> 
 
 
 class _SequenceSink:
-    """One sequence's client connection (:class:`pdproxy.relay.ClientConnection`, under its own
+    """One sequence's client connection (:class:`pdproxy.responder.ClientConnection`, under its own
     :class:`Responder`): what its relay would send a client goes to the :class:`Merger` instead — SSE blocks as they
     come (synchronously, from the splice), a JSON answer whole.  Flow control is the real client's: ``paused`` and
     ``drain`` are its connection's, and the merger hands its pause / resume / loss to every sequence's ``flow``."""

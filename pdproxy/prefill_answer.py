@@ -21,7 +21,7 @@ import orjson
 
 from pdproxy import sse
 from pdproxy.protocol import Api, ProxyRequest
-from pdproxy.relay import SSE_HEADERS, Responder
+from pdproxy.responder import SSE_HEADERS, Responder
 from pdproxy.timeline import RequestContext
 
 

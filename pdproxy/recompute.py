@@ -279,7 +279,7 @@ def force_usage_bytes(body: bytes, original: dict[str, Any]) -> bytes:
 async def finish_length(out: Any, transcript: Transcript, *, stream: bool, include_usage: bool) -> None:
     """End a response whose budget was used up by earlier attempts: a last chunk with ``finish_reason "length"``
     (+ usage chunk when asked) and ``[DONE]`` for a stream, else the JSON answer with the text so far.
-    ``out`` is the request's :class:`pdproxy.relay.Responder`."""
+    ``out`` is the request's :class:`pdproxy.responder.Responder`."""
     head = dict(transcript.head or {})
     usage: dict[str, Any] = {"prompt_tokens": transcript.prompt_tokens or 0, "completion_tokens": 0}
     transcript.merge_usage(usage)

@@ -1,9 +1,10 @@
-"""The client side of a completion response, and the relay of the decoder's SSE stream: a splice with transforms.
+"""The relay of a decoder's SSE stream to the client: a splice with transforms.
 
 **Status line rule.**  The client's status line goes out only when the decoder's first event is in hand, so a
 decoder error before it reaches the client with the engine's status and body (and the director may still fail
 over).  After the first byte the relay never replays: a failure becomes ``data: {"error": …}`` then
-``data: [DONE]``, so a stream is never silently truncated.
+``data: [DONE]``, so a stream is never silently truncated.  The client side — status line, errors, the
+connection written to — is :mod:`pdproxy.responder`'s.
 
 **The splice.**  The first event is read with an ordinary ``await`` (it carries the first-event timeout and the
 error check).  From then on the decoder connection hands every body segment straight to :class:`_Splice` from its
@@ -33,20 +34,10 @@ re-armed once per timeout period, never per event.
 - ``recomputed`` (bool): True once the client's part of the stream is over and the director must continue the
   request elsewhere (later blocks must then give ``b""``).
 
-Transforms search bytes with ``block.find(b'"usage"') >= 0`` — never ``b'"usage"' in block``, which in CPython
-first tries the needle as an integer and formats a ``TypeError`` it then discards: ~2.5× the cost, 15 % of the
-splice's instructions when measured — and parse only the events they rewrite.  Today:
-
-- :class:`ChatUsage` (chat and text completions; trigger ``"usage"``): ``completion_tokens`` read from the
-  usage; ``prompt_tokens_details.cached_tokens`` set to the prefiller's figure; the usage chunk dropped when
-  the proxy forced it upstream for a client that did not ask; with detection on (below) its ``ending`` looks
-  for a ``recomputed`` chunk in the last blocks;
-- :class:`RecordTranscript` / :class:`ContinueTranscript` (vLLM-Ascend ``stop_reason: "recomputed"``, only for
-  decoders known to send it; every block): keep what the client got, cut at the ``recomputed`` chunk / rewrite
-  a continuation's ids and usage;
-- :class:`DetectRecomputed` (other decoders, when continuation is enabled; run by :class:`ChatUsage` on the
-  last blocks only): a decoder that does end a stream with ``recomputed`` is reported (the director keeps
-  transcripts for it from then on) and that stream ends with an error event.
+The chat and text completions transforms — :class:`~pdproxy.stream_transforms.ChatUsage` (usage rewriting,
+``recomputed`` detection), :class:`~pdproxy.stream_transforms.RecordTranscript` /
+:class:`~pdproxy.stream_transforms.ContinueTranscript` (vLLM-Ascend continuation) — and the byte-search rule
+every transform follows are in :mod:`pdproxy.stream_transforms`.
 
 Adding an API (e.g. ``/v1/responses`` with usage inside ``response.completed``, or Anthropic ``/v1/messages``
 with usage in ``message_start`` and ``message_delta`` and no ``[DONE]``) is a new transform class (trigger
@@ -56,7 +47,7 @@ end of body), passed to :class:`StreamRelay`; the splice does not change.  ``/v1
 are relayed that way: :class:`pdproxy.api_streams.ResponsesStream` / :class:`~pdproxy.api_streams.MessagesStream`
 (the ``api_stream`` of :class:`StreamRelay`) are their transforms, and also say which opening events the first
 block holds back (sent before the engine ran), how a first error event looks, and the error event that ends the
-stream when pdproxy must (:class:`Responder` sends it once the stream started).
+stream when pdproxy must (:class:`pdproxy.responder.Responder` sends it once the stream started).
 """
 
 from __future__ import annotations
@@ -65,357 +56,16 @@ import asyncio
 import time
 from bisect import bisect_left
 from collections.abc import Callable
-from typing import Any, Protocol
-
-import orjson
+from typing import Any
 
 from pdproxy import api_streams, recompute, sse
-from pdproxy.errors import ProxyError, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable, sse_error_event
+from pdproxy.errors import ProxyError, UpstreamTimeout, UpstreamUnavailable
 from pdproxy.h1client import H1Response, ReadTimeout, TransportError
 from pdproxy.metrics import GapCounts
-from pdproxy.protocol import Api, completion_tokens_in, patch_usage
+from pdproxy.responder import SSE_HEADERS, Responder
+from pdproxy.stream_transforms import Chain, ChatUsage, ContinueTranscript, RecordTranscript, first_event_error
 from pdproxy.timeline import RequestContext
 from pdproxy.upstream import proxy_error
-
-SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-               (b"x-accel-buffering", b"no")]
-
-
-class ClientConnection(Protocol):
-    """Where one response goes (:class:`pdproxy.server.Exchange`; a test may supply its own).
-
-    ``start`` writes the status line and headers (lower-case byte names; without ``content-length`` the body is
-    chunked), ``write`` a body piece, ``finish`` the last piece; all three write at once and never block.
-    ``body_writer()``: a callable writing one body piece (framed) straight to the transport, for the splice.
-    ``paused``: the client's transport is above its high-water mark; ``drain()`` waits until it is not.
-    ``flow``: set by the relay to an object with ``client_paused()`` / ``client_resumed()``, called when
-    ``paused`` changes, and ``client_gone()`` when the connection is lost.  ``abort()`` drops the connection
-    (RST)."""
-
-    flow: Any
-
-    @property
-    def paused(self) -> bool: ...
-
-    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
-
-    def write(self, data: bytes) -> None: ...
-
-    def finish(self, data: bytes = b"") -> None: ...
-
-    def body_writer(self) -> Callable[[bytes], None]: ...
-
-    async def drain(self) -> None: ...
-
-    def abort(self) -> None: ...
-
-
-class Responder:
-    """The client side of one request: tracks whether the status line went out, so errors are sent right.
-
-    Before ``start()``: an error becomes an HTTP status with a JSON envelope (the Anthropic one on ``/v1/messages``,
-    :func:`pdproxy.api_streams.error_json`).  After: an SSE error event followed by ``data: [DONE]`` (if not already
-    sent) — on Responses and Messages their own error event, which ends those streams (``api_stream``, set by the
-    relay when the stream starts).  ``headers``: the proxy's own response headers (``x-request-id``), added to every
-    status line; ``api``: the route the request came in on.
-    """
-
-    __slots__ = ("api", "api_stream", "conn", "ctx", "done_sent", "ended", "headers", "started")
-
-    def __init__(self, conn: ClientConnection, ctx: RequestContext, headers: list[tuple[bytes, bytes]],
-                 api: Api = Api.CHAT) -> None:
-        self.conn = conn
-        self.ctx = ctx
-        self.headers = headers
-        self.api = api
-        self.api_stream: api_streams.ApiStream | None = None
-        self.started = False
-        self.ended = False
-        self.done_sent = False
-
-    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        """Send the status line and ``headers`` (plus the proxy's own); records ``status`` on the request
-        context."""
-        self.start_nowait(status, headers)
-
-    def start_nowait(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        """:meth:`start` without awaiting (it never blocks)."""
-        self.started = True
-        self.ctx.status = status
-        self.conn.start(status, headers + self.headers)
-
-    async def write(self, data: bytes) -> None:
-        """Send ``data`` (bytes) as a body chunk, then wait while the client's transport is above its
-        high-water mark."""
-        self.conn.write(data)
-        if self.conn.paused:
-            await self.conn.drain()
-
-    def end_nowait(self, data: bytes = b"") -> None:
-        """Send the last body chunk ``data`` (bytes, may be empty); no-op if the body already ended."""
-        if not self.ended:
-            self.ended = True
-            self.conn.finish(data)
-
-    async def end(self, data: bytes = b"") -> None:
-        """:meth:`end_nowait` (kept awaitable for callers that stream)."""
-        self.end_nowait(data)
-
-    async def json(self, status: int, body: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> None:
-        """A complete JSON response: ``status``, ``body`` (JSON bytes, with Content-Length) and ``extra`` headers."""
-        self.start_nowait(status, [(b"content-type", b"application/json"),
-                                   (b"content-length", str(len(body)).encode())] + (extra or []))
-        self.end_nowait(body)
-
-    async def error(self, err: ProxyError) -> None:
-        """Send ``err`` the only way still possible (see class docstring)."""
-        self.error_nowait(err)
-
-    def error_nowait(self, err: ProxyError) -> None:
-        """:meth:`error` without awaiting."""
-        self.ctx.error = err.message
-        if not self.started:
-            extra = [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
-            ctype = err.content_type if isinstance(err, UpstreamHTTPError) else "application/json"
-            body = api_streams.error_json(self.api, err)
-            self.start_nowait(err.status_code, [(b"content-type", ctype.encode()),
-                                                (b"content-length", str(len(body)).encode())] + extra)
-            self.end_nowait(body)
-            return
-        if self.ended:
-            return
-        fmt = self.api_stream or api_streams.stream_for(self.api, self.ctx, None)
-        if fmt is not None:                     # Responses / Messages: their error event ends the stream
-            self.done_sent = True
-            self.end_nowait(fmt.error_event(err))
-            return
-        tail = sse_error_event(err)
-        if not self.done_sent:
-            tail += sse.DONE_EVENT
-            self.done_sent = True
-        self.end_nowait(tail)
-
-
-def _patch_block(block: bytes, cached_tokens: int | None, strip_usage: bool = False) -> bytes:
-    """Rewrite ``usage.prompt_tokens_details.cached_tokens`` in every event of ``block`` that has a usage; with
-    ``strip_usage`` drop the usage-only chunk (``choices: []``) the proxy asked for but the client did not.
-
-    Only the events from the first one mentioning ``"usage"`` on are split and parsed (vLLM sends usage in the
-    last chunk before ``[DONE]``: ``vllm/entrypoints/openai/chat_completion/serving.py``), so a large full-speed
-    block costs one scan, not one parse per event."""
-    first = block.find(b'"usage"')
-    if first < 0:
-        return block
-    start = sse.last_boundary(block[:first])
-    out = [block[:start]]
-    for event in sse.split_events(block[start:]):
-        if b'"usage"' in event:
-            data = sse.event_data(event)
-            if data is not None and data != b"[DONE]":
-                try:
-                    obj = orjson.loads(data)
-                except orjson.JSONDecodeError:
-                    obj = None
-                if isinstance(obj, dict):
-                    if strip_usage and obj.get("choices") == [] and "usage" in obj:
-                        continue
-                    if patch_usage(obj, cached_tokens):
-                        event = sse.data_event(orjson.dumps(obj))
-        out.append(event)
-    return b"".join(out)
-
-
-def _split_recomputed(block: bytes, transcript: recompute.Transcript) -> tuple[bytes, bool]:
-    """Cut ``block`` at a ``stop_reason "recomputed"`` chunk (vLLM-Ascend, :mod:`pdproxy.recompute`): the events
-    before it are returned for the client; it and everything after are only recorded in ``transcript``."""
-    out: list[bytes] = []
-    after: list[bytes] = []
-    for event in sse.split_events(block):
-        if after:
-            after.append(event)
-        elif recompute.MARKER in event and recompute.is_recomputed(recompute.parse_event(event) or {}):
-            after.append(event)  # the recomputed chunk itself: empty text, never sent
-        else:
-            out.append(event)
-    kept = b"".join(out)
-    if kept:
-        transcript.add(kept)
-    if after:
-        transcript.compact()
-        for event in after[1:]:
-            obj = recompute.parse_event(event)
-            if obj is not None:
-                transcript.observe(obj)
-    return kept, bool(after)
-
-
-def _first_event_error(block: bytes) -> UpstreamHTTPError | None:
-    """If the decoder's first event is an error object (e.g. a failed KV pull, as in the
-    ``tests/real_vllm/captures/decode_bad_remote_stream.json`` capture), return it as an HTTP error so the client
-    gets a real status instead of a 200 stream that only carries an error."""
-    if not block.startswith(b"data: {\"error\"") and not block.startswith(b"data:{\"error\""):
-        return None
-    data = sse.event_data(sse.split_events(block)[0]) or b""
-    try:
-        obj = orjson.loads(data)
-        code = int(obj["error"].get("code") or 500)
-    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
-        code = 500
-    return UpstreamHTTPError(code if 400 <= code < 600 else 500, data)
-
-
-class ChatUsage:
-    """Chat / text completions usage (see module docstring): ``completion_tokens`` into ``ctx``, ``cached_tokens``
-    patched unless None, the usage-only chunk dropped when ``strip``.  Only blocks holding ``"usage"`` reach it.
-
-    With ``on_recomputed`` it also detects a ``recomputed`` ending without searching every block: that chunk
-    is one of the last of a decoder's stream (then usage, then ``[DONE]``), so only a block with usage, the block
-    that ends the stream (:meth:`ending`) and the block before either (``prev``) are searched.  The chunk itself
-    may then already have reached the client (``finish_reason "stop"``, empty text); what follows it does not,
-    and the relay ends the response with an error event."""
-
-    __slots__ = ("cached", "ctx", "detect", "patch", "strip")
-    trigger = b'"usage"'
-
-    def __init__(self, ctx: RequestContext, cached_tokens: int | None, strip: bool,
-                 on_recomputed: Callable[[], None] | None = None) -> None:
-        self.ctx = ctx
-        self.cached = cached_tokens
-        self.strip = strip
-        self.patch = cached_tokens is not None or strip
-        self.detect = DetectRecomputed(on_recomputed) if on_recomputed is not None else None
-
-    @property
-    def recomputed(self) -> bool:
-        """True once a detected ``recomputed`` chunk ended the client's part of the stream."""
-        return self.detect is not None and self.detect.recomputed
-
-    def feed(self, block: bytes, prev: bytes) -> bytes:
-        """``block`` (it holds ``"usage"``) with its usage events rewritten."""
-        if self.detect is not None:
-            block = self._detect(block, prev)
-            if not block:
-                return block
-        if block.find(b'"completion_tokens"') >= 0:
-            n = completion_tokens_in(block)
-            if n is not None:
-                self.ctx.completion_tokens = n
-        return _patch_block(block, self.cached, self.strip) if self.patch else block
-
-    def ending(self, block: bytes, prev: bytes) -> bytes:
-        """The block that ends the stream, searched for a ``recomputed`` ending (with the block before it)."""
-        return self._detect(block, prev) if self.detect is not None else block
-
-    def _detect(self, block: bytes, prev: bytes) -> bytes:
-        d = self.detect
-        assert d is not None
-        if d.recomputed:
-            return b""
-        if prev.find(recompute.MARKER) >= 0:
-            d.feed(prev)  # already sent; only tells whether it held a real recomputed chunk
-            if d.recomputed:
-                return b""  # nothing after that chunk is for the client
-        return d.feed(block) if block.find(recompute.MARKER) >= 0 else block
-
-
-class RecordTranscript:
-    """First attempt on a decoder that can send ``recomputed``: what the client gets goes into ``transcript``;
-    the ``recomputed`` chunk and everything after it are only recorded (``recomputed`` set)."""
-
-    __slots__ = ("recomputed", "transcript")
-    trigger = b""  # every block
-
-    def __init__(self, transcript: recompute.Transcript) -> None:
-        self.transcript = transcript
-        self.recomputed = False
-
-    def feed(self, block: bytes, prev: bytes = b"") -> bytes:
-        """The events for the client (all of ``block`` unless it holds the ``recomputed`` chunk)."""
-        t = self.transcript
-        if self.recomputed:
-            for event in sse.split_events(block):
-                obj = recompute.parse_event(event)
-                if obj is not None:
-                    t.observe(obj)
-            return b""
-        if block.find(recompute.MARKER) >= 0:
-            block, self.recomputed = _split_recomputed(block, t)
-            return block
-        t.add(block)
-        return block
-
-
-class ContinueTranscript:
-    """A continuation attempt: ids and usage rewritten to continue the first attempt (``keep_usage``: the client
-    asked for usage), ``completion_tokens`` counted across attempts; a second ``recomputed`` sets the flag."""
-
-    __slots__ = ("ctx", "keep_usage", "recomputed", "transcript")
-    trigger = b""  # every block
-
-    def __init__(self, ctx: RequestContext, transcript: recompute.Transcript, keep_usage: bool) -> None:
-        self.ctx = ctx
-        self.transcript = transcript
-        self.keep_usage = keep_usage
-        self.recomputed = False
-
-    def feed(self, block: bytes, prev: bytes = b"") -> bytes:
-        """The rewritten events for the client."""
-        if block.find(b'"completion_tokens"') >= 0:
-            n = completion_tokens_in(block)
-            if n is not None:
-                self.ctx.completion_tokens = n + self.transcript.completion_tokens
-        if self.recomputed:
-            self.transcript.rewrite(block, keep_usage=self.keep_usage)  # accounting only
-            return b""
-        out, self.recomputed = self.transcript.rewrite(block, keep_usage=self.keep_usage)
-        return out
-
-
-class DetectRecomputed:
-    """A decoder not known to send ``recomputed``: one byte search per block; on a real ``recomputed`` chunk,
-    ``on_detect()`` is called, the events before it go out and the stream is over for the client (``recomputed``
-    set; the relay ends it with an error event, since without a transcript it cannot be continued)."""
-
-    __slots__ = ("on_detect", "recomputed")
-
-    def __init__(self, on_detect: Callable[[], None]) -> None:
-        self.on_detect = on_detect
-        self.recomputed = False
-
-    def feed(self, block: bytes, prev: bytes = b"") -> bytes:
-        """``block`` up to a ``recomputed`` chunk."""
-        if self.recomputed:
-            return b""
-        if block.find(recompute.MARKER) < 0:
-            return block
-        out: list[bytes] = []
-        for event in sse.split_events(block):
-            if recompute.MARKER in event and recompute.is_recomputed(recompute.parse_event(event) or {}):
-                self.recomputed = True
-                self.on_detect()
-                break
-            out.append(event)
-        return b"".join(out)
-
-
-class _Chain:
-    """Several transforms applied in order, as one (each to the blocks holding its ``trigger``)."""
-
-    __slots__ = ("parts",)
-    trigger = b""
-
-    def __init__(self, parts: list[Any]) -> None:
-        self.parts = parts
-
-    @property
-    def recomputed(self) -> bool:
-        return any(p.recomputed for p in self.parts)
-
-    def feed(self, block: bytes, prev: bytes = b"") -> bytes:
-        for p in self.parts:
-            if block and block.find(p.trigger) >= 0:
-                block = p.feed(block, prev)
-        return block
 
 
 def _drop(data: bytes) -> None:
@@ -676,7 +326,7 @@ class StreamRelay:
             return ContinueTranscript(self.ctx, t, keep_usage=not self.strip_usage)
         usage = ChatUsage(self.ctx, self.cached_tokens, self.strip_usage,
                           self.on_recomputed if t is None else None)
-        return usage if t is None else _Chain([usage, RecordTranscript(t)])
+        return usage if t is None else Chain([usage, RecordTranscript(t)])
 
     async def _first_block(self, framer: sse.EventFramer) -> bytes:
         """The first complete event(s), within ``first_event_timeout_s`` (a deadline on the response's reads, not
@@ -722,7 +372,7 @@ class StreamRelay:
         if not block:
             raise UpstreamUnavailable(f"{who} closed the stream before its first event", endpoint=ctx.decoder or "")
         fmt = self.api_stream
-        err = _first_event_error(block) if fmt is None else fmt.first_error(block)
+        err = first_event_error(block) if fmt is None else fmt.first_error(block)
         if err is not None:
             err.endpoint = ctx.decoder or ""
             raise err

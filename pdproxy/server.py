@@ -27,7 +27,7 @@ What a connection does (RFC 9112):
 Routes: the generation routes (``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses``,
 ``/v1/messages``: :data:`COMPLETION_ROUTES`) are read whole and given to
 ``PDProxyApp.handle_completion(api, exchange)`` with an :class:`Exchange` (which implements
-:class:`pdproxy.relay.ClientConnection`); any other request runs the ASGI app (``PDProxyApp.__call__``: FastAPI's
+:class:`pdproxy.responder.ClientConnection`); any other request runs the ASGI app (``PDProxyApp.__call__``: FastAPI's
 control plane) through :class:`_AsgiCycle`.
 """
 
@@ -101,7 +101,7 @@ class Exchange:
     ``version`` (``"1.1"`` / ``"1.0"``), ``headers`` (lower-case name, value) byte pairs in arrival order,
     ``body`` (bytes, once ``complete``).
 
-    Response side (:class:`pdproxy.relay.ClientConnection`): :meth:`start`, :meth:`write`, :meth:`finish` write
+    Response side (:class:`pdproxy.responder.ClientConnection`): :meth:`start`, :meth:`write`, :meth:`finish` write
     to the transport at once (no buffering here); :attr:`paused` is True while the client's transport is above
     its high-water mark; ``flow`` (an object with ``client_paused()`` / ``client_resumed()`` / ``client_gone()``)
     is told when that changes and when the connection is lost; :meth:`body_writer` gives the splice a direct

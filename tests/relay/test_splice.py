@@ -1,5 +1,6 @@
 """The relay's splice in process: a raw engine socket on one side, a recording client connection on the other
-(pdproxy/relay.py).  Flow control, the stall cut, the end at ``[DONE]``, usage rewriting, recompute detection."""
+(pdproxy/relay.py; transforms in pdproxy/stream_transforms.py, client side in pdproxy/responder.py).
+Flow control, the stall cut, the end at ``[DONE]``, usage rewriting, recompute detection."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 from pdproxy.errors import UpstreamUnavailable
 from pdproxy.h1client import H1Pool, H1Response
 from pdproxy.metrics import GapCounts
-from pdproxy.relay import Responder, StreamRelay
+from pdproxy.relay import StreamRelay
+from pdproxy.responder import Responder
 from pdproxy.timeline import RequestContext
 from tests.unit.rawengine import Engine, Peer, post, until
 
@@ -42,7 +44,7 @@ DONE = b"data: [DONE]\n\n"
 
 
 class Client:
-    """A :class:`pdproxy.relay.ClientConnection` that records what it was given."""
+    """A :class:`pdproxy.responder.ClientConnection` that records what it was given."""
 
     def __init__(self) -> None:
         self.flow: object = None
