@@ -418,13 +418,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write every figure to this file")
     ap.add_argument("--request-logs", help="a directory for pdproxy's request logs (one file per run)")
     ap.add_argument("--skip-workload", nargs="+", default=[], help="workloads not to run (agent, shared)")
+    ap.add_argument("--unpinned", action="store_true", help="pin nothing (as users run a proxy): proxy, engines "
+                    "and load generator share every CPU; the default pins the proxy to the last CPU")
     args = ap.parse_args(argv)
     if args.request_logs:
         Path(args.request_logs).mkdir(parents=True, exist_ok=True)
         REQUEST_LOGS.append(args.request_logs)
     if args.quick:
         args.conversations, args.turns, args.shared_requests, args.concurrency, args.repeat = 8, 4, 36, 8, 1
-    cpus_proxy, cpus_load = fleet.cpu_split()
+    cpus_proxy, cpus_load = (None, None) if args.unpinned else fleet.cpu_split()
     pub_ports = {}
     engine_args = ["--served-model-name", "sim-model", "--max-model-len", "32768", "--block-size", str(BLOCK),
                    "--enable-prefix-caching", "--decode-tokens-per-s", "0"]

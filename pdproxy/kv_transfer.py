@@ -299,8 +299,24 @@ def _handle(prefill_response: Mapping[str, Any]) -> KVTransferParams | None:
     return params if isinstance(params, dict) and params else None
 
 
-def finish_reason(prefill_response: Mapping[str, Any]) -> str | None:
-    """``choices[0].finish_reason`` of a prefiller's JSON answer (None when it has no choices)."""
+# How Responses and Messages answers say why they ended, in chat's finish_reason names (vLLM 0.32's
+# ``responses/serving.py`` sets ``status`` "incomplete" with ``incomplete_details.reason "max_output_tokens"`` for
+# a length cap, "completed" otherwise; ``anthropic/serving.py`` maps stop → "end_turn" / "stop_sequence", tool
+# calls → "tool_use", length → "max_tokens").
+_MESSAGES_STOP = {"end_turn": "stop", "stop_sequence": "stop", "tool_use": "tool_calls", "max_tokens": "length"}
+
+
+def finish_reason(prefill_response: Mapping[str, Any], api: Api = Api.CHAT) -> str | None:
+    """Why a prefiller's JSON answer ended, in chat's terms (``stop``, ``tool_calls``, ``length``…): chat and
+    completions ``choices[0].finish_reason``; Responses ``status`` (``completed`` → ``stop``, ``incomplete`` →
+    ``length``); Messages ``stop_reason`` (``end_turn``/``stop_sequence`` → ``stop``, ``tool_use`` →
+    ``tool_calls``, ``max_tokens`` → ``length``). None when the answer does not say."""
+    if api is Api.RESPONSES:
+        status = prefill_response.get("status")
+        return {"completed": "stop", "incomplete": "length"}.get(status) if isinstance(status, str) else None
+    if api is Api.MESSAGES:
+        reason = prefill_response.get("stop_reason")
+        return _MESSAGES_STOP.get(reason) if isinstance(reason, str) else None
     choices = prefill_response.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         value = choices[0].get("finish_reason")
@@ -308,11 +324,12 @@ def finish_reason(prefill_response: Mapping[str, Any]) -> str | None:
     return None
 
 
-def ended_on_prefill(prefill_response: Mapping[str, Any]) -> bool:
-    """True when the prefiller finished the request itself (``finish_reason`` ``stop`` / ``tool_calls``: EOS, a
-    stop token or string) and handed over no KV: its answer is the complete answer, not a broken handoff.  An
-    answer capped by the leg's ``max_tokens: 1`` without a handle means the prefiller has no KV connector."""
-    return _handle(prefill_response) is None and finish_reason(prefill_response) in _COMPLETE_FINISH
+def ended_on_prefill(prefill_response: Mapping[str, Any], api: Api = Api.CHAT) -> bool:
+    """True when the prefiller finished the request itself (EOS, a stop token or string, a tool call that ended
+    the turn: :func:`finish_reason` ``stop`` / ``tool_calls``) and handed over no KV: its answer is the complete
+    answer, not a broken handoff.  An answer capped by the leg's one-token limit without a handle means the
+    prefiller has no KV connector."""
+    return _handle(prefill_response) is None and finish_reason(prefill_response, api) in _COMPLETE_FINISH
 
 
 def prefill_prompt_tokens(prefill_response: Mapping[str, Any], api: Api = Api.CHAT) -> int | None:

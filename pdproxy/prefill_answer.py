@@ -10,6 +10,8 @@ is (JSON) or as the stream vLLM would have sent for it (SSE, shapes as in vLLM 0
 ``chat_completion/serving.py::chat_completion_stream_generator`` and ``completion/serving.py``).
 
 :func:`usable` says when that holds; otherwise the director lets a decoder prefill the request itself.
+Responses and Messages answers are recognised by their own end fields (``kv_transfer.finish_reason``) and sent
+as they are to a JSON client; their streams go to a decoder.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from pdproxy.timeline import RequestContext
 
 def usable(req: ProxyRequest) -> bool:
     """True when a prefill answer that stopped is a valid answer to ``req``: the client asked for at most one
-    ``min_tokens`` (the leg raised it to 1, which only makes stopping less likely)."""
-    return (req.min_tokens or 0) <= 1
+    ``min_tokens`` (the leg raised it to 1, which only makes stopping less likely), and either wants JSON or
+    streams chat / completions (a Responses or Messages stream has many event kinds a JSON answer would have
+    to be rebuilt into: a decoder prefills those itself instead, a cost only on this rare path)."""
+    return (req.min_tokens or 0) <= 1 and (not req.stream or req.api in (Api.CHAT, Api.COMPLETIONS))
 
 
 def _choice(reply: dict[str, Any]) -> dict[str, Any]:
@@ -92,13 +96,15 @@ def _events(first: dict[str, Any] | None, last: dict[str, Any], base: dict[str, 
 
 async def send(req: ProxyRequest, ctx: RequestContext, out: Responder, reply: dict[str, Any],
                headers: list[tuple[bytes, bytes]]) -> None:
-    """Send ``reply`` (the prefiller's JSON answer, finished ``stop``) to the client as ``req`` asked: JSON
-    unchanged, or one SSE body; records the first/last token times and ``completion_tokens`` on ``ctx``."""
+    """Send ``reply`` (the prefiller's JSON answer, finished ``stop``, in ``req``'s API) to the client as ``req``
+    asked: JSON unchanged, or one SSE body (chat, completions); records the first/last token times and the
+    output tokens (``completion_tokens`` / ``output_tokens``) on ``ctx``."""
     now = time.monotonic()
     ctx.timeline.first_token_at = ctx.timeline.last_token_at = now
     usage = reply.get("usage")
-    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-        ctx.completion_tokens = usage["completion_tokens"]
+    key = "completion_tokens" if req.api in (Api.CHAT, Api.COMPLETIONS) else "output_tokens"
+    if isinstance(usage, dict) and isinstance(usage.get(key), int):
+        ctx.completion_tokens = usage[key]
     if not req.stream:
         await out.json(200, orjson.dumps(reply), headers)
         return

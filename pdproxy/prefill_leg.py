@@ -161,7 +161,7 @@ class PrefillLeg:
                 lease.release()
                 raise fault
             params = kv_transfer.extract_params(reply)
-            ended = kv_transfer.ended_on_prefill(reply)
+            ended = kv_transfer.ended_on_prefill(reply, req.api)
             if params is None and not ended and not s.allow_decode_side_prefill:
                 lease.release()
                 raise UpstreamUnavailable(

@@ -279,3 +279,47 @@ def test_the_anthropic_clients_x_api_key_is_a_client_key(sims: Fleet) -> None:
         proxy.wait_idle()
     finally:
         proxy.stop()
+
+
+# --------------------------------------------------------------------- a prefill that already ended the request
+@pytest.mark.parametrize("api", ["responses", "messages"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prefill_that_stopped_answers_or_a_decoder_prefills(proxy: ProxyThread, sims: Fleet, api: str,
+                                                              stream: bool) -> None:
+    """The prefiller ends the request on its first token and hands over no KV (vLLM-Ascend's Mooncake, older
+    NIXL): a JSON client gets the prefiller's complete answer (Responses ``status "completed"``, Messages
+    ``stop_reason "end_turn"``) and no decoder is asked; a streaming client gets the API's whole stream from a
+    decoder that prefills the request itself (no handle in its body). Never a 502."""
+    sims.prefillers[0].faults({"kind": "no_kv_params"})
+    path = "/v1/responses" if api == "responses" else "/v1/messages"
+    if api == "responses":
+        kwargs: dict[str, Any] = {"model": "sim-model", "input": PROMPT, "max_output_tokens": 5}
+        if stream:
+            got = list(oai(proxy).responses.create(**kwargs, stream=True))
+            assert got[0].type == "response.created" and got[-1].type == "response.completed"
+            resp = got[-1].response
+            assert resp.status == "incomplete" and resp.usage is not None and resp.usage.output_tokens == 5
+        else:
+            resp = oai(proxy).responses.create(**kwargs)
+            assert resp.status == "completed" and resp.incomplete_details is None
+            assert resp.usage is not None and resp.usage.output_tokens == 1
+    else:
+        body = {"model": "sim-model", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5}
+        if stream:
+            with claude(proxy).messages.stream(**body) as s:
+                kinds = [e.type for e in s]
+                message = s.get_final_message()
+            assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+            assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 5
+        else:
+            message = claude(proxy).messages.create(**body)
+            assert message.stop_reason == "end_turn" and message.usage.output_tokens == 1
+    p, d = legs(sims.prefillers, path), legs(sims.decoders, path)
+    assert len(p) == 1 and p[0]["body"]["kv_transfer_params"] == STUB
+    if stream:
+        (decode,) = d
+        assert "kv_transfer_params" not in decode["body"] and decode["headers"]["x-request-id"] == p[0][
+            "headers"]["x-request-id"]
+    else:
+        assert d == []
+    wait_engines_idle(sims)
