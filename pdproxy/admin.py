@@ -10,10 +10,12 @@ stands for all its internal-DP ranks):
 
 - ``GET /admin/endpoints`` → ``{"endpoints": [{"name", "url", "role", "dp_rank", "state", "healthy",
   "draining", "leaving", "requests", "tokens", "breaker", "consecutive_failures", "opened_total", "retry_in_s",
-  "max_model_len", "kv_pool_tokens"}]}``; ``state`` is ``active``, ``draining`` (no new work, requests still in
+  "max_model_len", "kv_pool_tokens", "models"}]}`` (``models``: the ids it serves, empty while unknown);
+  ``state`` is ``active``, ``draining`` (no new work, requests still in
   flight), ``drained`` (no new work, idle: it stays listed until removed or undrained) or ``leaving`` (removed
   without ``force``: it goes once idle);
-- ``POST /admin/endpoints`` ``{"url", "role", "dp_size"?: 1}`` → 201 with the new entries (probed once: a
+- ``POST /admin/endpoints`` ``{"url", "role", "dp_size"?: 1, "models"?: []}`` (``models`` pins it to those
+  model ids, as ``models`` in the config file: pdproxy/served_models.py) → 201 with the new entries (probed once: a
   reachable engine takes traffic at once, an unreachable one when its ``/health`` answers); 409 if present;
 - ``POST /admin/endpoints/drain`` ``{"url", "role"}`` → 202: no new work, in-flight requests finish, the
   endpoint stays (``draining``, then ``drained``);
@@ -50,6 +52,7 @@ class EndpointRef(BaseModel):
     role: Role
     dp_size: int = Field(1, ge=1, le=1024)
     force: bool = False
+    models: list[str] = []          # add only: pin the endpoint to these model ids (as the config's ``models``)
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -114,7 +117,7 @@ def describe(state: ProxyState, endpoint: Endpoint) -> dict[str, Any]:
             "state": endpoint_state(state, endpoint), "healthy": load.healthy, "draining": load.draining,
             "leaving": endpoint in state.health.leaving, "requests": load.requests, "tokens": load.tokens,
             **state.health.snapshot(endpoint), "max_model_len": info.max_model_len,
-            "kv_pool_tokens": info.kv_pool_tokens}
+            "kv_pool_tokens": info.kv_pool_tokens, "models": sorted(state.served.ids(endpoint) or ())}
 
 
 def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
@@ -138,6 +141,7 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
         new = expand([ref.url], ref.role, ref.dp_size)
         if any(e.url == ref.url for e in state.pool.endpoints(ref.role)):
             raise Conflict(f"{ref.role.value} endpoint {ref.url} already exists", redact=False)
+        state.served.pin(ref.role, ref.url, ref.models)   # empty clears a pin a removed namesake left
         for e in new:
             state.pool.add(e)
             state.pool.load(e).healthy = False  # until its first probe answers

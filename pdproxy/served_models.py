@@ -42,6 +42,16 @@ class ServedModels:
         self.pins: dict[tuple[Role, str], frozenset[str]] = dict(pins or {})
         self._ids: dict[Endpoint, tuple[int, frozenset[str] | None]] = {}
 
+    def pin(self, role: Role, url: str, models: Iterable[str]) -> None:
+        """Pin the endpoints at ``(role, url)`` to ``models`` (empty: unpin); the admin API's ``models``."""
+        ids = frozenset(models)
+        if ids:
+            self.pins[(role, url)] = ids
+        else:
+            self.pins.pop((role, url), None)
+        for endpoint in [e for e in self._ids if e.role is role and e.url == url]:
+            del self._ids[endpoint]
+
     def pinned(self, endpoint: Endpoint) -> frozenset[str] | None:
         """The ids ``endpoint`` is pinned to, or None when it is not pinned."""
         return self.pins.get((endpoint.role, endpoint.url)) if self.pins else None

@@ -107,3 +107,29 @@ def test_add_drain_and_remove_at_runtime(fleet4: Fleet4) -> None:
         proxy.wait_idle()
     finally:
         proxy.stop()
+
+
+def test_an_added_endpoint_can_be_pinned_to_models(fleet4: Fleet4) -> None:
+    """``models`` on ``POST /admin/endpoints`` pins the new endpoint as the config's ``models`` does: a decoder
+    pinned to a model it does not serve takes none of ``sim-model``'s requests; re-added pinned to
+    ``sim-model`` it does."""
+    d0, d1 = fleet4.decoders
+    proxy = fleet4.proxy(admin_key="admin-secret", decode=[d0.url])
+    try:
+        r = admin(proxy.url, "POST", {"url": d1.url, "role": "decode", "models": ["other-model"]})
+        assert r.status_code == 201 and r.json()["added"][0]["models"] == []   # pinned ∩ listed: nothing
+        for _ in range(8):
+            complete(proxy.url)
+        assert d1.completions_received() == [] and len(d0.completions_received()) == 8
+        assert admin(proxy.url, "DELETE", {"url": d1.url, "role": "decode", "force": True}).status_code == 200
+        r = admin(proxy.url, "POST", {"url": d1.url, "role": "decode", "models": ["sim-model"]})
+        assert r.status_code == 201 and r.json()["added"][0]["models"] == ["sim-model"]
+        assert names(proxy.url)[d0.url]["models"] == ["sim-model"]
+        for _ in range(12):
+            complete(proxy.url)
+        assert d1.completions_received(), "pinned to the model it serves, the decoder takes traffic"
+        r = admin(proxy.url, "POST", {"url": d1.url, "role": "decode", "models": "sim-model"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+        proxy.wait_idle()
+    finally:
+        proxy.stop()
