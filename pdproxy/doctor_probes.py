@@ -240,8 +240,12 @@ class PromptSizer:
 
     async def build(self, lo: int, hi: int) -> tuple[str, int]:
         """``(text, tokens)``: a unique prompt whose size is within ``[lo, hi]`` tokens when the engine can count
-        (a few ``/tokenize`` calls; the closest found otherwise, preferring one inside ``hi``); an estimate
-        aiming at the middle without ``/tokenize``."""
+        (a few ``/tokenize`` calls), else the largest one found under ``hi`` — never one over ``hi`` when a
+        smaller one exists, since over ``max_model_len`` is the engine's 400, not a finding; an estimate
+        aiming at the middle without ``/tokenize``.
+
+        Tokens grow strictly with the number of paragraphs, so the search keeps the largest paragraph count
+        known to fit and the smallest known not to, and never tries outside them."""
         lo, hi = max(1, min(lo, hi)), max(1, hi)
         target = (lo + hi) // 2
         nonce = uuid.uuid4().hex[:12]
@@ -249,21 +253,31 @@ class PromptSizer:
             sample = "".join(cold_paragraph(i, nonce) for i in range(32))
             n = await self.count(sample)
             self.per_paragraph = max(1.0, (n if n else len(sample) / 4) / 32)
-        best: tuple[str, int] | None = None
-        text, counted = "", 0
-        for _ in range(6):
-            paragraphs = max(1, round(target / self.per_paragraph))
+        under: tuple[str, int, int] | None = None        # (text, tokens, paragraphs): the largest seen ≤ hi
+        over: tuple[str, int, int] | None = None         # the smallest seen > hi
+        paragraphs = max(1, round(target / self.per_paragraph))
+        for _ in range(8):
             text = "".join(cold_paragraph(i, nonce) for i in range(paragraphs))
             got = await self.count(text) if self.exact else None
             if got is None:
                 return text, max(1, len(text) // 4)
-            counted = got
-            self.per_paragraph = max(1.0, counted / paragraphs)  # refine with what the engine counted
-            if lo <= counted <= hi:
-                return text, counted
-            if best is None or abs(counted - target) < abs(best[1] - target):
-                best = (text, counted)
-        return best if best is not None else (text, counted)
+            self.per_paragraph = max(1.0, got / paragraphs)  # refine with what the engine counted
+            if lo <= got <= hi:
+                return text, got
+            if got < lo:
+                under = (text, got, paragraphs) if under is None or got > under[1] else under
+            else:
+                over = (text, got, paragraphs) if over is None or got < over[1] else over
+            floor = under[2] + 1 if under is not None else 1
+            ceiling = over[2] - 1 if over is not None else None
+            if ceiling is not None and floor > ceiling:
+                break                                     # no paragraph count lands inside [lo, hi]
+            guess = max(1, round(target / self.per_paragraph))
+            paragraphs = max(floor, guess if ceiling is None else min(guess, ceiling))
+        if under is not None:
+            return under[0], under[1]
+        assert over is not None
+        return over[0], over[1]
 
 
 def cold_sizes(limit: int, start: int) -> list[int]:
