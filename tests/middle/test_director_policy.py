@@ -1,0 +1,299 @@
+"""The failure policy of pdproxy/director.py and pdproxy/prefill_leg.py, on the real director and relay with fake
+engines in process (tests/middle/fake_upstream.py): what each engine got, what the client got, and — in every
+case, asserted by ``Rig.close`` — the pool idle, the prefill queue empty and every KV handle pulled, rejected by a
+decoder or released by a release leg, exactly once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import orjson
+import pytest
+
+from pdproxy import kv_transfer
+from pdproxy.h1client import Disconnected, ReadTimeout
+from tests.middle.fake_upstream import (
+    Answer,
+    FakeClient,
+    Outcome,
+    Refuse,
+    Reset,
+    Status,
+    Stream,
+    TimeOut,
+    chat_chunks,
+    completion,
+    error_event,
+    handle_id,
+)
+from tests.middle.rig import PREFILLERS, Rig
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(20)]
+
+TOKENS = [orjson.loads(c[6:]) for c in chat_chunks(3)]
+
+
+def streamed(client_events: list[bytes]) -> list[object]:
+    return [b"[DONE]" if e == b"[DONE]" else orjson.loads(e) for e in client_events]
+
+
+def assert_full_stream(client: FakeClient) -> None:
+    assert client.status == 200 and client.finished
+    assert streamed(client.events()) == [*TOKENS, b"[DONE]"]
+
+
+# ----------------------------------------------------------------------------------------------------- prefill
+RETRYABLE: dict[str, tuple[Callable[[], Outcome], str]] = {
+    "refused": (Refuse, "refused"),
+    "reset": (Reset, "reset"),
+    "timeout": (TimeOut, "timeout"),
+    "502": (lambda: Status(502), "status"),
+    "503": (lambda: Status(503), "status"),
+    "504": (lambda: Status(504), "status"),
+}
+
+
+@pytest.mark.parametrize("failure", list(RETRYABLE))
+async def test_a_prefiller_that_refuses_resets_times_out_or_answers_502_503_504_is_replaced(failure: str) -> None:
+    make, result = RETRYABLE[failure]
+    async with Rig() as rig:
+        rig.fake.script("r", prefill=[make()])
+        client = await rig.run("r")
+    first, second = rig.fake.of("prefill", "r")
+    assert (first.result, second.result) == (result, "answered")
+    assert first.endpoint != second.endpoint                          # another prefiller
+    (decode,) = rig.fake.of("decode", "r")
+    assert decode.handle_in == handle_id(second.handle)               # the second prefiller's KV
+    assert first.request_id == second.request_id == decode.request_id  # one id across the legs
+    for leg in (first, second):                                       # the prefill leg's body (pd-protocol §1)
+        assert leg.body["stream"] is False and leg.body["max_tokens"] == 1 and leg.body["min_tokens"] == 1
+        assert leg.body["kv_transfer_params"] == kv_transfer.PREFILL_STUB
+    assert decode.body["stream"] is True and decode.body["max_tokens"] == 8
+    assert_full_stream(client)
+    assert not rig.fake.of("release")
+    assert rig.state.health.breaker(first.endpoint).consecutive_failures == 1   # the failure counted on it
+
+
+async def test_when_every_prefill_attempt_fails_the_client_gets_the_last_failure() -> None:
+    async with Rig() as rig:
+        rig.fake.script("r", prefill=[Refuse(), Reset(), Status(503, b'{"error": "busy"}', retry_after="7")])
+        client = await rig.run("r")
+    legs = rig.fake.of("prefill", "r")
+    assert [c.result for c in legs] == ["refused", "reset", "status"]
+    assert len({c.endpoint for c in legs}) == 3                       # prefill_attempts = 3, each elsewhere
+    assert not rig.fake.of("decode")
+    assert client.status == 503 and client.text == b'{"error": "busy"}'   # the engine's answer, verbatim
+    assert client.header_of(b"retry-after") == b"7"
+
+
+async def test_when_every_prefiller_refuses_the_client_gets_a_502_without_engine_addresses() -> None:
+    async with Rig() as rig:
+        rig.fake.script("r", prefill=[Refuse(), Refuse(), Refuse()])
+        client = await rig.run("r")
+    assert len(rig.fake.of("prefill", "r")) == 3 and not rig.fake.of("decode")
+    error = client.json()["error"]
+    assert client.status == 502 and error["code"] == 502
+    assert "p2" not in error["message"] and "9000" not in error["message"], error
+
+
+async def test_a_prefiller_500_gets_one_more_try_elsewhere() -> None:
+    async with Rig() as rig:
+        rig.fake.script("once", prefill=[Status(500)])
+        rig.fake.script("twice", prefill=[Status(500, b'{"error": "engine bug"}'), Status(500)])
+        once = await rig.run("once")
+        twice = await rig.run("twice")
+    first, second = rig.fake.of("prefill", "once")
+    assert first.result == "status" and second.result == "answered" and first.endpoint != second.endpoint
+    assert_full_stream(once)
+    legs = rig.fake.of("prefill", "twice")
+    assert [c.result for c in legs] == ["status", "status"]           # not a third time
+    assert legs[0].endpoint != legs[1].endpoint
+    assert not rig.fake.of("decode", "twice")
+    assert twice.status == 500 and twice.json()["error"]["code"] == 500
+
+
+@pytest.mark.parametrize("status", [400, 404, 422, 429])
+async def test_a_prefiller_4xx_reaches_the_client_verbatim_and_is_not_retried(status: int) -> None:
+    body = orjson.dumps({"error": {"message": "bad request", "type": "BadRequestError", "code": status}})
+    async with Rig() as rig:
+        rig.fake.script("r", prefill=[Status(status, body)])
+        client = await rig.run("r")
+    (leg,) = rig.fake.of("prefill", "r")
+    assert not rig.fake.of("decode")
+    assert client.status == status and client.text == body
+    assert rig.state.health.breaker(leg.endpoint).consecutive_failures == 0   # the request's fault, not the engine's
+
+
+async def test_a_retry_after_holds_that_prefillers_breaker_open_for_later_requests() -> None:
+    async with Rig() as rig:
+        rig.fake.script("r", prefill=[Status(503, retry_after="30")])
+        await rig.run("r")
+        busy = rig.fake.of("prefill", "r")[0].endpoint
+        assert not rig.state.health.can_take(busy)
+        for key in ("s", "t", "u"):
+            assert_full_stream(await rig.run(key))
+    assert all(c.endpoint != busy for key in "stu" for c in rig.fake.of("prefill", key))
+
+
+async def test_dead_prefillers_are_tried_once_then_routed_around() -> None:
+    async with Rig() as rig:
+        for url in PREFILLERS[:2]:                                     # nothing listens there
+            rig.fake.script_endpoint(url, "prefill", *[Refuse() for _ in range(10)])
+            rig.fake.engines.down.add(url)
+        for key in "abcdef":
+            assert_full_stream(await rig.run(key))
+        refused = [c for c in rig.fake.of("prefill") if c.result == "refused"]
+        assert len({c.endpoint for c in refused}) == len(refused) <= 2  # the probe after a refusal takes it out
+        assert all(not rig.state.pool.load(c.endpoint).healthy for c in refused)
+    answered = [c for c in rig.fake.of("prefill") if c.result == "answered"]
+    assert len(answered) == 6 and {c.endpoint.url for c in answered} == {PREFILLERS[2]}
+
+
+async def test_a_prefill_answer_without_a_handle_is_a_502_not_a_decode() -> None:
+    async with Rig() as rig:
+        rig.fake.script("r", prefill=[Answer(handle=False)])           # finish "length", no KV connector
+        client = await rig.run("r")
+    assert len(rig.fake.of("prefill", "r")) == 1 and not rig.fake.of("decode")
+    assert client.status == 502 and "kv_transfer_params" in client.json()["error"]["message"]
+
+
+async def test_a_prefiller_that_finished_the_request_answers_it_without_a_decoder() -> None:
+    answer = completion("done already", finish="stop", completion_tokens=1)
+    async with Rig() as rig:
+        rig.fake.script("r", prefill=[Answer(body=answer, handle=False)])
+        client = await rig.run("r", stream=False)
+    assert not rig.fake.of("decode") and not rig.fake.of("release")
+    assert client.status == 200 and client.json()["choices"][0]["message"]["content"] == "done already"
+
+
+# ------------------------------------------------------------------------------------------------------ decode
+async def test_a_refused_decoder_is_replaced_and_the_intact_kv_handle_reused() -> None:
+    async with Rig() as rig:
+        rig.fake.script("r", decode=[Refuse()])
+        client = await rig.run("r")
+    (prefill,) = rig.fake.of("prefill", "r")                           # no second prefill
+    first, second = rig.fake.of("decode", "r")
+    assert first.result == "refused" and not first.received and second.result == "answered"
+    assert first.endpoint != second.endpoint
+    assert first.handle_in == second.handle_in == handle_id(prefill.handle)
+    assert_full_stream(client)
+    assert not rig.fake.of("release")
+
+
+BEFORE_FIRST_EVENT: dict[str, tuple[Callable[[], Outcome], str]] = {
+    # the decoder had the request and failed before its first event: the KV may be gone (re-prefill); the
+    # handle is released unless the decoder answered an error for it (vLLM then frees it itself)
+    "reset": (Reset, "released"),
+    "timeout": (TimeOut, "released"),
+    "503": (lambda: Status(503), "rejected"),
+    "500": (lambda: Status(500), "rejected"),
+    "broken before an event": (lambda: Stream(events=0, end=Disconnected("engine reset")), "released"),
+    "ended before an event": (lambda: Stream(events=0, end="eof"), "released"),
+    "first event timed out": (lambda: Stream(events=0, end=ReadTimeout("no event")), "released"),
+    "error event first": (lambda: Stream(events=[error_event(500)]), "rejected"),
+}
+
+
+@pytest.mark.parametrize("failure", list(BEFORE_FIRST_EVENT))
+async def test_a_decoder_failing_before_its_first_event_is_replaced_after_a_new_prefill(failure: str) -> None:
+    make, fate = BEFORE_FIRST_EVENT[failure]
+    async with Rig() as rig:
+        rig.fake.script("r", decode=[make()])
+        client = await rig.run("r")
+    p1, p2 = rig.fake.of("prefill", "r")                               # the prefill ran again
+    h1, h2 = handle_id(p1.handle), handle_id(p2.handle)
+    d1, d2 = rig.fake.of("decode", "r")
+    assert d1.received and (d1.handle_in, d2.handle_in) == (h1, h2)
+    assert d1.endpoint != d2.endpoint                                  # another decoder
+    assert_full_stream(client)                                         # nothing of the failed one reached it
+    assert h1 is not None and h2 is not None
+    assert rig.fake.fates[h1] == [fate] and rig.fake.fates[h2] == ["pulled"]
+    releases = rig.fake.of("release", "r")
+    if fate == "released":
+        (release,) = releases
+        assert release.handle_in == h1 and release.endpoint != d1.endpoint   # not to the decoder that failed
+        assert release.body["max_tokens"] == 1 and release.body["stream"] is False
+        assert release.request_id == d1.request_id
+    else:
+        assert not releases
+
+
+@pytest.mark.parametrize("first", ["status", "error event"])
+async def test_a_decoder_4xx_reaches_the_client_and_is_not_retried(first: str) -> None:
+    body = orjson.dumps({"error": {"message": "bad params", "type": "BadRequestError", "param": None, "code": 400}})
+    outcome = Status(400, body) if first == "status" else Stream(events=[b"data: " + body + b"\n\n"])
+    async with Rig() as rig:
+        rig.fake.script("r", decode=[outcome])
+        client = await rig.run("r")
+    assert len(rig.fake.of("prefill", "r")) == 1 and len(rig.fake.of("decode", "r")) == 1
+    assert client.status == 400 and client.text == body
+    assert not rig.fake.of("release")                                   # the decoder freed the KV it rejected
+
+
+async def test_when_every_decode_attempt_fails_each_handle_is_released_and_the_client_gets_a_502() -> None:
+    async with Rig() as rig:
+        rig.fake.script("r", decode=[Reset(), Reset(), Reset()])
+        client = await rig.run("r")
+    handles = rig.fake.handles_of("r")
+    assert len(handles) == 3                                           # decode_attempts = 3, a prefill each
+    assert [d.handle_in for d in rig.fake.of("decode", "r")] == handles
+    assert len({d.endpoint for d in rig.fake.of("decode", "r")}) == 3
+    assert sorted(r.handle_in or 0 for r in rig.fake.of("release", "r")) == handles
+    assert client.status == 502 and client.json()["error"]["code"] == 502
+
+
+async def test_when_every_decoder_refuses_the_one_handle_is_released_once() -> None:
+    async with Rig() as rig:
+        rig.fake.script("r", decode=[Refuse(), Refuse(), Refuse()])
+        client = await rig.run("r")
+    (handle,) = rig.fake.handles_of("r")                               # never re-prefilled: the KV stayed intact
+    decodes = rig.fake.of("decode", "r")
+    assert [d.handle_in for d in decodes] == [handle] * 3 and len({d.endpoint for d in decodes}) == 3
+    (release,) = rig.fake.of("release", "r")
+    assert release.handle_in == handle                                  # once a probe let a decoder back in
+    assert client.status == 502 and "refused" in client.json()["error"]["message"]
+
+
+async def test_every_engine_leg_carries_the_one_request_id_and_the_engine_key_not_the_clients() -> None:
+    async with Rig(engine_api_key="engine-secret") as rig:
+        rig.fake.script("r", decode=[Reset()])                         # prefill, decode, release, prefill, decode
+        client = await rig.send("r", headers=[(b"authorization", b"Bearer client-key")]).done()
+    assert client.status == 200
+    legs = rig.fake.of(key="r")
+    assert sorted(c.kind for c in legs) == ["decode", "decode", "prefill", "prefill", "release"]
+    assert len({c.request_id for c in legs}) == 1 and legs[0].request_id.startswith("r-")
+    for c in legs:
+        assert c.headers["Authorization"] == "Bearer engine-secret" and c.headers["Content-Type"] == "application/json"
+
+
+async def test_a_stream_broken_after_its_first_event_ends_with_an_error_event_and_done_never_replayed() -> None:
+    async with Rig() as rig:
+        rig.fake.script("reset", decode=[Stream(events=2, end=Disconnected("engine reset"))])
+        rig.fake.script("idle", decode=[Stream(events=2, end=ReadTimeout("no data"))])
+        rig.fake.script("eof", decode=[Stream(events=2, end="eof")])
+        clients = {key: await rig.run(key) for key in ("reset", "idle", "eof")}
+    codes = {"reset": 502, "idle": 504, "eof": 502}
+    for key, client in clients.items():
+        assert len(rig.fake.of("prefill", key)) == 1 and len(rig.fake.of("decode", key)) == 1   # no replay
+        events = streamed(client.events())
+        assert client.status == 200 and client.finished
+        assert events[:2] == TOKENS[:2] and events[3] == b"[DONE]" and len(events) == 4, events
+        error = events[2]
+        assert isinstance(error, dict) and error["error"]["code"] == codes[key], (key, error)
+        assert "incomplete" in error["error"]["message"]
+        (decode,) = rig.fake.of("decode", key)
+        assert decode.response is not None                              # a body that ended is pooled
+        assert decode.response.ended == ("released" if key == "eof" else "closed")
+    assert not rig.fake.of("release")                                   # the decoder had the KV
+
+
+async def test_a_non_streamed_answer_is_relayed_after_a_decoder_failover() -> None:
+    async with Rig() as rig:
+        rig.fake.script("r", decode=[Reset(), Answer(body=completion("the answer"))])
+        client = await rig.run("r", stream=False)
+    d1, d2 = rig.fake.of("decode", "r")
+    assert d1.body["stream"] is False and d2.body["stream"] is False
+    assert client.status == 200 and client.json()["choices"][0]["message"]["content"] == "the answer"
+    (release,) = rig.fake.of("release", "r")
+    assert release.handle_in == d1.handle_in
+    assert d2.response is not None and d2.response.ended == "released"  # read to its end: pooled
