@@ -32,14 +32,14 @@ if [ ! -d tests/real_vllm ] || ! ls tests/real_vllm/test_*.py >/dev/null 2>&1; t
 fi
 echo "== real-vLLM stage"
 stage_start=$SECONDS
-# Ports for this run only (never 8100/8200, pdproxy demo's); the tests' fixtures start/stop the engines with them
-# (tests/real_vllm/conftest.py), and the trap stops anything left if pytest itself dies.
-read -r REAL_VLLM_PREFILL_PORT REAL_VLLM_DECODE_PORT REAL_VLLM_PREFILL_SIDE_PORT REAL_VLLM_DECODE_SIDE_PORT < <(
-  $PY -c 'import socket
-socks = [socket.socket() for _ in range(4)]
-for s in socks: s.bind(("127.0.0.1", 0))
-print(*(s.getsockname()[1] for s in socks))')
+# Ports for this run only (never 8100/8200, pdproxy demo's), below the kernel's ephemeral range so that no
+# outgoing connection or port-0 listener of the suite takes one meanwhile (tests/real_vllm/ports.py); the tests'
+# fixtures start/stop the engines with them (tests/real_vllm/conftest.py), and the trap stops anything left if
+# pytest itself dies.
+read -r REAL_VLLM_PREFILL_PORT REAL_VLLM_DECODE_PORT REAL_VLLM_PREFILL_SIDE_PORT REAL_VLLM_DECODE_SIDE_PORT \
+  REAL_VLLM_KV_EVENTS_PORT REAL_VLLM_KV_REPLAY_PORT < <($PY -m tests.real_vllm.ports 6)
 export REAL_VLLM_PREFILL_PORT REAL_VLLM_DECODE_PORT REAL_VLLM_PREFILL_SIDE_PORT REAL_VLLM_DECODE_SIDE_PORT
+export REAL_VLLM_KV_EVENTS_PORT REAL_VLLM_KV_REPLAY_PORT
 unset REAL_VLLM_KEEP
 trap 'bash scripts/real-vllm.sh stop >/dev/null 2>&1 || true' EXIT
 bash scripts/real-vllm.sh setup          # install (cached) + tiny model; an unreachable registry fails here, loudly

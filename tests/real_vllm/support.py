@@ -2,8 +2,9 @@
 token-exact prompts built with the tiny model's own tokenizer.
 
 :class:`RealEngines` runs ``scripts/real-vllm.sh start|stop`` with one :class:`EngineConfig` at a time (the
-script's facts and traps: docs/real-vllm.md and the script's header). Ports are picked free at session start
-(``REAL_VLLM_*_PORT`` from the environment win), never 8100/8200 by default (``pdproxy demo``'s). The NIXL lease (``kv_lease_duration``) is cut to 10 s, so KV a test
+script's facts and traps: docs/real-vllm.md and the script's header). Ports are picked free at session start,
+below the kernel's ephemeral range (``tests/real_vllm/ports.py``; ``REAL_VLLM_*_PORT`` from the environment win),
+never 8100/8200 (``pdproxy demo``'s). The NIXL lease (``kv_lease_duration``) is cut to 10 s, so KV a test
 abandons on a prefiller is freed quickly instead of keeping it busy for 30 s.
 """
 
@@ -21,7 +22,7 @@ from typing import Any
 import httpx
 
 from pdproxy.tokens import HFTokenizer, prompt_token_ids
-from tests.support import free_port
+from tests.real_vllm.ports import engine_ports
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "real-vllm.sh"
@@ -72,9 +73,10 @@ class RealEngines:
     """Starts/stops the engines through ``scripts/real-vllm.sh`` with one configuration at a time (session-wide)."""
 
     def __init__(self) -> None:
-        ports = {name: os.environ.get(name) or str(free_port()) for name in (
-            "REAL_VLLM_PREFILL_PORT", "REAL_VLLM_DECODE_PORT", "REAL_VLLM_PREFILL_SIDE_PORT",
-            "REAL_VLLM_DECODE_SIDE_PORT", "REAL_VLLM_KV_EVENTS_PORT", "REAL_VLLM_KV_REPLAY_PORT")}
+        names = ("REAL_VLLM_PREFILL_PORT", "REAL_VLLM_DECODE_PORT", "REAL_VLLM_PREFILL_SIDE_PORT",
+                 "REAL_VLLM_DECODE_SIDE_PORT", "REAL_VLLM_KV_EVENTS_PORT", "REAL_VLLM_KV_REPLAY_PORT")
+        spare = iter(engine_ports(len(names)))          # below the ephemeral range (tests/real_vllm/ports.py)
+        ports = {name: os.environ.get(name) or str(next(spare)) for name in names}
         self.kv_events_port = int(ports["REAL_VLLM_KV_EVENTS_PORT"])
         self.kv_replay_port = int(ports["REAL_VLLM_KV_REPLAY_PORT"])
         self.env = {**os.environ, **ports, "REAL_VLLM_KV_CONFIG": KV_CONFIG,

@@ -1,0 +1,53 @@
+"""Ports for the real engines, picked below the kernel's ephemeral range.
+
+The real-vLLM stage picks the engines' ports once and starts three engine configurations on them over several
+minutes.  A port picked by binding port 0 comes from the ephemeral range (``/proc/sys/net/ipv4/
+ip_local_port_range``, 32768–60999 by default), the same range every outgoing connection and every port-0
+listener of the suite draws from meanwhile — one run lost the decoder's NIXL side channel that way (vLLM's
+``nixl_handshake_listener`` thread died on ``Address already in use`` and the decoder could never pull).  Ports
+below that range are never handed out by the kernel, so a port free when picked stays free for the engines.
+
+``python -m tests.real_vllm.ports N`` prints N such ports (scripts/test-all.sh exports them).
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import sys
+from pathlib import Path
+
+RESERVED = frozenset({5557, 5558, 5600, 5601, 8000, 8100, 8200})
+"""Ports the README's commands use (the demo, ``scripts/real-vllm.sh`` defaults, vLLM's KV events default)."""
+
+
+def ephemeral_low(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
+    """The lowest port the kernel hands out for port 0 / outgoing connections (32768 when unreadable)."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def engine_ports(n: int, low: int = 20000, high: int | None = None) -> list[int]:
+    """``n`` distinct ports in ``[low, high)`` (``high``: :func:`ephemeral_low` by default) that are free now, in
+    random order (concurrent stages rarely pick the same). Raises ``RuntimeError`` when too few are free."""
+    candidates = [p for p in range(low, min(high or 65536, ephemeral_low())) if p not in RESERVED]
+    random.shuffle(candidates)
+    picked = [p for p in candidates[: n * 50] if _free(p)][:n]
+    if len(picked) < n:
+        raise RuntimeError(f"only {len(picked)} free ports below the ephemeral range, {n} needed")
+    return picked
+
+
+if __name__ == "__main__":
+    print(*engine_ports(int(sys.argv[1]) if len(sys.argv) > 1 else 6))
