@@ -2,10 +2,11 @@
 
 The real-vLLM stage picks the engines' ports once and starts three engine configurations on them over several
 minutes.  A port picked by binding port 0 comes from the ephemeral range (``/proc/sys/net/ipv4/
-ip_local_port_range``, 32768–60999 by default), the same range every outgoing connection and every port-0
-listener of the suite draws from meanwhile — one run lost the decoder's NIXL side channel that way (vLLM's
-``nixl_handshake_listener`` thread died on ``Address already in use`` and the decoder could never pull).  Ports
-below that range are never handed out by the kernel, so a port free when picked stays free for the engines.
+ip_local_port_range``, 32768–60999 by default), the range every outgoing connection and port-0 listener draws
+from — and each starting vLLM worker opens a few dozen port-0 listeners of its own (UCX, gloo, ZMQ).  One run
+lost the decoder's NIXL side channel that way: the prefiller's worker, starting beside it, held the port, and
+the decoder's ``nixl_handshake_listener`` thread died on ``Address already in use``, so it could never pull.
+Ports below the ephemeral range are never handed out by the kernel, so a port free when picked stays free.
 
 ``python -m tests.real_vllm.ports N`` prints N such ports (scripts/test-all.sh exports them).
 """
