@@ -125,6 +125,11 @@ class PrefillLeg:
             leg, fault = body, req.fault
             max_model_len = self.queue.ledger.limits.of(endpoint).max_model_len
             if max_model_len is not None and kv_transfer.engine_must_judge(req.max_output_tokens, max_model_len):
+                if not req.engine_judges:
+                    # vLLM's first check on a valid body, before any work: its 400 here, no engine asked (an
+                    # engine that accepted would first generate the whole answer on the prefiller)
+                    slot.release()
+                    raise over_max_model_len(req, max_model_len)
                 leg = orjson.dumps(kv_transfer.prefill_body(req.body, req.api, engine_judges=True))
                 fault = over_max_model_len(req, max_model_len)
             lease = stack.enter_context(self.pool.lease(endpoint, tokens))

@@ -226,8 +226,12 @@ def _vllm_error(message: str, parameter: str | None = None, value: Any = None) -
 
 def over_max_model_len(req: ProxyRequest, max_model_len: int) -> BadRequest:
     """vLLM's 400 for asking more output tokens than ``max_model_len`` (``renderers/params.py::TokenizeParams``)."""
-    name = "max_completion_tokens" if req.api is Api.CHAT and req.body.get("max_completion_tokens") is not None \
-        else "max_tokens"
+    if req.api is Api.RESPONSES:
+        name = "max_output_tokens"
+    elif req.api is Api.CHAT and req.body.get("max_completion_tokens") is not None:
+        name = "max_completion_tokens"
+    else:
+        name = "max_tokens"
     value = req.max_output_tokens
     return _vllm_error(f"{name}={value} cannot be greater than max_model_len={max_model_len}. Please request "
                        "fewer output tokens.", name, value)

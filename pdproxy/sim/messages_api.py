@@ -37,7 +37,7 @@ import orjson
 from pdproxy.sim import validation as v
 from pdproxy.sim.errors import SimHTTPError
 from pdproxy.sim.generation import Seq, Usage
-from pdproxy.sim.protocol import ParsedRequest, check_length, decode_body, tool_plan
+from pdproxy.sim.protocol import ParsedRequest, check_length, check_output_limit, decode_body, tool_plan
 from pdproxy.tokens import Tokenizer, prompt_token_ids
 
 if TYPE_CHECKING:
@@ -183,6 +183,7 @@ def parse_messages(raw: Any, headers: Any, config: SimConfig, tokenizer: Tokeniz
     fmt = output_config.get("format") if isinstance(output_config, dict) else None
     if isinstance(fmt, dict) and isinstance(fmt.get("schema"), dict):
         structured = v.Structured("json", fmt["schema"])
+    check_output_limit(max_tokens, config.max_model_len, "max_tokens")
     ids = count_prompt(tokenizer, chat)
     limit = check_length(len(ids), max_tokens, config.max_model_len, clamp=config.max_tokens_overflow == "clamp")
     spec = fields.verify(limit)

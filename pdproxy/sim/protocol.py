@@ -206,6 +206,9 @@ def parse_request(body: Any, api: Api, headers: Any, config: SimConfig, tokenize
     model = registry.resolve(body.get("model"))
     tool_choice = body.get("tool_choice", "auto" if tools else None) if chat else None
     mode, tool_name, tool_schema = tool_plan(tools, tool_choice, config) if chat else (None, None, None)
+    check_output_limit(max_tokens, config.max_model_len,
+                       "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None
+                       else "max_tokens")
     try:
         prompts = [prompt_token_ids(tokenizer, body, "chat")] if chat else completion_prompts(tokenizer, body["prompt"])
     except ValueError as exc:
@@ -225,6 +228,16 @@ def parse_request(body: Any, api: Api, headers: Any, config: SimConfig, tokenize
         tools=tools if mode is not None else None, tool_choice=tool_choice, sampling=spec, prompts=prompts,
         prompt_max_tokens=limits, model=model, tool_mode=mode, tool_name=tool_name, tool_schema=tool_schema,
         structured=structured if mode is None else None, return_token_ids=v.get_bool(body, "return_token_ids"))
+
+
+def check_output_limit(max_tokens: int | None, max_model_len: int, param: str) -> None:
+    """vLLM 0.32's first length check, before the prompt is even rendered (``renderers/params.py::
+    TokenizeParams.__post_init__``): more output tokens than ``max_model_len`` is a 400 naming ``param``
+    (``max_tokens``, ``max_completion_tokens``, ``max_output_tokens``) whatever the prompt — never clamped."""
+    if max_tokens is not None and max_tokens > max_model_len:
+        raise SimHTTPError(400, f"{param}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+                                f"Please request fewer output tokens. (parameter={param}, value={max_tokens})",
+                           param=param)
 
 
 def check_length(prompt_tokens: int, max_tokens: int | None, max_model_len: int, clamp: bool = True) -> int | None:

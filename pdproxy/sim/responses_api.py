@@ -38,7 +38,7 @@ import orjson
 from pdproxy.sim import validation as v
 from pdproxy.sim.errors import SimHTTPError, error_body
 from pdproxy.sim.generation import Seq, Usage
-from pdproxy.sim.protocol import ParsedRequest, ToolMode, check_length, decode_body
+from pdproxy.sim.protocol import ParsedRequest, ToolMode, check_length, check_output_limit, decode_body
 from pdproxy.tokens import MEDIA_PART_TOKENS, MEDIA_TOKEN_ID, HFTokenizer, Tokenizer
 
 if TYPE_CHECKING:
@@ -160,6 +160,7 @@ def parse_responses(raw: Any, headers: Any, config: SimConfig, tokenizer: Tokeni
     if body.get("previous_response_id") is not None:
         raise SimHTTPError(404, f"Response with id '{body['previous_response_id']}' not found.",
                            "invalid_request_error", "response_id")
+    check_output_limit(max_output, config.max_model_len, "max_output_tokens")
     messages, media = chat_messages(body)
     ids = prompt_ids(tokenizer, messages, chat_tools(tools), media)
     limit = check_length(len(ids), max_output, config.max_model_len,

@@ -120,3 +120,44 @@ def test_requests_needing_the_prompts_logits_go_to_a_decoder_alone(proxy: ProxyT
     prefills, (d,) = legs(sims)
     assert prefills == []
     assert "kv_transfer_params" not in d["body"] and all(d["body"][k] == v for k, v in extra.items())
+
+
+OVER = 4096 + 1                      # the fleet's max_model_len + 1 (tests/conftest.py SIM_ARGS)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": OVER, "stream": True}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": OVER}, "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "The weather in Paris is", "max_tokens": OVER, "stream": True}, "max_tokens"),
+    ("/v1/responses", {"input": "The weather in Paris?", "max_output_tokens": OVER, "stream": True},
+     "max_output_tokens"),
+])
+def test_more_output_tokens_than_max_model_len_is_vllms_400_at_once(proxy: ProxyThread, sims: Fleet, path: str,
+                                                                    body: dict[str, Any], param: str) -> None:
+    """vLLM refuses ``max_tokens`` > ``max_model_len`` before any work (``renderers/params.py::TokenizeParams``):
+    pdproxy answers that 400 in vLLM's words itself — no engine asked, so an engine that would accept it cannot
+    make the client wait for a whole prefill-side generation (a new user's trial waited 30 s for a 504) — and the
+    simulator refuses it the same way when asked directly."""
+    r = httpx.post(proxy.url + path, json={"model": "sim-model", **body}, timeout=10)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] == (
+        f"{param}={OVER} cannot be greater than max_model_len=4096. Please request fewer output tokens. "
+        f"(parameter={param}, value={OVER})")
+    assert generation_requests(sims) == []
+    direct = httpx.post(sims.prefillers[0].url + path, json={"model": "sim-model", **body}, timeout=10)
+    assert direct.status_code == 400 and direct.json()["error"] == err
+
+
+def test_more_output_tokens_than_max_model_len_in_the_anthropic_shape(proxy: ProxyThread, sims: Fleet) -> None:
+    r = httpx.post(proxy.url + "/v1/messages", json={"model": "sim-model", "max_tokens": OVER, "stream": True,
+                                                     "messages": MESSAGES}, timeout=10)
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert r.json()["error"]["message"].startswith(f"max_tokens={OVER} cannot be greater than max_model_len=4096.")
+    assert generation_requests(sims) == []
+
+
+def generation_requests(sims: Fleet) -> list[dict[str, Any]]:
+    """What the engines received on the four generation routes."""
+    routes = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+    return [x for s in sims.all for x in s.received() if x["path"] in routes]
