@@ -20,7 +20,8 @@ stands for all its internal-DP ranks):
 - ``POST /admin/endpoints/drain`` ``{"url", "role"}`` → 202: no new work, in-flight requests finish, the
   endpoint stays (``draining``, then ``drained``);
 - ``POST /admin/endpoints/undrain`` ``{"url", "role"}`` → 200: takes work again (also a ``leaving`` one);
-- ``DELETE /admin/endpoints`` ``{"url", "role", "force"?: false}`` → 202 (drain, then it leaves once idle) or,
+- ``DELETE /admin/endpoints`` ``{"url", "role", "force"?: false}`` → 202 ``{"leaving": [...], "removed": [...]}``
+  (drain, then it leaves once idle; an idle one is removed at once) or,
   with ``force``, 200 (removed now; in-flight leases release harmlessly, pdproxy/pool.py).  Removing the last
   endpoint of a role (every request would then answer 503) is refused with 409 unless ``force`` is set.
 
@@ -178,7 +179,9 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
         if not ref.force:
             for e in _drain(state, ref):
                 state.health.leave_when_idle(e)
-            return _json({"leaving": [e.name for e in found if e in state.pool.endpoints()]}, 202)
+            present = set(state.pool.endpoints())
+            return _json({"leaving": [e.name for e in found if e in present],       # goes once idle
+                          "removed": [e.name for e in found if e not in present]}, 202)  # was idle: gone now
         for e in found:
             state.health.remove(e)
         return _json({"removed": [e.name for e in found]})

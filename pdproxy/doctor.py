@@ -158,7 +158,7 @@ def check_engine(report: Report, e: Endpoint, info: EngineInfo, healthy: bool, v
     reasons = {k.rsplit(":", 1)[1]: v for k, v in g.items() if k.startswith("vllm:num_requests_waiting_by_reason:")}
     gauges = {"running": running, "waiting": waiting, "kv_cache_usage_perc": usage, "waiting_by_reason": reasons}
     text = (f"running {running:g}, waiting {waiting:g}"
-            + "".join(f" ({k} {v:g})" for k, v in reasons.items() if v) + f", KV usage {usage or 0:.1%}"
+            + "".join(f" ({k} {v:g})" for k, v in reasons.items() if v) + f", KV usage {_percent(usage or 0)}"
             if running is not None and waiting is not None else "")
     if running is None or waiting is None:
         report.add("idle", e.name, "warn", "no vllm:num_requests_running/waiting on /metrics", **gauges)
@@ -442,3 +442,11 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
         sys.stdout.buffer.write(report.to_json() + b"\n")
         sys.stdout.flush()
     return 0 if report.ok else 1
+
+
+def _percent(fraction: float) -> str:
+    """``fraction`` (0–1) as a percentage that never reads 0.0 % when it is not zero (one pinned block of a large
+    pool is 0.0122 %)."""
+    if 0 < fraction < 0.001:
+        return f"{fraction * 100:.2g}%"
+    return f"{fraction:.1%}"

@@ -14,6 +14,7 @@ process, or each worker of ``--workers N``, which builds its own from the same s
 from __future__ import annotations
 
 import ssl
+from pathlib import Path
 from typing import Any
 
 from pdproxy.settings import Settings
@@ -35,12 +36,15 @@ def server_ssl_context(settings: Settings) -> ssl.SSLContext | None:
     mode = ssl.VerifyMode(settings.ssl_cert_reqs)
     if mode is not ssl.CERT_NONE and not ca:
         raise ValueError("--ssl-cert-reqs 1 or 2 verifies client certificates: give --ssl-ca-certs (their CA, PEM)")
+    for flag, path in (("--ssl-certfile", certfile), ("--ssl-keyfile", keyfile), ("--ssl-ca-certs", ca)):
+        if path and not Path(path).is_file():      # ssl's own FileNotFoundError names no file
+            raise ValueError(f"{flag} {path}: no such file")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
         ctx.load_cert_chain(certfile, keyfile)
     except FileNotFoundError as exc:
-        raise ValueError(f"--ssl-certfile / --ssl-keyfile: {exc.filename}: no such file") from None
+        raise ValueError(f"--ssl-certfile {certfile} / --ssl-keyfile {keyfile}: {exc.strerror}") from None
     except (ssl.SSLError, OSError) as exc:
         raise ValueError(f"--ssl-certfile {certfile} / --ssl-keyfile {keyfile}: cannot load the certificate and "
                          f"key: {exc}") from None

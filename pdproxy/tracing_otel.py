@@ -145,11 +145,42 @@ class OtelScope:
             span.end()
 
 
+EXPORT_LOGGERS = ("opentelemetry.exporter.otlp.proto.grpc.exporter",
+                  "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+                  "opentelemetry.sdk._shared_internal", "opentelemetry.sdk.trace.export")
+"""The SDK's loggers that report failed exports (a WARNING and an ERROR per batch while the collector is down)."""
+
+
+class ExportLogLimit(logging.Filter):
+    """Lets the SDK's export warnings and errors through at most once per ``interval_s`` seconds (the first one at
+    once), the next one saying how many it held back: a collector that is down must not fill the log with a pair
+    of lines every few seconds.  Records below WARNING pass."""
+
+    def __init__(self, interval_s: float = 300.0) -> None:
+        super().__init__()
+        self.interval_s = interval_s
+        self.suppressed = 0
+        self._last: float | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        now = time.monotonic()
+        if self._last is not None and now - self._last < self.interval_s:
+            self.suppressed += 1
+            return False
+        if self.suppressed:
+            record.msg, record.args = f"{record.getMessage()} ({self.suppressed} more export messages held back in "\
+                                      f"the last {self.interval_s:.0f} s)", ()
+        self._last, self.suppressed = now, 0
+        return True
+
+
 class OtelTracing(Tracing):
     """Tracing on (see :mod:`pdproxy.tracing`).  ``provider``: this proxy's own tracer provider; its spans are
     exported by the processors added to it (:meth:`from_settings`)."""
 
-    __slots__ = ("_propagator", "_tracer", "propagate", "provider")
+    __slots__ = ("_propagator", "_tracer", "export_log_limit", "propagate", "provider")
     enabled = True
 
     def __init__(self, provider: TracerProvider) -> None:
@@ -157,6 +188,9 @@ class OtelTracing(Tracing):
         self._tracer = provider.get_tracer("pdproxy", __version__)
         self._propagator = TraceContextTextMapPropagator()
         self.propagate: Callable[[dict[str, str]], None] | None = self._propagator.inject
+        self.export_log_limit = ExportLogLimit()
+        for name in EXPORT_LOGGERS:
+            logging.getLogger(name).addFilter(self.export_log_limit)
 
     @classmethod
     def from_settings(cls, settings: Settings, *, exporter: SpanExporter | None = None) -> OtelTracing:
@@ -183,6 +217,8 @@ class OtelTracing(Tracing):
         if flusher.is_alive():
             log.warning("traces not flushed within %.1f s (is the collector reachable?); the rest are dropped",
                         timeout_s)
+        for name in EXPORT_LOGGERS:
+            logging.getLogger(name).removeFilter(self.export_log_limit)
 
     # --- the hooks -----------------------------------------------------------------------------------------------
     def request(self, req: ProxyRequest, ctx: RequestContext) -> AbstractContextManager[None]:

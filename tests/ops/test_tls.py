@@ -131,7 +131,11 @@ def test_client_certificate_optional(serve, certs: Certs, sims: Fleet) -> None: 
 @pytest.mark.parametrize(("flags", "message"), [
     (["--ssl-keyfile", "KEY"], "--ssl-keyfile needs --ssl-certfile"),
     (["--ssl-certfile", "CERT", "--ssl-keyfile", "KEY", "--ssl-cert-reqs", "2"], "give --ssl-ca-certs"),
-    (["--ssl-certfile", "/nonexistent/cert.pem"], "no such file"),
+    (["--ssl-certfile", "/nonexistent/cert.pem"], "--ssl-certfile /nonexistent/cert.pem: no such file"),
+    (["--ssl-certfile", "CERT", "--ssl-keyfile", "/nonexistent/key.pem"],
+     "--ssl-keyfile /nonexistent/key.pem: no such file"),
+    (["--ssl-certfile", "CERT", "--ssl-keyfile", "KEY", "--ssl-ca-certs", "/nonexistent/ca.pem"],
+     "--ssl-ca-certs /nonexistent/ca.pem: no such file"),
     (["--ssl-certfile", "CERT", "--ssl-keyfile", "CA"], "cannot load the certificate and key"),
 ])
 def test_bad_tls_settings_stop_start_up(certs: Certs, flags: list[str], message: str) -> None:

@@ -118,10 +118,13 @@ def test_an_added_endpoint_can_be_pinned_to_models(fleet4: Fleet4) -> None:
     try:
         r = admin(proxy.url, "POST", {"url": d1.url, "role": "decode", "models": ["other-model"]})
         assert r.status_code == 201 and r.json()["added"][0]["models"] == []   # pinned ∩ listed: nothing
+        names_before = names(proxy.url)
         for _ in range(8):
             complete(proxy.url)
         assert d1.completions_received() == [] and len(d0.completions_received()) == 8
-        assert admin(proxy.url, "DELETE", {"url": d1.url, "role": "decode", "force": True}).status_code == 200
+        r = admin(proxy.url, "DELETE", {"url": d1.url, "role": "decode"})     # idle: removed at once, and said
+        assert r.status_code == 202 and r.json() == {"leaving": [], "removed": [names_before[d1.url]["name"]]}
+        assert d1.url not in names(proxy.url)
         r = admin(proxy.url, "POST", {"url": d1.url, "role": "decode", "models": ["sim-model"]})
         assert r.status_code == 201 and r.json()["added"][0]["models"] == ["sim-model"]
         assert names(proxy.url)[d0.url]["models"] == ["sim-model"]

@@ -31,3 +31,10 @@ def test_bad_serve_configurations_exit_2(argv: list[str], message: str, capsys: 
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("pdproxy: ") and message in err and "Traceback" not in err
+
+
+def test_doctor_never_prints_a_nonzero_kv_usage_as_zero() -> None:
+    from pdproxy.doctor import _percent
+
+    assert _percent(0.000122) == "0.012%"     # one pinned block of a large pool
+    assert _percent(0) == "0.0%" and _percent(0.5) == "50.0%"
