@@ -79,11 +79,13 @@ def standard_profiles(pool: EndpointPool, *, health: HealthMonitor | None = None
         raise ValueError(f"unknown routing picker {picker!r}; one of {', '.join(PICKER_NAMES)}")
 
     def role_filters(role: Role) -> tuple[f.Filter, ...]:
-        chain: list[f.Filter] = [f.Healthy(pool, infos), f.NotDraining(pool)]
-        if health is not None:
-            chain.append(f.BreakerClosed(health))
+        # the model first: a model whose engines are all down is a 503 (try again), never vLLM's 404 (no such model)
+        chain: list[f.Filter] = []
         if served is not None or infos is not None:
             chain.append(f.ServesModel(served if served is not None else ServedModels(infos or {})))
+        chain += [f.Healthy(pool, infos), f.NotDraining(pool)]
+        if health is not None:
+            chain.append(f.BreakerClosed(health))
         if limits is not None:
             chain.append(f.FitsLimits(limits, role))
         chain.append(f.OnDpRank())

@@ -103,6 +103,21 @@ def test_served_model_filter_keeps_servers_and_unknown_lists_and_404s_otherwise(
                                    "type": "NotFoundError", "param": "model", "code": 404}
 
 
+def test_a_model_whose_engines_are_all_down_is_a_503_not_a_404() -> None:
+    """The model filter runs first: when every endpoint serving the model is unhealthy the refusal is the health
+    filter's 503 (try again), not vLLM's 404 listing the model as valid (what a new user saw after the admin API
+    added an unreachable decoder pinned to a model)."""
+    infos = {**{p: model_info("llama") for p in P}, D[0]: model_info("qwen"),
+             **{d: model_info("llama") for d in D[1:]}}
+    pool, _, _, sched = build(infos)
+    pool.load(D[0]).healthy = False
+    with pytest.raises(NoEndpointAvailable) as down:
+        sched.require(Role.DECODE, PickRequest("r", model="qwen"))
+    assert down.value.status_code == 503
+    with pytest.raises(ModelNotFound):                                # nobody serves it at all: still the 404
+        sched.require(Role.DECODE, PickRequest("r", model="mistral"))
+
+
 def test_limits_filter_applies_each_roles_rule_to_the_upper_bound() -> None:
     infos = {P[0]: model_info(max_model_len=2048), P[1]: model_info(max_model_len=4096),
              P[2]: model_info(max_model_len=4096, kv=3000), **{d: model_info(max_model_len=4096) for d in D}}
@@ -145,7 +160,9 @@ def test_the_first_filter_that_leaves_none_names_the_reason() -> None:
     pool, _, _, sched = build(infos)
     for p in P:
         pool.load(p).healthy = False
-    with pytest.raises(NoEndpointAvailable, match="health checks"):   # unhealthy comes before the model
+    with pytest.raises(NoEndpointAvailable, match="health checks"):   # served, but every prefiller is down
+        sched.pick(Role.PREFILL, PickRequest("r", model="llama"))
+    with pytest.raises(ModelNotFound):                                # served by none: the model filter first
         sched.pick(Role.PREFILL, PickRequest("r", model="other"))
 
 
