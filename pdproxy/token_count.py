@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from pdproxy.tokens import MEDIA_PART_TOKENS, MEDIA_TOKEN_ID, SimTokenizer, Tokenizer, load_tokenizer
 
@@ -45,6 +45,7 @@ CHUNK_CHARS = 16_384
 """Target size (characters) of the chunks a large block is split into."""
 GROUP_CHARS = 131_072
 """Characters counted between two checks of the running total against ``cap``."""
+V = TypeVar("V")
 _SIM_MARKER = re.compile(r"<\|[a-z_]{1,24}\|>")
 _SELF_CHECK = ("Hello world, this is 2024: naïve café — 東京タワー tokens.\n\n  indented code(x) = 42;\tTabs and "
                "UPPER lower MiXeD 12345 67 digits, it's we'll they're 'quoted' \"double\" {json: [1, 2]} ") * 8
@@ -60,12 +61,14 @@ class TokenCount:
     method: str
 
 
-class BlockCache:
-    """Thread-safe LRU of ``digest(block text) -> token count`` (``entries`` blocks at most)."""
+class _SizedLRU(Generic[V]):
+    """Thread-safe LRU of ``digest(block text) -> V`` bounded by the summed ``size`` of its values (``bound``):
+    the least recently used entries go first.  ``hits`` / ``misses`` count :meth:`get` results."""
 
-    def __init__(self, entries: int) -> None:
-        self.entries = entries
-        self._data: OrderedDict[bytes, int] = OrderedDict()
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self.size = 0
+        self._data: OrderedDict[bytes, tuple[V, int]] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -75,65 +78,52 @@ class BlockCache:
         """The 16-byte BLAKE2b digest of ``text`` (UTF-8)."""
         return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
-    def get(self, key: bytes) -> int | None:
-        """The cached count, or None (counted in ``hits`` / ``misses``)."""
+    def get(self, key: bytes) -> V | None:
+        """The cached value, or None."""
         with self._lock:
-            value = self._data.get(key)
-            if value is None:
+            found = self._data.get(key)
+            if found is None:
                 self.misses += 1
                 return None
             self._data.move_to_end(key)
             self.hits += 1
-            return value
+            return found[0]
 
-    def put(self, key: bytes, value: int) -> None:
-        """Remember ``value`` tokens for ``key``, evicting the least recently used entries."""
-        if self.entries <= 0:
-            return
-        with self._lock:
-            self._data[key] = value
-            self._data.move_to_end(key)
-            while len(self._data) > self.entries:
-                self._data.popitem(last=False)
-
-
-class IdsCache:
-    """Thread-safe LRU of ``digest(block text) -> token ids`` holding at most ``max_tokens`` ids in all (stored as
-    ``array('i')``: 4 bytes a token).  A block longer than a quarter of the bound is not kept."""
-
-    def __init__(self, max_tokens: int) -> None:
-        self.max_tokens = max_tokens
-        self.tokens = 0
-        self._data: OrderedDict[bytes, array[int]] = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
-
-    def get(self, key: bytes) -> array[int] | None:
-        """The cached ids, or None (counted in ``hits`` / ``misses``)."""
-        with self._lock:
-            value = self._data.get(key)
-            if value is None:
-                self.misses += 1
-                return None
-            self._data.move_to_end(key)
-            self.hits += 1
-            return value
-
-    def put(self, key: bytes, ids: Sequence[int]) -> None:
-        """Remember ``ids`` for ``key``, evicting the least recently used blocks past ``max_tokens``."""
-        if len(ids) * 4 > self.max_tokens:
-            return
-        value = array("i", ids)
+    def _put(self, key: bytes, value: V, size: int) -> None:
         with self._lock:
             old = self._data.pop(key, None)
             if old is not None:
-                self.tokens -= len(old)
-            self._data[key] = value
-            self.tokens += len(value)
-            while self.tokens > self.max_tokens:
-                _, dropped = self._data.popitem(last=False)
-                self.tokens -= len(dropped)
+                self.size -= old[1]
+            self._data[key] = (value, size)
+            self.size += size
+            while self.size > self.bound:
+                _, (_, dropped) = self._data.popitem(last=False)
+                self.size -= dropped
+
+
+class BlockCache(_SizedLRU[int]):
+    """``digest(block text) -> token count``, ``entries`` blocks at most (0: caches nothing)."""
+
+    def __init__(self, entries: int) -> None:
+        super().__init__(entries)
+
+    def put(self, key: bytes, value: int) -> None:
+        """Remember ``value`` tokens for ``key``, evicting the least recently used entries."""
+        if self.bound > 0:
+            self._put(key, value, 1)
+
+
+class IdsCache(_SizedLRU["array[int]"]):
+    """``digest(block text) -> token ids``, at most ``max_tokens`` ids in all (stored as ``array('i')``: 4 bytes
+    a token).  A block longer than a quarter of the bound is not kept."""
+
+    def __init__(self, max_tokens: int) -> None:
+        super().__init__(max_tokens)
+
+    def put(self, key: bytes, ids: Sequence[int]) -> None:
+        """Remember ``ids`` for ``key``, evicting the least recently used blocks past ``max_tokens``."""
+        if len(ids) * 4 <= self.bound:
+            self._put(key, array("i", ids), len(ids))
 
 
 def word_cuts(text: str, size: int) -> Iterator[str]:

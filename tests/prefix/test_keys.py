@@ -65,7 +65,7 @@ def test_the_ids_cache_is_bounded_in_tokens() -> None:
     cache = IdsCache(max_tokens=1000)
     for i in range(10):
         cache.put(bytes([i]), list(range(200)))
-    assert cache.tokens <= 1000 and cache.get(bytes([9])) is not None and cache.get(bytes([0])) is None
+    assert cache.size <= 1000 and cache.get(bytes([9])) is not None and cache.get(bytes([0])) is None
     cache.put(b"big", list(range(300)))                  # over a quarter of the bound: not kept
     assert cache.get(b"big") is None
 
