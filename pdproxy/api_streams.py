@@ -36,6 +36,7 @@ which marks the ``responder`` done), ``opening`` (events held back until a later
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import orjson
@@ -175,7 +176,41 @@ def patch_json(api: Api, data: bytes, cached_tokens: int | None) -> bytes:
     return orjson.dumps(obj) if patch(obj.get("usage"), cached_tokens) else data
 
 
-class ResponsesStream:
+class _EventStream:
+    """What the Responses and Messages streams share: the end of the stream (``terminal`` markers) and the usage
+    event's patch.  Subclasses set ``ctx``, ``cached`` (the prefiller's cached tokens, or None), ``responder``."""
+
+    __slots__ = ()
+    terminal: tuple[bytes, ...]
+    ctx: RequestContext
+    cached: int | None
+    responder: Ends | None
+
+    def ended(self, block: bytes) -> bool:
+        """True when ``block`` holds an event that ends the stream (one of ``terminal``)."""
+        return any(block.find(t) >= 0 for t in self.terminal)
+
+    def _note_end(self, block: bytes) -> None:
+        """Mark the response done at the stream's last event; an engine error event is the request's outcome."""
+        if self.responder is not None and self.ended(block):
+            self.responder.done_sent = True
+            if block.find(ERROR_EVENT) >= 0:
+                self.ctx.outcome = "upstream_error"
+
+    def _usage(self, block: bytes, events: tuple[bytes, ...],
+               patch: Callable[[dict[str, Any], int], Any]) -> bytes:
+        """``block`` (holding one of the usage ``events``): its output tokens noted on ``ctx``, its usage patched
+        with the prefiller's cached tokens by ``patch(event object, cached)``."""
+        tokens = output_tokens_in(block)
+        if tokens is not None:
+            self.ctx.completion_tokens = tokens
+        cached = self.cached
+        if cached is None:
+            return block
+        return _patch_events(block, events, lambda obj: patch(obj, cached))
+
+
+class ResponsesStream(_EventStream):
     """A Responses SSE stream (module docstring).  ``ctx`` gets ``completion_tokens``; ``cached_tokens``: the
     prefiller's figure for the usage in ``response.completed`` (None: leave it)."""
 
@@ -202,24 +237,11 @@ class ResponsesStream:
             found = _SEQ_RE.match(block, at)
             if found:
                 self.sequence = int(found.group(1))
-        if self.responder is not None and self.ended(block):
-            self.responder.done_sent = True
-            if block.find(ERROR_EVENT) >= 0:
-                self.ctx.outcome = "upstream_error"
+        self._note_end(block)
         if block.find(b"event: response.completed") < 0 and block.find(b"event: response.incomplete") < 0:
             return block
-        tokens = output_tokens_in(block)
-        if tokens is not None:
-            self.ctx.completion_tokens = tokens
-        if self.cached is None:
-            return block
-        cached = self.cached
-        return _patch_events(block, (b"response.completed", b"response.incomplete"),
-                             lambda obj: patch_responses_usage((obj.get("response") or {}).get("usage"), cached))
-
-    def ended(self, block: bytes) -> bool:
-        """True when ``block`` holds the event that ends a Responses stream."""
-        return any(block.find(t) >= 0 for t in self.terminal)
+        return self._usage(block, (b"response.completed", b"response.incomplete"),
+                           lambda obj, cached: patch_responses_usage((obj.get("response") or {}).get("usage"), cached))
 
     @staticmethod
     def first_error(block: bytes) -> UpstreamHTTPError | None:
@@ -234,7 +256,7 @@ class ResponsesStream:
                                       "param": err.param, "sequence_number": self.sequence})
 
 
-class MessagesStream:
+class MessagesStream(_EventStream):
     """An Anthropic Messages SSE stream (module docstring).  ``ctx`` gets ``completion_tokens``;
     ``cached_tokens``: the prefiller's figure for the final usage in ``message_delta`` (None: leave it)."""
 
@@ -254,24 +276,10 @@ class MessagesStream:
     def feed(self, block: bytes, prev: bytes = b"") -> bytes:
         """``block`` with ``message_delta``'s usage patched; output tokens noted; the response marked done at
         ``message_stop`` or at the engine's own error event (after which vLLM sends nothing)."""
-        if self.responder is not None and self.ended(block):
-            self.responder.done_sent = True
-            if block.find(ERROR_EVENT) >= 0:
-                self.ctx.outcome = "upstream_error"
+        self._note_end(block)
         if block.find(b"event: message_delta") < 0:
             return block
-        tokens = output_tokens_in(block)
-        if tokens is not None:
-            self.ctx.completion_tokens = tokens
-        if self.cached is None:
-            return block
-        cached = self.cached
-        return _patch_events(block, (b"message_delta",), lambda obj: patch_messages_usage(obj.get("usage"), cached))
-
-    def ended(self, block: bytes) -> bool:
-        """True when ``block`` holds the event that ends a Messages stream (``message_stop``, or the engine's own
-        ``error`` event, after which vLLM sends nothing)."""
-        return any(block.find(t) >= 0 for t in self.terminal)
+        return self._usage(block, (b"message_delta",), lambda obj, cached: patch_messages_usage(obj.get("usage"), cached))
 
     @staticmethod
     def first_error(block: bytes) -> UpstreamHTTPError | None:
