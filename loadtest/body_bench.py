@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from pdproxy import kv_transfer
+from pdproxy.apis import kv_transfer
 
 PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [list(range(64))],
           "remote_engine_id": "e5f6", "remote_request_id": "chatcmpl-x", "remote_host": "10.0.0.5",

@@ -46,7 +46,7 @@ import orjson
 
 from loadtest import fleet, procstat
 from loadtest.client import Pool
-from pdproxy.prefix_index import block_keys
+from pdproxy.prefix.index import block_keys
 from pdproxy.tokens import sim_prompt
 
 BLOCK = 16
@@ -295,10 +295,10 @@ def router_cost(order: list[dict[str, Any]], prefillers: int = 3) -> dict[str, f
     router's ``hints`` (token ids in the tokenizer thread, keys, the index query, the tie-break key) and
     ``prefilling`` (in flight, the approximate record, the prediction), round-robin over ``prefillers``
     endpoints (approximate mode, sim tokenizer), against the same requests with ``prefix_routing: off``."""
+    from pdproxy.apis.request import Api, parse_request
+    from pdproxy.app.state import ProxyState
     from pdproxy.endpoints import Role
-    from pdproxy.protocol import Api, parse_request
     from pdproxy.settings import load_settings
-    from pdproxy.state import ProxyState
     from pdproxy.timeline import RequestContext
 
     async def run(mode: str) -> float:
@@ -327,7 +327,7 @@ def router_cost(order: list[dict[str, Any]], prefillers: int = 3) -> dict[str, f
 def tokenizer_cost(turns: list[list[dict[str, Any]]], hf_dir: Path) -> dict[str, Any]:
     """Token ids + block keys (block 16) per request, in this process: the agent workload in order (the ids
     cache as the proxy has it), and a 128K-token chat cold and as the next turn of a cached history."""
-    from pdproxy.token_count import LocalCounter
+    from pdproxy.admission.count import LocalCounter
 
     out: dict[str, Any] = {}
     order = [b for rnd in zip(*turns, strict=True) for b in rnd]
@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{r['ttft_p50_ms']} ms p99 {r['ttft_p99_ms']} ms shares {r['shares']} cpu/request "
                           f"{r['proxy_cpu_per_request_us']} µs", flush=True)
             results[workload] = {name: combine(rs) for name, rs in runs.items()}
-        from pdproxy.tinymodel import write_tokenizer
+        from pdproxy.tools.tinymodel import write_tokenizer
 
         with tempfile.TemporaryDirectory() as tmp:
             cost = tokenizer_cost(turns, write_tokenizer(Path(tmp)))

@@ -19,8 +19,8 @@ import time
 import tracemalloc
 from typing import Any
 
-from pdproxy.kv_events import stored
-from pdproxy.prefix_index import PrefixIndex, block_keys
+from pdproxy.prefix.index import PrefixIndex, block_keys
+from pdproxy.prefix.kv_events import stored
 
 BS = 16
 CHUNK = 64  # blocks per BlockStored event

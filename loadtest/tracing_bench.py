@@ -6,7 +6,7 @@ document; its ``ratios`` are each target's median µs per request over ``baselin
 
 Targets (``python -m pdproxy serve`` in front of ``loadtest.fake_engine`` engines, 1 prefiller + 1 decoder):
 
-- ``baseline``: pdproxy at git ``REF`` (default: the parent of the commit that added ``pdproxy/tracing.py``),
+- ``baseline``: pdproxy at git ``REF`` (default: the parent of the commit that added ``pdproxy/ops/tracing.py``),
   exported with ``git archive`` into a temporary directory and run from there (``PYTHONSAFEPATH`` + ``PYTHONPATH``,
   so the checkout's own package is not imported);
 - ``off``: this checkout, no ``otlp_traces_endpoint`` (the default);
@@ -52,8 +52,8 @@ SPANS_PER_REQUEST = 5  # request, admission, queue_wait, prefill, decode
 
 
 def default_baseline() -> str:
-    """The parent of the commit that added ``pdproxy/tracing.py`` (``HEAD`` when it is not committed yet)."""
-    out = subprocess.run(["git", "log", "--diff-filter=A", "--format=%H", "--", "pdproxy/tracing.py"],
+    """The parent of the commit that added ``pdproxy/ops/tracing.py`` (``HEAD`` when it is not committed yet)."""
+    out = subprocess.run(["git", "log", "--diff-filter=A", "--format=%H", "--", "pdproxy/ops/tracing.py"],
                          cwd=fleet.ROOT, capture_output=True, text=True, check=True).stdout.split()
     return f"{out[-1]}^" if out else "HEAD"
 
@@ -109,10 +109,10 @@ def hooks_off_us() -> float:
     """µs per request of the five tracing hooks with tracing off (best of 5 × 200,000, ``timeit``)."""
     import timeit
 
+    from pdproxy.apis.request import Api, parse_request
     from pdproxy.endpoints import Endpoint, Role
-    from pdproxy.protocol import Api, parse_request
+    from pdproxy.ops.tracing import NO_TRACING as t
     from pdproxy.timeline import RequestContext
-    from pdproxy.tracing import NO_TRACING as t
 
     ctx = RequestContext(request_id="r", client_request_id=None, api_label="chat")
     req = parse_request(b'{"model": "m", "prompt": "x"}', Api.COMPLETIONS)
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print its JSON document; returns the exit code (0)."""
     ap = argparse.ArgumentParser(prog="python -m loadtest.tracing_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--baseline", default=None, help="git ref of the code before tracing (default: the parent of "
-                                                     "the commit that added pdproxy/tracing.py)")
+                                                     "the commit that added pdproxy/ops/tracing.py)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--window-s", type=float, default=3.0)

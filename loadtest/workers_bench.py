@@ -12,7 +12,7 @@ Run: ``python -m loadtest.workers_bench [--part sharing|serve ...] [--out FILE]`
   release also writes a wake-up byte into its FIFO (``shared_waking``).  The uncontended ``flock`` pair alone is
   timed too.  Figures are µs per request (median of ``--repeats`` runs), and the differences against ``single``.
 - ``wake`` (two processes on one board): the time from worker 0 giving back prefill budget to worker 1's waiting
-  request being granted, with the FIFO wake-up (:mod:`pdproxy.wakeup`) and with the queue's poll alone (p50/p99).
+  request being granted, with the FIFO wake-up (:mod:`pdproxy.workers.wakeup`) and with the queue's poll alone (p50/p99).
 - ``serve`` (processes, unpinned, the whole process tree's CPU over each window): ``pdproxy serve --workers 1``
   and ``--workers 2`` in front of two ``loadtest.fake_engine`` engines, closed loops from ``loadtest.loadgen``:
   paced streams (an event every 20 ms), full-speed streams and 1-token PD requests; reports events (or requests) per CPU-second of the whole proxy tree, per
@@ -45,15 +45,15 @@ from loadtest import fleet, procstat, report
 def _components(kind: str, run_dir: Path) -> tuple[Callable[[], Any], Callable[[], None]]:
     """A ``one_request`` coroutine factory for the ``kind`` of state, and a cleanup."""
     from pdproxy.endpoints import Endpoint, Role
-    from pdproxy.engines import EngineClient, EngineInfo
-    from pdproxy.health import HealthMonitor
-    from pdproxy.limits import Limits
-    from pdproxy.loadboard import WAITING, LoadBoard
-    from pdproxy.pool import EndpointPool
-    from pdproxy.prefill_queue import PrefillLedger, PrefillQueue
+    from pdproxy.engines.control import EngineClient, EngineInfo
+    from pdproxy.engines.health import HealthMonitor
+    from pdproxy.engines.limits import Limits
+    from pdproxy.engines.pool import EndpointPool
     from pdproxy.scheduling import PickRequest, Scheduler
-    from pdproxy.wakeup import WakeChannels, create_fifos
-    from pdproxy.worker_share import WorkerShare
+    from pdproxy.scheduling.queue import PrefillLedger, PrefillQueue
+    from pdproxy.workers.board import WAITING, LoadBoard
+    from pdproxy.workers.share import WorkerShare
+    from pdproxy.workers.wakeup import WakeChannels, create_fifos
 
     endpoints = [Endpoint("http://p0:1", Role.PREFILL), Endpoint("http://d0:1", Role.DECODE),
                  Endpoint("http://d1:1", Role.DECODE)]
@@ -174,9 +174,9 @@ def _wake_endpoints() -> list[Any]:
 
 
 def _ledger(share: Any) -> Any:
-    from pdproxy.engines import EngineInfo
-    from pdproxy.limits import Limits
-    from pdproxy.prefill_queue import PrefillLedger
+    from pdproxy.engines.control import EngineInfo
+    from pdproxy.engines.limits import Limits
+    from pdproxy.scheduling.queue import PrefillLedger
 
     pool = share.pool(_wake_endpoints())
     infos = {e: EngineInfo(max_model_len=131072) for e in _wake_endpoints()}
@@ -186,11 +186,11 @@ def _ledger(share: Any) -> Any:
 def _waiter_process(run_dir: str, rounds: int, listen: bool, conn: Any) -> None:
     """Worker 1: each round, ask for a 600-token slot (it waits: worker 0 holds 600 of 1,000), send back the
     monotonic time of the grant, give the slot back."""
-    from pdproxy.loadboard import LoadBoard
-    from pdproxy.prefill_queue import PrefillQueue
     from pdproxy.scheduling import Scheduler
-    from pdproxy.wakeup import WakeChannels
-    from pdproxy.worker_share import WorkerShare
+    from pdproxy.scheduling.queue import PrefillQueue
+    from pdproxy.workers.board import LoadBoard
+    from pdproxy.workers.share import WorkerShare
+    from pdproxy.workers.wakeup import WakeChannels
 
     async def main() -> None:
         with LoadBoard.attach(Path(run_dir) / "load.board", _wake_endpoints(), 2) as board:
@@ -216,9 +216,9 @@ def wake(rounds: int) -> dict[str, Any]:
     wake-up and with the queue's poll alone; plus the CPU of one wake-up write."""
     import multiprocessing
 
-    from pdproxy.loadboard import WAITING, LoadBoard
-    from pdproxy.wakeup import WakeChannels, create_fifos
-    from pdproxy.worker_share import WorkerShare
+    from pdproxy.workers.board import WAITING, LoadBoard
+    from pdproxy.workers.share import WorkerShare
+    from pdproxy.workers.wakeup import WakeChannels, create_fifos
 
     out: dict[str, Any] = {"rounds": rounds}
     ctx = multiprocessing.get_context("spawn")

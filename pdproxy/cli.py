@@ -61,10 +61,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def serve(settings: Settings) -> int:
     """Run the proxy (uvicorn's server, pdproxy's own HTTP protocol on uvloop + httptools) until interrupted."""
-    from pdproxy.app import create_app
-    from pdproxy.logs import configure_logging, listen_urls, log_banner
-    from pdproxy.server import uvicorn_config
-    from pdproxy.tls import apply_to_uvicorn, server_ssl_context
+    from pdproxy.app.application import create_app
+    from pdproxy.http.server import uvicorn_config
+    from pdproxy.http.tls import apply_to_uvicorn, server_ssl_context
+    from pdproxy.ops.logs import configure_logging, listen_urls, log_banner
 
     configure_logging(settings)
     tls = server_ssl_context(settings)  # a bad certificate / key / CA file stops here (ValueError → exit 2)
@@ -75,17 +75,17 @@ def serve(settings: Settings) -> int:
               "--prefiller-hosts/ports and --decoder-hosts/ports, or a --config file); with --admin-key they may "
               "be added later through the admin API", file=sys.stderr)
         return 2
-    if settings.workers > 1:  # one socket, one load view across processes (pdproxy/workers.py)
-        from pdproxy.workers import serve_workers
+    if settings.workers > 1:  # one socket, one load view across processes (pdproxy/app/supervisor.py)
+        from pdproxy.app.supervisor import serve_workers
 
         return serve_workers(settings)
-    from pdproxy.shutdown import DrainingServer
+    from pdproxy.app.shutdown import DrainingServer
 
     app = create_app(settings)
     # SIGTERM drains first (503 + Retry-After for new requests, in-flight streams finish within shutdown_grace_s;
-    # pdproxy/shutdown.py); uvicorn's own grace only covers what is left after that.
+    # pdproxy/app/shutdown.py); uvicorn's own grace only covers what is left after that.
     config = uvicorn_config(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=1,
-                            log_config=None)  # pdproxy's own HTTP protocol (pdproxy/server.py)
+                            log_config=None)  # pdproxy's own HTTP protocol (pdproxy/http/server.py)
     apply_to_uvicorn(config, tls)
     server = DrainingServer(config, app, grace_s=settings.shutdown_grace_s, delay_s=settings.shutdown_delay_s,
                             on_started=lambda addresses: log_banner(settings, listen_urls(addresses, tls)))
@@ -118,13 +118,13 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     sim_cli.add_arguments(p_sim)
     p_demo = sub.add_parser("demo", help="1 simulated prefiller + 2 simulated decoders + the proxy on :8000")
-    from pdproxy import demo
+    from pdproxy.tools import demo
 
     demo.add_arguments(p_demo)
     p_doctor = sub.add_parser("doctor", help="check every configured engine (KV pool vs max_model_len, idle "
                               "gauges, a P→D tool call, a cold long-context probe); ends within --budget-s")
     add_serve_arguments(p_doctor, only=ENGINE_SETTINGS)
-    from pdproxy import doctor
+    from pdproxy.tools import doctor
 
     doctor.add_arguments(p_doctor)
     args = parser.parse_args(argv)

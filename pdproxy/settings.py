@@ -37,7 +37,7 @@ IntList = Annotated[list[int], NoDecode]
 class EndpointConfig(BaseModel):
     """An endpoint written out in a config file: ``{url, role, dp_size, models}``.  ``models``: pin the endpoint
     to these model ids (served names or LoRA adapters; empty = whatever its ``/v1/models`` lists,
-    pdproxy/served_models.py)."""
+    pdproxy/engines/models.py)."""
 
     url: str
     role: Role
@@ -59,17 +59,17 @@ class Settings(BaseSettings):
     host: str = Field("0.0.0.0", description="listen address")
     port: int = Field(8000, ge=0, le=65535, description="listen port of the OpenAI-compatible front door")
     workers: int = Field(1, ge=1, le=64, description="worker processes sharing the port and one load view "
-                                                     "(pdproxy/workers.py); 1 = a single process")
+                                                     "(pdproxy/app/supervisor.py); 1 = a single process")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = Field("text", description="log lines as text or as one JSON object each "
-                                                                    "(pdproxy/logs.py)")
+                                                                    "(pdproxy/ops/logs.py)")
     ssl_keyfile: str | None = Field(None, description="TLS private key file (PEM); serves HTTPS with ssl_certfile")
     ssl_certfile: str | None = Field(None, description="TLS certificate chain file (PEM); turns HTTPS on")
     ssl_ca_certs: str | None = Field(None, description="CA certificates (PEM) client certificates are checked against")
     ssl_cert_reqs: int = Field(0, ge=0, le=2, description="client certificates: 0 = not asked (ssl.CERT_NONE), "
                                                           "1 = optional, 2 = required (as vllm serve / uvicorn)")
     log_prompts: bool = Field(False, description="include the prompt / messages in request log lines")
-    request_log: bool = Field(True, description="one JSON line per request at completion (pdproxy/reqlog.py)")
+    request_log: bool = Field(True, description="one JSON line per request at completion (pdproxy/ops/reqlog.py)")
     request_log_path: str | None = Field(None, description="where request lines go: unset = the pdproxy.requests "
                                                            "logger, '-' = stdout, else a file appended to")
 
@@ -107,7 +107,7 @@ class Settings(BaseSettings):
     gc_full_interval_s: float = Field(
         300.0, ge=0, description="run CPython's full garbage collection on this timer instead of whenever the "
                                  "live set grows by a quarter (which pauses the loop ~1 µs per live object, mid-ramp); "
-                                 "0 keeps CPython's policy (pdproxy/gcpolicy.py)")
+                                 "0 keeps CPython's policy (pdproxy/ops/gcpolicy.py)")
     upstream_max_connections: int = Field(4096, ge=0, description="open connections per engine (0: unlimited); "
                                                                   "one per in-flight request")
     upstream_pool_wait_s: float = Field(10.0, gt=0, description="how long a request waits for a connection to an "
@@ -204,7 +204,7 @@ class Settings(BaseSettings):
         1024, ge=0, description="while every prefiller is busy with long work, prompts up to this many tokens go "
                                 "straight to a decoder (0 = off)")
 
-    # --- prefix cache: the engines' KV events (pdproxy/kv_subscriber.py) and the index (pdproxy/prefix_index.py)
+    # --- prefix cache: the engines' KV events (pdproxy/prefix/subscriber.py) and the index (pdproxy/prefix/index.py)
     kv_events: StrList = Field([], description="ENGINE_URL=tcp://HOST:PORT: subscribe to that engine's KV events "
                                                "(vLLM --kv-events-config endpoint; repeatable). An engine URL with "
                                                "internal DP ranks: rank k on PORT+k")
@@ -225,7 +225,7 @@ class Settings(BaseSettings):
     prefix_text_chunk_chars: int = Field(256, ge=1, description="without a tokenizer: characters per key of the "
                                                                 "rendered prompt (approximate index only)")
     prefix_routing: Literal["auto", "precise", "approximate", "off"] = Field(
-        "auto", description="prefix-cache-aware prefill routing (pdproxy/prefix_routing.py): 'auto' = from the "
+        "auto", description="prefix-cache-aware prefill routing (pdproxy/prefix/routing.py): 'auto' = from the "
                             "engine's KV events where its publisher is live, else from where pdproxy sent earlier "
                             "prompts; 'precise' = KV events only; 'approximate' = pdproxy's own record only; "
                             "'off' = load only")
@@ -237,7 +237,7 @@ class Settings(BaseSettings):
         4_000_000, ge=0, description="token ids of rendered blocks (system prompts, earlier turns) the local "
                                      "tokenizer keeps for prefix routing, in tokens (4 bytes each)")
 
-    # --- tracing (pdproxy/tracing.py)
+    # --- tracing (pdproxy/ops/tracing.py)
     otlp_traces_endpoint: str | None = Field(
         None, description="OpenTelemetry collector that receives pdproxy's request spans (vLLM's "
                           "--otlp-traces-endpoint): gRPC by default, e.g. http://collector:4317; OTLP/HTTP with "
@@ -255,7 +255,7 @@ class Settings(BaseSettings):
     @field_validator("kv_events", "kv_events_replay")
     @classmethod
     def _kv_events(cls, v: list[str]) -> list[str]:
-        from pdproxy.kv_subscriber import parse_engine_address
+        from pdproxy.prefix.subscriber import parse_engine_address
 
         return [f"{url}={address}" for url, address in (parse_engine_address(e) for e in v)]
 
@@ -263,7 +263,7 @@ class Settings(BaseSettings):
     @classmethod
     def _tracing_installed(cls, v: str | None) -> str | None:
         if v:
-            from pdproxy.tracing import INSTALL_HINT, otel_missing
+            from pdproxy.ops.tracing import INSTALL_HINT, otel_missing
 
             missing = otel_missing()
             if missing:
@@ -273,7 +273,7 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check_traces_protocol(self) -> Settings:
         if self.otlp_traces_endpoint:
-            from pdproxy.tracing import traces_protocol
+            from pdproxy.ops.tracing import traces_protocol
 
             traces_protocol(self.otlp_traces_protocol)  # ValueError for a bad OTEL_EXPORTER_OTLP_TRACES_PROTOCOL
         return self
@@ -285,13 +285,13 @@ class Settings(BaseSettings):
         return self
 
     def kv_event_sources(self) -> list[Any]:
-        """The KV event publishers to follow (``pdproxy.kv_subscriber.KVEventSource``), one per engine DP rank."""
-        from pdproxy.kv_subscriber import build_sources
+        """The KV event publishers to follow (``pdproxy.prefix.subscriber.KVEventSource``), one per engine DP rank."""
+        from pdproxy.prefix.subscriber import build_sources
 
         return build_sources(self.kv_events, self.kv_events_replay, self.all_endpoints(), self.kv_events_topic)
 
     def model_pins(self) -> dict[tuple[Role, str], frozenset[str]]:
-        """``(role, url) → model ids`` of the ``endpoints`` entries that pin models (pdproxy/served_models.py)."""
+        """``(role, url) → model ids`` of the ``endpoints`` entries that pin models (pdproxy/engines/models.py)."""
         return {(ec.role, ec.url): frozenset(ec.models) for ec in self.endpoints if ec.models}
 
     def all_endpoints(self) -> list[Endpoint]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pdproxy.metrics import GapCounts
+    from pdproxy.ops.metrics import GapCounts
 
 
 @dataclass(slots=True)
@@ -74,7 +74,7 @@ def new_request_id(client_id: str | None) -> str:
 class RequestContext:
     """What one request carries through the path: ids, auth, chosen endpoints, outcome, timeline.
     ``client_headers``: the client's request headers as (lower-case name, value) byte pairs, read only when needed
-    (the trace context, pdproxy/tracing.py)."""
+    (the trace context, pdproxy/ops/tracing.py)."""
 
     request_id: str
     client_request_id: str | None
@@ -95,7 +95,7 @@ class RequestContext:
     outcome: str = "ok"
     error: str | None = None
     rejection: tuple[str, str] | None = None  # (reason, detail) when pdproxy refused the request (metrics.py)
-    gaps: GapCounts | None = None  # ITL: the relay counts each gap between client writes (pdproxy/metrics.py)
+    gaps: GapCounts | None = None  # ITL: the relay counts each gap between client writes (pdproxy/ops/metrics.py)
     on_prefilled: Callable[[Any], None] | None = None  # called with the prefiller once its answer is in (fan-out)
     disaggregated: bool = True
     timeline: Timeline = field(default_factory=Timeline)

@@ -79,7 +79,7 @@ die() { printf '[real-vllm] ERROR: %s\n' "$*" >&2; exit 1; }
 # ---------------------------------------------------------------------------------------------------- setup
 model_key() {
   # The model is regenerated when its generator or corpus changes.
-  cat "$REPO/pdproxy/tinymodel.py" "$REPO/pdproxy/data/tokenizer_corpus.txt" | sha256sum | cut -d' ' -f1
+  cat "$REPO/pdproxy/tools/tinymodel.py" "$REPO/pdproxy/data/tokenizer_corpus.txt" | sha256sum | cut -d' ' -f1
 }
 
 venv_ok() {
@@ -159,7 +159,7 @@ make_model() {
   fi
   log "generating tiny model into $MODEL_DIR"
   rm -rf "$MODEL_DIR"
-  PYTHONPATH="$REPO" "$PY" -m pdproxy.tinymodel model "$MODEL_DIR" >&2 || die "tiny model generation failed"
+  PYTHONPATH="$REPO" "$PY" -m pdproxy.tools.tinymodel model "$MODEL_DIR" >&2 || die "tiny model generation failed"
   printf '%s' "$key" > "$MODEL_DIR/.real-vllm-stamp"
 }
 

@@ -25,10 +25,10 @@ from typing import Any
 import httpx
 import uvicorn
 
-from pdproxy.app import PDProxyApp, create_app
-from pdproxy.server import uvicorn_config
+from pdproxy.app.application import PDProxyApp, create_app
+from pdproxy.http.server import uvicorn_config
+from pdproxy.http.tls import apply_to_uvicorn
 from pdproxy.settings import load_settings
-from pdproxy.tls import apply_to_uvicorn
 
 
 def free_port() -> int:

@@ -11,17 +11,17 @@ endpoint out (503 + ``Retry-After`` for "not now", 404 for a model nobody serves
 
 The filters, in the order the standard profiles run them (:func:`pdproxy.scheduling.scheduler.standard_profiles`):
 
-- :class:`Healthy` — the endpoint's last health probe passed (``EndpointLoad.healthy``, :mod:`pdproxy.health`);
+- :class:`Healthy` — the endpoint's last health probe passed (``EndpointLoad.healthy``, :mod:`pdproxy.engines.health`);
 - :class:`NotDraining` — the admin API has not drained it (``EndpointLoad.draining``);
-- :class:`BreakerClosed` — its circuit breaker lets a request in (:mod:`pdproxy.breaker`);
+- :class:`BreakerClosed` — its circuit breaker lets a request in (:mod:`pdproxy.engines.breaker`);
 - :class:`ServesModel` — it serves the request's ``model`` per its ``/v1/models`` and the operator's pins
-  (:mod:`pdproxy.served_models`; an unknown model list accepts);
-- :class:`FitsLimits` — the prompt fits its ``max_model_len`` and KV pool (:mod:`pdproxy.limits`);
+  (:mod:`pdproxy.engines.models`; an unknown model list accepts);
+- :class:`FitsLimits` — the prompt fits its ``max_model_len`` and KV pool (:mod:`pdproxy.engines.limits`);
 - :class:`OnDpRank` — it is the DP rank the request is pinned to, if any;
 - :class:`Affinity` (prefill only) — the prefiller a fan-out sibling's prompt was just computed on, when it is
   still among the candidates (soft: otherwise all stay);
 - :class:`HasPrefillRoom` (prefill only, ``capacity``) — the prompt's uncached tokens fit its prefill budget and
-  the whole prompt the KV it has free (:class:`~pdproxy.prefill_queue.PrefillLedger`).
+  the whole prompt the KV it has free (:class:`~pdproxy.scheduling.queue.PrefillLedger`).
 """
 
 from __future__ import annotations
@@ -30,16 +30,16 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.engines import EngineInfo
+from pdproxy.engines.control import EngineInfo
+from pdproxy.engines.health import HealthMonitor
+from pdproxy.engines.limits import Limits
+from pdproxy.engines.pool import EndpointPool
 from pdproxy.errors import ModelNotFound, NoEndpointAvailable, ProxyError
-from pdproxy.health import HealthMonitor
-from pdproxy.limits import Limits
-from pdproxy.pool import EndpointPool
 from pdproxy.scheduling.request import PickRequest
 
 if TYPE_CHECKING:
-    from pdproxy.prefill_queue import PrefillLedger
-    from pdproxy.served_models import ServedModels
+    from pdproxy.engines.models import ServedModels
+    from pdproxy.scheduling.queue import PrefillLedger
 
 
 class Filter(Protocol):
@@ -123,7 +123,7 @@ class BreakerClosed(_Rule):
 
 
 class ServesModel(_Rule):
-    """Endpoints that serve ``request.model`` (:class:`~pdproxy.served_models.ServedModels`: the ids its
+    """Endpoints that serve ``request.model`` (:class:`~pdproxy.engines.models.ServedModels`: the ids its
     ``/v1/models`` listed — served model names and LoRA adapters alike — narrowed to the operator's pins).  A
     request without ``model``, or an endpoint whose model list is not known (never refreshed, or empty), passes."""
 
@@ -151,7 +151,7 @@ class ServesModel(_Rule):
 
 class FitsLimits(_Rule):
     """Endpoints of ``role`` whose ``max_model_len`` and KV pool admit the prompt
-    (:meth:`~pdproxy.limits.EngineLimits.allowed_prompt`; ``request.limit_tokens`` tokens, plus the output the
+    (:meth:`~pdproxy.engines.limits.EngineLimits.allowed_prompt`; ``request.limit_tokens`` tokens, plus the output the
     role must hold).  A request whose prompt is not counted yet passes."""
 
     name = "fits_limits"
@@ -196,7 +196,7 @@ class OnDpRank(_Rule):
 class Affinity(_Rule):
     """The endpoint ``request.affinity`` names, when it passed the filters before this one; every candidate when
     it did not or when there is none (a soft preference, never a refusal).  A fan-out sibling (``n > 1``,
-    :mod:`pdproxy.fanout`) names the prefiller that has just computed the same prompt: its prefill there is a
+    :mod:`pdproxy.pd.fanout`) names the prefiller that has just computed the same prompt: its prefill there is a
     prefix-cache hit, which the cost scorers cannot see while the first sequence's KV is still pinned there (its
     lease counts as in-flight prefill tokens).  Not a capacity filter: the sibling waits for that prefiller's room
     rather than recompute the prompt elsewhere."""
@@ -213,7 +213,7 @@ class Affinity(_Rule):
 class HasPrefillRoom(_Rule):
     """Prefillers with room for the prompt now: the tokens it would compute there (the prompt minus what
     ``request.hints`` says the prefiller holds) fit the per-prefiller budget, and the whole prompt fits the
-    prefiller's free KV (:meth:`~pdproxy.prefill_queue.PrefillLedger.has_room`).  A capacity filter: the prefill
+    prefiller's free KV (:meth:`~pdproxy.scheduling.queue.PrefillLedger.has_room`).  A capacity filter: the prefill
     queue waits for it."""
 
     name = "prefill_room"

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from pdproxy.endpoints import Endpoint
 
 if TYPE_CHECKING:
-    from pdproxy.protocol import ProxyRequest
+    from pdproxy.apis.request import ProxyRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +51,7 @@ class PickRequest:
     limits (None: use ``prompt_tokens``); ``max_output_tokens``: the client's ``max_tokens`` /
     ``max_completion_tokens`` (None: the engine decides); ``dp_rank``: a DP rank the request must run on (None:
     any); ``hints``: the prefix cache's view of this prompt; ``affinity``: the prefiller that has just computed
-    this very prompt (a fan-out sibling, :mod:`pdproxy.fanout`), preferred while it can take it
+    this very prompt (a fan-out sibling, :mod:`pdproxy.pd.fanout`), preferred while it can take it
     (:class:`~pdproxy.scheduling.filters.Affinity`).
     """
 

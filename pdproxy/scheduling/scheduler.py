@@ -15,19 +15,19 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.engines import EngineInfo
+from pdproxy.engines.control import EngineInfo
+from pdproxy.engines.health import HealthMonitor
+from pdproxy.engines.limits import Limits
+from pdproxy.engines.models import ServedModels
+from pdproxy.engines.pool import EndpointPool
 from pdproxy.errors import NoEndpointAvailable, ProxyError
-from pdproxy.health import HealthMonitor
-from pdproxy.limits import Limits
-from pdproxy.pool import EndpointPool
 from pdproxy.scheduling import filters as f
 from pdproxy.scheduling import scorers as s
 from pdproxy.scheduling.picker import PICKER_NAMES, LeastCost, Picker, PowerOfTwo, Score
 from pdproxy.scheduling.request import PickRequest
-from pdproxy.served_models import ServedModels
 
 if TYPE_CHECKING:
-    from pdproxy.prefill_queue import PrefillLedger
+    from pdproxy.scheduling.queue import PrefillLedger
 
 
 @dataclass(frozen=True)

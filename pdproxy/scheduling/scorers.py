@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from pdproxy.endpoints import Endpoint
-from pdproxy.pool import EndpointPool
+from pdproxy.engines.pool import EndpointPool
 from pdproxy.scheduling.request import PickRequest
 
 if TYPE_CHECKING:
-    from pdproxy.prefill_queue import PrefillLedger
+    from pdproxy.scheduling.queue import PrefillLedger
 
 
 class Scorer(Protocol):
@@ -83,7 +83,7 @@ class InflightTokens:
 class QueuedPrefillTokens:
     """Prefill work queued on the prefiller (tokens): prompts dispatched to it and not answered yet, counted as
     the tokens it computes for them — each prompt minus what it had cached (the ledger's in-flight tokens,
-    :meth:`~pdproxy.prefill_queue.PrefillLedger.inflight_tokens`).  Unlike the pool's leases (held until the
+    :meth:`~pdproxy.scheduling.queue.PrefillLedger.inflight_tokens`).  Unlike the pool's leases (held until the
     decoder starts, and the whole prompt: the KV pinned), this is the work ahead of a new prompt's first token.
     ``resolution`` (tokens; 0 = exact): counted in whole steps of it, rounded down, so prefillers whose queues differ
     by less than a step tie on load and the next tier (in-flight requests), then the picker's tie-break, decide —

@@ -1,5 +1,5 @@
 """Fixtures for admission tests: a local Hugging Face tokenizer directory (byte-level BPE with a chat template,
-written by :func:`pdproxy.tinymodel.write_tokenizer`) and body builders of exact token counts."""
+written by :func:`pdproxy.tools.tinymodel.write_tokenizer`) and body builders of exact token counts."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 import pytest
 
-from pdproxy.tinymodel import write_tokenizer
 from pdproxy.tokens import Tokenizer, prompt_token_ids
+from pdproxy.tools.tinymodel import write_tokenizer
 
 Api = Literal["chat", "completions"]
 

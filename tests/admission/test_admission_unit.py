@@ -10,14 +10,14 @@ from typing import Any
 import orjson
 import pytest
 
+from pdproxy.admission.count import LocalCounter
+from pdproxy.apis.request import Api, ProxyRequest, parse_request
+from pdproxy.app.state import ProxyState
 from pdproxy.endpoints import Role
-from pdproxy.engines import EngineInfo
+from pdproxy.engines.control import EngineInfo
 from pdproxy.errors import PromptTooLong
-from pdproxy.protocol import Api, ProxyRequest, parse_request
 from pdproxy.settings import load_settings
-from pdproxy.state import ProxyState
 from pdproxy.timeline import RequestContext
-from pdproxy.token_count import LocalCounter
 from pdproxy.tokens import sim_prompt
 from tests.support import free_port
 

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdproxy.prompt_bounds import prompt_bounds, word_transitions
-from pdproxy.token_count import LocalCounter, TokenCount, tokenize_body, word_cuts
+from pdproxy.admission.bounds import prompt_bounds, word_transitions
+from pdproxy.admission.count import LocalCounter, TokenCount, tokenize_body, word_cuts
 from pdproxy.tokens import load_tokenizer, prompt_token_ids, sim_prompt
 
 pytestmark = pytest.mark.timeout(60)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.engines import EngineInfo
-from pdproxy.limits import Limits
-from pdproxy.pool import EndpointPool
+from pdproxy.engines.control import EngineInfo
+from pdproxy.engines.limits import Limits
+from pdproxy.engines.pool import EndpointPool
 from pdproxy.scheduling import PickRequest
 from pdproxy.scheduling.filters import FitsLimits
 

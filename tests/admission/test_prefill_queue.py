@@ -9,12 +9,12 @@ from contextlib import AsyncExitStack
 import pytest
 
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.engines import EngineInfo
+from pdproxy.engines.control import EngineInfo
+from pdproxy.engines.limits import Limits
+from pdproxy.engines.pool import EndpointPool
 from pdproxy.errors import NoEndpointAvailable, Overloaded, QueueTimeout
-from pdproxy.limits import Limits
-from pdproxy.pool import EndpointPool
-from pdproxy.prefill_queue import PrefillLedger, PrefillQueue, PrefillSlot
 from pdproxy.scheduling import Scheduler
+from pdproxy.scheduling.queue import PrefillLedger, PrefillQueue, PrefillSlot
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
 

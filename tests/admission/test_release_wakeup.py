@@ -10,11 +10,11 @@ from contextlib import AsyncExitStack
 import pytest
 
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.engines import EngineInfo
-from pdproxy.limits import Limits
-from pdproxy.pool import EndpointPool
-from pdproxy.prefill_queue import PrefillLedger, PrefillQueue
+from pdproxy.engines.control import EngineInfo
+from pdproxy.engines.limits import Limits
+from pdproxy.engines.pool import EndpointPool
 from pdproxy.scheduling import Scheduler
+from pdproxy.scheduling.queue import PrefillLedger, PrefillQueue
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
 

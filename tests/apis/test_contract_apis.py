@@ -1,4 +1,4 @@
-"""The per-API P→D rules of ``pdproxy/kv_transfer.py`` and the answer rules of ``pdproxy/api_streams.py`` against
+"""The per-API P→D rules of ``pdproxy/apis/kv_transfer.py`` and the answer rules of ``pdproxy/apis/streams.py`` against
 what real vLLM 0.32 accepted and answered (``tests/real_vllm/captures/apis/``, written by
 ``tests/real_vllm/capture_apis.py``): the prefill legs pdproxy builds are the ones the real prefiller served, the
 handle and the cached tokens are read where the real answers put them, the real streams' ends and usage are
@@ -13,8 +13,9 @@ from typing import Any
 import orjson
 import pytest
 
-from pdproxy import api_streams, kv_transfer
-from pdproxy.protocol import Api, parse_request
+from pdproxy.apis import kv_transfer
+from pdproxy.apis import streams as api_streams
+from pdproxy.apis.request import Api, parse_request
 from pdproxy.timeline import RequestContext
 
 CAPTURES = Path(__file__).resolve().parents[1] / "real_vllm" / "captures" / "apis"

@@ -8,13 +8,13 @@ import asyncio
 import pytest
 
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.engines import EngineInfo
+from pdproxy.engines.control import EngineInfo
+from pdproxy.engines.limits import Limits
+from pdproxy.engines.models import ServedModels
+from pdproxy.engines.pool import EndpointPool
 from pdproxy.errors import ModelNotFound
-from pdproxy.limits import Limits
-from pdproxy.pool import EndpointPool
-from pdproxy.prefill_queue import PrefillLedger, PrefillQueue
 from pdproxy.scheduling import PickRequest, Scheduler
-from pdproxy.served_models import ServedModels
+from pdproxy.scheduling.queue import PrefillLedger, PrefillQueue
 
 PA, PB = Endpoint("http://pa", Role.PREFILL), Endpoint("http://pb", Role.PREFILL)
 DA, DB = Endpoint("http://da", Role.DECODE), Endpoint("http://db", Role.DECODE)

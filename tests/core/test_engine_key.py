@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.engine_headers import EngineHeaders
+from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.tokens import sim_prompt
 from tests.support import ProxyThread, SimProcess, running, wait_until
 

@@ -12,7 +12,7 @@ body (``tests/real_vllm/vllm_oracle.py`` live, or the verdicts it recorded in ``
 - vLLM accepts it → pdproxy accepts it with vLLM's meaning (stream, output-token request, ``min_tokens``, usage
   options, whether the prompt's logits are needed), and every leg it builds is accepted by vLLM with the
   meaning the leg must have (prefill: one token, not streamed; decode: the client's); ``n`` > 1 and a list of
-  several prompts fan out (``pdproxy/fanout.py``): every sequence's legs are accepted with that meaning, one
+  several prompts fan out (``pdproxy/pd/fanout.py``): every sequence's legs are accepted with that meaning, one
   prompt and no ``n`` each;
 - vLLM refuses it → the first engine leg that refuses it gets vLLM's own 400 for it (an engine judges it), or,
   for a body that is not one JSON object or asks for ``n`` > 1 with greedy sampling, pdproxy answers that same
@@ -28,9 +28,10 @@ from typing import Any
 import orjson
 from hypothesis import strategies as st
 
-from pdproxy import fanout, kv_transfer
+from pdproxy.apis import kv_transfer
+from pdproxy.apis.request import Api, ProxyRequest, parse_request
 from pdproxy.errors import BadRequest
-from pdproxy.protocol import Api, ProxyRequest, parse_request
+from pdproxy.pd import fanout
 from pdproxy.timeline import RequestContext
 
 Judge = Callable[[str, bytes], tuple[int, dict[str, Any]]]
@@ -118,7 +119,7 @@ def requests(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
 
 
 def first_leg(req: ProxyRequest) -> tuple[str, bytes]:
-    """Which engine gets ``req`` first, and the body pdproxy sends it (as ``pdproxy/director.py`` builds it)."""
+    """Which engine gets ``req`` first, and the body pdproxy sends it (as ``pdproxy/pd/director.py`` builds it)."""
     if req.decoder_prefills:
         return "decode", kv_transfer.decode_body_bytes(req.raw, None, req.body)
     judges = req.engine_judges or kv_transfer.engine_must_judge(req.max_output_tokens, MAX_MODEL_LEN)
@@ -185,7 +186,7 @@ def check(api: str, body: dict[str, Any], judge: Judge) -> None:
 
 def check_fan_out(api: str, body: dict[str, Any], req: ProxyRequest, status: int, verdict: dict[str, Any],
                   judge: Judge) -> None:
-    """The rule for a request of several sequences (one P/D pair each, ``pdproxy/fanout.py``): vLLM refuses it →
+    """The rule for a request of several sequences (one P/D pair each, ``pdproxy/pd/fanout.py``): vLLM refuses it →
     the first sequence's first leg gets that same 400; vLLM accepts it → pdproxy read it as vLLM did, and every
     sequence's legs are accepted (prefill: one token, not streamed; decode: the client's meaning, usage asked for
     when streaming, which the merge needs)."""

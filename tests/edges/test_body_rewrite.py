@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdproxy import kv_transfer
+from pdproxy.apis import kv_transfer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,7 +10,7 @@ import openai
 import orjson
 import pytest
 
-from pdproxy import kv_transfer
+from pdproxy.apis import kv_transfer
 from tests.conftest import Fleet
 from tests.support import ProxyThread
 

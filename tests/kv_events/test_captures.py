@@ -12,7 +12,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from pdproxy.kv_events import (
+from pdproxy.prefix.index import PrefixIndex, block_keys
+from pdproxy.prefix.kv_events import (
     ArrayBlockRemoved,
     ArrayBlockStored,
     BatchDecoder,
@@ -20,7 +21,6 @@ from pdproxy.kv_events import (
     MapBlockStored,
     parse_frames,
 )
-from pdproxy.prefix_index import PrefixIndex, block_keys
 
 CAPTURES = Path(__file__).resolve().parents[1] / "real_vllm" / "captures"
 ENGINE = "http://prefill:8100"

@@ -7,15 +7,15 @@ import os
 import subprocess
 import sys
 
-from pdproxy.kv_events import cleared, removed, stored
-from pdproxy.prefix_index import ApproxPrefixIndex, PrefixIndex, block_keys, rendezvous_order, text_keys
+from pdproxy.prefix.index import ApproxPrefixIndex, PrefixIndex, block_keys, rendezvous_order, text_keys
+from pdproxy.prefix.kv_events import cleared, removed, stored
 
 E, F = "http://e:1", "http://f:1"
 TOKS = list(range(1, 41))                     # 10 blocks of 4
 
 
 def test_keys_do_not_depend_on_the_process_or_pythonhashseed() -> None:
-    code = "from pdproxy.prefix_index import block_keys; print(block_keys(list(range(1, 41)), 4, 'lora-a').keys)"
+    code = "from pdproxy.prefix.index import block_keys; print(block_keys(list(range(1, 41)), 4, 'lora-a').keys)"
     outs = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
                            capture_output=True, text=True, check=True).stdout for seed in ("0", "1", "random")}
     assert len(outs) == 1 and outs.pop().strip() == str(block_keys(TOKS, 4, "lora-a").keys)

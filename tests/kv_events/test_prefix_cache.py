@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.engines import EngineInfo
-from pdproxy.metrics import ProxyMetrics
-from pdproxy.prefix_cache import Prediction, PrefixCache
-from pdproxy.prefix_index import block_keys
+from pdproxy.engines.control import EngineInfo
+from pdproxy.ops.metrics import ProxyMetrics
+from pdproxy.prefix.cache import Prediction, PrefixCache
+from pdproxy.prefix.index import block_keys
 from pdproxy.settings import load_settings
 from tests.kv_events.support import FakePublisher, until
 from tests.kv_events.test_subscriber import BS, A, E, chain

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.kv_subscriber import KVEventSource, build_sources
-from pdproxy.prefix_index import block_keys
+from pdproxy.prefix.index import block_keys
+from pdproxy.prefix.subscriber import KVEventSource, build_sources
 from tests.kv_events.support import subscribed, until
 from tests.support import SimProcess, free_port
 

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from pdproxy.kv_events import END_SEQ, seq_frame
+from pdproxy.prefix.kv_events import END_SEQ, seq_frame
 from tests.support import SimProcess, free_port, wait_until
 
 CAPTURE = Path(__file__).resolve().parents[1] / "real_vllm" / "captures" / "kv_events_map.json"

@@ -1,22 +1,22 @@
-"""Fake engines in process, for driving the real :class:`pdproxy.director.Director` and relay (no sockets).
+"""Fake engines in process, for driving the real :class:`pdproxy.pd.director.Director` and relay (no sockets).
 
-- :class:`FakeUpstream` replaces :class:`pdproxy.upstream.Upstream` — the only engine I/O of the legs
+- :class:`FakeUpstream` replaces :class:`pdproxy.http.upstream.Upstream` — the only engine I/O of the legs
   (``post_json``: the prefill leg, the KV release leg, ``/tokenize``; ``open_stream``: the decode leg).  Each call
   takes the next scripted :data:`Outcome` of its request (keyed by the client's ``X-Request-Id``, the prefix of
   the engine request id) and kind, else of its endpoint, else the default (a prefiller answers with a fresh KV
   handle, a decoder streams three chat chunks and ``data: [DONE]``).  Failures raise exactly what ``Upstream``
-  raises for them (:func:`pdproxy.upstream.proxy_error` of the transport error it would have met).
-- :class:`FakeResponse` is what ``open_stream`` yields: the part of :class:`pdproxy.h1client.H1Response` the relay
+  raises for them (:func:`pdproxy.http.upstream.proxy_error` of the transport error it would have met).
+- :class:`FakeResponse` is what ``open_stream`` yields: the part of :class:`pdproxy.http.client.H1Response` the relay
   and ``relay_json`` use (``readany``/``read`` with the idle timeout and deadline, ``splice`` into a
-  :class:`~pdproxy.h1client.BodySink`, ``pause_reading``/``resume_reading``, ``release``/``close``), fed by a
+  :class:`~pdproxy.http.client.BodySink`, ``pause_reading``/``resume_reading``, ``release``/``close``), fed by a
   driver task of the fake engine on the test's event loop.
 - :class:`Gate`: a point a fake engine stops at until the test opens it (``reached`` says it got there).  With
   ``stepping=True`` every step of every engine waits at a fresh gate in :attr:`FakeUpstream.pending`, so a test
   (the lease property) chooses the interleaving.
 - :class:`FakeEngines`: the health monitor's engine client (``/health`` probes after a failure), answering in
   process.
-- :class:`FakeClient`: the client side, an :class:`pdproxy.server.Exchange` stand-in (request side for
-  :meth:`pdproxy.app.PDProxyApp.handle_completion`, :class:`pdproxy.responder.ClientConnection` for the response)
+- :class:`FakeClient`: the client side, an :class:`pdproxy.http.server.Exchange` stand-in (request side for
+  :meth:`pdproxy.app.application.PDProxyApp.handle_completion`, :class:`pdproxy.pd.responder.ClientConnection` for the response)
   that records what it was sent and can disconnect the way the server signals it (``flow.client_gone()``, then
   ``on_disconnect()``, as ``ServerProtocol.connection_lost`` does).
 
@@ -39,12 +39,12 @@ from typing import Any, Literal
 
 import orjson
 
-from pdproxy import sse
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.engines import EngineInfo
+from pdproxy.engines.control import EngineInfo
 from pdproxy.errors import UpstreamHTTPError, UpstreamTimeout
-from pdproxy.h1client import BodySink, ConnectError, Disconnected, ReadTimeout, TransportError
-from pdproxy.upstream import Upstream, proxy_error
+from pdproxy.http import sse
+from pdproxy.http.client import BodySink, ConnectError, Disconnected, ReadTimeout, TransportError
+from pdproxy.http.upstream import Upstream, proxy_error
 
 MODEL = "sim-model"
 Kind = Literal["prefill", "decode", "release", "tokenize"]
@@ -135,7 +135,7 @@ class Stream(Outcome):
     """A decoder's SSE answer (status 200): ``events`` (a count of chat chunks, or the event bytes), then
     ``end``: ``"done"`` (``data: [DONE]``, then the end of the body), ``"eof"`` (the body ends without it),
     ``"hang"`` (nothing more, the connection stays open) or a transport error (the connection breaks: e.g.
-    :class:`~pdproxy.h1client.Disconnected`, :class:`~pdproxy.h1client.ReadTimeout`).  ``gates[i]``: waited at
+    :class:`~pdproxy.http.client.Disconnected`, :class:`~pdproxy.http.client.ReadTimeout`).  ``gates[i]``: waited at
     before piece ``i`` (the events, then ``[DONE]`` if any, then the end)."""
 
     events: int | list[bytes] = 3
@@ -231,7 +231,7 @@ _REQUEST_ID = re.compile(r"^(.*)-[0-9a-f]{16}(?:-\d+)?$")
 
 def request_key(headers: dict[str, str]) -> str:
     """The client's ``X-Request-Id`` in an engine request id: ``<client id>-<16 hex>``, plus ``-<i>`` for
-    sequence ``i`` of a fanned-out request (:mod:`pdproxy.fanout`)."""
+    sequence ``i`` of a fanned-out request (:mod:`pdproxy.pd.fanout`)."""
     rid = headers.get("X-Request-Id", "")
     m = _REQUEST_ID.match(rid)
     return m.group(1) if m else rid
@@ -239,7 +239,7 @@ def request_key(headers: dict[str, str]) -> str:
 
 # ---------------------------------------------------------------------------------------------------- response
 class FakeResponse:
-    """An answered decode leg as the relay sees an :class:`~pdproxy.h1client.H1Response` (see module docstring).
+    """An answered decode leg as the relay sees an :class:`~pdproxy.http.client.H1Response` (see module docstring).
     ``ended``: None while open, ``"released"`` (the whole body arrived: the connection would be pooled) or
     ``"closed"`` (dropped before the end: the engine sees a disconnect and aborts); ``taken``: the body bytes the
     proxy took (reads and splice); ``pauses``: times the proxy paused reading it."""
@@ -686,7 +686,7 @@ class FakeClient:
         self.aborted = False
         self._drain: asyncio.Future[None] | None = None
 
-    # --- request side (pdproxy.server.Exchange) ------------------------------------------------------------
+    # --- request side (pdproxy.http.server.Exchange) ------------------------------------------------------------
     def header(self, name: bytes) -> str | None:
         for k, v in self.headers:
             if k == name:

@@ -1,7 +1,7 @@
 """The real proxy path on fake engines: :class:`Rig` wires ``ProxyState.build(Settings(...))`` and
 ``Director.from_state`` with a :class:`~tests.middle.fake_upstream.FakeUpstream` (upstream of the legs, the
 releaser and admission) and :class:`~tests.middle.fake_upstream.FakeEngines` (the health monitor's probes), and
-serves each request through :meth:`pdproxy.app.PDProxyApp.handle_completion` — the handler the server runs for a
+serves each request through :meth:`pdproxy.app.application.PDProxyApp.handle_completion` — the handler the server runs for a
 completion, which cancels the director when the client disconnects and sends errors the way still open — on a
 :class:`~tests.middle.fake_upstream.FakeClient`.
 
@@ -20,12 +20,12 @@ from typing import Any
 
 import orjson
 
-from pdproxy.app import PDProxyApp
-from pdproxy.director import Director
+from pdproxy.apis.request import Api
+from pdproxy.app.application import PDProxyApp
+from pdproxy.app.state import ProxyState
 from pdproxy.endpoints import Endpoint
-from pdproxy.protocol import Api
+from pdproxy.pd.director import Director
 from pdproxy.settings import Settings
-from pdproxy.state import ProxyState
 from tests.middle.fake_upstream import MODEL, FakeClient, FakeUpstream
 
 PREFILLERS = ["http://p0:9000", "http://p1:9000", "http://p2:9000"]

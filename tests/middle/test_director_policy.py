@@ -1,4 +1,4 @@
-"""The failure policy of pdproxy/director.py and pdproxy/prefill_leg.py, on the real director and relay with fake
+"""The failure policy of pdproxy/pd/director.py and pdproxy/pd/prefill.py, on the real director and relay with fake
 engines in process (tests/middle/fake_upstream.py): what each engine got, what the client got, and — in every
 case, asserted by ``Rig.close`` — the pool idle, the prefill queue empty and every KV handle pulled, rejected by a
 decoder or released by a release leg, exactly once."""
@@ -10,8 +10,8 @@ from collections.abc import Callable
 import orjson
 import pytest
 
-from pdproxy import kv_transfer
-from pdproxy.h1client import Disconnected, ReadTimeout
+from pdproxy.apis import kv_transfer
+from pdproxy.http.client import Disconnected, ReadTimeout
 from tests.middle.fake_upstream import (
     Answer,
     FakeClient,

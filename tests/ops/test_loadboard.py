@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.loadboard import LoadBoard
 from pdproxy.scheduling import PickRequest, Scheduler
+from pdproxy.workers.board import LoadBoard
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from pdproxy.errors import BadRequest, NoEndpointAvailable, Overloaded, PromptTooLong, UpstreamHTTPError
-from pdproxy.metrics import PHASES, ProxyMetrics, rejection_of
+from pdproxy.ops.metrics import PHASES, ProxyMetrics, rejection_of
 from pdproxy.timeline import RequestContext, Timeline
 from tests.conftest import Fleet
 from tests.ops.promtext import Samples, scrape
@@ -65,7 +65,7 @@ def test_metrics_count_known_traffic(proxy: ProxyThread, sims: Fleet) -> None:
     assert 0 < ttft_sum <= e2e_sum
     assert m.total("pdproxy_requests_in_progress") == 0
     assert m.total("pdproxy_prefill_queue_depth") == 0
-    if m.find("pdproxy_prompt_counts_total"):  # admission's counters (pdproxy/admission.py AdmissionStats)
+    if m.find("pdproxy_prompt_counts_total"):  # admission's counters (pdproxy/admission/admission.py AdmissionStats)
         assert m.total("pdproxy_prompt_counts_total") == 3  # each served prompt counted once
     # load back to zero, every endpoint healthy, breakers closed
     assert m.total("pdproxy_inflight_requests") == 0 and m.total("pdproxy_inflight_tokens") == 0

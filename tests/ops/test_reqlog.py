@@ -10,7 +10,7 @@ import httpx
 import orjson
 import pytest
 
-from pdproxy.reqlog import LOGGER_NAME, RequestLog, request_record
+from pdproxy.ops.reqlog import LOGGER_NAME, RequestLog, request_record
 from pdproxy.settings import load_settings
 from pdproxy.timeline import RequestContext
 from tests.conftest import Fleet

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pdproxy.token_count import LocalCounter
+from pdproxy.admission.count import LocalCounter
 from tests.prefix.conftest import BLOCK, Conversation, Fleet, log_lines, make_proxy
 
 pytestmark = pytest.mark.timeout(120)

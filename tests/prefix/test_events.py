@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from pdproxy.endpoints import Role
-from pdproxy.kv_events import seq_frame
+from pdproxy.prefix.kv_events import seq_frame
 from pdproxy.tokens import sim_prompt
 from tests.prefix.conftest import BLOCK, Fleet, log_lines, make_proxy, start_fleet
 from tests.support import running, wait_until

@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
+from pdproxy.admission.count import IdsCache, LocalCounter
 from pdproxy.endpoints import Role, expand
-from pdproxy.pool import EndpointPool
-from pdproxy.prefix_index import block_keys, text_keys
-from pdproxy.prefix_routing import PrefixLookup, PrefixRouter, render_text
+from pdproxy.engines.pool import EndpointPool
+from pdproxy.prefix.index import block_keys, text_keys
+from pdproxy.prefix.routing import PrefixLookup, PrefixRouter, render_text
 from pdproxy.scheduling import PickRequest, PrefixHints, Scheduler
-from pdproxy.tinymodel import write_tokenizer
-from pdproxy.token_count import IdsCache, LocalCounter
 from pdproxy.tokens import load_tokenizer, prompt_token_ids, sim_prompt
+from pdproxy.tools.tinymodel import write_tokenizer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -113,7 +113,7 @@ def test_a_decoder_holding_the_prompt_wins_only_among_equally_loaded() -> None:
 
 
 def test_prompts_in_flight_count_as_cached_where_they_run() -> None:
-    from pdproxy.prefix_routing import InflightPrefixes
+    from pdproxy.prefix.routing import InflightPrefixes
 
     flying = InflightPrefixes()
     system = list(range(16 * 8))
@@ -135,8 +135,8 @@ def test_prompts_in_flight_count_as_cached_where_they_run() -> None:
 
 
 def test_queues_closer_than_the_resolution_tie_and_in_flight_requests_decide() -> None:
-    from pdproxy.limits import Limits
-    from pdproxy.prefill_queue import PrefillLedger
+    from pdproxy.engines.limits import Limits
+    from pdproxy.scheduling.queue import PrefillLedger
 
     pool = EndpointPool(P + D)
     ledger = PrefillLedger(pool, Limits(pool, {}), budget_tokens=0)

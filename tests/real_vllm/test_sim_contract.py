@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pdproxy import tinymodel
+from pdproxy.tools import tinymodel
 from tests.real_vllm.support import metric
 from tests.support import SimProcess
 

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pdproxy import tinymodel
+from pdproxy.tools import tinymodel
 from tests.real_vllm.test_sim_contract import closed_port, shape
 from tests.support import SimProcess
 

@@ -1,6 +1,6 @@
 """The tiny tokenizer and chat template agree with what real vLLM 0.32 computed from them.
 
-Fast (no engines, no torch): these compare ``pdproxy.tinymodel.write_tokenizer`` output with the captures
+Fast (no engines, no torch): these compare ``pdproxy.tools.tinymodel.write_tokenizer`` output with the captures
 that ``tests/real_vllm/capture.py`` recorded from real engines serving the same tokenizer. If the corpus or
 the trainer changes, regenerate the captures (scripts/real-vllm.sh setup && start, then capture.py).
 """
@@ -17,7 +17,7 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from pdproxy import tinymodel
+from pdproxy.tools import tinymodel
 
 CAPTURES = Path(__file__).parent / "captures"
 

@@ -1,4 +1,4 @@
-"""The GC policy (pdproxy/gcpolicy.py): no automatic full collection while serving, one on its timer."""
+"""The GC policy (pdproxy/ops/gcpolicy.py): no automatic full collection while serving, one on its timer."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from pdproxy.gcpolicy import GcPolicy
+from pdproxy.ops.gcpolicy import GcPolicy
 
 pytestmark = pytest.mark.timeout(20)
 

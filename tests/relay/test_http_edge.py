@@ -1,4 +1,4 @@
-"""The client-facing HTTP edge, through raw sockets: versions, keep-alive, pipelining, limits (pdproxy/server.py)."""
+"""The client-facing HTTP edge, through raw sockets: versions, keep-alive, pipelining, limits (pdproxy/http/server.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The relay's splice in process: a raw engine socket on one side, a recording client connection on the other
-(pdproxy/relay.py; transforms in pdproxy/stream_transforms.py, client side in pdproxy/responder.py).
+(pdproxy/pd/relay.py; transforms in pdproxy/apis/chat.py, client side in pdproxy/pd/responder.py).
 Flow control, the stall cut, the end at ``[DONE]``, usage rewriting, recompute detection."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import orjson
 import pytest
 
 from pdproxy.errors import UpstreamUnavailable
-from pdproxy.h1client import H1Pool, H1Response
-from pdproxy.metrics import GapCounts
-from pdproxy.relay import StreamRelay
-from pdproxy.responder import Responder
+from pdproxy.http.client import H1Pool, H1Response
+from pdproxy.ops.metrics import GapCounts
+from pdproxy.pd.relay import StreamRelay
+from pdproxy.pd.responder import Responder
 from pdproxy.timeline import RequestContext
 from tests.unit.rawengine import Engine, Peer, post, until
 
@@ -44,7 +44,7 @@ DONE = b"data: [DONE]\n\n"
 
 
 class Client:
-    """A :class:`pdproxy.responder.ClientConnection` that records what it was given."""
+    """A :class:`pdproxy.pd.responder.ClientConnection` that records what it was given."""
 
     def __init__(self) -> None:
         self.flow: object = None

@@ -1,5 +1,5 @@
-"""The engine-side transport (pdproxy/h1client.py): interim answers, repeated headers, head limit, connection cap,
-large bodies, and its error tree as the proxy maps it (pdproxy/upstream.py)."""
+"""The engine-side transport (pdproxy/http/client.py): interim answers, repeated headers, head limit, connection cap,
+large bodies, and its error tree as the proxy maps it (pdproxy/http/upstream.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from pdproxy import h1client
 from pdproxy.errors import UpstreamTimeout, UpstreamUnavailable
-from pdproxy.h1client import H1Pool, PoolTimeout
-from pdproxy.upstream import UpstreamRefused, proxy_error
+from pdproxy.http import client as h1client
+from pdproxy.http.client import H1Pool, PoolTimeout
+from pdproxy.http.upstream import UpstreamRefused, proxy_error
 from tests.unit.rawengine import Engine, Peer, answer, once, post, serving
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]

@@ -1,4 +1,4 @@
-"""Admin API (pdproxy/admin.py): list / add / drain / remove endpoints at runtime, behind the admin key."""
+"""Admin API (pdproxy/app/admin.py): list / add / drain / remove endpoints at runtime, behind the admin key."""
 
 from __future__ import annotations
 

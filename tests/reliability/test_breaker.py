@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from pdproxy.breaker import BreakerState, CircuitBreaker
 from pdproxy.endpoints import Role, expand
+from pdproxy.engines.breaker import BreakerState, CircuitBreaker
+from pdproxy.engines.health import HealthMonitor
+from pdproxy.engines.pool import EndpointPool
 from pdproxy.errors import NoEndpointAvailable
-from pdproxy.health import HealthMonitor
-from pdproxy.pool import EndpointPool
 from pdproxy.scheduling import PickRequest, Scheduler
 
 pytestmark = pytest.mark.timeout(5)

@@ -1,5 +1,5 @@
 """Property: whatever the engines do, whenever clients leave and however concurrent requests interleave, the real
-director (pdproxy/director.py, its legs, the prefill queue and the relay, served by the app's completion handler)
+director (pdproxy/pd/director.py, its legs, the prefill queue and the relay, served by the app's completion handler)
 holds exactly the leases its pattern says — one per engine leg in flight, plus the prefiller's while its request
 holds an unconsumed KV handle (:func:`held`) — so no load counter ever goes negative and every one ends at zero;
 and every KV handle a prefiller handed out gets exactly one fate: pulled by a decoder, rejected by one (vLLM frees
@@ -29,7 +29,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import pdproxy.timeline
-from pdproxy.h1client import Disconnected
+from pdproxy.http.client import Disconnected
 from tests.middle.fake_upstream import (
     Answer,
     Call,

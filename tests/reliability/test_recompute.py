@@ -5,8 +5,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from pdproxy import sse
-from pdproxy.recompute import Transcript, continuation_body, force_usage_bytes
+from pdproxy.apis.recompute import Transcript, continuation_body, force_usage_bytes
+from pdproxy.http import sse
 
 pytestmark = pytest.mark.timeout(5)
 

@@ -1,4 +1,4 @@
-"""SIGTERM drain with a real ``pdproxy serve`` process (pdproxy/shutdown.py).
+"""SIGTERM drain with a real ``pdproxy serve`` process (pdproxy/app/shutdown.py).
 
 After SIGTERM: new requests get 503 + ``Retry-After`` (and ``/health`` 503), the streams already in flight run to
 their ``data: [DONE]``, and the process exits with status 0 once they are done — well within ``shutdown_grace_s``.

@@ -15,7 +15,7 @@ import pytest
 
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.errors import UpstreamUnavailable
-from pdproxy.upstream import Upstream
+from pdproxy.http.upstream import Upstream
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
 

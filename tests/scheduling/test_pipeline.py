@@ -15,14 +15,14 @@ from contextlib import ExitStack
 import pytest
 
 from pdproxy.endpoints import Endpoint, Role, expand
-from pdproxy.engines import EngineInfo
+from pdproxy.engines.control import EngineInfo
+from pdproxy.engines.health import HealthMonitor
+from pdproxy.engines.limits import Limits
+from pdproxy.engines.pool import EndpointPool
 from pdproxy.errors import ModelNotFound, NoEndpointAvailable
-from pdproxy.health import HealthMonitor
-from pdproxy.limits import Limits
-from pdproxy.pool import EndpointPool
-from pdproxy.prefill_queue import PrefillLedger
 from pdproxy.scheduling import PickRequest, PrefixHints, Scheduler, rendezvous_weight
 from pdproxy.scheduling import filters as f
+from pdproxy.scheduling.queue import PrefillLedger
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from pdproxy.apis.request import ProxyRequest
 from pdproxy.endpoints import Endpoint
-from pdproxy.protocol import ProxyRequest
 from pdproxy.scheduling import PrefixHints
 from pdproxy.timeline import RequestContext
 from tests.conftest import SIM_ARGS

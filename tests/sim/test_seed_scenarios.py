@@ -78,7 +78,7 @@ async def test_repeated_filler_inflates_cached_tokens_unique_text_does_not(http:
 
 
 async def test_sim_serves_with_a_local_tokenizer_directory(http: aiohttp.ClientSession, tmp_path: Path) -> None:
-    from pdproxy.tinymodel import write_tokenizer
+    from pdproxy.tools.tinymodel import write_tokenizer
 
     directory = write_tokenizer(tmp_path / "tok")
     tok = HFTokenizer(directory)

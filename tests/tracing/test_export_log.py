@@ -1,5 +1,5 @@
 """A collector that is down does not fill pdproxy's log: the SDK's export failures pass once per interval
-(``pdproxy/tracing_otel.py`` ``ExportLogLimit``), the next one saying how many were held back."""
+(``pdproxy/ops/tracing_otel.py`` ``ExportLogLimit``), the next one saying how many were held back."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
+from pdproxy.ops.tracing_otel import EXPORT_LOGGERS, ExportLogLimit, OtelTracing
 from pdproxy.settings import Settings
-from pdproxy.tracing_otel import EXPORT_LOGGERS, ExportLogLimit, OtelTracing
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,4 @@
-"""Unit tests of pdproxy/tracing.py and pdproxy/tracing_otel.py with the SDK's in-memory exporter: the hooks nest
+"""Unit tests of pdproxy/ops/tracing.py and pdproxy/ops/tracing_otel.py with the SDK's in-memory exporter: the hooks nest
 into one trace under the client's ``traceparent``, the current span reaches the engine-leg headers, attributes
 come from the request context, errors are recorded (status, ``error.type``, exception event), the client's
 sampled flag is honoured; tracing off is one shared no-op and does not import OpenTelemetry."""
@@ -15,14 +15,14 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from pdproxy.decode_leg import DecodeFailed
+from pdproxy.apis.request import Api, parse_request
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.engine_headers import EngineHeaders
 from pdproxy.errors import PromptTooLong, UpstreamUnavailable
-from pdproxy.protocol import Api, parse_request
+from pdproxy.http.engine_headers import EngineHeaders
+from pdproxy.ops.tracing import NO_SPAN, NO_TRACING, PROTOCOL_ENV, Attr, Tracing, traces_protocol, tracing_from_settings
+from pdproxy.pd.decode import DecodeFailed
 from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext
-from pdproxy.tracing import NO_SPAN, NO_TRACING, PROTOCOL_ENV, Attr, Tracing, traces_protocol, tracing_from_settings
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -66,11 +66,11 @@ def test_off_is_one_shared_no_op_and_sends_no_trace_headers() -> None:
 
 def test_off_never_imports_the_sdk_or_an_exporter() -> None:
     # (FastAPI itself imports the opentelemetry *API* when it is installed: only the SDK side is pdproxy's.)
-    code = ("import sys; import pdproxy.app, pdproxy.state, pdproxy.director; from pdproxy.settings import Settings;"
-            "from pdproxy.state import ProxyState; st = ProxyState.build(Settings(prefill=['http://a:1'], "
+    code = ("import sys; import pdproxy.app.application, pdproxy.app.state, pdproxy.pd.director; from pdproxy.settings import Settings;"
+            "from pdproxy.app.state import ProxyState; st = ProxyState.build(Settings(prefill=['http://a:1'], "
             "decode=['http://b:2'])); assert not st.tracing.enabled;"
             "print(sorted(m for m in sys.modules if m.startswith(('opentelemetry.sdk', 'opentelemetry.exporter', "
-            "'grpc', 'pdproxy.tracing_otel'))))")
+            "'grpc', 'pdproxy.ops.tracing_otel'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
 
@@ -206,9 +206,9 @@ def test_protocol_is_chosen_as_vllm_chooses_it(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_the_setting_says_what_to_install_when_opentelemetry_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
-    import pdproxy.tracing
+    import pdproxy.ops.tracing
 
-    monkeypatch.setattr(pdproxy.tracing, "otel_missing", lambda: ["opentelemetry.sdk"])
+    monkeypatch.setattr(pdproxy.ops.tracing, "otel_missing", lambda: ["opentelemetry.sdk"])
     with pytest.raises(ValueError, match=r"otlp_traces_endpoint[\s\S]*pip install 'pdproxy\[tracing\]'"):
         Settings(otlp_traces_endpoint="http://127.0.0.1:4317")
     assert Settings().otlp_traces_endpoint is None                             # off needs nothing

@@ -14,7 +14,7 @@ import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
-from pdproxy.h1client import H1Pool, H1Response
+from pdproxy.http.client import H1Pool, H1Response
 
 Key = tuple[str, int]
 

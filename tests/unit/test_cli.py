@@ -34,7 +34,7 @@ def test_bad_serve_configurations_exit_2(argv: list[str], message: str, capsys: 
 
 
 def test_doctor_never_prints_a_nonzero_kv_usage_as_zero() -> None:
-    from pdproxy.doctor import _percent
+    from pdproxy.tools.doctor import _percent
 
     assert _percent(0.000122) == "0.012%"     # one pinned block of a large pool
     assert _percent(0) == "0.0%" and _percent(0.5) == "50.0%"

@@ -1,4 +1,4 @@
-"""pdproxy.h1client against raw asyncio TCP servers on 127.0.0.1 scripted byte by byte (tests/unit/rawengine.py).
+"""pdproxy.http.client against raw asyncio TCP servers on 127.0.0.1 scripted byte by byte (tests/unit/rawengine.py).
 
 Bodies (sized, chunked, close-delimited, split at every byte), keep-alive reuse and the pool, stale keep-alive
 retries (through :class:`Upstream`), timeouts, broken and malformed responses, back-pressure, close/release.
@@ -15,11 +15,11 @@ from contextlib import suppress
 
 import pytest
 
-from pdproxy import h1client
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.errors import UpstreamUnavailable
-from pdproxy.h1client import _PAUSE_BYTES, ConnectError, H1Pool
-from pdproxy.upstream import Upstream, UpstreamRefused
+from pdproxy.http import client as h1client
+from pdproxy.http.client import _PAUSE_BYTES, ConnectError, H1Pool
+from pdproxy.http.upstream import Upstream, UpstreamRefused
 from tests.unit.rawengine import Engine, Peer, answer, chunked, once, pooled, post, serving, until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]

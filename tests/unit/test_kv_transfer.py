@@ -7,7 +7,7 @@ import copy
 import orjson
 import pytest
 
-from pdproxy import kv_transfer
+from pdproxy.apis import kv_transfer
 
 
 def test_prefill_body_rules_and_no_mutation() -> None:

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdproxy.endpoints import Role, expand
+from pdproxy.engines.pool import EndpointPool
 from pdproxy.errors import NoEndpointAvailable
-from pdproxy.pool import EndpointPool
 from pdproxy.scheduling import PickRequest, Scheduler
 
 P = expand(["http://p0:1", "http://p1:1"], Role.PREFILL)

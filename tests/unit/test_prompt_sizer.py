@@ -1,4 +1,4 @@
-"""``PromptSizer.build`` (pdproxy/doctor_probes.py): the doctor's cold prompts land inside the size window the
+"""``PromptSizer.build`` (pdproxy/tools/doctor_probes.py): the doctor's cold prompts land inside the size window the
 engine's ``/tokenize`` counts, and never over its upper end when a smaller prompt exists (over ``max_model_len``
 is the engine's 400, which the doctor would report as a failed engine)."""
 
@@ -11,8 +11,8 @@ import httpx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdproxy.doctor_probes import PromptSizer
 from pdproxy.endpoints import Endpoint, Role
+from pdproxy.tools.doctor_probes import PromptSizer
 
 _PARAGRAPH = re.compile(r"Section (\d+) of cold probe")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from pdproxy.apis.request import Api, parse_request, patch_usage_bytes
 from pdproxy.errors import BadRequest
-from pdproxy.protocol import Api, parse_request, patch_usage_bytes
 
 
 def parse(body: object, api: Api = Api.CHAT) -> object:
@@ -34,7 +34,7 @@ def test_not_a_json_object(raw: bytes, param: str) -> None:
     ({"prompt": [1, 2, 3]}, 1, 1),
 ])
 def test_several_sequences_are_read_for_fan_out(body: dict, n: int, prompts: int) -> None:
-    """One P/D pair per sequence (pdproxy/fanout.py): n and the prompt count are read as vLLM reads them."""
+    """One P/D pair per sequence (pdproxy/pd/fanout.py): n and the prompt count are read as vLLM reads them."""
     req = parse(body, Api.COMPLETIONS)
     assert (req.n, req.prompts, req.sequences) == (n, prompts, n * prompts)  # type: ignore[attr-defined]
     assert not req.engine_judges  # type: ignore[attr-defined]

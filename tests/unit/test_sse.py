@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdproxy.sse import EventFramer, event_data, split_events
+from pdproxy.http.sse import EventFramer, event_data, split_events
 
 EVENTS = [
     b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n',

@@ -15,18 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from pdproxy.board_breaker import BoardBreaker
-from pdproxy.breaker import BreakerState
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.engines import EngineClient, EngineInfo
+from pdproxy.engines.breaker import BreakerState
+from pdproxy.engines.control import EngineClient, EngineInfo
+from pdproxy.engines.health import HealthMonitor
+from pdproxy.engines.limits import Limits
 from pdproxy.errors import NoEndpointAvailable
-from pdproxy.health import HealthMonitor
-from pdproxy.limits import Limits
-from pdproxy.loadboard import GRANT_EPOCH, INFLIGHT_TOKENS, LoadBoard, SharedEndpointPool
-from pdproxy.prefill_queue import PrefillLedger, PrefillQueue
 from pdproxy.scheduling import PickRequest, Scheduler
-from pdproxy.wakeup import WakeChannels, create_fifos
-from pdproxy.worker_share import WorkerShare
+from pdproxy.scheduling.queue import PrefillLedger, PrefillQueue
+from pdproxy.workers.board import GRANT_EPOCH, INFLIGHT_TOKENS, LoadBoard, SharedEndpointPool
+from pdproxy.workers.breaker import BoardBreaker
+from pdproxy.workers.share import WorkerShare
+from pdproxy.workers.wakeup import WakeChannels, create_fifos
 
 pytestmark = pytest.mark.timeout(30)
 

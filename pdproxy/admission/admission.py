@@ -1,0 +1,335 @@
+"""Admission: count the prompt, check it against the engines' real limits before any engine is contacted, decide
+whether it needs the prefiller at all, and own the prefill queue.
+
+Steps of :meth:`Admission.admit`:
+
+1. **Limit.**  ``M`` = the largest prompt some prefiller and some decoder accept (:mod:`pdproxy.engines.limits`: their
+   ``max_model_len`` and real KV pool, with this request's ``max_tokens`` counted on the decoder).
+2. **Bounds** (:mod:`pdproxy.admission.bounds`, no tokenizer): ``upper <= M`` → fits, no count; ``lower > M`` →
+   400 at once ("at least L+1 tokens", the way vLLM 0.32 words a truncated count) — except when ``lower`` is at
+   most the ``max_model_len`` L it breaks: the bound misses BOS, so "exactly L" (vLLM's ``max_tokens`` 400) and
+   "more than L" (its ``input_tokens`` 400) are told apart by an exact count.
+3. **Exact count** otherwise (:mod:`pdproxy.admission.count`): a local tokenizer (``tokenizer`` / ``model_tokenizers``
+   setting: a directory with ``tokenizer.json``, or ``sim``) in a worker thread with a block cache and early stop
+   past ``M``; or the engine's ``/tokenize`` (a round trip; whole-prompt cache).  ``token_count = "estimate"``
+   counts nothing.  If ``/tokenize`` fails (not a 4xx), the request goes on with the estimate and the engine
+   enforces its own limit.
+4. **Over the limit** → :class:`~pdproxy.errors.PromptTooLong` (HTTP 400, vLLM's envelope and wording, names the KV
+   pool when that is the limit).  No engine received anything but, in engine mode, ``/tokenize``; no retry; no
+   effect on health.
+5. **Conditional disaggregation.**  ``ctx.disaggregated = False`` (the director sends the request straight to a
+   decoder, which prefills it locally) when the prompt is at most ``decode_only_max_prompt_tokens``, or at most
+   ``decode_only_busy_max_prompt_tokens`` while every prefiller is busy with long work (:meth:`PrefillQueue.congested`).
+
+Counters for metrics live in :class:`AdmissionStats` (``state.admission.stats``) and the queue's
+:class:`~pdproxy.scheduling.queue.QueueStats` (``state.admission.queue.stats``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import orjson
+
+from pdproxy.admission import count as token_count
+from pdproxy.admission.bounds import PromptBounds, prompt_bounds
+from pdproxy.apis.request import ProxyRequest
+from pdproxy.endpoints import Endpoint, Role
+from pdproxy.engines.limits import Limits
+from pdproxy.errors import BadRequest, NoEndpointAvailable, ProxyError, UpstreamHTTPError
+from pdproxy.http.engine_headers import EngineHeaders
+from pdproxy.http.upstream import Upstream
+from pdproxy.scheduling import PickRequest, Scheduler
+from pdproxy.scheduling.queue import PrefillQueue
+from pdproxy.settings import Settings
+from pdproxy.timeline import RequestContext
+
+T = TypeVar("T")
+
+INLINE_BYTES = 16_384
+"""Request bodies up to this size are bounded/counted on the event loop; larger ones in the worker threads."""
+
+
+@dataclass(slots=True)
+class AdmissionStats:
+    """Plain counters (for ``pdproxy/ops/metrics.py``).  Keys: ``rejected_total["<role>:<limit_kind>"]`` (limit kind
+    ``max_model_len`` | ``kv_pool``), ``counted_total[method]`` (``ids`` | ``bound`` | ``local`` | ``engine`` |
+    ``estimate``), ``decode_only_total[reason]`` (``short_prompt`` | ``prefillers_busy``)."""
+
+    admitted_total: int = 0
+    disaggregated_total: int = 0
+    rejected_total: dict[str, int] = field(default_factory=dict)
+    counted_total: dict[str, int] = field(default_factory=dict)
+    count_errors_total: int = 0
+    count_seconds_total: float = 0.0
+    decode_only_total: dict[str, int] = field(default_factory=dict)
+
+    @staticmethod
+    def bump(counter: dict[str, int], key: str) -> None:
+        counter[key] = counter.get(key, 0) + 1
+
+
+def _model_sources(pairs: list[str]) -> dict[str, str]:
+    """``["model=dir", …]`` → ``{model: dir}``.  Raises ``ValueError`` on an entry without ``=``."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        model, sep, source = pair.partition("=")
+        if not sep or not model or not source:
+            raise ValueError(f"model_tokenizers entry {pair!r} is not MODEL=TOKENIZER")
+        out[model] = source
+    return out
+
+
+class Admission:
+    """Decides whether a request may enter and how many prompt tokens it has (which endpoints it fits is the
+    scheduler's limits filter).
+
+    Use as ``async with Admission(...)`` (or :meth:`start` / :meth:`aclose`): owns the tokenizer worker threads.
+    ``limits``: the engines' limits; ``queue``: the prefill queue (asked whether prefillers are busy);
+    ``scheduler``: picks the engine asked to ``/tokenize``; ``upstream`` sends it with ``headers``.
+    """
+
+    def __init__(self, settings: Settings, *, limits: Limits, queue: PrefillQueue, scheduler: Scheduler,
+                 upstream: Upstream, headers: EngineHeaders) -> None:
+        self.settings = settings
+        self.limits = limits
+        self.queue = queue
+        self.scheduler = scheduler
+        self.upstream = upstream
+        self.headers = headers
+        self.stats = AdmissionStats()
+        s = settings
+        self._sources = _model_sources(list(s.model_tokenizers))
+        self._local: dict[str, token_count.LocalCounter] = {}
+        self._engine_cache = token_count.BlockCache(s.token_count_cache_entries)
+        self._executor: ThreadPoolExecutor | None = None
+
+    async def start(self) -> None:
+        """Start the worker threads and load the configured local tokenizers.  Raises ``FileNotFoundError`` for a
+        tokenizer directory without ``tokenizer.json``, ``ValueError`` for ``token_count = "local"`` without a
+        ``tokenizer``."""
+        if self.settings.token_count == "local" and not self.settings.tokenizer:
+            raise ValueError("token_count 'local' needs a tokenizer (a directory with tokenizer.json, or 'sim')")
+        self._executor = ThreadPoolExecutor(self.settings.token_count_threads, thread_name_prefix="pdproxy-tokens")
+        sources = {src for src in (self.settings.tokenizer, *self._sources.values()) if src and src != "engine"}
+        for src in sources:
+            self._local[src] = await self._offload(
+                functools.partial(token_count.LocalCounter, src,
+                                  cache_entries=self.settings.token_count_cache_entries,
+                                  ids_cache_tokens=self.settings.token_ids_cache_tokens), size=INLINE_BYTES + 1)
+
+    async def aclose(self) -> None:
+        """Stop the worker threads (counts in progress are abandoned)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    async def __aenter__(self) -> Admission:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _offload(self, fn: Callable[[], T], *, size: int) -> T:
+        """Run ``fn`` in a worker thread when the work is large (``size`` bytes), else inline."""
+        if size <= INLINE_BYTES or self._executor is None:
+            return fn()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    async def offload(self, fn: Callable[[], T], *, size: int) -> T:
+        """Run ``fn`` off the event loop in the tokenizer threads when ``size`` (bytes of input, or 4 per token)
+        is above :data:`INLINE_BYTES`, else inline (prefix routing hashes its block keys here)."""
+        return await self._offload(fn, size=size)
+
+    async def prompt_token_ids(self, req: ProxyRequest, ctx: RequestContext,
+                               derive: Callable[[list[int]], T]) -> T | None:
+        """``derive(ids)`` for the prompt's token ids, or None when they cannot be had (``token_count =
+        "estimate"``, no engine answers ``/tokenize``, the template rejects the messages: the engine will say so).
+
+        The counting path's sources, in its order: an id prompt as given; the model's local tokenizer
+        (:meth:`~pdproxy.admission.count.LocalCounter.token_ids`, in a worker thread, blocks cached); else the
+        engine's ``/tokenize`` (a round trip, ``tokens`` of its answer).  ``derive`` runs in the same worker thread
+        as the tokenizer for large prompts (prefix routing computes its block keys there)."""
+        view, chat, special = req.count_view()         # Responses / Messages: the chat they render
+        prompt = None if chat else view.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            ids = [int(t) for t in prompt]
+            return await self._offload(functools.partial(derive, ids), size=4 * len(ids))
+        source = self.source_for(req.model)
+        if source == "estimate":
+            return None
+        counter = self._local.get(source)
+        if counter is not None:
+            def local() -> T:
+                return derive(counter.token_ids(view, chat, add_special_tokens=special))
+            try:
+                return await self._offload(local, size=len(req.raw))
+            except ValueError:
+                return None
+        engine_ids = await self._engine_ids(req, ctx)
+        if engine_ids is None:
+            return None
+        return await self._offload(functools.partial(derive, engine_ids), size=4 * len(engine_ids))
+
+    def source_for(self, model: str | None) -> str:
+        """How this model's prompts are counted: ``"estimate"``, ``"engine"`` or a local tokenizer source."""
+        mode = self.settings.token_count
+        if mode in ("estimate", "engine"):
+            return mode
+        return self._sources.get(model or "") or self.settings.tokenizer or "engine"
+
+    async def admit(self, req: ProxyRequest, ctx: RequestContext) -> None:
+        """Count ``req.prompt_tokens`` and check the limits; mark ``ctx.disaggregated``.
+
+        Raises :class:`~pdproxy.errors.PromptTooLong` (400) when no prefiller/decoder pair can take the prompt,
+        :class:`BadRequest` when the chat template rejects the messages, or the engine's own 4xx from
+        ``/tokenize`` (:class:`UpstreamHTTPError`).
+        """
+        s = self.settings
+        view, chat, special = req.count_view()         # Responses / Messages: the chat they render
+        max_output = req.max_output_tokens
+        limit = self.limits.max_prompt_tokens(max_output, model=req.model)
+        overhead = s.chat_template_max_overhead_tokens + (2 if special else 0)
+        bounds = await self._offload(functools.partial(
+            prompt_bounds, view, chat, template_overhead=overhead), size=len(req.raw))
+        lower = bounds.lower if bounds.exact or s.word_bound else 0
+        if bounds.exact:                                   # token ids
+            tokens, exact, method, upper = bounds.lower, True, "ids", bounds.lower
+        elif limit is None or bounds.upper <= limit:       # fits: no count needed
+            tokens, exact, method, upper = bounds.estimate, False, "bound", bounds.upper
+        elif lower > limit and not self._ambiguous(lower, max_output, req.model):   # too long whatever the exact count
+            tokens, exact, method, upper = lower, False, "bound", bounds.upper
+        else:
+            started = time.perf_counter()
+            counted = await self._count(req, ctx, chat, bounds, limit)
+            if counted is not None and self._ambiguous(counted.tokens, max_output, req.model, exact=counted.exact):
+                counted = await self._count(req, ctx, chat, bounds, None)      # stopped at exactly L: go on
+            self.stats.count_seconds_total += time.perf_counter() - started
+            if counted is None:                            # the engine enforces its own limit
+                tokens, exact, method, upper = bounds.estimate, False, "estimate", bounds.estimate
+            else:
+                tokens, exact, method, upper = counted.tokens, counted.exact, counted.method, counted.tokens
+        AdmissionStats.bump(self.stats.counted_total, method)
+        ctx.prompt_tokens = tokens
+        if method != "estimate" and limit is not None and tokens > limit:
+            violation = self.limits.violation(tokens, max_output, model=req.model)
+            if violation is not None:
+                AdmissionStats.bump(self.stats.rejected_total, f"{violation.role.value}:{violation.limit_kind}")
+                raise violation.error(tokens, exact=exact)
+        req.prompt_tokens = tokens
+        req.extra["prompt_tokens_upper"] = upper
+        self.stats.admitted_total += 1
+        self._choose_path(req, ctx)
+        ctx.timeline.admitted_at = time.monotonic()
+
+    def _ambiguous(self, lower: int, max_output: int | None, model: str | None, *, exact: bool = False) -> bool:
+        """True when a rejection at ``lower`` (a lower bound unless ``exact``) would hit a ``max_model_len`` of
+        exactly ``lower`` or more: the word bound misses BOS and special tokens, so "exactly L" and "L + 1" cannot
+        be told apart and vLLM words them differently (:meth:`~pdproxy.engines.limits.Violation.ambiguous`)."""
+        violation = self.limits.violation(lower, max_output, model=model)
+        return violation is not None and violation.ambiguous(lower, exact=exact)
+
+    def _choose_path(self, req: ProxyRequest, ctx: RequestContext) -> None:
+        s = self.settings
+        tokens = req.prompt_tokens or 0
+        reason = None
+        if s.decode_only_max_prompt_tokens and tokens <= s.decode_only_max_prompt_tokens:
+            reason = "short_prompt"
+        elif (s.decode_only_busy_max_prompt_tokens and tokens <= s.decode_only_busy_max_prompt_tokens
+              and self.queue.congested(PickRequest.of(req, ctx.request_id))):
+            reason = "prefillers_busy"
+        if reason is None:
+            self.stats.disaggregated_total += 1
+            ctx.disaggregated = True
+        else:
+            AdmissionStats.bump(self.stats.decode_only_total, reason)
+            ctx.disaggregated = False
+
+    async def _count(self, req: ProxyRequest, ctx: RequestContext, chat: bool, bounds: PromptBounds,
+                     limit: int | None) -> token_count.TokenCount | None:
+        """The exact count (or "at least" past ``limit``; None: no early stop); None when it could not be made."""
+        source = self.source_for(req.model)
+        if source == "estimate":
+            return None
+        counter = self._local.get(source)
+        view, _, special = req.count_view()
+        if counter is not None:
+            try:
+                return await self._offload(functools.partial(counter.count, view, chat, limit,
+                                                             add_special_tokens=special), size=bounds.text_bytes)
+            except ValueError as exc:
+                raise BadRequest(f"the chat template rejected the request: {exc}", param=req.prompt_param) from None
+        return await self._engine_count(req, ctx, chat, bounds)
+
+    async def _engine_count(self, req: ProxyRequest, ctx: RequestContext, chat: bool,
+                            bounds: PromptBounds) -> token_count.TokenCount | None:
+        view, _, special = req.count_view()
+        key = await self._offload(functools.partial(token_count.engine_cache_key, view, chat, special),
+                                  size=bounds.text_bytes)
+        cached = self._engine_cache.get(key)
+        if cached is not None:
+            return token_count.TokenCount(cached, True, "engine")
+        try:
+            endpoint = self._tokenize_endpoint(PickRequest(request_id=ctx.request_id, model=req.model))
+        except ProxyError:
+            self.stats.count_errors_total += 1
+            return None
+        body = orjson.dumps(token_count.tokenize_body(view, chat, special))
+        headers = self.headers.leg(endpoint, f"{ctx.request_id}-tokenize", ctx.authorization)
+        try:
+            reply = await self.upstream.post_json(endpoint, "/tokenize", body, headers,
+                                                  timeout_s=self.settings.tokenize_timeout_s)
+            count = token_count.parse_tokenize_reply(reply)
+        except UpstreamHTTPError as exc:
+            if exc.status_code in (400, 422):
+                raise                         # the engine would refuse the completion the same way
+            self.stats.count_errors_total += 1
+            return None
+        except (ProxyError, ValueError):
+            self.stats.count_errors_total += 1
+            return None
+        self._engine_cache.put(key, count)
+        return token_count.TokenCount(count, True, "engine")
+
+    async def _engine_ids(self, req: ProxyRequest, ctx: RequestContext) -> list[int] | None:
+        """The prompt's token ids from an engine's ``/tokenize`` (None when no engine answers with them)."""
+        try:
+            endpoint = self._tokenize_endpoint(PickRequest(request_id=ctx.request_id, model=req.model))
+        except ProxyError:
+            return None
+        view, chat, special = req.count_view()
+        body = orjson.dumps(token_count.tokenize_body(view, chat, special))
+        headers = self.headers.leg(endpoint, f"{ctx.request_id}-tokenize", ctx.authorization)
+        try:
+            reply = await self.upstream.post_json(endpoint, "/tokenize", body, headers,
+                                                  timeout_s=self.settings.tokenize_timeout_s)
+        except ProxyError:
+            self.stats.count_errors_total += 1
+            return None
+        return token_count.parse_tokenize_ids(reply)
+
+    def _tokenize_endpoint(self, request: PickRequest) -> Endpoint:
+        """An engine to ask ``/tokenize``: the scheduler's prefiller, else its decoder (both run the model).
+        Raises the scheduler's refusal when neither role has one."""
+        try:
+            return self.scheduler.pick(Role.PREFILL, request, trial=False)
+        except NoEndpointAvailable:
+            return self.scheduler.pick(Role.DECODE, request, trial=False)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters and queue state as a plain dict (debug endpoint, tests)."""
+        q = self.queue
+        return {"stats": {k: getattr(self.stats, k) for k in AdmissionStats.__slots__},
+                "queue": {"depth": q.depth, **{k: getattr(q.stats, k) for k in type(q.stats).__slots__}},
+                "count_cache": {src: {"hits": c.cache.hits, "misses": c.cache.misses} for src, c in self._local.items()},
+                "engine_count_cache": {"hits": self._engine_cache.hits, "misses": self._engine_cache.misses}}
+

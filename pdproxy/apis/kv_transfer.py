@@ -1,0 +1,367 @@
+"""The vLLM P→D contract — the only module that spells the ``kv_transfer_params`` wire fields.
+
+Pull model (NixlConnector, vLLM-Ascend MooncakeConnector(V1)); the contract, where each rule comes from in
+vLLM's and vLLM-Ascend's sources, and what real vLLM 0.32 did with every field on a 1-token prefill are written
+up in ``docs/pd-protocol.md``.  In short:
+
+1. prefill leg (:func:`prefill_body`): the client's body as a **new** dict with ``stream: false``,
+   ``max_tokens: 1`` (``max_completion_tokens: 1`` only if the client set it), no ``stream_options``,
+   ``min_tokens: 1`` (so neither a first-token EOS nor a stop token ends the leg before the prompt's KV is handed
+   over; stop strings are not checked until more than ``min_tokens`` tokens exist), the fields the proxy owns
+   (:data:`PROXY_OWNED`) dropped, and the ``kv_transfer_params`` stub :data:`PREFILL_STUB`.  Every other field is
+   the client's: anything that shapes the prompt (messages, tools, ``tool_choice``, ``response_format``, chat
+   template arguments, truncation, ``cache_salt``…) must render the same tokens on both legs, or the decoder
+   pulls KV computed for another prompt (vLLM 0.32's decoder engine dies on a shorter one);
+2. the prefiller answers JSON with a top-level ``kv_transfer_params`` dict, opaque to us (:func:`extract_params`);
+   an answer without one that finished ``stop`` is a complete answer to the request (:func:`ended_on_prefill`);
+3. decode leg (:func:`decode_body_bytes`): the client's bytes, byte-faithful, with the proxy-owned members removed
+   and the prefiller's dict added as ``kv_transfer_params`` — never a second member of the same name.
+
+Both legs carry the same ``X-Request-Id``.
+
+**Per API** (vLLM 0.32; what was seen on the real engines is in ``docs/apis-through-pd.md``, captures in
+``tests/real_vllm/captures/apis/``).  Every generation route hands the request's ``kv_transfer_params`` to the
+engine the same way (``SamplingParams.extra_args``, e.g. ``openai/responses/protocol.py::to_sampling_params``):
+
+- ``/v1/chat/completions``, ``/v1/completions``: as above;
+- ``/v1/responses`` (``openai/responses/protocol.py::ResponsesRequest``): the output limit is
+  ``max_output_tokens`` (there is no ``max_tokens``, ``min_tokens`` or ``stream_options``), so the prefill leg
+  sets ``max_output_tokens: 1``; the params come back at the top level of the JSON ``response`` object (a streamed
+  leg would carry them only in its last event, ``response.completed``, after events sent before the engine ran);
+  cached tokens are ``usage.input_tokens_details.cached_tokens``.  The engine ignores ``X-Request-Id`` and names
+  the response (and its engine request, ``<id>_0-<suffix>``) after the body's ``request_id``
+  (``responses/serving.py::create_responses``), so both legs carry the same ``request_id`` —
+  ``resp_<pdproxy request id>`` unless the client set its own (:func:`responses_request_id`);
+- ``/v1/messages`` (``anthropic/protocol.py::AnthropicMessagesRequest``, served as a chat completion by
+  ``anthropic/serving.py::to_chat_completion_request``): the prefill leg sets ``max_tokens: 1`` and **must** be
+  non-streaming — ``message_stream_converter`` builds its events from chat chunks, which never carry
+  ``kv_transfer_params``, so a streamed prefill leg pins the KV and returns no handle; the params come back at the
+  top level of the JSON message (the key is absent when null, ``api_router.py`` dumps with ``exclude_none``);
+  cached tokens are ``usage.cache_read_input_tokens``, and ``usage.input_tokens`` is net of them
+  (``anthropic/serving.py::_build_anthropic_usage``).  ``thinking.budget_tokens < max_tokens`` is not checked on
+  a leg with ``do_remote_decode`` (``anthropic/protocol.py::validate_thinking_budget``), so ``max_tokens: 1`` is
+  safe with thinking on.  Neither API has ``min_tokens``; a first-token EOS still hands over the KV on vLLM 0.32
+  (NIXL returns a handle for a stopped request too, ``nixl/pull_scheduler.py::request_finished``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from pdproxy.apis.request import Api
+
+KVTransferParams = dict[str, Any]
+"""Opaque connector handle produced by the prefiller and consumed by the decoder."""
+
+KV_TRANSFER_PARAMS = "kv_transfer_params"
+
+PROXY_OWNED = frozenset({KV_TRANSFER_PARAMS, "ec_transfer_params"})
+"""Body fields only the proxy may set on an engine leg (the P→D handle, and vLLM's encoder-cache handle of the
+same kind): a client's value never reaches an engine."""
+
+PREFILL_STUB: KVTransferParams = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+# vLLM rejects these on a non-streaming request ("Stream options can only be defined when `stream=True`.").
+_STREAM_ONLY = ("stream_options",)
+
+# An answer that finished this way said everything the model had to say (EOS, a stop token or string, or a
+# tool call that ended the turn); "length" is the prefill leg's own cap.
+_COMPLETE_FINISH = frozenset({"stop", "tool_calls"})
+
+
+def prefill_body(original: Mapping[str, Any], api: Api = Api.CHAT, *, engine_judges: bool = False,
+                 request_id: str | None = None) -> dict[str, Any]:
+    """Return a new dict: the prefill-leg body for ``original`` (a parsed client body of ``api``; the one-token
+    limit per API in the module docstring).  Never mutates it.  ``request_id``: pdproxy's id of the request, named
+    in a Responses body (:func:`responses_request_id`).
+
+    ``engine_judges`` (``ProxyRequest.engine_judges``: pdproxy found the request invalid for vLLM): the client's
+    body as sent — its own values, so the prefiller rejects it with vLLM's own 400 and in vLLM's own order of
+    checks, before any KV is computed — except that a proxy-owned object becomes ``{}`` (vLLM ignores an empty
+    handle, and the member count vLLM may quote stays the client's); one that is not an object stays, for vLLM
+    to refuse while validating, before any handle could be used.
+    """
+    if engine_judges:       # a client's handle becomes {} (inert: vLLM acts on a non-empty one), an invalid one stays
+        return {k: {} if k in PROXY_OWNED and isinstance(v, dict) else v for k, v in original.items()}
+    body = {k: v for k, v in original.items() if k not in PROXY_OWNED}
+    body["stream"] = False
+    if api is Api.RESPONSES:
+        body["max_output_tokens"] = 1
+        rid = responses_request_id(original, request_id)
+        if rid is not None:
+            body["request_id"] = rid
+    elif api is Api.MESSAGES:
+        body["max_tokens"] = 1
+    else:
+        body["max_tokens"] = 1
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = 1
+        for key in _STREAM_ONLY:
+            body.pop(key, None)
+        body["min_tokens"] = 1
+    body[KV_TRANSFER_PARAMS] = dict(PREFILL_STUB)
+    return body
+
+
+def responses_request_id(original: Mapping[str, Any], request_id: str | None) -> str | None:
+    """The ``request_id`` both legs of a Responses request carry (the engine names the response after it): None
+    when the client set its own (which then stays, on both legs) or when ``request_id`` is None, else
+    ``resp_<request_id>``."""
+    if request_id is None or isinstance(original.get("request_id"), str):
+        return None
+    return f"resp_{request_id}"
+
+
+def engine_must_judge(max_output_tokens: int | None, max_model_len: int | None) -> bool:
+    """True when vLLM refuses the client's output-token request before any work whatever the prompt: more than
+    ``max_model_len`` (``renderers/params.py::TokenizeParams.__post_init__``).  The prefill leg then carries the
+    client's values (``prefill_body(..., engine_judges=True)``) so the prefiller says so in vLLM's words, instead
+    of computing KV for a request the decoder would refuse."""
+    return max_output_tokens is not None and max_model_len is not None and max_output_tokens > max_model_len
+
+
+def decode_body(original: Mapping[str, Any], params: KVTransferParams | None) -> dict[str, Any]:
+    """Return a new dict: the client's body without proxy-owned fields, plus the prefiller's ``params``
+    verbatim (none when ``params`` is None: the decoder then prefills the prompt itself)."""
+    body = {k: v for k, v in original.items() if k not in PROXY_OWNED}
+    if params is not None:
+        body[KV_TRANSFER_PARAMS] = params
+    return body
+
+
+def decode_body_bytes(raw: bytes, params: KVTransferParams | None,
+                      parsed: Mapping[str, Any] | None = None) -> bytes:
+    """The decode-leg body built from the client's raw JSON object bytes, byte-faithful outside what changes.
+
+    ``parsed`` is ``raw`` already parsed (the request's body; parsed here when omitted).  When the client sent
+    no proxy-owned member (the common case) ``raw`` is kept whole and ``params`` is inserted as the last member:
+    one copy, no scan.  Otherwise the top-level members named in :data:`PROXY_OWNED` (every occurrence, however
+    their names are escaped) are cut out with :func:`top_level_members` and the rest is kept byte for byte —
+    numbers, key order, whitespace and multi-MB base64 images are never re-encoded, and the result never holds
+    two members of one name that the proxy produced.  ``params=None`` (the decoder prefills) adds nothing.
+    Raises ``ValueError`` if ``raw`` is not a JSON object.
+    """
+    if parsed is None:
+        parsed = orjson.loads(raw)
+    if not isinstance(parsed, Mapping):
+        raise ValueError("request body is not a JSON object")
+    if PROXY_OWNED.isdisjoint(parsed.keys()):
+        return raw if params is None else _append_member(raw, KV_TRANSFER_PARAMS, params)
+    kept = _without_members(raw, PROXY_OWNED)
+    return kept if params is None else _append_member(kept, KV_TRANSFER_PARAMS, params)
+
+
+def decode_leg_body(api: Api, raw: bytes, original: Mapping[str, Any], params: KVTransferParams | None,
+                    request_id: str | None = None) -> bytes:
+    """The decode-leg body of a request of ``api``: :func:`decode_body_bytes` of the client's ``raw`` bytes
+    (``original``: them parsed), and for Responses the ``request_id`` the prefill leg named
+    (:func:`responses_request_id`), appended the same way."""
+    body = decode_body_bytes(raw, params, original)
+    if api is Api.RESPONSES:
+        rid = responses_request_id(original, request_id)
+        if rid is not None:
+            body = _append_member(body, "request_id", rid)
+    return body
+
+
+def _append_member(raw: bytes, key: str, value: Any) -> bytes:
+    """``raw`` (a JSON object) with ``"key": value`` added before its closing brace: one copy of ``raw``."""
+    end = raw.rfind(b"}")
+    if end < 0 or raw[end + 1:].strip() or not raw.lstrip().startswith(b"{"):
+        raise ValueError("request body is not a JSON object")
+    head = end
+    while head > 0 and raw[head - 1] in b" \t\r\n":
+        head -= 1
+    sep = b"" if raw[head - 1] == 0x7B else b","  # {
+    return b"".join((memoryview(raw)[:head], sep, orjson.dumps(key), b":", orjson.dumps(value), b"}"))
+
+
+# ------------------------------------------------------------------------------------------ top-level members
+_WS = re.compile(rb"[ \t\n\r]*")
+_STRUCTURAL = re.compile(rb'["\[\]{}]')
+_SCALAR_END = re.compile(rb"[,}\] \t\n\r]")
+
+
+def _skip_ws(raw: bytes, i: int) -> int:
+    """Index of the first non-whitespace byte of ``raw`` at or after ``i``."""
+    m = _WS.match(raw, i)
+    return m.end() if m else i
+
+
+def _string_end(raw: bytes, i: int) -> int:
+    """Index just past the JSON string starting at ``raw[i] == '"'``."""
+    j = i + 1
+    while True:
+        j = raw.find(b'"', j)
+        if j < 0:
+            raise ValueError("unterminated string in request body")
+        k = j - 1
+        while raw[k] == 0x5C:  # backslash
+            k -= 1
+        if (j - 1 - k) % 2 == 0:  # an even number of backslashes: the quote is not escaped
+            return j + 1
+        j += 1
+
+
+def _value_end(raw: bytes, i: int) -> int:
+    """Index just past the JSON value starting at ``raw[i]`` (valid JSON assumed: the body parsed)."""
+    c = raw[i]
+    if c == 0x22:  # "
+        return _string_end(raw, i)
+    if c in b"{[":
+        depth, j = 0, i
+        while True:
+            m = _STRUCTURAL.search(raw, j)
+            if m is None:
+                raise ValueError("unbalanced brackets in request body")
+            j = m.start()
+            ch = raw[j]
+            if ch == 0x22:
+                j = _string_end(raw, j)
+                continue
+            depth += 1 if ch in b"{[" else -1
+            j += 1
+            if depth == 0:
+                return j
+    m = _SCALAR_END.search(raw, i)
+    return m.start() if m else len(raw)
+
+
+def top_level_members(raw: bytes) -> list[tuple[str, int, int]]:
+    """``(name, start, end)`` of every member of the JSON object ``raw``: ``raw[start:end]`` is ``"name": value``
+    exactly as sent (``name`` decoded from its escapes).  Cost: one pass over the structural characters, with
+    long strings skipped by ``bytes.find``.  Raises ``ValueError`` if ``raw`` is not a JSON object."""
+    i = _skip_ws(raw, 0)
+    if i >= len(raw) or raw[i] != 0x7B:  # {
+        raise ValueError("request body is not a JSON object")
+    members: list[tuple[str, int, int]] = []
+    i = _skip_ws(raw, i + 1)
+    while i < len(raw) and raw[i] != 0x7D:  # }
+        if raw[i] == 0x2C:  # ,
+            i = _skip_ws(raw, i + 1)
+            continue
+        key_end = _string_end(raw, i)
+        name = orjson.loads(raw[i:key_end])
+        j = _skip_ws(raw, key_end)
+        if raw[j] != 0x3A:  # :
+            raise ValueError("malformed member in request body")
+        j = _skip_ws(raw, j + 1)
+        end = _value_end(raw, j)
+        members.append((name, i, end))
+        i = _skip_ws(raw, end)
+    return members
+
+
+def _without_members(raw: bytes, names: frozenset[str]) -> bytes:
+    """``raw`` with its top-level members named in ``names`` removed; every other byte kept (each kept member
+    keeps the separator that followed it, the last kept one the object's original ending)."""
+    members = top_level_members(raw)
+    kept = [idx for idx, (name, _, _) in enumerate(members) if name not in names]
+    if len(kept) == len(members):
+        return raw
+    view = memoryview(raw)                           # slices without copies; the join copies once
+    first_start = members[0][1]
+    last_end = members[-1][2]
+    out: list[bytes | memoryview] = [view[:first_start]]
+    for pos, idx in enumerate(kept):
+        _, start, end = members[idx]
+        out.append(view[start:end])
+        if pos + 1 < len(kept):                      # its own separator (", " as sent) before the next kept one
+            out.append(view[end:members[idx + 1][1]])
+    out.append(view[last_end:] if kept else raw[last_end:].lstrip(b", \t\n\r"))
+    return b"".join(out)
+
+
+# ------------------------------------------------------------------------------------------ the prefill answer
+def extract_params(prefill_response: Mapping[str, Any]) -> KVTransferParams | None:
+    """The ``kv_transfer_params`` of a prefiller's JSON answer, or None when absent/null/not a dict.
+
+    vLLM 0.32's NIXL connector returns a handle for a request that finished length-capped or stopped
+    (``nixl/pull_scheduler.py::request_finished``); older NIXL and vLLM-Ascend's Mooncake connector only for a
+    length-capped one, and no connector at all means no handle.
+    """
+    return _handle(prefill_response)
+
+
+def _handle(prefill_response: Mapping[str, Any]) -> KVTransferParams | None:
+    params = prefill_response.get(KV_TRANSFER_PARAMS)
+    return params if isinstance(params, dict) and params else None
+
+
+# How Responses and Messages answers say why they ended, in chat's finish_reason names (vLLM 0.32's
+# ``responses/serving.py`` sets ``status`` "incomplete" with ``incomplete_details.reason "max_output_tokens"`` for
+# a length cap, "completed" otherwise; ``anthropic/serving.py`` maps stop → "end_turn" / "stop_sequence", tool
+# calls → "tool_use", length → "max_tokens").
+_MESSAGES_STOP = {"end_turn": "stop", "stop_sequence": "stop", "tool_use": "tool_calls", "max_tokens": "length"}
+
+
+def finish_reason(prefill_response: Mapping[str, Any], api: Api = Api.CHAT) -> str | None:
+    """Why a prefiller's JSON answer ended, in chat's terms (``stop``, ``tool_calls``, ``length``…): chat and
+    completions ``choices[0].finish_reason``; Responses ``status`` (``completed`` → ``stop``, ``incomplete`` →
+    ``length``); Messages ``stop_reason`` (``end_turn``/``stop_sequence`` → ``stop``, ``tool_use`` →
+    ``tool_calls``, ``max_tokens`` → ``length``). None when the answer does not say."""
+    if api is Api.RESPONSES:
+        status = prefill_response.get("status")
+        return {"completed": "stop", "incomplete": "length"}.get(status) if isinstance(status, str) else None
+    if api is Api.MESSAGES:
+        reason = prefill_response.get("stop_reason")
+        return _MESSAGES_STOP.get(reason) if isinstance(reason, str) else None
+    choices = prefill_response.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        value = choices[0].get("finish_reason")
+        return value if isinstance(value, str) else None
+    return None
+
+
+def ended_on_prefill(prefill_response: Mapping[str, Any], api: Api = Api.CHAT) -> bool:
+    """True when the prefiller finished the request itself (EOS, a stop token or string, a tool call that ended
+    the turn: :func:`finish_reason` ``stop`` / ``tool_calls``) and handed over no KV: its answer is the complete
+    answer, not a broken handoff.  An answer capped by the leg's one-token limit without a handle means the
+    prefiller has no KV connector."""
+    return _handle(prefill_response) is None and finish_reason(prefill_response, api) in _COMPLETE_FINISH
+
+
+def prefill_prompt_tokens(prefill_response: Mapping[str, Any], api: Api = Api.CHAT) -> int | None:
+    """The prompt's tokens in the prefiller's usage, as the engine tokenized it (chat template included), which
+    admission may only have estimated: ``usage.prompt_tokens`` (chat, completions), ``usage.input_tokens``
+    (Responses), ``input_tokens`` + ``cache_read_input_tokens`` + ``cache_creation_input_tokens`` (Messages, whose
+    ``input_tokens`` is net of the cache)."""
+    usage = prefill_response.get("usage")
+    if not isinstance(usage, Mapping):
+        return None
+    if api is Api.MESSAGES:
+        parts = [usage.get(k) for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")]
+        nums = [p for p in parts if isinstance(p, int) and not isinstance(p, bool)]
+        return sum(nums) if isinstance(parts[0], int) else None
+    value = usage.get("input_tokens" if api is Api.RESPONSES else "prompt_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def prefill_cached_tokens(prefill_response: Mapping[str, Any], api: Api = Api.CHAT) -> int | None:
+    """The prefiller's real prefix-cache hits in its answer: ``usage.prompt_tokens_details.cached_tokens`` (chat,
+    completions), ``usage.input_tokens_details.cached_tokens`` (Responses), ``usage.cache_read_input_tokens``
+    (Messages); None when absent.
+
+    The decoder reports nearly the whole prompt as cached because it pulled it (vLLM ``v1/metrics/stats.py``
+    counts local and external hits alike; 0 with NIXL on vLLM 0.32), so the client must see the prefiller's figure.
+    """
+    usage = prefill_response.get("usage") or {}
+    if not isinstance(usage, Mapping):
+        return None
+    if api is Api.MESSAGES:
+        value = usage.get("cache_read_input_tokens")
+    else:
+        details = usage.get("input_tokens_details" if api is Api.RESPONSES else "prompt_tokens_details") or {}
+        value = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

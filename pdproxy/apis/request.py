@@ -1,0 +1,400 @@
+"""The OpenAI-compatible wire view (vLLM's name for it): parse and validate a client body, patch usage.
+
+Request bodies stay dicts plus a small typed view (:class:`ProxyRequest`); the raw bytes are kept so that the
+decode leg can forward them unchanged (see ``kv_transfer.decode_body_bytes``).  Validation mirrors vLLM's
+(``entrypoints/openai/completion/protocol.py`` and ``chat_completion/protocol.py``) for what would otherwise
+fail only after a prefill has been spent: the decoder gets the original body, the prefiller a rewritten one.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pdproxy.apis import fields as api_requests
+from pdproxy.errors import BadRequest
+
+
+class Api(enum.StrEnum):
+    """Which generation API a request came in on (value = the path on the engines).  All four go through the
+    same P→D path; :mod:`pdproxy.apis.kv_transfer` holds what each needs on its legs."""
+
+    CHAT = "/v1/chat/completions"
+    COMPLETIONS = "/v1/completions"
+    RESPONSES = "/v1/responses"
+    MESSAGES = "/v1/messages"
+
+    @property
+    def label(self) -> str:
+        """Short name for logs and metrics: ``"chat"``, ``"completions"``, ``"responses"`` or ``"messages"``."""
+        return _LABELS[self]
+
+    @property
+    def chat_shaped(self) -> bool:
+        """True when the prompt is a chat (messages rendered by the chat template): all but completions."""
+        return self is not Api.COMPLETIONS
+
+
+_LABELS = {Api.CHAT: "chat", Api.COMPLETIONS: "completions", Api.RESPONSES: "responses", Api.MESSAGES: "messages"}
+_PROMPT_PARAMS = {Api.CHAT: "messages", Api.COMPLETIONS: "prompt", Api.RESPONSES: "input", Api.MESSAGES: "messages"}
+
+
+@dataclass(slots=True)
+class ProxyRequest:
+    """A client request, read with vLLM's own field types (see :func:`parse_request`).
+
+    ``body``: the parsed JSON object (never mutated); ``raw``: its bytes as received; ``stream``,
+    ``include_usage``, ``continuous_usage``: as vLLM reads them (``"stream": "true"`` is a stream);
+    ``max_output_tokens``: ``max_completion_tokens`` or ``max_tokens`` (chat gives the former precedence,
+    ``chat_completion/protocol.py::build_tok_params``; completions default to 16), None when the engine decides;
+    ``min_tokens``: the client's (vLLM's default 0); ``decoder_prefills``: the request needs the prompt's logits
+    or runs beam search, which a decoder computes from the prompt itself whatever KV it is handed, so no prefill
+    leg is sent; ``engine_judges``: a field the prefill leg would rewrite is invalid for vLLM, so the prefill leg
+    carries the client's values and the prefiller answers vLLM's own 400 (``kv_transfer.prefill_body``);
+    ``fault``: what pdproxy found (vLLM's wording), answered by pdproxy itself should an engine accept the request
+    after all; ``prompt_tokens``: filled in by admission (tokens), None until counted; ``n``: choices per prompt
+    and ``prompts``: prompts of a completion prompt list (their product is the number of sequences,
+    :mod:`pdproxy.pd.fanout`).  Responses and Messages requests (:mod:`pdproxy.apis.fields`) have
+    ``max_output_tokens`` = their ``max_output_tokens`` / ``max_tokens``.
+    """
+
+    api: Api
+    body: dict[str, Any]
+    raw: bytes
+    stream: bool
+    include_usage: bool
+    model: str | None
+    max_output_tokens: int | None
+    prompt_tokens: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    min_tokens: int | None = None
+    continuous_usage: bool = False
+    decoder_prefills: bool = False
+    engine_judges: bool = False
+    fault: BadRequest | None = None
+    n: int = 1
+    prompts: int = 1
+
+    @property
+    def prompt_param(self) -> str:
+        """The request field holding the prompt (``"messages"``, ``"prompt"`` or ``"input"``), used as an error's
+        ``param``."""
+        return _PROMPT_PARAMS[self.api]
+
+    @property
+    def sequences(self) -> int:
+        """How many sequences the request asks for: ``n`` × prompts (1 for one prompt and ``n`` 1)."""
+        return self.n * self.prompts
+
+    def count_view(self) -> tuple[dict[str, Any], bool, bool]:
+        """``(body, chat, add_special_tokens)`` to count the prompt with: the client's body for chat and
+        completions; for Responses and Messages the chat they render (:mod:`pdproxy.apis.fields`), Responses
+        encoded with the tokenizer's special tokens."""
+        view = self.extra.get("count_view")
+        if view is None:
+            if self.api is Api.RESPONSES:
+                view = (api_requests.responses_chat(self.body), True, True)
+            elif self.api is Api.MESSAGES:
+                view = (api_requests.messages_chat(self.body), True, False)
+            else:
+                view = (self.body, self.api is Api.CHAT, False)
+            self.extra["count_view"] = view
+        return view
+
+
+# ------------------------------------------------------------------------------------------ vLLM's field types
+# The fields pdproxy reads or rewrites, typed as vLLM 0.32 types them (``chat_completion/protocol.py::
+# ChatCompletionRequest``, ``completion/protocol.py::CompletionRequest``, ``generate/base/protocol.py``), in
+# vLLM's field order, validated as FastAPI validates vLLM's models (pydantic's lax mode: ``"5"`` and ``True``
+# are integers, ``"no"`` is a boolean).  Every other field reaches the prefiller unchanged, which judges it.
+_NonNegative = Annotated[int, Field(ge=0)]
+
+
+class _Object(BaseModel):
+    """Any JSON object (vLLM validates its members; pdproxy only needs an object here)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(BaseModel):
+    """vLLM's ``StreamOptions`` (``generate/base/protocol.py``)."""
+
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _Shape(BaseModel):
+    """What pdproxy must be able to read to route and count a request as vLLM would (a body failing it is
+    judged by an engine)."""
+
+    model_config = ConfigDict(extra="ignore")
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+
+
+class _ChatShape(_Shape):
+    messages: list[dict[str, Any]]
+    tools: list[_Object] | None = None
+
+
+class _CompletionShape(_Shape):
+    prompt: list[_NonNegative] | list[list[_NonNegative]] | str | list[str] | None = None
+
+
+class _Leg(BaseModel):
+    """The fields the prefill leg rewrites or the routing reads (vLLM's types and defaults)."""
+
+    model_config = ConfigDict(extra="ignore")
+    max_tokens: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    use_beam_search: bool = False
+    min_tokens: int = 0
+
+
+class _ChatLeg(_Leg):
+    max_completion_tokens: int | None = None
+    n: int | None = 1
+    echo: bool = False
+
+
+class _CompletionLeg(_Leg):
+    echo: bool | None = False
+    max_tokens: int | None = 16
+    n: int = 1
+
+
+_INTERNAL_LOC = frozenset({"function-wrap", "function-after", "function-before", "function-plain",
+                           "json-or-python", "lax-or-strict", "chain", "default", "nullable", "tagged-union",
+                           "union", "call", "arguments", "is-instance", "is-subclass", "callable", "str", "int",
+                           "float", "bool", "bytes", "bytearray", "list", "tuple", "dict", "set", "frozenset",
+                           "complex", "none", "nonetype"})
+_BRACKETED = re.compile(r"[\[\]{}()]")
+
+
+def _clean_loc(loc: tuple[Any, ...]) -> str:
+    """A pydantic ``loc`` as vLLM prints it: dotted, without pydantic's internal union/wrapper segments
+    (``serve/exception_handling/handlers/validation.py::clean_loc_for_param``)."""
+    parts = [str(p) for p in loc if not (_BRACKETED.search(str(p)) or str(p).lower() in _INTERNAL_LOC)]
+    return ".".join(parts) if parts else ".".join(str(p) for p in loc)
+
+
+def _summary(value: Any) -> Any:
+    """An error's ``input`` as vLLM reports it: long strings cut, containers described, the rest ``str()``."""
+    if isinstance(value, str):
+        return value[:200] + "...[truncated]" if len(value) > 200 else value
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = str(value)
+    return text[:200] + "...[truncated]" if len(text) > 200 else text
+
+
+def _validation_error(exc: ValidationError) -> BadRequest:
+    """vLLM's 400 for a request that fails its pydantic model (its FastAPI handler,
+    ``serve/exception_handling/handlers/validation.py``): ``N validation error(s):`` then one line per error (at
+    most 10), ``type`` "Bad Request", ``param`` the first error's field."""
+    errors = exc.errors(include_url=False)
+    rendered = []
+    for err in errors[:10]:
+        shown = dict(err)
+        shown["loc"] = _clean_loc(("body", *err["loc"]))
+        if "input" in shown:
+            shown["input"] = _summary(shown["input"])
+        text = str(shown)
+        rendered.append(text[:1000] + "...[truncated]" if len(text) > 1000 else text)
+    label = "error" if len(errors) == 1 else "errors"
+    message = f"{len(errors)} validation {label}:\n" + "".join(f"  {line}\n" for line in rendered)
+    if len(errors) > 10:
+        message += f"  ...and {len(errors) - 10} more {label}\n"
+    param = _clean_loc(("body", *errors[0]["loc"])) if errors else None
+    return BadRequest(message.rstrip(), param=param, error_type="Bad Request")
+
+
+def _vllm_error(message: str, parameter: str | None = None, value: Any = None) -> BadRequest:
+    """vLLM's 400 for a ``VLLMValidationError`` (``vllm/exceptions.py``): ``message (parameter=…, value=…)``."""
+    extras = ([f"parameter={parameter}"] if parameter is not None else []) + (
+        [f"value={value}"] if value is not None else [])
+    return BadRequest(f"{message} ({', '.join(extras)})" if extras else message, param=parameter)
+
+
+def over_max_model_len(req: ProxyRequest, max_model_len: int) -> BadRequest:
+    """vLLM's 400 for asking more output tokens than ``max_model_len`` (``renderers/params.py::TokenizeParams``)."""
+    if req.api is Api.RESPONSES:
+        name = "max_output_tokens"
+    elif req.api is Api.CHAT and req.body.get("max_completion_tokens") is not None:
+        name = "max_completion_tokens"
+    else:
+        name = "max_tokens"
+    value = req.max_output_tokens
+    return _vllm_error(f"{name}={value} cannot be greater than max_model_len={max_model_len}. Please request "
+                       "fewer output tokens.", name, value)
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompt_count(prompt: Any) -> int:
+    """How many sequences a (validated) completions ``prompt`` asks for: a str or a flat list of token ids is
+    one, a list of either is one each."""
+    if prompt is None or isinstance(prompt, str) or (_is_token_ids(prompt) and prompt):
+        return 1
+    return len(prompt)
+
+
+def prompt_list(prompt: Any) -> list[Any] | None:
+    """The prompts of a completion ``prompt`` (vLLM: a string, a list of token ids, a list of strings, a list of
+    token-id lists), or None when it is none of these."""
+    if isinstance(prompt, str) or (_is_token_ids(prompt) and prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+        return list(prompt)
+    return None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _body_error(raw: bytes) -> BadRequest:
+    """vLLM's 400 for a body that is not JSON, or not one object (its FastAPI handler: ``json_invalid`` at the
+    character position Python's ``json`` reports, ``missing`` for an empty body, ``model_attributes_type``)."""
+    if not raw.strip():
+        err: dict[str, Any] = {"type": "missing", "loc": "body", "msg": "Field required", "input": "None"}
+    else:
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            err = {"type": "json_invalid", "loc": f"body.{exc.pos}", "msg": "JSON decode error",
+                   "input": "<dict of 0 items>", "ctx": {"error": exc.msg}}
+        except ValueError as exc:     # bytes that are not UTF-8/16/32 text
+            err = {"type": "json_invalid", "loc": "body", "msg": "JSON decode error", "input": "<dict of 0 items>",
+                   "ctx": {"error": str(exc)}}
+        else:
+            if isinstance(value, dict):   # JSON that Python reads but orjson does not (NaN, lone surrogates...)
+                return BadRequest("pdproxy reads request bodies as strict JSON (RFC 8259): no NaN or Infinity, "
+                                  "no lone surrogates, integers within 64 bits", param="body")
+            err = {"type": "model_attributes_type", "loc": "body",
+                   "msg": "Input should be a valid dictionary or object to extract fields from",
+                   "input": _summary(value)}
+    return BadRequest(f"1 validation error:\n  {err}", param=err["loc"], error_type="Bad Request")
+
+
+def parse_request(raw: bytes, api: Api) -> ProxyRequest:
+    """Read a client body with vLLM's types and meaning.
+
+    pdproxy answers a 400 itself only for a body that is not one JSON object (vLLM's own envelope for it); ``n`` > 1
+    and a list of several prompts are read as that many sequences (``ProxyRequest.n`` / ``prompts``: one P/D pair
+    each, :mod:`pdproxy.pd.fanout`); Responses and Messages bodies are read by :mod:`pdproxy.apis.fields`.
+    Everything else reaches an engine, which judges it with vLLM's own rules and order of checks: a valid request as the legs need it; a
+    request pdproxy finds invalid (its field types read as vLLM's models type them, its cross-field rules) with
+    the client's own values on the prefill leg (:attr:`ProxyRequest.engine_judges`), so the client gets exactly
+    vLLM's 400 before any KV is computed.  Raises :class:`BadRequest` (HTTP 400, vLLM's envelope).
+    """
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise _body_error(raw) from None
+    if not isinstance(body, dict):
+        raise _body_error(raw)
+    if api is Api.RESPONSES:
+        stream_r, model_r, limit = api_requests.responses_fields(body)
+        return ProxyRequest(api=api, body=body, raw=raw, stream=stream_r, include_usage=False, model=model_r,
+                            max_output_tokens=limit)
+    if api is Api.MESSAGES:
+        stream_m, model_m, required = api_requests.messages_fields(body)
+        return ProxyRequest(api=api, body=body, raw=raw, stream=stream_m, include_usage=False, model=model_m,
+                            max_output_tokens=required)
+    chat = api is Api.CHAT
+    prompts = 1
+    faults: list[BadRequest] = []
+    if not chat:                                          # completion/protocol.py::validate_prompt_and_...
+        prompt, embeds = body.get("prompt"), body.get("prompt_embeds")
+        if (prompt is None or prompt == "") and (embeds is None or embeds == []):
+            faults.append(_vllm_error("Either prompt or prompt_embeds must be provided and non-empty.", "prompt"))
+    try:
+        (_ChatShape if chat else _CompletionShape).model_validate(body, from_attributes=True)
+    except ValidationError as exc:
+        faults.append(_validation_error(exc))
+    else:
+        if not chat:
+            prompts = _prompt_count(body.get("prompt"))
+    leg: _Leg
+    try:
+        leg = (_ChatLeg if chat else _CompletionLeg).model_validate(body, from_attributes=True)
+    except ValidationError as exc:
+        faults.append(_validation_error(exc))
+        leg = (_ChatLeg if chat else _CompletionLeg)()
+    if body.get("stream_options") and not body.get("stream"):     # validate_stream_options, on the raw values
+        faults.append(_vllm_error("Stream options can only be defined when `stream=True`.", "stream_options"))
+    n = getattr(leg, "n", 1) or 1
+    if isinstance(leg, _ChatLeg):
+        max_output = leg.max_completion_tokens if leg.max_completion_tokens is not None else leg.max_tokens
+    else:                                                 # completion/protocol.py::normalize_null_max_tokens
+        max_output = 16 if leg.max_tokens is None else leg.max_tokens
+    if max_output is not None and max_output < 1:         # SamplingParams._verify_args, in its order
+        faults.append(_vllm_error(f"max_tokens must be at least 1, got {max_output}.", "max_tokens", max_output))
+    elif leg.min_tokens < 0:
+        faults.append(_vllm_error(f"min_tokens must be greater than or equal to 0, got {leg.min_tokens}."))
+    elif max_output is not None and leg.min_tokens > max_output:
+        faults.append(_vllm_error(f"min_tokens must be less than or equal to max_tokens={max_output}, got "
+                                  f"{leg.min_tokens}."))
+    judges = bool(faults)
+    options = leg.stream_options
+    stream = bool(leg.stream)
+    logits = (_number(body.get("prompt_logprobs")) or (chat and leg.echo is True)
+              or (not chat and bool(leg.echo) and _number(body.get("logprobs"))))
+    model = body.get("model")
+    return ProxyRequest(
+        api=api, body=body, raw=raw, stream=stream, include_usage=bool(stream and options and options.include_usage),
+        model=model if isinstance(model, str) else None, max_output_tokens=None if judges else max_output,
+        min_tokens=leg.min_tokens, continuous_usage=bool(stream and options and options.continuous_usage_stats),
+        decoder_prefills=not judges and bool(logits or leg.use_beam_search), engine_judges=judges,
+        fault=faults[0] if faults else None, n=max(n, 1), prompts=max(prompts, 1))
+
+
+_COMPLETION_TOKENS_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+
+def completion_tokens_in(data: bytes) -> int | None:
+    """The last ``usage.completion_tokens`` figure in a JSON document or a block of SSE events, without parsing
+    (one regex scan; callers check ``b'"completion_tokens"' in data`` first).  None when absent."""
+    found = _COMPLETION_TOKENS_RE.findall(data)
+    return int(found[-1]) if found else None
+
+
+def patch_usage(obj: dict[str, Any], cached_tokens: int | None) -> bool:
+    """Set ``usage.prompt_tokens_details.cached_tokens`` to the prefiller's value in a response or chunk dict.
+
+    Returns True if ``obj`` had a usage object (and was changed in place).  ``cached_tokens=None`` leaves the
+    decoder's figure alone.
+    """
+    usage = obj.get("usage")
+    if not isinstance(usage, dict) or cached_tokens is None:
+        return False
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict):
+        details = {}
+        usage["prompt_tokens_details"] = details
+    details["cached_tokens"] = cached_tokens
+    return True
+
+
+def patch_usage_bytes(data: bytes, cached_tokens: int | None) -> bytes:
+    """:func:`patch_usage` on a JSON document's bytes; returns ``data`` unchanged when there is nothing to do."""
+    if cached_tokens is None or b'"usage"' not in data:
+        return data
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return data
+    if not isinstance(obj, dict) or not patch_usage(obj, cached_tokens):
+        return data
+    return orjson.dumps(obj)

@@ -1,0 +1,411 @@
+"""The application: pdproxy's own HTTP protocol for the two completion routes, FastAPI for everything else.
+
+Why two paths: FastAPI's ``StreamingResponse`` plus httpx cost ~460 µs of proxy CPU per relayed event and
+~8.5 ms per PD request on this machine kind; a raw ASGI handler on uvicorn still paid an ASGI message, an
+``await send()`` and a coroutine switch per event; the completion routes are now served by
+:mod:`pdproxy.http.server`, whose connections hand the relay the client's transport (README "Performance" has the
+figures).  The control plane (models, health, version, metrics, admin) is not on the hot path and keeps
+FastAPI's conveniences, reached through ASGI from the same server and port.
+
+``create_app(settings)`` builds a :class:`PDProxyApp`; its state (``ProxyState``) is created in the lifespan,
+inside the running event loop, and torn down there.  Serve it with ``pdproxy.http.server.uvicorn_config(app, …)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from pdproxy import __version__
+from pdproxy.apis import streams as api_streams
+from pdproxy.apis.request import Api, ProxyRequest, parse_request
+from pdproxy.app import passthrough
+from pdproxy.app.admin import build_admin_router, check_admin_key
+from pdproxy.app.state import ProxyState
+from pdproxy.endpoints import Endpoint, Role
+from pdproxy.errors import (
+    BadRequest,
+    Forbidden,
+    PayloadTooLarge,
+    ProxyError,
+    ShuttingDown,
+    Unauthorized,
+    UpstreamHTTPError,
+    error_body,
+)
+from pdproxy.http.server import COMPLETION_ROUTES, Exchange
+from pdproxy.ops.gcpolicy import GcPolicy
+from pdproxy.ops.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from pdproxy.ops.metrics import ProxyMetrics, rejection_of
+from pdproxy.ops.reqlog import RequestLog
+from pdproxy.pd.director import Director
+from pdproxy.pd.responder import Responder
+from pdproxy.prefix.metrics import PrefixCacheCollector
+from pdproxy.settings import Settings
+from pdproxy.timeline import RequestContext, new_request_id
+
+if TYPE_CHECKING:
+    from pdproxy.workers.share import WorkerShare
+
+log = logging.getLogger("pdproxy")
+
+def _header(scope: dict[str, Any], name: bytes) -> str | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return bytes(v).decode("latin-1")
+    return None
+
+
+class PDProxyApp:
+    """Top-level ASGI app.  ``state`` is None outside the lifespan."""
+
+    def __init__(self, settings: Settings, *, share: WorkerShare | None = None) -> None:
+        self.settings = settings
+        self.state: ProxyState | None = None
+        self.director: Director | None = None
+        self.unready = False  # /health answers 503 (shutdown_delay_s: draining soon, still serving)
+        self.share = share
+        self.metrics = ProxyMetrics(lambda: self.state)
+        self.metrics.add_collector(PrefixCacheCollector(     # pdproxy_kv_events_*, pdproxy_prefix_index_*
+            lambda: self.state.prefix_cache.subscriber if self.state else None,
+            lambda: self.state.prefix_cache.index if self.state else None,
+            lambda: self.state.prefix_cache.approx if self.state else None))
+        self.request_log = RequestLog(settings)
+        self.control = build_control_app(self)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            path = scope["path"].rstrip("/")
+            if path in COMPLETION_ROUTES:
+                if scope["method"] == "POST":  # only under a server other than pdproxy.http.server
+                    body = orjson.dumps(error_body(500, "the completion routes need pdproxy's own HTTP protocol: "
+                                                   "serve the app with pdproxy.http.server.uvicorn_config()"))
+                    status, extra = 500, []
+                else:
+                    body = orjson.dumps(error_body(405, "Method Not Allowed", error_type="MethodNotAllowed"))
+                    status, extra = 405, [(b"allow", b"POST")]
+                await send({"type": "http.response.start", "status": status,
+                            "headers": [(b"content-type", b"application/json"), *extra,
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+            label = passthrough.ROUTES.get(path)
+            if label is not None:
+                if scope["method"] == "POST":
+                    await self.handle_passthrough(path, label, scope, receive, send)
+                else:
+                    body = orjson.dumps(error_body(405, "Method Not Allowed", error_type="MethodNotAllowed"))
+                    await send({"type": "http.response.start", "status": 405,
+                                "headers": [(b"content-type", b"application/json"), (b"allow", b"POST"),
+                                            (b"content-length", str(len(body)).encode())]})
+                    await send({"type": "http.response.body", "body": body})
+                return
+        await self.control(scope, receive, send)
+
+    async def handle_passthrough(self, path: str, label: str, scope: dict[str, Any], receive: Any,
+                                 send: Any) -> None:
+        """Raw ASGI handler for the routes passed through to one engine (:mod:`pdproxy.app.passthrough`)."""
+        state = self.state
+        client_id = _header(scope, b"x-request-id")
+        ctx = RequestContext(request_id=new_request_id(client_id), client_request_id=client_id, api_label=label)
+        out = passthrough.TrackedSend(send, [(b"x-request-id", (client_id or ctx.request_id).encode("latin-1"))])
+        ctx.gaps = self.metrics.started(label)
+        anthropic = path in passthrough.ANTHROPIC_ROUTES
+        try:
+            if state is None or state.shutting_down:
+                raise ShuttingDown()
+            ctx.authorization = self._check_auth(lambda name: _header(scope, name))
+            body = await self._read_body(receive, scope)
+            headers = {k: v.decode("latin-1") for k, v in scope["headers"] if k in (b"content-type", b"accept")}
+            state.in_flight += 1
+            try:
+                work = state.passthrough.serve(path, body, headers, ctx, out)
+                if await passthrough.until_disconnect(work, receive, lambda: out.ended):
+                    ctx.outcome = "client_disconnected"
+            finally:
+                state.in_flight -= 1
+        except asyncio.CancelledError:
+            ctx.outcome = "client_disconnected"
+        except ProxyError as err:
+            ctx.outcome = err.outcome
+            ctx.rejection = rejection_of(err)
+            ctx.error = err.message
+            if not out.started:
+                body = api_streams.error_json(Api.MESSAGES if anthropic else Api.CHAT, err)
+                ctype = err.content_type if isinstance(err, UpstreamHTTPError) else "application/json"
+                ctx.status = err.status_code
+                await out({"type": "http.response.start", "status": err.status_code,
+                           "headers": [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode()),
+                                       *((k.lower().encode(), v.encode()) for k, v in err.headers.items())]})
+                await out({"type": "http.response.body", "body": body})
+        finally:
+            self._finished(ctx, None)
+
+    async def _read_body(self, receive: Any, scope: dict[str, Any]) -> bytes:
+        limit = self.settings.max_body_bytes
+        declared = _header(scope, b"content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise asyncio.CancelledError
+            body = message.get("body", b"")
+            size += len(body)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            chunks.append(body)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _check_auth(self, header: Callable[[bytes], str | None]) -> str | None:
+        """Enforce ``api_keys``: the client's key is ``Authorization: Bearer <key>``, or ``x-api-key: <key>`` as
+        the Anthropic client sends it (``header``: the request's header by lower-case name).  Returns the client's
+        ``Authorization`` (for the engine-header rule)."""
+        auth = header(b"authorization")
+        keys = self.settings.api_keys
+        if keys:
+            token = auth[7:] if auth and auth[:7].lower() == "bearer " else header(b"x-api-key")
+            if token is None or not any(hmac.compare_digest(token.encode(), k.encode()) for k in keys):
+                raise Unauthorized("invalid or missing API key")
+        return auth
+
+    async def handle_completion(self, api: Api, ex: Exchange) -> None:
+        """``POST /v1/completions`` and ``/v1/chat/completions`` on one :class:`pdproxy.http.server.Exchange` (its
+        body already read whole, within ``max_body_bytes``)."""
+        state, director = self.state, self.director
+        client_id = ex.header(b"x-request-id")
+        ctx = RequestContext(request_id=new_request_id(client_id), client_request_id=client_id, api_label=api.label,
+                             client_headers=ex.headers)
+        out = Responder(ex, ctx, [(b"x-request-id", (client_id or ctx.request_id).encode("latin-1"))], api)
+        req: ProxyRequest | None = None
+        ctx.gaps = self.metrics.started(ctx.api_label)
+        try:
+            try:
+                if state is None or director is None or state.shutting_down:
+                    raise ShuttingDown()
+                ctx.authorization = self._check_auth(ex.header)
+                req = parse_request(ex.body, api)
+                ctx.model = req.model
+            except ProxyError as err:
+                ctx.outcome = err.outcome
+                ctx.rejection = rejection_of(err)
+                out.error_nowait(err)
+                return
+            state.in_flight += 1
+            try:
+                await self._serve_until_disconnect(director, req, ctx, out, ex)
+            finally:
+                state.in_flight -= 1
+        finally:
+            self._finished(ctx, req)
+
+    def _finished(self, ctx: RequestContext, req: ProxyRequest | None) -> None:
+        """Per-request metrics and the request-log line (pdproxy/ops/metrics.py, pdproxy/ops/reqlog.py); never raises."""
+        if ctx.timeline.finished_at is None:
+            ctx.timeline.finished_at = time.monotonic()
+        try:
+            self.metrics.observe(ctx, ctx.rejection)
+            self.request_log.emit(ctx, req, ctx.rejection)
+        except Exception:  # observability must never break a request
+            log.exception("recording request %s failed", ctx.request_id)
+
+    async def _serve_until_disconnect(self, director: Director, req: Any, ctx: RequestContext, out: Responder,
+                                      ex: Exchange) -> None:
+        """Run the director in this task, cancelling it as soon as the client disconnects (the connection's
+        ``on_disconnect``), and send errors the way still open to us."""
+        task = asyncio.current_task()
+        dropped = False
+
+        def on_disconnect() -> None:
+            nonlocal dropped
+            if not out.ended and task is not None and not dropped:  # after the last byte it is only "complete"
+                dropped = True
+                task.cancel()
+
+        ex.on_disconnect = on_disconnect
+        try:
+            await director.serve(req, ctx, out)
+        except asyncio.CancelledError:
+            if not dropped or (task is not None and task.cancelling() > 1):  # also cancelled from outside
+                ctx.outcome = "cancelled"  # the server is stopping now (forced shutdown): say so, briefly
+                if out.started and not out.ended:
+                    with contextlib.suppress(Exception):
+                        out.error_nowait(ShuttingDown())
+                raise
+        except ProxyError as err:
+            if not dropped:
+                ctx.outcome = err.outcome
+                ctx.rejection = rejection_of(err)
+                out.error_nowait(err)
+        except Exception as exc:  # a bug, not an upstream condition: still answer, never hang
+            if not dropped:
+                log.exception("request %s failed", ctx.request_id)
+                ctx.outcome = "internal_error"
+                out.error_nowait(ProxyError(f"internal error in pdproxy: {exc.__class__.__name__}"))
+        finally:
+            ex.on_disconnect = None
+            if dropped:
+                ctx.outcome = "client_disconnected"
+                if task is not None and task.cancelling():
+                    task.uncancel()
+            elif not out.ended and out.started:
+                out.end_nowait()
+
+
+def build_control_app(proxy: PDProxyApp) -> FastAPI:
+    """FastAPI app for the control plane; its lifespan builds and tears down the proxy's state."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state = ProxyState.build(proxy.settings, proxy.share)
+        await state.start()
+        proxy.state = state
+        proxy.director = Director.from_state(state)
+        gc_policy = GcPolicy(proxy.settings.gc_full_interval_s)  # no full-collection pauses mid-ramp (gcpolicy.py)
+        gc_policy.start()
+        try:
+            with proxy.request_log:
+                yield
+        finally:
+            gc_policy.stop()
+            state.shutting_down = True
+            if proxy.director is not None:
+                await proxy.director.aclose()  # background KV release legs (bounded)
+            await state.stop()
+            proxy.state = None
+            proxy.director = None
+
+    app = FastAPI(title="pdproxy", version=__version__, lifespan=lifespan)
+
+    def state() -> ProxyState:
+        if proxy.state is None:
+            raise ShuttingDown()
+        return proxy.state
+
+    app.include_router(build_admin_router(state))  # /admin/endpoints: list/add/drain/remove (pdproxy/app/admin.py)
+
+    @app.exception_handler(ProxyError)
+    async def _proxy_error(_: Request, err: ProxyError) -> Response:
+        return Response(err.body_bytes(), status_code=err.status_code, headers=err.headers,
+                        media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 when at least one prefiller and one decoder are healthy; 503 otherwise (or when shutting down)."""
+        st = state()
+        ok = not st.shutting_down and not proxy.unready and bool(st.pool.available(Role.PREFILL)) and bool(st.pool.available(Role.DECODE))
+        return Response(status_code=200 if ok else 503, headers={} if ok else {"retry-after": "1"})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """Prometheus exposition of pdproxy's own metrics and the engines' gauges (pdproxy/ops/metrics.py); behind
+        ``metrics_key`` when it is set (403 otherwise)."""
+        key = proxy.settings.metrics_key
+        if key:
+            auth = request.headers.get("authorization") or ""
+            given = auth[7:] if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(given.encode(), key.encode()):
+                raise Forbidden("invalid or missing metrics key", redact=False)
+        return Response(proxy.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        """The union of the models the engines serve, as vLLM lists them — LoRA adapters with their ``parent`` —
+        each with the smallest ``max_model_len`` of the engines serving it, since a request must fit both its
+        prefiller and its decoder (:meth:`pdproxy.engines.models.ServedModels.cards`)."""
+        st = state()
+        cards = st.served.cards(st.settings.max_model_len)
+        if not cards and st.settings.model_name:
+            cards = [{"id": st.settings.model_name, "object": "model", "owned_by": "vllm",
+                      "max_model_len": st.settings.max_model_len}]
+        return Response(orjson.dumps({"object": "list", "data": cards}), media_type="application/json")
+
+    @app.get("/debug/load")
+    async def debug_load(request: Request) -> dict[str, Any]:
+        """Per-endpoint in-flight requests/tokens and health (all zero when idle; with ``--workers N`` summed over
+        the workers), per prefiller the prefill ledger's ``prefill_inflight_tokens`` (dispatched, unanswered) and
+        ``kv_held_tokens`` (in flight or pinned, whole blocks), admission's counters; with ``--workers N`` also the
+        answering ``worker`` and each worker's row (``pid``, ``ready``, ``waiting`` in its prefill queue,
+        ``requests`` it holds).  Open when pdproxy enforces no client keys (a trusted network); behind the admin
+        key when ``api_keys`` is set (403 without it, or when no ``admin_key`` is configured)."""
+        st = state()
+        if st.settings.api_keys:
+            check_admin_key(st, request)
+
+        def endpoint(e: Endpoint) -> dict[str, Any]:
+            load = st.pool.load(e)
+            out: dict[str, Any] = {"name": e.name, "role": e.role.value, "dp_rank": e.dp_rank,
+                                   "requests": load.requests, "tokens": load.tokens, "healthy": load.healthy,
+                                   "draining": load.draining}
+            if e.role is Role.PREFILL:
+                out["prefill_inflight_tokens"] = st.ledger.inflight_tokens(e)
+                out["kv_held_tokens"] = st.ledger.kv_held_tokens(e)
+            return out
+
+        body: dict[str, Any] = {"in_flight": st.in_flight, "admission": st.admission.snapshot(),
+                                "endpoints": [endpoint(e) for e in st.pool.endpoints()]}
+        if st.share is not None:
+            board = st.share.board
+            body["worker"] = st.share.row
+            body["workers"] = [{"row": r, "pid": board.owner(r)[0], "ready": board.owner(r)[1],
+                                "waiting": board.waiting(r), "requests": board.row_totals(r)[0]}
+                               for r in range(board.rows)]
+        return body
+
+    @app.api_route("/debug/prefix", methods=["GET", "POST"])
+    async def debug_prefix(request: Request) -> Response:
+        """Which endpoint holds how much of a prompt: POST a chat or completions body (``messages`` → chat), or
+        ``GET ?prompt=TEXT`` (a completions prompt).  Answers ``{"prefix_routing", "keys", "prompt_tokens",
+        "blocks", "endpoints": [{"name", "role", "dp_rank", "cached_tokens", "source", "publisher_live",
+        "block_size"}]}``; nothing is sent to an engine but, without a local tokenizer, ``/tokenize``.  Open when
+        pdproxy enforces no client keys; behind the admin key when ``api_keys`` is set (as ``/debug/load``)."""
+        st = state()
+        if st.settings.api_keys:                                 # as /debug/load: the admin key then
+            check_admin_key(st, request)
+        authorization = None if st.settings.api_keys else request.headers.get("authorization")
+        if request.method == "POST":
+            raw = await request.body()
+            try:
+                shape = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                shape = None
+            api = Api.CHAT if isinstance(shape, dict) and "messages" in shape else Api.COMPLETIONS
+        else:
+            prompt = request.query_params.get("prompt")
+            if not prompt:
+                raise BadRequest("give the prompt as ?prompt=TEXT, or POST a completion request body",
+                                 param="prompt")
+            raw = orjson.dumps({"prompt": prompt, "model": request.query_params.get("model")})
+            api = Api.COMPLETIONS
+        req = parse_request(raw, api)
+        ctx = RequestContext(request_id=new_request_id(None), client_request_id=None, api_label=api.label,
+                             authorization=authorization, model=req.model)
+        return Response(orjson.dumps(await st.prefix.explain(req, ctx)), media_type="application/json")
+
+    @app.exception_handler(404)
+    async def _not_found(_: Request, __: Exception) -> Response:
+        return Response(orjson.dumps(error_body(404, "Not Found")), status_code=404, media_type="application/json")
+
+    return app
+
+
+def create_app(settings: Settings) -> PDProxyApp:
+    """Build the proxy ASGI app (state is created when the server runs the lifespan)."""
+    return PDProxyApp(settings)

@@ -1,0 +1,126 @@
+"""Graceful shutdown: the first SIGTERM (or SIGINT) drains, then the process exits.
+
+uvicorn alone closes its listening socket at once on SIGTERM (new clients get a refused connection, not an
+answer) and cuts in-flight requests after ``timeout_graceful_shutdown``.  :class:`DrainingServer` instead:
+
+0. with ``delay_s`` (setting ``shutdown_delay_s``) > 0: ``GET /health`` answers 503 at once (``proxy.unready``)
+   while new requests are still served for ``delay_s`` seconds, so that a load balancer's health check
+   (Envoy, a Kubernetes readiness probe) stops sending before the replica starts refusing;
+1. marks the proxy ``shutting_down``: new completion requests get **503 + ``Retry-After``** (``ShuttingDown``)
+   and ``GET /health`` answers 503, so load balancers and Kubernetes readiness probes take the replica out;
+2. keeps serving the requests already in flight — streams run to their ``data: [DONE]`` — for at most
+   ``grace_s`` seconds (setting ``shutdown_grace_s``);
+3. then lets uvicorn shut down (close listeners, the app lifespan stops probes and waits for KV release legs)
+   and exits with status 0.  A second signal during the drain exits at once (uvicorn's force exit).
+
+It logs (logger ``pdproxy.shutdown``) the drain's start (``shutdown_started``: requests in flight, the grace
+period) and the end (``shutdown_done``: how long it took, requests still in flight when the grace ran out), and
+calls ``on_started`` with the bound socket addresses once it listens (``pdproxy serve`` logs its banner there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+log = logging.getLogger("pdproxy.shutdown")
+
+
+class DrainingServer(uvicorn.Server):
+    """``uvicorn.Server`` with the drain above.  ``proxy``: the :class:`pdproxy.app.application.PDProxyApp` being served;
+    ``grace_s``: seconds in-flight requests get after the signal; ``poll_s``: how often in-flight is checked."""
+
+    def __init__(self, config: uvicorn.Config, proxy: Any, *, grace_s: float, delay_s: float = 0.0,
+                 poll_s: float = 0.05, on_started: Callable[[list[tuple[Any, ...]]], None] | None = None) -> None:
+        super().__init__(config)
+        self.proxy = proxy
+        self.grace_s = grace_s
+        self.delay_s = delay_s
+        self.poll_s = poll_s
+        self.on_started = on_started
+        self.draining = False
+        self._drain_started: float | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        """Run uvicorn's server on ``sockets``, remembering the running loop for the signal handler; log the end
+        of a drain once uvicorn has stopped."""
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets=sockets)
+        if self._drain_started is not None:
+            took = time.monotonic() - self._drain_started
+            log.info("pdproxy: shutdown complete in %.1f s", took,
+                     extra={"event": "shutdown_done", "seconds": round(took, 3), "forced": self.force_exit})
+
+    async def startup(self, sockets: Any = None) -> None:
+        """uvicorn's start-up (lifespan, listeners), then ``on_started`` with the bound addresses."""
+        await super().startup(sockets=sockets)
+        if self.on_started is not None and self.started:
+            addresses = [sock.getsockname() for server in getattr(self, "servers", []) for sock in server.sockets]
+            self.on_started(addresses)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """Signal handler (uvicorn's hook).  The first SIGTERM / SIGINT starts the drain (up to ``grace_s``
+        seconds); a second signal, or any other signal, makes uvicorn exit now (forced if already draining)."""
+        if self.draining or self._loop is None or sig not in (signal.SIGTERM, signal.SIGINT):
+            self.force_exit = self.draining
+            self.should_exit = True
+            return
+        self.draining = True
+        self._drain_started = time.monotonic()
+        state = getattr(self.proxy, "state", None)
+        in_flight = state.in_flight if state is not None else 0
+        extra = {"event": "shutdown_started", "signal": signal.Signals(sig).name, "in_flight": in_flight,
+                 "grace_s": self.grace_s, "delay_s": self.delay_s}
+        if self.delay_s > 0:
+            log.info("pdproxy: %s: /health answers 503 now; new requests are still served for %.1f s "
+                     "(shutdown_delay_s) so that load balancers stop sending first", signal.Signals(sig).name,
+                     self.delay_s)
+        if in_flight:
+            log.warning("pdproxy: %s: draining: waiting up to %.0f s for %d request(s) in flight; a second signal "
+                        "(Ctrl-C again) cuts them now", signal.Signals(sig).name, self.grace_s, in_flight, extra=extra)
+        else:
+            log.info("pdproxy: %s: shutting down (nothing in flight)", signal.Signals(sig).name, extra=extra)
+        if self.delay_s <= 0:
+            self.begin_drain()
+        elif hasattr(self.proxy, "unready"):
+            self.proxy.unready = True
+        self._loop.call_soon_threadsafe(self._start_drain_task)
+
+    def begin_drain(self) -> None:
+        """Refuse new work from now on (503 + Retry-After; /health 503)."""
+        state = getattr(self.proxy, "state", None)
+        if state is not None:
+            state.shutting_down = True
+
+    def _start_drain_task(self) -> None:
+        self._drain_task = asyncio.get_running_loop().create_task(self.drain())
+
+    async def drain(self) -> None:
+        """After ``delay_s`` refuse new work, wait until nothing is in flight or ``grace_s`` passed, then ask
+        uvicorn to exit."""
+        loop = asyncio.get_running_loop()
+        if self.delay_s > 0:
+            await asyncio.sleep(self.delay_s)
+            self.begin_drain()
+        deadline = loop.time() + self.grace_s
+        while loop.time() < deadline:
+            state = getattr(self.proxy, "state", None)
+            if state is None or state.in_flight == 0:
+                break
+            await asyncio.sleep(self.poll_s)
+        else:
+            state = getattr(self.proxy, "state", None)
+            left = state.in_flight if state is not None else 0
+            if left:
+                log.warning("pdproxy: shutdown_grace_s (%.0f s) is over: cutting %d request(s) still in flight",
+                            self.grace_s, left, extra={"event": "shutdown_grace_over", "in_flight": left})
+        self.should_exit = True

@@ -1,0 +1,123 @@
+"""ProxyState: everything one proxy process owns, built in the app's lifespan (no module-level state).
+
+:meth:`ProxyState.build` is the wiring: each component gets the parts it uses, nothing gets the state itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pdproxy.admission.admission import Admission
+from pdproxy.app.passthrough import Passthrough
+from pdproxy.endpoints import Endpoint
+from pdproxy.engines.control import EngineClient, EngineInfo
+from pdproxy.engines.health import HealthMonitor
+from pdproxy.engines.limits import Limits
+from pdproxy.engines.models import ServedModels
+from pdproxy.engines.pool import EndpointPool
+from pdproxy.http.engine_headers import EngineHeaders
+from pdproxy.http.upstream import Upstream
+from pdproxy.ops.tracing import Tracing, tracing_from_settings
+from pdproxy.prefix.cache import PrefixCache
+from pdproxy.prefix.routing import PrefixRouter
+from pdproxy.scheduling import Scheduler
+from pdproxy.scheduling.queue import PrefillLedger, PrefillQueue
+from pdproxy.settings import Settings
+
+if TYPE_CHECKING:
+    from pdproxy.workers.share import WorkerShare
+
+
+@dataclass
+class ProxyState:
+    """The proxy's components.  ``shutting_down`` is set on SIGTERM / lifespan shutdown."""
+
+    settings: Settings
+    pool: EndpointPool
+    infos: dict[Endpoint, EngineInfo]
+    served: ServedModels
+    limits: Limits
+    health: HealthMonitor
+    ledger: PrefillLedger
+    scheduler: Scheduler
+    queue: PrefillQueue
+    headers: EngineHeaders
+    upstream: Upstream
+    engines: EngineClient
+    admission: Admission
+    tracing: Tracing
+    passthrough: Passthrough
+    prefix_cache: PrefixCache
+    prefix: PrefixRouter
+    shutting_down: bool = False
+    in_flight: int = 0
+    share: WorkerShare | None = None
+    extras: dict[str, object] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, settings: Settings, share: WorkerShare | None = None) -> ProxyState:
+        """Construct (not start) every component from settings.  ``share`` (``--workers N``,
+        pdproxy/workers/share.py) puts the pool, the prefill ledger's counts and the breakers on the shared load
+        board instead of in this process."""
+        s = settings
+        endpoints = s.all_endpoints()
+        pool = share.pool(endpoints) if share is not None else EndpointPool(endpoints)
+        tracing = tracing_from_settings(s)
+        headers = EngineHeaders.from_settings(s, propagate=tracing.propagate)
+        engines = EngineClient(timeout_s=s.health_timeout_s, api_key=s.engine_api_key)
+        infos: dict[Endpoint, EngineInfo] = {e: EngineInfo() for e in pool.endpoints()}
+        served = ServedModels(infos, s.model_pins())
+        limits = Limits(pool, infos, max_model_len_override=s.max_model_len, clamp=s.max_tokens_overflow == "clamp",
+                        served=served)
+        health = HealthMonitor(pool, engines, infos, interval_s=s.health_interval_s,
+                               refresh_interval_s=s.engine_refresh_interval_s,
+                               breaker_failures=s.breaker_failures, breaker_open_s=s.breaker_open_s,
+                               make_breaker=share.make_breaker if share is not None else None)
+        ledger = PrefillLedger(pool, limits, budget_tokens=s.prefill_budget_tokens,
+                               decoder_capacity=s.prefill_tied_to_decoders, decoder_max_requests=s.decoder_max_requests,
+                               counts=share.ledger_counts() if share is not None else None)
+        scheduler = Scheduler.standard(pool, health=health, infos=infos, limits=limits, ledger=ledger,
+                                       picker=s.routing_picker, served=served,
+                                       prefill_resolution_tokens=s.prefill_cost_resolution_tokens)
+        queue = PrefillQueue(ledger, scheduler, max_waiting=s.prefill_queue_max, timeout_s=s.prefill_queue_timeout_s,
+                             aging_tokens_per_s=s.prefill_queue_aging_tokens_per_s, busy_tokens=s.prefill_busy_tokens)
+        upstream = Upstream(connect_timeout_s=s.connect_timeout_s, max_connections=s.upstream_max_connections,
+                            pool_wait_s=s.upstream_pool_wait_s)
+        admission = Admission(s, limits=limits, queue=queue, scheduler=scheduler, upstream=upstream, headers=headers)
+        if share is not None:
+            share.connect(pool, ledger)     # this worker's releases wake the other workers' waiters
+        passthrough = Passthrough(s, scheduler=scheduler, served=served, pool=pool, health=health, headers=headers)
+        prefix_cache = PrefixCache(s)
+        health.add_refresh_listener(prefix_cache.update_engine)        # block size, KV pool of each engine
+        prefix = PrefixRouter(s, cache=prefix_cache, admission=admission, pool=pool, infos=infos)
+        return cls(settings=s, pool=pool, infos=infos, served=served, limits=limits, health=health, ledger=ledger,
+                   scheduler=scheduler, queue=queue, headers=headers, upstream=upstream, engines=engines,
+                   admission=admission, tracing=tracing, passthrough=passthrough, prefix_cache=prefix_cache,
+                   prefix=prefix, share=share)
+
+    async def start(self) -> None:
+        """Start the upstream pool, admission, the prefix cache's KV event subscriber and health monitoring
+        (health probes every engine once first), and with ``share`` the wake-ups from other workers."""
+        await self.upstream.start()
+        await self.admission.start()
+        await self.prefix_cache.__aenter__()
+        await self.health.start()
+        if self.share is not None:
+            self.share.listen(self.queue.notify)
+
+    async def stop(self) -> None:
+        """Stop the wake-ups, health monitoring, the KV event subscriber, admission, the upstream pool, the
+        passthrough client and the engine client, in that order, then flush the spans still buffered (tracing
+        on)."""
+        if self.share is not None:
+            self.share.close()
+        await self.health.stop()
+        await self.prefix_cache.__aexit__(None, None, None)
+        await self.admission.aclose()
+        await self.upstream.close()
+        await self.passthrough.aclose()
+        await self.engines.aclose()
+        if self.tracing.enabled:
+            await asyncio.to_thread(self.tracing.shutdown)

@@ -1,0 +1,235 @@
+"""``pdproxy serve --workers N``: N worker processes on one listening socket that behave as one proxy.
+
+Why not uvicorn's own ``--workers``: each worker would then route with only its own leases in view, admit its own
+prefill budget and find a dead engine on its own (the vLLM-Ascend example proxy shares state through a
+``multiprocessing`` manager instead, which costs a cross-process round trip per request).  Here the supervisor
+(this module, in the parent process):
+
+1. binds the listening socket once (workers inherit it; the kernel hands each new connection to one of them);
+2. creates a run directory (under ``/dev/shm`` when writable) holding the :class:`~pdproxy.workers.board.LoadBoard`
+   file — one row per worker, written only by that worker, summed by readers, plus one breaker record per
+   endpoint — one wake-up FIFO per worker (:mod:`pdproxy.workers.wakeup`) and, unless ``PROMETHEUS_MULTIPROC_DIR`` is
+   already set, the prometheus multiprocess directory (see :mod:`pdproxy.ops.metrics`);
+3. spawns N workers (``multiprocessing`` spawn context; worker ``k`` owns board row ``k``), each a normal pdproxy
+   app on uvicorn's server with pdproxy's own HTTP protocol (:mod:`pdproxy.http.server`) whose state is built on the
+   board (:mod:`pdproxy.workers.share`);
+4. supervises: a worker that dies is replaced, after its board row is zeroed (its leases, prefill reservations
+   and half-open trials died with it) and the other workers are woken to re-check their waiters, and its
+   prometheus live-gauge files are dropped; a worker that dies before it ever became ready is a start-up
+   failure, which stops everything (exit code 1) instead of restarting in a loop;
+5. on SIGTERM / SIGINT sends one SIGTERM to every worker (each drains for ``shutdown_grace_s``:
+   :mod:`pdproxy.app.shutdown`), waits, then kills stragglers and removes the run directory.  Workers run in their
+   own process group, so a terminal's Ctrl-C reaches only the supervisor.
+
+Workers exit on their own if the supervisor disappears (they watch their parent pid).
+
+**Shared** (one for all workers): in-flight requests and tokens per endpoint (routing scores, ``/metrics``,
+``/debug/load``); the prefill ledger — the per-prefiller ``prefill_budget_tokens``, the prefiller KV-pool guard and
+the decoders' reservation (:mod:`pdproxy.workers.ledger`: a grant re-checks under an ``flock`` when another grant
+happened since it read the room, so the bounds hold exactly across workers); each endpoint's circuit breaker
+(:mod:`pdproxy.workers.breaker`: a failure in any worker counts for all, an open breaker is open for all, a
+half-open breaker admits one trial in all); the order of prefill waiters (a worker does not grant ahead of another
+worker's first blocked waiter with a smaller key).
+**Per worker**: the prefill queue's waiters themselves (each worker orders and wakes its own; another worker's
+release wakes it through its FIFO, the queue's poll is the safety net), health probes and ``healthy`` flags
+(each worker probes every engine), engine info, connections and the request path.
+**Costs** (loadtest/workers_bench.py, 2-core machine shared with other work): per PD request, the board's pool
+adds ≈ 14 µs of CPU over a single process and the shared ledger and breakers ≈ 14 µs more (one ``flock`` pair ≈
+1 µs of it); a release while another worker has waiters adds one FIFO write (≈ 1 µs) per such worker; prometheus
+multiprocess metrics cost more than in-process ones.  End to end, 2 workers relay ≈ 0.85–1.0× the events per
+worker CPU-second of one worker and spend ≈ 100 µs more CPU per PD request, as before the sharing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pdproxy.ops.logs import listen_urls, log_banner
+from pdproxy.ops.metrics import MULTIPROC_ENV
+from pdproxy.settings import Settings
+from pdproxy.workers.board import LoadBoard
+from pdproxy.workers.share import WorkerShare
+from pdproxy.workers.wakeup import WakeChannels, create_fifos
+
+log = logging.getLogger("pdproxy.workers")
+
+STARTUP_FAILURE = 3
+BOARD_FILE = "load.board"
+
+
+@contextlib.contextmanager
+def run_directory() -> Iterator[Path]:
+    """A private directory for the board and metrics files, in shared memory when possible; removed on exit."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    path = Path(tempfile.mkdtemp(prefix="pdproxy-", dir=base))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def listening_socket(host: str, port: int) -> Iterator[socket.socket]:
+    """The shared listening socket (IPv4/IPv6 by ``host``), inheritable by the workers."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=2048)
+    sock.set_inheritable(True)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+def prepare_metrics_dir(run_dir: Path) -> Path:
+    """Set ``PROMETHEUS_MULTIPROC_DIR`` for the workers (ours, or the operator's, cleared of stale ``*.db``)."""
+    given = os.environ.get(MULTIPROC_ENV)
+    path = Path(given) if given else run_dir / "metrics"
+    path.mkdir(parents=True, exist_ok=True)
+    for stale in path.glob("*.db"):
+        stale.unlink(missing_ok=True)
+    os.environ[MULTIPROC_ENV] = str(path)
+    return path
+
+
+def worker_main(settings: Settings, sock: socket.socket, board_path: str, row: int) -> None:
+    """Entry point of worker ``row`` (runs in the spawned process)."""
+    from pdproxy.app.application import PDProxyApp
+    from pdproxy.app.shutdown import DrainingServer
+    from pdproxy.http.server import uvicorn_config
+    from pdproxy.http.tls import apply_to_uvicorn, server_ssl_context
+    from pdproxy.ops.logs import configure_logging
+
+    os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor only; it sends each worker one SIGTERM (drain)
+    configure_logging(settings, worker=row)
+    parent = os.getppid()
+    with LoadBoard.attach(Path(board_path), settings.all_endpoints(), settings.workers) as board:
+        wake = WakeChannels(Path(board_path).parent, settings.workers, row)
+        app = PDProxyApp(settings, share=WorkerShare(board, row, wake))
+        config = uvicorn_config(app, timeout_graceful_shutdown=1, log_config=None)  # own HTTP protocol (server.py)
+        apply_to_uvicorn(config, server_ssl_context(settings))  # each worker builds its own (contexts don't pickle)
+        server = DrainingServer(config, app, grace_s=settings.shutdown_grace_s, delay_s=settings.shutdown_delay_s)  # SIGTERM drains (shutdown.py)
+
+        def watch() -> None:  # mark the row ready once serving; leave if the supervisor is gone
+            while not server.should_exit:
+                if server.started and not board.owner(row)[1]:
+                    board.mark_ready(row)
+                if os.getppid() != parent:
+                    server.should_exit = True
+                time.sleep(0.05 if not server.started else 0.5)
+
+        threading.Thread(target=watch, name="pdproxy-worker-watch", daemon=True).start()
+        server.run(sockets=[sock])
+        started = server.started
+    if not started:
+        sys.exit(STARTUP_FAILURE)
+
+
+class Supervisor:
+    """Starts, watches and stops the worker processes (see module docstring)."""
+
+    def __init__(self, settings: Settings, sock: socket.socket, board: LoadBoard) -> None:
+        self.settings = settings
+        self.sock = sock
+        self.board = board
+        self.wake = WakeChannels(board.path.parent, settings.workers, None)
+        self.ctx = multiprocessing.get_context("spawn")
+        self.procs: list[Any] = [None] * settings.workers
+        self.stop = threading.Event()
+
+    def spawn(self, row: int) -> None:
+        """Start worker process ``row`` on a zeroed load-board row and record its pid."""
+        self.board.clear(row)
+        proc = self.ctx.Process(target=worker_main, name=f"pdproxy-worker-{row}",
+                                args=(self.settings, self.sock, str(self.board.path), row))
+        proc.start()
+        self.board.set_owner(row, proc.pid or 0)
+        self.procs[row] = proc
+        log.info("worker %d started (pid %s)", row, proc.pid)
+
+    def reap(self, row: int) -> bool:
+        """Handle worker ``row`` having exited.  Returns False if it was a start-up failure."""
+        proc = self.procs[row]
+        _, ready = self.board.owner(row)
+        self.board.clear(row)   # its leases, prefill reservations and breaker trials died with it
+        self.wake.wake_all()    # capacity came back: the other workers' waiters re-check
+        with contextlib.suppress(Exception):
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(proc.pid)
+        if not ready:
+            log.error("worker %d (pid %s) exited with code %s before it was ready; stopping", row, proc.pid,
+                      proc.exitcode)
+            return False
+        log.warning("worker %d (pid %s) exited with code %s; starting a new one", row, proc.pid, proc.exitcode)
+        return True
+
+    def run(self) -> int:
+        """Run until SIGTERM/SIGINT.  Returns the process exit code."""
+        def stop(sig: int, _frame: object) -> None:
+            if not self.stop.is_set():
+                log.info("pdproxy: %s: stopping %d worker(s) (each drains up to %.0f s)", signal.Signals(sig).name,
+                         len(self.procs), self.settings.shutdown_grace_s,
+                         extra={"event": "shutdown_started", "signal": signal.Signals(sig).name})
+            self.stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, stop)
+        code = 0
+        try:
+            for row in range(len(self.procs)):
+                self.spawn(row)
+            while not self.stop.wait(0.2):
+                for row, proc in enumerate(self.procs):
+                    if proc.is_alive():
+                        continue
+                    proc.join()
+                    if not self.reap(row):
+                        code = 1
+                        self.stop.set()
+                        break
+                    self.spawn(row)
+        finally:
+            self.shutdown()
+            self.wake.close()
+        return code
+
+    def shutdown(self) -> None:
+        """SIGTERM every worker, wait up to the grace period (+5 s), then SIGKILL the rest."""
+        alive = [p for p in self.procs if p is not None and p.is_alive()]
+        for proc in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.settings.shutdown_delay_s + self.settings.shutdown_grace_s + 5.0
+        for proc in alive:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                log.warning("worker pid %s did not stop in time: SIGKILL", proc.pid)
+                proc.kill()
+                proc.join()
+
+
+def serve_workers(settings: Settings) -> int:
+    """Run ``settings.workers`` worker processes behind one socket until interrupted (see module docstring)."""
+    endpoints = settings.all_endpoints()
+    with run_directory() as run_dir, listening_socket(settings.host, settings.port) as sock, \
+            LoadBoard.create(run_dir / BOARD_FILE, endpoints, settings.workers) as board:
+        metrics_dir = prepare_metrics_dir(run_dir)
+        create_fifos(run_dir, settings.workers)
+        log_banner(settings, listen_urls([sock.getsockname()], bool(settings.ssl_certfile)), workers=settings.workers)
+        log.info("pdproxy: run directory %s (load board %s, metrics %s)", run_dir, board.path, metrics_dir)
+        code = Supervisor(settings, sock, board).run()
+        log.info("pdproxy: shutdown complete (workers stopped)", extra={"event": "shutdown_done"})
+        return code

@@ -1,0 +1,1 @@
+"""What pdproxy knows about each engine: the pool, health, breakers, limits, served models, the control-plane client."""

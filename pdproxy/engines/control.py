@@ -1,0 +1,177 @@
+"""Control plane to the engines (httpx): ``/v1/models``, ``/health``, ``/metrics``, ``/tokenize``.
+
+What each engine declares is cached in :class:`EngineInfo` and refreshed in the background by the app
+(``engine_refresh_interval_s``): served model ids and ``max_model_len`` from ``/v1/models`` (vLLM
+``entrypoints/openai/engine/protocol.py::ModelCard`` has ``max_model_len``), and the KV pool from
+``vllm:cache_config_info`` on ``/metrics`` (``num_gpu_blocks × block_size`` tokens, or
+``kv_cache_size_tokens`` where vLLM ≥ 0.32 exports it; ``vllm/config/cache.py``, ``docs/real-vllm.md``).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from pdproxy.endpoints import Endpoint
+from pdproxy.http.engine_headers import EngineHeaders
+
+_LABELS_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(slots=True)
+class EngineInfo:
+    """What one endpoint declared at the last refresh (None = unknown).
+
+    ``max_model_len`` and ``kv_pool_tokens`` are tokens; ``refreshed_at`` is ``time.monotonic()`` seconds;
+    ``auth_failed``: ``/v1/models`` answered 401 or 403 at the last refresh (the engine's ``--api-key`` is not the
+    key pdproxy sends, ``engine_api_key``).
+    """
+
+    models: list[dict[str, Any]] = field(default_factory=list)
+    max_model_len: int | None = None
+    kv_pool_tokens: int | None = None
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    gauges: dict[str, float] = field(default_factory=dict)
+    reachable: bool = False
+    refreshed_at: float | None = None
+    error: str | None = None
+    auth_failed: bool = False
+
+
+def parse_cache_config(metrics_text: str) -> dict[str, str] | None:
+    """Labels of the first ``vllm:cache_config_info`` sample in Prometheus text, or None if absent."""
+    for line in metrics_text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            return dict(_LABELS_RE.findall(line[line.index("{"):line.rindex("}")]))
+    return None
+
+
+def kv_pool_tokens(labels: dict[str, str]) -> tuple[int | None, int | None, int | None]:
+    """``(pool tokens, block_size, num_gpu_blocks)`` from cache_config_info labels.
+
+    Prefers ``kv_cache_size_tokens`` (vLLM ≥ 0.32); else ``num_gpu_blocks × block_size`` (vLLM
+    ``config/cache.py::metrics_info``).  Values of ``"None"`` count as unknown.
+    """
+    def num(key: str) -> int | None:
+        v = labels.get(key)
+        try:
+            return int(float(v)) if v not in (None, "None", "") else None
+        except ValueError:
+            return None
+
+    block_size, blocks, size = num("block_size"), num("num_gpu_blocks"), num("kv_cache_size_tokens")
+    if size is None and block_size and blocks:
+        size = block_size * blocks
+    return size, block_size, blocks
+
+
+_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+
+
+def parse_gauges(metrics_text: str) -> dict[str, float]:
+    """Sum of each engine gauge across its series (DP engines), plus waiting by reason as
+    ``vllm:num_requests_waiting_by_reason:<reason>``."""
+    out: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name, _, rest = line.partition("{")
+        if not rest:
+            name, _, value = line.partition(" ")
+            labels = ""
+        else:
+            labels, _, value = rest.rpartition("} ")
+        key = name
+        if name == "vllm:num_requests_waiting_by_reason":
+            m = re.search(r'reason="([^"]*)"', labels)
+            key = f"{name}:{m.group(1) if m else ''}"
+        elif name not in _GAUGES:
+            continue
+        try:
+            out[key] = out.get(key, 0.0) + float(value.split()[0])
+        except (ValueError, IndexError):
+            continue
+    return out
+
+
+class EngineClient:
+    """httpx client for control-plane calls; one per proxy process (owned by the app lifespan).  Every call carries
+    the engine key when one is set (``engine_api_key``; vLLM guards ``/v1/models``)."""
+
+    def __init__(self, *, timeout_s: float, api_key: str | None = None) -> None:
+        """``timeout_s``: per call (seconds); ``api_key``: the engines' ``--api-key``, sent on every call
+        (:class:`~pdproxy.http.engine_headers.EngineHeaders`)."""
+        headers = EngineHeaders(engine_api_key=api_key).control()
+        self._client = httpx.AsyncClient(timeout=timeout_s, headers=headers,
+                                         limits=httpx.Limits(max_connections=64, max_keepalive_connections=16))
+
+    async def aclose(self) -> None:
+        """Close the underlying httpx client and its connections."""
+        await self._client.aclose()
+
+    async def health(self, endpoint: Endpoint) -> bool:
+        """True if ``GET /health`` answers 200 (vLLM answers 503 when the engine is dead)."""
+        try:
+            r = await self._client.get(endpoint.url + "/health", headers=endpoint.extra_headers())
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def get_json(self, endpoint: Endpoint, path: str) -> Any:
+        """GET ``path`` and parse JSON.  Raises ``httpx.HTTPError`` on transport errors or error statuses."""
+        r = await self._client.get(endpoint.url + path, headers=endpoint.extra_headers())
+        r.raise_for_status()
+        return r.json()
+
+    async def post_json(self, endpoint: Endpoint, path: str, body: dict[str, Any],
+                        headers: dict[str, str] | None = None) -> httpx.Response:
+        """POST a JSON body; returns the response (any status).  Raises ``httpx.HTTPError`` on transport errors."""
+        return await self._client.post(endpoint.url + path, json=body,
+                                       headers={**endpoint.extra_headers(), **(headers or {})})
+
+    async def metrics_text(self, endpoint: Endpoint) -> str:
+        """The engine's ``GET /metrics`` body (Prometheus text exposition).  No DP-rank header:
+        one ``/metrics`` per API server covers every internal-DP rank (``engine`` label).  Raises
+        ``httpx.HTTPError`` on transport errors or error statuses."""
+        r = await self._client.get(endpoint.url + "/metrics")
+        r.raise_for_status()
+        return r.text
+
+    async def refresh(self, endpoint: Endpoint, info: EngineInfo) -> EngineInfo:
+        """Update ``info`` in place from ``/v1/models`` and ``/metrics``; never raises (errors go to
+        ``info.error`` and ``info.reachable``)."""
+        try:
+            models = await self.get_json(endpoint, "/v1/models")
+            info.models = [m for m in models.get("data", []) if isinstance(m, dict)]
+            lens = [m["max_model_len"] for m in info.models if isinstance(m.get("max_model_len"), int)]
+            info.max_model_len = min(lens) if lens else None
+            info.reachable = True
+            info.error = None
+            info.auth_failed = False
+        except httpx.HTTPStatusError as exc:
+            status = exc.response.status_code
+            info.reachable = False
+            info.auth_failed = status in (401, 403)
+            info.error = f"GET /v1/models answered HTTP {status}" + (
+                " (the engine requires an API key: engine_api_key)" if info.auth_failed else "")
+            return info
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            info.reachable = False
+            info.auth_failed = False
+            info.error = f"/v1/models: {exc.__class__.__name__}: {exc}"
+            return info
+        try:
+            text = await self.metrics_text(endpoint)
+            labels = parse_cache_config(text)
+            if labels:
+                info.kv_pool_tokens, info.block_size, info.num_gpu_blocks = kv_pool_tokens(labels)
+            info.gauges = parse_gauges(text)
+        except httpx.HTTPError as exc:
+            info.error = f"/metrics: {exc.__class__.__name__}: {exc}"
+        info.refreshed_at = time.monotonic()
+        return info

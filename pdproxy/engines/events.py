@@ -1,0 +1,123 @@
+"""What ``pdproxy serve`` says about its engines: each change logged once, never per request or per probe.
+
+:class:`EngineEvents` is told the outcome of every health probe (``observe``) and every breaker transition
+(``breaker_changed``) by :class:`pdproxy.engines.health.HealthMonitor`, remembers what it last said per endpoint, and
+logs (logger ``pdproxy.engines``) only when that changes:
+
+=========================  =======  ===================================================================
+``event``                  level    when
+=========================  =======  ===================================================================
+``engine_up``              INFO     first successful probe: model(s), ``max_model_len``, KV pool
+``engine_unreachable``     WARNING  a probe failed (first probe, or the engine was up): the error
+``engine_reachable``       INFO     up again after being unreachable, with its limits
+``engine_limits_changed``  WARNING  ``max_model_len`` or the KV pool differ from the last figures
+``breaker_opened``         WARNING  the endpoint's circuit breaker opened (consecutive failures, or refused)
+``breaker_closed``         INFO     it closed again (a request succeeded)
+=========================  =======  ===================================================================
+
+Every record carries ``event``, ``endpoint`` and ``role`` (and the figures) in ``extra``, so the JSON log format
+(:mod:`pdproxy.ops.logs`) has them as fields.  Holds no lock: one event loop calls it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pdproxy.endpoints import Endpoint
+from pdproxy.engines.breaker import BreakerState
+from pdproxy.engines.control import EngineInfo
+
+log = logging.getLogger("pdproxy.engines")
+
+
+@dataclass(frozen=True, slots=True)
+class _Said:
+    up: bool
+    max_model_len: int | None
+    kv_pool_tokens: int | None
+
+
+def _num(n: int | None) -> str:
+    return "unknown" if n is None else f"{n:,}"
+
+
+def describe(info: EngineInfo) -> str:
+    """``model m, max_model_len 4,096, KV pool 16,384 tokens (4,096 blocks × 4)`` from an engine's info."""
+    models = ", ".join(str(m.get("id")) for m in info.models) or "none"
+    blocks = (f" ({info.num_gpu_blocks:,} blocks × {info.block_size})"
+              if info.num_gpu_blocks and info.block_size else "")
+    text = f"model {models}, max_model_len {_num(info.max_model_len)}, KV pool {_num(info.kv_pool_tokens)} tokens{blocks}"
+    if info.kv_pool_tokens is not None and info.max_model_len is not None and info.kv_pool_tokens < info.max_model_len:
+        text += (f" — below max_model_len: prompts over {info.kv_pool_tokens:,} tokens are refused with a 400 (the "
+                 "engine would queue them forever)")
+    return text
+
+
+class EngineEvents:
+    """Logs each change of an engine's reachability, limits or breaker once (see module docstring)."""
+
+    def __init__(self) -> None:
+        self._said: dict[Endpoint, _Said] = {}
+
+    def observe(self, endpoint: Endpoint, info: EngineInfo | None, up: bool) -> None:
+        """A probe of ``endpoint`` ended: ``up`` (``/health`` 200 and ``/v1/models`` answered), ``info`` (what the
+        engine declared, possibly stale when ``up`` is False)."""
+        before = self._said.get(endpoint)
+        now = _Said(up, info.max_model_len if info and up else None, info.kv_pool_tokens if info and up else None)
+        fields = {"endpoint": endpoint.name, "role": endpoint.role.value}
+        if not up:
+            if before is None or before.up:
+                error = (info.error if info is not None and info.error else None) or "/health did not answer 200"
+                log.warning("engine %s (%s) unreachable: %s", endpoint.name, endpoint.role.value, error,
+                            extra={"event": "engine_unreachable", "error": error, **fields})
+                self._said[endpoint] = _Said(False, before.max_model_len if before else None,
+                                             before.kv_pool_tokens if before else None)
+            return
+        assert info is not None
+        limits = {"max_model_len": info.max_model_len, "kv_pool_tokens": info.kv_pool_tokens, **fields}
+        if before is None or not before.up:
+            event = "engine_up" if before is None or before.max_model_len is None else "engine_reachable"
+            log.info("engine %s (%s) %s: %s", endpoint.name, endpoint.role.value,
+                     "up" if event == "engine_up" else "reachable again", describe(info),
+                     extra={"event": event, **limits})
+            if before is not None and before.max_model_len is not None and \
+                    (before.max_model_len, before.kv_pool_tokens) != (now.max_model_len, now.kv_pool_tokens):
+                self._limits_changed(endpoint, before, now, limits)
+        elif (before.max_model_len, before.kv_pool_tokens) != (now.max_model_len, now.kv_pool_tokens):
+            self._limits_changed(endpoint, before, now, limits)
+        self._said[endpoint] = now
+
+    def _limits_changed(self, endpoint: Endpoint, before: _Said, now: _Said, limits: Mapping[str, object]) -> None:
+        parts = []
+        if before.max_model_len != now.max_model_len:
+            parts.append(f"max_model_len {_num(before.max_model_len)} → {_num(now.max_model_len)}")
+        if before.kv_pool_tokens != now.kv_pool_tokens:
+            parts.append(f"KV pool {_num(before.kv_pool_tokens)} → {_num(now.kv_pool_tokens)} tokens")
+        log.warning("engine %s (%s) limits changed: %s", endpoint.name, endpoint.role.value, ", ".join(parts),
+                    extra={"event": "engine_limits_changed", "previous_max_model_len": before.max_model_len,
+                           "previous_kv_pool_tokens": before.kv_pool_tokens, **limits})
+
+    def breaker_changed(self, endpoint: Endpoint, before: BreakerState, after: BreakerState, *,
+                        failures: int = 0, retry_in_s: float = 0.0) -> None:
+        """The breaker of ``endpoint`` went from ``before`` to ``after`` (``failures``: consecutive failures;
+        ``retry_in_s``: seconds until it lets a trial through)."""
+        if before is after:
+            return
+        fields = {"endpoint": endpoint.name, "role": endpoint.role.value, "breaker": after.value}
+        if after is BreakerState.OPEN:
+            log.warning("breaker of %s (%s) opened after %d consecutive failure(s): no traffic for %.1f s, then a "
+                        "trial request", endpoint.name, endpoint.role.value, failures, retry_in_s,
+                        extra={"event": "breaker_opened", "failures": failures, "retry_in_s": round(retry_in_s, 3),
+                               **fields})
+        elif after is BreakerState.CLOSED:
+            log.info("breaker of %s (%s) closed: the engine serves again", endpoint.name, endpoint.role.value,
+                     extra={"event": "breaker_closed", **fields})
+        else:
+            log.debug("breaker of %s (%s) half-open: one trial request", endpoint.name, endpoint.role.value,
+                      extra={"event": "breaker_half_open", **fields})
+
+    def forget(self, endpoint: Endpoint) -> None:
+        """``endpoint`` left the pool (admin API): nothing more is said about it."""
+        self._said.pop(endpoint, None)

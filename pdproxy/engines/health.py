@@ -1,0 +1,279 @@
+"""Endpoint health: active ``/health`` probes, passive outlier detection, and one circuit breaker per endpoint.
+
+- **Active**: every ``interval_s`` seconds each endpoint's ``GET /health`` is probed (vLLM answers 200, or 503
+  when the engine core is dead — ``vllm/entrypoints/serve``); the result is the pool's
+  ``healthy`` flag.  What the engine declares (``/v1/models``, ``/metrics``) is refreshed every
+  ``refresh_interval_s`` seconds into ``infos`` (used by admission and routing).
+- **Passive**: the request path reports each leg's verdict.  Transport failures, timeouts and 5xx answers count
+  against the endpoint (``record_failure``); 4xx answers are the request's fault and must not be reported.  A
+  failure also triggers an immediate probe, so a killed engine leaves the pool within one probe round trip.
+- **Breaker** (:mod:`pdproxy.engines.breaker`): consecutive failures open it; picks skip open endpoints (:meth:`can_take`,
+  the scheduler's breaker filter);
+  a successful probe lets a trial request through; a successful request closes it.  With ``--workers N`` the
+  breakers are shared by all workers (``make_breaker``, :mod:`pdproxy.workers.breaker`); probes stay per worker.
+
+So a dead engine gets at most ``breaker_failures`` (+ in-flight) attempts, is re-admitted within about one probe
+interval of answering ``/health`` again, and with no usable prefiller or decoder the scheduler raises
+``NoEndpointAvailable`` (503 + ``Retry-After``) at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from pdproxy.endpoints import Endpoint
+from pdproxy.engines.breaker import BreakerState, CircuitBreaker, Clock
+from pdproxy.engines.control import EngineClient, EngineInfo
+from pdproxy.engines.events import EngineEvents
+from pdproxy.engines.pool import EndpointPool
+from pdproxy.errors import ProxyError, UpstreamHTTPError
+from pdproxy.http.upstream import UpstreamRefused, retry_after_seconds
+
+log = logging.getLogger("pdproxy.health")
+
+
+class BreakerFactory(Protocol):
+    """Builds ``endpoint``'s breaker from :class:`CircuitBreaker`'s keyword arguments."""
+
+    def __call__(self, endpoint: Endpoint, *, failure_threshold: int, open_s: float, max_open_s: float,
+                 clock: Clock) -> CircuitBreaker: ...
+
+
+def _local_breaker(endpoint: Endpoint, *, failure_threshold: int, open_s: float, max_open_s: float,
+                   clock: Clock) -> CircuitBreaker:
+    return CircuitBreaker(failure_threshold=failure_threshold, open_s=open_s, max_open_s=max_open_s, clock=clock)
+
+
+class HealthMonitor:
+    """Keeps ``pool`` health flags, per-endpoint breakers and ``infos`` (what each engine declares) up to date.
+
+    ``interval_s``: probe period (seconds); ``refresh_interval_s``: ``/v1/models`` + ``/metrics`` refresh period;
+    ``breaker_failures`` / ``breaker_open_s``: see :class:`CircuitBreaker`; ``clock``: monotonic seconds;
+    ``make_breaker``: builds an endpoint's breaker from its settings (``--workers N``: one shared by every worker,
+    :mod:`pdproxy.workers.breaker`); given, every endpoint's breaker is made up front, so a breaker another process
+    opened is seen before this one ever failed.  Start with :meth:`start`, stop with :meth:`stop` (the app
+    lifespan owns both).
+    """
+
+    def __init__(self, pool: EndpointPool, engines: EngineClient, infos: dict[Endpoint, EngineInfo], *,
+                 interval_s: float, refresh_interval_s: float, breaker_failures: int = 3,
+                 breaker_open_s: float = 3.0, clock: Clock = time.monotonic,
+                 make_breaker: BreakerFactory | None = None) -> None:
+        self.pool = pool
+        self.engines = engines
+        self.infos = infos
+        self.interval_s = interval_s
+        self.refresh_interval_s = refresh_interval_s
+        self.breaker_failures = breaker_failures
+        self.breaker_open_s = breaker_open_s
+        self.clock = clock
+        self.breakers: dict[Endpoint, CircuitBreaker] = {}
+        self.leaving: set[Endpoint] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._probing: dict[Endpoint, asyncio.Task[bool]] = {}
+        self.events = EngineEvents()  # logs each change of reachability, limits, breaker once (engine_events.py)
+        self._make_breaker = make_breaker or _local_breaker
+        if make_breaker is not None:
+            for e in pool.endpoints():
+                self.breaker(e)
+        self._refresh_listeners: list[Callable[[Endpoint, EngineInfo], None]] = []
+
+    def add_refresh_listener(self, listener: Callable[[Endpoint, EngineInfo], None]) -> None:
+        """Call ``listener(endpoint, info)`` after each refresh of an engine's :class:`EngineInfo` (the prefix
+        cache takes the block size and KV pool from it)."""
+        self._refresh_listeners.append(listener)
+
+    # --- breakers -------------------------------------------------------------------------------------------
+    def breaker(self, endpoint: Endpoint) -> CircuitBreaker:
+        """The endpoint's breaker (created closed on first use)."""
+        b = self.breakers.get(endpoint)
+        if b is None:
+            b = self._make_breaker(endpoint, failure_threshold=self.breaker_failures, open_s=self.breaker_open_s,
+                                   max_open_s=max(10 * self.breaker_open_s, 30.0), clock=self.clock)
+            self.breakers[endpoint] = b
+        return b
+
+    def can_take(self, endpoint: Endpoint) -> bool:
+        """True when the endpoint's breaker lets a request in (the scheduler's breaker filter asks this)."""
+        b = self.breakers.get(endpoint)
+        return b is None or b.can_take()
+
+    def on_pick(self, endpoint: Endpoint) -> bool:
+        """Call right after the scheduler chose ``endpoint``: takes a half-open trial slot if needed; False when
+        the breaker does not let the request in after all (:meth:`CircuitBreaker.on_pick`)."""
+        b = self.breakers.get(endpoint)
+        if b is None:
+            return True
+        before = b.state
+        if before is BreakerState.CLOSED:      # nothing to take (the common case: one read)
+            return True
+        taken = b.on_pick()
+        self.events.breaker_changed(endpoint, before, b.state)
+        return taken
+
+    def retry_after_s(self, endpoints: list[Endpoint]) -> int:
+        """Whole seconds until one of ``endpoints`` may take traffic again (≥ 1), for ``Retry-After``."""
+        waits = [self.breakers[e].seconds_until_retry() for e in endpoints if e in self.breakers]
+        return max(1, math.ceil(min(waits))) if waits else max(1, math.ceil(self.interval_s))
+
+    def record_failure(self, endpoint: Endpoint, *, retry_after_s: float | None = None, hard: bool = False) -> None:
+        """A leg to ``endpoint`` failed at the transport level, timed out or got a 5xx (never a 4xx).
+        ``retry_after_s``: the engine's ``Retry-After`` (seconds), honoured by the breaker; ``hard``: the
+        connection was refused (nothing listens), which opens the breaker at once."""
+        b = self.breaker(endpoint)
+        before = b.state
+        b.record_failure(retry_after_s=retry_after_s, hard=hard)
+        self.events.breaker_changed(endpoint, before, b.state, failures=b.consecutive_failures,
+                                    retry_in_s=b.seconds_until_retry())
+        self.probe_soon(endpoint)
+
+    def record_error(self, endpoint: Endpoint, exc: ProxyError) -> bool:
+        """Record a leg to ``endpoint`` that ended with ``exc``; True when it says the engine is unwell (transport
+        failure, timeout, 5xx: :meth:`record_failure`, honouring its ``Retry-After``; a refused connection opens the
+        breaker at once), False for the request's own fault (a 4xx: :meth:`record_neutral`)."""
+        if isinstance(exc, UpstreamHTTPError) and exc.status_code < 500:
+            self.record_neutral(endpoint)
+            return False
+        retry_after = retry_after_seconds(exc.retry_after) if isinstance(exc, UpstreamHTTPError) else None
+        self.record_failure(endpoint, retry_after_s=retry_after, hard=isinstance(exc, UpstreamRefused))
+        return True
+
+    def record_success(self, endpoint: Endpoint) -> None:
+        """A leg to ``endpoint`` succeeded (closes its breaker)."""
+        b = self.breakers.get(endpoint)
+        if b is not None and (b.state is not BreakerState.CLOSED or b.consecutive_failures):
+            before = b.state
+            b.record_success()
+            self.events.breaker_changed(endpoint, before, b.state)
+
+    def record_neutral(self, endpoint: Endpoint) -> None:
+        """A leg ended without a verdict on the engine (client left, 4xx): frees a half-open trial slot."""
+        b = self.breakers.get(endpoint)
+        if b is not None:
+            b.release_trial()
+
+    def forget(self, endpoint: Endpoint) -> None:
+        """Drop an endpoint's breaker and probe (admin remove)."""
+        self.breakers.pop(endpoint, None)
+        self.events.forget(endpoint)
+        task = self._probing.pop(endpoint, None)
+        if task is not None:
+            task.cancel()
+
+    def snapshot(self, endpoint: Endpoint) -> dict[str, object]:
+        """Breaker state for ``/admin/endpoints`` and metrics: ``{"breaker", "consecutive_failures",
+        "opened_total", "retry_in_s"}``."""
+        b = self.breakers.get(endpoint)
+        if b is None:
+            return {"breaker": BreakerState.CLOSED.value, "consecutive_failures": 0, "opened_total": 0,
+                    "retry_in_s": 0.0}
+        return {"breaker": b.state.value, "consecutive_failures": b.consecutive_failures,
+                "opened_total": b.opened_total, "retry_in_s": round(b.seconds_until_retry(), 3)}
+
+    # --- membership (admin API) ------------------------------------------------------------------------------
+    def leave_when_idle(self, endpoint: Endpoint) -> None:
+        """Remove the (draining) endpoint once it has no in-flight requests (checked now and every probe tick)."""
+        self.leaving.add(endpoint)
+        self.reap()
+
+    def reap(self) -> list[Endpoint]:
+        """Remove leaving endpoints that are idle; returns them."""
+        gone = []
+        for e in list(self.leaving):
+            try:
+                idle = self.pool.load(e).requests == 0
+            except KeyError:
+                idle = True
+            if idle:
+                self.remove(e)
+                gone.append(e)
+        return gone
+
+    def remove(self, endpoint: Endpoint) -> None:
+        """Take ``endpoint`` out of the pool, its breaker, probe and engine info."""
+        self.leaving.discard(endpoint)
+        self.pool.remove(endpoint)
+        self.infos.pop(endpoint, None)
+        self.forget(endpoint)
+
+    # --- active probes ----------------------------------------------------------------------------------------
+    async def probe(self, endpoint: Endpoint) -> bool:
+        """Probe ``GET /health`` once; update the pool flag, the breaker and (when due) the engine info."""
+        ok = await self.engines.health(endpoint)
+        if endpoint not in self.pool.endpoints(endpoint.role):  # removed meanwhile (admin API)
+            return False
+        info = self.infos.setdefault(endpoint, EngineInfo())
+        due = (not info.reachable or info.refreshed_at is None
+               or time.monotonic() - info.refreshed_at >= self.refresh_interval_s)
+        if ok and due:
+            await self._refresh(endpoint, info)
+            ok = info.reachable
+        with contextlib.suppress(KeyError):
+            self.pool.load(endpoint).healthy = ok
+        self.events.observe(endpoint, info, ok)
+        if ok:
+            b = self.breakers.get(endpoint)
+            if b is not None:
+                b.probe_ok()
+        return ok
+
+    def probe_soon(self, endpoint: Endpoint) -> None:
+        """Schedule one probe of ``endpoint`` now (at most one at a time per endpoint); no-op without a loop."""
+        if endpoint in self._probing:
+            return
+        try:
+            task = asyncio.get_running_loop().create_task(self.probe(endpoint))
+        except RuntimeError:
+            return
+        self._probing[endpoint] = task
+        task.add_done_callback(lambda _t: self._probing.pop(endpoint, None))
+
+    async def _refresh(self, endpoint: Endpoint, info: EngineInfo) -> None:
+        """Refresh ``info``; log (once per change) when the engine starts or stops refusing pdproxy's key."""
+        refused = info.auth_failed
+        await self.engines.refresh(endpoint, info)
+        for listener in self._refresh_listeners:
+            listener(endpoint, info)
+        if info.auth_failed and not refused:
+            log.warning("%s %s refuses pdproxy's control-plane calls (%s): it was started with --api-key; set "
+                        "engine_api_key to that key", endpoint.role.value, endpoint.name, info.error)
+        elif refused and not info.auth_failed:
+            log.info("%s %s accepts pdproxy's engine key again", endpoint.role.value, endpoint.name)
+
+    async def refresh_all(self) -> None:
+        """Probe every endpoint once and refresh its :class:`EngineInfo` (concurrently)."""
+        async def one(e: Endpoint) -> None:
+            info = self.infos.setdefault(e, EngineInfo())
+            await self._refresh(e, info)
+            up = info.reachable and await self.engines.health(e)
+            with contextlib.suppress(KeyError):
+                self.pool.load(e).healthy = up
+            self.events.observe(e, info, up)
+        await asyncio.gather(*(one(e) for e in self.pool.endpoints()))
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            self.reap()
+            await asyncio.gather(*(self.probe(e) for e in self.pool.endpoints()), return_exceptions=True)
+
+    async def start(self) -> None:
+        """Probe every endpoint once (awaited), then start the background loop probing every ``interval_s`` seconds."""
+        await self.refresh_all()
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        """Cancel the background loop and any pending probes and wait for them; never raises."""
+        tasks = [t for t in (self._task, *self._probing.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._probing.clear()

@@ -1,0 +1,155 @@
+"""Which models each endpoint serves, and the union pdproxy lists on ``GET /v1/models``.
+
+Sources, per endpoint:
+
+- the ``id`` of every card its ``GET /v1/models`` listed at the last refresh (``EngineInfo.models``, refreshed by
+  :mod:`pdproxy.engines.health`): the served model name(s) and every LoRA adapter, which vLLM lists as its own card with a
+  ``parent`` (``vllm/entrypoints/openai/models/serving.py::show_available_models``; ``"max_model_len": null``);
+- the operator's pins (endpoint config ``models: [...]``, :class:`pdproxy.settings.EndpointConfig`): the endpoint
+  takes only those models, even if it lists more (a pool kept for one model).
+
+Rule: with both, the endpoint serves the pinned ids it also lists; with only pins (not refreshed yet), the pins;
+with only the listing, the listing; with neither, *unknown* — it is not ruled out for any model (an engine whose
+``/v1/models`` was never read must not turn every request into a 404).
+
+vLLM answers a request for a model it does not serve with 404 before running anything
+(``vllm/entrypoints/serve/engine/serving.py::_check_model``); pdproxy says the same, in the same words
+(:class:`~pdproxy.errors.ModelNotFound`), before any engine is contacted: :meth:`ServedModels.require`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from pdproxy.endpoints import Endpoint, Role
+from pdproxy.engines.control import EngineInfo
+from pdproxy.errors import ModelNotFound
+
+Pins = Mapping[tuple[Role, str], frozenset[str]]
+"""``(role, endpoint URL) → model ids`` the operator pinned that endpoint to."""
+
+
+class ServedModels:
+    """The served-model view of every endpoint (see the module docstring).
+
+    ``infos``: the live ``EngineInfo`` of each endpoint (shared with the health monitor, read at call time);
+    ``pins``: the operator's pins.  Lookups are O(1) per endpoint: each endpoint's id set is rebuilt only when its
+    refresh replaced ``EngineInfo.models`` (a new list object)."""
+
+    def __init__(self, infos: Mapping[Endpoint, EngineInfo], pins: Pins | None = None) -> None:
+        self.infos = infos
+        self.pins: dict[tuple[Role, str], frozenset[str]] = dict(pins or {})
+        self._ids: dict[Endpoint, tuple[int, frozenset[str] | None]] = {}
+
+    def pin(self, role: Role, url: str, models: Iterable[str]) -> None:
+        """Pin the endpoints at ``(role, url)`` to ``models`` (empty: unpin); the admin API's ``models``."""
+        ids = frozenset(models)
+        if ids:
+            self.pins[(role, url)] = ids
+        else:
+            self.pins.pop((role, url), None)
+        for endpoint in [e for e in self._ids if e.role is role and e.url == url]:
+            del self._ids[endpoint]
+
+    def pinned(self, endpoint: Endpoint) -> frozenset[str] | None:
+        """The ids ``endpoint`` is pinned to, or None when it is not pinned."""
+        return self.pins.get((endpoint.role, endpoint.url)) if self.pins else None
+
+    def listed(self, endpoint: Endpoint) -> list[dict[str, Any]]:
+        """The model cards ``endpoint`` listed at its last refresh (empty when never read)."""
+        info = self.infos.get(endpoint)
+        return info.models if info is not None else []
+
+    def ids(self, endpoint: Endpoint) -> frozenset[str] | None:
+        """The model ids ``endpoint`` serves (module docstring's rule); None when unknown."""
+        cards = self.listed(endpoint)
+        key = id(cards)
+        hit = self._ids.get(endpoint)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        listed = frozenset(c["id"] for c in cards if isinstance(c.get("id"), str)) or None
+        pins = self.pinned(endpoint)
+        ids = (listed & pins if listed is not None else pins) if pins is not None else listed
+        if len(self._ids) > 4096:                       # endpoints come and go (admin API): stay bounded
+            self._ids.clear()
+        self._ids[endpoint] = (key, ids)
+        return ids
+
+    def serves(self, endpoint: Endpoint, model: str | None) -> bool:
+        """True when ``endpoint`` may take a request for ``model`` (None: any model; unknown lists accept)."""
+        if not model:
+            return True
+        ids = self.ids(endpoint)
+        return ids is None or model in ids
+
+    def endpoints(self, endpoints: Iterable[Endpoint], model: str | None) -> list[Endpoint]:
+        """The ``endpoints`` that serve ``model``, in order."""
+        return [e for e in endpoints if self.serves(e, model)]
+
+    def base_ids(self, role: Role | None = None) -> list[str]:
+        """Sorted ids of the served base models (cards without a ``parent``: not LoRA adapters) of ``role``'s
+        endpoints (all roles when None) — what vLLM names as "Valid aliases" in its 404."""
+        out: set[str] = set()
+        for e in self.infos:
+            if role is not None and e.role is not role:
+                continue
+            ids = self.ids(e) or frozenset()
+            out.update(c["id"] for c in self.listed(e) if c.get("id") in ids and not c.get("parent"))
+            pins = self.pinned(e)
+            if pins is not None and not self.listed(e):
+                out.update(pins)
+        return sorted(out)
+
+    def require(self, model: str | None, role: Role = Role.DECODE) -> None:
+        """Raise :class:`ModelNotFound` (404, vLLM's words) when there are endpoints of ``role`` and none serves
+        ``model``; a request without ``model`` passes (the engine picks its own), and so does any request when no
+        endpoint of ``role`` is known (the scheduler then says there is none: 503)."""
+        if not model:
+            return
+        known = False
+        for e in self.infos:
+            if e.role is role:
+                if self.serves(e, model):
+                    return
+                known = True
+        if known:
+            raise ModelNotFound(model, role.value, self.base_ids(role))
+
+    def is_adapter(self, model: str | None) -> bool:
+        """True when some endpoint lists ``model`` as a LoRA adapter (a card with a ``parent``)."""
+        if not model:
+            return False
+        return any(c.get("id") == model and c.get("parent") for e in self.infos for c in self.listed(e))
+
+    def prefix_namespace(self, model: str | None) -> str:
+        """The prefix-index namespace of a request for ``model`` (:func:`pdproxy.prefix.index.block_keys`):
+        the adapter's name for a LoRA adapter (vLLM keys its blocks by ``lora_name``), else ``""`` (the base model;
+        the index is per engine, and one engine runs one base model)."""
+        return model if model and self.is_adapter(model) else ""
+
+    def cards(self, max_model_len_override: int | None = None) -> list[dict[str, Any]]:
+        """The union of the served cards, one per id, in first-seen order, each with the smallest ``max_model_len``
+        of the endpoints that serve it (a request must fit its prefiller and its decoder); adapters keep the
+        ``null`` vLLM gives them.  ``max_model_len_override`` (the ``max_model_len`` setting) replaces every
+        figure.  Pinned endpoints contribute only their pinned models."""
+        merged: dict[str, dict[str, Any]] = {}
+        for e in self.infos:
+            ids = self.ids(e)
+            cards = self.listed(e)
+            if not cards and ids:
+                cards = [{"id": m, "object": "model", "owned_by": "vllm"} for m in sorted(ids)]
+            for card in cards:
+                mid = card.get("id")
+                if not isinstance(mid, str) or (ids is not None and mid not in ids):
+                    continue
+                entry = merged.setdefault(mid, dict(card))
+                mml = card.get("max_model_len")
+                if isinstance(mml, int) and (not isinstance(entry.get("max_model_len"), int)
+                                             or mml < entry["max_model_len"]):
+                    entry["max_model_len"] = mml
+        if max_model_len_override:
+            for entry in merged.values():
+                if not entry.get("parent"):
+                    entry["max_model_len"] = max_model_len_override
+        return list(merged.values())

@@ -1,0 +1,78 @@
+"""The headers of every request pdproxy sends an engine, and the one rule for the ``Authorization`` they carry.
+
+Rule (settings ``engine_api_key`` and ``api_keys``):
+
+- ``engine_api_key`` set: every call carries ``Authorization: Bearer <engine_api_key>`` — the prefill and decode
+  legs, KV release legs, ``/tokenize``, and the control plane (``/v1/models``, ``/metrics``, ``/health``, doctor's
+  probes) — and a client's own ``Authorization`` never reaches an engine;
+- unset, with ``api_keys`` (pdproxy checks client keys itself): no ``Authorization`` at all, client keys are never
+  forwarded;
+- unset, without ``api_keys``: the client's ``Authorization`` passes through on the request's legs (an engine
+  started with ``--api-key`` then answers a wrong key with its own 401); control-plane calls carry none.
+
+vLLM 0.32's ``--api-key`` guards the paths under ``/v1``, ``/v2``, ``/inference`` and ``/cohere``
+(``vllm/entrypoints/serve/middleware/authenticate.py``, ``GUARDED_PREFIX``): ``/v1/models`` and the completion
+routes need the key, ``/health``, ``/metrics`` and ``/tokenize`` do not.  pdproxy sends it on every call anyway,
+which also suits gateways in front of engines that guard every path.
+
+Trace context (setting ``otlp_traces_endpoint``, :mod:`pdproxy.ops.tracing`): with tracing on, a request's legs also
+carry the current span as W3C ``traceparent`` / ``tracestate``, so that an engine started with
+``--otlp-traces-endpoint`` records its spans in the request's trace.  Control-plane calls carry none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from pdproxy.endpoints import Endpoint
+
+if TYPE_CHECKING:
+    from pdproxy.settings import Settings
+
+
+class EngineHeaders:
+    """Builds engine-call headers (see the module docstring).  ``engine_api_key``: the engines' ``--api-key``;
+    ``forward_client_authorization``: pass a client's ``Authorization`` through when no engine key is set (False
+    when pdproxy enforces its own ``api_keys``); ``propagate``: adds the current trace context to a leg's headers
+    (:attr:`pdproxy.ops.tracing.Tracing.propagate`; None = tracing off)."""
+
+    __slots__ = ("_control", "_key", "_propagate", "forward_client_authorization")
+
+    def __init__(self, *, engine_api_key: str | None = None, forward_client_authorization: bool = True,
+                 propagate: Callable[[dict[str, str]], None] | None = None) -> None:
+        self._key = f"Bearer {engine_api_key}" if engine_api_key else None
+        self.forward_client_authorization = forward_client_authorization
+        self._control = {"Authorization": self._key} if self._key else {}
+        self._propagate = propagate
+
+    @classmethod
+    def from_settings(cls, settings: Settings, propagate: Callable[[dict[str, str]], None] | None = None
+                      ) -> EngineHeaders:
+        """The rule for ``settings.engine_api_key`` / ``settings.api_keys``; ``propagate`` as in the class."""
+        return cls(engine_api_key=settings.engine_api_key, forward_client_authorization=not settings.api_keys,
+                   propagate=propagate)
+
+    def authorization(self, client_authorization: str | None) -> str | None:
+        """The ``Authorization`` value for a leg of a request whose client sent ``client_authorization``."""
+        if self._key is not None:
+            return self._key
+        return client_authorization if self.forward_client_authorization else None
+
+    def control(self) -> dict[str, str]:
+        """Headers of a control-plane call (``/v1/models``, ``/metrics``, ``/health``): the engine key, if set."""
+        return dict(self._control)
+
+    def leg(self, endpoint: Endpoint, request_id: str, client_authorization: str | None = None) -> dict[str, str]:
+        """Headers of a JSON POST to ``endpoint`` for request ``request_id``: ``Content-Type``, ``X-Request-Id``
+        (one id across a request's legs, so engine logs line up), ``Authorization`` per the rule, the DP-rank
+        pin (``X-data-parallel-rank``) of an internal-DP endpoint, and with tracing on ``traceparent`` (and
+        ``tracestate``) of the current span."""
+        headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+        auth = self.authorization(client_authorization)
+        if auth:
+            headers["Authorization"] = auth
+        headers.update(endpoint.extra_headers())
+        if self._propagate is not None:
+            self._propagate(headers)
+        return headers

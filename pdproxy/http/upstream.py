@@ -1,0 +1,225 @@
+"""Data-plane HTTP client to the engines, and the one place its transport errors become pdproxy errors.
+
+Why :mod:`pdproxy.http.client` here and httpx elsewhere: on this machine kind httpx's connection pool cost ~460 µs of
+proxy CPU per relayed SSE event and queued requests for pool slots at ~100 concurrent streams (+5 s TTFT), and
+aiohttp's ``ClientSession`` cost ~34 % of the proxy's CPU per PD request (README "Performance",
+loadtest/RESULTS.md).  Control-plane calls (health, /metrics, /v1/models, /tokenize) use httpx (``engines.py``).
+
+One keep-alive pool per proxy process (at most ``upstream_max_connections`` per engine, a caller past that waits
+``upstream_pool_wait_s``), created by :meth:`Upstream.start` and closed by :meth:`Upstream.close` (the app's
+lifespan owns both).  :func:`proxy_error` maps the transport's exception tree (``pdproxy/http/client.py``) to
+:class:`~pdproxy.errors.ProxyError`: every caller (the legs here, the relay, the JSON decode answer) uses it.
+
+Stale keep-alive connections: engines (uvicorn under vLLM) close idle connections after 5 s
+(``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, vllm/envs.py), so pooled connections are dropped after
+:data:`KEEPALIVE_S` (4 s) on our side.  A POST that still fails on a *reused* connection with a disconnect/reset
+before any response byte (the engine closed it between requests and never read the request) is sent once more on
+a fresh connection (RFC 9112 §9.3.1.1).  A failure on a fresh connection, or after the response started, is
+never retried here, so a request does not run twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+
+from pdproxy.endpoints import Endpoint
+from pdproxy.errors import ProxyError, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable
+from pdproxy.http.client import ConnectError, H1Pool, H1Response, PoolTimeout, ReadTimeout, TransportError
+
+_MAX_ERROR_BODY_BYTES = 1 << 20
+KEEPALIVE_S = 4.0
+"""Seconds an idle upstream connection stays pooled: below vLLM's 5 s server keep-alive."""
+
+
+def _retry_after(headers: Any) -> str | None:
+    value = headers.get("Retry-After") if headers is not None else None
+    return str(value) if value else None
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """Parse a ``Retry-After`` header (delta-seconds or an HTTP-date, RFC 9110 §10.2.3) into seconds ≥ 0;
+    None when absent or unparseable."""
+    if not value:
+        return None
+    text = value.strip()
+    try:
+        return max(0.0, float(text))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+class UpstreamRefused(UpstreamUnavailable):
+    """The connection could not be opened (refused, unreachable, connect timeout): the engine never saw the
+    request, so e.g. the prefiller's KV handle is still intact and may go to another decoder."""
+
+
+def proxy_error(exc: TransportError | TimeoutError, who: str, endpoint: str, when: str = "") -> ProxyError:
+    """The pdproxy error for a transport failure of ``who`` (``"decoder http://…"``), ``endpoint`` its name,
+    ``when`` a phrase placed after the verb (``" mid-stream"``):
+
+    - :class:`~pdproxy.http.client.ConnectError` → :class:`UpstreamRefused` (the engine never saw the request);
+    - :class:`~pdproxy.http.client.PoolTimeout` → :class:`UpstreamTimeout` (nothing sent; the engine is saturated);
+    - :class:`~pdproxy.http.client.ReadTimeout` and a bare ``TimeoutError`` → :class:`UpstreamTimeout`;
+    - :class:`~pdproxy.http.client.Disconnected`, :class:`~pdproxy.http.client.ProtocolError` →
+      :class:`UpstreamUnavailable`.
+    """
+    if isinstance(exc, ConnectError):
+        return UpstreamRefused(f"{who} refused the connection{when}: {exc}", endpoint=endpoint)
+    if isinstance(exc, PoolTimeout):
+        return UpstreamTimeout(f"{who}: {exc}", endpoint=endpoint)
+    if isinstance(exc, ReadTimeout | TimeoutError):
+        return UpstreamTimeout(f"{who} timed out{when}: {exc}", endpoint=endpoint)
+    return UpstreamUnavailable(f"{who} failed{when}: {exc.__class__.__name__}: {exc}", endpoint=endpoint)
+
+
+class Upstream:
+    """Sends the prefill leg (JSON) and opens the decode leg (stream) to one engine endpoint.
+
+    ``max_connections``: per engine (0: unlimited); ``pool_wait_s``: how long a request waits for one."""
+
+    def __init__(self, *, connect_timeout_s: float, max_connections: int = 0, pool_wait_s: float = 10.0) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.max_connections = max_connections
+        self.pool_wait_s = pool_wait_s
+        self._pool: H1Pool | None = None
+        self._targets: dict[str, tuple[tuple[str, int], bool, str, str]] = {}
+        self.stale_retries = 0
+
+    async def start(self) -> None:
+        """Create the keep-alive connection pool (connect timeout ``connect_timeout_s`` seconds)."""
+        self._pool = H1Pool(connect_timeout_s=self.connect_timeout_s, keepalive_s=KEEPALIVE_S,
+                            max_per_endpoint=self.max_connections, wait_s=self.pool_wait_s)
+
+    async def close(self) -> None:
+        """Close idle pooled connections and drop the pool; a no-op if not started."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    @property
+    def pool(self) -> H1Pool:
+        """The connection pool.  Raises ``RuntimeError`` before :meth:`start` or after :meth:`close`."""
+        if self._pool is None:
+            raise RuntimeError("Upstream.start() was not awaited")
+        return self._pool
+
+    def _target(self, url: str) -> tuple[tuple[str, int], bool, str, str]:
+        """``((host, port), tls, host header, path)`` for an engine URL (cached per URL)."""
+        hit = self._targets.get(url)
+        if hit is None:
+            parts = urlsplit(url)
+            tls = parts.scheme == "https"
+            host = parts.hostname or "127.0.0.1"
+            port = parts.port or (443 if tls else 80)
+            hit = self._targets[url] = ((host, port), tls, parts.netloc, parts.path or "/")
+        return hit
+
+    async def _post(self, url: str, body: bytes, headers: dict[str, str], idle_timeout_s: float | None, *,
+                    headers_by: float, deadline_at: float | None = None) -> H1Response:
+        """POST and return the response once its headers are in; sent once more on a fresh connection when a
+        reused keep-alive connection turned out to be closed before any response byte (see module docstring).
+        ``headers_by``/``deadline_at``: ``loop.time()`` seconds (timers in the connection, not ``asyncio.timeout``
+        — two fewer per request).  Raises :class:`~pdproxy.http.client.TransportError` or ``TimeoutError``."""
+        key, tls, netloc, path = self._target(url)
+        head = "".join([f"POST {path} HTTP/1.1\r\nHost: {netloc}\r\nContent-Length: {len(body)}\r\n",
+                        *(f"{k}: {v}\r\n" for k, v in headers.items()), "\r\n"]).encode("latin-1")
+        pool = self.pool
+        conn, reused = await pool.acquire(key, tls=tls, deadline=headers_by)
+        if reused:
+            try:
+                return await conn.request(head, body, idle_timeout_s, headers_by=headers_by, deadline_at=deadline_at)
+            except TransportError:
+                if conn.got_bytes:
+                    raise
+            self.stale_retries += 1
+            conn, _ = await pool.acquire(key, tls=tls, deadline=headers_by, fresh=True)
+        return await conn.request(head, body, idle_timeout_s, headers_by=headers_by, deadline_at=deadline_at)
+
+    async def post_json(self, endpoint: Endpoint, path: str, body: bytes, headers: dict[str, str], *,
+                        timeout_s: float) -> dict[str, Any]:
+        """POST ``body`` (JSON bytes) and return the parsed JSON object answer.
+
+        Raises :class:`UpstreamHTTPError` (engine answered ≥ 400; body kept verbatim), :class:`UpstreamTimeout`
+        (no complete answer within ``timeout_s`` seconds; the connection is closed, which makes vLLM abort),
+        :class:`UpstreamRefused` (connection refused: the engine never saw the request),
+        :class:`UpstreamUnavailable` (reset, or an answer that is not a JSON object).
+        """
+        url = endpoint.url + path
+        deadline = self.pool.loop.time() + timeout_s
+        try:
+            resp = await self._post(url, body, headers, None, headers_by=deadline, deadline_at=deadline)
+            try:
+                data = await resp.read()
+            finally:
+                resp.release()
+            if resp.status >= 400:
+                raise UpstreamHTTPError(resp.status, data[:_MAX_ERROR_BODY_BYTES], endpoint=endpoint.name,
+                                        content_type=resp.content_type or "application/json",
+                                        retry_after=_retry_after(resp.headers))
+        except (TransportError, TimeoutError) as exc:
+            if isinstance(exc, TimeoutError) and not isinstance(exc, PoolTimeout):
+                raise UpstreamTimeout(f"{endpoint.role.value} {endpoint.name} did not answer within "
+                                      f"{timeout_s:.1f} s", endpoint=endpoint.name) from None
+            raise proxy_error(exc, f"{endpoint.role.value} {endpoint.name}", endpoint.name) from None
+        try:
+            parsed = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise UpstreamUnavailable(f"{endpoint.role.value} {endpoint.name} answered HTTP {resp.status} with a "
+                                      "body that is not a JSON object", endpoint=endpoint.name)
+        return parsed
+
+    @asynccontextmanager
+    async def open_stream(self, endpoint: Endpoint, path: str, body: bytes, headers: dict[str, str], *,
+                          first_byte_timeout_s: float) -> AsyncIterator[H1Response]:
+        """Open the decode leg and yield the response once its status line and headers are in.
+
+        Error statuses are raised as :class:`UpstreamHTTPError` with the engine's body (so the client gets the
+        engine's status and JSON, never a 200 with an empty body).  Body reads time out after
+        ``first_byte_timeout_s`` seconds without data (:class:`~pdproxy.http.client.ReadTimeout`) until the caller switches
+        to the inter-event timeout with ``resp.set_idle_timeout()`` once the first event is in (the relay does).
+        On exit the connection is released to the pool if the body was read to the end, and closed otherwise
+        (vLLM aborts the request when its client disconnects).
+        Raises :class:`UpstreamTimeout` if headers take longer than ``first_byte_timeout_s``,
+        :class:`UpstreamRefused` when the connection cannot be opened and :class:`UpstreamUnavailable` when it
+        breaks before the headers.
+        """
+        url = endpoint.url + path
+        try:
+            resp = await self._post(url, body, headers, first_byte_timeout_s,
+                                    headers_by=self.pool.loop.time() + first_byte_timeout_s)
+        except (TransportError, TimeoutError) as exc:
+            if isinstance(exc, TimeoutError) and not isinstance(exc, PoolTimeout):
+                raise UpstreamTimeout(f"decoder {endpoint.name} sent no response headers within "
+                                      f"{first_byte_timeout_s:.1f} s", endpoint=endpoint.name) from None
+            raise proxy_error(exc, f"decoder {endpoint.name}", endpoint.name) from None
+        try:
+            if resp.status >= 400:
+                try:
+                    async with asyncio.timeout(first_byte_timeout_s):
+                        data = await resp.content.read(_MAX_ERROR_BODY_BYTES)
+                except (TimeoutError, TransportError):
+                    data = b""
+                raise UpstreamHTTPError(resp.status, data, endpoint=endpoint.name,
+                                        content_type=resp.content_type or "application/json",
+                                        retry_after=_retry_after(resp.headers))
+            yield resp
+        finally:
+            if resp.content.at_eof():
+                resp.release()
+            else:
+                resp.close()

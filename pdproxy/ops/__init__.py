@@ -1,0 +1,1 @@
+"""Operations: Prometheus metrics, the request log, tracing, logging and GC policy."""

@@ -1,0 +1,108 @@
+"""How ``pdproxy serve`` logs: one root handler on stderr, text or JSON lines (setting ``log_format``), and the
+start-up banner.
+
+- ``text``: ``2025-01-01 12:00:00,000 INFO pdproxy.engines.control engine http://p0:9100 (prefill) up: …``;
+- ``json``: one object per line, ``{"ts": 1735732800.123, "level": "INFO", "logger": "pdproxy.engines.control",
+  "message": "engine … up: …", "event": "engine_up", "endpoint": "http://p0:9100", …}`` — the fields a record
+  carries in ``extra`` (``event`` names what happened: :mod:`pdproxy.engines.events`, ``serve_started``,
+  ``shutdown_started``, ``shutdown_done``) are top-level keys.  Request-log lines (``pdproxy.requests``, already
+  JSON: :mod:`pdproxy.ops.reqlog`) are written as they are.
+
+uvicorn is started with ``log_config=None`` so its own warnings and errors go through the same handler.  With
+``--workers N`` each worker's lines carry its row (``[w1]`` in text, ``"worker": 1`` in JSON), and only worker 0
+reports what every worker sees alike (engines found, unreachable, limits changed: ``SHARED_EVENTS``); breakers
+are per worker and every worker reports its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from pdproxy import __version__
+from pdproxy.endpoints import Role
+from pdproxy.settings import Settings
+
+SHARED_EVENTS = frozenset({"engine_up", "engine_unreachable", "engine_reachable", "engine_limits_changed"})
+_STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime", "raw_json"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record (see module docstring); ``worker``: the worker row, added to every line."""
+
+    def __init__(self, worker: int | None = None) -> None:
+        super().__init__()
+        self.worker = worker
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The record as one line of JSON (``raw_json`` records — already JSON — as they are)."""
+        if getattr(record, "raw_json", False):
+            return record.getMessage()
+        out: dict[str, Any] = {"ts": round(record.created, 3), "level": record.levelname, "logger": record.name,
+                               "message": record.getMessage()}
+        if self.worker is not None:
+            out["worker"] = self.worker
+        for key, value in record.__dict__.items():
+            if key not in _STANDARD and not key.startswith("_"):
+                out[key] = value
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return orjson.dumps(out, default=str).decode()
+
+
+class _WorkerFilter(logging.Filter):
+    """Drops :data:`SHARED_EVENTS` in workers other than 0 (worker 0 reports them for all)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return getattr(record, "event", None) not in SHARED_EVENTS
+
+
+def configure_logging(settings: Settings, worker: int | None = None) -> None:
+    """Install the root handler for ``settings.log_level`` / ``settings.log_format``; ``worker``: this process's
+    worker row with ``--workers N`` (None for a single process or the supervisor).  Replaces earlier handlers."""
+    handler = logging.StreamHandler(sys.stderr)
+    if settings.log_format == "json":
+        handler.setFormatter(JsonFormatter(worker))
+    else:
+        tag = f"[w{worker}]" if worker is not None else ""
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s %(name)s{tag} %(message)s"))
+    if worker:
+        handler.addFilter(_WorkerFilter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(settings.log_level.upper())
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per health probe otherwise
+    logging.getLogger("httpcore").setLevel(logging.WARNING)
+
+
+def listen_urls(addresses: Sequence[tuple[Any, ...]], tls: ssl.SSLContext | bool | None) -> list[str]:
+    """``http(s)://host:port`` for each bound socket address (IPv6 hosts in brackets)."""
+    scheme = "https" if tls else "http"
+    urls = []
+    for addr in addresses:
+        host, port = str(addr[0]), int(addr[1])
+        urls.append(f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}")
+    return urls
+
+
+def log_banner(settings: Settings, urls: Sequence[str], *, workers: int = 1) -> None:
+    """The start-up line: version, where it listens, the engines it was given, TLS and workers (INFO)."""
+    endpoints = settings.all_endpoints()
+    n_p = sum(e.role is Role.PREFILL for e in endpoints)
+    n_d = sum(e.role is Role.DECODE for e in endpoints)
+    tls = "off"
+    if settings.ssl_certfile:
+        tls = "client certificates " + ("required" if settings.ssl_cert_reqs == ssl.CERT_REQUIRED else
+                                        "optional" if settings.ssl_cert_reqs == ssl.CERT_OPTIONAL else "not asked")
+    logging.getLogger("pdproxy").info(
+        "pdproxy %s listening on %s: %d prefiller(s), %d decoder(s); TLS %s; %d worker(s); admin API %s",
+        __version__, ", ".join(urls), n_p, n_d, tls, workers, "on" if settings.admin_key else "off",
+        extra={"event": "serve_started", "version": __version__, "listen": list(urls), "prefillers": n_p,
+               "decoders": n_d, "tls": bool(settings.ssl_certfile), "workers": workers})

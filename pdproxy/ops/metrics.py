@@ -1,0 +1,315 @@
+"""Prometheus metrics of one proxy app: ``GET /metrics``.
+
+Names mirror vLLM's (``vllm/v1/metrics/loggers.py``) with a ``pdproxy_`` prefix; times are seconds,
+sizes tokens.  Three kinds of series:
+
+- **per request** (observed once, when a request ends — :meth:`ProxyMetrics.observe`):
+  ``pdproxy_requests_total{api,status,outcome}``; ``pdproxy_rejections_total{reason,detail}`` for requests pdproxy
+  refused itself (``too_long``/``max_model_len``|``kv_pool``, ``queue_full``, ``deadline``,
+  ``no_endpoint``/``prefill``|``decode``, ``bad_request``/param …); client-visible
+  ``pdproxy_time_to_first_token_seconds``, ``pdproxy_inter_token_latency_seconds`` (one observation per gap
+  between consecutive writes of a stream to the client, observed by the relay as it writes; a write may carry
+  several events when the engine's stream interval is above 1),
+  ``pdproxy_request_time_per_output_token_seconds`` (when ``completion_tokens`` is known),
+  ``pdproxy_e2e_request_latency_seconds{api,outcome}``; and the phase split of :meth:`Timeline.phases`:
+  ``pdproxy_admission_wait_seconds``, ``pdproxy_prefill_time_seconds``, ``pdproxy_pd_gap_seconds``,
+  ``pdproxy_decode_first_token_seconds``, ``pdproxy_decode_time_seconds``; ``pdproxy_requests_in_progress{api}``;
+- **admission** (copied from its counters, :meth:`ProxyMetrics.sync`): ``pdproxy_prefill_queue_depth``,
+  ``pdproxy_prefill_queue_waited_total``, ``…_wait_seconds_total``, ``…_full_total``, ``…_timed_out_total``,
+  ``pdproxy_decode_only_total{reason}``, ``pdproxy_prompt_counts_total{method}``,
+  ``pdproxy_prompt_count_seconds_total``, ``pdproxy_prompt_count_errors_total``;
+- **proxy state at scrape time** (a collector reading ``ProxyState``): per endpoint
+  ``pdproxy_inflight_requests``, ``pdproxy_inflight_tokens``, ``pdproxy_endpoint_healthy``,
+  ``pdproxy_endpoint_draining``, ``pdproxy_endpoint_breaker_state{state}`` (1 for the current state),
+  ``pdproxy_endpoint_breaker_opened_total``; with ``--workers N`` also ``pdproxy_worker_inflight_requests{worker}``;
+- **prefix cache** (when a ``PrefixCacheCollector`` is added with :meth:`ProxyMetrics.add_collector`, as the app
+  does): ``pdproxy_kv_events_*`` and ``pdproxy_prefix_index_*`` (:mod:`pdproxy.prefix.metrics`); and per request,
+  prefix routing's prediction for the prefiller against its report, by the prediction's ``source`` (``precise`` |
+  ``approximate`` | ``text``): ``pdproxy_prefix_predicted_cached_tokens_total{source}``,
+  ``pdproxy_prefix_actual_cached_tokens_total{source}``, ``pdproxy_prefix_predictions_total{source,outcome}``
+  (``exact`` | ``over`` | ``under`` | ``unreported``);
+- **the engines' own gauges**, as last read from each engine's ``/metrics`` by the health loop
+  (``state.infos``), re-exported with ``role``/``endpoint``/``dp_rank`` labels:
+  ``pdproxy_engine_up``, ``pdproxy_engine_max_model_len``, ``pdproxy_engine_kv_pool_tokens`` (``num_gpu_blocks ×
+  block_size`` from ``vllm:cache_config_info``), ``pdproxy_engine_num_requests_running``,
+  ``pdproxy_engine_num_requests_waiting``, ``pdproxy_engine_num_requests_waiting_by_reason{reason}``,
+  ``pdproxy_engine_kv_cache_usage_perc``, ``pdproxy_engine_info_age_seconds``.  Internal-DP ranks behind one URL
+  share that URL's figures.
+
+Several workers (``pdproxy serve --workers N``): prometheus-client's multiprocess mode.  The supervisor sets
+``PROMETHEUS_MULTIPROC_DIR`` before the workers start; counters and histograms then live in per-process files in
+that directory and every scrape — whichever worker answers — sums all of them (``MultiProcessCollector``);
+``pdproxy_requests_in_progress`` is a ``livesum`` gauge.  The state collector needs no files: in-flight counts come
+from the shared load board (:mod:`pdproxy.workers.board`), which already holds every worker's leases, and engine
+gauges are the answering worker's latest reading.  Each app owns its registry; nothing is registered globally.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from pdproxy.errors import BadRequest, NoEndpointAvailable, Overloaded, PayloadTooLarge, PromptTooLong, ProxyError
+from pdproxy.ops.collector import StateCollector
+from pdproxy.timeline import RequestContext
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+# vLLM's TTFT buckets (loggers.py: 0.001 … 2560 s), and one set for the shorter phases and gaps.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+GAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# Timeline.phases() key → (metric name, help, buckets)
+PHASES: dict[str, tuple[str, str, tuple[float, ...]]] = {
+    "admission_wait_s": ("pdproxy_admission_wait_seconds", "Arrival to admission (proxy queue wait).", TTFT_BUCKETS),
+    "prefill_s": ("pdproxy_prefill_time_seconds", "Prefill leg round trip (last attempt).", TTFT_BUCKETS),
+    "pd_gap_s": ("pdproxy_pd_gap_seconds", "Prefill answer to decode leg sent (P→D handoff in the proxy).",
+                 GAP_BUCKETS),
+    "decode_first_token_s": ("pdproxy_decode_first_token_seconds",
+                             "Decode leg sent to the decoder's first event (KV pull + first token).", TTFT_BUCKETS),
+    "decode_s": ("pdproxy_decode_time_seconds", "First relayed event to the end of the response.", E2E_BUCKETS),
+}
+
+
+def rejection_of(err: ProxyError) -> tuple[str, str] | None:
+    """``(reason, detail)`` when pdproxy refused a request itself, else None (engine errors are not rejections).
+
+    An error class may declare ``rejection = (reason, detail)``; otherwise: :class:`PromptTooLong` →
+    ``("too_long", limit_kind)``, :class:`Overloaded` → ``("queue_full", "")``, :class:`NoEndpointAvailable` →
+    ``("no_endpoint", role)``, an outcome of ``deadline`` → ``("deadline", "")``, :class:`PayloadTooLarge` →
+    ``("too_large", "body")``, :class:`BadRequest` → ``("bad_request", param)``, other proxy-side outcomes →
+    ``(outcome, "")``.
+    """
+    declared = getattr(err, "rejection", None)
+    if isinstance(declared, tuple) and len(declared) == 2:
+        return str(declared[0]), str(declared[1])
+    if isinstance(err, PromptTooLong):
+        return "too_long", err.limit_kind
+    if isinstance(err, Overloaded):
+        return "queue_full", ""
+    if isinstance(err, NoEndpointAvailable):
+        return "no_endpoint", err.role
+    if err.outcome in ("deadline", "deadline_exceeded"):
+        return "deadline", ""
+    if isinstance(err, PayloadTooLarge):
+        return "too_large", "body"
+    if isinstance(err, BadRequest):
+        return "bad_request", err.param or ""
+    if err.outcome in ("unauthorized", "shutting_down"):
+        return err.outcome, ""
+    return None
+
+
+class GapCounts:
+    """One stream's inter-token gaps as histogram bucket counts, filled by the relay at the cost of one
+    ``bisect`` and one list increment per write (``counts[bisect_left(bounds, gap)] += 1; total += gap``) and added
+    to ``pdproxy_inter_token_latency_seconds`` once when the request ends (:meth:`ProxyMetrics.observe`).
+
+    ``bounds``: the histogram's upper bounds in seconds (``+Inf`` last); ``counts[i]``: gaps ``≤ bounds[i]`` and
+    ``> bounds[i-1]``; ``total``: their sum (seconds)."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.total = 0.0
+
+
+def _add_gaps(hist_child: Any, gaps: GapCounts) -> None:
+    """Add ``gaps`` to one labelled prometheus ``Histogram`` child: the same stored values ``observe`` would
+    write, one increment per non-empty bucket (works in multiprocess mode too: the values are its mmap files)."""
+    buckets = hist_child._buckets
+    for i, n in enumerate(gaps.counts):
+        if n:
+            buckets[i].inc(n)
+    if gaps.total:
+        hist_child._sum.inc(gaps.total)
+
+
+class ProxyMetrics:
+    """The metric families of one app, its registry, and :meth:`render` for ``GET /metrics``.
+
+    ``state``: returns the current ``ProxyState`` (None outside the lifespan).  ``multiprocess_dir``: the
+    prometheus multiprocess directory; default ``$PROMETHEUS_MULTIPROC_DIR`` if set (then prometheus-client was
+    imported in multiprocess mode too).
+    """
+
+    def __init__(self, state: Callable[[], Any], multiprocess_dir: str | None = None) -> None:
+        self.multiprocess_dir = multiprocess_dir or os.environ.get(MULTIPROC_ENV) or None
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        api = ("api",)
+        Hist = Histogram
+        self.requests = Counter("pdproxy_requests", "Completion requests by API, HTTP status and outcome.",
+                                ("api", "status", "outcome"), registry=reg)
+        self.rejections = Counter("pdproxy_rejections", "Requests pdproxy refused itself, by reason.",
+                                  ("reason", "detail"), registry=reg)
+        self.in_progress = Gauge("pdproxy_requests_in_progress", "Completion requests being served.", api,
+                                 registry=reg, multiprocess_mode="livesum")
+        self.ttft = Hist("pdproxy_time_to_first_token_seconds", "Client-visible time to first token.", api,
+                              buckets=TTFT_BUCKETS, registry=reg)
+        self.itl = Hist("pdproxy_inter_token_latency_seconds",
+                             "Client-visible inter-token latency: each gap between consecutive writes of a stream.",
+                             api, buckets=GAP_BUCKETS, registry=reg)
+        self.tpot = Hist("pdproxy_request_time_per_output_token_seconds",
+                              "(last token − first token) / (completion_tokens − 1).", api, buckets=GAP_BUCKETS,
+                              registry=reg)
+        self.e2e = Hist("pdproxy_e2e_request_latency_seconds", "Arrival to the end of the response.",
+                             ("api", "outcome"), buckets=E2E_BUCKETS, registry=reg)
+        self.phases = {key: Hist(name, doc, api, buckets=buckets, registry=reg)
+                       for key, (name, doc, buckets) in PHASES.items()}
+        self.admission = {
+            "decode_only_total": Counter("pdproxy_decode_only", "Requests sent straight to a decoder (conditional "
+                                         "disaggregation), by reason.", ("reason",), registry=reg),
+            "counted_total": Counter("pdproxy_prompt_counts", "Prompts counted, by method (ids | bound | local | "
+                                     "engine | estimate).", ("method",), registry=reg),
+            "count_errors_total": Counter("pdproxy_prompt_count_errors", "Prompt counts that failed.", registry=reg),
+            "count_seconds_total": Counter("pdproxy_prompt_count_seconds", "Time spent counting prompts.",
+                                           registry=reg),
+        }
+        self.queue = {
+            "waited_total": Counter("pdproxy_prefill_queue_waited", "Requests that waited for a prefill slot.",
+                                    registry=reg),
+            "wait_seconds_total": Counter("pdproxy_prefill_queue_wait_seconds", "Time spent waiting for prefill "
+                                          "slots.", registry=reg),
+            "rejected_full_total": Counter("pdproxy_prefill_queue_full", "Requests refused: prefill queue full.",
+                                           registry=reg),
+            "timed_out_total": Counter("pdproxy_prefill_queue_timed_out", "Requests that waited past the queue "
+                                       "deadline.", registry=reg),
+        }
+        self.prefix_predicted = Counter(
+            "pdproxy_prefix_predicted_cached_tokens", "Prefix routing: cached tokens predicted for the prefiller "
+            "each request went to, by the prediction's source (precise | approximate | text).", ("source",),
+            registry=reg)
+        self.prefix_actual = Counter(
+            "pdproxy_prefix_actual_cached_tokens", "Prefix routing: cached tokens the prefiller reported "
+            "(usage.prompt_tokens_details.cached_tokens) for the same requests, by the prediction's source.",
+            ("source",), registry=reg)
+        self.prefix_predictions = Counter(
+            "pdproxy_prefix_predictions", "Prefix routing: predictions by source and outcome against the "
+            "prefiller's report (exact | over | under | unreported).", ("source", "outcome"), registry=reg)
+        self.queue_depth = Gauge("pdproxy_prefill_queue_depth", "Requests waiting in pdproxy's prefill queue.",
+                                 registry=reg, multiprocess_mode="livesum")
+        self._synced: dict[tuple[str, str], float] = {}
+        self._children: dict[Any, Any] = {}
+        self._state = state
+        self.state_collector = StateCollector(state)
+        self._collectors: list[Any] = [self.state_collector]
+        if self.multiprocess_dir is None:
+            reg.register(self.state_collector)
+
+    def add_collector(self, collector: Any) -> None:
+        """Serve one more scrape-time collector (e.g. ``pdproxy.prefix.metrics.PrefixCacheCollector``) from this
+        app's ``/metrics``, in single-process and multiprocess mode alike."""
+        self._collectors.append(collector)
+        if self.multiprocess_dir is None:
+            self.registry.register(collector)
+
+    def sync(self) -> None:
+        """Copy the admission and prefill-queue counters (plain ints in ``pdproxy/admission/admission.py`` and
+        ``pdproxy/scheduling/queue.py``) into prometheus series, as increments since the last sync; multiprocess-safe
+        because each worker adds only its own increments.  Runs when a request ends and before each scrape."""
+        st = self._state()
+        adm = getattr(st, "admission", None)
+        queue = getattr(adm, "queue", None)
+        for source, families in ((getattr(adm, "stats", None), self.admission),
+                                 (getattr(queue, "stats", None), self.queue)):
+            if source is None:
+                continue
+            for attr, counter in families.items():
+                value = getattr(source, attr, None)
+                items = value.items() if isinstance(value, dict) else [("", value)]
+                for label, v in items:
+                    if not isinstance(v, int | float):
+                        continue
+                    last = self._synced.get((attr, label), 0.0)
+                    if v > last:
+                        (counter.labels(label) if label else counter).inc(v - last)
+                        self._synced[(attr, label)] = v
+        depth = getattr(queue, "depth", None)
+        depth = depth() if callable(depth) else depth
+        if isinstance(depth, int):
+            self.queue_depth.set(depth)
+
+    def _per_api(self, api: str) -> tuple[Any, ...]:
+        """The label children of one API, resolved once (``labels()`` costs ~1.5 µs a call)."""
+        children = self._children.get(api)
+        if children is None:
+            children = (self.in_progress.labels(api), self.ttft.labels(api), self.itl.labels(api),
+                        self.tpot.labels(api), [(key, h.labels(api)) for key, h in self.phases.items()])
+            self._children[api] = children
+        return children
+
+    def _labelled(self, family: Any, *values: str) -> Any:
+        child = self._children.get((family, values))
+        if child is None:
+            child = self._children[(family, values)] = family.labels(*values)
+        return child
+
+    def started(self, api: str) -> GapCounts:
+        """A completion request arrived (``pdproxy_requests_in_progress`` + 1).  Returns the request's
+        :class:`GapCounts` for the ITL histogram of this API (the relay fills it; :meth:`observe` adds it)."""
+        children = self._per_api(api)
+        children[0].inc()
+        return GapCounts(children[2]._upper_bounds)
+
+    def observe(self, ctx: RequestContext, rejection: tuple[str, str] | None = None) -> None:
+        """Record one finished request (call exactly once per :meth:`started`)."""
+        self.sync()
+        api = ctx.api_label
+        in_progress, ttft_h, itl_h, tpot_h, phase_hs = self._per_api(api)
+        in_progress.dec()
+        if ctx.gaps is not None:
+            _add_gaps(itl_h, ctx.gaps)
+        self._labelled(self.requests, api, str(ctx.status or 0), ctx.outcome).inc()
+        if rejection is not None:
+            self._labelled(self.rejections, *rejection).inc()
+        if ctx.prefix_mode is not None and ctx.predicted_cached_tokens is not None:
+            self._observe_prefix(ctx.prefix_mode, ctx.predicted_cached_tokens, ctx.cached_tokens)
+        tl = ctx.timeline
+        phases = tl.phases()
+        for key, hist in phase_hs:
+            value = phases[key]
+            if value is not None:
+                hist.observe(value)
+        ttft = phases["ttft_s"]
+        if ttft is not None:
+            ttft_h.observe(ttft)
+        e2e = phases["e2e_s"]
+        if e2e is not None:
+            self._labelled(self.e2e, api, ctx.outcome).observe(e2e)
+        if tl.first_token_at is not None and tl.last_token_at is not None:
+            span = max(0.0, tl.last_token_at - tl.first_token_at)
+            if ctx.events >= 2 and ctx.completion_tokens is not None and ctx.completion_tokens >= 2:
+                tpot_h.observe(span / (ctx.completion_tokens - 1))  # streamed only: JSON has one instant
+
+    def _observe_prefix(self, source: str, predicted: int, actual: int | None) -> None:
+        """One prefill's predicted cached tokens against what the prefiller reported (None: not reported)."""
+        self._labelled(self.prefix_predicted, source).inc(predicted)
+        if actual is None:
+            outcome = "unreported"
+        else:
+            self._labelled(self.prefix_actual, source).inc(actual)
+            outcome = "exact" if actual == predicted else ("over" if predicted > actual else "under")
+        self._labelled(self.prefix_predictions, source, outcome).inc()
+
+    def render(self) -> bytes:
+        """The exposition text (Prometheus text format 0.0.4)."""
+        self.sync()
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry(auto_describe=False)
+        MultiProcessCollector(registry, path=self.multiprocess_dir)
+        for collector in self._collectors:
+            registry.register(collector)
+        return generate_latest(registry)

@@ -1,0 +1,107 @@
+"""The request log: one structured JSON line per completion request, written when it ends.
+
+Fields (snake_case, stable; absent values are ``null``)::
+
+    {"event": "request", "ts": 1755000000.123, "request_id": "<engine-side id>", "client_request_id": "<X-Request-Id>",
+     "api": "chat", "model": "m", "stream": true, "status": 200, "outcome": "ok", "rejection": null,
+     "prefiller": "http://p0:9100", "decoder": "http://d0:9101", "dp_rank": 1,
+     "prompt_tokens": 5120, "completion_tokens": 256, "cached_tokens": 4096, "predicted_cached_tokens": 4096,
+     "prefix_mode": "precise", "events": 258,
+     "admission_wait_s": 0.0001, "prefill_s": 0.41, "pd_gap_s": 0.0002, "decode_first_token_s": 0.05,
+     "decode_s": 5.1, "ttft_s": 0.46, "e2e_s": 5.56, "error": null, "pid": 4242}
+
+``prompt_tokens`` is the proxy's count (admission; exact when prefix routing had the token ids);
+``cached_tokens`` the prefiller's prefix-cache hits; ``predicted_cached_tokens`` what prefix routing expected
+there and ``prefix_mode`` from where (``precise``: the engine's KV events, ``approximate``: pdproxy's record of
+token keys, ``text``: of text keys; both null when prefix routing is off or the request skipped the prefiller).  The
+prompt text is never logged unless ``log_prompts`` is set (then ``prompt`` or ``messages`` is added as sent).
+Times are seconds (``ts`` wall clock, the rest durations from :meth:`Timeline.phases`).
+
+Where lines go (``request_log_path``): unset → the ``pdproxy.requests`` logger at INFO (the message is the
+JSON object); ``-`` → stdout, one bare JSON line each; a path → appended to that file, one line each.
+``request_log: false`` turns the log off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import IO, Any
+
+import orjson
+
+from pdproxy.apis.request import ProxyRequest
+from pdproxy.settings import Settings
+from pdproxy.timeline import RequestContext
+
+LOGGER_NAME = "pdproxy.requests"
+
+
+def request_record(ctx: RequestContext, req: ProxyRequest | None, *, rejection: tuple[str, str] | None = None,
+                   log_prompts: bool = False) -> dict[str, Any]:
+    """The log record of one finished request as a dict (see module docstring)."""
+    record: dict[str, Any] = {
+        "event": "request", "ts": round(time.time(), 3), "request_id": ctx.request_id,
+        "client_request_id": ctx.client_request_id, "api": ctx.api_label, "model": ctx.model,
+        "stream": req.stream if req is not None else None, "status": ctx.status, "outcome": ctx.outcome,
+        "rejection": ":".join(x for x in rejection if x) if rejection else None,
+        "prefiller": ctx.prefiller, "decoder": ctx.decoder, "dp_rank": ctx.decoder_dp_rank,
+        "prompt_tokens": ctx.prompt_tokens, "completion_tokens": ctx.completion_tokens,
+        "cached_tokens": ctx.cached_tokens, "predicted_cached_tokens": ctx.predicted_cached_tokens,
+        "prefix_mode": ctx.prefix_mode, "events": ctx.events,
+    }
+    for key, value in ctx.timeline.phases().items():
+        record[key] = None if value is None else round(value, 6)
+    record["error"] = ctx.error
+    record["pid"] = os.getpid()
+    if log_prompts and req is not None:
+        key = req.prompt_param
+        record[key] = req.body.get(key)
+    return record
+
+
+class RequestLog:
+    """Writes request records where ``settings`` says (see module docstring).
+
+    Use as a context manager (the app lifespan does): a log file is opened on enter and closed on exit.
+    ``emit`` never raises for I/O problems of the log itself (they go to the ``pdproxy`` logger once).
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.enabled = settings.request_log
+        self.path = settings.request_log_path
+        self.log_prompts = settings.log_prompts
+        self._logger = logging.getLogger(LOGGER_NAME)
+        self._file: IO[bytes] | None = None
+        self._failed = False
+
+    def __enter__(self) -> RequestLog:
+        if self.enabled and self.path and self.path != "-":
+            self._file = open(self.path, "ab", buffering=0)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def emit(self, ctx: RequestContext, req: ProxyRequest | None, rejection: tuple[str, str] | None = None) -> None:
+        """Write the line for one finished request."""
+        if not self.enabled or (self._file is None and self.path != "-"
+                                and not self._logger.isEnabledFor(logging.INFO)):
+            return
+        line = orjson.dumps(request_record(ctx, req, rejection=rejection, log_prompts=self.log_prompts))
+        try:
+            if self._file is not None:
+                self._file.write(line + b"\n")
+            elif self.path == "-":
+                sys.stdout.buffer.write(line + b"\n")
+                sys.stdout.buffer.flush()
+            else:
+                self._logger.info(line.decode(), extra={"raw_json": True})  # JSON log format: as is
+        except (OSError, ValueError) as exc:
+            if not self._failed:
+                self._failed = True
+                logging.getLogger("pdproxy").error("request log %s unusable: %s", self.path, exc)

@@ -1,0 +1,174 @@
+"""The decode leg: send the client's body with the prefiller's ``kv_transfer_params`` to a decoder and relay its
+answer — an SSE stream (:class:`~pdproxy.pd.relay.StreamRelay`) or one JSON body.
+
+The prefiller's lease (the KV pinned on it, counted by the prefill queue) is released as soon as the decoder starts
+answering: at its first event for a stream, at its status line for a JSON answer.  A decoder that answers has the
+request and has pulled (or will free) the prompt's KV, so holding the lease longer only over-counts the prefiller's
+pinned KV.  (vLLM itself sends a non-streamed answer's status line together with its body, after the generation:
+``vllm/entrypoints/openai/chat_completion/api_router.py`` returns a ``JSONResponse``; an engine or gateway that
+sends the status line first lets the lease go that much earlier.)
+
+A decoder fault before anything reached the client is :class:`DecodeFailed` (the director may try another
+decoder); the client's status line goes out only once the decoder's first event (stream) or whole body (JSON) is
+in, so a decoder error reaches the client with the engine's status and body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+
+from pdproxy.apis import kv_transfer, recompute
+from pdproxy.apis import streams as api_streams
+from pdproxy.apis.request import Api, ProxyRequest, completion_tokens_in, patch_usage_bytes
+from pdproxy.endpoints import Endpoint, Role
+from pdproxy.engines.health import HealthMonitor
+from pdproxy.engines.pool import EndpointPool
+from pdproxy.errors import ProxyError, UpstreamHTTPError, UpstreamTimeout
+from pdproxy.http.client import H1Response, TransportError
+from pdproxy.http.engine_headers import EngineHeaders
+from pdproxy.http.upstream import Upstream, UpstreamRefused, proxy_error
+from pdproxy.ops.tracing import NO_TRACING, Tracing
+from pdproxy.pd.prefill import PrefillResult
+from pdproxy.pd.relay import StreamRelay
+from pdproxy.pd.responder import Responder
+from pdproxy.scheduling import PickRequest, Scheduler
+from pdproxy.settings import Settings
+from pdproxy.timeline import RequestContext
+
+
+class DecodeFailed(Exception):
+    """A decoder failed before its first event reached the client (internal: the director may fail over).
+    ``kv_intact``: the decoder never saw the request, so the prefiller's KV handle is still good."""
+
+    def __init__(self, error: ProxyError, endpoint: Endpoint, kv_intact: bool) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.endpoint = endpoint
+        self.kv_intact = kv_intact
+
+
+def routing_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:
+    """Response headers naming the prefiller and decoder used (setting ``expose_routing_headers``)."""
+    out = []
+    if ctx.prefiller:
+        out.append((b"x-pdproxy-prefiller", ctx.prefiller.encode()))
+    if ctx.decoder:
+        out.append((b"x-pdproxy-decoder", ctx.decoder.encode()))
+    return out
+
+
+class DecodeLeg:
+    """Runs the decode leg of a request (see the module docstring).  ``scheduler`` picks the decoder, ``pool``
+    holds its lease, ``health`` hears the verdict, ``upstream`` opens it with ``headers``; ``tracing`` spans each
+    attempt."""
+
+    def __init__(self, settings: Settings, *, scheduler: Scheduler, pool: EndpointPool, health: HealthMonitor,
+                 upstream: Upstream, headers: EngineHeaders, tracing: Tracing = NO_TRACING) -> None:
+        self.settings = settings
+        self.scheduler = scheduler
+        self.pool = pool
+        self.health = health
+        self.upstream = upstream
+        self.headers = headers
+        self.tracing = tracing
+        self.recompute_decoders: set[str] = {u.rstrip("/") for u in settings.recompute_decoders}
+        """Decoder URLs known to end streams with ``recomputed`` (``recompute_decoders``, plus detected ones)."""
+
+    def sends_recomputed(self, endpoint: Endpoint) -> bool:
+        """Whether ``endpoint`` is a decoder known to end streams with ``stop_reason "recomputed"``
+        (``recompute_decoders``: its URL or ``*``; or detected in an earlier stream)."""
+        known = self.recompute_decoders
+        return "*" in known or endpoint.url in known
+
+    async def run(self, req: ProxyRequest, ctx: RequestContext, pick: PickRequest, prefill: PrefillResult,
+                  out: Responder, exclude: list[Endpoint], transcript: recompute.Transcript | None) -> bool:
+        """Pick a decoder (not in ``exclude``), open the decode leg and relay its answer to ``out``.
+
+        Raises :class:`DecodeFailed` for an engine fault before the client got anything,
+        :class:`~pdproxy.errors.UpstreamHTTPError` for its 4xx, the scheduler's refusal when no decoder is
+        usable.  Returns True when the decoder ended with ``stop_reason "recomputed"``.
+        """
+        s = self.settings
+        tokens = (req.prompt_tokens or 0) + (req.max_output_tokens or 0)
+        endpoint = self.scheduler.pick(Role.DECODE, pick, exclude)
+        prefill.decoders.append(endpoint)
+        ctx.decoder = endpoint.name
+        ctx.decoder_dp_rank = endpoint.dp_rank
+        body = kv_transfer.decode_leg_body(req.api, req.raw, req.body, prefill.params, ctx.request_id)
+        if req.stream and transcript is not None and transcript.attempts == 1 and not self.sends_recomputed(endpoint):
+            transcript = None  # plain splice; a "recomputed" from this decoder is detected (on_recomputed)
+        strip_usage = bool(req.stream and transcript is not None and not req.include_usage)
+        if strip_usage:
+            body = recompute.force_usage_bytes(body, req.body)
+        ctx.timeline.decode_start_at = time.monotonic()
+        first_byte_s = s.decode_first_byte_timeout_s if req.stream else s.decode_nonstream_timeout_s
+        routing = routing_headers(ctx) if s.expose_routing_headers else []
+        with self.pool.lease(endpoint, tokens), self.tracing.decode(ctx, endpoint):  # the span: the leg's traceparent
+            if prefill.slot is not None:
+                prefill.slot.decode_started()
+            try:
+                async with self.upstream.open_stream(
+                        endpoint, req.api.value, body, self.headers.leg(endpoint, ctx.request_id, ctx.authorization),
+                        first_byte_timeout_s=first_byte_s) as resp:
+                    if req.stream:
+                        recomputed = await StreamRelay(
+                            resp, out, ctx, cached_tokens=prefill.cached_tokens, first_event_timeout_s=first_byte_s,
+                            on_first_event=prefill.consume, headers=routing, transcript=transcript,
+                            strip_usage=strip_usage, idle_timeout_s=s.decode_idle_timeout_s,
+                            on_recomputed=(lambda: self.recompute_decoders.add(endpoint.url))
+                            if s.recompute_continuation else None,
+                            api_stream=api_streams.stream_for(req.api, ctx, prefill.cached_tokens)).run()
+                    else:
+                        prefill.consume()          # the decoder answered: it has the request and its KV
+                        recomputed = await relay_json(resp, ctx, prefill.cached_tokens, out, transcript,
+                                                      first_byte_s, routing, req.api)
+            except ProxyError as exc:
+                if isinstance(exc, UpstreamHTTPError):      # it answered an error: vLLM freed the KV it was sent
+                    prefill.handed = True
+                if not self.health.record_error(endpoint, exc):
+                    raise
+                raise DecodeFailed(exc, endpoint, kv_intact=isinstance(exc, UpstreamRefused)) from None
+            except BaseException:                  # cancelled (client left, deadline): no verdict on the engine
+                self.health.record_neutral(endpoint)   # a half-open trial's slot must not stay taken
+                raise
+        self.health.record_success(endpoint)
+        return recomputed
+
+
+async def relay_json(resp: H1Response, ctx: RequestContext, cached_tokens: int | None, out: Responder,
+                     transcript: recompute.Transcript | None, timeout_s: float,
+                     routing: list[tuple[bytes, bytes]], api: Api = Api.CHAT) -> bool:
+    """Read a non-streaming decode answer (within ``timeout_s`` seconds) and send it with ``routing`` headers:
+    usage patched with the prefiller's ``cached_tokens`` (in ``api``'s usage shape); a ``recomputed`` answer is
+    kept back and True returned; a continuation's answer is merged with the earlier text.  Raises
+    :class:`UpstreamUnavailable` / :class:`UpstreamTimeout` when the body does not arrive."""
+    endpoint = ctx.decoder or ""
+    try:
+        async with asyncio.timeout(timeout_s):
+            data = await resp.read()
+    except TransportError as exc:
+        raise proxy_error(exc, f"decoder {endpoint}", endpoint) from None
+    except TimeoutError:
+        raise UpstreamTimeout(f"decoder {endpoint} did not finish within {timeout_s:.1f} s",
+                              endpoint=endpoint) from None
+    ctx.timeline.first_token_at = ctx.timeline.last_token_at = time.monotonic()
+    if api is Api.RESPONSES or api is Api.MESSAGES:
+        if data.find(b'"output_tokens"') >= 0:
+            ctx.completion_tokens = api_streams.output_tokens_in(data)
+        await out.json(resp.status, api_streams.patch_json(api, data, cached_tokens), routing)
+        return False
+    if transcript is not None and (data.find(recompute.MARKER) >= 0 or transcript.attempts > 1):
+        obj = orjson.loads(data)
+        if recompute.is_recomputed(obj):
+            transcript.observe(obj)
+            return True
+        if transcript.attempts > 1:
+            data = orjson.dumps(transcript.merge_json(obj))
+    if data.find(b'"completion_tokens"') >= 0:
+        ctx.completion_tokens = completion_tokens_in(data)
+    await out.json(resp.status, patch_usage_bytes(data, cached_tokens if transcript is None
+                                                  or transcript.attempts == 1 else None), routing)
+    return False

@@ -1,0 +1,252 @@
+"""The request path: admit → prefill (queue → prefiller) → decode → relay, each a named step.
+
+``Director.serve`` is the whole lifecycle of one completion request on one screen; the legs live in
+:mod:`pdproxy.pd.prefill` and :mod:`pdproxy.pd.decode`, and every endpoint is chosen by the scheduler
+(:mod:`pdproxy.scheduling`).  Leases and upstream responses live in ``AsyncExitStack``s, so success, error and
+client disconnect (the handler cancels this coroutine) release everything the same way.
+
+Failure policy, decided here and in the two leg modules and nowhere else:
+
+- **prefill**: a prefiller that refuses, resets, times out or answers 502/503/504 is replaced by another one
+  (``prefill_attempts``, jittered exponential backoff); a 500 is retried at most once elsewhere; a 4xx is the
+  request's fault and passes through at once.  ``Retry-After`` holds that prefiller's breaker open.
+- **decode, before the decoder's first event reached the client**: another decoder (``decode_attempts``).  When
+  the connection was refused the decoder never saw the request and the KV handle is reused; otherwise the KV may
+  have been pulled or freed, so the prefill runs again for the new pair and the old handle is released.
+- **after the first event**: never replayed (the relay sends an SSE error event + ``[DONE]``), except vLLM-Ascend's
+  ``stop_reason "recomputed"``, which is continued on a new P→D pair (:mod:`pdproxy.apis.recompute`).
+- **leaving early** (client disconnect, deadline, error) between the prefill and the decoder's first event: the
+  prefiller's pinned KV is released by a release leg (:mod:`pdproxy.pd.kv_release`).
+
+A request for a model no decoder serves is vLLM's 404 before anything else (:mod:`pdproxy.engines.models`); a
+request of several sequences (``n > 1``, a completion prompt list) runs one P→D path per sequence
+(:mod:`pdproxy.pd.fanout`), each the same :meth:`Director.run_sequence` as a single request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import TYPE_CHECKING
+
+import orjson
+
+from pdproxy.admission.admission import Admission
+from pdproxy.apis import recompute
+from pdproxy.apis.request import Api, ProxyRequest, parse_request
+from pdproxy.endpoints import Endpoint, Role
+from pdproxy.engines.health import HealthMonitor
+from pdproxy.engines.models import ServedModels
+from pdproxy.engines.pool import EndpointPool
+from pdproxy.errors import UpstreamTimeout, UpstreamUnavailable
+from pdproxy.http.engine_headers import EngineHeaders
+from pdproxy.http.upstream import Upstream
+from pdproxy.ops.tracing import NO_TRACING, Tracing
+from pdproxy.pd import fanout, prefill_answer
+from pdproxy.pd.backoff import Backoff
+from pdproxy.pd.decode import DecodeFailed, DecodeLeg, routing_headers
+from pdproxy.pd.kv_release import KVReleaser
+from pdproxy.pd.prefill import PrefillLeg, PrefillResult
+from pdproxy.pd.responder import Responder
+from pdproxy.prefix.source import NoPrefix, PrefixSource
+from pdproxy.scheduling import PickRequest, Scheduler
+from pdproxy.scheduling.queue import PrefillQueue
+from pdproxy.settings import Settings
+from pdproxy.timeline import RequestContext, new_request_id
+
+if TYPE_CHECKING:
+    from pdproxy.app.state import ProxyState
+
+
+class Director:
+    """Runs requests through admission, the prefill and decode legs and the relay.
+
+    ``admission`` admits; ``scheduler`` answers "could any decoder take it" before a prefill is spent (and picks
+    inside the legs); ``queue`` grants prefill slots; ``pool``, ``health``, ``upstream`` and ``headers`` serve the
+    legs; ``releaser`` frees KV that no decoder will read; ``prefix`` supplies prefix hints; ``tracing`` spans
+    each step (:mod:`pdproxy.ops.tracing`; off by default).  :meth:`from_state` wires one from a
+    :class:`~pdproxy.app.state.ProxyState`.
+    """
+
+    def __init__(self, settings: Settings, *, admission: Admission, scheduler: Scheduler, queue: PrefillQueue,
+                 pool: EndpointPool, health: HealthMonitor, upstream: Upstream, headers: EngineHeaders,
+                 releaser: KVReleaser, prefix: PrefixSource | None = None, tracing: Tracing = NO_TRACING,
+                 served: ServedModels | None = None) -> None:
+        self.settings = settings
+        self.served = served
+        self.admission = admission
+        self.scheduler = scheduler
+        self.kv_release = releaser
+        self.prefix: PrefixSource = prefix or NoPrefix()
+        self.tracing = tracing
+        self.backoff = Backoff(settings.retry_backoff_s, settings.retry_backoff_max_s)
+        self.prefill = PrefillLeg(settings, queue=queue, pool=pool, health=health, upstream=upstream,
+                                  headers=headers, backoff=self.backoff, tracing=tracing)
+        self.decode = DecodeLeg(settings, scheduler=scheduler, pool=pool, health=health, upstream=upstream,
+                                headers=headers, tracing=tracing)
+        self.fan_out = fanout.FanOut(admit=self.admit, run=self.run_sequence,
+                                     max_sequences=settings.fan_out_max_sequences)
+
+    @classmethod
+    def from_state(cls, state: ProxyState, prefix: PrefixSource | None = None) -> Director:
+        """A director on ``state``'s components (the app lifespan's wiring); ``prefix`` defaults to the state's
+        prefix router (:class:`~pdproxy.prefix.routing.PrefixRouter`)."""
+        releaser = KVReleaser(scheduler=state.scheduler, pool=state.pool, health=state.health,
+                              upstream=state.upstream, headers=state.headers,
+                              timeout_s=state.settings.kv_release_timeout_s)
+        return cls(state.settings, admission=state.admission, scheduler=state.scheduler, queue=state.queue,
+                   pool=state.pool, health=state.health, upstream=state.upstream, headers=state.headers,
+                   releaser=releaser, prefix=prefix or state.prefix, tracing=state.tracing, served=state.served)
+
+    async def aclose(self) -> None:
+        """Let background release legs finish (bounded); the app lifespan calls this before stopping state."""
+        await self.kv_release.aclose()
+
+    async def serve(self, req: ProxyRequest, ctx: RequestContext, out: Responder) -> None:
+        """Serve one completion request end to end.  Raises :class:`~pdproxy.errors.ProxyError` for the handler
+        to send."""
+        with self.tracing.request(req, ctx):                            # the request's span (if tracing)
+            async with self.deadline(ctx):                              # optional end-to-end deadline
+                if self.served is not None:
+                    self.served.require(req.model)                      # 0. a served model? (vLLM's 404)
+                if self.fans_out(req):
+                    await self.fan_out.serve(req, ctx, out)             # n > 1, prompt lists: a pair per sequence
+                    return
+                await self.admit(req, ctx)                              # 1. fits? (400 before any engine)
+                await self.run_sequence(req, ctx, out)                  # 2-5. queue, prefill, decode, relay
+
+    @staticmethod
+    def fans_out(req: ProxyRequest) -> bool:
+        """True for a request of several sequences served one P/D pair each (:mod:`pdproxy.pd.fanout`); not for one
+        the prefiller judges with the client's own body (invalid for vLLM: its 400, ``n`` included) or one a
+        decoder serves alone anyway (beam search, prompt logits), whose ``n`` and prompts the decoder runs."""
+        return req.sequences > 1 and not (req.engine_judges or req.decoder_prefills)
+
+    async def admit(self, req: ProxyRequest, ctx: RequestContext) -> None:
+        """Admission (:meth:`Admission.admit`: counted, fits, which path), in its tracing span."""
+        with self.tracing.admission(ctx):
+            await self.admission.admit(req, ctx)
+
+    async def run_sequence(self, req: ProxyRequest, ctx: RequestContext, out: Responder) -> None:
+        """One admitted sequence: queue + prefill → decode → relay, continued on a new pair after vLLM-Ascend's
+        ``stop_reason "recomputed"``."""
+        transcript = self.new_transcript(req)
+        leg: ProxyRequest | None = req
+        while leg is not None:
+            recomputed = await self.run_pd(leg, ctx, out, transcript)  # 2-4. queue+prefill → decode → relay
+            leg = await self.continuation(req, ctx, out, transcript) if recomputed else None  # 5. Ascend
+
+    @asynccontextmanager
+    async def deadline(self, ctx: RequestContext) -> AsyncIterator[None]:
+        """Bound the request by ``request_timeout_s`` seconds from arrival (if set); expiry closes every upstream
+        connection and raises :class:`UpstreamTimeout` (504 before the response started, SSE error after)."""
+        limit = self.settings.request_timeout_s
+        if limit is None:
+            yield
+            return
+        remaining = limit - (time.monotonic() - ctx.timeline.arrived_at)
+        try:
+            async with asyncio.timeout(max(remaining, 0.0)):
+                yield
+        except TimeoutError:
+            raise UpstreamTimeout(f"request exceeded the end-to-end deadline of {limit:.1f} s") from None
+
+    async def run_pd(self, req: ProxyRequest, ctx: RequestContext, out: Responder,
+                     transcript: recompute.Transcript | None) -> bool:
+        """Prefill, then decode; a decoder failing before its first event is replaced (re-prefilling unless the
+        KV handle is known intact).  Returns True when the decoder ended with ``stop_reason "recomputed"``.
+        Raises the scheduler's refusal at once when no decoder could take the request (no prefill is spent)."""
+        attempts = self.settings.decode_attempts
+        hints = await self.prefix.hints(req, ctx)                       # who holds the prompt's prefix
+        pick = PickRequest.of(req, ctx.request_id, hints)
+        failed: list[Endpoint] = []
+        prefill: PrefillResult | None = None
+        self.scheduler.require(Role.DECODE, pick)
+        async with AsyncExitStack() as stack:
+            try:
+                for attempt in range(attempts):
+                    if prefill is None:
+                        disaggregated = ctx.disaggregated and not req.decoder_prefills
+                        prefill = (await self.prefill.run(req, ctx, pick, stack, self.prefix) if disaggregated
+                                   else PrefillResult.skipped())
+                        if prefill.answer is not None and await self.answer_from_prefill(
+                                req, ctx, out, prefill, transcript):
+                            return False
+                    try:
+                        return await self.decode.run(req, ctx, pick, prefill, out, failed, transcript)
+                    except DecodeFailed as f:
+                        failed.append(f.endpoint)
+                        if attempt + 1 >= attempts:
+                            raise f.error from None
+                        if not f.kv_intact:
+                            self.release_kv(req, ctx, prefill)
+                            prefill.lease.release()
+                            prefill = None
+                        await self.backoff.sleep(attempt + 1)
+            except BaseException:
+                if prefill is not None and not prefill.consumed:
+                    self.release_kv(req, ctx, prefill)
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def release_kv(self, req: ProxyRequest, ctx: RequestContext, prefill: PrefillResult) -> None:
+        """Free the prefiller's pinned KV that no decoder will read: nothing to do when a decoder answered an error
+        for the handle (vLLM freed it), else a background release leg, sent to a decoder other than the ones that
+        already had the handle when possible."""
+        if not prefill.consumed:
+            prefill.consumed = True
+            if not prefill.handed:
+                self.kv_release.release(req, ctx.request_id, ctx.authorization, prefill.params,
+                                        avoid=list(prefill.decoders))
+
+    async def answer_from_prefill(self, req: ProxyRequest, ctx: RequestContext, out: Responder,
+                                  prefill: PrefillResult, transcript: recompute.Transcript | None) -> bool:
+        """The prefiller finished the request itself (first-token EOS or stop, no KV handle): send its answer
+        (:mod:`pdproxy.pd.prefill_answer`) and return True — unless it cannot stand for the client's request (a
+        ``min_tokens`` above 1, or a continuation whose response already started), in which case a decoder
+        prefills the request itself (False; ``prefill.params`` is None)."""
+        reply = prefill.answer
+        assert reply is not None
+        prefill.answer = None
+        if not prefill_answer.usable(req) or out.started or (transcript is not None and transcript.attempts > 1):
+            ctx.cached_tokens = prefill.cached_tokens = None
+            return False
+        prefill.consume()
+        routing = routing_headers(ctx) if self.settings.expose_routing_headers else []
+        await prefill_answer.send(req, ctx, out, reply, routing)
+        return True
+
+    def new_transcript(self, req: ProxyRequest) -> recompute.Transcript | None:
+        """A transcript when ``recompute_continuation`` is on (see :mod:`pdproxy.apis.recompute`)."""
+        if not self.settings.recompute_continuation or req.api not in (Api.CHAT, Api.COMPLETIONS):
+            return None
+        return recompute.Transcript(req.api is Api.CHAT)
+
+    async def continuation(self, req: ProxyRequest, ctx: RequestContext, out: Responder,
+                           transcript: recompute.Transcript | None) -> ProxyRequest | None:
+        """After ``stop_reason "recomputed"``: the request that continues ``req`` on a new P→D pair with a new
+        request id, or None when the budget was spent (the response is then finished here with "length").
+        Raises :class:`UpstreamUnavailable` when the request cannot be continued."""
+        assert transcript is not None
+        if transcript.cached_tokens is None:
+            transcript.cached_tokens = ctx.cached_tokens
+        sent = transcript.end_attempt()
+        limit = self.settings.recompute_max_attempts
+        if transcript.attempts > limit + 1 or transcript.tool_calls:
+            why = "during a tool call" if transcript.tool_calls else f"{limit} times"
+            raise UpstreamUnavailable(f"decoder {ctx.decoder} preempted the request (stop_reason \"recomputed\") "
+                                      f"{why}; the response is incomplete", endpoint=ctx.decoder or "")
+        try:
+            body = recompute.continuation_body(req.body, req.api is Api.CHAT, transcript.text, sent)
+        except ValueError as exc:
+            raise UpstreamUnavailable(f"decoder {ctx.decoder} preempted the request (stop_reason \"recomputed\") "
+                                      f"and {exc}", endpoint=ctx.decoder or "") from None
+        if body is None:
+            await recompute.finish_length(out, transcript, stream=req.stream, include_usage=req.include_usage)
+            return None
+        leg = parse_request(orjson.dumps(body), req.api)
+        leg.prompt_tokens = (req.prompt_tokens or 0) + sent
+        ctx.request_id = new_request_id(ctx.client_request_id)
+        return leg

@@ -1,0 +1,117 @@
+"""Freeing a prefiller's pinned KV blocks that no decoder is going to read.
+
+After the prefill leg the prefiller holds the prompt's KV blocks ("delay free") until a decoder pulls them or the
+connector's lease expires — 480 s for vLLM-Ascend Mooncake (``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``, vllm/envs.py),
+NIXL's ``kv_lease_duration`` for vLLM 0.32 (``docs/pd-protocol.md``).  vLLM has no public abort endpoint
+(``/abort_requests`` exists only under ``VLLM_SERVER_DEV_MODE``).  What frees the blocks with every connector is a
+decoder that receives the ``kv_transfer_params`` and then ends: when a ``do_remote_prefill`` request finishes, is
+aborted or is rejected on the decoder, the connector notifies the prefiller, which frees the blocks (vLLM
+``nixl/pull_scheduler.py::request_finished``, ``generate/base/serving.py::_with_kv_transfer_rejection_cleanup``;
+vLLM-Ascend ``mooncake_connector.py::request_finished``).
+
+A decoder that sent its first event has the KV, and one that answered an error status for the handle has freed
+it; the director sends a *release leg* (:meth:`KVReleaser.release`) only otherwise — the client left in the P→D
+gap or before the decoder answered, the deadline passed there, or the decoder was refused, reset, timed out or
+stalled (it may be gone).  The leg is the decode body with ``max_tokens: 1`` and the prefiller's params, to a
+healthy decoder, in the background, bounded by ``timeout_s`` (the connection is closed on expiry, which aborts it
+on the decoder, which again notifies the prefiller).  If the KV was already pulled or freed, the decoder's pull
+fails — the expected outcome, logged at DEBUG.  Tasks are owned by the releaser and awaited (bounded) by
+:meth:`aclose` at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+
+import orjson
+
+from pdproxy.apis import kv_transfer
+from pdproxy.apis.request import Api, ProxyRequest
+from pdproxy.endpoints import Endpoint, Role
+from pdproxy.engines.health import HealthMonitor
+from pdproxy.engines.pool import EndpointPool
+from pdproxy.errors import ProxyError
+from pdproxy.http.engine_headers import EngineHeaders
+from pdproxy.http.upstream import Upstream
+from pdproxy.scheduling import PickRequest, Scheduler
+
+log = logging.getLogger("pdproxy.kv_release")
+
+
+def release_body(original: dict[str, object], params: kv_transfer.KVTransferParams, api: Api = Api.CHAT) -> bytes:
+    """The release leg's body: the prefill overrides of ``api`` (``stream: false``, a one-token limit, no stream
+    options, ``min_tokens: 1`` on chat and completions) with the prefiller's ``params`` as the decoder's
+    ``kv_transfer_params``."""
+    return orjson.dumps(kv_transfer.decode_body(kv_transfer.prefill_body(original, api), params))
+
+
+class KVReleaser:
+    """Runs release legs in the background (see module docstring).  ``released``/``failed`` count legs.
+
+    ``scheduler`` picks the decoder (its decode profile: healthy, breaker, model…), ``pool`` holds a lease on it
+    for the leg, ``health`` hears the leg ended without a verdict, ``upstream`` sends it with ``headers``;
+    ``timeout_s`` bounds each leg (seconds)."""
+
+    def __init__(self, *, scheduler: Scheduler, pool: EndpointPool, health: HealthMonitor, upstream: Upstream,
+                 headers: EngineHeaders, timeout_s: float = 5.0) -> None:
+        self.scheduler = scheduler
+        self.pool = pool
+        self.health = health
+        self.upstream = upstream
+        self.headers = headers
+        self.timeout_s = timeout_s
+        self.released = 0
+        self.failed = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def release(self, req: ProxyRequest, request_id: str, authorization: str | None,
+                params: kv_transfer.KVTransferParams | None, *, avoid: Sequence[Endpoint] = ()) -> None:
+        """Start a release leg for ``params`` (no-op for None: nothing is pinned).  ``avoid``: decoders that just
+        failed, used only when no other decoder is available."""
+        if params is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._run(req, request_id, authorization, params, avoid))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _pick(self, request: PickRequest, avoid: Sequence[Endpoint]) -> Endpoint | None:
+        for exclude in (avoid, ()):
+            try:
+                return self.scheduler.pick(Role.DECODE, request, exclude)
+            except ProxyError:
+                continue
+        return None
+
+    async def _run(self, req: ProxyRequest, request_id: str, authorization: str | None,
+                   params: kv_transfer.KVTransferParams, avoid: Sequence[Endpoint]) -> None:
+        endpoint = self._pick(PickRequest(request_id=request_id, model=req.model), avoid)
+        if endpoint is None:
+            self.failed += 1
+            log.warning("no decoder to release the prefiller's KV of request %s; it stays pinned until the "
+                        "connector's timeout", request_id)
+            return
+        headers = self.headers.leg(endpoint, request_id, authorization)
+        with self.pool.lease(endpoint, req.prompt_tokens or 0):
+            try:
+                await self.upstream.post_json(endpoint, req.api.value, release_body(req.body, params, req.api),
+                                              headers, timeout_s=self.timeout_s)
+            except ProxyError as exc:  # an error answer still means the decoder saw the params and ended: when
+                # the KV is already gone (pulled, or freed by a decoder that ended), the pull fails, as expected
+                log.debug("release leg for request %s on %s: %s", request_id, endpoint.name, exc.message)
+            finally:
+                self.health.record_neutral(endpoint)
+        self.released += 1
+
+    async def aclose(self) -> None:
+        """Wait (at most ``timeout_s``) for running release legs, then cancel what is left."""
+        tasks = list(self._tasks)
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.timeout_s)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

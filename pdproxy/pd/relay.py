@@ -1,0 +1,419 @@
+"""The relay of a decoder's SSE stream to the client: a splice with transforms.
+
+**Status line rule.**  The client's status line goes out only when the decoder's first event is in hand, so a
+decoder error before it reaches the client with the engine's status and body (and the director may still fail
+over).  After the first byte the relay never replays: a failure becomes ``data: {"error": …}`` then
+``data: [DONE]``, so a stream is never silently truncated.  The client side — status line, errors, the
+connection written to — is :mod:`pdproxy.pd.responder`'s.
+
+**The splice.**  The first event is read with an ordinary ``await`` (it carries the first-event timeout and the
+error check).  From then on the decoder connection hands every body segment straight to :class:`_Splice` from its
+``data_received`` (:meth:`pdproxy.http.client.H1Response.splice`), which writes it to the client's transport in the
+same call: no coroutine switch, ASGI message, dict or copy per event beyond the chunk framing.  The block that
+holds ``data: [DONE]`` ends the client's response in the same write (a client that closes its connection right
+after ``[DONE]`` has its whole answer); the decoder's end of body is then awaited only to pool its connection.  Per write it
+costs: the SSE boundary check (complete events are forwarded; an incomplete tail waits for its rest), the
+transforms' byte searches, one ``[DONE]`` search, one clock read and one ITL bucket increment
+(:class:`pdproxy.ops.metrics.GapCounts`).  The director's coroutine waits on one future for the whole stream.
+
+**Flow control.**  Client → decoder: when the client's transport goes above its high-water mark the splice
+pauses reading the decoder socket (so a slow reader holds at most one transport buffer, ~64 KiB, plus the kernel's
+socket buffers, whatever it does) and resumes below the low-water mark; a client that stays paused for
+``decode_idle_timeout_s`` is cut (its connection aborted, so the director's task is cancelled and the decode
+connection closed, which makes vLLM abort the request).  Decoder silence: the same timeout as one lazy timer,
+re-armed once per timeout period, never per event.
+
+**Transforms** (chosen once, when the stream starts; :meth:`StreamRelay.transforms`).  A transform has
+
+- ``trigger`` (bytes): the splice calls ``feed`` only for blocks that contain it (one ``bytes.find`` per
+  block; ``b""``: every block), so a plain token event costs no Python call of the transform;
+- ``feed(block, prev) -> bytes``: a block of complete SSE events from the decoder in (``prev``: the block
+  written before it), the bytes for the client out (may be empty);
+- optionally ``ending(block, prev) -> bytes``: the block that holds the stream's end event (``done_event``),
+  before it is written as the response's last piece;
+- ``recomputed`` (bool): True once the client's part of the stream is over and the director must continue the
+  request elsewhere (later blocks must then give ``b""``).
+
+The chat and text completions transforms — :class:`~pdproxy.apis.chat.ChatUsage` (usage rewriting,
+``recomputed`` detection), :class:`~pdproxy.apis.chat.RecordTranscript` /
+:class:`~pdproxy.apis.chat.ContinueTranscript` (vLLM-Ascend continuation) — and the byte-search rule
+every transform follows are in :mod:`pdproxy.apis.chat`.
+
+Adding an API (e.g. ``/v1/responses`` with usage inside ``response.completed``, or Anthropic ``/v1/messages``
+with usage in ``message_start`` and ``message_delta`` and no ``[DONE]``) is a new transform class (trigger
+``"usage"``, a ``feed`` that patches those events) returned by :meth:`StreamRelay.transforms` for that API, plus
+the ``done_event`` that ends its stream (e.g. ``event: message_stop``; None: the stream ends at the decoder's
+end of body), passed to :class:`StreamRelay`; the splice does not change.  ``/v1/responses`` and ``/v1/messages``
+are relayed that way: :class:`pdproxy.apis.streams.ResponsesStream` / :class:`~pdproxy.apis.streams.MessagesStream`
+(the ``api_stream`` of :class:`StreamRelay`) are their transforms, and also say which opening events the first
+block holds back (sent before the engine ran), how a first error event looks, and the error event that ends the
+stream when pdproxy must (:class:`pdproxy.pd.responder.Responder` sends it once the stream started).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from bisect import bisect_left
+from collections.abc import Callable
+from typing import Any
+
+from pdproxy.apis import recompute
+from pdproxy.apis import streams as api_streams
+from pdproxy.apis.chat import Chain, ChatUsage, ContinueTranscript, RecordTranscript, first_event_error
+from pdproxy.errors import ProxyError, UpstreamTimeout, UpstreamUnavailable
+from pdproxy.http import sse
+from pdproxy.http.client import H1Response, ReadTimeout, TransportError
+from pdproxy.http.upstream import proxy_error
+from pdproxy.ops.metrics import GapCounts
+from pdproxy.pd.responder import SSE_HEADERS, Responder
+from pdproxy.timeline import RequestContext
+
+
+def _drop(data: bytes) -> None:
+    """The body writer once the client is gone."""
+
+
+def _same(block: bytes, prev: bytes) -> bytes:
+    """No transform."""
+    return block
+
+
+class _NoDone(Exception):
+    """The decoder's body ended without the stream's end event."""
+
+
+class _Splice:
+    """The streaming phase of one relay (see module docstring): an :class:`pdproxy.http.client.BodySink` for the
+    decoder's body and the ``flow`` listener of the client's connection.  ``done`` resolves with True (the
+    client's part ended with ``recomputed``), False (the stream ended and the response is finished), or raises
+    :class:`TransportError` / :class:`_NoDone`."""
+
+    __slots__ = ("bounds", "conn", "counts", "ctx", "done", "done_event", "done_len", "done_mark", "feed", "gaps",
+                 "idle_s", "idle_timer", "last", "loop", "out", "prev", "resp", "stall_timer", "tail", "transform",
+                 "trigger", "write", "writes")
+
+    def __init__(self, relay: StreamRelay, transform: Any, tail: bytes, last_write: float) -> None:
+        self.loop = relay.resp.loop
+        self.resp = relay.resp
+        self.out = relay.out
+        self.conn = relay.out.conn
+        self.ctx = relay.ctx
+        self.transform = transform
+        self.feed: Callable[[bytes, bytes], bytes] = transform.feed if transform is not None else _same
+        self.trigger = transform.trigger if transform is not None else b"\0"  # JSON text never holds a NUL
+        self.write = self.conn.body_writer()  # framing and transport write, no Python frame of ours between
+        self.done_event = relay.done_event or b"\0\0\0"
+        self.done_len = len(relay.done_event) if relay.done_event else 1 << 62
+        self.done_mark = self.done_event[-3]  # the byte before the blank line: a cheap pre-test
+        self.prev = b""
+        self.tail = tail
+        self.writes = 0
+        self.last = last_write
+        self.gaps = relay.ctx.gaps or GapCounts((float("inf"),))
+        self.bounds = self.gaps.bounds
+        self.counts = self.gaps.counts
+        self.done: asyncio.Future[bool] = self.loop.create_future()
+        self.idle_s = relay.idle_timeout_s
+        self.idle_timer: asyncio.TimerHandle | None = None
+        self.stall_timer: asyncio.TimerHandle | None = None
+
+    # --- the hot path --------------------------------------------------------------------------------------
+    def data(self, chunk: bytes) -> None:
+        """One decoder body segment: forward its complete events now (called from the decoder's protocol).
+
+        The common case — a segment of whole events (ending in a blank line), no tail held — runs straight
+        through; anything else is reassembled first (:meth:`_reframe`).  Byte tests are index comparisons
+        where they can be (``chunk[-1] == 10``): in CPython an index costs a fraction of ``endswith``."""
+        if self.tail or chunk[-1] != 10 or chunk[-2] != 10:
+            chunk = self._reframe(chunk)
+            if not chunk:
+                return
+        if chunk.find(self.trigger) >= 0:
+            chunk = self.feed(chunk, self.prev)
+            if not chunk:
+                return
+        out = self.out
+        if out.ended:
+            return  # after the stream's end event: nothing more is for the client
+        now = time.monotonic()
+        if self.writes:
+            gap = now - self.last
+            self.counts[bisect_left(self.bounds, gap)] += 1
+            self.gaps.total += gap
+        self.last = now
+        self.writes += 1
+        if len(chunk) >= self.done_len and chunk[-3] == self.done_mark and chunk.endswith(self.done_event):
+            self._end(chunk, now)
+            return
+        self.prev = chunk
+        self.write(chunk)
+
+    def _end(self, chunk: bytes, now: float) -> None:
+        """The block that ends the stream (``done_event`` last): transformed by the transform's ``ending`` hook,
+        then written as the last piece of the client's response."""
+        out = self.out
+        ending = getattr(self.transform, "ending", None)
+        if ending is not None:
+            chunk = ending(chunk, self.prev)
+            if self.transform.recomputed:  # detected only now: the relay ends the response with an error
+                if chunk:
+                    self.write(chunk)
+                return
+        if out.done_sent:
+            chunk = chunk.replace(sse.DONE_EVENT, b"")
+        out.done_sent = True
+        self.ctx.timeline.last_token_at = now
+        out.end_nowait(chunk)  # the client has everything: end its response now, in the same write
+
+    def _reframe(self, chunk: bytes) -> bytes:
+        """``chunk`` after any held tail, cut after its last complete event (the rest is held); may be empty."""
+        if self.tail:
+            chunk = self.tail + chunk
+            self.tail = b""
+        if chunk.endswith(b"\n\n"):
+            return chunk
+        end = sse.last_boundary(chunk)
+        self.tail = chunk[end:]
+        return chunk[:end]
+
+    # --- end of the decoder's body -------------------------------------------------------------------------
+    def eof(self) -> None:
+        tail, self.tail = self.tail, b""
+        if tail.strip():
+            self.data(tail + b"\n\n")  # the engine's last event lacked its blank line
+        if self.done.done():
+            return
+        if not self.out.ended:
+            self.ctx.timeline.last_token_at = time.monotonic()
+        if self.transform is not None and self.transform.recomputed:
+            self.done.set_result(True)
+        elif self.out.ended:
+            self.done.set_result(False)
+        elif self.done_len < 1 << 62 and not self.out.done_sent and self.prev.find(self.done_event) < 0:
+            self.done.set_exception(_NoDone())
+        else:
+            self.out.end_nowait()
+            self.done.set_result(False)
+
+    def fail(self, exc: TransportError) -> None:
+        if self.done.done():
+            return
+        if self.out.ended:
+            self.done.set_result(False)  # the client's response was complete; only the decoder's tail failed
+        elif self.transform is not None and self.transform.recomputed:
+            self.done.set_result(True)  # the rest was only for the transcript's accounting
+        else:
+            self.done.set_exception(exc)
+
+    # --- timers and flow control ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Begin: take the decoder's body from now on and listen to the client's flow control."""
+        self.conn.flow = self
+        if self.idle_s is not None:
+            self.idle_timer = self.loop.call_later(self.idle_s, self._check_idle)
+        self.resp.splice(self)
+        if self.conn.paused and not self.done.done():
+            self.client_paused()
+
+    def stop(self) -> None:
+        """End: no more timers or flow callbacks (the decoder connection is released by its owner), and no
+        reference cycle left (response ↔ splice, connection ↔ splice), so reference counting frees the stream's
+        objects at once instead of a full garbage collection later (see :mod:`pdproxy.ops.gcpolicy`)."""
+        if self.conn.flow is self:
+            self.conn.flow = None
+        for timer in (self.idle_timer, self.stall_timer):
+            if timer is not None:
+                timer.cancel()
+        self.idle_timer = self.stall_timer = None
+        if self.resp.sink is self:
+            self.resp.sink = None
+        self.write = _drop
+        self.feed = _same
+        self.transform = None
+
+    def _check_idle(self) -> None:
+        self.idle_timer = None
+        if self.done.done() or self.idle_s is None:
+            return
+        if self.out.ended:
+            self.done.set_result(False)  # the decoder owes only its end of body: stop waiting (connection closed)
+            return
+        if self.stall_timer is None:  # while the client is paused, its own timer applies
+            quiet = time.monotonic() - self.last
+            if quiet >= self.idle_s:
+                self.done.set_exception(ReadTimeout(f"no data for {self.idle_s} s"))
+                return
+            self.idle_timer = self.loop.call_later(self.idle_s - quiet, self._check_idle)
+        else:
+            self.idle_timer = self.loop.call_later(self.idle_s, self._check_idle)
+
+    def client_paused(self) -> None:
+        """The client's transport went above its high-water mark: stop reading the decoder."""
+        self.resp.pause_reading()
+        if self.stall_timer is None and self.idle_s is not None:
+            self.stall_timer = self.loop.call_later(self.idle_s, self._stalled)
+
+    def client_resumed(self) -> None:
+        """The client caught up: read the decoder again."""
+        if self.stall_timer is not None:
+            self.stall_timer.cancel()
+            self.stall_timer = None
+        self.last = time.monotonic()
+        self.resp.resume_reading()
+
+    def client_gone(self) -> None:
+        """The client's connection is gone: later decoder bytes are dropped (the director's task is being
+        cancelled)."""
+        self.write = _drop
+
+    def _stalled(self) -> None:
+        self.stall_timer = None
+        if self.done.done():
+            return
+        self.ctx.error = f"the client read nothing for {self.idle_s} s; connection closed, decode aborted"
+        self.write = _drop
+        self.conn.abort()  # connection_lost cancels the director's task; the decode leg is then closed
+
+
+class StreamRelay:
+    """Relays one decoder SSE response to the client.
+
+    ``cached_tokens``: the prefiller's prefix-cache hits to write into usage objects (None: leave as is).
+    ``on_first_event``: called once when the first complete event arrives, before the status line goes out
+    (the director releases the prefill lease there: the decoder has pulled the KV).
+    ``transcript``: records what the client got, for a vLLM-Ascend ``recomputed`` continuation (None: off);
+    its ``attempts > 1`` means this leg continues an earlier one (ids/usage rewritten, no second role chunk).
+    ``strip_usage``: the usage chunk was forced upstream and is not for the client.
+    ``idle_timeout_s``: once the first event is in, the longest silence of the decoder, and the longest time the
+    client may keep its transport full (``decode_idle_timeout_s``); until then the response keeps the timeout it
+    was opened with (the decode leg opens with ``decode_first_byte_timeout_s``).  None: no limit.
+    ``on_recomputed``: without a transcript, called if the decoder does end with ``recomputed`` (detection).
+    ``done_event``: the event that ends this API's stream (None: the decoder's end of body ends it).
+    ``api_stream``: a Responses or Messages stream (:mod:`pdproxy.apis.streams`): its transform, opening events,
+    first-error rule, end event and error event replace the chat ones (None: chat / completions).
+    """
+
+    def __init__(self, resp: H1Response, out: Responder, ctx: RequestContext, *,
+                 cached_tokens: int | None, first_event_timeout_s: float,
+                 on_first_event: Callable[[], None] | None = None,
+                 headers: list[tuple[bytes, bytes]] | None = None,
+                 transcript: recompute.Transcript | None = None, strip_usage: bool = False,
+                 idle_timeout_s: float | None = None, on_recomputed: Callable[[], None] | None = None,
+                 done_event: bytes | None = sse.DONE_EVENT,
+                 api_stream: api_streams.ApiStream | None = None) -> None:
+        self.api_stream = api_stream
+        if api_stream is not None:
+            done_event = api_stream.done_event
+        self.resp = resp
+        self.out = out
+        self.ctx = ctx
+        self.cached_tokens = cached_tokens
+        self.first_event_timeout_s = first_event_timeout_s
+        self.on_first_event = on_first_event
+        self.headers = headers or []
+        self.transcript = transcript
+        self.strip_usage = strip_usage
+        self.idle_timeout_s = idle_timeout_s
+        self.on_recomputed = on_recomputed
+        self.done_event = done_event
+        self.recomputed = False
+
+    def transforms(self) -> Any:
+        """The transform for this stream (see module docstring), chosen once when it starts."""
+        if self.api_stream is not None:
+            return self.api_stream
+        t = self.transcript
+        if t is not None and t.attempts > 1:
+            return ContinueTranscript(self.ctx, t, keep_usage=not self.strip_usage)
+        usage = ChatUsage(self.ctx, self.cached_tokens, self.strip_usage,
+                          self.on_recomputed if t is None else None)
+        return usage if t is None else Chain([usage, RecordTranscript(t)])
+
+    async def _first_block(self, framer: sse.EventFramer) -> bytes:
+        """The first complete event(s), within ``first_event_timeout_s`` (a deadline on the response's reads, not
+        an ``asyncio.timeout``: no task lookup, no extra timer).  Raises :class:`TransportError` (a
+        :class:`ReadTimeout` when the deadline passes).  A Responses / Messages stream's opening events (sent before
+        the engine ran, :mod:`pdproxy.apis.streams`) are held back until a later event is in: ``b""`` if the stream
+        ends before one."""
+        resp = self.resp
+        before = resp.deadline_at
+        deadline = resp.loop.time() + self.first_event_timeout_s
+        resp.deadline_at = deadline if before is None else min(before, deadline)
+        opening = self.api_stream.opening if self.api_stream is not None else ()
+        held = b""
+        try:
+            while True:
+                chunk = await resp.readany()
+                if not chunk:
+                    return b""
+                block = framer.feed(chunk)
+                if block:
+                    if opening and api_streams.only_opening(block, opening):
+                        held += block
+                        continue
+                    return held + block if held else block
+        finally:
+            resp.deadline_at = before
+
+    async def run(self) -> bool:
+        """Relay until the decoder ends.  Raises :class:`ProxyError` only before this decoder's first event
+        reached the client (so the director may still fail over); afterwards failures become an SSE error event
+        + [DONE].  Returns True when the decoder ended with ``stop_reason "recomputed"`` and a transcript was
+        kept (nothing of that ending was sent; the director continues on a new P→D pair)."""
+        framer = sse.EventFramer()
+        ctx, out = self.ctx, self.out
+        who = f"decoder {ctx.decoder}"
+        try:
+            block = await self._first_block(framer)
+        except ReadTimeout:
+            raise UpstreamTimeout(f"{who} sent no event within {self.first_event_timeout_s:.1f} s",
+                                  endpoint=ctx.decoder or "") from None
+        except TransportError as exc:
+            raise proxy_error(exc, who, ctx.decoder or "", " before its first event") from None
+        if not block:
+            raise UpstreamUnavailable(f"{who} closed the stream before its first event", endpoint=ctx.decoder or "")
+        fmt = self.api_stream
+        err = first_event_error(block) if fmt is None else fmt.first_error(block)
+        if err is not None:
+            err.endpoint = ctx.decoder or ""
+            raise err
+        if fmt is not None:
+            fmt.responder = out                 # the stream's end event marks the response done
+            out.api_stream = fmt
+        if self.on_first_event is not None:
+            self.on_first_event()
+        if not out.started:
+            ctx.timeline.first_token_at = time.monotonic()
+            out.start_nowait(200, SSE_HEADERS + self.headers)
+        transform = self.transforms()
+        splice = _Splice(self, transform, b"", ctx.timeline.first_token_at or time.monotonic())
+        try:
+            splice.data(block)
+            splice.tail = framer.pending  # what came after the first events, held for its rest
+            splice.start()
+            try:
+                self.recomputed = await splice.done
+            except (TransportError, _NoDone) as exc:
+                ctx.events = splice.writes
+                ctx.outcome = "upstream_error"
+                failure: ProxyError
+                if isinstance(exc, _NoDone):
+                    end = fmt.end_name if fmt is not None else "data: [DONE]"
+                    failure = UpstreamUnavailable(f"{who} ended the stream without {end}; the response may "
+                                                  "be incomplete", endpoint=ctx.decoder or "")
+                else:
+                    failure = proxy_error(exc, who, ctx.decoder or "", " mid-stream")
+                    failure.message += "; the response is incomplete"
+                out.error_nowait(failure)
+                return False
+        finally:
+            splice.stop()
+        ctx.events = splice.writes
+        if self.recomputed and self.transcript is None:
+            ctx.outcome = "upstream_error"
+            out.error_nowait(UpstreamUnavailable(
+                f"{who} preempted the request (stop_reason \"recomputed\"); the response is incomplete (this "
+                "decoder's later streams can be continued)", endpoint=ctx.decoder or ""))
+            return False
+        return self.recomputed

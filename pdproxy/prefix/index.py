@@ -1,0 +1,595 @@
+"""Which engine holds how much of a prompt's prefix: pdproxy's own block keys, the precise index fed by the
+engines' KV events, and the approximate index fed by pdproxy's own routing decisions.
+
+**Keys.** A prompt of ``n`` tokens is cut as the engine cuts it: full blocks of ``block_size`` tokens only (a
+partial last block is never cached). Block ``i``'s key chains its tokens with the key before it::
+
+    key[-1] = root(namespace)          # blake2b of the namespace: "" = the base model, else the LoRA adapter name
+    key[i]  = hash((key[i - 1], tuple(tokens of block i)))
+
+``hash`` of a tuple of ints is CPython's tuple hash, which, unlike ``hash(str)`` / ``hash(bytes)``, takes no
+``PYTHONHASHSEED`` salt: every pdproxy process (and replica) computes the same keys. vLLM's own block hashes are
+never used as keys (they depend on the engine's hash algorithm and seed); the precise index only keeps, per cache,
+an engine-hash → key map so that ``BlockRemoved`` (hashes only) can evict.
+
+**Precise index** (:class:`PrefixIndex`): per *location* = (endpoint name, medium) — an endpoint name is
+``Endpoint.name``, so an internal-DP rank (``url#dpN``) is a location of its own — the blocks its engine reported
+stored and not yet removed. One dict maps each key to a bitmask of the locations holding it, so a query costs one
+dict lookup per block, whatever the number of engines.
+
+**Approximate index** (:class:`ApproxPrefixIndex`): for engines that publish no events, where pdproxy sent each
+request's block chain, per endpoint, bounded (the engine's KV pool in blocks, or a default) and aged (LRU, plus a
+time to live), with the same query.
+
+**Query** (both): :meth:`PrefixIndex.match` takes :class:`BlockKeys` and answers, per endpoint, the tokens the
+engine will report as ``cached_tokens``: the longest run of leading blocks held, capped as vLLM caps a hit (the
+last prompt token is always computed: at most ``(n - 1) // block_size`` blocks). Memory and cost figures:
+``docs/kv-events.md`` (measured by ``python -m loadtest.prefix_index_bench``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+
+from pdproxy.prefix.kv_events import (
+    ArrayBlockRemoved,
+    ArrayBlockStored,
+    EngineHash,
+    KVEvent,
+    MapBlockRemoved,
+    MapBlockStored,
+    StoredFields,
+)
+
+KEY_VERSION = "pdproxy-prefix-v1"
+DEFAULT_MEDIUM = "GPU"
+DEFAULT_TEXT_CHUNK_CHARS = 256
+DEFAULT_CHARS_PER_TOKEN = 4.0
+_MISSING: Any = object()
+
+
+def namespace_root(namespace: str = "", kind: str = "tokens") -> int:
+    """The key every chain of ``namespace`` starts from (a signed 64-bit int).
+
+    ``namespace``: ``""`` for the base model, else the LoRA adapter name (vLLM's ``lora_name``); ``kind``:
+    ``"tokens"`` or ``"text"`` so text-chunk keys never equal token-block keys.
+    """
+    digest = hashlib.blake2b(f"{KEY_VERSION}\0{kind}\0{namespace}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+def chain_keys(parent: int, token_ids: Sequence[int], block_size: int, num_blocks: int | None = None,
+               extra: Sequence[int | None] | None = None) -> list[int]:
+    """Keys of the first ``num_blocks`` full blocks of ``token_ids`` (default: all full blocks), chained from
+    ``parent``.  ``extra[i]``, when not None, is mixed into block ``i``'s key (engine-side only: blocks whose
+    cache identity has more than tokens, e.g. an image or a ``cache_salt``, so no plain request matches them)."""
+    n = len(token_ids) // block_size if num_blocks is None else num_blocks
+    keys: list[int] = []
+    append = keys.append
+    h = hash
+    ids = token_ids if isinstance(token_ids, list | tuple) else list(token_ids)
+    start = 0
+    for i in range(n):
+        end = start + block_size
+        block = tuple(ids[start:end])
+        x = extra[i] if extra is not None else None
+        parent = h((parent, block)) if x is None else h((parent, block, x))
+        append(parent)
+        start = end
+    return keys
+
+
+@dataclass(frozen=True, slots=True)
+class BlockKeys:
+    """A request's prefix keys: ``keys[i]`` for block ``i`` (full blocks only), ``block_size`` (tokens per block,
+    or characters per chunk for ``kind="text"``), ``num_tokens`` (the prompt's length in tokens: exact for token
+    keys, estimated for text), ``namespace`` and ``kind``.  Build with :func:`block_keys` or :func:`text_keys`."""
+
+    keys: list[int]
+    block_size: int
+    num_tokens: int
+    namespace: str = ""
+    kind: Literal["tokens", "text"] = "tokens"
+    num_chars: int = 0
+    """Text keys: the rendered prompt's length in characters (the partial last chunk included)."""
+
+    @property
+    def tokens_per_block(self) -> float:
+        """Tokens one key stands for (``block_size`` for token keys; for text chunks ``num_tokens`` spread
+        evenly over the characters)."""
+        if self.kind == "tokens":
+            return float(self.block_size)
+        if self.num_chars:
+            return self.num_tokens * self.block_size / self.num_chars
+        return self.num_tokens / len(self.keys) if self.keys else 0.0
+
+    def cached_tokens(self, blocks: int) -> int:
+        """Tokens an engine reports cached when it holds the first ``blocks`` blocks: vLLM always computes the
+        last prompt token, so a hit covers at most ``(num_tokens - 1) // block_size`` blocks."""
+        if self.kind == "tokens":
+            limit = max(self.num_tokens - 1, 0) // self.block_size
+            return min(blocks, limit) * self.block_size
+        return min(int(blocks * self.tokens_per_block), max(self.num_tokens - 1, 0))
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, namespace: str = "") -> BlockKeys:
+    """The prefix keys of a tokenized prompt (the engine's chunking: full blocks of ``block_size`` tokens).
+
+    ``namespace``: ``""`` for the base model, the LoRA adapter's name for a LoRA request.  Cost: one tuple hash
+    per block, ~1.2 ms for a 128K-token prompt at ``block_size`` 128, ~7 ms at 16 (``docs/kv-events.md``).  Raises
+    ``ValueError`` when ``block_size`` < 1.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    keys = chain_keys(namespace_root(namespace), token_ids, block_size)
+    return BlockKeys(keys, block_size, len(token_ids), namespace, "tokens")
+
+
+def text_keys(text: str, *, chunk_chars: int = DEFAULT_TEXT_CHUNK_CHARS, namespace: str = "",
+              num_tokens: int | None = None, chars_per_token: float = DEFAULT_CHARS_PER_TOKEN) -> BlockKeys:
+    """Fallback keys when no tokenizer is at hand: full chunks of ``chunk_chars`` characters of the rendered
+    prompt, chained with blake2b (stable across processes).  Only the approximate index can use them (engines
+    report token blocks).  ``num_tokens``: the prompt's token count if known, else ``len(text) /
+    chars_per_token``.  Accuracy: a chunk boundary is not a block boundary, so a shared prefix is credited to the
+    last full chunk it covers (up to ``chunk_chars`` characters less than the engine's hit).
+    """
+    if chunk_chars < 1:
+        raise ValueError(f"chunk_chars must be >= 1, got {chunk_chars}")
+    parent = namespace_root(namespace, "text").to_bytes(8, "big", signed=True)
+    keys: list[int] = []
+    step = chunk_chars
+    blake = hashlib.blake2b
+    for start in range(0, len(text) - step + 1, step):
+        chunk = text[start:start + step].encode("utf-8", "surrogatepass")
+        parent = blake(chunk, digest_size=8, key=parent).digest()
+        keys.append(int.from_bytes(parent, "big", signed=True))
+    estimate = num_tokens if num_tokens is not None else int(len(text) / chars_per_token)
+    return BlockKeys(keys, chunk_chars, estimate, namespace, "text", len(text))
+
+
+def rendezvous_order(key: int, endpoints: Iterable[str]) -> list[str]:
+    """``endpoints`` ordered by rendezvous (highest-random-weight) hashing of ``key`` (e.g. a request's first
+    block key): every replica computes the same order without talking, and removing an endpoint only moves the
+    keys it had.  Use it to break ties between equally good endpoints."""
+    def weight(name: str) -> bytes:
+        return hashlib.blake2b(f"{key}\0{name}".encode(), digest_size=8).digest()
+
+    return sorted(endpoints, key=weight, reverse=True)
+
+
+# ---------------------------------------------------------------------------------------------------- tables
+@dataclass(slots=True, eq=False)
+class _Location:
+    endpoint: str
+    medium: str
+    bit: int
+    block_size: int | None = None
+    engine: dict[EngineHash, int | None] = field(default_factory=dict)
+    """Precise: engine hash → own key (None: an orphan, whose parent chain is unknown), in store order."""
+    sent: dict[int, float] = field(default_factory=dict)
+    """Approximate: own key → last time sent, oldest first."""
+
+
+class _MaskTable:
+    """Locations with one bit each, and key → bitmask of the locations holding it."""
+
+    def __init__(self) -> None:
+        self._holders: dict[int, int] = {}
+        self._locations: dict[tuple[str, str], _Location] = {}
+        self._free_bits: list[int] = []
+        self._next_bit = 0
+
+    def _location(self, endpoint: str, medium: str = DEFAULT_MEDIUM) -> _Location:
+        loc = self._locations.get((endpoint, medium))
+        if loc is None:
+            if self._free_bits:
+                bit = self._free_bits.pop()
+            else:
+                bit, self._next_bit = 1 << self._next_bit, self._next_bit + 1
+            loc = self._locations[(endpoint, medium)] = _Location(endpoint, medium, bit)
+        return loc
+
+    def _hold(self, key: int, bit: int) -> None:
+        holders = self._holders
+        holders[key] = holders.get(key, 0) | bit
+
+    def _release(self, key: int, bit: int) -> None:
+        holders = self._holders
+        mask = holders.get(key, 0) & ~bit
+        if mask:
+            holders[key] = mask
+        else:
+            holders.pop(key, None)
+
+    def _match_blocks(self, keys: Sequence[int], candidates: list[_Location]) -> dict[_Location, int]:
+        """Leading blocks of ``keys`` each candidate holds (one dict lookup per block until none is left)."""
+        live = 0
+        for loc in candidates:
+            live |= loc.bit
+        out: dict[_Location, int] = {}
+        by_bit = {loc.bit: loc for loc in candidates}
+        get = self._holders.get
+        n = 0
+        for key in keys:
+            held = get(key, 0) & live
+            if held != live:
+                dropped = live & ~held
+                for bit, loc in by_bit.items():
+                    if dropped & bit:
+                        out[loc] = n
+                live = held
+                if not live:
+                    break
+            n += 1
+        for bit, loc in by_bit.items():
+            if live & bit:
+                out[loc] = n
+        return out
+
+    def _per_endpoint(self, keys: BlockKeys, candidates: list[_Location],
+                      endpoints: Iterable[str] | None) -> dict[str, int]:
+        wanted = None if endpoints is None else set(endpoints)
+        chosen = [c for c in candidates if wanted is None or c.endpoint in wanted]
+        result: dict[str, int] = dict.fromkeys(wanted or (), 0) if wanted is not None else {}
+        for loc, blocks in self._match_blocks(keys.keys, chosen).items():
+            tokens = keys.cached_tokens(blocks)
+            if tokens > result.get(loc.endpoint, -1):
+                result[loc.endpoint] = tokens
+        return result
+
+    def _drop_location(self, loc: _Location, keys: Iterable[int | None]) -> int:
+        n = 0
+        for key in keys:
+            if key is not None:
+                self._release(key, loc.bit)
+            n += 1
+        return n
+
+    def endpoints(self) -> list[str]:
+        """Endpoints that have (or had) a location here."""
+        return sorted({e for e, _m in self._locations})
+
+    @property
+    def distinct_keys(self) -> int:
+        """Distinct block keys held anywhere."""
+        return len(self._holders)
+
+
+@dataclass(slots=True)
+class IndexStats:
+    """Counters of a :class:`PrefixIndex` (monotonic, except the gauges ``entries`` / ``distinct_keys``)."""
+
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    cleared: int = 0
+    orphan_blocks: int = 0
+    ignored_events: dict[str, int] = field(default_factory=dict)
+    evicted_blocks: int = 0
+
+    def ignore(self, reason: str) -> None:
+        self.ignored_events[reason] = self.ignored_events.get(reason, 0) + 1
+
+
+class PrefixIndex(_MaskTable):
+    """The precise index: what each engine's KV events say it holds (see the module docstring).
+
+    ``max_blocks``: bound on block entries over all locations (memory ~ ``docs/kv-events.md``'s bytes per entry ×
+    this); past it, the oldest entries of the largest location are dropped (as if evicted; a later hit there is
+    then under-predicted, never over-predicted).  Not thread-safe: one event loop owns it (the subscriber writes,
+    routing reads).
+    """
+
+    def __init__(self, *, max_blocks: int = 2_000_000) -> None:
+        super().__init__()
+        if max_blocks < 1:
+            raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
+        self.max_blocks = max_blocks
+        self.stats = IndexStats()
+        self._entries = 0
+        self._roots: dict[str, int] = {}
+        self._block_sizes: dict[str, int] = {}
+
+    # ---- configuration
+    def set_block_size(self, endpoint: str, block_size: int | None) -> None:
+        """The engine's block size in tokens (``vllm:cache_config_info``, ``EngineInfo.block_size``).  Events
+        with another ``block_size`` for this endpoint are ignored (counted as ``block_size``); a change drops
+        what the endpoint held.  Unset, the first ``BlockStored`` decides."""
+        if block_size is None or block_size < 1:
+            return
+        if self._block_sizes.get(endpoint) != block_size:
+            if endpoint in self._block_sizes:
+                self.forget(endpoint)
+            self._block_sizes[endpoint] = block_size
+            for (e, _m), loc in self._locations.items():
+                if e == endpoint:
+                    loc.block_size = block_size
+
+    def block_size(self, endpoint: str) -> int | None:
+        """The block size known for ``endpoint`` (None before any event or configuration)."""
+        return self._block_sizes.get(endpoint)
+
+    # ---- events
+    def apply(self, endpoint: str, events: Iterable[KVEvent]) -> None:
+        """Apply one batch's events of ``endpoint``'s engine, in order.  Never raises on odd events: they are
+        ignored and counted in ``stats.ignored_events`` by reason."""
+        for event in events:
+            if isinstance(event, MapBlockStored | ArrayBlockStored):
+                self._store(endpoint, event)
+            elif isinstance(event, MapBlockRemoved | ArrayBlockRemoved):
+                self._remove(endpoint, event.block_hashes, event.medium, event.group_idx)
+            else:
+                self.stats.cleared += 1
+                self.forget(endpoint)
+
+    def _root(self, namespace: str) -> int:
+        root = self._roots.get(namespace)
+        if root is None:
+            if len(self._roots) > 4096:
+                self._roots.clear()
+            root = self._roots[namespace] = namespace_root(namespace)
+        return root
+
+    def _store(self, endpoint: str, ev: StoredFields) -> None:
+        stats = self.stats
+        if ev.group_idx not in (None, 0):
+            stats.ignore("kv_cache_group")
+            return
+        bs = ev.block_size
+        known = self._block_sizes.get(endpoint)
+        if known is None:
+            if bs < 1:
+                stats.ignore("block_size")
+                return
+            self._block_sizes[endpoint] = known = bs
+        if bs != known:
+            stats.ignore("block_size")
+            return
+        hashes = ev.block_hashes
+        n = len(hashes)
+        if len(ev.token_ids) != n * bs:
+            stats.ignore("token_count")
+            return
+        loc = self._location(endpoint, ev.medium or DEFAULT_MEDIUM)
+        loc.block_size = bs
+        namespace = ev.lora_name or (f"#lora-id-{ev.lora_id}" if ev.lora_id is not None else "")
+        engine = loc.engine
+        before = len(engine)
+        if ev.parent_block_hash is None:
+            parent: int | None = self._root(namespace)
+        else:
+            parent = engine.get(ev.parent_block_hash, None)
+        if parent is None:  # chain unknown here (joined mid-stream, or the parent was dropped): never matchable
+            for h in hashes:
+                old = engine.pop(h, _MISSING)
+                if old is not _MISSING and old is not None:
+                    self._release(old, loc.bit)
+                engine[h] = None
+            stats.orphan_blocks += n
+        else:
+            extra = _extra_keys(ev.extra_keys, ev.lora_name, n)
+            keys = chain_keys(parent, ev.token_ids, bs, n, extra)
+            bit = loc.bit
+            holders = self._holders
+            for h, key in zip(hashes, keys, strict=True):
+                old = engine.pop(h, _MISSING)
+                if old is not _MISSING and old is not None and old != key:
+                    self._release(old, bit)
+                engine[h] = key
+                holders[key] = holders.get(key, 0) | bit
+        stats.stored_blocks += n
+        self._entries += len(engine) - before
+        if self._entries > self.max_blocks:
+            self._shrink()
+
+    def _remove(self, endpoint: str, hashes: Sequence[EngineHash], medium: str | None, group_idx: int | None) -> None:
+        if group_idx not in (None, 0):
+            self.stats.ignore("kv_cache_group")
+            return
+        loc = self._locations.get((endpoint, medium or DEFAULT_MEDIUM))
+        if loc is None:
+            self.stats.ignore("unknown_block")
+            return
+        engine = loc.engine
+        for h in hashes:
+            key = engine.pop(h, _MISSING)
+            if key is _MISSING:
+                self.stats.ignore("unknown_block")
+                continue
+            self._entries -= 1
+            self.stats.removed_blocks += 1
+            if key is not None:
+                self._release(key, loc.bit)
+
+    def _shrink(self) -> None:
+        """Over ``max_blocks``: drop the oldest eighth of the largest location."""
+        while self._entries > self.max_blocks:
+            loc = max(self._locations.values(), key=lambda x: len(x.engine))
+            engine = loc.engine
+            drop = max(len(engine) // 8, self._entries - self.max_blocks, 1)
+            victims = [h for _i, h in zip(range(drop), engine, strict=False)]
+            for h in victims:
+                key = engine.pop(h)
+                if key is not None:
+                    self._release(key, loc.bit)
+            self._entries -= len(victims)
+            self.stats.evicted_blocks += len(victims)
+
+    def forget(self, endpoint: str) -> int:
+        """Drop everything ``endpoint`` holds (every medium): a gap without replay, a restart, a silent publisher,
+        ``AllBlocksCleared``.  Returns the number of block entries dropped."""
+        dropped = 0
+        for (e, _m), loc in list(self._locations.items()):
+            if e != endpoint:
+                continue
+            dropped += self._drop_location(loc, loc.engine.values())
+            loc.engine.clear()
+        self._entries -= dropped
+        return dropped
+
+    def remove_endpoint(self, endpoint: str) -> None:
+        """Forget ``endpoint`` and free its locations (it left the configuration)."""
+        self.forget(endpoint)
+        for key in [k for k in self._locations if k[0] == endpoint]:
+            self._free_bits.append(self._locations.pop(key).bit)
+        self._block_sizes.pop(endpoint, None)
+
+    # ---- queries
+    def match(self, keys: BlockKeys, endpoints: Iterable[str] | None = None) -> dict[str, int]:
+        """Per endpoint, the tokens of ``keys``' prompt its engine holds as a cached prefix (what it will report
+        as ``cached_tokens``; the best medium when it has several).  ``endpoints``: only these (each present in
+        the answer, 0 when unknown); default every endpoint whose block size is ``keys.block_size``.  Text keys
+        never match (engines report token blocks).  Cost: one dict lookup per leading block held anywhere."""
+        if keys.kind != "tokens":
+            return dict.fromkeys(endpoints or (), 0)
+        candidates = [loc for loc in self._locations.values() if loc.block_size == keys.block_size]
+        return self._per_endpoint(keys, candidates, endpoints)
+
+    def match_tokens(self, token_ids: Sequence[int], namespace: str = "",
+                     endpoints: Iterable[str] | None = None) -> dict[str, int]:
+        """:meth:`match` from token ids: keys are computed once per block size in use."""
+        sizes = {loc.block_size for loc in self._locations.values() if loc.block_size}
+        out: dict[str, int] = dict.fromkeys(endpoints or (), 0) if endpoints is not None else {}
+        wanted = None if endpoints is None else list(endpoints)
+        for bs in sorted(sizes):
+            for e, tokens in self.match(block_keys(token_ids, bs, namespace), wanted).items():
+                if tokens >= out.get(e, 0):
+                    out[e] = max(tokens, out.get(e, 0))
+        return out
+
+    def entries(self, endpoint: str | None = None) -> int:
+        """Block entries held (of ``endpoint``, or all), orphans included."""
+        if endpoint is None:
+            return self._entries
+        return sum(len(loc.engine) for (e, _m), loc in self._locations.items() if e == endpoint)
+
+    def locations(self) -> Iterator[tuple[str, str, int]]:
+        """``(endpoint, medium, block entries)`` of every location."""
+        for (endpoint, medium), loc in sorted(self._locations.items()):
+            yield endpoint, medium, len(loc.engine)
+
+
+def _extra_keys(extra: list[Any] | None, lora_name: str | None, n: int) -> list[int | None] | None:
+    """Per block, a stable int for the extra keys of that block that are not just its LoRA name (images,
+    ``cache_salt``, prompt embeddings), or None: vLLM lists, per block, the LoRA name first when ``lora_name`` is
+    set (``vllm/v1/core/kv_cache_utils.py::to_event_extra_keys``)."""
+    if not extra:
+        return None
+    out: list[int | None] = []
+    any_extra = False
+    for i in range(n):
+        entry = extra[i] if i < len(extra) else None
+        if entry and lora_name is not None and entry[0] == lora_name:
+            entry = entry[1:]
+        if entry:
+            digest = hashlib.blake2b(msgspec.msgpack.encode(entry), digest_size=8).digest()
+            out.append(int.from_bytes(digest, "big", signed=True))
+            any_extra = True
+        else:
+            out.append(None)
+    return out if any_extra else None
+
+
+@dataclass(slots=True)
+class ApproxStats:
+    """Counters of an :class:`ApproxPrefixIndex`."""
+
+    recorded_blocks: int = 0
+    evicted_blocks: int = 0
+    expired_blocks: int = 0
+
+
+class ApproxPrefixIndex(_MaskTable):
+    """Where pdproxy sent each request's block chain, for engines without KV events (see the module docstring).
+
+    Per endpoint at most ``capacity_blocks`` keys (:meth:`set_capacity` with the engine's ``num_gpu_blocks``
+    when known, else ``default_capacity_blocks``), least recently sent dropped first, and none older than
+    ``ttl_s`` seconds (``clock``: monotonic seconds).  The same :meth:`match` as :class:`PrefixIndex`; token and
+    text keys both work (each only matches its own kind).
+    """
+
+    def __init__(self, *, default_capacity_blocks: int = 65536, ttl_s: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        if default_capacity_blocks < 1 or ttl_s <= 0:
+            raise ValueError("default_capacity_blocks must be >= 1 and ttl_s > 0")
+        self.default_capacity_blocks = default_capacity_blocks
+        self.ttl_s = ttl_s
+        self.stats = ApproxStats()
+        self._clock = clock
+        self._capacity: dict[str, int] = {}
+
+    def set_capacity(self, endpoint: str, blocks: int | None) -> None:
+        """Bound ``endpoint``'s entries to ``blocks`` (its KV pool, ``num_gpu_blocks``); None = the default."""
+        if blocks is None or blocks < 1:
+            self._capacity.pop(endpoint, None)
+        else:
+            self._capacity[endpoint] = blocks
+
+    def _loc(self, endpoint: str, kind: str, block_size: int) -> _Location:
+        loc = self._location(endpoint, f"{kind}:{block_size}")
+        loc.block_size = block_size
+        return loc
+
+    def record(self, endpoint: str, keys: BlockKeys) -> None:
+        """``keys``' request was sent to ``endpoint``: after its prefill the engine holds those blocks."""
+        if not keys.keys:
+            return
+        now = self._clock()
+        loc = self._loc(endpoint, keys.kind, keys.block_size)
+        sent = loc.sent
+        bit = loc.bit
+        holders = self._holders
+        for key in reversed(keys.keys):  # head last = most recent: the tail goes first, as the engine frees it
+            if sent.pop(key, None) is None:
+                holders[key] = holders.get(key, 0) | bit
+            sent[key] = now
+        self.stats.recorded_blocks += len(keys.keys)
+        self._expire(loc, now)
+        cap = self._capacity.get(endpoint, self.default_capacity_blocks)
+        if len(sent) > cap:
+            drop = [k for _i, k in zip(range(len(sent) - cap), sent, strict=False)]
+            for key in drop:
+                del sent[key]
+                self._release(key, bit)
+            self.stats.evicted_blocks += len(drop)
+
+    def _expire(self, loc: _Location, now: float) -> None:
+        sent = loc.sent
+        limit = now - self.ttl_s
+        old: list[int] = []
+        for key, at in sent.items():
+            if at >= limit:
+                break
+            old.append(key)
+        for key in old:
+            del sent[key]
+            self._release(key, loc.bit)
+        self.stats.expired_blocks += len(old)
+
+    def match(self, keys: BlockKeys, endpoints: Iterable[str] | None = None) -> dict[str, int]:
+        """Per endpoint, the cached tokens to expect from what was sent there (see :meth:`PrefixIndex.match`)."""
+        now = self._clock()
+        medium = f"{keys.kind}:{keys.block_size}"
+        candidates = [loc for (e, m), loc in self._locations.items() if m == medium]
+        for loc in candidates:
+            self._expire(loc, now)
+        return self._per_endpoint(keys, candidates, endpoints)
+
+    def forget(self, endpoint: str) -> int:
+        """Drop what was recorded for ``endpoint`` (its engine restarted or left).  Returns entries dropped."""
+        dropped = 0
+        for (e, _m), loc in self._locations.items():
+            if e == endpoint:
+                dropped += self._drop_location(loc, loc.sent)
+                loc.sent.clear()
+        return dropped
+
+    def entries(self, endpoint: str | None = None) -> int:
+        """Keys held (of ``endpoint``, or all)."""
+        return sum(len(loc.sent) for (e, _m), loc in self._locations.items() if endpoint is None or e == endpoint)
