@@ -134,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         elif args.command == "sim":
             code = sim_cli.run(args)
         elif args.command == "demo":
-            code = demo.run(args)
+            code = demo.run(args, serve)
         elif args.command == "doctor":
             code = doctor.run(settings_from_args(args), args)
         else:  # pragma: no cover - argparse enforces the choices

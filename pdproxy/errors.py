@@ -38,9 +38,12 @@ Tree::
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
+
+if TYPE_CHECKING:
+    from pdproxy.endpoints import Endpoint
 
 _TYPE_BY_STATUS = {
     400: "BadRequestError",
@@ -303,6 +306,18 @@ class UpstreamHTTPError(ProxyError):
         if self.raw_body:
             return self.raw_body
         return orjson.dumps(error_body(self.status_code, f"engine answered HTTP {self.status_code}"))
+
+
+class DecodeFailed(Exception):
+    """A decoder failed before its first event reached the client (internal: the director may fail over; raised by
+    :mod:`pdproxy.pd.decode`).
+    ``kv_intact``: the decoder never saw the request, so the prefiller's KV handle is still good."""
+
+    def __init__(self, error: ProxyError, endpoint: Endpoint, kv_intact: bool) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.endpoint = endpoint
+        self.kv_intact = kv_intact
 
 
 def sse_error_event(err: ProxyError | Exception) -> bytes:

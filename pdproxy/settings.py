@@ -8,11 +8,12 @@ Units are in the names: ``*_s`` seconds, ``*_bytes`` bytes, ``*_tokens`` tokens.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import yaml
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -32,6 +33,37 @@ def _split_list(value: Any) -> Any:
 
 StrList = Annotated[list[str], NoDecode]
 IntList = Annotated[list[int], NoDecode]
+
+
+# What tracing (otlp_traces_endpoint, pdproxy/ops/tracing.py) needs: checked when the settings are read.
+OTEL_PACKAGES: Final = ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http",
+                        "opentelemetry.exporter.otlp.proto.grpc")
+INSTALL_HINT: Final = "install them with: pip install 'pdproxy[tracing]'"
+PROTOCOL_ENV: Final = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+PROTOCOLS: Final = ("grpc", "http/protobuf")
+
+
+def otel_missing() -> list[str]:
+    """The OpenTelemetry packages tracing needs that are not installed (empty when all are)."""
+    missing = []
+    for name in OTEL_PACKAGES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:  # a parent package is missing
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def traces_protocol(configured: str | None) -> str:
+    """The OTLP protocol: ``configured`` (``otlp_traces_protocol``), else ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``,
+    else ``"grpc"`` (vLLM 0.32's default).  Raises ``ValueError`` for anything but ``grpc`` / ``http/protobuf``."""
+    protocol = configured or os.environ.get(PROTOCOL_ENV) or "grpc"
+    if protocol not in PROTOCOLS:
+        source = "otlp_traces_protocol" if configured else PROTOCOL_ENV
+        raise ValueError(f"unsupported OTLP protocol {protocol!r} (from {source}): use one of {', '.join(PROTOCOLS)}")
+    return protocol
 
 
 class EndpointConfig(BaseModel):
@@ -255,7 +287,7 @@ class Settings(BaseSettings):
     @field_validator("kv_events", "kv_events_replay")
     @classmethod
     def _kv_events(cls, v: list[str]) -> list[str]:
-        from pdproxy.prefix.subscriber import parse_engine_address
+        from pdproxy.endpoints import parse_engine_address
 
         return [f"{url}={address}" for url, address in (parse_engine_address(e) for e in v)]
 
@@ -263,8 +295,6 @@ class Settings(BaseSettings):
     @classmethod
     def _tracing_installed(cls, v: str | None) -> str | None:
         if v:
-            from pdproxy.ops.tracing import INSTALL_HINT, otel_missing
-
             missing = otel_missing()
             if missing:
                 raise ValueError(f"needs the OpenTelemetry packages {', '.join(missing)}; {INSTALL_HINT}")
@@ -273,8 +303,6 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check_traces_protocol(self) -> Settings:
         if self.otlp_traces_endpoint:
-            from pdproxy.ops.tracing import traces_protocol
-
             traces_protocol(self.otlp_traces_protocol)  # ValueError for a bad OTEL_EXPORTER_OTLP_TRACES_PROTOCOL
         return self
 
@@ -285,8 +313,8 @@ class Settings(BaseSettings):
         return self
 
     def kv_event_sources(self) -> list[Any]:
-        """The KV event publishers to follow (``pdproxy.prefix.subscriber.KVEventSource``), one per engine DP rank."""
-        from pdproxy.prefix.subscriber import build_sources
+        """The KV event publishers to follow (``pdproxy.endpoints.KVEventSource``), one per engine DP rank."""
+        from pdproxy.endpoints import build_sources
 
         return build_sources(self.kv_events, self.kv_events_replay, self.all_endpoints(), self.kv_events_topic)
 

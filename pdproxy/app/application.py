@@ -43,7 +43,7 @@ from pdproxy.errors import (
     UpstreamHTTPError,
     error_body,
 )
-from pdproxy.http.server import COMPLETION_ROUTES, Exchange
+from pdproxy.http.server import Exchange
 from pdproxy.ops.gcpolicy import GcPolicy
 from pdproxy.ops.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pdproxy.ops.metrics import ProxyMetrics, rejection_of
@@ -71,6 +71,7 @@ class PDProxyApp:
 
     def __init__(self, settings: Settings, *, share: WorkerShare | None = None) -> None:
         self.settings = settings
+        self.completion_routes: dict[str, str] = {api.value: api for api in Api}
         self.state: ProxyState | None = None
         self.director: Director | None = None
         self.unready = False  # /health answers 503 (shutdown_delay_s: draining soon, still serving)
@@ -86,7 +87,7 @@ class PDProxyApp:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             path = scope["path"].rstrip("/")
-            if path in COMPLETION_ROUTES:
+            if path in self.completion_routes:
                 if scope["method"] == "POST":  # only under a server other than pdproxy.http.server
                     body = orjson.dumps(error_body(500, "the completion routes need pdproxy's own HTTP protocol: "
                                                    "serve the app with pdproxy.http.server.uvicorn_config()"))
@@ -182,9 +183,10 @@ class PDProxyApp:
                 raise Unauthorized("invalid or missing API key")
         return auth
 
-    async def handle_completion(self, api: Api, ex: Exchange) -> None:
-        """``POST /v1/completions`` and ``/v1/chat/completions`` on one :class:`pdproxy.http.server.Exchange` (its
-        body already read whole, within ``max_body_bytes``)."""
+    async def handle_completion(self, route: str, ex: Exchange) -> None:
+        """A ``POST`` to one of the four generation routes (``route``: an :class:`~pdproxy.apis.request.Api` value)
+        on one :class:`pdproxy.http.server.Exchange` (its body already read whole, within ``max_body_bytes``)."""
+        api = Api(route)
         state, director = self.state, self.director
         client_id = ex.header(b"x-request-id")
         ctx = RequestContext(request_id=new_request_id(client_id), client_request_id=client_id, api_label=api.label,
@@ -273,7 +275,7 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
         state = ProxyState.build(proxy.settings, proxy.share)
         await state.start()
         proxy.state = state
-        proxy.director = Director.from_state(state)
+        proxy.director = state.director()
         gc_policy = GcPolicy(proxy.settings.gc_full_interval_s)  # no full-collection pauses mid-ramp (gcpolicy.py)
         gc_policy.start()
         try:

@@ -20,8 +20,11 @@ from pdproxy.engines.pool import EndpointPool
 from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.upstream import Upstream
 from pdproxy.ops.tracing import Tracing, tracing_from_settings
+from pdproxy.pd.director import Director
+from pdproxy.pd.kv_release import KVReleaser
 from pdproxy.prefix.cache import PrefixCache
 from pdproxy.prefix.routing import PrefixRouter
+from pdproxy.prefix.source import PrefixSource
 from pdproxy.scheduling import Scheduler
 from pdproxy.scheduling.queue import PrefillLedger, PrefillQueue
 from pdproxy.settings import Settings
@@ -96,6 +99,16 @@ class ProxyState:
                    scheduler=scheduler, queue=queue, headers=headers, upstream=upstream, engines=engines,
                    admission=admission, tracing=tracing, passthrough=passthrough, prefix_cache=prefix_cache,
                    prefix=prefix, share=share)
+
+    def director(self, prefix: PrefixSource | None = None) -> Director:
+        """A :class:`~pdproxy.pd.director.Director` on these components (the app lifespan's wiring), with its own
+        release-leg runner; ``prefix`` defaults to :attr:`prefix` (the :class:`~pdproxy.prefix.routing.PrefixRouter`)."""
+        releaser = KVReleaser(scheduler=self.scheduler, pool=self.pool, health=self.health,
+                              upstream=self.upstream, headers=self.headers,
+                              timeout_s=self.settings.kv_release_timeout_s)
+        return Director(self.settings, admission=self.admission, scheduler=self.scheduler, queue=self.queue,
+                        pool=self.pool, health=self.health, upstream=self.upstream, headers=self.headers,
+                        releaser=releaser, prefix=prefix or self.prefix, tracing=self.tracing, served=self.served)
 
     async def start(self) -> None:
         """Start the upstream pool, admission, the prefix cache's KV event subscriber and health monitoring

@@ -25,7 +25,7 @@ What a connection does (RFC 9112):
   lifespan, and calls :meth:`ServerProtocol.shutdown` on every connection.
 
 Routes: the generation routes (``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses``,
-``/v1/messages``: :data:`COMPLETION_ROUTES`) are read whole and given to
+``/v1/messages``: :attr:`ServedApp.completion_routes`) are read whole and given to
 ``PDProxyApp.handle_completion(api, exchange)`` with an :class:`Exchange` (which implements
 :class:`pdproxy.pd.responder.ClientConnection`); any other request runs the ASGI app (``PDProxyApp.__call__``: FastAPI's
 control plane) through :class:`_AsgiCycle`.
@@ -40,21 +40,36 @@ import http
 import logging
 import urllib.parse
 from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httptools
 import orjson
 
-from pdproxy.apis.request import Api
 from pdproxy.errors import error_body
 
 if TYPE_CHECKING:
-    from pdproxy.app.application import PDProxyApp
+    from pdproxy.settings import Settings
 
 log = logging.getLogger("pdproxy.server")
 
-COMPLETION_ROUTES = {api.value: api for api in Api}
+
+
+class ServedApp(Protocol):
+    """What :class:`ServerProtocol` serves (``pdproxy.app.application.PDProxyApp``): its ``settings`` (limits and
+    timeouts), ``completion_routes`` (path without trailing slash → route key: a ``POST`` there is read whole,
+    within ``max_body_bytes``, and given to ``handle_completion(route, exchange)``), and an ASGI app
+    (``__call__``) for every other request."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def completion_routes(self) -> Mapping[str, str]: ...
+
+    async def handle_completion(self, route: str, ex: Exchange) -> None: ...
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None: ...
 """The generation routes served through PD (chat, completions, Responses, Anthropic Messages), read whole here."""
 MAX_URL_BYTES = 8 * 1024
 
@@ -120,7 +135,7 @@ class Exchange:
         self.query = b""
         self.version = "1.1"
         self.headers: list[tuple[bytes, bytes]] = []
-        self.api: Api | None = None
+        self.api: str | None = None  # the completion route key, when the request is one (ServedApp)
         self._parts: list[bytes] = []
         self.body = b""
         self.size = 0
@@ -232,13 +247,14 @@ class Exchange:
 
 class ServerProtocol(asyncio.Protocol):
     """One client connection.  Built by uvicorn's ``Server`` with ``config``, ``server_state`` and
-    ``app_state`` (keywords, see :func:`protocol_factory`); ``proxy`` is the :class:`~pdproxy.app.application.PDProxyApp`."""
+    ``app_state`` (keywords, see :func:`protocol_factory`); ``proxy`` is the :class:`ServedApp`."""
 
     def __init__(self, config: Any = None, server_state: Any = None, app_state: dict[str, Any] | None = None,
-                 _loop: asyncio.AbstractEventLoop | None = None, *, proxy: PDProxyApp) -> None:
+                 _loop: asyncio.AbstractEventLoop | None = None, *, proxy: ServedApp) -> None:
         self.proxy = proxy
         self.asgi = config.loaded_app if config is not None and getattr(config, "loaded", False) else proxy
         s = proxy.settings
+        self.routes = proxy.completion_routes
         self.keep_alive_s = s.timeout_keep_alive_s
         self.max_head = s.max_request_head_bytes
         self.max_body = s.max_body_bytes
@@ -407,7 +423,7 @@ class ServerProtocol(asyncio.Protocol):
         path = ex.raw_path.decode("latin-1")
         ex.path = urllib.parse.unquote(path) if "%" in path else path
         if ex.method == "POST":
-            ex.api = COMPLETION_ROUTES.get(ex.path.rstrip("/"))
+            ex.api = self.routes.get(ex.path.rstrip("/"))
         if ex.api is not None and ex.declared is not None and ex.declared > self.max_body:
             raise _Reject(413, f"request body of {ex.declared} bytes exceeds the limit of {self.max_body} bytes")
         if self.current is None:
@@ -618,12 +634,12 @@ class _AsgiCycle:
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
 
 
-def protocol_factory(proxy: PDProxyApp) -> Callable[..., ServerProtocol]:
+def protocol_factory(proxy: ServedApp) -> Callable[..., ServerProtocol]:
     """The ``http`` argument of ``uvicorn.Config`` that serves ``proxy`` with :class:`ServerProtocol`."""
     return functools.partial(ServerProtocol, proxy=proxy)
 
 
-def uvicorn_config(proxy: PDProxyApp, **kwargs: Any) -> Any:
+def uvicorn_config(proxy: ServedApp, **kwargs: Any) -> Any:
     """A ``uvicorn.Config`` for ``proxy`` on :class:`ServerProtocol` (uvloop when installed, lifespan on, no
     access log); ``kwargs`` override or add any ``uvicorn.Config`` argument (``host``, ``port`` …).  TLS: give the
     config an ``ssl.SSLContext`` with ``pdproxy.http.tls.apply_to_uvicorn(config, ctx)`` — the protocol is

@@ -55,7 +55,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from pdproxy.errors import BadRequest, NoEndpointAvailable, Overloaded, PayloadTooLarge, PromptTooLong, ProxyError
 from pdproxy.ops.collector import StateCollector
-from pdproxy.timeline import RequestContext
+from pdproxy.timeline import GapCounts, RequestContext
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -107,22 +107,6 @@ def rejection_of(err: ProxyError) -> tuple[str, str] | None:
     if err.outcome in ("unauthorized", "shutting_down"):
         return err.outcome, ""
     return None
-
-
-class GapCounts:
-    """One stream's inter-token gaps as histogram bucket counts, filled by the relay at the cost of one
-    ``bisect`` and one list increment per write (``counts[bisect_left(bounds, gap)] += 1; total += gap``) and added
-    to ``pdproxy_inter_token_latency_seconds`` once when the request ends (:meth:`ProxyMetrics.observe`).
-
-    ``bounds``: the histogram's upper bounds in seconds (``+Inf`` last); ``counts[i]``: gaps ``≤ bounds[i]`` and
-    ``> bounds[i-1]``; ``total``: their sum (seconds)."""
-
-    __slots__ = ("bounds", "counts", "total")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * len(bounds)
-        self.total = 0.0
 
 
 def _add_gaps(hist_child: Any, gaps: GapCounts) -> None:

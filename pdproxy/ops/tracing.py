@@ -28,11 +28,11 @@ Off (the default): :data:`NO_TRACING`, whose hooks return one shared no-op conte
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Final
+
+from pdproxy import settings as settings_module
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -42,11 +42,6 @@ if TYPE_CHECKING:
     from pdproxy.settings import Settings
     from pdproxy.timeline import RequestContext
 
-OTEL_PACKAGES: Final = ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http",
-                        "opentelemetry.exporter.otlp.proto.grpc")
-INSTALL_HINT: Final = "install them with: pip install 'pdproxy[tracing]'"
-PROTOCOL_ENV: Final = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
-PROTOCOLS: Final = ("grpc", "http/protobuf")
 
 
 class Attr:
@@ -146,39 +141,16 @@ NO_TRACING: Final = Tracing()
 """Tracing off (stateless, shared)."""
 
 
-def otel_missing() -> list[str]:
-    """The OpenTelemetry packages tracing needs that are not installed (empty when all are)."""
-    missing = []
-    for name in OTEL_PACKAGES:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except ModuleNotFoundError:  # a parent package is missing
-            found = False
-        if not found:
-            missing.append(name)
-    return missing
-
-
-def traces_protocol(configured: str | None) -> str:
-    """The OTLP protocol: ``configured`` (``otlp_traces_protocol``), else ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``,
-    else ``"grpc"`` (vLLM 0.32's default).  Raises ``ValueError`` for anything but ``grpc`` / ``http/protobuf``."""
-    protocol = configured or os.environ.get(PROTOCOL_ENV) or "grpc"
-    if protocol not in PROTOCOLS:
-        source = "otlp_traces_protocol" if configured else PROTOCOL_ENV
-        raise ValueError(f"unsupported OTLP protocol {protocol!r} (from {source}): use one of {', '.join(PROTOCOLS)}")
-    return protocol
-
-
 def tracing_from_settings(settings: Settings, *, exporter: SpanExporter | None = None) -> Tracing:
     """:data:`NO_TRACING` unless ``settings.otlp_traces_endpoint`` is set (or an ``exporter`` is given: unit tests
     pass the SDK's in-memory exporter); otherwise an :class:`~pdproxy.ops.tracing_otel.OtelTracing` exporting to that
     endpoint.  Raises ``ValueError`` when the OpenTelemetry packages are missing."""
     if not settings.otlp_traces_endpoint and exporter is None:
         return NO_TRACING
-    missing = otel_missing()
+    missing = settings_module.otel_missing()
     if missing:
         raise ValueError(f"otlp_traces_endpoint needs the OpenTelemetry packages {', '.join(missing)}; "
-                         f"{INSTALL_HINT}")
+                         f"{settings_module.INSTALL_HINT}")
     from pdproxy.ops.tracing_otel import OtelTracing
 
     return OtelTracing.from_settings(settings, exporter=exporter)

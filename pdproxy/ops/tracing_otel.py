@@ -41,9 +41,9 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from pdproxy import __version__
 from pdproxy.apis.request import Api
-from pdproxy.errors import ProxyError
-from pdproxy.ops.tracing import NO_SPAN, PROTOCOL_ENV, Attr, Tracing, traces_protocol
-from pdproxy.pd.decode import DecodeFailed
+from pdproxy.errors import DecodeFailed, ProxyError
+from pdproxy.ops.tracing import NO_SPAN, Attr, Tracing
+from pdproxy.settings import PROTOCOL_ENV, traces_protocol
 
 if TYPE_CHECKING:
     from pdproxy.apis.request import ProxyRequest

@@ -8,7 +8,7 @@ pinned KV.  (vLLM itself sends a non-streamed answer's status line together with
 ``vllm/entrypoints/openai/chat_completion/api_router.py`` returns a ``JSONResponse``; an engine or gateway that
 sends the status line first lets the lease go that much earlier.)
 
-A decoder fault before anything reached the client is :class:`DecodeFailed` (the director may try another
+A decoder fault before anything reached the client is :class:`~pdproxy.errors.DecodeFailed` (the director may try another
 decoder); the client's status line goes out only once the decoder's first event (stream) or whole body (JSON) is
 in, so a decoder error reaches the client with the engine's status and body.
 """
@@ -26,7 +26,7 @@ from pdproxy.apis.request import Api, ProxyRequest, completion_tokens_in, patch_
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.health import HealthMonitor
 from pdproxy.engines.pool import EndpointPool
-from pdproxy.errors import ProxyError, UpstreamHTTPError, UpstreamTimeout
+from pdproxy.errors import DecodeFailed, ProxyError, UpstreamHTTPError, UpstreamTimeout
 from pdproxy.http.client import H1Response, TransportError
 from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.upstream import Upstream, UpstreamRefused, proxy_error
@@ -37,17 +37,6 @@ from pdproxy.pd.responder import Responder
 from pdproxy.scheduling import PickRequest, Scheduler
 from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext
-
-
-class DecodeFailed(Exception):
-    """A decoder failed before its first event reached the client (internal: the director may fail over).
-    ``kv_intact``: the decoder never saw the request, so the prefiller's KV handle is still good."""
-
-    def __init__(self, error: ProxyError, endpoint: Endpoint, kv_intact: bool) -> None:
-        super().__init__(error.message)
-        self.error = error
-        self.endpoint = endpoint
-        self.kv_intact = kv_intact
 
 
 def routing_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:

@@ -29,7 +29,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import TYPE_CHECKING
 
 import orjson
 
@@ -40,13 +39,13 @@ from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.health import HealthMonitor
 from pdproxy.engines.models import ServedModels
 from pdproxy.engines.pool import EndpointPool
-from pdproxy.errors import UpstreamTimeout, UpstreamUnavailable
+from pdproxy.errors import DecodeFailed, UpstreamTimeout, UpstreamUnavailable
 from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.upstream import Upstream
 from pdproxy.ops.tracing import NO_TRACING, Tracing
 from pdproxy.pd import fanout, prefill_answer
 from pdproxy.pd.backoff import Backoff
-from pdproxy.pd.decode import DecodeFailed, DecodeLeg, routing_headers
+from pdproxy.pd.decode import DecodeLeg, routing_headers
 from pdproxy.pd.kv_release import KVReleaser
 from pdproxy.pd.prefill import PrefillLeg, PrefillResult
 from pdproxy.pd.responder import Responder
@@ -56,9 +55,6 @@ from pdproxy.scheduling.queue import PrefillQueue
 from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext, new_request_id
 
-if TYPE_CHECKING:
-    from pdproxy.app.state import ProxyState
-
 
 class Director:
     """Runs requests through admission, the prefill and decode legs and the relay.
@@ -66,8 +62,8 @@ class Director:
     ``admission`` admits; ``scheduler`` answers "could any decoder take it" before a prefill is spent (and picks
     inside the legs); ``queue`` grants prefill slots; ``pool``, ``health``, ``upstream`` and ``headers`` serve the
     legs; ``releaser`` frees KV that no decoder will read; ``prefix`` supplies prefix hints; ``tracing`` spans
-    each step (:mod:`pdproxy.ops.tracing`; off by default).  :meth:`from_state` wires one from a
-    :class:`~pdproxy.app.state.ProxyState`.
+    each step (:mod:`pdproxy.ops.tracing`; off by default).  :meth:`pdproxy.app.state.ProxyState.director`
+    wires one from the proxy's components.
     """
 
     def __init__(self, settings: Settings, *, admission: Admission, scheduler: Scheduler, queue: PrefillQueue,
@@ -88,17 +84,6 @@ class Director:
                                 headers=headers, tracing=tracing)
         self.fan_out = fanout.FanOut(admit=self.admit, run=self.run_sequence,
                                      max_sequences=settings.fan_out_max_sequences)
-
-    @classmethod
-    def from_state(cls, state: ProxyState, prefix: PrefixSource | None = None) -> Director:
-        """A director on ``state``'s components (the app lifespan's wiring); ``prefix`` defaults to the state's
-        prefix router (:class:`~pdproxy.prefix.routing.PrefixRouter`)."""
-        releaser = KVReleaser(scheduler=state.scheduler, pool=state.pool, health=state.health,
-                              upstream=state.upstream, headers=state.headers,
-                              timeout_s=state.settings.kv_release_timeout_s)
-        return cls(state.settings, admission=state.admission, scheduler=state.scheduler, queue=state.queue,
-                   pool=state.pool, health=state.health, upstream=state.upstream, headers=state.headers,
-                   releaser=releaser, prefix=prefix or state.prefix, tracing=state.tracing, served=state.served)
 
     async def aclose(self) -> None:
         """Let background release legs finish (bounded); the app lifespan calls this before stopping state."""

@@ -268,7 +268,7 @@ class Merger:
 
     def _write(self, data: bytes, headers: list[tuple[bytes, bytes]]) -> None:
         """``data`` to the client (its status line first: with the first sequence's first events); one ITL gap
-        counted per write after the first (:class:`pdproxy.ops.metrics.GapCounts`)."""
+        counted per write after the first (:class:`pdproxy.timeline.GapCounts`)."""
         out = self.out
         now = time.monotonic()
         if not out.started:

@@ -14,7 +14,7 @@ holds ``data: [DONE]`` ends the client's response in the same write (a client th
 after ``[DONE]`` has its whole answer); the decoder's end of body is then awaited only to pool its connection.  Per write it
 costs: the SSE boundary check (complete events are forwarded; an incomplete tail waits for its rest), the
 transforms' byte searches, one ``[DONE]`` search, one clock read and one ITL bucket increment
-(:class:`pdproxy.ops.metrics.GapCounts`).  The director's coroutine waits on one future for the whole stream.
+(:class:`pdproxy.timeline.GapCounts`).  The director's coroutine waits on one future for the whole stream.
 
 **Flow control.**  Client → decoder: when the client's transport goes above its high-water mark the splice
 pauses reading the decoder socket (so a slow reader holds at most one transport buffer, ~64 KiB, plus the kernel's
@@ -65,9 +65,8 @@ from pdproxy.errors import ProxyError, UpstreamTimeout, UpstreamUnavailable
 from pdproxy.http import sse
 from pdproxy.http.client import H1Response, ReadTimeout, TransportError
 from pdproxy.http.upstream import proxy_error
-from pdproxy.ops.metrics import GapCounts
 from pdproxy.pd.responder import SSE_HEADERS, Responder
-from pdproxy.timeline import RequestContext
+from pdproxy.timeline import GapCounts, RequestContext
 
 
 def _drop(data: bytes) -> None:

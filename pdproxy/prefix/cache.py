@@ -21,11 +21,11 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from pdproxy.endpoints import Endpoint
+from pdproxy.endpoints import Endpoint, KVEventSource
 from pdproxy.engines.control import EngineInfo
 from pdproxy.prefix.index import ApproxPrefixIndex, BlockKeys, PrefixIndex
 from pdproxy.prefix.metrics import PrefixCacheCollector
-from pdproxy.prefix.subscriber import KVEventSource, KVEventSubscriber
+from pdproxy.prefix.subscriber import KVEventSubscriber
 from pdproxy.scheduling import PrefixHints
 from pdproxy.settings import Settings
 

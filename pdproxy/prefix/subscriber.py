@@ -42,7 +42,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pdproxy.endpoints import Endpoint, normalize_url
+from pdproxy.endpoints import KVEventSource
 from pdproxy.prefix.index import PrefixIndex
 from pdproxy.prefix.kv_events import BatchDecoder, DecodeError, EventBatch, Frame, parse_frames, seq_frame
 
@@ -54,77 +54,6 @@ LOGGED_ERRORS = 5
 SYNC_DELAY_S = 0.2
 """After the first connection, wait this long (for the subscription to reach the publisher) before asking the
 replay socket for what was published until then."""
-
-
-@dataclass(frozen=True, slots=True)
-class KVEventSource:
-    """One publisher: ``endpoint`` (the index location it feeds: ``Endpoint.name``), ``publisher`` (its PUB
-    address, ``tcp://host:port``), ``replay`` (its replay ROUTER address or None), ``dp_rank`` (the
-    ``data_parallel_rank`` its batches must carry, for internal-DP ranks; None = not checked) and ``topic``."""
-
-    endpoint: str
-    publisher: str
-    replay: str | None = None
-    dp_rank: int | None = None
-    topic: str = ""
-
-
-def parse_zmq_address(text: str) -> tuple[str, int]:
-    """``tcp://HOST:PORT`` → ``(HOST, PORT)``; ``*`` as host means this machine.  Raises ``ValueError``."""
-    raw = text.strip()
-    if not raw.startswith("tcp://"):
-        raise ValueError(f"bad KV events address {text!r}: expected tcp://HOST:PORT")
-    host, sep, port = raw[len("tcp://"):].rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"bad KV events address {text!r}: expected tcp://HOST:PORT")
-    return ("127.0.0.1" if host == "*" else host), int(port)
-
-
-def parse_engine_address(entry: str) -> tuple[str, str]:
-    """``ENGINE_URL=tcp://HOST:PORT`` → ``(normalized engine URL, tcp://HOST:PORT)``.  Raises ``ValueError``."""
-    url, sep, address = entry.partition("=")
-    if not sep:
-        raise ValueError(f"bad KV events entry {entry!r}: expected ENGINE_URL=tcp://HOST:PORT")
-    host, port = parse_zmq_address(address)
-    return normalize_url(url), f"tcp://{host}:{port}"
-
-
-def offset_port(address: str, rank: int) -> str:
-    """``address`` with its port moved by ``rank`` (vLLM ``ZmqEventPublisher.offset_endpoint_port``)."""
-    host, port = parse_zmq_address(address)
-    return f"tcp://{host}:{port + rank}"
-
-
-def build_sources(publishers: Iterable[str], replays: Iterable[str], endpoints: Iterable[Endpoint],
-                  topic: str = "") -> list[KVEventSource]:
-    """Sources for ``--kv-events URL=tcp://HOST:PORT`` (+ ``--kv-events-replay URL=tcp://HOST:PORT``) entries.
-
-    An engine URL fronting internal DP ranks (several endpoints with ``internal_dp``) gets one source per rank
-    on ``PORT + rank`` (and ``REPLAY_PORT + rank``), checked against each batch's ``data_parallel_rank``; any
-    other URL gets one source on ``PORT`` (an external-DP rank ``k`` started with ``tcp://*:5557`` publishes on
-    ``5557 + k``: write that port).  A URL that is no configured endpoint still gets its source (it may be
-    added later through the admin API).  Raises ``ValueError`` on a malformed entry or a replay entry whose URL
-    has no ``--kv-events`` entry.
-    """
-    pubs = dict(parse_engine_address(e) for e in publishers)
-    reps = dict(parse_engine_address(e) for e in replays)
-    extra = sorted(set(reps) - set(pubs))
-    if extra:
-        raise ValueError(f"--kv-events-replay for {', '.join(extra)} without a --kv-events entry")
-    ranks: dict[str, list[int]] = {}
-    for ep in endpoints:
-        if ep.internal_dp and ep.dp_rank is not None:
-            ranks.setdefault(ep.url, []).append(ep.dp_rank)
-    out: list[KVEventSource] = []
-    for url, address in pubs.items():
-        replay = reps.get(url)
-        if url in ranks:
-            for r in sorted(set(ranks[url])):
-                out.append(KVEventSource(f"{url}#dp{r}", offset_port(address, r),
-                                         offset_port(replay, r) if replay else None, r, topic))
-        else:
-            out.append(KVEventSource(url, address, replay, None, topic))
-    return out
 
 
 @dataclass(slots=True)

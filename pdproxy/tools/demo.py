@@ -15,11 +15,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 
-from pdproxy.settings import load_settings
+from pdproxy.settings import Settings, load_settings
 
 SNIPPET = """
 pdproxy demo is up: proxy http://127.0.0.1:{port}  (prefiller {p}, decoders {d})
@@ -134,10 +134,9 @@ def simulated_engines(args: argparse.Namespace) -> Iterator[tuple[list[str], lis
                 proc.wait()
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the demo until Ctrl-C; returns the exit code."""
-    from pdproxy.cli import serve
-
+def run(args: argparse.Namespace, serve: Callable[[Settings], int]) -> int:
+    """Run the demo until Ctrl-C; returns the exit code.  ``serve`` runs the proxy on ``Settings`` until it stops
+    (``pdproxy.cli.serve``) and returns its exit code."""
     try:
         _check_free(args.host, [args.port])
     except DemoError as exc:

@@ -13,9 +13,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from pdproxy.endpoints import KVEventSource
 from pdproxy.prefix.index import PrefixIndex
 from pdproxy.prefix.kv_events import END_SEQ, BatchEncoder, Encoding, KVEvent, removed, seq_frame
-from pdproxy.prefix.subscriber import KVEventSource, KVEventSubscriber
+from pdproxy.prefix.subscriber import KVEventSubscriber
 
 
 async def until(cond: Callable[[], Any], timeout_s: float = 15.0, what: str = "") -> Any:

@@ -12,9 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from pdproxy.endpoints import Endpoint, Role
+from pdproxy.endpoints import Endpoint, KVEventSource, Role, build_sources
 from pdproxy.prefix.index import block_keys
-from pdproxy.prefix.subscriber import KVEventSource, build_sources
 from tests.kv_events.support import subscribed, until
 from tests.support import SimProcess, free_port
 

@@ -152,7 +152,7 @@ async def test_never_connected_publisher_is_not_live() -> None:
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     sock.close(0)
     ctx.term()                                                       # nothing listens on `port` now
-    from pdproxy.prefix.subscriber import KVEventSource
+    from pdproxy.endpoints import KVEventSource
     async with subscribed(KVEventSource(E, f"tcp://127.0.0.1:{port}")) as (sub, _index):
         status = sub.status(E)
         assert status is not None and not sub.is_live(E) and not status.ever_connected

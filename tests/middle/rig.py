@@ -1,5 +1,5 @@
 """The real proxy path on fake engines: :class:`Rig` wires ``ProxyState.build(Settings(...))`` and
-``Director.from_state`` with a :class:`~tests.middle.fake_upstream.FakeUpstream` (upstream of the legs, the
+``ProxyState.director`` with a :class:`~tests.middle.fake_upstream.FakeUpstream` (upstream of the legs, the
 releaser and admission) and :class:`~tests.middle.fake_upstream.FakeEngines` (the health monitor's probes), and
 serves each request through :meth:`pdproxy.app.application.PDProxyApp.handle_completion` — the handler the server runs for a
 completion, which cancels the director when the client disconnects and sends errors the way still open — on a
@@ -24,7 +24,6 @@ from pdproxy.apis.request import Api
 from pdproxy.app.application import PDProxyApp
 from pdproxy.app.state import ProxyState
 from pdproxy.endpoints import Endpoint
-from pdproxy.pd.director import Director
 from pdproxy.settings import Settings
 from tests.middle.fake_upstream import MODEL, FakeClient, FakeUpstream
 
@@ -79,7 +78,7 @@ class Rig:
         self.fake = FakeUpstream(stepping=stepping)
         state.upstream = state.admission.upstream = self.fake
         state.health.engines = self.fake.engines  # type: ignore[assignment]
-        self.director = Director.from_state(state)
+        self.director = state.director()
         self.app = PDProxyApp(self.settings)
         self.app.state = state
         self.app.director = self.director

@@ -19,9 +19,9 @@ import httpx
 import openai
 import pytest
 
+from pdproxy.endpoints import KVEventSource
 from pdproxy.engines.control import kv_pool_tokens, parse_cache_config
 from pdproxy.prefix.index import block_keys
-from pdproxy.prefix.subscriber import KVEventSource
 from pdproxy.tokens import prompt_token_ids
 from tests.kv_events.support import SubscriberThread
 from tests.real_vllm.support import KV_EVENTS_TOPIC, Engines, Prompts, scrape

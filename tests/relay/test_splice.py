@@ -13,10 +13,9 @@ import pytest
 
 from pdproxy.errors import UpstreamUnavailable
 from pdproxy.http.client import H1Pool, H1Response
-from pdproxy.ops.metrics import GapCounts
 from pdproxy.pd.relay import StreamRelay
 from pdproxy.pd.responder import Responder
-from pdproxy.timeline import RequestContext
+from pdproxy.timeline import GapCounts, RequestContext
 from tests.unit.rawengine import Engine, Peer, post, until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]

@@ -17,11 +17,10 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from pdproxy.apis.request import Api, parse_request
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.errors import PromptTooLong, UpstreamUnavailable
+from pdproxy.errors import DecodeFailed, PromptTooLong, UpstreamUnavailable
 from pdproxy.http.engine_headers import EngineHeaders
-from pdproxy.ops.tracing import NO_SPAN, NO_TRACING, PROTOCOL_ENV, Attr, Tracing, traces_protocol, tracing_from_settings
-from pdproxy.pd.decode import DecodeFailed
-from pdproxy.settings import Settings
+from pdproxy.ops.tracing import NO_SPAN, NO_TRACING, Attr, Tracing, tracing_from_settings
+from pdproxy.settings import PROTOCOL_ENV, Settings, traces_protocol
 from pdproxy.timeline import RequestContext
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -206,9 +205,9 @@ def test_protocol_is_chosen_as_vllm_chooses_it(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_the_setting_says_what_to_install_when_opentelemetry_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
-    import pdproxy.ops.tracing
+    import pdproxy.settings
 
-    monkeypatch.setattr(pdproxy.ops.tracing, "otel_missing", lambda: ["opentelemetry.sdk"])
+    monkeypatch.setattr(pdproxy.settings, "otel_missing", lambda: ["opentelemetry.sdk"])
     with pytest.raises(ValueError, match=r"otlp_traces_endpoint[\s\S]*pip install 'pdproxy\[tracing\]'"):
         Settings(otlp_traces_endpoint="http://127.0.0.1:4317")
     assert Settings().otlp_traces_endpoint is None                             # off needs nothing
