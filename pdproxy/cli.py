@@ -1,22 +1,34 @@
 """Command line: ``pdproxy serve | sim | demo | doctor``.  The only module that exits the process.
 
 ``pdproxy serve`` takes the vLLM-Ascend example proxy's flags (``--prefiller-hosts … --decoder-ports …``),
-vllm-router's URL lists (``--prefill URL --decode URL``, repeatable) and every other setting as a flag; flags
-win over ``PDPROXY_*`` environment variables, which win over the ``--config`` file.
+vllm-router's command line as is (``--vllm-pd-disaggregation --prefill URL [BOOTSTRAP_PORT] --decode URL
+--policy cache_aware``, its ``-secs`` and health flags: :data:`ROUTER_FLAGS`, :data:`ROUTER_POLICIES`; the side by
+side table is docs/migrating.md) and every other setting as a flag; flags win over ``PDPROXY_*`` environment
+variables, which win over the ``--config`` file.
+
+A mistake a user can make (a malformed or unknown setting, a bad URL, a port in use) ends the process with one
+line on stderr naming the culprit — the flag, the environment variable, or the config file's line — and exit code
+2 (1 for a port that cannot be bound); never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import logging
+import os
+import re
+import socket
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
 
 from pydantic import ValidationError
 
 from pdproxy import __version__
 from pdproxy.endpoints import Role
-from pdproxy.settings import Settings, load_settings
+from pdproxy.settings import Settings, config_line, load_settings
 
 # Settings that get a CLI flag of the same name (dashes for underscores); list/bool types are derived.
 _SKIP = {"endpoints"}
@@ -34,21 +46,162 @@ def add_serve_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] | None
         if name in _SKIP or (only is not None and name not in only):
             continue
         flag = "--" + name.replace("_", "-")
+        # vllm-router's spelling of seconds: --request-timeout-secs for request_timeout_s
+        flags = [flag, flag[:-2] + "-secs"] if name.endswith("_s") else [flag]
         ann = str(field.annotation)
         default = field.default if field.default not in (None, [], "") else None
         help_text = " ".join(x for x in (field.description or "", f"(default: {default})" if default is not None
                                          else "") if x) or None
         if "list" in ann:
-            p.add_argument(flag, nargs="+", action="extend", default=None, help=help_text)
+            p.add_argument(*flags, dest=name, nargs="+", action="extend", default=None, help=help_text)
         elif field.annotation is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            p.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            p.add_argument(flag, default=None, help=help_text)
-    # vllm-router spelling for repeatable URL flags is --prefill/--decode (already added above, as lists).
+            p.add_argument(*flags, dest=name, default=None, help=help_text)
+    # vllm-router's repeatable --prefill URL [BOOTSTRAP_PORT] / --decode URL are the list flags above; a bootstrap
+    # port after a prefill URL is dropped by settings_from_args (:func:`split_bootstrap_ports`).
+
+
+@dataclass(frozen=True)
+class RouterFlag:
+    """A vllm-router flag pdproxy accepts: ``flag`` sets ``settings`` to ``convert(value)`` (a switch when
+    ``convert`` is None: sets them to ``value`` when given), or nothing when ``settings`` is empty (accepted for
+    compatibility; ``note`` says why it has no effect).  A pdproxy flag given for the same setting wins."""
+
+    flag: str
+    settings: tuple[str, ...]
+    convert: Callable[[str], object] | None
+    note: str
+    value: object = None
+
+
+def _ms(text: str) -> float:
+    return float(text) / 1000.0
+
+
+def _attempts(text: str) -> int:
+    return min(int(text) + 1, 10)
+
+
+ROUTER_FLAGS: Final = (
+    RouterFlag("--vllm-pd-disaggregation", (), None, "pdproxy always runs vLLM's PD flow"),
+    RouterFlag("--worker-startup-timeout-secs", (), str, "pdproxy starts at once; engines join when healthy"),
+    RouterFlag("--worker-startup-check-interval", (), str, "see --health-interval-s"),
+    RouterFlag("--health-check-interval-secs", ("health_interval_s",), float, ""),
+    RouterFlag("--health-check-timeout-secs", ("health_timeout_s",), float, ""),
+    RouterFlag("--health-check-endpoint", (), str, "pdproxy probes vLLM's /health"),
+    RouterFlag("--health-failure-threshold", (), str, "each probe decides; failed requests open the breaker"),
+    RouterFlag("--health-success-threshold", (), str, "one good probe re-admits (a trial request closes the "
+                                                       "breaker)"),
+    RouterFlag("--cb-failure-threshold", ("breaker_failures",), int, ""),
+    RouterFlag("--cb-timeout-duration-secs", ("breaker_open_s",), float, ""),
+    RouterFlag("--cb-success-threshold", (), str, "one successful trial request closes the breaker"),
+    RouterFlag("--cb-window-duration-secs", (), str, "failures count while consecutive"),
+    RouterFlag("--disable-circuit-breaker", ("breaker_failures",), None, "", value=2**31),
+    RouterFlag("--retry-max-retries", ("prefill_attempts", "decode_attempts"), _attempts, "N retries = N+1 "
+                                                                                           "attempts, at most 10"),
+    RouterFlag("--retry-initial-backoff-ms", ("retry_backoff_s",), _ms, ""),
+    RouterFlag("--retry-max-backoff-ms", ("retry_backoff_max_s",), _ms, ""),
+    RouterFlag("--retry-backoff-multiplier", (), str, "pdproxy doubles"),
+    RouterFlag("--retry-jitter-factor", (), str, "pdproxy jitters ×0.5–1.5"),
+    RouterFlag("--disable-retries", ("prefill_attempts", "decode_attempts"), None, "", value=1),
+    RouterFlag("--queue-size", ("prefill_queue_max",), int, ""),
+    RouterFlag("--queue-timeout-secs", ("prefill_queue_timeout_s",), float, ""),
+    RouterFlag("--max-payload-size", ("max_body_bytes",), int, ""),
+    RouterFlag("--api-key", ("engine_api_key",), str, ""),
+    RouterFlag("--intra-node-data-parallel-size", ("prefiller_dp_size", "decoder_dp_size"), int, ""),
+    RouterFlag("--prometheus-port", (), str, "pdproxy serves /metrics on --port"),
+    RouterFlag("--prometheus-host", (), str, "pdproxy serves /metrics on --port"),
+)
+"""vllm-router's flags (its ``vllm-router --help``) that ``pdproxy serve`` accepts, besides ``--host``,
+``--port``, ``--prefill``, ``--decode``, ``--log-level``, any ``-secs`` spelling of a ``*_s`` setting, and the
+policies (:data:`ROUTER_POLICIES`)."""
+
+
+@dataclass(frozen=True)
+class RouterPolicy:
+    """What a vllm-router policy becomes in pdproxy's scheduling pipeline (pdproxy/scheduling/): the picker
+    (``routing_picker``) and whether prefix-cache affinity scores prefillers (``prefix_routing``)."""
+
+    routing_picker: str
+    prefix_routing: str
+
+
+ROUTER_POLICIES: Final = {
+    "cache_aware": RouterPolicy("least_cost", "auto"),
+    "kv_aware": RouterPolicy("least_cost", "auto"),
+    "consistent_hash": RouterPolicy("least_cost", "auto"),
+    "sticky_least_loaded": RouterPolicy("least_cost", "auto"),
+    "round_robin": RouterPolicy("least_cost", "off"),
+    "power_of_two": RouterPolicy("power_of_two", "auto"),
+    "random": RouterPolicy("power_of_two", "off"),
+}
+"""vllm-router's ``--policy`` / ``--prefill-policy`` / ``--decode-policy`` values → pdproxy settings (the
+prefill policy, else ``--policy``, decides; pdproxy has one picker for both roles).  docs/migrating.md says why."""
+
+
+def _router_dest(flag: str) -> str:
+    return "router_" + flag[2:].replace("-", "_")
+
+
+def add_router_arguments(p: argparse.ArgumentParser) -> None:
+    """Add vllm-router's flags (:data:`ROUTER_FLAGS`, the three policy flags) to ``p``."""
+    group = p.add_argument_group("vllm-router compatibility (docs/migrating.md)")
+    for rf in ROUTER_FLAGS:
+        effect = ("sets " + ", ".join(rf.settings)) if rf.settings else "no effect"
+        help_text = f"vllm-router's flag: {effect}" + (f" ({rf.note})" if rf.note else "")
+        if rf.convert is None:
+            group.add_argument(rf.flag, dest=_router_dest(rf.flag), action="store_true", default=None,
+                               help=help_text)
+        else:
+            group.add_argument(rf.flag, dest=_router_dest(rf.flag), default=None, metavar="VALUE", help=help_text)
+    for flag in ("--policy", "--prefill-policy", "--decode-policy"):
+        group.add_argument(flag, dest=_router_dest(flag), choices=sorted(ROUTER_POLICIES), default=None,
+                           help="vllm-router's policy → routing_picker and prefix_routing (docs/migrating.md)")
+
+
+_BOOTSTRAP = re.compile(r"^(\d{1,5}|none)$", re.IGNORECASE)
+
+
+def split_bootstrap_ports(values: list[str]) -> tuple[list[str], list[str]]:
+    """vllm-router's ``--prefill URL [BOOTSTRAP_PORT]``: ``values`` as argparse collected them (URLs, each maybe
+    followed by a port number or ``none``) → (the URLs, the bootstrap ports given).  vLLM's connectors need no
+    bootstrap port, so pdproxy keeps them only to say so."""
+    urls: list[str] = []
+    ports: list[str] = []
+    for value in values:
+        if urls and _BOOTSTRAP.match(value):
+            ports.append(value)
+        else:
+            urls.append(value)
+    return urls, ports
+
+
+def _router_overrides(args: argparse.Namespace, given: dict[str, Any]) -> dict[str, Any]:
+    """The settings vllm-router's flags in ``args`` ask for, minus those a pdproxy flag in ``given`` sets."""
+    out: dict[str, Any] = {}
+    for rf in ROUTER_FLAGS:
+        raw = getattr(args, _router_dest(rf.flag), None)
+        if raw is None or not rf.settings:
+            continue
+        try:
+            value = rf.value if rf.convert is None else rf.convert(raw)
+        except ValueError:
+            raise ValueError(f"flag {rf.flag}: not a number: {raw!r}") from None
+        for name in rf.settings:
+            out[name] = value
+    prefill = getattr(args, "router_prefill_policy", None) or getattr(args, "router_policy", None)
+    if prefill is not None:
+        policy = ROUTER_POLICIES[prefill]
+        out["routing_picker"] = policy.routing_picker
+        out["prefix_routing"] = policy.prefix_routing
+    return {k: v for k, v in out.items() if k not in given}
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    """Build :class:`Settings` from parsed flags.  Raises ``ValidationError`` / ``ValueError`` on bad values."""
+    """Build :class:`Settings` from parsed flags (pdproxy's, and vllm-router's where ``args`` has them).  Raises
+    ``ValueError`` whose message is one line naming the culprit: the flag, the ``PDPROXY_*`` variable, or the
+    config file and line (:func:`explain`)."""
     overrides: dict[str, Any] = {}
     for name in Settings.model_fields:
         if name in _SKIP:
@@ -56,7 +209,72 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value
-    return load_settings(args.config, **overrides)
+    if "prefill" in overrides:
+        overrides["prefill"], _ = split_bootstrap_ports(list(overrides["prefill"]))
+    router = _router_overrides(args, overrides)
+    config = args.config or os.environ.get("PDPROXY_CONFIG")
+    try:
+        return load_settings(args.config, **overrides, **router)
+    except ValidationError as exc:
+        raise ValueError(explain(exc, config, overrides)) from None
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def explain(exc: ValidationError, config: str | None, flags: dict[str, Any]) -> str:
+    """One line for the first error of ``exc`` (and how many more), naming where the bad value came from: a flag
+    in ``flags`` (setting name → value given), a ``PDPROXY_*`` environment variable, or the line of ``config``."""
+    errors = exc.errors()
+    err = errors[0]
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    loc = [str(x) for x in err["loc"]]
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    name = loc[0] if loc else None
+    if err["type"] == "extra_forbidden":
+        close = difflib.get_close_matches(name or "", list(Settings.model_fields), n=1)
+        msg = "unknown setting" + (f" (did you mean {close[0]}?)" if close else "")
+    if name is None:  # a check over several settings (engine URLs): find the value it quotes
+        quoted = re.search(r"'([^']+)'", msg)
+        value = quoted[1] if quoted else None
+        if value is not None:
+            for setting, given in flags.items():
+                if value in (given if isinstance(given, list) else [str(given)]):
+                    return f"flag {_flag(setting)}: {msg}{more}"
+            for key, text in os.environ.items():
+                if key.startswith("PDPROXY_") and value in text:
+                    return f"environment {key}: {msg}{more}"
+            if config:
+                line = config_line(config, "", value)
+                return f"{config}{f':{line}' if line else ''}: {msg}{more}"
+        return f"settings: {msg}{more}"
+    where = ".".join(loc)
+    if name in flags:
+        return f"flag {_flag(name)}: {msg}{more}"
+    if f"PDPROXY_{name.upper()}" in os.environ:
+        return f"environment PDPROXY_{name.upper()}: {msg}{more}"
+    if config:
+        line = config_line(config, name)
+        return f"{config}{f':{line}' if line else ''}: setting {where}: {msg}{more}"
+    return f"setting {where}: {msg}{more}"
+
+
+def check_listen(host: str, port: int) -> str | None:
+    """Whether ``host:port`` can be bound now (as uvicorn will, ``SO_REUSEADDR``): None, or one line saying why
+    not.  Run before anything else starts, so a port in use is reported at once."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        return f"flag --host: cannot listen on {host!r}: {exc}"
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            return f"cannot listen on {host}:{port} (--port {port}): {exc.strerror or exc}"
+    return None
 
 
 def serve(settings: Settings) -> int:
@@ -66,6 +284,10 @@ def serve(settings: Settings) -> int:
     from pdproxy.http.tls import apply_to_uvicorn, server_ssl_context
     from pdproxy.ops.logs import configure_logging, listen_urls, log_banner
 
+    problem = check_listen(settings.host, settings.port)
+    if problem is not None:  # before any engine is probed
+        print(f"pdproxy: {problem}", file=sys.stderr)
+        return 1
     configure_logging(settings)
     tls = server_ssl_context(settings)  # a bad certificate / key / CA file stops here (ValueError → exit 2)
     roles = {e.role for e in settings.all_endpoints()}
@@ -82,6 +304,7 @@ def serve(settings: Settings) -> int:
     from pdproxy.app.shutdown import DrainingServer
 
     app = create_app(settings)
+    logging.getLogger("uvicorn.error").addFilter(CancelledLifespanFilter())
     # SIGTERM drains first (503 + Retry-After for new requests, in-flight streams finish within shutdown_grace_s;
     # pdproxy/app/shutdown.py); uvicorn's own grace only covers what is left after that.
     config = uvicorn_config(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=1,
@@ -95,12 +318,22 @@ def serve(settings: Settings) -> int:
     return 0
 
 
-def _format_validation(exc: ValidationError) -> str:
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "settings"
-        lines.append(f"  {loc}: {err['msg']}")
-    return "invalid settings:\n" + "\n".join(lines)
+class CancelledLifespanFilter(logging.Filter):
+    """Drops the traceback uvicorn logs when a forced exit (a second Ctrl-C during a stream) cancels the ASGI
+    lifespan task: Starlette reports the ``CancelledError`` as a failed lifespan shutdown, which it is not — the
+    operator asked to cut the open streams, and pdproxy/app/shutdown.py already said so in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not (text.startswith("Traceback") and text.rstrip().endswith("CancelledError"))
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (``pdproxy serve: error: …``) without the usage block, which for
+    ``serve`` would be a screenful of flags."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -108,11 +341,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     sub-commands ``serve``, ``sim``, ``demo`` or ``doctor``.  Never returns: exits the process with the
     sub-command's exit code; invalid settings (pydantic ``ValidationError`` / ``ValueError``) print to stderr and
     exit 2, Ctrl-C exits 130, argparse errors exit 2."""
-    parser = argparse.ArgumentParser(prog="pdproxy", description="PD-disaggregation proxy for vLLM / vLLM-Ascend")
+    parser = _Parser(prog="pdproxy", description="PD-disaggregation proxy for vLLM / vLLM-Ascend")
     parser.add_argument("--version", action="version", version=f"pdproxy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p_serve = sub.add_parser("serve", help="run the proxy")
     add_serve_arguments(p_serve)
+    add_router_arguments(p_serve)
     p_sim = sub.add_parser("sim", help="run a simulated vLLM engine (prefiller, decoder or both)")
     from pdproxy.sim import cli as sim_cli
 
@@ -139,8 +373,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             code = doctor.run(settings_from_args(args), args)
         else:  # pragma: no cover - argparse enforces the choices
             code = 2
-    except ValidationError as exc:
-        print(f"pdproxy: {_format_validation(exc)}", file=sys.stderr)
+    except ValidationError as exc:  # settings built outside settings_from_args (the demo's)
+        print(f"pdproxy: {explain(exc, None, {})}", file=sys.stderr)
         code = 2
     except ValueError as exc:
         print(f"pdproxy: {exc}", file=sys.stderr)

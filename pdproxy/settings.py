@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
@@ -340,21 +341,71 @@ class Settings(BaseSettings):
         return out
 
 
+class ConfigFileError(ValueError):
+    """A config file that cannot be used; the message is one line: ``FILE[:LINE[:COLUMN]]: problem``."""
+
+
+def _parse_config_text(p: Path, text: str) -> Any:
+    """Parse ``text`` by ``p``'s suffix (``.toml``, ``.json``, else YAML).  Raises :class:`ConfigFileError` naming
+    the file, line and column of a syntax error."""
+    try:
+        if p.suffix == ".toml":
+            return tomllib.loads(text)
+        if p.suffix == ".json":
+            return json.loads(text)
+        return yaml.safe_load(text) or {}
+    except json.JSONDecodeError as exc:
+        raise ConfigFileError(f"{p}:{exc.lineno}:{exc.colno}: not valid JSON: {exc.msg}") from None
+    except tomllib.TOMLDecodeError as exc:  # its message ends "(at line L, column C)"
+        words = str(exc)
+        where = re.search(r"\(at line (\d+), column (\d+)\)$", words)
+        if where:
+            words = words[:where.start()].rstrip()
+            raise ConfigFileError(f"{p}:{where[1]}:{where[2]}: not valid TOML: {words}") from None
+        if words.endswith("(at end of document)"):
+            words = words.removesuffix("(at end of document)").rstrip()
+            raise ConfigFileError(f"{p}:{len(text.splitlines())}: not valid TOML: {words} at the end") from None
+        raise ConfigFileError(f"{p}: not valid TOML: {words}") from None
+    except yaml.MarkedYAMLError as exc:
+        detail = ", ".join(x for x in (exc.context, exc.problem) if x) or "syntax error"
+        if exc.problem_mark is not None:
+            mark = exc.problem_mark
+            raise ConfigFileError(f"{p}:{mark.line + 1}:{mark.column + 1}: not valid YAML: {detail}") from None
+        raise ConfigFileError(f"{p}: not valid YAML: {detail}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigFileError(f"{p}: not valid YAML: {str(exc).splitlines()[0]}") from None
+
+
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Parse a config file into settings values.  Raises ``ValueError`` if it is missing or not a mapping."""
+    """Parse a config file into settings values.  Raises :class:`ConfigFileError` (a ``ValueError``; one line
+    naming the file, and the line and column of a syntax error) if it is missing, unreadable, malformed or not a
+    mapping."""
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"config file {p} not found")
-    text = p.read_text()
-    if p.suffix == ".toml":
-        data = tomllib.loads(text)
-    elif p.suffix == ".json":
-        data = json.loads(text)
-    else:
-        data = yaml.safe_load(text) or {}
+        raise ConfigFileError(f"config file {p} not found")
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigFileError(f"{p}: cannot be read: {exc}") from None
+    data = _parse_config_text(p, text)
     if not isinstance(data, dict):
-        raise ValueError(f"config file {p} must hold a mapping of setting names to values")
-    return {k.replace("-", "_"): v for k, v in data.items()}
+        raise ConfigFileError(f"{p}: must hold a mapping of setting names to values")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def config_line(path: str | os.PathLike[str], setting: str, value: str | None = None) -> int | None:
+    """The 1-based line of ``path`` where ``setting`` (either spelling, ``_`` or ``-``) is written as a top-level
+    key — or, with ``value``, the first line holding that text (a list item such as a bad engine URL).  None when
+    not found or the file cannot be read.  For error messages only."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if value is not None:
+        return next((i for i, line in enumerate(lines, 1) if value in line), None)
+    spellings = "|".join(re.escape(s) for s in {setting, setting.replace("_", "-")})
+    key = re.compile(rf'^\s*["\']?(?:{spellings})["\']?\s*[:=]')
+    return next((i for i, line in enumerate(lines, 1) if key.match(line)), None)
 
 
 def load_settings(config: str | None = None, **overrides: Any) -> Settings:

@@ -113,3 +113,10 @@ class RequestContext:
     disaggregated: bool = True
     timeline: Timeline = field(default_factory=Timeline)
     client_headers: Sequence[tuple[bytes, bytes]] = ()
+    retries: tuple[tuple[str, str, bool], ...] = ()  # (leg, reason, failover) per retried leg attempt (metrics.py)
+
+    def retried(self, leg: str, reason: str, *, failover: bool = False) -> None:
+        """A failed ``leg`` attempt (``"prefill"`` | ``"decode"``) is being tried again on another endpoint;
+        ``reason``: the failure's ``ProxyError.outcome``; ``failover``: the request moves to a new P/D pair (the
+        KV handle was lost, so it is prefilled again).  Counted into ``/metrics`` when the request ends."""
+        self.retries += ((leg, reason, failover),)

@@ -14,6 +14,7 @@ echo "== lint"
 $PY -m ruff check .
 $PY -m mypy
 echo "== fast suite"
+bash scripts/install-promtool.sh  # promtool lints /metrics (tests/ops/test_metrics_lint.py); best effort
 set +e
 $PY -m pytest -m "not real_vllm" -q -p no:randomly "$@"
 fast=$?

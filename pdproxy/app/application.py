@@ -276,6 +276,7 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
         await state.start()
         proxy.state = state
         proxy.director = state.director()
+        proxy.metrics.follow_releases(proxy.director.kv_release)  # pdproxy_kv_release_legs_total
         gc_policy = GcPolicy(proxy.settings.gc_full_interval_s)  # no full-collection pauses mid-ramp (gcpolicy.py)
         gc_policy.start()
         try:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 
 def _labels(e: Any) -> tuple[str, str, str]:
@@ -35,7 +35,7 @@ class StateCollector:
         return []  # unchecked collector: families depend on the configured endpoints
 
     def collect(self) -> Iterator[Metric]:
-        """Yield the ``pdproxy_*`` gauge families read from the current proxy state, labelled
+        """Yield the ``pdproxy_*`` gauge families (and the breakers' opened counter) read from the current proxy state, labelled
         ``role``/``endpoint``/``dp_rank``; nothing before the state exists."""
         st = self._state()
         if st is None:
@@ -51,7 +51,8 @@ class StateCollector:
         healthy = family("pdproxy_endpoint_healthy", "1 if the endpoint's last /health probe succeeded.")
         draining = family("pdproxy_endpoint_draining", "1 if the endpoint is draining (no new requests).")
         breaker = family("pdproxy_endpoint_breaker_state", "Circuit breaker state (1 = current).", ("state",))
-        opened = family("pdproxy_endpoint_breaker_opened_total", "Times the endpoint's breaker opened.")
+        opened = CounterMetricFamily("pdproxy_endpoint_breaker_opened", "Times the endpoint's breaker opened.",
+                                     labels=labels)  # a counter: exposed as pdproxy_endpoint_breaker_opened_total
         snapshot = getattr(st.health, "snapshot", None)
         for e in st.pool.endpoints():
             lab = list(_labels(e))

@@ -14,6 +14,16 @@ sizes tokens.  Three kinds of series:
   ``pdproxy_e2e_request_latency_seconds{api,outcome}``; and the phase split of :meth:`Timeline.phases`:
   ``pdproxy_admission_wait_seconds``, ``pdproxy_prefill_time_seconds``, ``pdproxy_pd_gap_seconds``,
   ``pdproxy_decode_first_token_seconds``, ``pdproxy_decode_time_seconds``; ``pdproxy_requests_in_progress{api}``;
+  tokens through the proxy, as vLLM's ``vllm:prompt_tokens_total`` / ``vllm:generation_tokens_total``:
+  ``pdproxy_prompt_tokens_total{api}`` (the prefiller's ``usage.prompt_tokens``, else pdproxy's count, for requests
+  sent to an engine) and ``pdproxy_generation_tokens_total{api}`` (``completion_tokens``); retried leg attempts, as
+  vllm-router's retry counters: ``pdproxy_retries_total{leg,reason}`` (``leg`` = ``prefill`` | ``decode``,
+  ``reason`` = the failed attempt's outcome: ``upstream_error``, ``timeout`` …; each retry goes to another
+  endpoint) and ``pdproxy_failovers_total{leg,reason}`` (the decode failures among them that moved the request to a
+  new P/D pair, prefilling it again, because the KV handle was lost);
+- **release legs** (copied from the director's releaser, :meth:`ProxyMetrics.follow_releases`):
+  ``pdproxy_kv_release_legs_total{outcome}`` (``sent``: a decoder was told to free the prefiller's pinned KV;
+  ``no_decoder``: none could be asked, the KV stays pinned until the connector's timeout);
 - **admission** (copied from its counters, :meth:`ProxyMetrics.sync`): ``pdproxy_prefill_queue_depth``,
   ``pdproxy_prefill_queue_waited_total``, ``…_wait_seconds_total``, ``…_full_total``, ``…_timed_out_total``,
   ``pdproxy_decode_only_total{reason}``, ``pdproxy_prompt_counts_total{method}``,
@@ -48,7 +58,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -78,6 +88,14 @@ PHASES: dict[str, tuple[str, str, tuple[float, ...]]] = {
                              "Decode leg sent to the decoder's first event (KV pull + first token).", TTFT_BUCKETS),
     "decode_s": ("pdproxy_decode_time_seconds", "First relayed event to the end of the response.", E2E_BUCKETS),
 }
+
+
+class ReleaseCounts(Protocol):
+    """What :meth:`ProxyMetrics.follow_releases` reads: the release legs a releaser ran (plain running totals,
+    ``pdproxy/pd/kv_release.py``'s ``KVReleaser``)."""
+
+    released: int  # release legs sent to a decoder (whatever it answered)
+    failed: int  # releases no decoder could take
 
 
 def rejection_of(err: ProxyError) -> tuple[str, str] | None:
@@ -182,6 +200,19 @@ class ProxyMetrics:
         self.prefix_predictions = Counter(
             "pdproxy_prefix_predictions", "Prefix routing: predictions by source and outcome against the "
             "prefiller's report (exact | over | under | unreported).", ("source", "outcome"), registry=reg)
+        self.prompt_tokens = Counter("pdproxy_prompt_tokens", "Prompt tokens of requests sent to an engine (the "
+                                     "prefiller's usage.prompt_tokens, else pdproxy's count).", api, registry=reg)
+        self.generation_tokens = Counter("pdproxy_generation_tokens", "Generated tokens relayed to clients "
+                                         "(completion_tokens).", api, registry=reg)
+        self.retries = Counter("pdproxy_retries", "Leg attempts sent again on another endpoint after a failure, by "
+                               "leg (prefill | decode) and the failure's outcome.", ("leg", "reason"), registry=reg)
+        self.failovers = Counter("pdproxy_failovers", "Decode failures that moved the request to a new P/D pair "
+                                 "(prefilled again: the KV handle was lost), by leg and the failure's outcome.",
+                                 ("leg", "reason"), registry=reg)
+        self.release_legs = Counter("pdproxy_kv_release_legs", "Release legs that free a prefiller's pinned KV no "
+                                    "decoder will read, by outcome (sent | no_decoder).", ("outcome",),
+                                    registry=reg)
+        self._releases: ReleaseCounts | None = None
         self.queue_depth = Gauge("pdproxy_prefill_queue_depth", "Requests waiting in pdproxy's prefill queue.",
                                  registry=reg, multiprocess_mode="livesum")
         self._synced: dict[tuple[str, str], float] = {}
@@ -199,10 +230,25 @@ class ProxyMetrics:
         if self.multiprocess_dir is None:
             self.registry.register(collector)
 
+    def follow_releases(self, releases: ReleaseCounts) -> None:
+        """Export ``releases``' running totals as ``pdproxy_kv_release_legs_total`` (copied by :meth:`sync`)."""
+        self._releases = releases
+
+    def _sync_releases(self) -> None:
+        releases = self._releases
+        if releases is None:
+            return
+        for outcome, value in (("sent", releases.released), ("no_decoder", releases.failed)):
+            last = self._synced.get(("release_legs", outcome), 0.0)
+            if value > last:
+                self._labelled(self.release_legs, outcome).inc(value - last)
+                self._synced[("release_legs", outcome)] = value
+
     def sync(self) -> None:
         """Copy the admission and prefill-queue counters (plain ints in ``pdproxy/admission/admission.py`` and
         ``pdproxy/scheduling/queue.py``) into prometheus series, as increments since the last sync; multiprocess-safe
         because each worker adds only its own increments.  Runs when a request ends and before each scrape."""
+        self._sync_releases()
         st = self._state()
         adm = getattr(st, "admission", None)
         queue = getattr(adm, "queue", None)
@@ -258,6 +304,15 @@ class ProxyMetrics:
         self._labelled(self.requests, api, str(ctx.status or 0), ctx.outcome).inc()
         if rejection is not None:
             self._labelled(self.rejections, *rejection).inc()
+        for leg, reason, failover in ctx.retries:
+            self._labelled(self.retries, leg, reason).inc()
+            if failover:
+                self._labelled(self.failovers, leg, reason).inc()
+        prompt = ctx.engine_prompt_tokens or ctx.prompt_tokens
+        if prompt and (ctx.prefiller is not None or ctx.decoder is not None):
+            self._labelled(self.prompt_tokens, api).inc(prompt)
+        if ctx.completion_tokens:
+            self._labelled(self.generation_tokens, api).inc(ctx.completion_tokens)
         if ctx.prefix_mode is not None and ctx.predicted_cached_tokens is not None:
             self._observe_prefix(ctx.prefix_mode, ctx.predicted_cached_tokens, ctx.cached_tokens)
         tl = ctx.timeline

@@ -165,6 +165,7 @@ class Director:
                         failed.append(f.endpoint)
                         if attempt + 1 >= attempts:
                             raise f.error from None
+                        ctx.retried("decode", f.error.outcome, failover=not f.kv_intact)
                         if not f.kv_intact:
                             self.release_kv(req, ctx, prefill)
                             prefill.lease.release()

@@ -112,6 +112,7 @@ class PrefillLeg:
         retried_500 = False
         for attempt in range(s.prefill_attempts):
             if attempt:
+                ctx.retried("prefill", last.outcome if last is not None else "error")
                 await self.backoff.sleep(attempt)
             try:                                       # wait in the prefill queue for a slot (queue → pick)
                 with self.tracing.queue_wait(ctx):

@@ -255,7 +255,8 @@ def build_sequences(server: SimServer, rank: RankEngine, parsed: ParsedRequest, 
             base = server.next_word_offset()
         for k in range(n):
             index = p * n + k
-            plan = plan_output(base + 3 * k, server.token_table, spec.rules, max_tokens, eos, content)
+            plan = plan_output(base + 3 * k, server.token_table, spec.rules, max_tokens, eos, content,
+                               sampled=spec.temperature >= SAMPLING_EPS)
             if fault is not None and fault.kind == "no_kv_params":
                 plan.end = 1
             rid = connector.child_request_id(parent, k, n)

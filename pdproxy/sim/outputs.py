@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ from pdproxy.tokens import Tokenizer
 
 WORDS = (" Hello", " from", " the", " simulated", " engine", " naïve", " token", " stream", " 世界", " café",
          " prefill", " decode", " block", " cache", " step", " done")
+_UNITS = tuple(a for a in range(1, len(WORDS)) if math.gcd(a, len(WORDS)) == 1)
 PIECE_CHARS = 4
 """Characters of fixed content (JSON, tool arguments) per output token."""
 
@@ -75,10 +77,11 @@ class OutputPlan:
     finishes ``"stop"``), None when only ``max_tokens`` ends it; ``stop_reason`` is what vLLM reports when it ends
     there (None for EOS, a string or a token id for a stop)."""
 
-    __slots__ = ("_ids", "_limit", "_offsets", "_pieces", "_table", "end", "offset", "stop_reason")
+    __slots__ = ("_ids", "_limit", "_offsets", "_pieces", "_table", "end", "offset", "sampled", "stop_reason")
 
-    def __init__(self, offset: int, table: TokenTable, pieces: list[str] | None = None) -> None:
+    def __init__(self, offset: int, table: TokenTable, pieces: list[str] | None = None, sampled: bool = False) -> None:
         self.offset = offset
+        self.sampled = sampled
         self._table = table
         self._pieces = pieces
         self._offsets: list[int] | None = None
@@ -88,24 +91,43 @@ class OutputPlan:
         self.stop_reason: str | int | None = None
 
     # ---- per token -------------------------------------------------------------------------------------
+    def word(self, i: int) -> int:
+        """The index in :data:`WORDS` of plain output token ``i``.  Greedy (``sampled`` False, temperature 0 as
+        vLLM's ``SAMPLING_EPS``): the words in order from ``offset``.  Sampled (temperature > 0): each run of
+        ``len(WORDS)`` tokens is a permutation of the words drawn from ``offset`` (the request's ``seed``, else a
+        per-request draw) and the run number, so a seed repeats its answer, ``n`` choices differ, and every word
+        (any one-word stop string) still comes within ``len(WORDS)`` tokens.  Stateless: any ``i`` at any time."""
+        n = len(WORDS)
+        if not self.sampled:
+            return (self.offset + i) % n
+        run, j = divmod(i, n)
+        h = (self.offset * 0x9E3779B97F4A7C15 + run * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+        h = (h * 0xD6E8FEB86659FD93) & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 32
+        scale = _UNITS[h % len(_UNITS)]  # a unit mod n: j ↦ scale·j + shift is a permutation of 0..n-1
+        return (scale * j + (h >> 16)) % n
+
     def piece(self, i: int) -> str:
         """The full text of output token ``i`` (before any stop-string cut)."""
         pieces = self._pieces
         if pieces is not None:
             return pieces[i] if i < len(pieces) else " "
-        return WORDS[(self.offset + i) % len(WORDS)]
+        return WORDS[self.word(i)]
 
     def token_id(self, i: int) -> int:
         """The id of output token ``i``."""
         pieces = self._pieces
         if pieces is not None:
             return self._table.piece_id(pieces[i] if i < len(pieces) else " ")
-        return self._table.word_ids[(self.offset + i) % len(WORDS)]
+        return self._table.word_ids[self.word(i)]
 
     def text(self, start: int, end: int) -> str:
         """The text of output tokens ``[start, end)`` as the client sees it (cut at a matched stop string)."""
         if self._limit is None:
             if self._pieces is None:
+                if self.sampled:
+                    return "".join(WORDS[self.word(i)] for i in range(start, end))
                 words, off, n = WORDS, self.offset, len(WORDS)
                 return "".join(words[(off + i) % n] for i in range(start, end))
             return "".join(self.piece(i) for i in range(start, end))
@@ -188,13 +210,13 @@ class OutputPlan:
 
 
 def plan_output(offset: int, table: TokenTable, rules: StopRules, max_tokens: int, eos: int | None,
-                content: str | None = None) -> OutputPlan:
+                content: str | None = None, sampled: bool = False) -> OutputPlan:
     """The plan of one sequence: plain words from ``offset``, or the fixed ``content`` string (JSON, tool
     arguments) in :data:`PIECE_CHARS`-character pieces; ``rules`` and ``eos`` as in :meth:`OutputPlan.apply`."""
     pieces = None
     if content is not None:
         pieces = [content[i:i + PIECE_CHARS] for i in range(0, len(content), PIECE_CHARS)] or [""]
-    plan = OutputPlan(offset, table, pieces)
+    plan = OutputPlan(offset, table, pieces, sampled)
     plan.apply(rules, max_tokens, eos)
     return plan
 

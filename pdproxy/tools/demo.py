@@ -1,5 +1,8 @@
 """``pdproxy demo``: one simulated prefiller and two simulated decoders on loopback, the proxy on :8000.
 
+The request log (one JSON line per request, pdproxy/ops/reqlog.py) goes to a file, ``--request-log-path`` (default
+``pdproxy-demo-requests.jsonl`` in the temporary directory), so the terminal stays readable under load.
+
 The engines are child processes (``pdproxy sim``) in their own process group; they are stopped when the proxy
 exits (Ctrl-C / SIGTERM) or if any of them fails to start.
 """
@@ -14,8 +17,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 
@@ -36,6 +41,7 @@ pdproxy demo is up: proxy http://127.0.0.1:{port}  (prefiller {p}, decoders {d})
   print()
   EOF
 
+Request log (one JSON line per request): {request_log}   e.g. tail -f {request_log}
 Ctrl-C stops the proxy (open streams get up to shutdown_grace_s to finish) and then the simulated engines.
 """
 
@@ -51,6 +57,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--decode-tokens-per-s", type=float, default=50.0, help="simulated decode speed per sequence")
     p.add_argument("--prefill-tokens-per-s", type=float, default=20000.0)
+    p.add_argument("--request-log-path", default=None,
+                   help="file the request log is appended to ('-' = the terminal; default: "
+                        "pdproxy-demo-requests.jsonl in the temporary directory)")
+
+
+ENGINE_PORT_OFFSETS = (0, 100, 101)
+"""The simulated engines' ports: ``--engine-base-port`` plus these (prefiller, decoder, decoder)."""
+
+
+def check_ports(args: argparse.Namespace) -> None:
+    """Raise :class:`DemoError` naming the flag whose port is outside 1–65535 (the engines' ports included)."""
+    if not 0 < args.port <= 65535:
+        raise DemoError(f"--port {args.port} is not a TCP port (1-65535)")
+    top = 65535 - max(ENGINE_PORT_OFFSETS)
+    if not 0 < args.engine_base_port <= top:
+        raise DemoError(f"--engine-base-port {args.engine_base_port} is out of range: the engines use B, B+100 and "
+                        f"B+101, so B must be 1-{top}")
+
+
+def request_log_path(args: argparse.Namespace) -> str:
+    """Where the demo's request log goes: ``--request-log-path``, else a file in the temporary directory."""
+    return str(args.request_log_path or Path(tempfile.gettempdir()) / "pdproxy-demo-requests.jsonl")
 
 
 class DemoError(RuntimeError):
@@ -106,7 +134,8 @@ def _wait_healthy(urls: list[str], procs: list[subprocess.Popen[bytes]], timeout
 def simulated_engines(args: argparse.Namespace) -> Iterator[tuple[list[str], list[str]]]:
     """Start 1 prefiller + 2 decoders; yield their URLs; stop them on exit (SIGTERM, then SIGKILL)."""
     base = args.engine_base_port
-    roles = [("prefill", base), ("decode", base + 100), ("decode", base + 101)]
+    roles = [(role, base + offset) for role, offset in zip(("prefill", "decode", "decode"), ENGINE_PORT_OFFSETS,
+                                                            strict=True)]
     _check_free("127.0.0.1", [port for _, port in roles])
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -138,6 +167,7 @@ def run(args: argparse.Namespace, serve: Callable[[Settings], int]) -> int:
     """Run the demo until Ctrl-C; returns the exit code.  ``serve`` runs the proxy on ``Settings`` until it stops
     (``pdproxy.cli.serve``) and returns its exit code."""
     try:
+        check_ports(args)
         _check_free(args.host, [args.port])
     except DemoError as exc:
         print(f"pdproxy demo: {exc}", file=sys.stderr)
@@ -146,9 +176,10 @@ def run(args: argparse.Namespace, serve: Callable[[Settings], int]) -> int:
     try:
         with simulated_engines(args) as (prefill, decode):
             settings = load_settings(host=args.host, port=args.port, prefill=prefill, decode=decode,
-                                     expose_routing_headers=True, health_interval_s=1.0)
+                                     expose_routing_headers=True, health_interval_s=1.0,
+                                     request_log_path=request_log_path(args))
             print(SNIPPET.format(port=args.port, p=prefill[0], d=", ".join(decode), model=args.model,
-                                 python=sys.executable), flush=True)  # this interpreter has the openai client
+                                 python=sys.executable, request_log=request_log_path(args)), flush=True)  # this interpreter has the openai client
             return serve(settings)
     except DemoError as exc:
         print(f"pdproxy demo: {exc}", file=sys.stderr)

@@ -119,4 +119,5 @@ def test_dashboard_layout_imports_cleanly() -> None:
     rows = [p["title"] for p in items if p["type"] == "row"]
     assert rows == ["Traffic", "Client-visible latency", "Phase split (where the time goes)",
                     "Admission and prefill queue", "Endpoints (pdproxy's view)",
-                    "Engines (their own gauges, re-exported)", "Prefix cache (routing and KV events)"]
+                    "Engines (their own gauges, re-exported)", "Prefix cache (routing and KV events)",
+                    "Retries, failovers, release legs and tokens"]

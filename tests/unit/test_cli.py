@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(20)
      "3 hosts but 2 ports"),
     (["--prefill", "http://p:1", "--decode", "http://d:2", "--port", "70000"], "port"),
     (["--prefill", "http://p:1", "--decode", "http://d:2", "--max-tokens-overflow", "sometimes"],
-     "max_tokens_overflow"),
+     "--max-tokens-overflow"),
 ])
 def test_bad_serve_configurations_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str],
                                          monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,136 @@
+"""vllm-router's documented PD command lines start ``pdproxy serve`` unchanged (only the engine URLs point at
+simulated engines) and route a request through a prefiller and a decoder; its policies become pdproxy settings as
+docs/migrating.md says; a bootstrap port after a prefill URL is accepted and dropped.
+
+The command lines are the examples of vllm-router's launcher (``vllm-router --help``, the same as its README's PD
+section); when vllm-router is installed in this environment, the test checks they are still there word for word.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pdproxy.cli import ROUTER_POLICIES, _Parser, add_router_arguments, add_serve_arguments, settings_from_args
+from tests.conftest import SIM_ARGS, Fleet
+from tests.ops.serveproc import ServeProcess
+from tests.support import SimProcess, running
+
+pytestmark = pytest.mark.timeout(90)
+
+# vllm-router's own examples (its launcher's --help "Examples", its README's PD section), as printed.
+DOCUMENTED = [
+    """vllm-router --vllm-pd-disaggregation \\
+    --prefill http://prefill1:8000 9000 --prefill http://prefill2:8000 \\
+    --decode http://decode1:8001 --decode http://decode2:8001 \\
+    --policy cache_aware""",
+    """vllm-router --vllm-pd-disaggregation \\
+    --prefill http://prefill1:8000 9000 \\
+    --prefill http://prefill2:8000 none \\
+    --prefill http://prefill3:8000 \\
+    --decode http://decode1:8001 --decode http://decode2:8001""",
+    """vllm-router --vllm-pd-disaggregation \\
+    --prefill http://prefill1:8000 --prefill http://prefill2:8000 \\
+    --decode http://decode1:8001 --decode http://decode2:8001 \\
+    --prefill-policy cache_aware --decode-policy power_of_two""",
+]
+
+
+def router_args(line: str) -> list[str]:
+    """The flags of a documented command line (the program name dropped)."""
+    words = shlex.split(line.replace("\\\n", " "))
+    assert words[0] == "vllm-router"
+    return words[1:]
+
+
+def _squash(text: str) -> str:
+    return re.sub(r"\s+", " ", text.replace("\\\n", " ")).strip()
+
+
+def test_the_lines_are_vllm_routers_own() -> None:
+    exe = Path(sys.executable).parent / "vllm-router"
+    found = str(exe) if exe.exists() else shutil.which("vllm-router")
+    if found is None:
+        pytest.skip("vllm-router is not installed here (make install brings it)")
+    # its help indents each line and may annotate with comments: compare flag words only
+    help_text = subprocess.run([found, "--help"], capture_output=True, text=True, timeout=30).stdout
+    examples = _squash(re.sub(r"#[^\n]*", "", help_text).replace("\\", " "))
+    for line in DOCUMENTED:
+        assert _squash(line.replace("\\", " ")) in examples
+
+
+@pytest.fixture(scope="module")
+def engines(fleet: Fleet) -> Iterator[Fleet]:
+    """Three prefillers (the session's and two more) and the session's two decoders."""
+    with running(SimProcess("prefill", *SIM_ARGS), SimProcess("prefill", *SIM_ARGS)) as extra:
+        yield Fleet(prefillers=[*fleet.prefillers, *extra], decoders=list(fleet.decoders))
+
+
+def pointed_at(args: list[str], engines: Fleet) -> list[str]:
+    """``args`` with vllm-router's example hosts replaced by the simulated engines' URLs, in order."""
+    prefill = iter(s.url for s in engines.prefillers)
+    decode = iter(s.url for s in engines.decoders)
+    return [next(prefill) if a.startswith("http://prefill") else next(decode) if a.startswith("http://decode")
+            else a for a in args]
+
+
+@pytest.mark.parametrize("line", DOCUMENTED, ids=["policy", "bootstrap-ports", "two-policies"])
+def test_documented_line_routes_through_p_and_d(line: str, engines: Fleet, tmp_path: Path) -> None:
+    for sim in engines.all:
+        sim.reset()
+    proc = ServeProcess(tmp_path / "serve.log", *pointed_at(router_args(line), engines))
+    try:
+        proc.start()
+        body = {"model": "sim-model", "prompt": "hello there", "max_tokens": 4}
+        r = httpx.post(proc.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+        legs_p = [q for s in engines.prefillers for q in s.completions_received()]
+        legs_d = [q for s in engines.decoders for q in s.completions_received()]
+        assert len(legs_p) == 1 and len(legs_d) == 1
+        assert legs_p[0]["body"]["kv_transfer_params"]["do_remote_decode"] is True
+        assert legs_d[0]["body"]["kv_transfer_params"]["do_remote_prefill"] is True
+    finally:
+        proc.stop()
+    assert "Traceback" not in proc.text()
+
+
+def parse(*argv: str) -> tuple[str, str, list[str]]:
+    p = _Parser(prog="pdproxy serve")
+    add_serve_arguments(p)
+    add_router_arguments(p)
+    s = settings_from_args(p.parse_args(["--prefill", "http://p:1", "--decode", "http://d:2", *argv]))
+    return s.routing_picker, s.prefix_routing, s.prefill
+
+
+@pytest.mark.parametrize("policy", sorted(ROUTER_POLICIES))
+def test_policy_becomes_picker_and_prefix_routing(policy: str) -> None:
+    want = ROUTER_POLICIES[policy]
+    assert parse("--policy", policy)[:2] == (want.routing_picker, want.prefix_routing)
+    # --prefill-policy decides over --policy; pdproxy's own flag decides over both
+    assert parse("--policy", "random", "--prefill-policy", policy)[:2] == (want.routing_picker,
+                                                                           want.prefix_routing)
+    assert parse("--policy", policy, "--routing-picker", "power_of_two")[0] == "power_of_two"
+
+
+def test_router_flags_set_settings() -> None:
+    p = _Parser(prog="pdproxy serve")
+    add_serve_arguments(p)
+    add_router_arguments(p)
+    s = settings_from_args(p.parse_args([
+        "--prefill", "http://p:1", "9000", "http://p:2", "none", "--decode", "http://d:2",
+        "--health-check-interval-secs", "7", "--health-check-timeout-secs", "2", "--request-timeout-secs", "60",
+        "--cb-failure-threshold", "5", "--retry-max-retries", "2", "--retry-initial-backoff-ms", "100",
+        "--queue-timeout-secs", "9", "--api-key", "k", "--prometheus-port", "29000"]))
+    assert s.prefill == ["http://p:1", "http://p:2"]
+    assert (s.health_interval_s, s.health_timeout_s, s.request_timeout_s) == (7.0, 2.0, 60.0)
+    assert (s.breaker_failures, s.prefill_attempts, s.decode_attempts) == (5, 3, 3)
+    assert (s.retry_backoff_s, s.prefill_queue_timeout_s, s.engine_api_key) == (0.1, 9.0, "k")
