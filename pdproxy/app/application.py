@@ -388,7 +388,8 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
                                for r in range(board.rows)]
         return body
 
-    @app.api_route("/debug/prefix", methods=["GET", "POST"])
+    @app.get("/debug/prefix")
+    @app.post("/debug/prefix")          # one route per method: one OpenAPI operation id each
     async def debug_prefix(request: Request) -> Response:
         """Which endpoint holds how much of a prompt: POST a chat or completions body (``messages`` → chat), or
         ``GET ?prompt=TEXT`` (a completions prompt).  Answers ``{"prefix_routing", "keys", "prompt_tokens",
