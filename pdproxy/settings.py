@@ -45,8 +45,8 @@ PROTOCOLS: Final = ("grpc", "http/protobuf")
 
 
 MAX_JSON_DEPTH: Final = 200
-"""Default ``max_json_depth``: pydantic's JSON parser (jiter, what vLLM's models validate JSON with) refuses deeper
-input; orjson parses up to 1024 levels but writes at most 254, and every engine leg is re-encoded."""
+"""Default and largest ``max_json_depth``: about what pydantic's JSON parser (jiter) accepts (201 levels); orjson
+parses up to 1024 levels but writes at most 254, and engine legs are re-encoded (and re-read with this limit)."""
 
 
 def is_loopback_host(host: str) -> bool:
@@ -210,7 +210,8 @@ class Settings(BaseSettings):
                                                          "legs, /tokenize, /v1/models, /metrics, /health) instead of "
                                                          "the client's Authorization")
     admin_key: str | None = Field(None, description="enables the /admin API (Authorization: Bearer <key>); also "
-                                                    "guards /debug/load whenever api_keys is set")
+                                                    "opens /debug/*, /docs, /openapi.json where debug_routes "
+                                                    "keeps them behind it")
     metrics_key: str | None = Field(None, description="when set, GET /metrics needs Authorization: Bearer <key> "
                                                       "(Prometheus: authorization.credentials); unset = open")
 
@@ -298,9 +299,10 @@ class Settings(BaseSettings):
 
     # --- exposure: what a client on an open port may reach (docs/threat-model.md)
     max_json_depth: int = Field(
-        MAX_JSON_DEPTH, ge=8, le=1000,
+        MAX_JSON_DEPTH, ge=8, le=MAX_JSON_DEPTH,
         description="deepest nesting of arrays/objects accepted in a client's JSON body, on every route; deeper "
-                    "bodies get vLLM's 400 json_invalid (default 200: what pydantic's JSON parser accepts)")
+                    "bodies get vLLM's 400 json_invalid (default and most 200: about what pydantic's JSON parser accepts, "
+                    "within the 254 levels orjson writes engine legs with)")
     debug_routes: Literal["auto", "admin", "open", "off"] = Field(
         "auto", description="/debug/load, /debug/prefix, /docs, /openapi.json: admin (the admin key), open, off; "
                             "auto = open when pdproxy listens on loopback only and enforces no api_keys, else admin")
