@@ -83,6 +83,8 @@ ANTHROPIC_ROUTES = frozenset({"/v1/messages/count_tokens"})
 """Routes whose own errors take the Anthropic envelope."""
 
 _RETRYABLE = frozenset({502, 503, 504})
+_OFF_LOOP_BYTES = 1 << 20
+"""Bodies larger than this (uploads: python-multipart reads ~7 ns a byte here) are parsed in a worker thread."""
 _MODEL_FIELD_MAX = 1024
 """Bytes of a multipart ``model`` field kept (a model id; vLLM's are far shorter)."""
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
@@ -117,7 +119,6 @@ class FormFields:
         self._disposition = b""
         self._value = b""
         self._name: str | None = None
-        self._in_disposition = False
         parser = MultipartParser(boundary, {
             "on_part_begin": self._part_begin, "on_header_field": self._header_field,
             "on_header_value": self._header_value, "on_header_end": self._header_end,
@@ -132,21 +133,20 @@ class FormFields:
     def _part_begin(self) -> None:
         self._name, self._value = None, b""
 
-    def _header_field(self, data: bytes, start: int, end: int) -> None:
-        self._header = data[start:end]
-        self._in_disposition = self._header.lower() == b"content-disposition"
-        self._disposition = b""
+    def _header_field(self, data: bytes, start: int, end: int) -> None:     # a header name may come in pieces
+        if len(self._header) < 64:
+            self._header += data[start:end]
 
     def _header_value(self, data: bytes, start: int, end: int) -> None:
-        if self._in_disposition and len(self._disposition) < 4096:
+        if self._header.lower() == b"content-disposition" and len(self._disposition) < 4096:
             self._disposition += data[start:end]
 
     def _header_end(self) -> None:
-        if self._in_disposition:
+        if self._header.lower() == b"content-disposition":
             _, params = parse_options_header(self._disposition)
             name = params.get(b"name")
             self._name = name.decode("utf-8", "replace") if name is not None else None
-            self._in_disposition = False
+        self._header = self._disposition = b""
 
     def _part_data(self, data: bytes, start: int, end: int) -> None:
         if self._name == "model" and len(self._value) < _MODEL_FIELD_MAX:
@@ -227,7 +227,11 @@ class Passthrough:
         """Pass ``body`` (``POST path``, the client's ``client`` headers) to an engine and relay its answer to
         ``send``.  Raises :class:`ProxyError` while nothing was sent (404 for an unknown model or a route no engine
         serves, 503 when no engine can take it, the last engine failure)."""
-        body, model = engine_body(body, client.get(b"content-type", ""), self.settings.max_json_depth)
+        ctype = client.get(b"content-type", "")
+        if len(body) > _OFF_LOOP_BYTES:                  # an upload: parsed (linear, pure Python) off the event loop
+            body, model = await asyncio.to_thread(engine_body, body, ctype, self.settings.max_json_depth)
+        else:
+            body, model = engine_body(body, ctype, self.settings.max_json_depth)
         ctx.model = model
         self.served.require(model)
         request = PickRequest(request_id=ctx.request_id, model=model)

@@ -162,5 +162,14 @@ def test_multipart_forms_naming_a_proxy_owned_field_are_refused() -> None:
         ok = httpx.post(proxy.url + "/v1/audio/transcriptions", data={"model": MODEL, "language": "en"},
                         files={"file": ("a.wav", b"RIFF")}, timeout=30)
         assert ok.status_code == 200
-        assert [p for p, _ in engine.received] == ["/v1/audio/transcriptions"]
+        upload = httpx.Request("POST", proxy.url + "/v1/audio/transcriptions", data={"model": MODEL},
+                               files={"file": ("b.wav", b"RIFF" + b"\x00" * 3_000_000)})   # parsed off the loop
+        refused = httpx.Request("POST", proxy.url + "/v1/audio/transcriptions",
+                                data={"model": MODEL, "ec_transfer_params": "{}"},
+                                files={"file": ("b.wav", b"\x00" * 3_000_000)})
+        with httpx.Client(timeout=30) as client:
+            assert client.send(upload).status_code == 200
+            assert client.send(refused).status_code == 400
+        assert [p for p, _ in engine.received] == ["/v1/audio/transcriptions"] * 2
+        assert engine.received[1][1] == upload.read()
         proxy.wait_idle()
