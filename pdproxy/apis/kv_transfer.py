@@ -64,9 +64,11 @@ PROXY_OWNED = frozenset({KV_TRANSFER_PARAMS, "ec_transfer_params"})
 same kind): a client's value never reaches an engine."""
 
 EXTRA_ARGS = (("vllm_xargs",), ("sampling_params", "extra_args"))
-"""Where a client body hands vLLM extra sampling arguments: ``vllm_xargs`` (chat, completions), merged into the
-request's ``SamplingParams.extra_args``, and ``sampling_params.extra_args`` (``/inference/v1/generate``) — the dict
-vLLM's connectors read ``kv_transfer_params`` from."""
+"""Where a client body hands vLLM extra sampling arguments: ``vllm_xargs`` (chat, completions: it *is* the
+request's ``SamplingParams.extra_args``, ``chat_completion/protocol.py::to_sampling_params``, a top-level
+``kv_transfer_params`` overwriting its key only when set) and ``sampling_params.extra_args``
+(``/inference/v1/generate``, ``scale_out/token_in_token_out/protocol.py``) — the dict the engine reads a request's
+``kv_transfer_params`` / ``ec_transfer_params`` from (``vllm/v1/request.py``)."""
 
 
 def client_handle_fault(body: Mapping[str, Any]) -> str | None:
