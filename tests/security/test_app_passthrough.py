@@ -81,13 +81,32 @@ class RecordingEngine:
             self.server.server_close()
 
 
-@contextlib.contextmanager
-def proxy_over(engine: RecordingEngine) -> Iterator[ProxyThread]:
-    proxy = ProxyThread(prefill=[engine.url], decode=[engine.url], prefix_routing="off").start()
-    try:
-        yield proxy
-    finally:
-        proxy.stop()
+HELD = "/v1/audio/translations"
+"""The route whose answers the engine holds until released (the attack's, in the first test)."""
+
+
+@pytest.fixture(scope="module")
+def rig() -> Iterator[tuple[RecordingEngine, ProxyThread]]:
+    """One recording engine (both roles) and pdproxy in front of it, for the module."""
+    engine = RecordingEngine(hold_path=HELD)
+    with engine.running():
+        proxy = ProxyThread(prefill=[engine.url], decode=[engine.url], prefix_routing="off").start()
+        try:
+            yield engine, proxy
+        finally:
+            proxy.stop()
+
+
+@pytest.fixture
+def engine(rig: tuple[RecordingEngine, ProxyThread]) -> RecordingEngine:
+    rig[0].received.clear()
+    return rig[0]
+
+
+@pytest.fixture
+def proxy(rig: tuple[RecordingEngine, ProxyThread]) -> Iterator[ProxyThread]:
+    yield rig[1]
+    rig[1].wait_idle()
 
 
 def redos_form(size: int) -> tuple[bytes, str]:
@@ -101,42 +120,39 @@ def redos_form(size: int) -> tuple[bytes, str]:
     return body, "multipart/form-data; boundary=bnd"
 
 
-def test_a_pathological_multipart_body_never_holds_other_clients() -> None:
+def test_a_pathological_multipart_body_never_holds_other_clients(engine: RecordingEngine,
+                                                                  proxy: ProxyThread) -> None:
     """While the attack request is in flight (parsed, handed to the engine, its answer held there), a small client
     is answered; then the attack gets its answer too, its body relayed byte for byte."""
-    engine = RecordingEngine(hold_path="/v1/audio/transcriptions")
     attack, ctype = redos_form(250_000)
-    with engine.running(), proxy_over(engine) as proxy:
-        result: dict[str, httpx.Response] = {}
+    result: dict[str, httpx.Response] = {}
 
-        def send_attack() -> None:
-            result["attack"] = httpx.post(proxy.url + "/v1/audio/transcriptions", content=attack,
-                                          headers={"content-type": ctype}, timeout=60)
+    def send_attack() -> None:
+        result["attack"] = httpx.post(proxy.url + HELD, content=attack, headers={"content-type": ctype}, timeout=60)
 
-        sender = threading.Thread(target=send_attack, daemon=True)
-        sender.start()
-        wait_until(lambda: engine.bodies("/v1/audio/transcriptions"), 30, what="the attack body reached the engine")
+    sender = threading.Thread(target=send_attack, daemon=True)
+    sender.start()
+    try:
+        wait_until(lambda: engine.bodies(HELD), 30, what="the attack body reached the engine")
         small = httpx.post(proxy.url + "/tokenize", json={"model": MODEL, "prompt": "hello"}, timeout=30)
         assert small.status_code == 200 and "attack" not in result      # answered while the attack is in flight
+    finally:
         engine.release.set()
         sender.join(30)
-        assert result["attack"].status_code == 200
-        assert engine.bodies("/v1/audio/transcriptions") == [attack]
-        proxy.wait_idle()
+    assert result["attack"].status_code == 200
+    assert engine.bodies(HELD) == [attack]
 
 
 @pytest.mark.parametrize("path", ["/inference/v1/generate", "/v1/completions/render", "/pooling", "/tokenize",
                                   "/v1/embeddings"])
-def test_passthrough_json_bodies_reach_the_engine_without_proxy_owned_fields(path: str) -> None:
+def test_passthrough_json_bodies_reach_the_engine_without_proxy_owned_fields(engine: RecordingEngine,
+                                                                            proxy: ProxyThread, path: str) -> None:
     """A client's ``kv_transfer_params`` / ``ec_transfer_params`` are cut out, every other byte kept."""
-    engine = RecordingEngine()
     sent = (b'{"model": "sim-model", "kv_transfer_params": ' + orjson.dumps(HOSTILE) +
             b', "token_ids": [1, 2, 3],\n "ec_transfer_params": {"remote_host": "10.9.9.9"}, "x": 1.50}')
-    with engine.running(), proxy_over(engine) as proxy:
-        r = httpx.post(proxy.url + path, content=sent, headers={"content-type": "application/json"}, timeout=30)
-        assert r.status_code == 200, r.text
-        assert engine.bodies(path) == [b'{"model": "sim-model", "token_ids": [1, 2, 3],\n "x": 1.50}']
-        proxy.wait_idle()
+    r = httpx.post(proxy.url + path, content=sent, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert engine.bodies(path) == [b'{"model": "sim-model", "token_ids": [1, 2, 3],\n "x": 1.50}']
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -144,32 +160,28 @@ def test_passthrough_json_bodies_reach_the_engine_without_proxy_owned_fields(pat
      "sampling_params"),
     ({"model": MODEL, "prompt": "hi", "vllm_xargs": {"kv_transfer_params": "x"}}, "vllm_xargs"),
 ])
-def test_proxy_owned_fields_nested_in_extra_args_are_refused(body: dict[str, Any], param: str) -> None:
-    engine = RecordingEngine()
-    with engine.running(), proxy_over(engine) as proxy:
-        r = httpx.post(proxy.url + "/inference/v1/generate", json=body, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-        assert not engine.received
-        proxy.wait_idle()
+def test_proxy_owned_fields_nested_in_extra_args_are_refused(engine: RecordingEngine, proxy: ProxyThread,
+                                                             body: dict[str, Any], param: str) -> None:
+    r = httpx.post(proxy.url + "/inference/v1/generate", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert not engine.received
 
 
-def test_multipart_forms_naming_a_proxy_owned_field_are_refused() -> None:
-    engine = RecordingEngine()
-    with engine.running(), proxy_over(engine) as proxy:
-        r = httpx.post(proxy.url + "/v1/audio/transcriptions", data={"model": MODEL, "kv_transfer_params": "{}"},
-                       files={"file": ("a.wav", b"RIFF")}, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
-        ok = httpx.post(proxy.url + "/v1/audio/transcriptions", data={"model": MODEL, "language": "en"},
-                        files={"file": ("a.wav", b"RIFF")}, timeout=30)
-        assert ok.status_code == 200
-        upload = httpx.Request("POST", proxy.url + "/v1/audio/transcriptions", data={"model": MODEL},
-                               files={"file": ("b.wav", b"RIFF" + b"\x00" * 3_000_000)})   # parsed off the loop
-        refused = httpx.Request("POST", proxy.url + "/v1/audio/transcriptions",
-                                data={"model": MODEL, "ec_transfer_params": "{}"},
-                                files={"file": ("b.wav", b"\x00" * 3_000_000)})
-        with httpx.Client(timeout=30) as client:
-            assert client.send(upload).status_code == 200
-            assert client.send(refused).status_code == 400
-        assert [p for p, _ in engine.received] == ["/v1/audio/transcriptions"] * 2
-        assert engine.received[1][1] == upload.read()
-        proxy.wait_idle()
+def test_multipart_forms_naming_a_proxy_owned_field_are_refused(engine: RecordingEngine, proxy: ProxyThread) -> None:
+    """Small forms and uploads (the latter parsed off the event loop) alike."""
+    r = httpx.post(proxy.url + "/v1/audio/transcriptions", data={"model": MODEL, "kv_transfer_params": "{}"},
+                   files={"file": ("a.wav", b"RIFF")}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
+    ok = httpx.post(proxy.url + "/v1/audio/transcriptions", data={"model": MODEL, "language": "en"},
+                    files={"file": ("a.wav", b"RIFF")}, timeout=30)
+    assert ok.status_code == 200
+    upload = httpx.Request("POST", proxy.url + "/v1/audio/transcriptions", data={"model": MODEL},
+                           files={"file": ("b.wav", b"RIFF" + b"\x00" * 3_000_000)})
+    refused = httpx.Request("POST", proxy.url + "/v1/audio/transcriptions",
+                            data={"model": MODEL, "ec_transfer_params": "{}"},
+                            files={"file": ("b.wav", b"\x00" * 3_000_000)})
+    with httpx.Client(timeout=30) as client:
+        assert client.send(upload).status_code == 200
+        assert client.send(refused).status_code == 400
+    assert [p for p, _ in engine.received] == ["/v1/audio/transcriptions"] * 2
+    assert engine.received[1][1] == upload.read()
