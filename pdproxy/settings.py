@@ -9,6 +9,7 @@ Units are in the names: ``*_s`` seconds, ``*_bytes`` bytes, ``*_tokens`` tokens.
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import json
 import os
 import re
@@ -42,6 +43,22 @@ OTEL_PACKAGES: Final = ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.
 INSTALL_HINT: Final = "install them with: pip install 'pdproxy[tracing]'"
 PROTOCOL_ENV: Final = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 PROTOCOLS: Final = ("grpc", "http/protobuf")
+
+
+MAX_JSON_DEPTH: Final = 200
+"""Default and largest ``max_json_depth``: about what pydantic's JSON parser (jiter) accepts (201 levels); orjson
+parses up to 1024 levels but writes at most 254, and engine legs are re-encoded (and re-read with this limit)."""
+
+
+def is_loopback_host(host: str) -> bool:
+    """True when ``host`` (a listen address or name) is reachable from this machine only: ``localhost``,
+    127.0.0.0/8, ``::1``."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def otel_missing() -> list[str]:
@@ -194,7 +211,8 @@ class Settings(BaseSettings):
                                                          "legs, /tokenize, /v1/models, /metrics, /health) instead of "
                                                          "the client's Authorization")
     admin_key: str | None = Field(None, description="enables the /admin API (Authorization: Bearer <key>); also "
-                                                    "guards /debug/load whenever api_keys is set")
+                                                    "opens /debug/*, /docs, /openapi.json where debug_routes "
+                                                    "keeps them behind it")
     metrics_key: str | None = Field(None, description="when set, GET /metrics needs Authorization: Bearer <key> "
                                                       "(Prometheus: authorization.credentials); unset = open")
 
@@ -279,6 +297,21 @@ class Settings(BaseSettings):
     otlp_traces_protocol: Literal["grpc", "http/protobuf"] | None = Field(
         None, description="OTLP protocol of otlp_traces_endpoint; default: the OTEL_EXPORTER_OTLP_TRACES_PROTOCOL "
                           "environment variable, else grpc (as vLLM)")
+
+    # --- exposure: what a client on an open port may reach (docs/threat-model.md)
+    max_json_depth: int = Field(
+        MAX_JSON_DEPTH, ge=8, le=MAX_JSON_DEPTH,
+        description="deepest nesting of arrays/objects accepted in a client's JSON body, on every route; deeper "
+                    "bodies get vLLM's 400 json_invalid (default and most 200: about what pydantic's JSON parser accepts, "
+                    "within the 254 levels orjson writes engine legs with)")
+    debug_routes: Literal["auto", "admin", "open", "off"] = Field(
+        "auto", description="/debug/load, /debug/prefix, /docs, /openapi.json: admin (the admin key), open, off; "
+                            "auto = open when pdproxy listens on loopback only and enforces no api_keys, else admin")
+    admin_endpoint_allow: Annotated[list[str], NoDecode] = Field(
+        [], description="where POST /admin/endpoints may add an engine: networks (10.0.0.0/8) or host names; empty = "
+                        "the configured engines' host names and the /24 (IPv4) or /64 (IPv6) of their addresses")
+
+    _split_exposure = field_validator("admin_endpoint_allow", mode="before")(_split_list)
 
     _split = field_validator(
         "prefill", "decode", "prefiller_hosts", "prefiller_ports", "decoder_hosts", "decoder_ports", "api_keys",

@@ -63,6 +63,29 @@ PROXY_OWNED = frozenset({KV_TRANSFER_PARAMS, "ec_transfer_params"})
 """Body fields only the proxy may set on an engine leg (the P→D handle, and vLLM's encoder-cache handle of the
 same kind): a client's value never reaches an engine."""
 
+EXTRA_ARGS = (("vllm_xargs",), ("sampling_params", "extra_args"))
+"""Where a client body hands vLLM extra sampling arguments: ``vllm_xargs`` (chat, completions: it *is* the
+request's ``SamplingParams.extra_args``, ``chat_completion/protocol.py::to_sampling_params``, a top-level
+``kv_transfer_params`` overwriting its key only when set) and ``sampling_params.extra_args``
+(``/inference/v1/generate``, ``scale_out/token_in_token_out/protocol.py``) — the dict the engine reads a request's
+``kv_transfer_params`` / ``ec_transfer_params`` from (``vllm/v1/request.py``)."""
+
+
+def client_handle_fault(body: Mapping[str, Any]) -> str | None:
+    """The dotted path of a proxy-owned field (:data:`PROXY_OWNED`) that ``body`` (a parsed client body) sets inside
+    one of the :data:`EXTRA_ARGS` dicts, where :func:`decode_body_bytes` does not cut (it cuts top-level members
+    only); None when it sets none.  Such a body is refused (400), never forwarded."""
+    for path in EXTRA_ARGS:
+        node: Any = body
+        for key in path:
+            node = node.get(key) if isinstance(node, Mapping) else None
+        if isinstance(node, Mapping):
+            for name in PROXY_OWNED:
+                if name in node:
+                    return ".".join((*path, name))
+    return None
+
+
 PREFILL_STUB: KVTransferParams = {
     "do_remote_decode": True,
     "do_remote_prefill": False,

@@ -25,6 +25,14 @@ stands for all its internal-DP ranks):
   with ``force``, 200 (removed now; in-flight leases release harmlessly, pdproxy/engines/pool.py).  Removing the last
   endpoint of a role (every request would then answer 503) is refused with 409 unless ``force`` is set.
 
+**Where an endpoint may be added** (setting ``admin_endpoint_allow``): the URL's host must be an IP address in
+one of the allowed networks or a host name on the list; by default the configured engines' host names and the
+/24 (IPv4) or /64 (IPv6) around their addresses.  A refused URL is answered 403 before anything is sent to it, so
+the engine API key (``engine_api_key``, sent on every probe) never reaches a host the operator did not allow — a
+cloud metadata address, a loopback port of another service (``docs/threat-model.md``).
+
+**Bodies** are read up to ``max_body_bytes`` (413 beyond) and parsed with the limits of every route.
+
 Membership changes live in this process only: they are lost on restart (the configuration is read again), and
 with ``--workers N`` each worker has its own membership, so an admin call reaches one worker.
 """
@@ -32,18 +40,22 @@ with ``--workers N`` each worker has its own membership, so an admin call reache
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field, ValidationError
 
+from pdproxy.apis.request import load_json_object
 from pdproxy.app.state import ProxyState
 from pdproxy.endpoints import Endpoint, Role, expand, normalize_url
 from pdproxy.engines.control import EngineInfo
-from pdproxy.errors import BadRequest, Conflict, Forbidden, NotFound
+from pdproxy.errors import BadRequest, Conflict, Forbidden, NotFound, PayloadTooLarge
+from pdproxy.settings import Settings, is_loopback_host
 
 
 class EndpointRef(BaseModel):
@@ -60,9 +72,9 @@ def _json(obj: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
-def check_admin_key(state: ProxyState, request: Request) -> None:
+def check_admin_key(settings: Settings, request: Request) -> None:
     """Raise :class:`Forbidden` unless the request carries the configured admin key (constant-time compare)."""
-    key = state.settings.admin_key
+    key = settings.admin_key
     if not key:
         raise Forbidden("the admin API is off: start pdproxy with --admin-key (PDPROXY_ADMIN_KEY)", redact=False)
     auth = request.headers.get("authorization") or ""
@@ -71,9 +83,91 @@ def check_admin_key(state: ProxyState, request: Request) -> None:
         raise Forbidden("invalid or missing admin key", redact=False)
 
 
-async def _body(request: Request) -> EndpointRef:
+def debug_routes_open(settings: Settings) -> bool:
+    """Whether the operator surfaces (``/debug/*``, ``/docs``, ``/openapi.json``) answer without the admin key
+    (setting ``debug_routes``): ``open``; or ``auto`` while pdproxy listens on loopback only and enforces no
+    ``api_keys`` (no one else can reach it, or everyone who can may generate anyway)."""
+    mode = settings.debug_routes
+    return mode == "open" or (mode == "auto" and not settings.api_keys and is_loopback_host(settings.host))
+
+
+def check_debug_access(settings: Settings, request: Request) -> None:
+    """Raise :class:`Forbidden` unless ``request`` may use an operator surface (:func:`debug_routes_open`, else
+    the admin key; ``debug_routes: off`` refuses everyone)."""
+    if settings.debug_routes == "off":
+        raise Forbidden("the debug routes are off (debug_routes: off)", redact=False)
+    if debug_routes_open(settings):
+        return
+    if not settings.admin_key:
+        raise Forbidden("the debug routes need the admin key when pdproxy listens beyond loopback or enforces "
+                        "api_keys, and none is configured (--admin-key; or debug_routes: open)", redact=False)
+    check_admin_key(settings, request)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, read as it streams in and refused past ``limit`` bytes (``max_body_bytes``):
+    :class:`PayloadTooLarge` (413), at once when ``Content-Length`` says so."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def endpoint_allow_list(settings: Settings) -> tuple[list[Network], frozenset[str]]:
+    """``(networks, host names)`` where the admin API may add an engine: ``admin_endpoint_allow`` (CIDR networks,
+    single addresses, host names), or when it is empty the configured engines' host names and the /24 (IPv4) or
+    /64 (IPv6) network of each engine address."""
+    networks: list[Network] = []
+    names: set[str] = set()
+    if settings.admin_endpoint_allow:
+        for item in settings.admin_endpoint_allow:
+            try:
+                networks.append(ipaddress.ip_network(item.strip("[]"), strict=False))
+            except ValueError:
+                names.add(item.lower().rstrip("."))
+        return networks, frozenset(names)
+    for e in settings.all_endpoints():
+        host = (urlsplit(e.url).hostname or "").lower()
+        try:
+            addr = ipaddress.ip_address(host)
+        except ValueError:
+            names.add(host.rstrip("."))
+            continue
+        networks.append(ipaddress.ip_network(f"{addr}/{24 if addr.version == 4 else 64}", strict=False))
+    return networks, frozenset(names)
+
+
+def check_endpoint_allowed(settings: Settings, url: str) -> None:
+    """Raise :class:`Forbidden` (``param: url``) unless ``url``'s host is allowed (:func:`endpoint_allow_list`).
+    A name is matched as written, never resolved here: list it in ``admin_endpoint_allow`` to allow it."""
+    host = (urlsplit(url).hostname or "").lower().rstrip(".")
+    networks, names = endpoint_allow_list(settings)
     try:
-        ref = EndpointRef.model_validate_json(await request.body())
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        allowed = host in names
+    else:
+        allowed = any(addr in net for net in networks)
+    if not allowed:
+        raise Forbidden(f"{url} is outside the networks and hosts engines may be added from (admin_endpoint_allow: "
+                        f"{', '.join(settings.admin_endpoint_allow) or 'the configured engines’ networks'})",
+                        param="url", redact=False)
+
+
+async def _body(request: Request, settings: Settings) -> EndpointRef:
+    raw = await read_body(request, settings.max_body_bytes)
+    try:
+        ref = EndpointRef.model_validate(load_json_object(raw, settings.max_json_depth))
         ref.url = normalize_url(ref.url)
     except (ValidationError, ValueError) as exc:
         raise BadRequest(f"invalid admin request: {exc}", param="body", redact=False) from None
@@ -127,7 +221,7 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
 
     def authorized(request: Request) -> ProxyState:
         state = get_state()
-        check_admin_key(state, request)
+        check_admin_key(state.settings, request)
         return state
 
     @router.get("/endpoints")
@@ -138,7 +232,8 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
     @router.post("/endpoints")
     async def add_endpoint(request: Request) -> Response:
         state = authorized(request)
-        ref = await _body(request)
+        ref = await _body(request, state.settings)
+        check_endpoint_allowed(state.settings, ref.url)     # before anything (the engine key) is sent to it
         new = expand([ref.url], ref.role, ref.dp_size)
         if any(e.url == ref.url for e in state.pool.endpoints(ref.role)):
             raise Conflict(f"{ref.role.value} endpoint {ref.url} already exists", redact=False)
@@ -154,14 +249,14 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
     @router.post("/endpoints/drain")
     async def drain_endpoint(request: Request) -> Response:
         state = authorized(request)
-        ref = await _body(request)
+        ref = await _body(request, state.settings)
         found = _drain(state, ref)
         return _json({"draining": [describe(state, e) for e in found]}, 202)
 
     @router.post("/endpoints/undrain")
     async def undrain_endpoint(request: Request) -> Response:
         state = authorized(request)
-        ref = await _body(request)
+        ref = await _body(request, state.settings)
         found = _matching(state, ref)
         for e in found:
             state.pool.load(e).draining = False
@@ -171,7 +266,7 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
     @router.delete("/endpoints")
     async def remove_endpoint(request: Request) -> Response:
         state = authorized(request)
-        ref = await _body(request)
+        ref = await _body(request, state.settings)
         found = _matching(state, ref)
         if not ref.force and not _others_remain(state, ref):
             raise Conflict(f"{ref.url} is the last {ref.role.value} endpoint: without it every request answers "

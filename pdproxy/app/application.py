@@ -24,13 +24,15 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import Response
 
 from pdproxy import __version__
 from pdproxy.apis import streams as api_streams
-from pdproxy.apis.request import Api, ProxyRequest, parse_request
+from pdproxy.apis.kv_transfer import client_handle_fault
+from pdproxy.apis.request import Api, ProxyRequest, load_json, parse_request
 from pdproxy.app import passthrough
-from pdproxy.app.admin import build_admin_router, check_admin_key
+from pdproxy.app.admin import build_admin_router, check_debug_access, read_body
 from pdproxy.app.state import ProxyState
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.errors import (
@@ -199,8 +201,11 @@ class PDProxyApp:
                 if state is None or director is None or state.shutting_down:
                     raise ShuttingDown()
                 ctx.authorization = self._check_auth(ex.header)
-                req = parse_request(ex.body, api)
+                req = parse_request(ex.body, api, self.settings.max_json_depth)
                 ctx.model = req.model
+                fault = client_handle_fault(req.body)
+                if fault is not None:     # vllm_xargs.kv_transfer_params...: not cut out, refused
+                    raise BadRequest(f"{fault} is set by pdproxy, never by a client", param=fault.split(".")[0])
             except ProxyError as err:
                 ctx.outcome = err.outcome
                 ctx.rejection = rejection_of(err)
@@ -291,7 +296,20 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
             proxy.state = None
             proxy.director = None
 
-    app = FastAPI(title="pdproxy", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="pdproxy", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)       # served below, with the access of the debug routes
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> Response:
+        """The OpenAPI description (it lists the admin routes): access as ``/debug/load`` (``debug_routes``)."""
+        check_debug_access(proxy.settings, request)
+        return Response(orjson.dumps(app.openapi()), media_type="application/json")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request) -> Response:
+        """Swagger UI over ``/openapi.json``: access as ``/debug/load`` (``debug_routes``)."""
+        check_debug_access(proxy.settings, request)
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="pdproxy")
 
     def state() -> ProxyState:
         if proxy.state is None:
@@ -346,11 +364,10 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
         the workers), per prefiller the prefill ledger's ``prefill_inflight_tokens`` (dispatched, unanswered) and
         ``kv_held_tokens`` (in flight or pinned, whole blocks), admission's counters; with ``--workers N`` also the
         answering ``worker`` and each worker's row (``pid``, ``ready``, ``waiting`` in its prefill queue,
-        ``requests`` it holds).  Open when pdproxy enforces no client keys (a trusted network); behind the admin
-        key when ``api_keys`` is set (403 without it, or when no ``admin_key`` is configured)."""
+        ``requests`` it holds).  Who may read it: setting ``debug_routes`` (:func:`pdproxy.app.admin.check_debug_access`:
+        by default open on loopback without ``api_keys``, else behind the admin key)."""
         st = state()
-        if st.settings.api_keys:
-            check_admin_key(st, request)
+        check_debug_access(st.settings, request)
 
         def endpoint(e: Endpoint) -> dict[str, Any]:
             load = st.pool.load(e)
@@ -372,23 +389,22 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
                                for r in range(board.rows)]
         return body
 
-    @app.api_route("/debug/prefix", methods=["GET", "POST"])
+    @app.get("/debug/prefix")
+    @app.post("/debug/prefix")          # one route per method: one OpenAPI operation id each
     async def debug_prefix(request: Request) -> Response:
         """Which endpoint holds how much of a prompt: POST a chat or completions body (``messages`` → chat), or
         ``GET ?prompt=TEXT`` (a completions prompt).  Answers ``{"prefix_routing", "keys", "prompt_tokens",
         "blocks", "endpoints": [{"name", "role", "dp_rank", "cached_tokens", "source", "publisher_live",
-        "block_size"}]}``; nothing is sent to an engine but, without a local tokenizer, ``/tokenize``.  Open when
-        pdproxy enforces no client keys; behind the admin key when ``api_keys`` is set (as ``/debug/load``)."""
+        "block_size"}]}``; nothing is sent to an engine but, without a local tokenizer, ``/tokenize``.  Access as
+        ``/debug/load``; the body is read within ``max_body_bytes`` and ``max_json_depth``.  A prompt's keys carry
+        its ``cache_salt`` and LoRA adapter, as the engines' do: the answer for a salted prompt is only ever
+        given to a caller naming the same salt."""
         st = state()
-        if st.settings.api_keys:                                 # as /debug/load: the admin key then
-            check_admin_key(st, request)
+        check_debug_access(st.settings, request)
         authorization = None if st.settings.api_keys else request.headers.get("authorization")
         if request.method == "POST":
-            raw = await request.body()
-            try:
-                shape = orjson.loads(raw)
-            except orjson.JSONDecodeError:
-                shape = None
+            raw = await read_body(request, st.settings.max_body_bytes)
+            shape = load_json(raw, st.settings.max_json_depth)
             api = Api.CHAT if isinstance(shape, dict) and "messages" in shape else Api.COMPLETIONS
         else:
             prompt = request.query_params.get("prompt")
@@ -397,7 +413,7 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
                                  param="prompt")
             raw = orjson.dumps({"prompt": prompt, "model": request.query_params.get("model")})
             api = Api.COMPLETIONS
-        req = parse_request(raw, api)
+        req = parse_request(raw, api, st.settings.max_json_depth)
         ctx = RequestContext(request_id=new_request_id(None), client_request_id=None, api_label=api.label,
                              authorization=authorization, model=req.model)
         return Response(orjson.dumps(await st.prefix.explain(req, ctx)), media_type="application/json")

@@ -24,24 +24,33 @@ relayed chunk by chunk as the engine writes them (``/inference/v1/generate`` str
 ``connect_timeout_s``; each read (the headers included) ``decode_first_byte_timeout_s``.  Headers to the engine:
 the client's ``Content-Type`` and ``Accept``, one ``X-Request-Id``, ``Authorization`` by the rule of
 :mod:`pdproxy.http.engine_headers`, the DP-rank pin.
+
+**The body** (:func:`engine_body`): a JSON body is read with the limits of every route (strict JSON,
+``max_json_depth``, ``max_body_bytes``) and reaches the engine without the fields the proxy owns
+(``kv_transfer_params``, ``ec_transfer_params``: a client must never make an engine pull KV from a host it names,
+``docs/threat-model.md``); a multipart form is parsed in linear time and refused if it sets them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
 import orjson
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, parse_options_header
 
+from pdproxy.apis.kv_transfer import PROXY_OWNED, client_handle_fault, decode_body_bytes
+from pdproxy.apis.request import load_json_object
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.health import HealthMonitor
 from pdproxy.engines.models import ServedModels
 from pdproxy.engines.pool import EndpointPool
 from pdproxy.errors import (
+    BadRequest,
     NotFound,
     ProxyError,
     UpstreamHTTPError,
@@ -74,7 +83,10 @@ ANTHROPIC_ROUTES = frozenset({"/v1/messages/count_tokens"})
 """Routes whose own errors take the Anthropic envelope."""
 
 _RETRYABLE = frozenset({502, 503, 504})
-_MULTIPART_MODEL = re.compile(rb'name="model"\r?\n(?:[^\r\n]+\r?\n)*\r?\n([^\r\n]*)\r?\n')
+_OFF_LOOP_BYTES = 1 << 20
+"""Bodies larger than this (uploads: python-multipart reads ~7 ns a byte here) are parsed in a worker thread."""
+_MODEL_FIELD_MAX = 1024
+"""Bytes of a multipart ``model`` field kept (a model id; vLLM's are far shorter)."""
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
                          b"proxy-authenticate", b"proxy-authorization", b"content-length", b"server", b"date",
                          b"x-request-id"})
@@ -89,18 +101,87 @@ def _route_not_found(data: bytes) -> bool:
         return False
 
 
-def request_model(body: bytes, content_type: str) -> str | None:
-    """The ``model`` a passthrough request names: the JSON object's ``model``, or a multipart form's ``model``
-    field; None when it names none (any engine may take it)."""
-    if content_type.startswith("multipart/form-data"):
-        found = _MULTIPART_MODEL.search(body)
-        return found.group(1).decode("utf-8", "replace").strip() or None if found else None
-    try:
-        obj = orjson.loads(body) if body else None
-    except orjson.JSONDecodeError:
-        return None
-    model = obj.get("model") if isinstance(obj, dict) else None
-    return model if isinstance(model, str) and model else None
+class FormFields:
+    """What pdproxy reads of a ``multipart/form-data`` body (speech-to-text uploads): the ``model`` field's value
+    (its first :data:`_MODEL_FIELD_MAX` bytes) and the name of every field.  Parsed by python-multipart — the parser
+    vLLM's own FastAPI server reads the form with — in one pass, in linear time whatever the body holds (its state
+    machine never backtracks; a part's data is skipped with ``bytes.find`` for the boundary).  Raises
+    :class:`BadRequest` for a body that is not a multipart form of the boundary its ``Content-Type`` names."""
+
+    def __init__(self, body: bytes, content_type: str) -> None:
+        self.names: list[str] = []
+        self.model: str | None = None
+        _, options = parse_options_header(content_type)
+        boundary = options.get(b"boundary")
+        if not boundary:
+            raise BadRequest("multipart/form-data without a boundary parameter", param="body")
+        self._header = b""
+        self._disposition = b""
+        self._value = b""
+        self._name: str | None = None
+        parser = MultipartParser(boundary, {
+            "on_part_begin": self._part_begin, "on_header_field": self._header_field,
+            "on_header_value": self._header_value, "on_header_end": self._header_end,
+            "on_part_data": self._part_data, "on_part_end": self._part_end})
+        try:
+            parser.write(body)
+            parser.finalize()
+        except MultipartParseError:
+            raise BadRequest("There was an error parsing the body: not a multipart/form-data body of the boundary "
+                             "its Content-Type names", param="body") from None
+
+    def _part_begin(self) -> None:
+        self._name, self._value = None, b""
+
+    def _header_field(self, data: bytes, start: int, end: int) -> None:     # a header name may come in pieces
+        if len(self._header) < 64:
+            self._header += data[start:end]
+
+    def _header_value(self, data: bytes, start: int, end: int) -> None:
+        if self._header.lower() == b"content-disposition" and len(self._disposition) < 4096:
+            self._disposition += data[start:end]
+
+    def _header_end(self) -> None:
+        if self._header.lower() == b"content-disposition":
+            _, params = parse_options_header(self._disposition)
+            name = params.get(b"name")
+            self._name = name.decode("utf-8", "replace") if name is not None else None
+        self._header = self._disposition = b""
+
+    def _part_data(self, data: bytes, start: int, end: int) -> None:
+        if self._name == "model" and len(self._value) < _MODEL_FIELD_MAX:
+            self._value += data[start:min(end, start + _MODEL_FIELD_MAX - len(self._value))]
+
+    def _part_end(self) -> None:
+        if self._name is not None:
+            self.names.append(self._name)
+            if self._name == "model" and self.model is None:
+                self.model = self._value.decode("utf-8", "replace").strip() or None
+
+
+def engine_body(body: bytes, content_type: str, max_depth: int) -> tuple[bytes, str | None]:
+    """``(the body to send an engine, the model it names)`` for a passthrough request.
+
+    A ``multipart/form-data`` body (:class:`FormFields`) is sent as it came; a form field a client may not set
+    (:data:`~pdproxy.apis.kv_transfer.PROXY_OWNED`) is refused.  Any other body is read as the JSON object every
+    vLLM route takes (:func:`~pdproxy.apis.request.load_json_object`: strict JSON, ``max_depth`` levels at most —
+    a body vLLM might read but pdproxy cannot is refused rather than passed unread) and sent without the
+    proxy-owned members (:func:`~pdproxy.apis.kv_transfer.decode_body_bytes`, byte-faithful otherwise), so no
+    client names the engine-side memory or host an engine transfers KV with.  The model is the form's or the
+    object's ``model`` (None when it names none: any engine may take it).  Raises :class:`BadRequest` (vLLM's 400
+    envelope)."""
+    if content_type.lower().startswith("multipart/form-data"):
+        form = FormFields(body, content_type)
+        owned = PROXY_OWNED.intersection(form.names)
+        if owned:
+            raise BadRequest(f"{min(owned)} is set by pdproxy, never by a client", param=min(owned))
+        return body, form.model
+    obj = load_json_object(body, max_depth)
+    fault = client_handle_fault(obj)
+    if fault is not None:
+        raise BadRequest(f"{fault} is set by pdproxy, never by a client", param=fault.split(".")[0])
+    model = obj.get("model")
+    return decode_body_bytes(body, None, obj), model if isinstance(model, str) and model else None
 
 
 class Passthrough:
@@ -146,7 +227,11 @@ class Passthrough:
         """Pass ``body`` (``POST path``, the client's ``client`` headers) to an engine and relay its answer to
         ``send``.  Raises :class:`ProxyError` while nothing was sent (404 for an unknown model or a route no engine
         serves, 503 when no engine can take it, the last engine failure)."""
-        model = request_model(body, client.get(b"content-type", ""))
+        ctype = client.get(b"content-type", "")
+        if len(body) > _OFF_LOOP_BYTES:                  # an upload: parsed (linear, pure Python) off the event loop
+            body, model = await asyncio.to_thread(engine_body, body, ctype, self.settings.max_json_depth)
+        else:
+            body, model = engine_body(body, ctype, self.settings.max_json_depth)
         ctx.model = model
         self.served.require(model)
         request = PickRequest(request_id=ctx.request_id, model=model)

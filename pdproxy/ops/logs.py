@@ -26,7 +26,7 @@ import orjson
 
 from pdproxy import __version__
 from pdproxy.endpoints import Role
-from pdproxy.settings import Settings
+from pdproxy.settings import Settings, is_loopback_host
 
 SHARED_EVENTS = frozenset({"engine_up", "engine_unreachable", "engine_reachable", "engine_limits_changed"})
 _STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime", "raw_json"}
@@ -92,8 +92,24 @@ def listen_urls(addresses: Sequence[tuple[Any, ...]], tls: ssl.SSLContext | bool
     return urls
 
 
+def exposure_warning(settings: Settings) -> str | None:
+    """The start-up warning for an open door, or None: pdproxy listens beyond loopback (``host``), enforces no
+    client keys (``api_keys``) and has operator routes on — the admin API (``admin_key``), or debug routes open to
+    anyone (``debug_routes: open``).  ``docs/threat-model.md`` says how to run on 0.0.0.0 safely."""
+    if is_loopback_host(settings.host) or settings.api_keys:
+        return None
+    on = [name for name, yes in (("the admin API", bool(settings.admin_key)),
+                                 ("the debug routes (debug_routes: open)", settings.debug_routes == "open")) if yes]
+    if not on:
+        return None
+    return (f"pdproxy listens on {settings.host}, beyond loopback, with no client keys (api_keys) and "
+            f"{' and '.join(on)} on: anyone who reaches this port may generate and reach {' and '.join(on)}; set "
+            "api_keys, or listen on 127.0.0.1 behind a gateway (docs/threat-model.md)")
+
+
 def log_banner(settings: Settings, urls: Sequence[str], *, workers: int = 1) -> None:
-    """The start-up line: version, where it listens, the engines it was given, TLS and workers (INFO)."""
+    """The start-up line: version, where it listens, the engines it was given, TLS and workers (INFO); then the
+    :func:`exposure_warning` when there is one (WARNING, ``event: exposed``)."""
     endpoints = settings.all_endpoints()
     n_p = sum(e.role is Role.PREFILL for e in endpoints)
     n_d = sum(e.role is Role.DECODE for e in endpoints)
@@ -106,3 +122,6 @@ def log_banner(settings: Settings, urls: Sequence[str], *, workers: int = 1) -> 
         __version__, ", ".join(urls), n_p, n_d, tls, workers, "on" if settings.admin_key else "off",
         extra={"event": "serve_started", "version": __version__, "listen": list(urls), "prefillers": n_p,
                "decoders": n_d, "tls": bool(settings.ssl_certfile), "workers": workers})
+    warning = exposure_warning(settings)
+    if warning is not None:
+        logging.getLogger("pdproxy").warning(warning, extra={"event": "exposed", "host": settings.host})

@@ -98,13 +98,33 @@ class ReleaseCounts(Protocol):
     failed: int  # releases no decoder could take
 
 
+PARAM_LABELS = frozenset({
+    "body", "model", "messages", "prompt", "prompt_embeds", "input", "instructions", "system", "tools",
+    "tool_choice", "max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens", "n", "stream",
+    "stream_options", "echo", "logprobs", "prompt_logprobs", "use_beam_search", "background", "input_tokens",
+    "kv_transfer_params", "ec_transfer_params", "vllm_xargs", "sampling_params", "request_id", "force", "url",
+    "thinking", "cache_salt"})
+"""The ``detail`` label values of a ``bad_request`` rejection: the request fields pdproxy itself judges."""
+
+
+def param_label(param: str | None) -> str:
+    """A 400's ``param`` as a label value from a closed set (:data:`PARAM_LABELS`, ``""`` for none, ``"other"``):
+    its first field, ``body.`` and positions dropped — ``body.1834`` (a JSON syntax error's offset) is ``body``,
+    ``body.messages.3.content`` is ``messages`` — so no client can mint a new series per request."""
+    if not param:
+        return ""
+    parts = param.split(".")
+    field = parts[1] if parts[0] == "body" and len(parts) > 1 and not parts[1].isdigit() else parts[0]
+    return field if field in PARAM_LABELS else "other"
+
+
 def rejection_of(err: ProxyError) -> tuple[str, str] | None:
     """``(reason, detail)`` when pdproxy refused a request itself, else None (engine errors are not rejections).
 
     An error class may declare ``rejection = (reason, detail)``; otherwise: :class:`PromptTooLong` →
     ``("too_long", limit_kind)``, :class:`Overloaded` → ``("queue_full", "")``, :class:`NoEndpointAvailable` →
     ``("no_endpoint", role)``, an outcome of ``deadline`` → ``("deadline", "")``, :class:`PayloadTooLarge` →
-    ``("too_large", "body")``, :class:`BadRequest` → ``("bad_request", param)``, other proxy-side outcomes →
+    ``("too_large", "body")``, :class:`BadRequest` → ``("bad_request", param_label(param))``, other proxy-side outcomes →
     ``(outcome, "")``.
     """
     declared = getattr(err, "rejection", None)
@@ -121,7 +141,7 @@ def rejection_of(err: ProxyError) -> tuple[str, str] | None:
     if isinstance(err, PayloadTooLarge):
         return "too_large", "body"
     if isinstance(err, BadRequest):
-        return "bad_request", err.param or ""
+        return "bad_request", param_label(err.param)
     if err.outcome in ("unauthorized", "shutting_down"):
         return err.outcome, ""
     return None

@@ -1,0 +1,107 @@
+"""JSON limits on every route that reads a client body: a body nested deeper than ``max_json_depth`` gets vLLM's
+400 ``json_invalid`` at once — on the generation routes, the passthrough, ``/debug/prefix`` and the admin API —
+and nothing reaches an engine; a malformed body's byte offset never becomes a metric label; the generation
+routes (PD, decode-only, fan-out) never hand an engine a client's ``kv_transfer_params``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import Fleet
+from tests.support import ProxyThread
+
+pytestmark = pytest.mark.timeout(60)
+
+ADMIN = {"authorization": "Bearer admin-secret"}
+HOSTILE = {"remote_host": "203.0.113.9", "remote_port": 7777, "remote_engine_id": "evil", "remote_block_ids": [1],
+           "do_remote_prefill": True}
+
+
+def nested(depth: int) -> bytes:
+    """A small chat body whose ``x`` member nests ``depth`` arrays (the body itself: ``depth + 1`` levels)."""
+    return (b'{"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "x": '
+            + b"[" * depth + b"]" * depth + b"}")
+
+
+def assert_json_invalid(r: httpx.Response, anthropic: bool = False) -> None:
+    """vLLM's 400 for a body it cannot decode (the Anthropic envelope on ``/v1/messages``)."""
+    assert r.status_code == 400, r.text
+    body = r.json()
+    error = body["error"]
+    assert "json_invalid" in error["message"] and "max_json_depth" in error["message"], error
+    assert body["type"] == "error" if anthropic else error["param"] == "body"
+
+
+@pytest.fixture(scope="module")
+def proxy(fleet: Fleet) -> Iterator[ProxyThread]:
+    p = ProxyThread(prefill=[s.url for s in fleet.prefillers], decode=[s.url for s in fleet.decoders],
+                    api_keys=["sk-client"], admin_key="admin-secret").start()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses",
+                                  "/tokenize", "/v1/embeddings", "/inference/v1/generate", "/debug/prefix",
+                                  "/admin/endpoints"])
+def test_deep_bodies_get_vllms_400_on_every_route(proxy: ProxyThread, sims: Fleet, path: str) -> None:
+    """256–1,024 levels used to end in a 500 "TypeError" (orjson writes at most 254), more in a RecursionError
+    that held the connection: now one 400 in vLLM's words, and no engine hears of it."""
+    headers = {**(ADMIN if path.startswith(("/debug", "/admin")) else {"authorization": "Bearer sk-client"}),
+               "content-type": "application/json"}
+    for depth in (300, 1100, 5000):
+        r = httpx.post(proxy.url + path, content=nested(depth), headers=headers, timeout=10)
+        assert_json_invalid(r, anthropic=path == "/v1/messages")
+    assert not any(s.received() for s in sims.all)
+    proxy.wait_idle()
+
+
+def test_the_limit_is_a_setting_and_what_fits_is_served(sims: Fleet) -> None:
+    proxy = ProxyThread(prefill=[s.url for s in sims.prefillers], decode=[s.url for s in sims.decoders],
+                        max_json_depth=40).start()
+    try:
+        ok = httpx.post(proxy.url + "/v1/chat/completions", content=nested(39), timeout=10)   # 40 levels
+        assert ok.status_code == 200, ok.text
+        assert_json_invalid(httpx.post(proxy.url + "/v1/chat/completions", content=nested(40), timeout=10))
+        proxy.wait_idle()
+    finally:
+        proxy.stop()
+
+
+def test_malformed_bodies_add_no_metric_series(sims: Fleet) -> None:
+    """A JSON syntax error's 400 names its position (``body.N``, as vLLM's); the rejection label is ``body``."""
+    proxy = ProxyThread(prefill=[s.url for s in sims.prefillers], decode=[s.url for s in sims.decoders]).start()
+    try:
+        for n in range(3):
+            r = httpx.post(proxy.url + "/v1/chat/completions", content=b'{"model": ' + b" " * n + b"nope}",
+                           timeout=10)
+            assert r.status_code == 400 and r.json()["error"]["param"] == f"body.{10 + n}", r.text
+        metrics = httpx.get(proxy.url + "/metrics", timeout=10).text
+        lines = [line for line in metrics.splitlines() if line.startswith("pdproxy_rejections_total{")]
+        assert lines == ['pdproxy_rejections_total{detail="body",reason="bad_request"} 3.0'], lines
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.parametrize("extra", [{}, {"prompt_logprobs": 1}, {"n": 2}],
+                         ids=["prefill-then-decode", "decoder-prefills", "fan-out"])
+def test_generation_routes_never_forward_a_clients_handle(sims: Fleet, extra: dict[str, object]) -> None:
+    proxy = ProxyThread(prefill=[s.url for s in sims.prefillers], decode=[s.url for s in sims.decoders]).start()
+    try:
+        body = {"model": "sim-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3,
+                "kv_transfer_params": HOSTILE, "ec_transfer_params": HOSTILE, **extra}
+        r = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        legs = [rec["body"] for s in sims.all for rec in s.completions_received()]
+        assert legs and not any("ec_transfer_params" in leg for leg in legs)
+        assert all((leg.get("kv_transfer_params") or {}).get("remote_host") != "203.0.113.9" for leg in legs)
+        refused = httpx.post(proxy.url + "/v1/chat/completions", timeout=30, json={
+            **body, "kv_transfer_params": None, "ec_transfer_params": None, "vllm_xargs": {"kv_transfer_params": "x"}})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "vllm_xargs", refused.text
+        proxy.wait_idle()
+    finally:
+        proxy.stop()

@@ -1,0 +1,187 @@
+"""The passthrough routes on an open port: a multipart body that made the old ``model`` regex run for minutes is
+parsed in one pass while other clients are served, and no passthrough body hands an engine a client's
+``kv_transfer_params`` / ``ec_transfer_params`` (the recording engine below sees exactly what pdproxy sent)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from tests.support import ProxyThread, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+MODEL = "sim-model"
+HOSTILE = {"remote_host": "169.254.169.254", "remote_port": 7777, "remote_engine_id": "x", "remote_block_ids": [1],
+           "do_remote_prefill": True}
+
+
+class RecordingEngine:
+    """A vLLM stand-in on 127.0.0.1 (its own thread): ``/health`` and ``/v1/models`` for pdproxy's probes; every
+    POST is recorded (``path``, raw ``body``) and answered ``{"ok": true}`` — a POST to ``hold_path`` only once
+    :attr:`release` is set."""
+
+    def __init__(self, hold_path: str | None = None) -> None:
+        self.received: list[tuple[str, bytes]] = []
+        self.release = threading.Event()
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _answer(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                if self.path == "/health":
+                    self._answer(200, b"")
+                elif self.path == "/v1/models":
+                    self._answer(200, orjson.dumps({"object": "list", "data": [
+                        {"id": MODEL, "object": "model", "owned_by": "vllm", "max_model_len": 4096}]}))
+                else:
+                    self._answer(404, b'{"detail": "Not Found"}')
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                engine.received.append((self.path, body))
+                if self.path == hold_path:
+                    engine.release.wait(30)
+                self._answer(200, b'{"ok": true}')
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def bodies(self, path: str) -> list[bytes]:
+        return [b for p, b in self.received if p == path]
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[RecordingEngine]:
+        self.thread.start()
+        try:
+            yield self
+        finally:
+            self.release.set()
+            self.server.shutdown()
+            self.server.server_close()
+
+
+HELD = "/v1/audio/translations"
+"""The route whose answers the engine holds until released (the attack's, in the first test)."""
+
+
+@pytest.fixture(scope="module")
+def rig() -> Iterator[tuple[RecordingEngine, ProxyThread]]:
+    """One recording engine (both roles) and pdproxy in front of it, for the module."""
+    engine = RecordingEngine(hold_path=HELD)
+    with engine.running():
+        proxy = ProxyThread(prefill=[engine.url], decode=[engine.url], prefix_routing="off").start()
+        try:
+            yield engine, proxy
+        finally:
+            proxy.stop()
+
+
+@pytest.fixture
+def engine(rig: tuple[RecordingEngine, ProxyThread]) -> RecordingEngine:
+    rig[0].received.clear()
+    return rig[0]
+
+
+@pytest.fixture
+def proxy(rig: tuple[RecordingEngine, ProxyThread]) -> Iterator[ProxyThread]:
+    yield rig[1]
+    rig[1].wait_idle()
+
+
+def redos_form(size: int) -> tuple[bytes, str]:
+    """A valid multipart form (one file part, no ``model`` field) whose data is ``name="model"`` lines with no
+    blank line after them: the old ``model`` regex tried every line as a start and ran to the end from each
+    (60 KB: ~8 s of event loop; ``size`` 250 KB: minutes)."""
+    line = b'name="model"\r\n'
+    data = line * (size // len(line)) + b'name="model"'
+    body = (b'--bnd\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+            b"Content-Type: application/octet-stream\r\n\r\n" + data + b"\r\n--bnd--\r\n")
+    return body, "multipart/form-data; boundary=bnd"
+
+
+def test_a_pathological_multipart_body_never_holds_other_clients(engine: RecordingEngine,
+                                                                  proxy: ProxyThread) -> None:
+    """While the attack request is in flight (parsed, handed to the engine, its answer held there), a small client
+    is answered; then the attack gets its answer too, its body relayed byte for byte."""
+    attack, ctype = redos_form(250_000)
+    result: dict[str, httpx.Response] = {}
+
+    def send_attack() -> None:
+        result["attack"] = httpx.post(proxy.url + HELD, content=attack, headers={"content-type": ctype}, timeout=60)
+
+    sender = threading.Thread(target=send_attack, daemon=True)
+    sender.start()
+    try:
+        wait_until(lambda: engine.bodies(HELD), 30, what="the attack body reached the engine")
+        small = httpx.post(proxy.url + "/tokenize", json={"model": MODEL, "prompt": "hello"}, timeout=30)
+        assert small.status_code == 200 and "attack" not in result      # answered while the attack is in flight
+    finally:
+        engine.release.set()
+        sender.join(30)
+    assert result["attack"].status_code == 200
+    assert engine.bodies(HELD) == [attack]
+
+
+@pytest.mark.parametrize("path", ["/inference/v1/generate", "/v1/completions/render", "/pooling", "/tokenize",
+                                  "/v1/embeddings"])
+def test_passthrough_json_bodies_reach_the_engine_without_proxy_owned_fields(engine: RecordingEngine,
+                                                                            proxy: ProxyThread, path: str) -> None:
+    """A client's ``kv_transfer_params`` / ``ec_transfer_params`` are cut out, every other byte kept."""
+    sent = (b'{"model": "sim-model", "kv_transfer_params": ' + orjson.dumps(HOSTILE) +
+            b', "token_ids": [1, 2, 3],\n "ec_transfer_params": {"remote_host": "10.9.9.9"}, "x": 1.50}')
+    r = httpx.post(proxy.url + path, content=sent, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert engine.bodies(path) == [b'{"model": "sim-model", "token_ids": [1, 2, 3],\n "x": 1.50}']
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"model": MODEL, "token_ids": [1], "sampling_params": {"extra_args": {"kv_transfer_params": HOSTILE}}},
+     "sampling_params"),
+    ({"model": MODEL, "prompt": "hi", "vllm_xargs": {"kv_transfer_params": "x"}}, "vllm_xargs"),
+])
+def test_proxy_owned_fields_nested_in_extra_args_are_refused(engine: RecordingEngine, proxy: ProxyThread,
+                                                             body: dict[str, Any], param: str) -> None:
+    r = httpx.post(proxy.url + "/inference/v1/generate", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert not engine.received
+
+
+def test_multipart_forms_naming_a_proxy_owned_field_are_refused(engine: RecordingEngine, proxy: ProxyThread) -> None:
+    """Small forms and uploads (the latter parsed off the event loop) alike."""
+    r = httpx.post(proxy.url + "/v1/audio/transcriptions", data={"model": MODEL, "kv_transfer_params": "{}"},
+                   files={"file": ("a.wav", b"RIFF")}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
+    ok = httpx.post(proxy.url + "/v1/audio/transcriptions", data={"model": MODEL, "language": "en"},
+                    files={"file": ("a.wav", b"RIFF")}, timeout=30)
+    assert ok.status_code == 200
+    upload = httpx.Request("POST", proxy.url + "/v1/audio/transcriptions", data={"model": MODEL},
+                           files={"file": ("b.wav", b"RIFF" + b"\x00" * 3_000_000)})
+    refused = httpx.Request("POST", proxy.url + "/v1/audio/transcriptions",
+                            data={"model": MODEL, "ec_transfer_params": "{}"},
+                            files={"file": ("b.wav", b"\x00" * 3_000_000)})
+    with httpx.Client(timeout=30) as client:
+        assert client.send(upload).status_code == 200
+        assert client.send(refused).status_code == 400
+    assert [p for p, _ in engine.received] == ["/v1/audio/transcriptions"] * 2
+    assert engine.received[1][1] == upload.read()
