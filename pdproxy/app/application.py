@@ -43,6 +43,7 @@ from pdproxy.errors import (
     UpstreamHTTPError,
     error_body,
 )
+from pdproxy.http.engine_headers import TRACE_HEADERS, client_authorization
 from pdproxy.http.server import Exchange
 from pdproxy.ops.gcpolicy import GcPolicy
 from pdproxy.ops.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
     from pdproxy.workers.share import WorkerShare
 
 log = logging.getLogger("pdproxy")
+_PASSED_HEADERS = (b"content-type", b"accept", *TRACE_HEADERS)  # client headers a passthrough route hands on
 
 def _header(scope: dict[str, Any], name: bytes) -> str | None:
     for k, v in scope["headers"]:
@@ -127,7 +129,7 @@ class PDProxyApp:
                 raise ShuttingDown()
             ctx.authorization = self._check_auth(lambda name: _header(scope, name))
             body = await self._read_body(receive, scope)
-            headers = {k: v.decode("latin-1") for k, v in scope["headers"] if k in (b"content-type", b"accept")}
+            headers = {k: v.decode("latin-1") for k, v in scope["headers"] if k in _PASSED_HEADERS}
             state.in_flight += 1
             try:
                 work = state.passthrough.serve(path, body, headers, ctx, out)
@@ -174,14 +176,14 @@ class PDProxyApp:
     def _check_auth(self, header: Callable[[bytes], str | None]) -> str | None:
         """Enforce ``api_keys``: the client's key is ``Authorization: Bearer <key>``, or ``x-api-key: <key>`` as
         the Anthropic client sends it (``header``: the request's header by lower-case name).  Returns the client's
-        ``Authorization`` (for the engine-header rule)."""
+        credential as an ``Authorization`` value (for the engine-header rule; ``x-api-key`` becomes a bearer token)."""
         auth = header(b"authorization")
         keys = self.settings.api_keys
         if keys:
             token = auth[7:] if auth and auth[:7].lower() == "bearer " else header(b"x-api-key")
             if token is None or not any(hmac.compare_digest(token.encode(), k.encode()) for k in keys):
                 raise Unauthorized("invalid or missing API key")
-        return auth
+        return client_authorization(auth, header(b"x-api-key"))
 
     async def handle_completion(self, route: str, ex: Exchange) -> None:
         """A ``POST`` to one of the four generation routes (``route``: an :class:`~pdproxy.apis.request.Api` value)

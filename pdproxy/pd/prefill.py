@@ -140,7 +140,8 @@ class PrefillLeg:
                 with (self.tracing.prefill(ctx, endpoint),                 # the span is the leg's traceparent
                       (prefix or _NO_PREFIX).prefilling(req, ctx, endpoint)):  # in flight there; answered/failed
                     reply = await self.upstream.post_json(endpoint, req.api.value, leg,
-                                                          self.headers.leg(endpoint, ctx.request_id, ctx.authorization),
+                                                          self.headers.leg(endpoint, ctx.request_id, ctx.authorization,
+                                                                           ctx.client_headers),
                                                           timeout_s=timeout_s)
                     ctx.cached_tokens = kv_transfer.prefill_cached_tokens(reply, req.api)
                     ctx.engine_prompt_tokens = kv_transfer.prefill_prompt_tokens(reply, req.api)
