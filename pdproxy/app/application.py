@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -36,11 +37,13 @@ from pdproxy.endpoints import Endpoint, Role
 from pdproxy.errors import (
     BadRequest,
     Forbidden,
+    NoEndpointAvailable,
     PayloadTooLarge,
     ProxyError,
     ShuttingDown,
     Unauthorized,
     UpstreamHTTPError,
+    UpstreamUnavailable,
     error_body,
 )
 from pdproxy.http.engine_headers import TRACE_HEADERS, client_authorization
@@ -330,12 +333,27 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
         return {"version": __version__}
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
         """The union of the models the engines serve, as vLLM lists them — LoRA adapters with their ``parent`` —
         each with the smallest ``max_model_len`` of the engines serving it, since a request must fit both its
-        prefiller and its decoder (:meth:`pdproxy.engines.models.ServedModels.cards`)."""
+        prefiller and its decoder (:meth:`pdproxy.engines.models.ServedModels.cards`).  When the engines refuse
+        pdproxy's own key (``--api-key`` without ``engine_api_key``) and list nothing to it, the answer is the
+        engines' own for the client's key: pdproxy passes client credentials through, so one engine's
+        ``/v1/models`` answers with them (its list, or its 401); otherwise a 503 naming ``engine_api_key``."""
         st = state()
         cards = st.served.cards(st.settings.max_model_len)
+        refusing = st.served.refusing() if not cards else []
+        if refusing:
+            auth = client_authorization(request.headers.get("authorization"), request.headers.get("x-api-key"))
+            if st.settings.engine_api_key or not st.headers.forward_client_authorization:
+                raise NoEndpointAvailable("engine", "the engines refuse pdproxy's calls to /v1/models (HTTP 401/"
+                                                    "403): set engine_api_key to the engines' --api-key")
+            try:
+                status, body = await st.engines.models_as_client(refusing[0], auth)
+            except httpx.HTTPError as exc:
+                raise UpstreamUnavailable(f"GET /v1/models failed: {exc.__class__.__name__}",
+                                          endpoint=refusing[0].name) from None
+            return Response(body, status_code=status, media_type="application/json")
         if not cards and st.settings.model_name:
             cards = [{"id": st.settings.model_name, "object": "model", "owned_by": "vllm",
                       "max_model_len": st.settings.max_model_len}]

@@ -1,8 +1,8 @@
 """On real vLLM 0.32: the engine's word overrides pdproxy's memory, salted prompts are keyed as vLLM keys them,
 and the prefill leg's relaxed output constraints render the very prompt tokens of the client's request.
 
-- ``/reset_prefix_cache`` publishes ``AllBlocksCleared``: pdproxy's prediction for the prefiller drops to 0 as
-  soon as its index has read it, although pdproxy prefilled the conversation there a moment before;
+- blocks a small pool evicts (``BlockRemoved``): pdproxy's prediction for the prefiller drops as soon as its
+  index has read the batch, although pdproxy prefilled that prompt there a moment before;
 - a chat with ``cache_salt``: the prefiller's ``BlockStored`` events carry the salt in the first block's extra
   keys, and pdproxy's keys for the same prompt with the same salt match them (another salt, or none, does not);
 - the prefill leg with ``tool_choice`` relaxed to "auto" and structured outputs dropped renders the same
@@ -31,27 +31,35 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 SCHEMA = {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}
 
 
-def test_reset_prefix_cache_ends_pdproxys_credit_at_once(engines: Engines, prompts: Prompts,
-                                                         make_proxy: Any) -> None:
-    url = engines.prefill_url
-    proxy: ProxyThread = make_proxy(engines, kv_events=[f"{url}={engines.prefill_kv_events}"],
-                                    kv_events_replay=[f"{url}={engines.prefill_kv_replay}"],
+def test_evictions_end_pdproxys_credit_at_once(small_pool_engines: Engines, prompts: Prompts,
+                                               make_proxy: Any) -> None:
+    """The 18-block pool: a prompt pdproxy prefilled there, then a long one sent straight to the engine evicts
+    most of it (``BlockRemoved``).  Once pdproxy's index has read that batch, its prediction for the first prompt
+    is what the engine still holds — not the settling credit of pdproxy's own recent prefill.  (``AllBlocksCleared``
+    is covered by the simulator, tests/kv_events/test_engine_word.py: vLLM 0.32 serves ``/reset_prefix_cache`` only
+    with ``VLLM_SERVER_DEV_MODE=1``, which the real stage does not set.)"""
+    e = small_pool_engines
+    url = e.prefill_url
+    proxy: ProxyThread = make_proxy(e, kv_events=[f"{url}={e.prefill_kv_events}"],
+                                    kv_events_replay=[f"{url}={e.prefill_kv_replay}"],
                                     kv_events_topic=KV_EVENTS_TOPIC)
     cache = proxy.state.prefix_cache
     wait_until(lambda: cache.is_precise(url), 20, 0.05, "pdproxy follows the prefiller's events")
     bs = block_size(url)
-    messages = [{"role": "system", "content": prompts.unique(300, seed=9501)},
-                {"role": "user", "content": prompts.unique(40, seed=9502)}]
-    body = {"model": engines.served_model, "messages": messages, "max_tokens": 2}
-    r = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=60)
+    first = {"model": e.served_model, "prompt": prompts.unique(600, seed=9501), "max_tokens": 1}
+    r = httpx.post(proxy.url + "/v1/completions", json=first, timeout=120)
     assert r.status_code == 200, r.text
-    ids = prompt_token_ids(prompts.tok, {"messages": messages}, "chat")
+    ids = prompt_token_ids(prompts.tok, first, "completions")
     want = ((len(ids) - 1) // bs) * bs
-    wait_until(lambda: held(proxy, url, body) == want, 20, 0.05, "the prefill's BlockStored events")
-    httpx.post(url + "/reset_prefix_cache", timeout=30).raise_for_status()
-    wait_until(lambda: cache.index.entries(url) == 0, 20, 0.02, "AllBlocksCleared read")
-    assert held(proxy, url, body) == 0          # no settling credit left for what pdproxy sent there
-    assert cache.index.stats.cleared >= 1
+    wait_until(lambda: held(proxy, url, first) == want, 20, 0.05, "the prefill's BlockStored events")
+    long = {"model": e.served_model, "prompt": prompts.unique(1800, seed=9502), "max_tokens": 1}
+    httpx.post(url + "/v1/completions", json=long, timeout=120).raise_for_status()   # straight to the engine
+    long_ids = prompt_token_ids(prompts.tok, long, "completions")
+    long_want = ((len(long_ids) - 1) // bs) * bs
+    wait_until(lambda: cache.index.match(block_keys(long_ids, bs), [url])[url] == long_want, 20, 0.02,
+               "the long prompt's batch read (its evictions with it)")
+    assert cache.index.stats.removed_blocks > 0
+    assert held(proxy, url, first) < want           # at once: only what the engine still holds
     proxy.wait_idle()
 
 
