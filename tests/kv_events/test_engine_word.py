@@ -149,3 +149,25 @@ def test_blocks_a_small_pool_evicts_stop_counting_at_once(tmp_path: Path) -> Non
             proxy.wait_idle()
         finally:
             proxy.stop()
+
+
+def test_routing_keys_salted_requests_by_their_salt(tmp_path: Path) -> None:
+    """pdproxy's own record (no KV events): a salted prompt it prefilled counts as cached for the same salt only."""
+    fleet, sims = start_fleet(1, prefill_tokens_per_s=0)
+    with running(*sims):
+        proxy = make_proxy(fleet, tmp_path / "requests.log", events=False, prefix_routing="approximate")
+        try:
+            body = {"model": "sim-model", "prompt": SHARED, "max_tokens": 1, "cache_salt": "tenant-a"}
+            assert httpx.post(proxy.url + "/v1/completions", json=body, timeout=60).status_code == 200
+
+            def predicted(**change: object) -> int:
+                r = httpx.post(proxy.url + "/debug/prefix", json={**body, "prompt": SHARED + " more", **change},
+                               timeout=10)
+                assert r.status_code == 200, r.text
+                return int(r.json()["endpoints"][0]["cached_tokens"])
+
+            wait_until(lambda: predicted() == 320, 10, 0.05, "the salted prompt recorded")
+            assert predicted(cache_salt="tenant-b") == 0 and predicted(cache_salt=None) == 0
+            proxy.wait_idle()
+        finally:
+            proxy.stop()
