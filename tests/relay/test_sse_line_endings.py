@@ -102,7 +102,7 @@ def streams(draw: st.DrawFn) -> tuple[str, list[Event]]:
     return "".join(out), events
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(streams(), st.lists(st.integers(0, 400), max_size=8))
 def test_the_framer_emits_each_event_once_as_soon_as_it_is_complete(stream: tuple[str, list[Event]],
                                                                       cuts: list[int]) -> None:
@@ -123,7 +123,7 @@ def test_the_framer_emits_each_event_once_as_soon_as_it_is_complete(stream: tupl
     assert emitted == events and not framer.pending.strip(b"\r\n")
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(streams())
 def test_split_events_and_last_boundary_agree_with_the_reference(stream: tuple[str, list[Event]]) -> None:
     raw = stream[0].encode()
