@@ -182,7 +182,12 @@ class Settings(BaseSettings):
 
     # --- retries (see director.py for the policy)
     prefill_attempts: int = Field(3, ge=1, le=10, description="prefillers tried per request (refuse/reset/timeout/"
-                                                               "502/503/504; a 500 once more; a 4xx never)")
+                                                               "502/503/504; a 500 once more only when its engine "
+                                                               "died; a 4xx never)")
+    prefill_relax_constraints: bool = Field(
+        True, description="on the one-token prefill leg only, a forced tool call (tool_choice required / named) "
+                          "becomes auto and structured outputs are dropped (the decoder keeps them); false for a "
+                          "model whose chat template renders tool_choice or response_format (Kimi K3)")
     decode_attempts: int = Field(3, ge=1, le=10, description="decoders tried per request before its first event")
     retry_backoff_s: float = Field(0.05, ge=0, description="first retry backoff; doubles per retry, ×0.5–1.5 jitter")
     retry_backoff_max_s: float = Field(1.0, ge=0, description="cap of one retry backoff (seconds)")

@@ -8,10 +8,15 @@ up in ``docs/pd-protocol.md``.  In short:
    ``max_tokens: 1`` (``max_completion_tokens: 1`` only if the client set it), no ``stream_options``,
    ``min_tokens: 1`` (so neither a first-token EOS nor a stop token ends the leg before the prompt's KV is handed
    over; stop strings are not checked until more than ``min_tokens`` tokens exist), the fields the proxy owns
-   (:data:`PROXY_OWNED`) dropped, and the ``kv_transfer_params`` stub :data:`PREFILL_STUB`.  Every other field is
-   the client's: anything that shapes the prompt (messages, tools, ``tool_choice``, ``response_format``, chat
-   template arguments, truncation, ``cache_salt``…) must render the same tokens on both legs, or the decoder
-   pulls KV computed for another prompt (vLLM 0.32's decoder engine dies on a shorter one);
+   (:data:`PROXY_OWNED`) dropped, and the ``kv_transfer_params`` stub :data:`PREFILL_STUB`.  Every field that
+   shapes the prompt (messages, ``tools``, chat template arguments, truncation, ``cache_salt``…) is the client's:
+   both legs must render the same tokens, or the decoder pulls KV computed for another prompt (vLLM 0.32's
+   decoder engine dies on a shorter one).  Output constraints that only steer sampling are relaxed on this leg
+   (:func:`relax_constraints`): a forced tool call (``tool_choice`` "required" / a named tool) becomes "auto",
+   structured outputs (``response_format`` json_object / json_schema / structural_tag, ``structured_outputs``,
+   ``guided_*``, Responses ``text.format``, Messages ``output_config.format``) are dropped — engines that must
+   build a grammar for one token fail there (vLLM-Ascend answers 500 with GLM-5), and the decoder, which samples
+   every output token itself, keeps them all;
 2. the prefiller answers JSON with a top-level ``kv_transfer_params`` dict, opaque to us (:func:`extract_params`);
    an answer without one that finished ``stop`` is a complete answer to the request (:func:`ended_on_prefill`);
 3. decode leg (:func:`decode_body_bytes`): the client's bytes, byte-faithful, with the proxy-owned members removed
@@ -103,11 +108,72 @@ _STREAM_ONLY = ("stream_options",)
 _COMPLETE_FINISH = frozenset({"stop", "tool_calls"})
 
 
+_STRUCTURED_OUTPUTS = frozenset({"structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                                 "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
+                                 "structural_tag"})
+"""Chat and completions fields that constrain sampling to a grammar (vLLM's ``structured_outputs`` and its
+older ``guided_*`` spellings): dropped on the prefill leg."""
+_GRAMMAR_FORMATS = frozenset({"json_object", "json_schema", "structural_tag"})
+"""``response_format`` / ``text.format`` types that make vLLM build a grammar (``text`` does not)."""
+
+
+def relax_constraints(body: dict[str, Any], api: Api) -> bool:
+    """Relax, in place, a prefill-leg ``body``'s output constraints, which do not shape the prompt on vLLM's own
+    renderers (``vllm/renderers/online_renderer.py`` hands the chat template ``tools``, never ``tool_choice``):
+    a forced tool call becomes ``tool_choice`` "auto" (``{"type": "auto"}`` on Messages) — only when ``tools``
+    are sent (without them the client's value stays, for vLLM to judge); grammar-building formats are dropped.
+    ``tools`` always stay (they are rendered into the prompt).  Returns True when something was relaxed.  Nested
+    values are replaced, never mutated (a shallow copy of a client body may be passed).
+
+    A model whose renderer puts ``tool_choice`` or ``response_format`` into the prompt (vLLM's
+    ``vllm/renderers/kimi_k3.py``) needs the setting ``prefill_relax_constraints: false``; "auto" needs the engines'
+    ``--enable-auto-tool-choice`` (vLLM refuses it without), which tool calling with vLLM has anyway."""
+    before = len(body)
+    changed = False
+    if body.get("tools"):
+        choice = body.get("tool_choice")
+        if api is Api.MESSAGES:
+            if isinstance(choice, dict) and choice.get("type") in ("any", "tool"):
+                body["tool_choice"] = {k: v for k, v in choice.items() if k != "name"} | {"type": "auto"}
+                changed = True
+        elif choice == "required" or isinstance(choice, dict):
+            body["tool_choice"] = "auto"
+            changed = True
+    if api is Api.MESSAGES:
+        config = body.get("output_config")
+        if isinstance(config, dict) and "format" in config:
+            body["output_config"] = {k: v for k, v in config.items() if k != "format"}
+            changed = True
+        return changed
+    if api is Api.RESPONSES:
+        text = body.get("text")
+        fmt = text.get("format") if isinstance(text, dict) else None
+        if isinstance(text, dict) and isinstance(fmt, dict) and fmt.get("type") in _GRAMMAR_FORMATS:
+            body["text"] = {k: v for k, v in text.items() if k != "format"}
+            changed = True
+        return changed
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") in _GRAMMAR_FORMATS:
+        del body["response_format"]
+    for key in _STRUCTURED_OUTPUTS.intersection(body):
+        del body[key]
+    return changed or len(body) != before
+
+
+def has_relaxable_constraints(original: Mapping[str, Any], api: Api) -> bool:
+    """Whether ``original`` (a parsed client body of ``api``) carries a constraint :func:`relax_constraints`
+    relaxes — then a prefill answer that stopped on its own did not obey it and cannot stand for the request's
+    answer.  Never mutates ``original``."""
+    return relax_constraints(dict(original), api)
+
+
 def prefill_body(original: Mapping[str, Any], api: Api = Api.CHAT, *, engine_judges: bool = False,
-                 request_id: str | None = None) -> dict[str, Any]:
+                 request_id: str | None = None, relax: bool = False) -> dict[str, Any]:
     """Return a new dict: the prefill-leg body for ``original`` (a parsed client body of ``api``; the one-token
     limit per API in the module docstring).  Never mutates it.  ``request_id``: pdproxy's id of the request, named
-    in a Responses body (:func:`responses_request_id`).
+    in a Responses body (:func:`responses_request_id`).  ``relax``: relax the output constraints
+    (:func:`relax_constraints`; the prefill leg passes the setting ``prefill_relax_constraints``, a release leg
+    keeps the client's: its prompt is the same either way).
 
     ``engine_judges`` (``ProxyRequest.engine_judges``: pdproxy found the request invalid for vLLM): the client's
     body as sent — its own values, so the prefiller rejects it with vLLM's own 400 and in vLLM's own order of
@@ -133,8 +199,22 @@ def prefill_body(original: Mapping[str, Any], api: Api = Api.CHAT, *, engine_jud
         for key in _STREAM_ONLY:
             body.pop(key, None)
         body["min_tokens"] = 1
+    if relax:
+        relax_constraints(body, api)
     body[KV_TRANSFER_PARAMS] = dict(PREFILL_STUB)
     return body
+
+
+ENGINE_DEAD_MESSAGE = b"EngineCore encountered an issue"
+"""The start of vLLM's ``EngineDeadError`` message (``vllm/v1/engine/exceptions.py``), which its 500 carries."""
+
+
+def prefill_500_retryable(body: bytes) -> bool:
+    """Whether a prefiller's HTTP 500 (``body``: its error body) is worth another prefiller: only when the engine
+    says its core died (vLLM's ``EngineDeadError``).  Any other 500 is the request's own failure on that model and
+    deployment (vLLM 0.32 answers 503 for what is worth a retry, ``RetryableRequestError``), so it would fail the
+    same way elsewhere: it reaches the client at once."""
+    return body.find(ENGINE_DEAD_MESSAGE) >= 0
 
 
 def responses_request_id(original: Mapping[str, Any], request_id: str | None) -> str | None:

@@ -62,8 +62,10 @@ def event_name(event: bytes) -> bytes:
     """The ``event:`` field of one SSE event (``b""`` when it has none)."""
     if event.startswith(b"event:"):
         end = event.find(b"\n")
-        return event[6:end if end >= 0 else len(event)].strip()
-    for line in event.replace(b"\r\n", b"\n").split(b"\n"):
+        name = event[6:end if end >= 0 else len(event)]
+        if name.find(b"\r") < 0:
+            return name.strip()
+    for line in sse.normalize(event).split(b"\n"):
         if line.startswith(b"event:"):
             return line[6:].strip()
     return b""

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -38,13 +39,16 @@ from pdproxy.endpoints import Endpoint, Role
 from pdproxy.errors import (
     BadRequest,
     Forbidden,
+    NoEndpointAvailable,
     PayloadTooLarge,
     ProxyError,
     ShuttingDown,
     Unauthorized,
     UpstreamHTTPError,
+    UpstreamUnavailable,
     error_body,
 )
+from pdproxy.http.engine_headers import TRACE_HEADERS, client_authorization
 from pdproxy.http.server import Exchange
 from pdproxy.ops.gcpolicy import GcPolicy
 from pdproxy.ops.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -60,6 +64,7 @@ if TYPE_CHECKING:
     from pdproxy.workers.share import WorkerShare
 
 log = logging.getLogger("pdproxy")
+_PASSED_HEADERS = (b"content-type", b"accept", *TRACE_HEADERS)  # client headers a passthrough route hands on
 
 def _header(scope: dict[str, Any], name: bytes) -> str | None:
     for k, v in scope["headers"]:
@@ -129,7 +134,7 @@ class PDProxyApp:
                 raise ShuttingDown()
             ctx.authorization = self._check_auth(lambda name: _header(scope, name))
             body = await self._read_body(receive, scope)
-            headers = {k: v.decode("latin-1") for k, v in scope["headers"] if k in (b"content-type", b"accept")}
+            headers = {k: v.decode("latin-1") for k, v in scope["headers"] if k in _PASSED_HEADERS}
             state.in_flight += 1
             try:
                 work = state.passthrough.serve(path, body, headers, ctx, out)
@@ -176,14 +181,14 @@ class PDProxyApp:
     def _check_auth(self, header: Callable[[bytes], str | None]) -> str | None:
         """Enforce ``api_keys``: the client's key is ``Authorization: Bearer <key>``, or ``x-api-key: <key>`` as
         the Anthropic client sends it (``header``: the request's header by lower-case name).  Returns the client's
-        ``Authorization`` (for the engine-header rule)."""
+        credential as an ``Authorization`` value (for the engine-header rule; ``x-api-key`` becomes a bearer token)."""
         auth = header(b"authorization")
         keys = self.settings.api_keys
         if keys:
             token = auth[7:] if auth and auth[:7].lower() == "bearer " else header(b"x-api-key")
             if token is None or not any(hmac.compare_digest(token.encode(), k.encode()) for k in keys):
                 raise Unauthorized("invalid or missing API key")
-        return auth
+        return client_authorization(auth, header(b"x-api-key"))
 
     async def handle_completion(self, route: str, ex: Exchange) -> None:
         """A ``POST`` to one of the four generation routes (``route``: an :class:`~pdproxy.apis.request.Api` value)
@@ -347,12 +352,27 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
         return {"version": __version__}
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
         """The union of the models the engines serve, as vLLM lists them — LoRA adapters with their ``parent`` —
         each with the smallest ``max_model_len`` of the engines serving it, since a request must fit both its
-        prefiller and its decoder (:meth:`pdproxy.engines.models.ServedModels.cards`)."""
+        prefiller and its decoder (:meth:`pdproxy.engines.models.ServedModels.cards`).  When the engines refuse
+        pdproxy's own key (``--api-key`` without ``engine_api_key``) and list nothing to it, the answer is the
+        engines' own for the client's key: pdproxy passes client credentials through, so one engine's
+        ``/v1/models`` answers with them (its list, or its 401); otherwise a 503 naming ``engine_api_key``."""
         st = state()
         cards = st.served.cards(st.settings.max_model_len)
+        refusing = st.served.refusing() if not cards else []
+        if refusing:
+            auth = client_authorization(request.headers.get("authorization"), request.headers.get("x-api-key"))
+            if st.settings.engine_api_key or not st.headers.forward_client_authorization:
+                raise NoEndpointAvailable("engine", "the engines refuse pdproxy's calls to /v1/models (HTTP 401/"
+                                                    "403): set engine_api_key to the engines' --api-key")
+            try:
+                status, body = await st.engines.models_as_client(refusing[0], auth)
+            except httpx.HTTPError as exc:
+                raise UpstreamUnavailable(f"GET /v1/models failed: {exc.__class__.__name__}",
+                                          endpoint=refusing[0].name) from None
+            return Response(body, status_code=status, media_type="application/json")
         if not cards and st.settings.model_name:
             cards = [{"id": st.settings.model_name, "object": "model", "owned_by": "vllm",
                       "max_model_len": st.settings.max_model_len}]

@@ -58,7 +58,7 @@ from pdproxy.errors import (
     UpstreamUnavailable,
     error_body,
 )
-from pdproxy.http.engine_headers import EngineHeaders
+from pdproxy.http.engine_headers import TRACE_HEADERS, EngineHeaders
 from pdproxy.pd.decode import routing_headers
 from pdproxy.scheduling import PickRequest, Scheduler
 from pdproxy.settings import Settings
@@ -217,7 +217,7 @@ class Passthrough:
 
     def _engine_headers(self, endpoint: Endpoint, ctx: RequestContext, client: dict[bytes, str]) -> dict[str, str]:
         headers = self.headers.leg(endpoint, ctx.request_id, ctx.authorization)
-        for name in (b"content-type", b"accept"):
+        for name in (b"content-type", b"accept", *TRACE_HEADERS):  # no pdproxy span here: the client's context
             if name in client:
                 headers[name.decode().title()] = client[name]
         return headers

@@ -128,6 +128,17 @@ class EngineClient:
         r.raise_for_status()
         return r.json()
 
+    async def models_as_client(self, endpoint: Endpoint, authorization: str | None) -> tuple[int, bytes]:
+        """``GET /v1/models`` on ``endpoint`` with the client's ``authorization`` instead of pdproxy's headers (the
+        engines refuse pdproxy's own calls and pdproxy passes client credentials through): ``(status, body)`` as
+        the engine answered — its list for a key it accepts, its own 401 otherwise.  Raises ``httpx.HTTPError`` on
+        transport errors."""
+        headers = dict(endpoint.extra_headers())
+        if authorization:
+            headers["Authorization"] = authorization
+        r = await self._client.get(endpoint.url + "/v1/models", headers=headers)
+        return r.status_code, r.content
+
     async def post_json(self, endpoint: Endpoint, path: str, body: dict[str, Any],
                         headers: dict[str, str] | None = None) -> httpx.Response:
         """POST a JSON body; returns the response (any status).  Raises ``httpx.HTTPError`` on transport errors."""

@@ -128,6 +128,12 @@ class ServedModels:
         the index is per engine, and one engine runs one base model)."""
         return model if model and self.is_adapter(model) else ""
 
+    def refusing(self) -> list[Endpoint]:
+        """The endpoints whose ``/v1/models`` refused pdproxy's key at the last refresh (HTTP 401/403), decoders
+        first: what the engines would list is then unknown to pdproxy."""
+        refused = [e for e, info in self.infos.items() if info.auth_failed]
+        return sorted(refused, key=lambda e: e.role is not Role.DECODE)
+
     def cards(self, max_model_len_override: int | None = None) -> list[dict[str, Any]]:
         """The union of the served cards, one per id, in first-seen order, each with the smallest ``max_model_len``
         of the endpoints that serve it (a request must fit its prefiller and its decoder); adapters keep the

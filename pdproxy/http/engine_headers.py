@@ -8,7 +8,10 @@ Rule (settings ``engine_api_key`` and ``api_keys``):
 - unset, with ``api_keys`` (pdproxy checks client keys itself): no ``Authorization`` at all, client keys are never
   forwarded;
 - unset, without ``api_keys``: the client's ``Authorization`` passes through on the request's legs (an engine
-  started with ``--api-key`` then answers a wrong key with its own 401); control-plane calls carry none.
+  started with ``--api-key`` then answers a wrong key with its own 401); control-plane calls carry none.  A client
+  that sends its key as ``x-api-key`` (the Anthropic SDKs do) and no ``Authorization`` has it passed through as
+  ``Authorization: Bearer <key>`` (:func:`client_authorization`): vLLM's ``--api-key`` check reads only the bearer
+  token.
 
 vLLM 0.32's ``--api-key`` guards the paths under ``/v1``, ``/v2``, ``/inference`` and ``/cohere``
 (``vllm/entrypoints/serve/middleware/authenticate.py``, ``GUARDED_PREFIX``): ``/v1/models`` and the completion
@@ -17,18 +20,32 @@ which also suits gateways in front of engines that guard every path.
 
 Trace context (setting ``otlp_traces_endpoint``, :mod:`pdproxy.ops.tracing`): with tracing on, a request's legs also
 carry the current span as W3C ``traceparent`` / ``tracestate``, so that an engine started with
-``--otlp-traces-endpoint`` records its spans in the request's trace.  Control-plane calls carry none.
+``--otlp-traces-endpoint`` records its spans in the request's trace.  With tracing off, the client's own
+``traceparent`` / ``tracestate`` pass through unchanged (as Envoy and vllm-router forward them), so the engine's spans
+join the client's trace instead of starting orphan ones.  Control-plane calls carry none.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from pdproxy.endpoints import Endpoint
 
 if TYPE_CHECKING:
     from pdproxy.settings import Settings
+
+
+TRACE_HEADERS: tuple[bytes, ...] = (b"traceparent", b"tracestate")
+"""The W3C trace-context headers (lower-case), passed through from the client when pdproxy's tracing is off."""
+
+
+def client_authorization(authorization: str | None, x_api_key: str | None) -> str | None:
+    """The client's credential as an ``Authorization`` value: its own ``Authorization`` when it sent one, else its
+    ``x-api-key`` (the Anthropic clients' header) as ``Bearer <key>``, else None."""
+    if authorization:
+        return authorization
+    return f"Bearer {x_api_key}" if x_api_key else None
 
 
 class EngineHeaders:
@@ -63,11 +80,13 @@ class EngineHeaders:
         """Headers of a control-plane call (``/v1/models``, ``/metrics``, ``/health``): the engine key, if set."""
         return dict(self._control)
 
-    def leg(self, endpoint: Endpoint, request_id: str, client_authorization: str | None = None) -> dict[str, str]:
+    def leg(self, endpoint: Endpoint, request_id: str, client_authorization: str | None = None,
+            client_headers: Sequence[tuple[bytes, bytes]] = ()) -> dict[str, str]:
         """Headers of a JSON POST to ``endpoint`` for request ``request_id``: ``Content-Type``, ``X-Request-Id``
         (one id across a request's legs, so engine logs line up), ``Authorization`` per the rule, the DP-rank
-        pin (``X-data-parallel-rank``) of an internal-DP endpoint, and with tracing on ``traceparent`` (and
-        ``tracestate``) of the current span."""
+        pin (``X-data-parallel-rank``) of an internal-DP endpoint, and the trace context: with tracing on
+        ``traceparent`` (and ``tracestate``) of the current span, with tracing off the client's own, read from
+        ``client_headers`` (the client's request headers as lower-case name / value byte pairs)."""
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
         auth = self.authorization(client_authorization)
         if auth:
@@ -75,4 +94,8 @@ class EngineHeaders:
         headers.update(endpoint.extra_headers())
         if self._propagate is not None:
             self._propagate(headers)
+        elif client_headers:
+            for name, value in client_headers:
+                if name in TRACE_HEADERS:
+                    headers[name.decode()] = value.decode("latin-1")
         return headers

@@ -1,31 +1,72 @@
 """SSE framing for the relay: find event boundaries in a byte stream without decoding it.
 
-An event ends at a blank line: ``\\n\\n``, ``\\r\\n\\r\\n`` or ``\\r\\r`` (WHATWG HTML "server-sent events"
-parsing; vLLM itself writes ``data: <json>\\n\\n``, ``vllm/entrypoints/openai/chat_completion/serving.py``).
-The relay forwards, per upstream read, every complete event it now holds as one write, and keeps the incomplete
-tail — so events split across reads are reassembled, events merged in one read stay one write, and multi-byte
-UTF-8 characters split across reads are never cut (bytes are not decoded).
+A line ends with ``\n``, ``\r\n`` or ``\r``, mixed freely in one stream, and an event ends at a blank line: a
+line ending right after another (``\n\n``, ``\r\n\r\n``, ``\r\r``, ``\n\r\n``, ``\r\n\n``… — WHATWG HTML
+"server-sent events", interpreting an event stream).  A ``\r`` that ends the data read so far ends its line: the
+``\n`` that may follow in the next read is the rest of a ``\r\n``, an empty line at the start of the next event,
+which a parser ignores.  vLLM itself writes ``data: <json>\n\n``
+(``vllm/entrypoints/openai/chat_completion/serving.py``): that is the fast path, searched with one ``rfind`` and
+forwarded byte for byte.  Events framed any other way are rewritten with ``\n`` endings (the same events for any
+SSE parser), so the transforms and the end-marker test see one framing.  The relay forwards, per upstream read,
+every complete event it now holds as one write, and keeps the incomplete tail — so events split across reads are
+reassembled, events merged in one read stay one write, and multi-byte UTF-8 characters split across reads are
+never cut (bytes are not decoded).
 """
 
 from __future__ import annotations
 
+import re
+
 DONE_EVENT = b"data: [DONE]\n\n"
-_BOUNDARIES = (b"\n\n", b"\r\n\r\n", b"\r\r")
+_BLANK_LINE = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r|\n)")
+"""A line ending followed by another: an event's end.  A first ``\r`` followed by ``\n`` is one ``\r\n``."""
+_LINE_ENDS = b"\r\n"
+_CR, _LF = 13, 10
 
 
 def last_boundary(data: bytes, start: int = 0) -> int:
-    """Index just past the last event boundary in ``data[start - 3:]`` (0 if none).  Pure; O(len(data))."""
+    """Index just past the last event boundary of ``data`` that ends after ``start - 3`` (0 if none).  ``data``
+    starts at a line start.  Pure; O(len(data)): one ``rfind`` when ``data`` has no ``\r``."""
     lo = max(0, start - 3)
+    if data.find(b"\r", lo) < 0:
+        i = data.rfind(b"\n\n", lo)
+        return i + 2 if i >= 0 else 0
     end = 0
-    for sep in _BOUNDARIES:
-        i = data.rfind(sep, lo)
-        if i >= 0 and i + len(sep) > end:
-            end = i + len(sep)
+    for m in _BLANK_LINE.finditer(data, lo):
+        end = m.end()
     return end
 
 
+def normalize(block: bytes) -> bytes:
+    """``block`` with every line ending (``\r\n``, ``\r``) written as ``\n``; the same object when it has no
+    ``\r``."""
+    if block.find(b"\r") < 0:
+        return block
+    return block.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+
+
+def frame(data: bytes, start: int = 0) -> tuple[bytes, bytes]:
+    """``(events, rest)``: the complete events of ``data`` (which starts at a line start; bytes up to ``start``
+    were seen before and held no boundary) with ``\n`` line endings, and the incomplete rest, to be prefixed to
+    the next read.  Empty lines before an event (no-ops for any parser; the ``\n`` of a ``\r\n`` split across
+    reads) are dropped.  Data framed as vLLM frames it comes back as the same object."""
+    if data and data[0] in _LINE_ENDS:
+        data = data.lstrip(_LINE_ENDS)
+        start = 0
+    end = last_boundary(data, start)
+    if end == 0:
+        return b"", data
+    if end == len(data):
+        return normalize(data), b""
+    rest = data[end:]
+    if rest[0] in _LINE_ENDS:
+        rest = rest.lstrip(_LINE_ENDS)
+    return normalize(data[:end]), rest
+
+
 class EventFramer:
-    """Incremental splitter: ``feed(chunk)`` returns the bytes of all events completed so far (maybe ``b""``).
+    """Incremental splitter: ``feed(chunk)`` returns the bytes of all events completed so far (maybe ``b""``),
+    with ``\n`` line endings (:func:`frame`).
 
     ``pending`` holds the incomplete tail (bytes).  Not thread-safe; one per upstream stream.
     """
@@ -39,20 +80,10 @@ class EventFramer:
         """Add ``chunk`` (bytes) and return the bytes of every event it completed (``b""`` if none); the rest
         stays in :attr:`pending`."""
         if self._buf:
-            start = len(self._buf)
-            data = self._buf + chunk
+            events, self._buf = frame(self._buf + chunk, len(self._buf))
         else:
-            start = 0
-            data = chunk
-        end = last_boundary(data, start)
-        if end == 0:
-            self._buf = data
-            return b""
-        if end == len(data):
-            self._buf = b""
-            return data
-        self._buf = data[end:]
-        return data[:end]
+            events, self._buf = frame(chunk)
+        return events
 
     @property
     def pending(self) -> bytes:
@@ -63,8 +94,8 @@ class EventFramer:
 def split_events(block: bytes) -> list[bytes]:
     """Split a block of complete events into single events, each keeping its terminator.
 
-    O(len(block)): a block without ``\r`` (vLLM's framing) is split in one pass; otherwise each separator is
-    searched for again only once the scan has passed its last match."""
+    O(len(block)): a block without ``\r`` (vLLM's framing) is split in one pass; otherwise one regular-expression
+    scan finds every blank line, whatever the line endings."""
     if block.find(b"\r") < 0:  # .find: ``bytes in bytes`` formats and drops a TypeError first (CPython)
         parts = block.split(b"\n\n")
         last = parts.pop()
@@ -74,22 +105,11 @@ def split_events(block: bytes) -> list[bytes]:
         return events
     out: list[bytes] = []
     pos = 0
-    n = len(block)
-    found = {sep: -2 for sep in _BOUNDARIES}  # next match per separator (-2: not searched yet, -1: none left)
-    while pos < n:
-        best = -1
-        best_len = 0
-        for sep in _BOUNDARIES:
-            i = found[sep]
-            if i == -2 or 0 <= i < pos:
-                i = found[sep] = block.find(sep, pos)
-            if i >= 0 and (best < 0 or i < best):
-                best, best_len = i, len(sep)
-        if best < 0:
-            out.append(block[pos:])
-            break
-        out.append(block[pos:best + best_len])
-        pos = best + best_len
+    for m in _BLANK_LINE.finditer(block):
+        out.append(block[pos:m.end()])
+        pos = m.end()
+    if pos < len(block):
+        out.append(block[pos:])
     return out
 
 

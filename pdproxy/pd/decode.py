@@ -100,7 +100,8 @@ class DecodeLeg:
                 prefill.slot.decode_started()
             try:
                 async with self.upstream.open_stream(
-                        endpoint, req.api.value, body, self.headers.leg(endpoint, ctx.request_id, ctx.authorization),
+                        endpoint, req.api.value, body,
+                        self.headers.leg(endpoint, ctx.request_id, ctx.authorization, ctx.client_headers),
                         first_byte_timeout_s=first_byte_s) as resp:
                     if req.stream:
                         recomputed = await StreamRelay(

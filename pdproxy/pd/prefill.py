@@ -2,7 +2,8 @@
 
 Failure policy (the director's, pdproxy/pd/director.py): a prefiller that refuses, resets, times out or answers
 502/503/504 is replaced by another one (``prefill_attempts``, jittered exponential backoff); a 500 is retried at
-most once elsewhere; a 4xx is the request's fault and passes through at once.  ``Retry-After`` holds that
+most once elsewhere, and only when the engine says its core died (:func:`~pdproxy.apis.kv_transfer.prefill_500_retryable`:
+any other 500 would fail the same way on every prefiller); a 4xx is the request's fault and passes through at once.  ``Retry-After`` holds that
 prefiller's breaker open (:meth:`~pdproxy.engines.health.HealthMonitor.record_error`).
 """
 
@@ -33,7 +34,7 @@ from pdproxy.timeline import RequestContext
 
 _NO_PREFIX = NoPrefix()
 
-# Prefiller answers worth another prefiller: they say "not me, not now".  500 gets one more try elsewhere.
+# Prefiller answers worth another prefiller: they say "not me, not now".  A dead engine's 500: one more try.
 _RETRYABLE_STATUS = frozenset({502, 503, 504})
 
 
@@ -105,7 +106,7 @@ class PrefillLeg:
         s = self.settings
         tokens = req.prompt_tokens or 0
         body = orjson.dumps(kv_transfer.prefill_body(req.body, req.api, engine_judges=req.engine_judges,
-                                                     request_id=ctx.request_id))
+                                                     request_id=ctx.request_id, relax=s.prefill_relax_constraints))
         timeout_s = s.prefill_timeout_base_s + s.prefill_timeout_per_1k_tokens_s * tokens / 1000
         tried: list[Endpoint] = []
         last: ProxyError | None = None
@@ -141,7 +142,8 @@ class PrefillLeg:
                 with (self.tracing.prefill(ctx, endpoint),                 # the span is the leg's traceparent
                       (prefix or _NO_PREFIX).prefilling(req, ctx, endpoint)):  # in flight there; answered/failed
                     reply = await self.upstream.post_json(endpoint, req.api.value, leg,
-                                                          self.headers.leg(endpoint, ctx.request_id, ctx.authorization),
+                                                          self.headers.leg(endpoint, ctx.request_id, ctx.authorization,
+                                                                           ctx.client_headers),
                                                           timeout_s=timeout_s)
                     ctx.cached_tokens = kv_transfer.prefill_cached_tokens(reply, req.api)
                     ctx.engine_prompt_tokens = kv_transfer.prefill_prompt_tokens(reply, req.api)
@@ -150,8 +152,10 @@ class PrefillLeg:
                 slot.release()
                 if not self.health.record_error(endpoint, exc):
                     raise
-                status = exc.status_code if isinstance(exc, UpstreamHTTPError) else None
-                if status is not None and status not in _RETRYABLE_STATUS and (status != 500 or retried_500):
+                http = exc if isinstance(exc, UpstreamHTTPError) else None
+                status = http.status_code if http is not None else None
+                if http is not None and status not in _RETRYABLE_STATUS and (
+                        status != 500 or retried_500 or not kv_transfer.prefill_500_retryable(http.raw_body)):
                     raise
                 retried_500 = retried_500 or status == 500
                 tried.append(endpoint)

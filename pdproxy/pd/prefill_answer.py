@@ -21,6 +21,7 @@ from typing import Any
 
 import orjson
 
+from pdproxy.apis import kv_transfer
 from pdproxy.apis.request import Api, ProxyRequest
 from pdproxy.http import sse
 from pdproxy.pd.responder import SSE_HEADERS, Responder
@@ -31,8 +32,11 @@ def usable(req: ProxyRequest) -> bool:
     """True when a prefill answer that stopped is a valid answer to ``req``: the client asked for at most one
     ``min_tokens`` (the leg raised it to 1, which only makes stopping less likely), and either wants JSON or
     streams chat / completions (a Responses or Messages stream has many event kinds a JSON answer would have
-    to be rebuilt into: a decoder prefills those itself instead, a cost only on this rare path)."""
-    return (req.min_tokens or 0) <= 1 and (not req.stream or req.api in (Api.CHAT, Api.COMPLETIONS))
+    to be rebuilt into: a decoder prefills those itself instead, a cost only on this rare path), and carries no
+    output constraint the prefill leg may have relaxed (a forced tool call, a structured output: the answer did
+    not obey it; :func:`pdproxy.apis.kv_transfer.has_relaxable_constraints`)."""
+    return ((req.min_tokens or 0) <= 1 and (not req.stream or req.api in (Api.CHAT, Api.COMPLETIONS))
+            and not kv_transfer.has_relaxable_constraints(req.body, req.api))
 
 
 def _choice(reply: dict[str, Any]) -> dict[str, Any]:

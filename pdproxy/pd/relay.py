@@ -123,8 +123,14 @@ class _Splice:
 
         The common case — a segment of whole events (ending in a blank line), no tail held — runs straight
         through; anything else is reassembled first (:meth:`_reframe`).  Byte tests are index comparisons
-        where they can be (``chunk[-1] == 10``): in CPython an index costs a fraction of ``endswith``."""
-        if self.tail or chunk[-1] != 10 or chunk[-2] != 10:
+        where they can be (``chunk[-1] == 10``): in CPython an index costs a fraction of ``endswith``.  A
+        segment ending ``\\r\\n\\n`` is reframed too (its end marker is then found); a segment of one or two bytes
+        raises IndexError, free to catch (exception tables, CPython 3.11+)."""
+        try:
+            odd = self.tail or chunk[-1] != 10 or chunk[-2] != 10 or chunk[-3] == 13
+        except IndexError:
+            odd = True
+        if odd:
             chunk = self._reframe(chunk)
             if not chunk:
                 return
@@ -166,21 +172,19 @@ class _Splice:
         out.end_nowait(chunk)  # the client has everything: end its response now, in the same write
 
     def _reframe(self, chunk: bytes) -> bytes:
-        """``chunk`` after any held tail, cut after its last complete event (the rest is held); may be empty."""
+        """``chunk`` after any held tail, cut after its last complete event (the rest is held), with ``\\n`` line
+        endings (:func:`pdproxy.http.sse.frame`); may be empty."""
         if self.tail:
-            chunk = self.tail + chunk
-            self.tail = b""
-        if chunk.endswith(b"\n\n"):
-            return chunk
-        end = sse.last_boundary(chunk)
-        self.tail = chunk[end:]
-        return chunk[:end]
+            chunk, self.tail = sse.frame(self.tail + chunk, len(self.tail))
+        else:
+            chunk, self.tail = sse.frame(chunk)
+        return chunk
 
     # --- end of the decoder's body -------------------------------------------------------------------------
     def eof(self) -> None:
         tail, self.tail = self.tail, b""
         if tail.strip():
-            self.data(tail + b"\n\n")  # the engine's last event lacked its blank line
+            self.data(sse.normalize(tail).rstrip(b"\n") + b"\n\n")  # the engine's last event lacked its blank line
         if self.done.done():
             return
         if not self.out.ended:

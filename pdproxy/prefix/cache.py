@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from pdproxy.endpoints import Endpoint, KVEventSource
 from pdproxy.engines.control import EngineInfo
-from pdproxy.prefix.index import ApproxPrefixIndex, BlockKeys, PrefixIndex
+from pdproxy.prefix.index import ApproxPrefixIndex, BlockKeys, DropListener, PrefixIndex
 from pdproxy.prefix.metrics import PrefixCacheCollector
 from pdproxy.prefix.subscriber import KVEventSubscriber
 from pdproxy.scheduling import PrefixHints
@@ -52,6 +52,8 @@ class PrefixCache:
         self.approx = ApproxPrefixIndex(default_capacity_blocks=settings.prefix_approx_capacity_blocks,
                                         ttl_s=settings.prefix_approx_ttl_s, clock=clock)
         self.text_chunk_chars = settings.prefix_text_chunk_chars
+        self._drop_listeners: list[DropListener] = []
+        self.index.on_drop = self._dropped
         src = list(settings.kv_event_sources() if sources is None else sources)
         self.subscriber: KVEventSubscriber | None = (
             KVEventSubscriber(src, self.index, silent_after_s=settings.kv_events_silent_after_s,
@@ -104,6 +106,18 @@ class PrefixCache:
         """Take the engine's block size and KV pool from a refreshed :class:`EngineInfo`."""
         self.index.set_block_size(endpoint.name, info.block_size)
         self.approx.set_capacity(endpoint.name, info.num_gpu_blocks)
+
+    def on_drop(self, listener: DropListener) -> None:
+        """Call ``listener(endpoint, keys)`` whenever an engine's own word drops blocks from the precise index:
+        ``keys`` None when everything it held went (``AllBlocksCleared``, a restart, a gap or silence), else the
+        keys a ``BlockRemoved`` evicted (see :attr:`PrefixIndex.on_drop`)."""
+        self._drop_listeners.append(listener)
+
+    def _dropped(self, endpoint: str, keys: frozenset[int] | None) -> None:
+        if keys is None:              # the engine's cache is empty: pdproxy's own record of it is stale too
+            self.approx.forget(endpoint)
+        for listener in self._drop_listeners:
+            listener(endpoint, keys)
 
     def forget(self, endpoint: str) -> None:
         """Drop everything known about ``endpoint`` (it restarted, or left the configuration)."""

@@ -54,6 +54,10 @@ DEFAULT_CHARS_PER_TOKEN = 4.0
 _MISSING: Any = object()
 
 
+DropListener = Callable[[str, frozenset[int] | None], None]
+"""``(endpoint name, block keys or None = all)``: what :attr:`PrefixIndex.on_drop` is told."""
+
+
 def namespace_root(namespace: str = "", kind: str = "tokens") -> int:
     """The key every chain of ``namespace`` starts from (a signed 64-bit int).
 
@@ -67,8 +71,9 @@ def namespace_root(namespace: str = "", kind: str = "tokens") -> int:
 def chain_keys(parent: int, token_ids: Sequence[int], block_size: int, num_blocks: int | None = None,
                extra: Sequence[int | None] | None = None) -> list[int]:
     """Keys of the first ``num_blocks`` full blocks of ``token_ids`` (default: all full blocks), chained from
-    ``parent``.  ``extra[i]``, when not None, is mixed into block ``i``'s key (engine-side only: blocks whose
-    cache identity has more than tokens, e.g. an image or a ``cache_salt``, so no plain request matches them)."""
+    ``parent``.  ``extra[i]`` (a list that may be shorter than the blocks), when not None, is mixed into block ``i``'s
+    key: blocks whose cache identity has more than tokens — an image (engine-side only, so no plain request matches
+    them) or a request's ``cache_salt`` (:func:`block_keys`)."""
     n = len(token_ids) // block_size if num_blocks is None else num_blocks
     keys: list[int] = []
     append = keys.append
@@ -78,7 +83,7 @@ def chain_keys(parent: int, token_ids: Sequence[int], block_size: int, num_block
     for i in range(n):
         end = start + block_size
         block = tuple(ids[start:end])
-        x = extra[i] if extra is not None else None
+        x = extra[i] if extra is not None and i < len(extra) else None
         parent = h((parent, block)) if x is None else h((parent, block, x))
         append(parent)
         start = end
@@ -118,16 +123,28 @@ class BlockKeys:
         return min(int(blocks * self.tokens_per_block), max(self.num_tokens - 1, 0))
 
 
-def block_keys(token_ids: Sequence[int], block_size: int, namespace: str = "") -> BlockKeys:
+def extra_key(entry: Sequence[Any]) -> int:
+    """The int mixed into a block's key for its extra keys ``entry`` (as a KV event lists them, the LoRA name
+    left out): a stable 64-bit digest of their msgpack encoding."""
+    digest = hashlib.blake2b(msgspec.msgpack.encode(list(entry)), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, namespace: str = "",
+               cache_salt: str | None = None) -> BlockKeys:
     """The prefix keys of a tokenized prompt (the engine's chunking: full blocks of ``block_size`` tokens).
 
-    ``namespace``: ``""`` for the base model, the LoRA adapter's name for a LoRA request.  Cost: one tuple hash
-    per block, ~1.2 ms for a 128K-token prompt at ``block_size`` 128, ~7 ms at 16 (``docs/kv-events.md``).  Raises
-    ``ValueError`` when ``block_size`` < 1.
+    ``namespace``: ``""`` for the base model, the LoRA adapter's name for a LoRA request.  ``cache_salt``: the
+    request's ``cache_salt``; vLLM mixes it into the first block's hash only, as that block's extra keys
+    (``vllm/v1/core/kv_cache_utils.py::generate_block_hash_extra_keys``; its KV events list it as that block's
+    ``extra_keys`` entry), so the whole chain of a salted prompt matches only blocks stored by requests with the
+    same salt.  Cost: one tuple hash per block, ~1.2 ms for a 128K-token prompt at ``block_size`` 128, ~7 ms at 16
+    (``docs/kv-events.md``).  Raises ``ValueError`` when ``block_size`` < 1.
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    keys = chain_keys(namespace_root(namespace), token_ids, block_size)
+    extra = [extra_key((cache_salt,))] if cache_salt else None
+    keys = chain_keys(namespace_root(namespace), token_ids, block_size, None, extra)
     return BlockKeys(keys, block_size, len(token_ids), namespace, "tokens")
 
 
@@ -294,6 +311,10 @@ class PrefixIndex(_MaskTable):
         self._entries = 0
         self._roots: dict[str, int] = {}
         self._block_sizes: dict[str, int] = {}
+        self.on_drop: DropListener | None = None
+        """Told when the engine's word drops blocks: ``(endpoint, None)`` when everything it held went
+        (``AllBlocksCleared``, a restart, a gap or silence: :meth:`forget`), ``(endpoint, keys)`` with the keys of
+        the blocks a ``BlockRemoved`` evicted (hashes the index never learnt have no key and are left out)."""
 
     # ---- configuration
     def set_block_size(self, endpoint: str, block_size: int | None) -> None:
@@ -396,6 +417,7 @@ class PrefixIndex(_MaskTable):
             self.stats.ignore("unknown_block")
             return
         engine = loc.engine
+        gone: list[int] = []
         for h in hashes:
             key = engine.pop(h, _MISSING)
             if key is _MISSING:
@@ -405,6 +427,9 @@ class PrefixIndex(_MaskTable):
             self.stats.removed_blocks += 1
             if key is not None:
                 self._release(key, loc.bit)
+                gone.append(key)
+        if gone and self.on_drop is not None:
+            self.on_drop(endpoint, frozenset(gone))
 
     def _shrink(self) -> None:
         """Over ``max_blocks``: drop the oldest eighth of the largest location."""
@@ -430,6 +455,8 @@ class PrefixIndex(_MaskTable):
             dropped += self._drop_location(loc, loc.engine.values())
             loc.engine.clear()
         self._entries -= dropped
+        if self.on_drop is not None:
+            self.on_drop(endpoint, None)
         return dropped
 
     def remove_endpoint(self, endpoint: str) -> None:
@@ -487,8 +514,7 @@ def _extra_keys(extra: list[Any] | None, lora_name: str | None, n: int) -> list[
         if entry and lora_name is not None and entry[0] == lora_name:
             entry = entry[1:]
         if entry:
-            digest = hashlib.blake2b(msgspec.msgpack.encode(entry), digest_size=8).digest()
-            out.append(int.from_bytes(digest, "big", signed=True))
+            out.append(extra_key(entry))
             any_extra = True
         else:
             out.append(None)

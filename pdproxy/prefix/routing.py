@@ -44,7 +44,7 @@ import contextlib
 import functools
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -97,6 +97,13 @@ def render_text(body: dict[str, Any], chat: bool) -> str:
     return "".join(parts)
 
 
+def cache_salt(req: ProxyRequest) -> str | None:
+    """The request's ``cache_salt`` (vLLM's field on every generation API), or None when absent or not a
+    non-empty string (vLLM refuses those before prefilling anything)."""
+    salt = req.body.get("cache_salt")
+    return salt if isinstance(salt, str) and salt else None
+
+
 @dataclass(slots=True)
 class PrefixLookup:
     """One request's prefix view: ``keys`` per block size (token keys) or under its chunk size (text keys),
@@ -124,20 +131,21 @@ class InflightPrefixes:
     ``settle_s`` seconds, until the engine's own ``BlockStored`` events (published after its step, read by the
     subscriber on this loop) have surely caught up: a conversation's next turn can arrive first.  Per endpoint a
     count per block key (chained keys: a key held means its whole prefix was sent), so a query walks the prompt's
-    keys once, as the indexes do.  ``clock``: monotonic seconds."""
+    keys once, as the indexes do.  The engine's word ends that settling credit at once (:meth:`drop`): its cache
+    cleared or restarted, or the blocks it evicted.  ``clock``: monotonic seconds."""
 
     def __init__(self, settle_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.settle_s = settle_s
         self.clock = clock
         self._held: dict[str, dict[int, int]] = {}
-        self._answered: deque[tuple[float, str, BlockKeys]] = deque()
+        self._answered: deque[tuple[float, str, Sequence[int]]] = deque()
         self._flying = 0
 
-    def _take(self, endpoint: str, keys: BlockKeys) -> None:
+    def _take(self, endpoint: str, keys: Iterable[int]) -> None:
         held = self._held.get(endpoint)
         if held is None:
             return
-        for k in keys.keys:
+        for k in keys:
             n = held.get(k, 0) - 1
             if n > 0:
                 held[k] = n
@@ -164,10 +172,26 @@ class InflightPrefixes:
         self._flying -= 1
         now = self.clock()
         if answered:
-            self._answered.append((now, endpoint, keys))
+            self._answered.append((now, endpoint, keys.keys))
         else:
-            self._take(endpoint, keys)
+            self._take(endpoint, keys.keys)
         self._expire(now)
+
+    def drop(self, endpoint: str, keys: frozenset[int] | None = None) -> None:
+        """The engine at ``endpoint`` said it no longer holds ``keys`` (a ``BlockRemoved``), or anything at all
+        (None: ``AllBlocksCleared``, a restart): the answered prompts settling there stop counting from the first
+        such block on (chained keys: the blocks after it are unreachable too).  Prefills still in flight keep
+        their credit: the engine stores their blocks after this.  O(prompts settling)."""
+        kept: deque[tuple[float, str, Sequence[int]]] = deque()
+        for at, name, held_keys in self._answered:
+            if name != endpoint:
+                kept.append((at, name, held_keys))
+                continue
+            cut = 0 if keys is None else next((i for i, k in enumerate(held_keys) if k in keys), len(held_keys))
+            self._take(endpoint, held_keys[cut:])
+            if cut:
+                kept.append((at, name, held_keys[:cut]))
+        self._answered = kept
 
     def match(self, keys: BlockKeys, endpoint: str) -> int:
         """Tokens of ``keys``' prompt that a prefill in flight (or just answered) on ``endpoint`` computes."""
@@ -205,6 +229,7 @@ class PrefixRouter:
         self.infos = infos
         self.engine_ids = bool(settings.kv_events) and settings.prefix_routing in ("auto", "precise")
         self.inflight = InflightPrefixes()
+        cache.on_drop(self.inflight.drop)   # the engine's word (cleared, restarted, evicted) ends settling credit
         self.tokens_per_char: dict[str, float] = {}
         """Text keys: per model, the engine's prompt tokens per rendered character, learnt from the prefillers'
         answers (``usage.prompt_tokens``; a moving average), so a text prediction is in the engine's tokens."""
@@ -260,19 +285,21 @@ class PrefixRouter:
         if isinstance(salt, str) and salt:   # vLLM mixes it into the first block's hash: a salted prompt shares no
             namespace = f"{namespace}\0cache_salt\0{salt}"      # block with any other salt or with none
         sizes = {e.name: self.block_size(e) for e, _p, _a in targets}
+        salt = cache_salt(req)
         lookup: PrefixLookup | None = None
         if self._wants_tokens(req):
             distinct = sorted(set(sizes.values()))
 
             def derive(ids: list[int]) -> tuple[int, dict[int, BlockKeys]]:
-                return len(ids), {bs: block_keys(ids, bs, namespace) for bs in distinct}
+                return len(ids), {bs: block_keys(ids, bs, namespace, salt) for bs in distinct}
 
             got = await self.admission.prompt_token_ids(req, ctx, derive)
             if got is not None:
                 lookup = PrefixLookup(got[1], "tokens", block_sizes=sizes, token_count=got[0])
         if lookup is None:
             view, chat, _special = req.count_view()
-            derive_text = functools.partial(self._text_keys, view, chat, namespace, req.prompt_tokens,
+            text_namespace = namespace if salt is None else f"{namespace}\0cache_salt\0{salt}"
+            derive_text = functools.partial(self._text_keys, view, chat, text_namespace, req.prompt_tokens,
                                             self.tokens_per_char.get(req.model or ""))
             tk = await self.admission.offload(derive_text, size=len(req.raw))
             calibrated = tk.num_tokens if (req.model or "") in self.tokens_per_char else None

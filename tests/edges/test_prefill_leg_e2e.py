@@ -33,7 +33,8 @@ def legs(sims: Fleet) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 def test_the_prefill_leg_asks_one_token_and_the_decoder_gets_the_clients_constraints(proxy: ProxyThread,
                                                                                       sims: Fleet) -> None:
     """Prefill: one token, ``min_tokens: 1`` (no first-token EOS), not streamed, the stub handle, no client
-    handle; every field that shapes the prompt or the output kept (tools, tool_choice, response_format...).
+    handle; every field that shapes the prompt kept (tools...), output constraints relaxed (tool_choice auto, no
+    structured outputs: pdproxy/apis/kv_transfer.py).
     Decode: the client's bytes with only the handle replaced, one member of each name."""
     sent = {"model": "sim-model", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 12, "min_tokens": 3,
             "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
@@ -48,9 +49,11 @@ def test_the_prefill_leg_asks_one_token_and_the_decoder_gets_the_clients_constra
     pb, db = p["body"], d["body"]
     assert (pb["max_tokens"], pb["min_tokens"], pb["stream"]) == (1, 1, False) and "stream_options" not in pb
     assert pb["kv_transfer_params"] == kv_transfer.PREFILL_STUB and "ec_transfer_params" not in pb
-    for key in ("messages", "tools", "tool_choice", "response_format", "structured_outputs", "logit_bias",
-                "cache_salt", "model"):
+    for key in ("messages", "tools", "logit_bias", "cache_salt", "model"):     # what shapes the prompt
         assert pb[key] == sent[key] == db[key], key
+    for key in ("tool_choice", "response_format", "structured_outputs"):        # what only steers sampling
+        assert sent[key] == db[key], key
+    assert pb["tool_choice"] == "auto" and not {"response_format", "structured_outputs"} & pb.keys()
     assert (db["max_tokens"], db["min_tokens"], db["stream"], db["stream_options"]) == (12, 3, True,
                                                                                         {"include_usage": True})
     assert db["kv_transfer_params"]["do_remote_prefill"] is True and db["kv_transfer_params"]["remote_host"] != "client"

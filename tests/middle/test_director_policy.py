@@ -96,20 +96,28 @@ async def test_when_every_prefiller_refuses_the_client_gets_a_502_without_engine
     assert "p2" not in error["message"] and "9000" not in error["message"], error
 
 
-async def test_a_prefiller_500_gets_one_more_try_elsewhere() -> None:
+async def test_a_prefiller_500_is_tried_elsewhere_only_when_its_engine_died() -> None:
+    """vLLM's EngineDeadError 500 gets one more prefiller; any other 500 is the request's own failure (a
+    constraint the model cannot meet in one token, say) and would fail the same way everywhere: never retried."""
+    dead = orjson.dumps({"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the "
+                                              "root cause.", "type": "InternalServerError", "code": 500}})
     async with Rig() as rig:
-        rig.fake.script("once", prefill=[Status(500)])
-        rig.fake.script("twice", prefill=[Status(500, b'{"error": "engine bug"}'), Status(500)])
-        once = await rig.run("once")
+        rig.fake.script("dead", prefill=[Status(500, dead)])
+        rig.fake.script("twice", prefill=[Status(500, dead), Status(500, dead)])
+        rig.fake.script("request", prefill=[Status(500, b'{"error": "engine bug"}')])
+        once = await rig.run("dead")
         twice = await rig.run("twice")
-    first, second = rig.fake.of("prefill", "once")
+        request = await rig.run("request")
+    first, second = rig.fake.of("prefill", "dead")
     assert first.result == "status" and second.result == "answered" and first.endpoint != second.endpoint
     assert_full_stream(once)
     legs = rig.fake.of("prefill", "twice")
     assert [c.result for c in legs] == ["status", "status"]           # not a third time
     assert legs[0].endpoint != legs[1].endpoint
-    assert not rig.fake.of("decode", "twice")
     assert twice.status == 500 and twice.json()["error"]["code"] == 500
+    assert [c.result for c in rig.fake.of("prefill", "request")] == ["status"]     # deterministic: not retried
+    assert request.status == 500 and request.json() == {"error": "engine bug"}
+    assert not rig.fake.of("decode", "twice") and not rig.fake.of("decode", "request")
 
 
 @pytest.mark.parametrize("status", [400, 404, 422, 429])

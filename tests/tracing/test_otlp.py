@@ -230,20 +230,23 @@ def test_a_prompt_refused_at_admission_is_an_error_trace_that_reached_no_engine(
     assert legs_received(*engines) == []
 
 
-def test_tracing_off_sends_no_trace_headers_even_when_the_client_does(
+def test_tracing_off_passes_the_clients_trace_headers_through(
         fresh: tuple[Engines, SpanStore]) -> None:
+    """As Envoy and vllm-router do: the engines' spans join the client's trace; pdproxy records none."""
     engines, store = fresh
     proxy = proxy_for(engines)
+    parent = f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
     try:
         assert not proxy.state.tracing.enabled
         r = httpx.post(proxy.url + "/v1/chat/completions", json={
             "model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-            headers={"traceparent": f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"}, timeout=30)
+            headers={"traceparent": parent}, timeout=30)
     finally:
         finish(proxy)
     assert r.status_code == 200
     received = legs_received(*engines)
-    assert len(received) == 2 and not any("traceparent" in h or "tracestate" in h for h in received)
+    assert len(received) == 2 and [h.get("traceparent") for h in received] == [parent, parent]
+    assert not any("tracestate" in h for h in received)
     assert store.snapshot() == []
 
 

@@ -1,0 +1,66 @@
+"""What of the client's own headers reaches the engines' legs (simulated engines on loopback): the Anthropic
+clients' ``x-api-key`` as the bearer token when pdproxy passes the client's credential through, and the W3C trace
+context when pdproxy's own tracing is off (pdproxy/http/engine_headers.py)."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import pytest
+
+from pdproxy.endpoints import Endpoint, Role
+from pdproxy.http.engine_headers import EngineHeaders, client_authorization
+from tests.apis.support import legs
+from tests.conftest import Fleet
+from tests.support import ProxyThread
+
+pytestmark = pytest.mark.timeout(60)
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+TRACESTATE = "vendor=opaque"
+CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "Hello there " * 20}], "max_tokens": 3}
+
+
+def test_the_anthropic_clients_x_api_key_is_passed_through_as_the_bearer_token(proxy: ProxyThread,
+                                                                               sims: Fleet) -> None:
+    client = anthropic.Anthropic(base_url=proxy.url, api_key="sk-tenant", max_retries=0, timeout=20)
+    assert client.messages.create(model="sim-model", max_tokens=2, messages=[
+        {"role": "user", "content": "Hello"}]).usage.output_tokens == 2
+    both = legs(sims.all, "/v1/messages")
+    assert len(both) == 2                                                  # the prefill leg and the decode leg
+    assert [leg["headers"].get("authorization") for leg in both] == ["Bearer sk-tenant"] * 2
+
+
+def test_the_clients_own_authorization_wins_over_its_x_api_key() -> None:
+    assert client_authorization("Bearer a", "b") == "Bearer a"
+    assert client_authorization(None, "b") == "Bearer b"
+    assert client_authorization(None, None) is None and client_authorization("", "") is None
+    keyed = EngineHeaders(engine_api_key="engine")                          # pdproxy's engine key still wins
+    endpoint = Endpoint("http://p:1", Role.PREFILL)
+    assert keyed.leg(endpoint, "r", client_authorization(None, "b"))["Authorization"] == "Bearer engine"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_clients_trace_context_reaches_both_legs_with_tracing_off(proxy: ProxyThread, sims: Fleet,
+                                                                       stream: bool) -> None:
+    headers = {"traceparent": TRACEPARENT, "tracestate": TRACESTATE}
+    r = httpx.post(proxy.url + "/v1/chat/completions", json={**CHAT, "stream": stream}, headers=headers,
+                   timeout=20)
+    assert r.status_code == 200, r.text
+    both = legs(sims.all, "/v1/chat/completions")
+    assert len(both) == 2
+    assert [(leg["headers"].get("traceparent"), leg["headers"].get("tracestate")) for leg in both] == [
+        (TRACEPARENT, TRACESTATE)] * 2
+
+
+def test_no_trace_context_is_made_up(proxy: ProxyThread, sims: Fleet) -> None:
+    assert httpx.post(proxy.url + "/v1/chat/completions", json=CHAT, timeout=20).status_code == 200
+    assert all("traceparent" not in leg["headers"] for leg in legs(sims.all, "/v1/chat/completions"))
+
+
+def test_a_passthrough_route_hands_on_the_trace_context(proxy: ProxyThread, sims: Fleet) -> None:
+    r = httpx.post(proxy.url + "/inference/v1/generate", headers={"traceparent": TRACEPARENT}, timeout=20,
+                   json={"model": "sim-model", "token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}})
+    assert r.status_code == 200, r.text
+    (leg,) = legs(sims.all, "/inference/v1/generate")
+    assert leg["headers"].get("traceparent") == TRACEPARENT
