@@ -281,9 +281,6 @@ class PrefixRouter:
         if not targets:
             return None
         namespace = self.namespace(req.model)
-        salt = req.body.get("cache_salt")
-        if isinstance(salt, str) and salt:   # vLLM mixes it into the first block's hash: a salted prompt shares no
-            namespace = f"{namespace}\0cache_salt\0{salt}"      # block with any other salt or with none
         sizes = {e.name: self.block_size(e) for e, _p, _a in targets}
         salt = cache_salt(req)
         lookup: PrefixLookup | None = None
