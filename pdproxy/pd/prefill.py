@@ -20,7 +20,7 @@ from pdproxy.apis.request import ProxyRequest, over_max_model_len
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.health import HealthMonitor
 from pdproxy.engines.pool import EndpointLoad, EndpointPool, Lease
-from pdproxy.errors import NoEndpointAvailable, ProxyError, UpstreamHTTPError, UpstreamUnavailable
+from pdproxy.errors import Action, NoEndpointAvailable, ProxyError, UpstreamUnavailable, classify
 from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.upstream import Upstream
 from pdproxy.ops.tracing import NO_TRACING, Tracing
@@ -32,9 +32,6 @@ from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext
 
 _NO_PREFIX = NoPrefix()
-
-# Prefiller answers worth another prefiller: they say "not me, not now".  500 gets one more try elsewhere.
-_RETRYABLE_STATUS = frozenset({502, 503, 504})
 
 
 @dataclass(slots=True)
@@ -149,10 +146,10 @@ class PrefillLeg:
                 slot.release()
                 if not self.health.record_error(endpoint, exc):
                     raise
-                status = exc.status_code if isinstance(exc, UpstreamHTTPError) else None
-                if status is not None and status not in _RETRYABLE_STATUS and (status != 500 or retried_500):
+                verdict = classify(exc)
+                if not verdict.retry(retried_500):
                     raise
-                retried_500 = retried_500 or status == 500
+                retried_500 = retried_500 or verdict.action is Action.RETRY_ONCE
                 tried.append(endpoint)
                 last = exc
                 continue
@@ -172,7 +169,7 @@ class PrefillLeg:
                 raise UpstreamUnavailable(
                     f"prefiller {endpoint.name} answered without kv_transfer_params: is it started with a KV "
                     "connector (--kv-transfer-config) in the producer role? (set allow_decode_side_prefill to let "
-                    "decoders prefill locally instead)", endpoint=endpoint.name, retryable=False)
+                    "decoders prefill locally instead)", endpoint=endpoint.name)
             if ctx.on_prefilled is not None:
                 ctx.on_prefilled(endpoint)
             return PrefillResult(endpoint, lease, params, ctx.cached_tokens, slot=slot,
