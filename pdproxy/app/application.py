@@ -272,23 +272,24 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        state = ProxyState.build(proxy.settings, proxy.share)
-        await state.start()
-        proxy.state = state
-        proxy.director = state.director()
-        gc_policy = GcPolicy(proxy.settings.gc_full_interval_s)  # no full-collection pauses mid-ramp (gcpolicy.py)
-        gc_policy.start()
-        try:
-            with proxy.request_log:
-                yield
-        finally:
-            gc_policy.stop()
-            state.shutting_down = True
-            if proxy.director is not None:
-                await proxy.director.aclose()  # background KV release legs (bounded)
-            await state.stop()
+        """Start-up top to bottom on one exit stack; shutdown is the same lines in reverse (also when a start-up
+        step raises: what started before it is stopped)."""
+        def forget() -> None:
             proxy.state = None
             proxy.director = None
+
+        async with contextlib.AsyncExitStack() as stack:
+            stack.callback(forget)                                  # last out: the routes answer 503 from here on
+            state = await stack.enter_async_context(ProxyState.build(proxy.settings, proxy.share))
+            director = state.director()
+            stack.push_async_callback(director.aclose)              # background KV release legs (bounded)
+            stack.callback(setattr, state, "shutting_down", True)   # first out: refuse new work
+            proxy.state, proxy.director = state, director
+            gc_policy = GcPolicy(proxy.settings.gc_full_interval_s)  # no full-collection pauses mid-ramp (gcpolicy.py)
+            gc_policy.start()
+            stack.callback(gc_policy.stop)
+            stack.enter_context(proxy.request_log)
+            yield
 
     app = FastAPI(title="pdproxy", version=__version__, lifespan=lifespan)
 
