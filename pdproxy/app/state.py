@@ -13,7 +13,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pdproxy.admission.admission import Admission
+from pdproxy.admission.admission import Admission, AdmissionStats
 from pdproxy.app.passthrough import Passthrough
 from pdproxy.endpoints import Endpoint
 from pdproxy.engines.control import EngineClient, EngineInfo
@@ -30,7 +30,7 @@ from pdproxy.prefix.cache import PrefixCache
 from pdproxy.prefix.routing import PrefixRouter
 from pdproxy.prefix.source import PrefixSource
 from pdproxy.scheduling import Scheduler
-from pdproxy.scheduling.queue import PrefillLedger, PrefillQueue
+from pdproxy.scheduling.queue import PrefillLedger, PrefillQueue, QueueStats
 from pdproxy.settings import Settings
 
 if TYPE_CHECKING:
@@ -104,6 +104,30 @@ class ProxyState:
                    scheduler=scheduler, queue=queue, headers=headers, upstream=upstream, engines=engines,
                    admission=admission, tracing=tracing, passthrough=passthrough, prefix_cache=prefix_cache,
                    prefix=prefix, share=share)
+
+    # --- what /metrics reads (pdproxy/ops/collector.py's MetricsState) ------------------------------------------
+    @property
+    def admission_counts(self) -> AdmissionStats:
+        """Admission's counters."""
+        return self.admission.stats
+
+    @property
+    def queue_counts(self) -> QueueStats:
+        """The prefill queue's counters."""
+        return self.queue.stats
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting in this process's prefill queue."""
+        return self.queue.depth
+
+    @property
+    def worker_requests(self) -> list[int] | None:
+        """With ``--workers N``: the engine requests each worker holds, by board row; None with one process."""
+        board = self.share.board if self.share is not None else None
+        if board is None or board.cells is None:          # one process, or the board is closed
+            return None
+        return [board.row_totals(row)[0] for row in range(board.rows)]
 
     def director(self, prefix: PrefixSource | None = None) -> Director:
         """A :class:`~pdproxy.pd.director.Director` on these components (the app lifespan's wiring), with its own
