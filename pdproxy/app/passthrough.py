@@ -28,7 +28,6 @@ the client's ``Content-Type`` and ``Accept``, one ``X-Request-Id``, ``Authorizat
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -275,34 +274,6 @@ class TrackedSend:
         elif not message.get("more_body", False):
             self.ended = True
         await self.send(message)
-
-
-async def until_disconnect(work: Awaitable[None], receive: Callable[[], Awaitable[dict[str, Any]]],
-                           ended: Callable[[], bool]) -> bool:
-    """Run ``work`` in this task, cancelling it when the client disconnects (ASGI ``http.disconnect``) before the
-    response ``ended()``.  Returns True when it was cancelled that way (the client left)."""
-    task = asyncio.current_task()
-    gone = False
-    disconnect = asyncio.ensure_future(receive())
-
-    def on_disconnect(_: asyncio.Future[Any]) -> None:
-        nonlocal gone
-        if not ended() and task is not None and not gone:
-            gone = True
-            task.cancel()
-
-    disconnect.add_done_callback(on_disconnect)
-    try:
-        await work
-    except asyncio.CancelledError:
-        if not gone or (task is not None and task.cancelling() > 1):
-            raise
-    finally:
-        disconnect.remove_done_callback(on_disconnect)
-        disconnect.cancel()
-        if gone and task is not None and task.cancelling():
-            task.uncancel()
-    return gone
 
 
 def not_found_body() -> bytes:
