@@ -61,7 +61,6 @@ class ProxyState:
     shutting_down: bool = False
     in_flight: int = 0
     share: WorkerShare | None = None
-    extras: dict[str, object] = field(default_factory=dict)
     _stack: AsyncExitStack | None = field(default=None, repr=False)
 
     @classmethod
