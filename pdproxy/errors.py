@@ -121,11 +121,14 @@ class ProxyError(Exception):
 
     Attributes: ``status_code`` (HTTP status), ``message`` (full text, for logs), ``error_type`` (envelope
     ``type``), ``param``, ``code`` (string code or None → the status), ``headers`` (extra response headers such
-    as Retry-After), ``outcome`` (metrics/log label).
+    as Retry-After), ``outcome`` (metrics/log label), ``rejection``: ``(reason, detail)`` for
+    ``pdproxy_rejections_total`` when the class declares it (None: :func:`pdproxy.ops.metrics.rejection_of`
+    derives it).
     """
 
     status_code = 500
     outcome = "error"
+    rejection: tuple[str, str] | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None, error_type: str | None = None,
@@ -240,7 +243,7 @@ class QueueTimeout(ProxyError):
 
     status_code = 503
     outcome = "timeout"
-    rejection = ("deadline", "queue")
+    rejection: tuple[str, str] | None = ("deadline", "queue")
 
     def __init__(self, waited_s: float, retry_after_s: int = 1) -> None:
         super().__init__(f"the request waited {waited_s:.1f} s in pdproxy's prefill queue without a free prefiller "

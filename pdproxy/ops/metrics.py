@@ -83,15 +83,14 @@ PHASES: dict[str, tuple[str, str, tuple[float, ...]]] = {
 def rejection_of(err: ProxyError) -> tuple[str, str] | None:
     """``(reason, detail)`` when pdproxy refused a request itself, else None (engine errors are not rejections).
 
-    An error class may declare ``rejection = (reason, detail)``; otherwise: :class:`PromptTooLong` →
+    An error may declare ``rejection = (reason, detail)`` (:attr:`ProxyError.rejection`); otherwise: :class:`PromptTooLong` →
     ``("too_long", limit_kind)``, :class:`Overloaded` → ``("queue_full", "")``, :class:`NoEndpointAvailable` →
     ``("no_endpoint", role)``, an outcome of ``deadline`` → ``("deadline", "")``, :class:`PayloadTooLarge` →
     ``("too_large", "body")``, :class:`BadRequest` → ``("bad_request", param)``, other proxy-side outcomes →
     ``(outcome, "")``.
     """
-    declared = getattr(err, "rejection", None)
-    if isinstance(declared, tuple) and len(declared) == 2:
-        return str(declared[0]), str(declared[1])
+    if err.rejection is not None:
+        return err.rejection
     if isinstance(err, PromptTooLong):
         return "too_long", err.limit_kind
     if isinstance(err, Overloaded):
