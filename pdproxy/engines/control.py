@@ -123,9 +123,10 @@ class EngineClient:
     async def health(self, endpoint: Endpoint) -> bool:
         """True if ``GET /health`` answers 200 (vLLM answers 503 when the engine is dead)."""
         try:
-            r = await self._client.get(endpoint.url + "/health", headers=endpoint.extra_headers())
+            with httpx_errors(f"{endpoint.role.value} {endpoint.name}", endpoint.name, " on GET /health"):
+                r = await self._client.get(endpoint.url + "/health", headers=endpoint.extra_headers())
             return r.status_code == 200
-        except httpx.HTTPError:
+        except ProxyError:
             return False
 
     async def get_json(self, endpoint: Endpoint, path: str) -> Any:
