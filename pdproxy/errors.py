@@ -30,14 +30,25 @@ Tree::
     ├── QueueTimeout (503)           waited in the prefill queue past its deadline; carries Retry-After
     ├── NoEndpointAvailable (503)    no healthy prefiller/decoder; carries Retry-After
     ├── ShuttingDown (503)
-    ├── UpstreamUnavailable (502)    connect refused/reset, engine 5xx
+    ├── UpstreamUnavailable (502)    connection reset, protocol broken, an unusable answer
+    │   └── UpstreamRefused (502)    the connection could not be opened: the engine never saw the request
     ├── UpstreamTimeout (504)        a leg's deadline passed
     └── UpstreamHTTPError (any)      engine answered 4xx/5xx: status and body are passed through verbatim
+
+The transports' own exceptions (pdproxy's HTTP/1.1 client for the legs, httpx for the control plane and
+passthrough) become these classes in one place, :mod:`pdproxy.http.errors`; nothing above ``http/`` catches a
+transport's exception.  What an engine failure means for the request and for the engine — another engine, one more
+try, the client's fault, or an unwell engine — is :func:`classify`'s one table (used by both legs, passthrough and
+health).
 """
 
 from __future__ import annotations
 
+import email.utils
+import enum
 import re
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -110,11 +121,14 @@ class ProxyError(Exception):
 
     Attributes: ``status_code`` (HTTP status), ``message`` (full text, for logs), ``error_type`` (envelope
     ``type``), ``param``, ``code`` (string code or None → the status), ``headers`` (extra response headers such
-    as Retry-After), ``outcome`` (metrics/log label).
+    as Retry-After), ``outcome`` (metrics/log label), ``rejection``: ``(reason, detail)`` for
+    ``pdproxy_rejections_total`` when the class declares it (None: :func:`pdproxy.ops.metrics.rejection_of`
+    derives it).
     """
 
     status_code = 500
     outcome = "error"
+    rejection: tuple[str, str] | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None, error_type: str | None = None,
@@ -229,7 +243,7 @@ class QueueTimeout(ProxyError):
 
     status_code = 503
     outcome = "timeout"
-    rejection = ("deadline", "queue")
+    rejection: tuple[str, str] | None = ("deadline", "queue")
 
     def __init__(self, waited_s: float, retry_after_s: int = 1) -> None:
         super().__init__(f"the request waited {waited_s:.1f} s in pdproxy's prefill queue without a free prefiller "
@@ -265,11 +279,14 @@ class UpstreamUnavailable(ProxyError):
     status_code = 502
     outcome = "upstream_error"
 
-    def __init__(self, message: str, *, endpoint: str = "", retryable: bool = True,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(self, message: str, *, endpoint: str = "", headers: dict[str, str] | None = None) -> None:
         super().__init__(message, headers=headers)
         self.endpoint = endpoint
-        self.retryable = retryable
+
+
+class UpstreamRefused(UpstreamUnavailable):
+    """The connection could not be opened (refused, unreachable, connect timeout): the engine never saw the
+    request, so e.g. the prefiller's KV handle is still intact and may go to another decoder."""
 
 
 class UpstreamTimeout(ProxyError):
@@ -335,3 +352,100 @@ def sse_error_event(err: ProxyError | Exception) -> bytes:
     else:
         body = error_body(502, public_message(f"upstream stream failed: {err.__class__.__name__}: {err}"))
     return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """Parse a ``Retry-After`` header (delta-seconds or an HTTP-date, RFC 9110 §10.2.3) into seconds ≥ 0;
+    None when absent or unparseable."""
+    if not value:
+        return None
+    text = value.strip()
+    try:
+        return max(0.0, float(text))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+class Action(enum.Enum):
+    """What a failed call to an engine means for the request (see :func:`classify`)."""
+
+    FAIL_OVER = "fail_over"
+    """The engine could not take it now (refused, reset, timed out, 502/503/504): try another engine."""
+    RETRY_ONCE = "retry_once"
+    """The engine's core died under it (a 500 with vLLM's ``EngineDeadError``): one more engine at most."""
+    REQUEST_FAULT = "request_fault"
+    """The request's own fault (a 4xx): the engine's answer goes to the client; no verdict on the engine."""
+    ENGINE_UNWELL = "engine_unwell"
+    """Any other 5xx (a 500 without a dead core, 501, 505, …): counted against the engine, but another one would
+    answer the same."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """:func:`classify`'s answer.  ``action``: what to do with the request; ``unsent``: the engine never saw the
+    request (the connection was refused), so a prefiller's KV handle sent to it is still intact and its breaker
+    opens at once; ``retry_after_s``: the engine's ``Retry-After`` in seconds (None: not given)."""
+
+    action: Action
+    unsent: bool = False
+    retry_after_s: float | None = None
+
+    @property
+    def engine_fault(self) -> bool:
+        """True when the failure counts against the engine (its breaker, an immediate probe)."""
+        return self.action is not Action.REQUEST_FAULT
+
+    def retry(self, retried_once: bool = False) -> bool:
+        """Whether another engine should get the request; ``retried_once``: a :attr:`Action.RETRY_ONCE` failure
+        already had its one more try."""
+        return self.action is Action.FAIL_OVER or (self.action is Action.RETRY_ONCE and not retried_once)
+
+
+_FAIL_OVER_STATUS = frozenset({502, 503, 504})
+"""Engine statuses that say "not me, not now" (a gateway's or vLLM's overload / dead-engine answers)."""
+_REFUSED = Verdict(Action.FAIL_OVER, unsent=True)
+_FAIL_OVER = Verdict(Action.FAIL_OVER)
+
+
+ENGINE_DEAD_MESSAGE = b"EngineCore encountered an issue"
+"""The start of vLLM's ``EngineDeadError`` message (``vllm/v1/engine/exceptions.py``), which its 500 carries."""
+
+
+def classify_status(status: int, retry_after: str | None = None, body: bytes = b"") -> Verdict:
+    """The verdict on an engine's HTTP answer ``status`` (≥ 400) with its ``Retry-After`` header value and error
+    ``body``: 4xx → request's fault; 502/503/504 → fail over; a 500 whose body says the engine core died (vLLM's
+    ``EngineDeadError``) → retry once; any other 500 or 5xx → engine unwell (no retry: vLLM 0.32 answers 503 for
+    what is worth a retry, ``RetryableRequestError``, so another engine would fail the same way)."""
+    if status < 500:
+        return Verdict(Action.REQUEST_FAULT)
+    action = (Action.FAIL_OVER if status in _FAIL_OVER_STATUS else
+              Action.RETRY_ONCE if status == 500 and ENGINE_DEAD_MESSAGE in body else Action.ENGINE_UNWELL)
+    return Verdict(action, retry_after_s=retry_after_seconds(retry_after))
+
+
+def classify(exc: BaseException) -> Verdict:
+    """The one retry classification of a failed call to an engine (both legs, passthrough, health):
+
+    ==========================================  ============  ======  ============
+    failure                                     action        unsent  engine fault
+    ==========================================  ============  ======  ============
+    :class:`UpstreamRefused` (not connected)    fail over     yes     yes
+    :class:`UpstreamUnavailable`, reset, …      fail over     no      yes
+    :class:`UpstreamTimeout`                    fail over     no      yes
+    :class:`UpstreamHTTPError` 502/503/504      fail over     no      yes
+    :class:`UpstreamHTTPError` 500, engine dead retry once    no      yes
+    :class:`UpstreamHTTPError` other 500, 5xx   engine unwell no      yes
+    :class:`UpstreamHTTPError` 4xx              request fault no      no
+    any other exception                         fail over     no      yes
+    ==========================================  ============  ======  ============
+    """
+    if isinstance(exc, UpstreamHTTPError):
+        return classify_status(exc.status_code, exc.retry_after, exc.raw_body)
+    if isinstance(exc, UpstreamRefused):
+        return _REFUSED
+    return _FAIL_OVER

@@ -20,7 +20,8 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+
+from pdproxy.endpoints import Endpoint
 
 
 class GapCounts:
@@ -86,8 +87,30 @@ def new_request_id(client_id: str | None) -> str:
 @dataclass(slots=True)
 class RequestContext:
     """What one request carries through the path: ids, auth, chosen endpoints, outcome, timeline.
-    ``client_headers``: the client's request headers as (lower-case name, value) byte pairs, read only when needed
-    (the trace context, pdproxy/ops/tracing.py)."""
+
+    Every field has one owner that writes it (others only read, for metrics, the request log and spans); the
+    passthrough routes (``pdproxy/app/passthrough.py``) and fan-out (``pdproxy/pd/fanout.py``, each sequence's
+    own context summed into the client's) stand in for the P→D owners on their own paths:
+
+    - ``request_id``, ``client_request_id``, ``api_label``, ``client_headers`` (the client's request headers as
+      (lower-case name, value) byte pairs, read only when needed: the trace context, pdproxy/ops/tracing.py),
+      ``authorization``, ``model``, ``gaps``: the route handler (``pdproxy/app/application.py``) when the
+      request arrives; ``request_id`` is renewed by the director for a continuation (``pdproxy/pd/director.py``);
+    - ``prompt_tokens``, ``disaggregated``, ``timeline.admitted_at``: admission
+      (``pdproxy/admission/admission.py``); the prefix lookup replaces ``prompt_tokens`` by the engine's count
+      (``pdproxy/prefix/routing.py``), which also owns ``predicted_cached_tokens`` and ``prefix_mode``;
+    - ``prefiller``, ``engine_prompt_tokens``, ``cached_tokens``, ``timeline.prefill_start_at`` /
+      ``prefill_end_at``: the prefill leg (``pdproxy/pd/prefill.py``; the director clears ``cached_tokens`` when a
+      decoder prefills after all); ``on_prefilled`` is set by fan-out and called by the prefill leg;
+    - ``decoder``, ``decoder_dp_rank``, ``timeline.decode_start_at``: the decode leg (``pdproxy/pd/decode.py``);
+    - ``events``, ``timeline.first_token_at`` / ``last_token_at`` and the counts in ``gaps``: the relay
+      (``pdproxy/pd/relay.py``; for a JSON answer the decode leg, for an answer from the prefiller
+      ``pdproxy/pd/prefill_answer.py``); ``completion_tokens``: the stream transforms that read usage
+      (``pdproxy/apis/chat.py``, ``pdproxy/apis/streams.py``) or the JSON answer's reader;
+    - ``status``: the responder when the status line goes out (``pdproxy/pd/responder.py``);
+    - ``outcome``, ``error``, ``rejection``, ``timeline.finished_at``: the route handler from the error that
+      ended the request; a failure after the response started is the relay's (``outcome``, ``error``).
+    """
 
     request_id: str
     client_request_id: str | None
@@ -100,16 +123,16 @@ class RequestContext:
     prompt_tokens: int | None = None
     engine_prompt_tokens: int | None = None  # the prefiller's usage.prompt_tokens (admission may have estimated)
     cached_tokens: int | None = None
-    predicted_cached_tokens: int | None = None  # prefix routing's prediction for the prefiller (pdproxy/prefix_routing)
+    predicted_cached_tokens: int | None = None  # prefix routing's prediction for the prefiller (pdproxy/prefix/routing.py)
     prefix_mode: str | None = None  # where that prediction came from: precise | approximate | text
     completion_tokens: int | None = None
     events: int = 0
     status: int = 0
     outcome: str = "ok"
     error: str | None = None
-    rejection: tuple[str, str] | None = None  # (reason, detail) when pdproxy refused the request (metrics.py)
+    rejection: tuple[str, str] | None = None  # (reason, detail) when pdproxy refused the request (pdproxy/ops/metrics.py)
     gaps: GapCounts | None = None  # ITL: the relay counts each gap between client writes (:class:`GapCounts`)
-    on_prefilled: Callable[[Any], None] | None = None  # called with the prefiller once its answer is in (fan-out)
+    on_prefilled: Callable[[Endpoint], None] | None = None  # called with the prefiller once its answer is in (fan-out)
     disaggregated: bool = True
     timeline: Timeline = field(default_factory=Timeline)
     client_headers: Sequence[tuple[bytes, bytes]] = ()

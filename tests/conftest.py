@@ -5,6 +5,7 @@ Every test that uses ``proxy`` ends by asserting that the proxy's per-endpoint l
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -59,3 +60,47 @@ def proxy(sims: Fleet) -> Iterator[ProxyThread]:
         p.wait_idle()
     finally:
         p.stop()
+
+
+# --- test layers: each runs alone with ``pytest -m unit|middle|loopback|real_vllm`` (docs/architecture.md) --------
+
+LAYERS = ("unit", "middle", "loopback", "real_vllm")
+_PROCESS_FIXTURES = frozenset({"fleet", "sims", "proxy"})
+"""Fixtures that start simulated engines (separate processes) or a proxy on loopback sockets."""
+_PROCESS_HELPERS = frozenset({"SimProcess", "ProxyThread", "running", "subprocess", "multiprocessing", "serveproc",
+                              "envoyproc", "ServeProc", "EnvoyProc", "Popen"})
+"""Names whose presence in a test module means it starts processes (tests/support.py, tests/ops/serveproc.py,
+tests/envoy/envoyproc.py, the standard library's process modules)."""
+
+
+def layer(item: pytest.Item) -> str:
+    """The layer of one test: ``real_vllm`` (marked so by hand), ``middle`` (tests/middle/: the real director and
+    relay on fake engines, in process), ``unit`` (tests/unit/, and any other test that starts no process: it may
+    open loopback sockets inside its own process, e.g. an in-process simulator or a raw asyncio server), else
+    ``loopback`` (the test or one of its fixtures starts simulated engines, pdproxy or Envoy as processes, or
+    pdproxy on loopback sockets in a thread)."""
+    if item.get_closest_marker("real_vllm"):
+        return "real_vllm"
+    parts = item.path.parts
+    if "middle" in parts:
+        return "middle"
+    if "unit" in parts:
+        return "unit"
+    if _PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        return "loopback"
+    modules = [getattr(item, "module", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in (info.name2fixturedefs.values() if info is not None else ()):
+        modules.extend(sys.modules.get(getattr(d.func, "__module__", "")) for d in defs
+                       if getattr(d.func, "__module__", "") != __name__)   # this file's: _PROCESS_FIXTURES
+    if any(m is not None and _PROCESS_HELPERS.intersection(vars(m)) for m in modules):
+        return "loopback"           # the test, or a fixture it uses, starts processes
+    return "unit"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test with its layer (:func:`layer`), so ``pytest -m unit`` runs only the unit layer."""
+    for item in items:
+        name = layer(item)
+        if name != "real_vllm":
+            item.add_marker(getattr(pytest.mark, name))

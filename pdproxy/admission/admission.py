@@ -226,7 +226,8 @@ class Admission:
                 AdmissionStats.bump(self.stats.rejected_total, f"{violation.role.value}:{violation.limit_kind}")
                 raise violation.error(tokens, exact=exact)
         req.prompt_tokens = tokens
-        req.extra["prompt_tokens_upper"] = upper
+        req.prompt_tokens_upper = upper
+        req.prompt_tokens_estimated = method == "estimate"
         self.stats.admitted_total += 1
         self._choose_path(req, ctx)
         ctx.timeline.admitted_at = time.monotonic()

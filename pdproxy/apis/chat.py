@@ -29,12 +29,12 @@ The Responses and Messages streams' transforms are in :mod:`pdproxy.apis.streams
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import orjson
 
 from pdproxy.apis import recompute
 from pdproxy.apis.request import completion_tokens_in, patch_usage
+from pdproxy.apis.transform import Transform
 from pdproxy.errors import UpstreamHTTPError
 from pdproxy.http import sse
 from pdproxy.timeline import RequestContext
@@ -188,6 +188,10 @@ class RecordTranscript:
         t.add(block)
         return block
 
+    def ending(self, block: bytes, prev: bytes) -> bytes:
+        """The stream's last block, as is."""
+        return block
+
 
 class ContinueTranscript:
     """A continuation attempt: ids and usage rewritten to continue the first attempt (``keep_usage``: the client
@@ -213,6 +217,10 @@ class ContinueTranscript:
             return b""
         out, self.recomputed = self.transcript.rewrite(block, keep_usage=self.keep_usage)
         return out
+
+    def ending(self, block: bytes, prev: bytes) -> bytes:
+        """The stream's last block, as is."""
+        return block
 
 
 class DetectRecomputed:
@@ -248,7 +256,7 @@ class Chain:
     __slots__ = ("parts",)
     trigger = b""
 
-    def __init__(self, parts: list[Any]) -> None:
+    def __init__(self, parts: list[Transform]) -> None:
         self.parts = parts
 
     @property
@@ -259,4 +267,10 @@ class Chain:
         for p in self.parts:
             if block and block.find(p.trigger) >= 0:
                 block = p.feed(block, prev)
+        return block
+
+    def ending(self, block: bytes, prev: bytes) -> bytes:
+        """The stream's last block through each part's ending, in order."""
+        for p in self.parts:
+            block = p.ending(block, prev)
         return block

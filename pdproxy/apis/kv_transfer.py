@@ -205,18 +205,6 @@ def prefill_body(original: Mapping[str, Any], api: Api = Api.CHAT, *, engine_jud
     return body
 
 
-ENGINE_DEAD_MESSAGE = b"EngineCore encountered an issue"
-"""The start of vLLM's ``EngineDeadError`` message (``vllm/v1/engine/exceptions.py``), which its 500 carries."""
-
-
-def prefill_500_retryable(body: bytes) -> bool:
-    """Whether a prefiller's HTTP 500 (``body``: its error body) is worth another prefiller: only when the engine
-    says its core died (vLLM's ``EngineDeadError``).  Any other 500 is the request's own failure on that model and
-    deployment (vLLM 0.32 answers 503 for what is worth a retry, ``RetryableRequestError``), so it would fail the
-    same way elsewhere: it reaches the client at once."""
-    return body.find(ENGINE_DEAD_MESSAGE) >= 0
-
-
 def responses_request_id(original: Mapping[str, Any], request_id: str | None) -> str | None:
     """The ``request_id`` both legs of a Responses request carry (the engine names the response after it): None
     when the client set its own (which then stays, on both legs) or when ``request_id`` is None, else

@@ -59,7 +59,12 @@ class ProxyRequest:
     leg is sent; ``engine_judges``: a field the prefill leg would rewrite is invalid for vLLM, so the prefill leg
     carries the client's values and the prefiller answers vLLM's own 400 (``kv_transfer.prefill_body``);
     ``fault``: what pdproxy found (vLLM's wording), answered by pdproxy itself should an engine accept the request
-    after all; ``prompt_tokens``: filled in by admission (tokens), None until counted; ``n``: choices per prompt
+    after all; ``prompt_tokens``: filled in by admission (tokens), None until counted, and replaced by the prefix
+    lookup's count in the engine's tokens when it has one (:mod:`pdproxy.prefix.routing`);
+    ``prompt_tokens_upper``: admission's upper bound on them (tokens; what the engines' limits are checked
+    against), ``prompt_tokens_estimated``: admission only estimated them (nothing counted them exactly);
+    ``prefix_lookup``: the prefix lookup of this prompt, written and read only by :mod:`pdproxy.prefix.routing`
+    (its ``PrefixLookup``; ``object`` here because ``apis/`` sits below ``prefix/``); ``n``: choices per prompt
     and ``prompts``: prompts of a completion prompt list (their product is the number of sequences,
     :mod:`pdproxy.pd.fanout`).  Responses and Messages requests (:mod:`pdproxy.apis.fields`) have
     ``max_output_tokens`` = their ``max_output_tokens`` / ``max_tokens``.
@@ -73,7 +78,9 @@ class ProxyRequest:
     model: str | None
     max_output_tokens: int | None
     prompt_tokens: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    prompt_tokens_upper: int | None = None
+    prompt_tokens_estimated: bool = False
+    prefix_lookup: object | None = None
     min_tokens: int | None = None
     continuous_usage: bool = False
     decoder_prefills: bool = False
@@ -81,6 +88,7 @@ class ProxyRequest:
     fault: BadRequest | None = None
     n: int = 1
     prompts: int = 1
+    _count_view: tuple[dict[str, Any], bool, bool] | None = field(default=None, repr=False, compare=False)
 
     @property
     def prompt_param(self) -> str:
@@ -97,7 +105,7 @@ class ProxyRequest:
         """``(body, chat, add_special_tokens)`` to count the prompt with: the client's body for chat and
         completions; for Responses and Messages the chat they render (:mod:`pdproxy.apis.fields`), Responses
         encoded with the tokenizer's special tokens."""
-        view = self.extra.get("count_view")
+        view = self._count_view
         if view is None:
             if self.api is Api.RESPONSES:
                 view = (api_requests.responses_chat(self.body), True, True)
@@ -105,7 +113,7 @@ class ProxyRequest:
                 view = (api_requests.messages_chat(self.body), True, False)
             else:
                 view = (self.body, self.api is Api.CHAT, False)
-            self.extra["count_view"] = view
+            self._count_view = view
         return view
 
 

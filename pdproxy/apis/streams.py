@@ -192,6 +192,10 @@ class _EventStream:
         """True when ``block`` holds an event that ends the stream (one of ``terminal``)."""
         return any(block.find(t) >= 0 for t in self.terminal)
 
+    def ending(self, block: bytes, prev: bytes) -> bytes:
+        """The stream's last block, as is (:class:`pdproxy.apis.transform.Transform`)."""
+        return block
+
     def _note_end(self, block: bytes) -> None:
         """Mark the response done at the stream's last event; an engine error event is the request's outcome."""
         if self.responder is not None and self.ended(block):

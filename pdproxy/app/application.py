@@ -34,6 +34,7 @@ from pdproxy.apis.kv_transfer import client_handle_fault
 from pdproxy.apis.request import Api, ProxyRequest, load_json, parse_request
 from pdproxy.app import passthrough
 from pdproxy.app.admin import build_admin_router, check_debug_access, read_body
+from pdproxy.app.disconnect import asgi_disconnect, cancel_on_disconnect, exchange_disconnect
 from pdproxy.app.state import ProxyState
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.errors import (
@@ -138,7 +139,7 @@ class PDProxyApp:
             state.in_flight += 1
             try:
                 work = state.passthrough.serve(path, body, headers, ctx, out)
-                if await passthrough.until_disconnect(work, receive, lambda: out.ended):
+                if await cancel_on_disconnect(work, asgi_disconnect(receive), lambda: out.ended):
                     ctx.outcome = "client_disconnected"
             finally:
                 state.in_flight -= 1
@@ -237,42 +238,29 @@ class PDProxyApp:
     async def _serve_until_disconnect(self, director: Director, req: Any, ctx: RequestContext, out: Responder,
                                       ex: Exchange) -> None:
         """Run the director in this task, cancelling it as soon as the client disconnects (the connection's
-        ``on_disconnect``), and send errors the way still open to us."""
-        task = asyncio.current_task()
+        ``on_disconnect``, :func:`~pdproxy.app.disconnect.cancel_on_disconnect`), and send errors the way still open
+        to us."""
         dropped = False
-
-        def on_disconnect() -> None:
-            nonlocal dropped
-            if not out.ended and task is not None and not dropped:  # after the last byte it is only "complete"
-                dropped = True
-                task.cancel()
-
-        ex.on_disconnect = on_disconnect
         try:
-            await director.serve(req, ctx, out)
-        except asyncio.CancelledError:
-            if not dropped or (task is not None and task.cancelling() > 1):  # also cancelled from outside
-                ctx.outcome = "cancelled"  # the server is stopping now (forced shutdown): say so, briefly
-                if out.started and not out.ended:
-                    with contextlib.suppress(Exception):
-                        out.error_nowait(ShuttingDown())
-                raise
+            dropped = await cancel_on_disconnect(director.serve(req, ctx, out), exchange_disconnect(ex),
+                                                 lambda: out.ended)  # after the last byte it is only "complete"
+        except asyncio.CancelledError:                                # cancelled from outside
+            ctx.outcome = "cancelled"  # the server is stopping now (forced shutdown): say so, briefly
+            if out.started and not out.ended:
+                with contextlib.suppress(Exception):
+                    out.error_nowait(ShuttingDown())
+            raise
         except ProxyError as err:
-            if not dropped:
-                ctx.outcome = err.outcome
-                ctx.rejection = rejection_of(err)
-                out.error_nowait(err)
+            ctx.outcome = err.outcome
+            ctx.rejection = rejection_of(err)
+            out.error_nowait(err)
         except Exception as exc:  # a bug, not an upstream condition: still answer, never hang
-            if not dropped:
-                log.exception("request %s failed", ctx.request_id)
-                ctx.outcome = "internal_error"
-                out.error_nowait(ProxyError(f"internal error in pdproxy: {exc.__class__.__name__}"))
+            log.exception("request %s failed", ctx.request_id)
+            ctx.outcome = "internal_error"
+            out.error_nowait(ProxyError(f"internal error in pdproxy: {exc.__class__.__name__}"))
         finally:
-            ex.on_disconnect = None
             if dropped:
                 ctx.outcome = "client_disconnected"
-                if task is not None and task.cancelling():
-                    task.uncancel()
             elif not out.ended and out.started:
                 out.end_nowait()
 
@@ -282,24 +270,25 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        state = ProxyState.build(proxy.settings, proxy.share)
-        await state.start()
-        proxy.state = state
-        proxy.director = state.director()
-        proxy.metrics.follow_releases(proxy.director.kv_release)  # pdproxy_kv_release_legs_total
-        gc_policy = GcPolicy(proxy.settings.gc_full_interval_s)  # no full-collection pauses mid-ramp (gcpolicy.py)
-        gc_policy.start()
-        try:
-            with proxy.request_log:
-                yield
-        finally:
-            gc_policy.stop()
-            state.shutting_down = True
-            if proxy.director is not None:
-                await proxy.director.aclose()  # background KV release legs (bounded)
-            await state.stop()
+        """Start-up top to bottom on one exit stack; shutdown is the same lines in reverse (also when a start-up
+        step raises: what started before it is stopped)."""
+        def forget() -> None:
             proxy.state = None
             proxy.director = None
+
+        async with contextlib.AsyncExitStack() as stack:
+            stack.callback(forget)                                  # last out: the routes answer 503 from here on
+            state = await stack.enter_async_context(ProxyState.build(proxy.settings, proxy.share))
+            director = state.director()
+            stack.push_async_callback(director.aclose)              # background KV release legs (bounded)
+            stack.callback(setattr, state, "shutting_down", True)   # first out: refuse new work
+            proxy.state, proxy.director = state, director
+            proxy.metrics.follow_releases(director.kv_release)  # pdproxy_kv_release_legs_total
+            gc_policy = GcPolicy(proxy.settings.gc_full_interval_s)  # no full-collection pauses mid-ramp (gcpolicy.py)
+            gc_policy.start()
+            stack.callback(gc_policy.stop)
+            stack.enter_context(proxy.request_log)
+            yield
 
     app = FastAPI(title="pdproxy", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)       # served below, with the access of the debug routes

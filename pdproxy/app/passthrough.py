@@ -50,15 +50,16 @@ from pdproxy.engines.health import HealthMonitor
 from pdproxy.engines.models import ServedModels
 from pdproxy.engines.pool import EndpointPool
 from pdproxy.errors import (
+    Action,
     BadRequest,
     NotFound,
     ProxyError,
     UpstreamHTTPError,
-    UpstreamTimeout,
-    UpstreamUnavailable,
+    classify_status,
     error_body,
 )
 from pdproxy.http.engine_headers import TRACE_HEADERS, EngineHeaders
+from pdproxy.http.errors import httpx_error, httpx_errors
 from pdproxy.pd.decode import routing_headers
 from pdproxy.scheduling import PickRequest, Scheduler
 from pdproxy.settings import Settings
@@ -82,7 +83,6 @@ ROUTES: dict[str, str] = {
 ANTHROPIC_ROUTES = frozenset({"/v1/messages/count_tokens"})
 """Routes whose own errors take the Anthropic envelope."""
 
-_RETRYABLE = frozenset({502, 503, 504})
 _OFF_LOOP_BYTES = 1 << 20
 """Bodies larger than this (uploads: python-multipart reads ~7 ns a byte here) are parsed in a worker thread."""
 _MODEL_FIELD_MAX = 1024
@@ -270,20 +270,17 @@ class Passthrough:
         who = f"{endpoint.role.value} {endpoint.name}"
         request = self.client.build_request("POST", endpoint.url + path, content=body,
                                             headers=self._engine_headers(endpoint, ctx, client))
-        try:
+        with httpx_errors(who, endpoint.name, f" on {path}"):
             resp = await self.client.send(request, stream=True)
-        except httpx.TimeoutException:
-            raise UpstreamTimeout(f"{who} did not answer {path} in time", endpoint=endpoint.name) from None
-        except httpx.HTTPError as exc:
-            raise UpstreamUnavailable(f"{who} failed on {path}: {exc.__class__.__name__}: {exc}",
-                                      endpoint=endpoint.name) from None
         try:
-            if resp.status_code == 404 or resp.status_code in _RETRYABLE:
-                data = await resp.aread()
+            retry = resp.status_code >= 500 and classify_status(resp.status_code).action is Action.FAIL_OVER
+            if resp.status_code == 404 or retry:
+                with httpx_errors(who, endpoint.name, f" on {path}"):
+                    data = await resp.aread()
                 if resp.status_code == 404 and _route_not_found(data):
                     self.health.record_neutral(endpoint)
                     return "not_served"
-                if resp.status_code in _RETRYABLE:
+                if retry:
                     raise UpstreamHTTPError(resp.status_code, data, endpoint=endpoint.name,
                                             content_type=resp.headers.get("content-type", "application/json"),
                                             retry_after=resp.headers.get("retry-after"))
@@ -336,8 +333,7 @@ class Passthrough:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as exc:
             if not started:
-                raise UpstreamUnavailable(f"engine {self._who(ctx)} failed before its answer: "
-                                          f"{exc.__class__.__name__}", endpoint=self._who(ctx)) from None
+                raise httpx_error(exc, f"engine {self._who(ctx)}", self._who(ctx), " before its answer") from None
             ctx.outcome = "upstream_error"
             ctx.error = f"engine {self._who(ctx)} failed mid-answer: {exc.__class__.__name__}"
         if not started:
@@ -364,34 +360,6 @@ class TrackedSend:
         elif not message.get("more_body", False):
             self.ended = True
         await self.send(message)
-
-
-async def until_disconnect(work: Awaitable[None], receive: Callable[[], Awaitable[dict[str, Any]]],
-                           ended: Callable[[], bool]) -> bool:
-    """Run ``work`` in this task, cancelling it when the client disconnects (ASGI ``http.disconnect``) before the
-    response ``ended()``.  Returns True when it was cancelled that way (the client left)."""
-    task = asyncio.current_task()
-    gone = False
-    disconnect = asyncio.ensure_future(receive())
-
-    def on_disconnect(_: asyncio.Future[Any]) -> None:
-        nonlocal gone
-        if not ended() and task is not None and not gone:
-            gone = True
-            task.cancel()
-
-    disconnect.add_done_callback(on_disconnect)
-    try:
-        await work
-    except asyncio.CancelledError:
-        if not gone or (task is not None and task.cancelling() > 1):
-            raise
-    finally:
-        disconnect.remove_done_callback(on_disconnect)
-        disconnect.cancel()
-        if gone and task is not None and task.cancelling():
-            task.uncancel()
-    return gone
 
 
 def not_found_body() -> bytes:

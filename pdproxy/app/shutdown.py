@@ -26,18 +26,37 @@ import signal
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 import uvicorn
 
 log = logging.getLogger("pdproxy.shutdown")
 
 
+class DrainState(Protocol):
+    """What the drain reads and writes of the proxy's state (``pdproxy/app/state.py``'s ``ProxyState``):
+    ``in_flight`` requests, and ``shutting_down`` (set: new requests get 503 + Retry-After)."""
+
+    in_flight: int
+    shutting_down: bool
+
+
+class Drainable(Protocol):
+    """What the drain reads and writes of the app (:class:`pdproxy.app.application.PDProxyApp`): its ``state``
+    (None outside the lifespan) and ``unready`` (set: ``GET /health`` answers 503 while requests are still
+    served)."""
+
+    unready: bool
+
+    @property
+    def state(self) -> DrainState | None: ...
+
+
 class DrainingServer(uvicorn.Server):
     """``uvicorn.Server`` with the drain above.  ``proxy``: the :class:`pdproxy.app.application.PDProxyApp` being served;
     ``grace_s``: seconds in-flight requests get after the signal; ``poll_s``: how often in-flight is checked."""
 
-    def __init__(self, config: uvicorn.Config, proxy: Any, *, grace_s: float, delay_s: float = 0.0,
+    def __init__(self, config: uvicorn.Config, proxy: Drainable, *, grace_s: float, delay_s: float = 0.0,
                  poll_s: float = 0.05, on_started: Callable[[list[tuple[Any, ...]]], None] | None = None) -> None:
         super().__init__(config)
         self.proxy = proxy
@@ -76,7 +95,7 @@ class DrainingServer(uvicorn.Server):
             return
         self.draining = True
         self._drain_started = time.monotonic()
-        state = getattr(self.proxy, "state", None)
+        state = self.proxy.state
         in_flight = state.in_flight if state is not None else 0
         extra = {"event": "shutdown_started", "signal": signal.Signals(sig).name, "in_flight": in_flight,
                  "grace_s": self.grace_s, "delay_s": self.delay_s}
@@ -91,13 +110,13 @@ class DrainingServer(uvicorn.Server):
             log.info("pdproxy: %s: shutting down (nothing in flight)", signal.Signals(sig).name, extra=extra)
         if self.delay_s <= 0:
             self.begin_drain()
-        elif hasattr(self.proxy, "unready"):
+        else:
             self.proxy.unready = True
         self._loop.call_soon_threadsafe(self._start_drain_task)
 
     def begin_drain(self) -> None:
         """Refuse new work from now on (503 + Retry-After; /health 503)."""
-        state = getattr(self.proxy, "state", None)
+        state = self.proxy.state
         if state is not None:
             state.shutting_down = True
 
@@ -113,12 +132,12 @@ class DrainingServer(uvicorn.Server):
             self.begin_drain()
         deadline = loop.time() + self.grace_s
         while loop.time() < deadline:
-            state = getattr(self.proxy, "state", None)
+            state = self.proxy.state
             if state is None or state.in_flight == 0:
                 break
             await asyncio.sleep(self.poll_s)
         else:
-            state = getattr(self.proxy, "state", None)
+            state = self.proxy.state
             left = state.in_flight if state is not None else 0
             if left:
                 log.warning("pdproxy: shutdown_grace_s (%.0f s) is over: cutting %d request(s) still in flight",

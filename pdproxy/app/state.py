@@ -1,15 +1,19 @@
 """ProxyState: everything one proxy process owns, built in the app's lifespan (no module-level state).
 
 :meth:`ProxyState.build` is the wiring: each component gets the parts it uses, nothing gets the state itself.
+:meth:`ProxyState.start` starts the components top to bottom on one ``AsyncExitStack``, so :meth:`ProxyState.stop`
+(or a component's start failing half-way) stops what was started, in reverse order; ``async with state:`` does
+both.
 """
 
 from __future__ import annotations
 
 import asyncio
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pdproxy.admission.admission import Admission
+from pdproxy.admission.admission import Admission, AdmissionStats
 from pdproxy.app.passthrough import Passthrough
 from pdproxy.endpoints import Endpoint
 from pdproxy.engines.control import EngineClient, EngineInfo
@@ -26,7 +30,7 @@ from pdproxy.prefix.cache import PrefixCache
 from pdproxy.prefix.routing import PrefixRouter
 from pdproxy.prefix.source import PrefixSource
 from pdproxy.scheduling import Scheduler
-from pdproxy.scheduling.queue import PrefillLedger, PrefillQueue
+from pdproxy.scheduling.queue import PrefillLedger, PrefillQueue, QueueStats
 from pdproxy.settings import Settings
 
 if TYPE_CHECKING:
@@ -57,7 +61,7 @@ class ProxyState:
     shutting_down: bool = False
     in_flight: int = 0
     share: WorkerShare | None = None
-    extras: dict[str, object] = field(default_factory=dict)
+    _stack: AsyncExitStack | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, settings: Settings, share: WorkerShare | None = None) -> ProxyState:
@@ -100,6 +104,30 @@ class ProxyState:
                    admission=admission, tracing=tracing, passthrough=passthrough, prefix_cache=prefix_cache,
                    prefix=prefix, share=share)
 
+    # --- what /metrics reads (pdproxy/ops/collector.py's MetricsState) ------------------------------------------
+    @property
+    def admission_counts(self) -> AdmissionStats:
+        """Admission's counters."""
+        return self.admission.stats
+
+    @property
+    def queue_counts(self) -> QueueStats:
+        """The prefill queue's counters."""
+        return self.queue.stats
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting in this process's prefill queue."""
+        return self.queue.depth
+
+    @property
+    def worker_requests(self) -> list[int] | None:
+        """With ``--workers N``: the engine requests each worker holds, by board row; None with one process."""
+        board = self.share.board if self.share is not None else None
+        if board is None or board.cells is None:          # one process, or the board is closed
+            return None
+        return [board.row_totals(row)[0] for row in range(board.rows)]
+
     def director(self, prefix: PrefixSource | None = None) -> Director:
         """A :class:`~pdproxy.pd.director.Director` on these components (the app lifespan's wiring), with its own
         release-leg runner; ``prefix`` defaults to :attr:`prefix` (the :class:`~pdproxy.prefix.routing.PrefixRouter`)."""
@@ -111,26 +139,42 @@ class ProxyState:
                         releaser=releaser, prefix=prefix or self.prefix, tracing=self.tracing, served=self.served)
 
     async def start(self) -> None:
-        """Start the upstream pool, admission, the prefix cache's KV event subscriber and health monitoring
-        (health probes every engine once first), and with ``share`` the wake-ups from other workers."""
-        await self.upstream.start()
-        await self.admission.start()
-        await self.prefix_cache.__aenter__()
-        await self.health.start()
-        if self.share is not None:
-            self.share.listen(self.queue.notify)
+        """Start, in this order: the upstream pool, admission (its token-count threads and tokenizers), the prefix
+        cache's KV event subscriber, health monitoring (which probes every engine once first) and, with ``share``,
+        the wake-ups from other workers.  Each one's stop is pushed on the exit stack before it starts (every stop
+        is safe on a component that never started), so a start that raises stops the earlier ones, newest first,
+        and re-raises."""
+        async with AsyncExitStack() as stack:
+            stack.push_async_callback(self._flush_spans)              # last out: spans the others still emit
+            stack.push_async_callback(self.engines.aclose)            # the control-plane client (health uses it)
+            stack.push_async_callback(self.passthrough.aclose)        # the passthrough routes' client
+            stack.push_async_callback(self.upstream.close)
+            await self.upstream.start()
+            stack.push_async_callback(self.admission.aclose)
+            await self.admission.start()
+            await stack.enter_async_context(self.prefix_cache)
+            stack.push_async_callback(self.health.stop)
+            await self.health.start()
+            if self.share is not None:
+                stack.callback(self.share.close)
+                self.share.listen(self.queue.notify)
+            self._stack = stack.pop_all()
 
     async def stop(self) -> None:
-        """Stop the wake-ups, health monitoring, the KV event subscriber, admission, the upstream pool, the
-        passthrough client and the engine client, in that order, then flush the spans still buffered (tracing
-        on)."""
-        if self.share is not None:
-            self.share.close()
-        await self.health.stop()
-        await self.prefix_cache.__aexit__(None, None, None)
-        await self.admission.aclose()
-        await self.upstream.close()
-        await self.passthrough.aclose()
-        await self.engines.aclose()
+        """Stop what :meth:`start` started, in reverse order: the wake-ups, health monitoring, the KV event
+        subscriber, admission, the upstream pool, the passthrough client and the engine client, then flush the
+        spans still buffered (tracing on).  A no-op when not started (or stopped already)."""
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await stack.aclose()
+
+    async def __aenter__(self) -> ProxyState:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _flush_spans(self) -> None:
         if self.tracing.enabled:
             await asyncio.to_thread(self.tracing.shutdown)

@@ -5,6 +5,10 @@ What each engine declares is cached in :class:`EngineInfo` and refreshed in the 
 ``entrypoints/openai/engine/protocol.py::ModelCard`` has ``max_model_len``), and the KV pool from
 ``vllm:cache_config_info`` on ``/metrics`` (``num_gpu_blocks × block_size`` tokens, or
 ``kv_cache_size_tokens`` where vLLM ≥ 0.32 exports it; ``vllm/config/cache.py``, ``docs/real-vllm.md``).
+
+Errors: httpx's exceptions never leave this module; they become pdproxy's (:mod:`pdproxy.http.errors`: a refused
+connection :class:`~pdproxy.errors.UpstreamRefused`, a timeout :class:`~pdproxy.errors.UpstreamTimeout`, an error
+status :class:`~pdproxy.errors.UpstreamHTTPError`, anything else :class:`~pdproxy.errors.UpstreamUnavailable`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from typing import Any
 import httpx
 
 from pdproxy.endpoints import Endpoint
+from pdproxy.errors import ProxyError, UpstreamHTTPError
 from pdproxy.http.engine_headers import EngineHeaders
+from pdproxy.http.errors import httpx_errors
 
 _LABELS_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -117,15 +123,19 @@ class EngineClient:
     async def health(self, endpoint: Endpoint) -> bool:
         """True if ``GET /health`` answers 200 (vLLM answers 503 when the engine is dead)."""
         try:
-            r = await self._client.get(endpoint.url + "/health", headers=endpoint.extra_headers())
+            with httpx_errors(f"{endpoint.role.value} {endpoint.name}", endpoint.name, " on GET /health"):
+                r = await self._client.get(endpoint.url + "/health", headers=endpoint.extra_headers())
             return r.status_code == 200
-        except httpx.HTTPError:
+        except ProxyError:
             return False
 
     async def get_json(self, endpoint: Endpoint, path: str) -> Any:
-        """GET ``path`` and parse JSON.  Raises ``httpx.HTTPError`` on transport errors or error statuses."""
-        r = await self._client.get(endpoint.url + path, headers=endpoint.extra_headers())
-        r.raise_for_status()
+        """GET ``path`` and parse JSON.  Raises :class:`~pdproxy.errors.ProxyError` on transport errors
+        (:mod:`pdproxy.http.errors`), :class:`~pdproxy.errors.UpstreamHTTPError` on an error status, ``ValueError``
+        when the body is not JSON."""
+        with httpx_errors(f"{endpoint.role.value} {endpoint.name}", endpoint.name, f" on GET {path}"):
+            r = await self._client.get(endpoint.url + path, headers=endpoint.extra_headers())
+            r.raise_for_status()
         return r.json()
 
     async def models_as_client(self, endpoint: Endpoint, authorization: str | None) -> tuple[int, bytes]:
@@ -141,16 +151,19 @@ class EngineClient:
 
     async def post_json(self, endpoint: Endpoint, path: str, body: dict[str, Any],
                         headers: dict[str, str] | None = None) -> httpx.Response:
-        """POST a JSON body; returns the response (any status).  Raises ``httpx.HTTPError`` on transport errors."""
-        return await self._client.post(endpoint.url + path, json=body,
-                                       headers={**endpoint.extra_headers(), **(headers or {})})
+        """POST a JSON body; returns the response (any status).  Raises :class:`~pdproxy.errors.ProxyError` on
+        transport errors."""
+        with httpx_errors(f"{endpoint.role.value} {endpoint.name}", endpoint.name, f" on POST {path}"):
+            return await self._client.post(endpoint.url + path, json=body,
+                                           headers={**endpoint.extra_headers(), **(headers or {})})
 
     async def metrics_text(self, endpoint: Endpoint) -> str:
         """The engine's ``GET /metrics`` body (Prometheus text exposition).  No DP-rank header:
         one ``/metrics`` per API server covers every internal-DP rank (``engine`` label).  Raises
-        ``httpx.HTTPError`` on transport errors or error statuses."""
-        r = await self._client.get(endpoint.url + "/metrics")
-        r.raise_for_status()
+        :class:`~pdproxy.errors.ProxyError` on transport errors or error statuses (as :meth:`get_json`)."""
+        with httpx_errors(f"{endpoint.role.value} {endpoint.name}", endpoint.name, " on GET /metrics"):
+            r = await self._client.get(endpoint.url + "/metrics")
+            r.raise_for_status()
         return r.text
 
     async def refresh(self, endpoint: Endpoint, info: EngineInfo) -> EngineInfo:
@@ -164,17 +177,17 @@ class EngineClient:
             info.reachable = True
             info.error = None
             info.auth_failed = False
-        except httpx.HTTPStatusError as exc:
-            status = exc.response.status_code
+        except UpstreamHTTPError as exc:
+            status = exc.status_code
             info.reachable = False
             info.auth_failed = status in (401, 403)
             info.error = f"GET /v1/models answered HTTP {status}" + (
                 " (the engine requires an API key: engine_api_key)" if info.auth_failed else "")
             return info
-        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        except (ProxyError, ValueError, AttributeError) as exc:
             info.reachable = False
             info.auth_failed = False
-            info.error = f"/v1/models: {exc.__class__.__name__}: {exc}"
+            info.error = exc.message if isinstance(exc, ProxyError) else f"/v1/models: {exc.__class__.__name__}: {exc}"
             return info
         try:
             text = await self.metrics_text(endpoint)
@@ -182,7 +195,7 @@ class EngineClient:
             if labels:
                 info.kv_pool_tokens, info.block_size, info.num_gpu_blocks = kv_pool_tokens(labels)
             info.gauges = parse_gauges(text)
-        except httpx.HTTPError as exc:
-            info.error = f"/metrics: {exc.__class__.__name__}: {exc}"
+        except ProxyError as exc:
+            info.error = exc.message
         info.refreshed_at = time.monotonic()
         return info

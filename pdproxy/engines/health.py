@@ -32,8 +32,7 @@ from pdproxy.engines.breaker import BreakerState, CircuitBreaker, Clock
 from pdproxy.engines.control import EngineClient, EngineInfo
 from pdproxy.engines.events import EngineEvents
 from pdproxy.engines.pool import EndpointPool
-from pdproxy.errors import ProxyError, UpstreamHTTPError
-from pdproxy.http.upstream import UpstreamRefused, retry_after_seconds
+from pdproxy.errors import ProxyError, classify
 
 log = logging.getLogger("pdproxy.health")
 
@@ -136,12 +135,13 @@ class HealthMonitor:
     def record_error(self, endpoint: Endpoint, exc: ProxyError) -> bool:
         """Record a leg to ``endpoint`` that ended with ``exc``; True when it says the engine is unwell (transport
         failure, timeout, 5xx: :meth:`record_failure`, honouring its ``Retry-After``; a refused connection opens the
-        breaker at once), False for the request's own fault (a 4xx: :meth:`record_neutral`)."""
-        if isinstance(exc, UpstreamHTTPError) and exc.status_code < 500:
+        breaker at once), False for the request's own fault (a 4xx: :meth:`record_neutral`); the verdict is
+        :func:`pdproxy.errors.classify`'s."""
+        verdict = classify(exc)
+        if not verdict.engine_fault:
             self.record_neutral(endpoint)
             return False
-        retry_after = retry_after_seconds(exc.retry_after) if isinstance(exc, UpstreamHTTPError) else None
-        self.record_failure(endpoint, retry_after_s=retry_after, hard=isinstance(exc, UpstreamRefused))
+        self.record_failure(endpoint, retry_after_s=verdict.retry_after_s, hard=verdict.unsent)
         return True
 
     def record_success(self, endpoint: Endpoint) -> None:

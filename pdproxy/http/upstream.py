@@ -3,11 +3,12 @@
 Why :mod:`pdproxy.http.client` here and httpx elsewhere: on this machine kind httpx's connection pool cost ~460 µs of
 proxy CPU per relayed SSE event and queued requests for pool slots at ~100 concurrent streams (+5 s TTFT), and
 aiohttp's ``ClientSession`` cost ~34 % of the proxy's CPU per PD request (README "Performance",
-loadtest/RESULTS.md).  Control-plane calls (health, /metrics, /v1/models, /tokenize) use httpx (``engines.py``).
+loadtest/RESULTS.md).  Control-plane calls (health, /metrics, /v1/models, /tokenize) use httpx (``pdproxy/engines/control.py``).
 
 One keep-alive pool per proxy process (at most ``upstream_max_connections`` per engine, a caller past that waits
 ``upstream_pool_wait_s``), created by :meth:`Upstream.start` and closed by :meth:`Upstream.close` (the app's
-lifespan owns both).  :func:`proxy_error` maps the transport's exception tree (``pdproxy/http/client.py``) to
+lifespan owns both).  :func:`proxy_error` (:func:`pdproxy.http.errors.transport_error`, the one error boundary of
+every engine client) maps the transport's exception tree (``pdproxy/http/client.py``) to
 :class:`~pdproxy.errors.ProxyError`: every caller (the legs here, the relay, the JSON decode answer) uses it.
 
 Stale keep-alive connections: engines (uvicorn under vLLM) close idle connections after 5 s
@@ -21,8 +22,6 @@ never retried here, so a request does not run twice.
 from __future__ import annotations
 
 import asyncio
-import email.utils
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -31,8 +30,15 @@ from urllib.parse import urlsplit
 import orjson
 
 from pdproxy.endpoints import Endpoint
-from pdproxy.errors import ProxyError, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable
-from pdproxy.http.client import ConnectError, H1Pool, H1Response, PoolTimeout, ReadTimeout, TransportError
+from pdproxy.errors import (  # noqa: F401  (UpstreamRefused, retry_after_seconds: re-exported for the legs)
+    UpstreamHTTPError,
+    UpstreamRefused,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+    retry_after_seconds,
+)
+from pdproxy.http.client import H1Pool, H1Response, PoolTimeout, TransportError
+from pdproxy.http.errors import transport_error
 
 _MAX_ERROR_BODY_BYTES = 1 << 20
 KEEPALIVE_S = 4.0
@@ -44,45 +50,8 @@ def _retry_after(headers: Any) -> str | None:
     return str(value) if value else None
 
 
-def retry_after_seconds(value: str | None) -> float | None:
-    """Parse a ``Retry-After`` header (delta-seconds or an HTTP-date, RFC 9110 §10.2.3) into seconds ≥ 0;
-    None when absent or unparseable."""
-    if not value:
-        return None
-    text = value.strip()
-    try:
-        return max(0.0, float(text))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(text)
-    except (TypeError, ValueError, IndexError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
-
-
-class UpstreamRefused(UpstreamUnavailable):
-    """The connection could not be opened (refused, unreachable, connect timeout): the engine never saw the
-    request, so e.g. the prefiller's KV handle is still intact and may go to another decoder."""
-
-
-def proxy_error(exc: TransportError | TimeoutError, who: str, endpoint: str, when: str = "") -> ProxyError:
-    """The pdproxy error for a transport failure of ``who`` (``"decoder http://…"``), ``endpoint`` its name,
-    ``when`` a phrase placed after the verb (``" mid-stream"``):
-
-    - :class:`~pdproxy.http.client.ConnectError` → :class:`UpstreamRefused` (the engine never saw the request);
-    - :class:`~pdproxy.http.client.PoolTimeout` → :class:`UpstreamTimeout` (nothing sent; the engine is saturated);
-    - :class:`~pdproxy.http.client.ReadTimeout` and a bare ``TimeoutError`` → :class:`UpstreamTimeout`;
-    - :class:`~pdproxy.http.client.Disconnected`, :class:`~pdproxy.http.client.ProtocolError` →
-      :class:`UpstreamUnavailable`.
-    """
-    if isinstance(exc, ConnectError):
-        return UpstreamRefused(f"{who} refused the connection{when}: {exc}", endpoint=endpoint)
-    if isinstance(exc, PoolTimeout):
-        return UpstreamTimeout(f"{who}: {exc}", endpoint=endpoint)
-    if isinstance(exc, ReadTimeout | TimeoutError):
-        return UpstreamTimeout(f"{who} timed out{when}: {exc}", endpoint=endpoint)
-    return UpstreamUnavailable(f"{who} failed{when}: {exc.__class__.__name__}: {exc}", endpoint=endpoint)
+proxy_error = transport_error
+"""The legs' name for :func:`pdproxy.http.errors.transport_error` (the one map of this transport's errors)."""
 
 
 class Upstream:

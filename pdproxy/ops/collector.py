@@ -7,18 +7,74 @@ engines' own gauges as the health loop last read them from each engine's ``/metr
 ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:num_requests_waiting_by_reason``,
 ``vllm:kv_cache_usage_perc``, and the KV pool from ``vllm:cache_config_info``; ``docs/real-vllm.md``).  Nothing here is
 stored between scrapes, so the collector needs no multiprocess files.  Names: see :mod:`pdproxy.ops.metrics`.
+
+What ``/metrics`` reads of the running proxy is :class:`MetricsState` (``pdproxy/app/state.py``'s ``ProxyState``
+provides it): ``ops/`` sits below ``admission/``, ``scheduling/`` and ``workers/``, so their counters are read
+through the small protocols here, never by attribute name.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from pdproxy.endpoints import Endpoint
+from pdproxy.engines.control import EngineInfo
+from pdproxy.engines.health import HealthMonitor
+from pdproxy.engines.pool import EndpointPool
 
-def _labels(e: Any) -> tuple[str, str, str]:
+
+class AdmissionCounts(Protocol):
+    """Admission's plain counters (``pdproxy/admission/admission.py``'s ``AdmissionStats``)."""
+
+    @property
+    def decode_only_total(self) -> Mapping[str, int]: ...
+    @property
+    def counted_total(self) -> Mapping[str, int]: ...
+    @property
+    def count_errors_total(self) -> int: ...
+    @property
+    def count_seconds_total(self) -> float: ...
+
+
+class QueueCounts(Protocol):
+    """The prefill queue's plain counters (``pdproxy/scheduling/queue.py``'s ``QueueStats``)."""
+
+    @property
+    def waited_total(self) -> int: ...
+    @property
+    def wait_seconds_total(self) -> float: ...
+    @property
+    def rejected_full_total(self) -> int: ...
+    @property
+    def timed_out_total(self) -> int: ...
+
+
+class MetricsState(Protocol):
+    """What ``/metrics`` reads of the running proxy: the pool, health (breakers), what each engine declared,
+    admission's and the prefill queue's counters, the queue's depth (requests waiting) and, with ``--workers N``,
+    the requests each worker holds (None with one process)."""
+
+    @property
+    def pool(self) -> EndpointPool: ...
+    @property
+    def health(self) -> HealthMonitor: ...
+    @property
+    def infos(self) -> Mapping[Endpoint, EngineInfo]: ...
+    @property
+    def admission_counts(self) -> AdmissionCounts: ...
+    @property
+    def queue_counts(self) -> QueueCounts: ...
+    @property
+    def queue_depth(self) -> int: ...
+    @property
+    def worker_requests(self) -> Sequence[int] | None: ...
+
+
+def _labels(e: Endpoint) -> tuple[str, str, str]:
     return e.role.value, e.name, "" if e.dp_rank is None else str(e.dp_rank)
 
 
@@ -27,7 +83,7 @@ class StateCollector:
 
     ENDPOINT_LABELS = ("role", "endpoint", "dp_rank")
 
-    def __init__(self, state: Callable[[], Any]) -> None:
+    def __init__(self, state: Callable[[], MetricsState | None]) -> None:
         self._state = state
 
     def describe(self) -> list[Metric]:
@@ -53,7 +109,7 @@ class StateCollector:
         breaker = family("pdproxy_endpoint_breaker_state", "Circuit breaker state (1 = current).", ("state",))
         opened = CounterMetricFamily("pdproxy_endpoint_breaker_opened", "Times the endpoint's breaker opened.",
                                      labels=labels)  # a counter: exposed as pdproxy_endpoint_breaker_opened_total
-        snapshot = getattr(st.health, "snapshot", None)
+        snapshot = st.health.snapshot
         for e in st.pool.endpoints():
             lab = list(_labels(e))
             load = st.pool.load(e)
@@ -61,26 +117,24 @@ class StateCollector:
             toks.add_metric(lab, load.tokens)
             healthy.add_metric(lab, 1.0 if load.healthy else 0.0)
             draining.add_metric(lab, 1.0 if load.draining else 0.0)
-            if callable(snapshot):
-                snap = snapshot(e)
-                current = str(snap.get("breaker", "closed"))
-                for s in ("closed", "open", "half_open"):
-                    breaker.add_metric([*lab, s], 1.0 if s == current else 0.0)
-                opened.add_metric(lab, float(snap.get("opened_total", 0)))
-        yield from (reqs, toks, healthy, draining)
-        if callable(snapshot):
-            yield from (breaker, opened)
-        board = getattr(st.pool, "board", None)
-        if board is not None and board.cells is not None:
+            snap = snapshot(e)
+            current = str(snap.get("breaker", "closed"))
+            for s in ("closed", "open", "half_open"):
+                breaker.add_metric([*lab, s], 1.0 if s == current else 0.0)
+            opened_total = snap.get("opened_total", 0)
+            opened.add_metric(lab, float(opened_total) if isinstance(opened_total, int | float) else 0.0)
+        yield from (reqs, toks, healthy, draining, breaker, opened)
+        workers = st.worker_requests
+        if workers is not None:
             per_worker = GaugeMetricFamily("pdproxy_worker_inflight_requests",
                                            "In-flight engine requests held by each worker process.",
                                            labels=("worker",))
-            for row in range(board.rows):
-                per_worker.add_metric([str(row)], board.row_totals(row)[0])
+            for row, requests in enumerate(workers):
+                per_worker.add_metric([str(row)], requests)
             yield per_worker
         yield from self._engine_gauges(st)
 
-    def _engine_gauges(self, st: Any) -> Iterator[Metric]:
+    def _engine_gauges(self, st: MetricsState) -> Iterator[Metric]:
         labels = self.ENDPOINT_LABELS
         up = GaugeMetricFamily("pdproxy_engine_up", "1 if the engine answered /v1/models at the last refresh.",
                                labels=labels)

@@ -57,14 +57,14 @@ gauges are the answering worker's latest reading.  Each app owns its registry; n
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from pdproxy.errors import BadRequest, NoEndpointAvailable, Overloaded, PayloadTooLarge, PromptTooLong, ProxyError
-from pdproxy.ops.collector import StateCollector
+from pdproxy.ops.collector import MetricsState, StateCollector
 from pdproxy.timeline import GapCounts, RequestContext
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -121,15 +121,14 @@ def param_label(param: str | None) -> str:
 def rejection_of(err: ProxyError) -> tuple[str, str] | None:
     """``(reason, detail)`` when pdproxy refused a request itself, else None (engine errors are not rejections).
 
-    An error class may declare ``rejection = (reason, detail)``; otherwise: :class:`PromptTooLong` →
+    An error may declare ``rejection = (reason, detail)`` (:attr:`ProxyError.rejection`); otherwise: :class:`PromptTooLong` →
     ``("too_long", limit_kind)``, :class:`Overloaded` → ``("queue_full", "")``, :class:`NoEndpointAvailable` →
     ``("no_endpoint", role)``, an outcome of ``deadline`` → ``("deadline", "")``, :class:`PayloadTooLarge` →
     ``("too_large", "body")``, :class:`BadRequest` → ``("bad_request", param_label(param))``, other proxy-side outcomes →
     ``(outcome, "")``.
     """
-    declared = getattr(err, "rejection", None)
-    if isinstance(declared, tuple) and len(declared) == 2:
-        return str(declared[0]), str(declared[1])
+    if err.rejection is not None:
+        return err.rejection
     if isinstance(err, PromptTooLong):
         return "too_long", err.limit_kind
     if isinstance(err, Overloaded):
@@ -166,7 +165,7 @@ class ProxyMetrics:
     imported in multiprocess mode too).
     """
 
-    def __init__(self, state: Callable[[], Any], multiprocess_dir: str | None = None) -> None:
+    def __init__(self, state: Callable[[], MetricsState | None], multiprocess_dir: str | None = None) -> None:
         self.multiprocess_dir = multiprocess_dir or os.environ.get(MULTIPROC_ENV) or None
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
@@ -270,26 +269,24 @@ class ProxyMetrics:
         because each worker adds only its own increments.  Runs when a request ends and before each scrape."""
         self._sync_releases()
         st = self._state()
-        adm = getattr(st, "admission", None)
-        queue = getattr(adm, "queue", None)
-        for source, families in ((getattr(adm, "stats", None), self.admission),
-                                 (getattr(queue, "stats", None), self.queue)):
-            if source is None:
-                continue
-            for attr, counter in families.items():
-                value = getattr(source, attr, None)
-                items = value.items() if isinstance(value, dict) else [("", value)]
-                for label, v in items:
-                    if not isinstance(v, int | float):
-                        continue
-                    last = self._synced.get((attr, label), 0.0)
-                    if v > last:
-                        (counter.labels(label) if label else counter).inc(v - last)
-                        self._synced[(attr, label)] = v
-        depth = getattr(queue, "depth", None)
-        depth = depth() if callable(depth) else depth
-        if isinstance(depth, int):
-            self.queue_depth.set(depth)
+        if st is None:
+            return
+        adm, queue = st.admission_counts, st.queue_counts
+        counts: tuple[tuple[str, int | float | Mapping[str, int]], ...] = (
+            ("decode_only_total", adm.decode_only_total), ("counted_total", adm.counted_total),
+            ("count_errors_total", adm.count_errors_total), ("count_seconds_total", adm.count_seconds_total),
+            ("waited_total", queue.waited_total), ("wait_seconds_total", queue.wait_seconds_total),
+            ("rejected_full_total", queue.rejected_full_total), ("timed_out_total", queue.timed_out_total))
+        families = {**self.admission, **self.queue}
+        for attr, value in counts:
+            counter = families[attr]
+            items = value.items() if isinstance(value, Mapping) else (("", value),)
+            for label, v in items:
+                last = self._synced.get((attr, label), 0.0)
+                if v > last:
+                    (counter.labels(label) if label else counter).inc(v - last)
+                    self._synced[(attr, label)] = v
+        self.queue_depth.set(st.queue_depth)
 
     def _per_api(self, api: str) -> tuple[Any, ...]:
         """The label children of one API, resolved once (``labels()`` costs ~1.5 µs a call)."""

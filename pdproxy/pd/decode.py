@@ -26,10 +26,10 @@ from pdproxy.apis.request import Api, ProxyRequest, completion_tokens_in, patch_
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.health import HealthMonitor
 from pdproxy.engines.pool import EndpointPool
-from pdproxy.errors import DecodeFailed, ProxyError, UpstreamHTTPError, UpstreamTimeout
+from pdproxy.errors import DecodeFailed, ProxyError, UpstreamHTTPError, UpstreamTimeout, classify
 from pdproxy.http.client import H1Response, TransportError
 from pdproxy.http.engine_headers import EngineHeaders
-from pdproxy.http.upstream import Upstream, UpstreamRefused, proxy_error
+from pdproxy.http.upstream import Upstream, proxy_error
 from pdproxy.ops.tracing import NO_TRACING, Tracing
 from pdproxy.pd.prefill import PrefillResult
 from pdproxy.pd.relay import StreamRelay
@@ -120,7 +120,7 @@ class DecodeLeg:
                     prefill.handed = True
                 if not self.health.record_error(endpoint, exc):
                     raise
-                raise DecodeFailed(exc, endpoint, kv_intact=isinstance(exc, UpstreamRefused)) from None
+                raise DecodeFailed(exc, endpoint, kv_intact=classify(exc).unsent) from None
             except BaseException:                  # cancelled (client left, deadline): no verdict on the engine
                 self.health.record_neutral(endpoint)   # a half-open trial's slot must not stay taken
                 raise

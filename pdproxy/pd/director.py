@@ -100,7 +100,7 @@ class Director:
                     await self.fan_out.serve(req, ctx, out)             # n > 1, prompt lists: a pair per sequence
                     return
                 await self.admit(req, ctx)                              # 1. fits? (400 before any engine)
-                await self.run_sequence(req, ctx, out)                  # 2-5. queue, prefill, decode, relay
+                await self.run_sequence(req, ctx, out, None)            # 2-5. queue, prefill, decode, relay
 
     @staticmethod
     def fans_out(req: ProxyRequest) -> bool:
@@ -114,13 +114,15 @@ class Director:
         with self.tracing.admission(ctx):
             await self.admission.admit(req, ctx)
 
-    async def run_sequence(self, req: ProxyRequest, ctx: RequestContext, out: Responder) -> None:
+    async def run_sequence(self, req: ProxyRequest, ctx: RequestContext, out: Responder,
+                           affinity: Endpoint | None) -> None:
         """One admitted sequence: queue + prefill → decode → relay, continued on a new pair after vLLM-Ascend's
-        ``stop_reason "recomputed"``."""
+        ``stop_reason "recomputed"``; ``affinity``: a prefiller to prefer (a fan-out sibling's)."""
         transcript = self.new_transcript(req)
         leg: ProxyRequest | None = req
         while leg is not None:
-            recomputed = await self.run_pd(leg, ctx, out, transcript)  # 2-4. queue+prefill → decode → relay
+            recomputed = await self.run_pd(leg, ctx, out, transcript,  # 2-4. queue+prefill → decode → relay
+                                           affinity if leg is req else None)
             leg = await self.continuation(req, ctx, out, transcript) if recomputed else None  # 5. Ascend
 
     @asynccontextmanager
@@ -139,13 +141,13 @@ class Director:
             raise UpstreamTimeout(f"request exceeded the end-to-end deadline of {limit:.1f} s") from None
 
     async def run_pd(self, req: ProxyRequest, ctx: RequestContext, out: Responder,
-                     transcript: recompute.Transcript | None) -> bool:
+                     transcript: recompute.Transcript | None, affinity: Endpoint | None = None) -> bool:
         """Prefill, then decode; a decoder failing before its first event is replaced (re-prefilling unless the
         KV handle is known intact).  Returns True when the decoder ended with ``stop_reason "recomputed"``.
         Raises the scheduler's refusal at once when no decoder could take the request (no prefill is spent)."""
         attempts = self.settings.decode_attempts
         hints = await self.prefix.hints(req, ctx)                       # who holds the prompt's prefix
-        pick = PickRequest.of(req, ctx.request_id, hints)
+        pick = PickRequest.of(req, ctx.request_id, hints, affinity=affinity)
         failed: list[Endpoint] = []
         prefill: PrefillResult | None = None
         self.scheduler.require(Role.DECODE, pick)

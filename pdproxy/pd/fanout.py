@@ -65,7 +65,8 @@ GREEDY_EPS = 1e-5
 """vLLM's ``_SAMPLING_EPS`` (``vllm/sampling_params.py``): a temperature below it is greedy sampling."""
 
 Admit = Callable[[ProxyRequest, RequestContext], Awaitable[None]]
-Run = Callable[[ProxyRequest, RequestContext, Responder], Awaitable[None]]
+Run = Callable[[ProxyRequest, RequestContext, Responder, Endpoint | None], Awaitable[None]]
+"""Runs one admitted sequence; the last argument: the prefiller to prefer (a sibling's, or None)."""
 
 
 @dataclass(slots=True)
@@ -415,7 +416,8 @@ class FanOut:
                 await self.admit(seq.req, seq.ctx)
                 continue
             seq.req.prompt_tokens = first.req.prompt_tokens
-            seq.req.extra["prompt_tokens_upper"] = first.req.extra.get("prompt_tokens_upper")
+            seq.req.prompt_tokens_upper = first.req.prompt_tokens_upper
+            seq.req.prompt_tokens_estimated = first.req.prompt_tokens_estimated
             seq.ctx.prompt_tokens = first.ctx.prompt_tokens
             seq.ctx.disaggregated = first.ctx.disaggregated
             seq.ctx.timeline.admitted_at = first.ctx.timeline.admitted_at
@@ -433,12 +435,12 @@ class FanOut:
 
         seq.ctx.on_prefilled = prefilled
         try:
+            affinity: Endpoint | None = None
             if first is not seq and first.ctx.disaggregated:
                 await first.prefilled.wait()
-                if first.prefiller is not None:
-                    seq.req.extra["affinity"] = first.prefiller
+                affinity = first.prefiller
             out = Responder(sink, seq.ctx, [], seq.req.api)
-            await self.run(seq.req, seq.ctx, out)
+            await self.run(seq.req, seq.ctx, out, affinity)
             if merger.stream and out.started and not out.done_sent:
                 merger.fail(UpstreamUnavailable(f"sequence {seq.index} ended without data: [DONE]",
                                                 endpoint=seq.ctx.decoder or ""))

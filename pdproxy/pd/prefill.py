@@ -2,7 +2,7 @@
 
 Failure policy (the director's, pdproxy/pd/director.py): a prefiller that refuses, resets, times out or answers
 502/503/504 is replaced by another one (``prefill_attempts``, jittered exponential backoff); a 500 is retried at
-most once elsewhere, and only when the engine says its core died (:func:`~pdproxy.apis.kv_transfer.prefill_500_retryable`:
+most once elsewhere, and only when the engine says its core died (:func:`~pdproxy.errors.classify`:
 any other 500 would fail the same way on every prefiller); a 4xx is the request's fault and passes through at once.  ``Retry-After`` holds that
 prefiller's breaker open (:meth:`~pdproxy.engines.health.HealthMonitor.record_error`).
 """
@@ -21,7 +21,7 @@ from pdproxy.apis.request import ProxyRequest, over_max_model_len
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.health import HealthMonitor
 from pdproxy.engines.pool import EndpointLoad, EndpointPool, Lease
-from pdproxy.errors import NoEndpointAvailable, ProxyError, UpstreamHTTPError, UpstreamUnavailable
+from pdproxy.errors import Action, NoEndpointAvailable, ProxyError, UpstreamUnavailable, classify
 from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.upstream import Upstream
 from pdproxy.ops.tracing import NO_TRACING, Tracing
@@ -33,9 +33,6 @@ from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext
 
 _NO_PREFIX = NoPrefix()
-
-# Prefiller answers worth another prefiller: they say "not me, not now".  A dead engine's 500: one more try.
-_RETRYABLE_STATUS = frozenset({502, 503, 504})
 
 
 @dataclass(slots=True)
@@ -152,12 +149,10 @@ class PrefillLeg:
                 slot.release()
                 if not self.health.record_error(endpoint, exc):
                     raise
-                http = exc if isinstance(exc, UpstreamHTTPError) else None
-                status = http.status_code if http is not None else None
-                if http is not None and status not in _RETRYABLE_STATUS and (
-                        status != 500 or retried_500 or not kv_transfer.prefill_500_retryable(http.raw_body)):
+                verdict = classify(exc)
+                if not verdict.retry(retried_500):
                     raise
-                retried_500 = retried_500 or status == 500
+                retried_500 = retried_500 or verdict.action is Action.RETRY_ONCE
                 tried.append(endpoint)
                 last = exc
                 continue
@@ -177,7 +172,7 @@ class PrefillLeg:
                 raise UpstreamUnavailable(
                     f"prefiller {endpoint.name} answered without kv_transfer_params: is it started with a KV "
                     "connector (--kv-transfer-config) in the producer role? (set allow_decode_side_prefill to let "
-                    "decoders prefill locally instead)", endpoint=endpoint.name, retryable=False)
+                    "decoders prefill locally instead)", endpoint=endpoint.name)
             if ctx.on_prefilled is not None:
                 ctx.on_prefilled(endpoint)
             return PrefillResult(endpoint, lease, params, ctx.cached_tokens, slot=slot,

@@ -23,14 +23,15 @@ socket buffers, whatever it does) and resumes below the low-water mark; a client
 connection closed, which makes vLLM abort the request).  Decoder silence: the same timeout as one lazy timer,
 re-armed once per timeout period, never per event.
 
-**Transforms** (chosen once, when the stream starts; :meth:`StreamRelay.transforms`).  A transform has
+**Transforms** (chosen once, when the stream starts; :meth:`StreamRelay.transforms`).  A transform
+(:class:`pdproxy.apis.transform.Transform`) has
 
 - ``trigger`` (bytes): the splice calls ``feed`` only for blocks that contain it (one ``bytes.find`` per
   block; ``b""``: every block), so a plain token event costs no Python call of the transform;
 - ``feed(block, prev) -> bytes``: a block of complete SSE events from the decoder in (``prev``: the block
   written before it), the bytes for the client out (may be empty);
-- optionally ``ending(block, prev) -> bytes``: the block that holds the stream's end event (``done_event``),
-  before it is written as the response's last piece;
+- ``ending(block, prev) -> bytes``: the block that holds the stream's end event (``done_event``),
+  before it is written as the response's last piece (most return it as is);
 - ``recomputed`` (bool): True once the client's part of the stream is over and the director must continue the
   request elsewhere (later blocks must then give ``b""``).
 
@@ -56,11 +57,11 @@ import asyncio
 import time
 from bisect import bisect_left
 from collections.abc import Callable
-from typing import Any
 
 from pdproxy.apis import recompute
 from pdproxy.apis import streams as api_streams
 from pdproxy.apis.chat import Chain, ChatUsage, ContinueTranscript, RecordTranscript, first_event_error
+from pdproxy.apis.transform import Transform
 from pdproxy.errors import ProxyError, UpstreamTimeout, UpstreamUnavailable
 from pdproxy.http import sse
 from pdproxy.http.client import H1Response, ReadTimeout, TransportError
@@ -92,7 +93,7 @@ class _Splice:
                  "idle_s", "idle_timer", "last", "loop", "out", "prev", "resp", "stall_timer", "tail", "transform",
                  "trigger", "write", "writes")
 
-    def __init__(self, relay: StreamRelay, transform: Any, tail: bytes, last_write: float) -> None:
+    def __init__(self, relay: StreamRelay, transform: Transform | None, tail: bytes, last_write: float) -> None:
         self.loop = relay.resp.loop
         self.resp = relay.resp
         self.out = relay.out
@@ -158,10 +159,10 @@ class _Splice:
         """The block that ends the stream (``done_event`` last): transformed by the transform's ``ending`` hook,
         then written as the last piece of the client's response."""
         out = self.out
-        ending = getattr(self.transform, "ending", None)
-        if ending is not None:
-            chunk = ending(chunk, self.prev)
-            if self.transform.recomputed:  # detected only now: the relay ends the response with an error
+        transform = self.transform
+        if transform is not None:
+            chunk = transform.ending(chunk, self.prev)
+            if transform.recomputed:  # detected only now: the relay ends the response with an error
                 if chunk:
                     self.write(chunk)
                 return
@@ -322,7 +323,7 @@ class StreamRelay:
         self.done_event = done_event
         self.recomputed = False
 
-    def transforms(self) -> Any:
+    def transforms(self) -> Transform:
         """The transform for this stream (see module docstring), chosen once when it starts."""
         if self.api_stream is not None:
             return self.api_stream

@@ -63,8 +63,6 @@ from pdproxy.timeline import RequestContext
 
 DEFAULT_BLOCK_SIZE = 16
 """Block size (tokens) assumed for an engine that has not said (``vllm:cache_config_info``): vLLM's default."""
-LOOKUP = "prefix_lookup"
-"""``ProxyRequest.extra`` key of a request's :class:`PrefixLookup`."""
 
 KeyKind = Literal["tokens", "text"]
 
@@ -363,7 +361,7 @@ class PrefixRouter:
         lookup = await self.lookup(req, ctx)
         if lookup is None:
             return NO_HINTS
-        req.extra[LOOKUP] = lookup
+        req.prefix_lookup = lookup
         if lookup.token_count is not None and lookup.token_count != req.prompt_tokens:
             req.prompt_tokens = ctx.prompt_tokens = lookup.token_count
         return lookup.hints
@@ -372,7 +370,7 @@ class PrefixRouter:
     def prefilling(self, req: ProxyRequest, ctx: RequestContext, endpoint: Endpoint) -> Iterator[None]:
         """Around one prefill attempt of ``req`` on ``endpoint``: its keys are in flight there (see the module
         docstring) until it ends; when the prefiller answered (no exception), :meth:`prefilled`."""
-        lookup = req.extra.get(LOOKUP)
+        lookup = req.prefix_lookup
         keys = lookup.keys_for(endpoint.name) if isinstance(lookup, PrefixLookup) else None
         if keys is None or not keys.keys:
             yield
@@ -390,7 +388,7 @@ class PrefixRouter:
         """``endpoint`` answered ``req``'s prefill: note the prediction for it on ``ctx``
         (``predicted_cached_tokens``, ``prefix_mode``: ``precise`` | ``approximate`` | ``text``) and record the
         prompt's keys there (modes ``auto`` and ``approximate``)."""
-        lookup = req.extra.get(LOOKUP)
+        lookup = req.prefix_lookup
         if not isinstance(lookup, PrefixLookup):
             return
         prediction = lookup.predictions.get(endpoint.name)

@@ -76,12 +76,11 @@ class PickRequest:
         return key if key is not None else self.request_id.encode()
 
     @classmethod
-    def of(cls, req: ProxyRequest, request_id: str, hints: PrefixHints = NO_HINTS) -> PickRequest:
-        """The pick request for a client request after admission (``req.prompt_tokens`` counted, the upper bound
-        in ``req.extra["prompt_tokens_upper"]``, a fan-out sibling's prefiller in ``req.extra["affinity"]``)."""
-        upper = req.extra.get("prompt_tokens_upper")
-        affinity = req.extra.get("affinity")
+    def of(cls, req: ProxyRequest, request_id: str, hints: PrefixHints = NO_HINTS, *,
+           affinity: Endpoint | None = None) -> PickRequest:
+        """The pick request for a client request after admission (``req.prompt_tokens`` counted and
+        ``req.prompt_tokens_upper`` its upper bound), with the prefix lookup's ``hints`` and a fan-out sibling's
+        prefiller as ``affinity``."""
         return cls(request_id=request_id, model=req.model, prompt_tokens=req.prompt_tokens,
-                   prompt_tokens_upper=upper if isinstance(upper, int) else None,
-                   max_output_tokens=req.max_output_tokens, hints=hints,
-                   affinity=affinity if isinstance(affinity, Endpoint) else None)
+                   prompt_tokens_upper=req.prompt_tokens_upper, max_output_tokens=req.max_output_tokens,
+                   hints=hints, affinity=affinity)

@@ -43,6 +43,7 @@ import orjson
 
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.control import EngineClient, EngineInfo
+from pdproxy.errors import ProxyError
 from pdproxy.settings import Settings
 from pdproxy.tools.doctor_output import Console, status_text
 from pdproxy.tools.doctor_probes import ColdPlan, ColdProbe, RoundTrip, cold_probe, pd_round_trip
@@ -333,7 +334,7 @@ async def run_doctor(settings: Settings, options: DoctorOptions, console: Consol
                 try:
                     found = (await engines.get_json(e, "/version")).get("version")
                     return str(found) if found is not None else None
-                except (httpx.HTTPError, ValueError, AttributeError):
+                except (ProxyError, ValueError, AttributeError):
                     return None
             _, healthy, ver = await asyncio.gather(engines.refresh(e, infos[e]), engines.health(e), version())
             return healthy, ver

@@ -13,6 +13,7 @@ import pytest
 
 from pdproxy.apis import kv_transfer
 from pdproxy.apis.request import Api
+from pdproxy.errors import Action, UpstreamHTTPError, classify
 from tests.apis.support import legs
 from tests.conftest import Fleet
 from tests.support import ProxyThread
@@ -95,5 +96,6 @@ def test_relaxing_rules_per_api() -> None:
 def test_only_a_dead_engines_500_is_worth_another_prefiller() -> None:
     dead = orjson.dumps({"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the "
                                               "root cause.", "type": "InternalServerError", "code": 500}})
-    assert kv_transfer.prefill_500_retryable(dead)
-    assert not kv_transfer.prefill_500_retryable(b'{"error": {"message": "xgrammar failed", "code": 500}}')
+    assert classify(UpstreamHTTPError(500, dead)).action is Action.RETRY_ONCE
+    other = classify(UpstreamHTTPError(500, b'{"error": {"message": "xgrammar failed", "code": 500}}'))
+    assert other.action is Action.ENGINE_UNWELL and not other.retry()

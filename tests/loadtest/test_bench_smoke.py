@@ -41,9 +41,11 @@ def test_quick_bench_prints_the_documented_json() -> None:
     for key in ("added_ttft_ms_idle_p50", "at_10", "cpu_us_per_event_paced", "events_per_cpu_s_full_speed",
                 "cpu_us_per_pd_request", "max_streams_no_stall"):
         assert fig[key] is not None, key
-    assert fig["max_streams_no_stall"] in (0, 20)  # 0 only if a loaded CI machine paused a stream for > 1 s
     levels = doc["scenarios"]["streams"]["pdproxy"]["levels"]
     assert levels[0]["streams"] == 20 and levels[0]["errors"] == 0
+    # the figure is the largest level held (a loaded CI machine may stall a stream for > 1 s: then none held)
+    assert fig["max_streams_no_stall"] == max((lv["streams"] for lv in levels if lv["held"]), default=0)
+    assert levels[0]["held"] is (levels[0]["stalls"] == 0 and levels[0]["concurrency_mean"] >= 0.95 * 20)
     assert {"added_ttft_ms_p50", "added_ttft_ms_p99", "gap_p99_ratio", "e2e_ratio_p50"} <= fig["at_10"].keys()
 
 

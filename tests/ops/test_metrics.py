@@ -65,15 +65,15 @@ def test_metrics_count_known_traffic(proxy: ProxyThread, sims: Fleet) -> None:
     assert 0 < ttft_sum <= e2e_sum
     assert m.total("pdproxy_requests_in_progress") == 0
     assert m.total("pdproxy_prefill_queue_depth") == 0
-    if m.find("pdproxy_prompt_counts_total"):  # admission's counters (pdproxy/admission/admission.py AdmissionStats)
-        assert m.total("pdproxy_prompt_counts_total") == 3  # each served prompt counted once
+    # admission's counters (pdproxy/admission/admission.py AdmissionStats): each served prompt counted once
+    assert m.total("pdproxy_prompt_counts_total") == 3
     # load back to zero, every endpoint healthy, breakers closed
     assert m.total("pdproxy_inflight_requests") == 0 and m.total("pdproxy_inflight_tokens") == 0
     urls = {s.url for s in sims.all}
     assert {lab["endpoint"] for lab, _ in m.find("pdproxy_endpoint_healthy")} == urls
     assert all(v == 1 for _, v in m.find("pdproxy_endpoint_healthy"))
-    if m.find("pdproxy_endpoint_breaker_state"):
-        assert m.total("pdproxy_endpoint_breaker_state", state="closed") == 3
+    assert m.total("pdproxy_endpoint_breaker_state", state="closed") == 3
+    assert m.total("pdproxy_endpoint_breaker_state", state="open") == 0
     # the engines' own gauges, re-exported per endpoint (sim: max_model_len 4096, pool 4 × 4096 tokens)
     for s in sims.all:
         role = s.role

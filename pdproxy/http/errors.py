@@ -1,0 +1,77 @@
+"""The one error boundary of every engine client: the transports' exceptions become pdproxy's errors here.
+
+Two transports talk to the engines: pdproxy's own HTTP/1.1 client (:mod:`pdproxy.http.client`, the prefill and
+decode legs, the KV release leg) and httpx (the control plane, :mod:`pdproxy.engines.control`, and the passthrough
+routes, :mod:`pdproxy.app.passthrough`).  Each one's exception tree is converted here, once, into the most
+specific :class:`~pdproxy.errors.ProxyError` (the way httpx's ``map_httpcore_exceptions`` converts httpcore's), so
+everything above ``http/`` catches only pdproxy's errors and :func:`pdproxy.errors.classify` judges them all alike:
+
+===========================================  ================================  ==========================
+pdproxy's HTTP/1.1 client                    httpx                             pdproxy error
+===========================================  ================================  ==========================
+``ConnectError``                             ``ConnectError``, ``ConnectTimeout``  ``UpstreamRefused``
+``PoolTimeout``                              ``PoolTimeout``                   ``UpstreamTimeout``
+``ReadTimeout``, ``TimeoutError``            other ``TimeoutException``        ``UpstreamTimeout``
+``Disconnected``, ``ProtocolError``          any other ``HTTPError``           ``UpstreamUnavailable``
+(an error status is read by the caller)      ``HTTPStatusError``               ``UpstreamHTTPError``
+===========================================  ================================  ==========================
+
+``who`` names the engine in the message (``"decoder http://…"``; the client's copy has addresses removed,
+:func:`pdproxy.errors.public_message`), ``endpoint`` is its name, ``when`` a phrase placed after the verb
+(``" mid-stream"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+
+from pdproxy.errors import ProxyError, UpstreamHTTPError, UpstreamRefused, UpstreamTimeout, UpstreamUnavailable
+from pdproxy.http.client import ConnectError, PoolTimeout, ReadTimeout, TransportError
+
+_MAX_ERROR_BODY_BYTES = 1 << 20
+
+
+def transport_error(exc: TransportError | TimeoutError, who: str, endpoint: str, when: str = "") -> ProxyError:
+    """The pdproxy error for a failure of pdproxy's HTTP/1.1 client (see the module docstring's table)."""
+    if isinstance(exc, ConnectError):
+        return UpstreamRefused(f"{who} refused the connection{when}: {exc}", endpoint=endpoint)
+    if isinstance(exc, PoolTimeout):
+        return UpstreamTimeout(f"{who}: {exc}", endpoint=endpoint)
+    if isinstance(exc, ReadTimeout | TimeoutError):
+        return UpstreamTimeout(f"{who} timed out{when}: {exc}", endpoint=endpoint)
+    return UpstreamUnavailable(f"{who} failed{when}: {exc.__class__.__name__}: {exc}", endpoint=endpoint)
+
+
+def httpx_error(exc: httpx.HTTPError, who: str, endpoint: str, when: str = "") -> ProxyError:
+    """The pdproxy error for a failure of an httpx call (see the module docstring's table); an
+    ``HTTPStatusError`` keeps the engine's status, body (already read) and ``Retry-After``."""
+    if isinstance(exc, httpx.HTTPStatusError):
+        resp = exc.response
+        try:
+            body = resp.content[:_MAX_ERROR_BODY_BYTES]
+        except httpx.ResponseNotRead:
+            body = b""
+        return UpstreamHTTPError(resp.status_code, body, endpoint=endpoint,
+                                 content_type=resp.headers.get("content-type", "application/json"),
+                                 retry_after=resp.headers.get("retry-after"))
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        return UpstreamRefused(f"{who} refused the connection{when}: {exc.__class__.__name__}: {exc}",
+                               endpoint=endpoint)
+    if isinstance(exc, httpx.PoolTimeout):
+        return UpstreamTimeout(f"{who}: no free connection{when}", endpoint=endpoint)
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamTimeout(f"{who} did not answer in time{when}", endpoint=endpoint)
+    return UpstreamUnavailable(f"{who} failed{when}: {exc.__class__.__name__}: {exc}", endpoint=endpoint)
+
+
+@contextmanager
+def httpx_errors(who: str, endpoint: str, when: str = "") -> Iterator[None]:
+    """Raise :func:`httpx_error` of any ``httpx.HTTPError`` raised inside the block (the original is dropped
+    from the chain: its text is in the message)."""
+    try:
+        yield
+    except httpx.HTTPError as exc:
+        raise httpx_error(exc, who, endpoint, when) from None
