@@ -168,6 +168,11 @@ class Settings(BaseSettings):
     decode_attempts: int = Field(3, ge=1, le=10, description="decoders tried per request before its first event")
     retry_backoff_s: float = Field(0.05, ge=0, description="first retry backoff; doubles per retry, ×0.5–1.5 jitter")
     retry_backoff_max_s: float = Field(1.0, ge=0, description="cap of one retry backoff (seconds)")
+    prefill_cancel_grace_s: float = Field(
+        0.5, ge=0, description="a request that leaves (client gone, deadline) while its prefill leg is in flight: "
+                               "wait this long for the prefiller's answer and release the KV it pinned, then "
+                               "close the connection (vLLM aborts the request); 0 closes at once, leaving the KV "
+                               "of a prefill that had just finished pinned until the connector's timeout (seconds)")
     kv_release_timeout_s: float = Field(
         5.0, gt=0, description="bound of the release leg that frees a prefiller's pinned KV when a request leaves "
                                "between prefill and decode (seconds)")

@@ -16,7 +16,9 @@ Failure policy, decided here and in the two leg modules and nowhere else:
 - **after the first event**: never replayed (the relay sends an SSE error event + ``[DONE]``), except vLLM-Ascend's
   ``stop_reason "recomputed"``, which is continued on a new P→D pair (:mod:`pdproxy.apis.recompute`).
 - **leaving early** (client disconnect, deadline, error) between the prefill and the decoder's first event: the
-  prefiller's pinned KV is released by a release leg (:mod:`pdproxy.pd.kv_release`).
+  prefiller's pinned KV is released by a release leg (:mod:`pdproxy.pd.kv_release`); leaving while the prefill
+  leg is in flight, its answer is still awaited (``prefill_cancel_grace_s``) and released the same way, since the
+  engine may have finished and pinned the KV already.
 
 A request for a model no decoder serves is vLLM's 404 before anything else (:mod:`pdproxy.engines.models`); a
 request of several sequences (``n > 1``, a completion prompt list) runs one P→D path per sequence
@@ -79,7 +81,7 @@ class Director:
         self.tracing = tracing
         self.backoff = Backoff(settings.retry_backoff_s, settings.retry_backoff_max_s)
         self.prefill = PrefillLeg(settings, queue=queue, pool=pool, health=health, upstream=upstream,
-                                  headers=headers, backoff=self.backoff, tracing=tracing)
+                                  headers=headers, backoff=self.backoff, tracing=tracing, releaser=releaser)
         self.decode = DecodeLeg(settings, scheduler=scheduler, pool=pool, health=health, upstream=upstream,
                                 headers=headers, tracing=tracing)
         self.fan_out = fanout.FanOut(admit=self.admit, run=self.run_sequence,
@@ -184,7 +186,7 @@ class Director:
             prefill.consumed = True
             if not prefill.handed:
                 self.kv_release.release(req, ctx.request_id, ctx.authorization, prefill.params,
-                                        avoid=list(prefill.decoders))
+                                        avoid=list(prefill.decoders), prefiller=prefill.endpoint)
 
     async def answer_from_prefill(self, req: ProxyRequest, ctx: RequestContext, out: Responder,
                                   prefill: PrefillResult, transcript: recompute.Transcript | None) -> bool:
