@@ -229,8 +229,9 @@ class Settings(BaseSettings):
     prefill_queue_aging_tokens_per_s: float = Field(
         8192.0, ge=0, description="queue priority gained per second of waiting (tokens), so large prompts are "
                                   "never starved by small ones")
-    prefill_busy_tokens: int = Field(8192, ge=1, description="in-flight prefill tokens that make a prefiller "
-                                                             "'busy with long work'")
+    prefill_busy_tokens: int = Field(8192, ge=1, description="a prefill of at least this many uncached tokens is "
+                                                             "'long work': its prefiller is busy with it while it "
+                                                             "runs (docs/decode-only.md)")
     prefill_tied_to_decoders: bool = Field(True, description="dispatch a prefill only when the decoders' free KV "
                                                              "pool can take it")
     decoder_max_requests: int = Field(0, ge=0, description="decode requests per decoder before prefills wait "
@@ -238,8 +239,8 @@ class Settings(BaseSettings):
     decode_only_max_prompt_tokens: int = Field(0, ge=0, description="prompts up to this many tokens skip the "
                                                                     "prefiller and go straight to a decoder (0 = off)")
     decode_only_busy_max_prompt_tokens: int = Field(
-        1024, ge=0, description="while every prefiller is busy with long work, prompts up to this many tokens go "
-                                "straight to a decoder (0 = off)")
+        1024, ge=0, description="while every prefiller is computing a long prefill (prefill_busy_tokens), prompts "
+                                "up to this many tokens go straight to a decoder (0 = off; docs/decode-only.md)")
 
     # --- prefix cache: the engines' KV events (pdproxy/prefix/subscriber.py) and the index (pdproxy/prefix/index.py)
     kv_events: StrList = Field([], description="ENGINE_URL=tcp://HOST:PORT: subscribe to that engine's KV events "

@@ -53,6 +53,7 @@ from pdproxy.pd.prefill import PrefillLeg, PrefillResult
 from pdproxy.pd.responder import Responder
 from pdproxy.prefix.source import NoPrefix, PrefixSource
 from pdproxy.scheduling import PickRequest, Scheduler
+from pdproxy.scheduling.decider import PDDecision
 from pdproxy.scheduling.queue import PrefillQueue
 from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext, new_request_id
@@ -61,7 +62,8 @@ from pdproxy.timeline import RequestContext, new_request_id
 class Director:
     """Runs requests through admission, the prefill and decode legs and the relay.
 
-    ``admission`` admits; ``scheduler`` answers "could any decoder take it" before a prefill is spent (and picks
+    ``admission`` admits; ``decision`` (from the settings and ``queue``) says whether a request skips the
+    prefiller; ``scheduler`` answers "could any decoder take it" before a prefill is spent (and picks
     inside the legs); ``queue`` grants prefill slots; ``pool``, ``health``, ``upstream`` and ``headers`` serve the
     legs; ``releaser`` frees KV that no decoder will read; ``prefix`` supplies prefix hints; ``tracing`` spans
     each step (:mod:`pdproxy.ops.tracing`; off by default).  :meth:`pdproxy.app.state.ProxyState.director`
@@ -82,6 +84,7 @@ class Director:
         self.backoff = Backoff(settings.retry_backoff_s, settings.retry_backoff_max_s)
         self.prefill = PrefillLeg(settings, queue=queue, pool=pool, health=health, upstream=upstream,
                                   headers=headers, backoff=self.backoff, tracing=tracing, releaser=releaser)
+        self.decision = PDDecision.from_settings(settings, queue)
         self.decode = DecodeLeg(settings, scheduler=scheduler, pool=pool, health=health, upstream=upstream,
                                 headers=headers, tracing=tracing)
         self.fan_out = fanout.FanOut(admit=self.admit, run=self.run_sequence,
@@ -112,9 +115,12 @@ class Director:
         return req.sequences > 1 and not (req.engine_judges or req.decoder_prefills)
 
     async def admit(self, req: ProxyRequest, ctx: RequestContext) -> None:
-        """Admission (:meth:`Admission.admit`: counted, fits, which path), in its tracing span."""
+        """Admission (:meth:`Admission.admit`: counted, fits), in its tracing span; then the PD decision
+        (:mod:`pdproxy.scheduling.decider`: through a prefiller, or straight to a decoder), counted by admission."""
         with self.tracing.admission(ctx):
             await self.admission.admit(req, ctx)
+            reason = self.decision.decode_only(req.prompt_tokens or 0, PickRequest.of(req, ctx.request_id))
+            self.admission.count_path(ctx, reason)
 
     async def run_sequence(self, req: ProxyRequest, ctx: RequestContext, out: Responder) -> None:
         """One admitted sequence: queue + prefill → decode → relay, continued on a new pair after vLLM-Ascend's
