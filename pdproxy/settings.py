@@ -188,6 +188,12 @@ class Settings(BaseSettings):
     # --- health
     health_interval_s: float = Field(2.0, gt=0)
     health_timeout_s: float = Field(1.0, gt=0)
+    health_unhealthy_threshold: int = Field(
+        3, ge=1, description="consecutive failed /health probes that take an engine out of rotation, counted only "
+                             "while no request to it succeeds (Envoy's unhealthy_threshold; docs/health.md)")
+    health_healthy_threshold: int = Field(
+        2, ge=1, description="consecutive good /health probes that bring an engine taken out by probes back "
+                             "(Envoy's healthy_threshold)")
     engine_refresh_interval_s: float = Field(10.0, gt=0)
     breaker_failures: int = Field(3, ge=1, description="consecutive engine failures that open an endpoint's breaker")
     breaker_open_s: float = Field(3.0, gt=0, description="first open period of a breaker (doubles per failed trial)")

@@ -61,11 +61,10 @@ def test_vllm_alone_makes_the_second_long_prompt_wait(small_pool_engines: Engine
         def second() -> None:
             with engine.stream("POST", "/v1/completions", json={**body, "prompt": longs[1]}) as answer:
                 assert answer.status_code == 200
-                for line in answer.iter_lines():
-                    if line.startswith("data: {"):
-                        note("second's first token")
-                        break
-                assert "data: [DONE]" in list(answer.iter_lines())
+                events = answer.iter_lines()
+                assert next(line for line in events if line.startswith("data: {"))
+                note("second's first token")
+                assert "data: [DONE]" in list(events)
 
         waiting = pool.submit(second)
         for line in lines:

@@ -20,8 +20,8 @@ from tests.support import ProxyThread, SimProcess, running, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
-BURST = 200
-SHORT_TOKENS = 300           # 200 × 300 = 60,000 prompt tokens: far past prefill_busy_tokens (8,192) in flight
+BURST = 120
+SHORT_TOKENS = 300           # 120 × 300 = 36,000 prompt tokens: far past prefill_busy_tokens (8,192) in flight
 SIM = ("--served-model-name", "sim-model", "--max-model-len", "131072", "--decode-tokens-per-s", "0")
 
 
