@@ -191,6 +191,11 @@ class Settings(BaseSettings):
     decode_attempts: int = Field(3, ge=1, le=10, description="decoders tried per request before its first event")
     retry_backoff_s: float = Field(0.05, ge=0, description="first retry backoff; doubles per retry, ×0.5–1.5 jitter")
     retry_backoff_max_s: float = Field(1.0, ge=0, description="cap of one retry backoff (seconds)")
+    prefill_cancel_grace_s: float = Field(
+        0.5, ge=0, description="a request that leaves (client gone, deadline) while its prefill leg is in flight: "
+                               "wait this long for the prefiller's answer and release the KV it pinned, then "
+                               "close the connection (vLLM aborts the request); 0 closes at once, leaving the KV "
+                               "of a prefill that had just finished pinned until the connector's timeout (seconds)")
     kv_release_timeout_s: float = Field(
         5.0, gt=0, description="bound of the release leg that frees a prefiller's pinned KV when a request leaves "
                                "between prefill and decode (seconds)")
@@ -206,6 +211,12 @@ class Settings(BaseSettings):
     # --- health
     health_interval_s: float = Field(2.0, gt=0)
     health_timeout_s: float = Field(1.0, gt=0)
+    health_unhealthy_threshold: int = Field(
+        3, ge=1, description="consecutive failed /health probes that take an engine out of rotation, counted only "
+                             "while no request to it succeeds (Envoy's unhealthy_threshold; docs/health.md)")
+    health_healthy_threshold: int = Field(
+        2, ge=1, description="consecutive good /health probes that bring an engine taken out by probes back "
+                             "(Envoy's healthy_threshold)")
     engine_refresh_interval_s: float = Field(10.0, gt=0)
     breaker_failures: int = Field(3, ge=1, description="consecutive engine failures that open an endpoint's breaker")
     breaker_open_s: float = Field(3.0, gt=0, description="first open period of a breaker (doubles per failed trial)")
@@ -248,8 +259,9 @@ class Settings(BaseSettings):
     prefill_queue_aging_tokens_per_s: float = Field(
         8192.0, ge=0, description="queue priority gained per second of waiting (tokens), so large prompts are "
                                   "never starved by small ones")
-    prefill_busy_tokens: int = Field(8192, ge=1, description="in-flight prefill tokens that make a prefiller "
-                                                             "'busy with long work'")
+    prefill_busy_tokens: int = Field(8192, ge=1, description="a prefill of at least this many uncached tokens is "
+                                                             "'long work': its prefiller is busy with it while it "
+                                                             "runs (docs/decode-only.md)")
     prefill_tied_to_decoders: bool = Field(True, description="dispatch a prefill only when the decoders' free KV "
                                                              "pool can take it")
     decoder_max_requests: int = Field(0, ge=0, description="decode requests per decoder before prefills wait "
@@ -257,8 +269,8 @@ class Settings(BaseSettings):
     decode_only_max_prompt_tokens: int = Field(0, ge=0, description="prompts up to this many tokens skip the "
                                                                     "prefiller and go straight to a decoder (0 = off)")
     decode_only_busy_max_prompt_tokens: int = Field(
-        1024, ge=0, description="while every prefiller is busy with long work, prompts up to this many tokens go "
-                                "straight to a decoder (0 = off)")
+        1024, ge=0, description="while every prefiller is computing a long prefill (prefill_busy_tokens), prompts "
+                                "up to this many tokens go straight to a decoder (0 = off; docs/decode-only.md)")
 
     # --- prefix cache: the engines' KV events (pdproxy/prefix/subscriber.py) and the index (pdproxy/prefix/index.py)
     kv_events: StrList = Field([], description="ENGINE_URL=tcp://HOST:PORT: subscribe to that engine's KV events "

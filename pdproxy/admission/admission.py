@@ -17,9 +17,9 @@ Steps of :meth:`Admission.admit`:
 4. **Over the limit** → :class:`~pdproxy.errors.PromptTooLong` (HTTP 400, vLLM's envelope and wording, names the KV
    pool when that is the limit).  No engine received anything but, in engine mode, ``/tokenize``; no retry; no
    effect on health.
-5. **Conditional disaggregation.**  ``ctx.disaggregated = False`` (the director sends the request straight to a
-   decoder, which prefills it locally) when the prompt is at most ``decode_only_max_prompt_tokens``, or at most
-   ``decode_only_busy_max_prompt_tokens`` while every prefiller is busy with long work (:meth:`PrefillQueue.congested`).
+
+Whether the request then goes through a prefiller at all is not admission's call: the director asks the PD
+decision (:mod:`pdproxy.scheduling.decider`) and admission counts the outcome (:meth:`Admission.count_path`).
 
 Counters for metrics live in :class:`AdmissionStats` (``state.admission.stats``) and the queue's
 :class:`~pdproxy.scheduling.queue.QueueStats` (``state.admission.queue.stats``).
@@ -188,7 +188,7 @@ class Admission:
         return self._sources.get(model or "") or self.settings.tokenizer or "engine"
 
     async def admit(self, req: ProxyRequest, ctx: RequestContext) -> None:
-        """Count ``req.prompt_tokens`` and check the limits; mark ``ctx.disaggregated``.
+        """Count ``req.prompt_tokens`` and check the limits.
 
         Raises :class:`~pdproxy.errors.PromptTooLong` (400) when no prefiller/decoder pair can take the prompt,
         :class:`BadRequest` when the chat template rejects the messages, or the engine's own 4xx from
@@ -229,7 +229,6 @@ class Admission:
         req.prompt_tokens_upper = upper
         req.prompt_tokens_estimated = method == "estimate"
         self.stats.admitted_total += 1
-        self._choose_path(req, ctx)
         ctx.timeline.admitted_at = time.monotonic()
 
     def _ambiguous(self, lower: int, max_output: int | None, model: str | None, *, exact: bool = False) -> bool:
@@ -239,20 +238,15 @@ class Admission:
         violation = self.limits.violation(lower, max_output, model=model)
         return violation is not None and violation.ambiguous(lower, exact=exact)
 
-    def _choose_path(self, req: ProxyRequest, ctx: RequestContext) -> None:
-        s = self.settings
-        tokens = req.prompt_tokens or 0
-        reason = None
-        if s.decode_only_max_prompt_tokens and tokens <= s.decode_only_max_prompt_tokens:
-            reason = "short_prompt"
-        elif (s.decode_only_busy_max_prompt_tokens and tokens <= s.decode_only_busy_max_prompt_tokens
-              and self.queue.congested(PickRequest.of(req, ctx.request_id))):
-            reason = "prefillers_busy"
-        if reason is None:
+    def count_path(self, ctx: RequestContext, decode_only: str | None) -> None:
+        """Record the PD decision for an admitted request: ``decode_only`` is the reason it goes straight to a
+        decoder (:mod:`pdproxy.scheduling.decider`), or None when it is disaggregated; sets
+        ``ctx.disaggregated``."""
+        if decode_only is None:
             self.stats.disaggregated_total += 1
             ctx.disaggregated = True
         else:
-            AdmissionStats.bump(self.stats.decode_only_total, reason)
+            AdmissionStats.bump(self.stats.decode_only_total, decode_only)
             ctx.disaggregated = False
 
     async def _count(self, req: ProxyRequest, ctx: RequestContext, chat: bool, bounds: PromptBounds,

@@ -81,7 +81,9 @@ class ProxyState:
         health = HealthMonitor(pool, engines, infos, interval_s=s.health_interval_s,
                                refresh_interval_s=s.engine_refresh_interval_s,
                                breaker_failures=s.breaker_failures, breaker_open_s=s.breaker_open_s,
-                               make_breaker=share.make_breaker if share is not None else None)
+                               make_breaker=share.make_breaker if share is not None else None,
+                               unhealthy_threshold=s.health_unhealthy_threshold,
+                               healthy_threshold=s.health_healthy_threshold)
         ledger = PrefillLedger(pool, limits, budget_tokens=s.prefill_budget_tokens,
                                decoder_capacity=s.prefill_tied_to_decoders, decoder_max_requests=s.decoder_max_requests,
                                counts=share.ledger_counts() if share is not None else None)

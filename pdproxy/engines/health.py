@@ -1,15 +1,22 @@
 """Endpoint health: active ``/health`` probes, passive outlier detection, and one circuit breaker per endpoint.
 
 - **Active**: every ``interval_s`` seconds each endpoint's ``GET /health`` is probed (vLLM answers 200, or 503
-  when the engine core is dead — ``vllm/entrypoints/serve``); the result is the pool's
-  ``healthy`` flag.  What the engine declares (``/v1/models``, ``/metrics``) is refreshed every
-  ``refresh_interval_s`` seconds into ``infos`` (used by admission and routing).
+  when the engine core is dead — ``vllm/entrypoints/serve``); the results drive the pool's ``healthy`` flag with
+  Envoy's hysteresis (active health checking's ``unhealthy_threshold`` / ``healthy_threshold``): an endpoint is
+  taken out after ``unhealthy_threshold`` consecutive failed probes *and only if no request to it succeeded since
+  the first of them* — an engine busy with a burst answers ``/health`` late but keeps serving, and real traffic
+  outweighs a probe — and comes back after ``healthy_threshold`` consecutive good probes.  What the engine
+  declares (``/v1/models``, ``/metrics``) is refreshed every ``refresh_interval_s`` seconds into ``infos`` (used by
+  admission and routing).
 - **Passive**: the request path reports each leg's verdict.  Transport failures, timeouts and 5xx answers count
   against the endpoint (``record_failure``); 4xx answers are the request's fault and must not be reported.  A
   failure also triggers an immediate probe, so a killed engine leaves the pool within one probe round trip.
-- **Breaker** (:mod:`pdproxy.engines.breaker`): consecutive failures open it; picks skip open endpoints (:meth:`can_take`,
-  the scheduler's breaker filter);
-  a successful probe lets a trial request through; a successful request closes it.  With ``--workers N`` the
+- **Breaker** (:mod:`pdproxy.engines.breaker`; Envoy's outlier detection): consecutive failures open it; picks skip
+  open endpoints (:meth:`can_take`, the scheduler's breaker filter), whatever ``/health`` says; a successful
+  request closes it.  A successful probe lets a trial request through at once only when the last failure was not
+  a timeout: an engine whose generation hangs while its API server answers ``/health`` (timeouts to the first
+  byte) waits out the open period (``breaker_open_s``, doubling per failed trial — Envoy's ejection time) and
+  comes back through a trial request that it answers.  With ``--workers N`` the
   breakers are shared by all workers (``make_breaker``, :mod:`pdproxy.workers.breaker`); probes stay per worker.
 
 So a dead engine gets at most ``breaker_failures`` (+ in-flight) attempts, is re-admitted within about one probe
@@ -32,7 +39,7 @@ from pdproxy.engines.breaker import BreakerState, CircuitBreaker, Clock
 from pdproxy.engines.control import EngineClient, EngineInfo
 from pdproxy.engines.events import EngineEvents
 from pdproxy.engines.pool import EndpointPool
-from pdproxy.errors import ProxyError, classify
+from pdproxy.errors import ProxyError, UpstreamTimeout, classify
 
 log = logging.getLogger("pdproxy.health")
 
@@ -53,7 +60,9 @@ class HealthMonitor:
     """Keeps ``pool`` health flags, per-endpoint breakers and ``infos`` (what each engine declares) up to date.
 
     ``interval_s``: probe period (seconds); ``refresh_interval_s``: ``/v1/models`` + ``/metrics`` refresh period;
-    ``breaker_failures`` / ``breaker_open_s``: see :class:`CircuitBreaker`; ``clock``: monotonic seconds;
+    ``breaker_failures`` / ``breaker_open_s``: see :class:`CircuitBreaker`; ``unhealthy_threshold`` /
+    ``healthy_threshold``: consecutive failed / good probes that take an endpoint out / bring it back (module
+    docstring; failed probes count only while no request to it succeeds); ``clock``: monotonic seconds;
     ``make_breaker``: builds an endpoint's breaker from its settings (``--workers N``: one shared by every worker,
     :mod:`pdproxy.workers.breaker`); given, every endpoint's breaker is made up front, so a breaker another process
     opened is seen before this one ever failed.  Start with :meth:`start`, stop with :meth:`stop` (the app
@@ -63,7 +72,8 @@ class HealthMonitor:
     def __init__(self, pool: EndpointPool, engines: EngineClient, infos: dict[Endpoint, EngineInfo], *,
                  interval_s: float, refresh_interval_s: float, breaker_failures: int = 3,
                  breaker_open_s: float = 3.0, clock: Clock = time.monotonic,
-                 make_breaker: BreakerFactory | None = None) -> None:
+                 make_breaker: BreakerFactory | None = None, unhealthy_threshold: int = 1,
+                 healthy_threshold: int = 1) -> None:
         self.pool = pool
         self.engines = engines
         self.infos = infos
@@ -72,6 +82,12 @@ class HealthMonitor:
         self.breaker_failures = breaker_failures
         self.breaker_open_s = breaker_open_s
         self.clock = clock
+        self.unhealthy_threshold = unhealthy_threshold
+        self.healthy_threshold = healthy_threshold
+        self._probe_streak: dict[Endpoint, int] = {}       # > 0: consecutive good probes, < 0: failed ones
+        self._failing_since: dict[Endpoint, float] = {}    # clock() of the first of the failed probes
+        self._served_at: dict[Endpoint, float] = {}        # clock() of the last request it served
+        self._timed_out: set[Endpoint] = set()             # its last failure was a timeout: probes do not re-admit
         self.breakers: dict[Endpoint, CircuitBreaker] = {}
         self.leaving: set[Endpoint] = set()
         self._task: asyncio.Task[None] | None = None
@@ -141,11 +157,17 @@ class HealthMonitor:
         if not verdict.engine_fault:
             self.record_neutral(endpoint)
             return False
+        if isinstance(exc, UpstreamTimeout):
+            self._timed_out.add(endpoint)
+        else:
+            self._timed_out.discard(endpoint)
         self.record_failure(endpoint, retry_after_s=verdict.retry_after_s, hard=verdict.unsent)
         return True
 
     def record_success(self, endpoint: Endpoint) -> None:
-        """A leg to ``endpoint`` succeeded (closes its breaker)."""
+        """A leg to ``endpoint`` succeeded (closes its breaker; outweighs failed probes)."""
+        self._served_at[endpoint] = self.clock()
+        self._timed_out.discard(endpoint)
         b = self.breakers.get(endpoint)
         if b is not None and (b.state is not BreakerState.CLOSED or b.consecutive_failures):
             before = b.state
@@ -161,6 +183,9 @@ class HealthMonitor:
     def forget(self, endpoint: Endpoint) -> None:
         """Drop an endpoint's breaker and probe (admin remove)."""
         self.breakers.pop(endpoint, None)
+        for memo in (self._probe_streak, self._failing_since, self._served_at):
+            memo.pop(endpoint, None)
+        self._timed_out.discard(endpoint)
         self.events.forget(endpoint)
         task = self._probing.pop(endpoint, None)
         if task is not None:
@@ -214,14 +239,41 @@ class HealthMonitor:
         if ok and due:
             await self._refresh(endpoint, info)
             ok = info.reachable
-        with contextlib.suppress(KeyError):
-            self.pool.load(endpoint).healthy = ok
-        self.events.observe(endpoint, info, ok)
-        if ok:
+        try:
+            load = self.pool.load(endpoint)
+        except KeyError:
+            return False
+        load.healthy = healthy = self._verdict(endpoint, ok, load.healthy)
+        self.events.observe(endpoint, info, healthy)
+        if ok and endpoint not in self._timed_out:
             b = self.breakers.get(endpoint)
             if b is not None:
                 b.probe_ok()
-        return ok
+        return healthy
+
+    def _verdict(self, endpoint: Endpoint, ok: bool, was: bool) -> bool:
+        """Whether ``endpoint`` is healthy after a probe that succeeded (``ok``) or not, given it ``was``
+        (module docstring: thresholds, and served traffic outweighing failed probes)."""
+        streak = self._probe_streak.get(endpoint)
+        if streak is None:                      # never probed (just added): the first probe decides
+            self._probe_streak[endpoint] = 1 if ok else -1
+            if not ok:
+                self._failing_since[endpoint] = self.clock()
+            return ok
+        if ok:
+            self._probe_streak[endpoint] = streak = max(streak, 0) + 1
+            self._failing_since.pop(endpoint, None)
+            return was or streak >= self.healthy_threshold
+        self._probe_streak[endpoint] = streak = min(streak, 0) - 1
+        now = self.clock()
+        since = self._failing_since.setdefault(endpoint, now)
+        if not was or -streak < self.unhealthy_threshold:
+            return was
+        if self._served_at.get(endpoint, -math.inf) >= since:  # it served requests meanwhile: they outweigh the
+            self._probe_streak[endpoint] = 0                    # probes; the next round counts from here
+            self._failing_since[endpoint] = now
+            return True
+        return False
 
     def probe_soon(self, endpoint: Endpoint) -> None:
         """Schedule one probe of ``endpoint`` now (at most one at a time per endpoint); no-op without a loop."""
@@ -254,6 +306,9 @@ class HealthMonitor:
             up = info.reachable and await self.engines.health(e)
             with contextlib.suppress(KeyError):
                 self.pool.load(e).healthy = up
+            self._probe_streak[e] = 1 if up else -1     # the first verdict; later probes need the thresholds
+            if not up:
+                self._failing_since[e] = self.clock()
             self.events.observe(e, info, up)
         await asyncio.gather(*(one(e) for e in self.pool.endpoints()))
 

@@ -16,7 +16,9 @@ Failure policy, decided here and in the two leg modules and nowhere else:
 - **after the first event**: never replayed (the relay sends an SSE error event + ``[DONE]``), except vLLM-Ascend's
   ``stop_reason "recomputed"``, which is continued on a new P→D pair (:mod:`pdproxy.apis.recompute`).
 - **leaving early** (client disconnect, deadline, error) between the prefill and the decoder's first event: the
-  prefiller's pinned KV is released by a release leg (:mod:`pdproxy.pd.kv_release`).
+  prefiller's pinned KV is released by a release leg (:mod:`pdproxy.pd.kv_release`); leaving while the prefill
+  leg is in flight, its answer is still awaited (``prefill_cancel_grace_s``) and released the same way, since the
+  engine may have finished and pinned the KV already.
 
 A request for a model no decoder serves is vLLM's 404 before anything else (:mod:`pdproxy.engines.models`); a
 request of several sequences (``n > 1``, a completion prompt list) runs one P→D path per sequence
@@ -51,6 +53,7 @@ from pdproxy.pd.prefill import PrefillLeg, PrefillResult
 from pdproxy.pd.responder import Responder
 from pdproxy.prefix.source import NoPrefix, PrefixSource
 from pdproxy.scheduling import PickRequest, Scheduler
+from pdproxy.scheduling.decider import PDDecision
 from pdproxy.scheduling.queue import PrefillQueue
 from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext, new_request_id
@@ -59,7 +62,8 @@ from pdproxy.timeline import RequestContext, new_request_id
 class Director:
     """Runs requests through admission, the prefill and decode legs and the relay.
 
-    ``admission`` admits; ``scheduler`` answers "could any decoder take it" before a prefill is spent (and picks
+    ``admission`` admits; ``decision`` (from the settings and ``queue``) says whether a request skips the
+    prefiller; ``scheduler`` answers "could any decoder take it" before a prefill is spent (and picks
     inside the legs); ``queue`` grants prefill slots; ``pool``, ``health``, ``upstream`` and ``headers`` serve the
     legs; ``releaser`` frees KV that no decoder will read; ``prefix`` supplies prefix hints; ``tracing`` spans
     each step (:mod:`pdproxy.ops.tracing`; off by default).  :meth:`pdproxy.app.state.ProxyState.director`
@@ -79,7 +83,8 @@ class Director:
         self.tracing = tracing
         self.backoff = Backoff(settings.retry_backoff_s, settings.retry_backoff_max_s)
         self.prefill = PrefillLeg(settings, queue=queue, pool=pool, health=health, upstream=upstream,
-                                  headers=headers, backoff=self.backoff, tracing=tracing)
+                                  headers=headers, backoff=self.backoff, tracing=tracing, releaser=releaser)
+        self.decision = PDDecision.from_settings(settings, queue)
         self.decode = DecodeLeg(settings, scheduler=scheduler, pool=pool, health=health, upstream=upstream,
                                 headers=headers, tracing=tracing)
         self.fan_out = fanout.FanOut(admit=self.admit, run=self.run_sequence,
@@ -110,9 +115,12 @@ class Director:
         return req.sequences > 1 and not (req.engine_judges or req.decoder_prefills)
 
     async def admit(self, req: ProxyRequest, ctx: RequestContext) -> None:
-        """Admission (:meth:`Admission.admit`: counted, fits, which path), in its tracing span."""
+        """Admission (:meth:`Admission.admit`: counted, fits), in its tracing span; then the PD decision
+        (:mod:`pdproxy.scheduling.decider`: through a prefiller, or straight to a decoder), counted by admission."""
         with self.tracing.admission(ctx):
             await self.admission.admit(req, ctx)
+            reason = self.decision.decode_only(req.prompt_tokens or 0, PickRequest.of(req, ctx.request_id))
+            self.admission.count_path(ctx, reason)
 
     async def run_sequence(self, req: ProxyRequest, ctx: RequestContext, out: Responder,
                            affinity: Endpoint | None) -> None:
@@ -187,7 +195,7 @@ class Director:
             prefill.consumed = True
             if not prefill.handed:
                 self.kv_release.release(req, ctx.request_id, ctx.authorization, prefill.params,
-                                        avoid=list(prefill.decoders))
+                                        avoid=list(prefill.decoders), prefiller=prefill.endpoint)
 
     async def answer_from_prefill(self, req: ProxyRequest, ctx: RequestContext, out: Responder,
                                   prefill: PrefillResult, transcript: recompute.Transcript | None) -> bool:

@@ -17,6 +17,16 @@ healthy decoder, in the background, bounded by ``timeout_s`` (the connection is 
 on the decoder, which again notifies the prefiller).  If the KV was already pulled or freed, the decoder's pull
 fails — the expected outcome, logged at DEBUG.  Tasks are owned by the releaser and awaited (bounded) by
 :meth:`aclose` at shutdown.
+
+A client that leaves while the prefill leg is in flight does not drop the prefiller's answer unread
+(:meth:`KVReleaser.drain`): the engine may have finished the prefill and pinned the KV already, the answer on its
+way, and closing the connection then aborts nothing.  The answer is awaited for at most ``prefill_cancel_grace_s``;
+when it comes with ``kv_transfer_params`` a release leg follows, when it does not come in time the connection is
+closed, which makes vLLM abort the still-running request and free its blocks.
+
+While a release leg (or such a drain) runs, the prefiller keeps a pool lease for the prompt's tokens, so pdproxy's
+own accounting (``kv_held_tokens`` in ``/debug/load``, the prefill queue's KV-pool check) counts the KV the engine
+still holds until the leg ended.
 """
 
 from __future__ import annotations
@@ -24,7 +34,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from contextlib import ExitStack
+from typing import Any
 
 import orjson
 
@@ -49,7 +61,9 @@ def release_body(original: dict[str, object], params: kv_transfer.KVTransferPara
 
 
 class KVReleaser:
-    """Runs release legs in the background (see module docstring).  ``released``/``failed`` count legs.
+    """Runs release legs in the background (see module docstring).  ``released``/``failed`` count legs;
+    ``drained``/``abandoned`` count prefill answers awaited after the client left (answered with a KV handle /
+    not answered within the grace, connection closed).
 
     ``scheduler`` picks the decoder (its decode profile: healthy, breaker, model…), ``pool`` holds a lease on it
     for the leg, ``health`` hears the leg ended without a verdict, ``upstream`` sends it with ``headers``;
@@ -65,17 +79,66 @@ class KVReleaser:
         self.timeout_s = timeout_s
         self.released = 0
         self.failed = 0
+        self.drained = 0
+        self.abandoned = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
     def release(self, req: ProxyRequest, request_id: str, authorization: str | None,
-                params: kv_transfer.KVTransferParams | None, *, avoid: Sequence[Endpoint] = ()) -> None:
+                params: kv_transfer.KVTransferParams | None, *, avoid: Sequence[Endpoint] = (),
+                prefiller: Endpoint | None = None) -> None:
         """Start a release leg for ``params`` (no-op for None: nothing is pinned).  ``avoid``: decoders that just
-        failed, used only when no other decoder is available."""
+        failed, used only when no other decoder is available.  ``prefiller``: the engine holding the KV, which
+        keeps a pool lease of the prompt's tokens until the leg ended (taken here, before the caller's own
+        lease is given back)."""
         if params is None:
             return
-        task = asyncio.get_running_loop().create_task(self._run(req, request_id, authorization, params, avoid))
+        held = self._hold(prefiller, req)
+        self._spawn(self._held(held, self._run(req, request_id, authorization, params, avoid)))
+
+    def drain(self, answer: asyncio.Future[dict[str, Any]], req: ProxyRequest, request_id: str,
+              authorization: str | None, *, prefiller: Endpoint, grace_s: float) -> None:
+        """The request left while ``answer`` (the prefill leg's ``post_json``, still running) was awaited: wait for
+        it at most ``grace_s`` seconds, then release the KV it reports pinned; past the grace ``answer`` is
+        cancelled (its connection closed: vLLM aborts the request).  The prefiller keeps a pool lease meanwhile."""
+        if grace_s <= 0 and not answer.done():
+            answer.cancel()
+            return
+        held = self._hold(prefiller, req)
+        self._spawn(self._held(held, self._drain(answer, req, request_id, authorization, grace_s)))
+
+    def _hold(self, prefiller: Endpoint | None, req: ProxyRequest) -> ExitStack:
+        held = ExitStack()
+        if prefiller is not None:
+            held.enter_context(self.pool.lease(prefiller, req.prompt_tokens or 0))
+        return held
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _held(held: ExitStack, work: Coroutine[Any, Any, None]) -> None:
+        with held:
+            await work
+
+    async def _drain(self, answer: asyncio.Future[dict[str, Any]], req: ProxyRequest, request_id: str,
+                     authorization: str | None, grace_s: float) -> None:
+        try:
+            async with asyncio.timeout(grace_s):
+                reply = await answer                 # cancelled on expiry: the connection is closed
+        except TimeoutError:
+            self.abandoned += 1
+            log.debug("prefill of request %s not answered %.2f s after the client left: aborted", request_id,
+                      grace_s)
+            return
+        except ProxyError:                           # the prefill failed: the engine pinned nothing
+            return
+        params = kv_transfer.extract_params(reply)
+        if params is None:                           # finished on the prefiller (no handle): nothing pinned
+            return
+        self.drained += 1
+        await self._run(req, request_id, authorization, params, ())
 
     def _pick(self, request: PickRequest, avoid: Sequence[Endpoint]) -> Endpoint | None:
         for exclude in (avoid, ()):

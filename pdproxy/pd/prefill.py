@@ -9,7 +9,9 @@ prefiller's breaker open (:meth:`~pdproxy.engines.health.HealthMonitor.record_er
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Coroutine
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,7 @@ from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.upstream import Upstream
 from pdproxy.ops.tracing import NO_TRACING, Tracing
 from pdproxy.pd.backoff import Backoff
+from pdproxy.pd.kv_release import KVReleaser
 from pdproxy.prefix.source import NoPrefix, PrefixSource
 from pdproxy.scheduling import PickRequest
 from pdproxy.scheduling.queue import PrefillQueue, PrefillSlot
@@ -75,10 +78,12 @@ class PrefillLeg:
     """Runs the prefill leg of a request (see the module docstring).  ``queue`` grants the prefiller (the
     scheduler's pick inside it), ``pool`` holds its lease, ``health`` hears each attempt's verdict, ``upstream``
     sends it with ``headers``; ``backoff`` spaces the attempts; ``tracing`` spans the queue wait and each
-    attempt."""
+    attempt; ``releaser`` takes over the answer of a prefill whose request left while it was in flight
+    (:meth:`KVReleaser.drain`; without one the connection is closed at once)."""
 
     def __init__(self, settings: Settings, *, queue: PrefillQueue, pool: EndpointPool, health: HealthMonitor,
-                 upstream: Upstream, headers: EngineHeaders, backoff: Backoff, tracing: Tracing = NO_TRACING) -> None:
+                 upstream: Upstream, headers: EngineHeaders, backoff: Backoff, tracing: Tracing = NO_TRACING,
+                 releaser: KVReleaser | None = None) -> None:
         self.settings = settings
         self.queue = queue
         self.pool = pool
@@ -87,6 +92,7 @@ class PrefillLeg:
         self.headers = headers
         self.backoff = backoff
         self.tracing = tracing
+        self.releaser = releaser
 
     async def run(self, req: ProxyRequest, ctx: RequestContext, pick: PickRequest, stack: AsyncExitStack,
                   prefix: PrefixSource | None = None) -> PrefillResult:
@@ -138,10 +144,10 @@ class PrefillLeg:
             try:
                 with (self.tracing.prefill(ctx, endpoint),                 # the span is the leg's traceparent
                       (prefix or _NO_PREFIX).prefilling(req, ctx, endpoint)):  # in flight there; answered/failed
-                    reply = await self.upstream.post_json(endpoint, req.api.value, leg,
-                                                          self.headers.leg(endpoint, ctx.request_id, ctx.authorization,
-                                                                           ctx.client_headers),
-                                                          timeout_s=timeout_s)
+                    reply = await self.answer(req, ctx, endpoint, self.upstream.post_json(
+                        endpoint, req.api.value, leg,
+                        self.headers.leg(endpoint, ctx.request_id, ctx.authorization, ctx.client_headers),
+                        timeout_s=timeout_s))
                     ctx.cached_tokens = kv_transfer.prefill_cached_tokens(reply, req.api)
                     ctx.engine_prompt_tokens = kv_transfer.prefill_prompt_tokens(reply, req.api)
             except ProxyError as exc:
@@ -179,3 +185,20 @@ class PrefillLeg:
                                  answer=reply if ended else None)
         assert last is not None
         raise last
+
+    async def answer(self, req: ProxyRequest, ctx: RequestContext, endpoint: Endpoint,
+                     post: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+        """Await the prefiller's answer (``post``).  When the request is cancelled meanwhile (client gone,
+        deadline) the answer is not dropped unread: the engine may have finished and pinned the KV already, so the
+        releaser awaits it (bounded by ``prefill_cancel_grace_s``) and frees what it reports
+        (:meth:`KVReleaser.drain`)."""
+        answer = asyncio.ensure_future(post)
+        try:
+            return await asyncio.shield(answer)
+        except asyncio.CancelledError:
+            if self.releaser is None:
+                answer.cancel()
+            else:
+                self.releaser.drain(answer, req, ctx.request_id, ctx.authorization, prefiller=endpoint,
+                                    grace_s=self.settings.prefill_cancel_grace_s)
+            raise

@@ -91,7 +91,7 @@ class PrefillSlot:
     in-flight count), the whole prompt unleased until :meth:`handed_over`, and ``decode_tokens`` reserved on the
     decoders until :meth:`decode_started`.  The releases are idempotent."""
 
-    __slots__ = ("_counts", "_decode_held", "_ledger", "_prefill_held", "_unleased", "compute_tokens",
+    __slots__ = ("_counts", "_decode_held", "_ledger", "_long", "_prefill_held", "_unleased", "compute_tokens",
                  "decode_tokens", "endpoint", "tokens")
 
     def __init__(self, ledger: PrefillLedger, endpoint: Endpoint, tokens: int, decode_tokens: int,
@@ -105,6 +105,9 @@ class PrefillSlot:
         self._prefill_held = True
         self._decode_held = True
         self._unleased = True
+        self._long = self.compute_tokens >= ledger.long_tokens
+        if self._long:
+            ledger.add_long(endpoint, 1)
         counts.add_inflight(endpoint, self.compute_tokens, 1)
         counts.add_unleased(endpoint, tokens, 1)
         counts.add_pending_decode(decode_tokens)
@@ -122,6 +125,8 @@ class PrefillSlot:
         self.handed_over()
         if self._prefill_held:
             self._prefill_held = False
+            if self._long:
+                self._ledger.add_long(self.endpoint, -1)
             self._counts.add_inflight(self.endpoint, -self.compute_tokens, -1)
             self._ledger.changed()
 
@@ -220,7 +225,9 @@ class PrefillLedger:
     module docstring.  ``limits`` gives the engines' KV pools and block sizes; ``decoder_capacity``: tie dispatch
     to the decoders' free KV; ``decoder_max_requests``: decode requests per decoder before prefills wait (0: no
     limit); ``counts``: where the numbers live (default: this process only).  Listeners (:meth:`add_listener`) hear
-    every release."""
+    every release.  ``long_tokens``: a prefill computing at least this many tokens is *long work*; the ledger
+    counts those in flight per prefiller (:meth:`long_prefills`, this process's own; the queue sets it from
+    ``prefill_busy_tokens``)."""
 
     def __init__(self, pool: EndpointPool, limits: Limits, *, budget_tokens: int, decoder_capacity: bool = True,
                  decoder_max_requests: int = 0, counts: LedgerCounts | None = None) -> None:
@@ -231,6 +238,17 @@ class PrefillLedger:
         self.decoder_max_requests = decoder_max_requests
         self.counts = counts if counts is not None else LedgerCounts()
         self._listeners: list[Callable[[], None]] = []
+        self.long_tokens = 1 << 62
+        self._long: dict[Endpoint, int] = {}
+
+    def add_long(self, endpoint: Endpoint, prefills: int) -> None:
+        """Add (or remove) long prefills in flight on ``endpoint`` (:class:`PrefillSlot` does)."""
+        self._long[endpoint] = self._long.get(endpoint, 0) + prefills
+
+    def long_prefills(self, endpoint: Endpoint) -> int:
+        """Prefills of at least ``long_tokens`` uncached tokens dispatched to ``endpoint`` and not answered yet (this
+        process's own: with ``--workers N`` each worker sees the long prefills it sent)."""
+        return self._long.get(endpoint, 0)
 
     @property
     def pending_decode(self) -> int:
@@ -354,8 +372,8 @@ class _Waiter:
 
 class PrefillQueue:
     """See the module docstring.  The prefiller of a slot is the ``scheduler``'s pick (every prefill filter,
-    including the ledger's room); ``ledger`` holds the accounting.  ``busy_tokens``: in-flight prefill tokens that
-    make a prefiller "busy with long work" (:meth:`congested`); ``poll_s``: the safety-net re-check interval
+    including the ledger's room); ``ledger`` holds the accounting.  ``busy_tokens``: the uncached tokens of one
+    prefill that make it long work, its prefiller "busy with long work" while it runs (:meth:`congested`); ``poll_s``: the safety-net re-check interval
     (seconds).  The pool's lease releases and the ledger's changes call :meth:`notify` (with ``--workers N``,
     other workers' releases too, through :mod:`pdproxy.workers.wakeup`)."""
 
@@ -367,6 +385,7 @@ class PrefillQueue:
         self.timeout_s = timeout_s
         self.aging_tokens_per_s = aging_tokens_per_s
         self.busy_tokens = busy_tokens
+        ledger.long_tokens = busy_tokens
         self.poll_s = poll_s
         self.stats = QueueStats()
         self._waiting: list[_Waiter] = []
@@ -388,12 +407,14 @@ class PrefillQueue:
         return not self._waiting and self.ledger.idle()
 
     def congested(self, request: PickRequest | None = None) -> bool:
-        """True when every prefiller that could take ``request`` (all filters but capacity) has at least
-        ``busy_tokens`` prefill tokens in flight (prefill capacity is taken by long work).  False when none could
-        (routing will tell)."""
+        """True when every prefiller that could take ``request`` (all filters but capacity) is busy with long work:
+        it is computing a prefill of at least ``busy_tokens`` uncached tokens (:meth:`PrefillLedger.long_prefills`),
+        behind which a small prompt would wait (vLLM runs a chunked prefill to its end before newer requests).  Many
+        small prefills in flight are not long work, however many tokens they add up to.  False when no prefiller
+        could take it (routing will tell)."""
         candidates = self.scheduler.eligible(Role.PREFILL, request or PickRequest(), capacity=False)
-        inflight = self.ledger.inflight_tokens
-        return bool(candidates) and all(inflight(e) >= self.busy_tokens for e in candidates)
+        long_prefills = self.ledger.long_prefills
+        return bool(candidates) and all(long_prefills(e) > 0 for e in candidates)
 
     # ---- dispatch
     def _base(self, w: _Waiter) -> float:

@@ -317,7 +317,9 @@ async def run_generation(server: SimServer, listener: Listener, request: web.Req
         if parsed.stream:
             return await _stream(server, listener, request, rank, parsed, writer, seqs, wake, headers, fault,
                                  recompute_after, slow)
-        return await _unary(server, listener, rank, parsed, writer, seqs, wake, headers, recompute_after, slow)
+        hold_s = float(fault.params.get("delay_s", 0.5)) if fault is not None and fault.kind == "hold_answer" else 0.0
+        return await _unary(server, listener, rank, parsed, writer, seqs, wake, headers, recompute_after, slow,
+                            hold_s)
     finally:
         for seq in seqs:
             if not seq.ereq.finished:
@@ -418,7 +420,7 @@ async def _stream(server: SimServer, listener: Listener, request: web.Request, r
 
 async def _unary(server: SimServer, listener: Listener, rank: RankEngine, parsed: ParsedRequest, writer: Writer,
                  seqs: list[Seq], wake: _Wake, headers: dict[str, str], recompute_after: int | None,
-                 slow: tuple[float, float] | None) -> web.StreamResponse:
+                 slow: tuple[float, float] | None, hold_s: float = 0.0) -> web.StreamResponse:
     loop = asyncio.get_running_loop()
     started = loop.time()
     pending = list(seqs)
@@ -432,6 +434,8 @@ async def _unary(server: SimServer, listener: Listener, rank: RankEngine, parsed
                 seq.sent = n
                 pending.remove(seq)
     await _stretch(slow, loop.time() - started)
+    if hold_s:
+        await asyncio.sleep(hold_s)             # finished (a prefiller's KV pinned), the answer not sent yet
     if seqs[0].ereq.kv_failed:
         status, body = writer.failure_body()
         return web.Response(status=status, body=body, content_type="application/json", headers=headers)

@@ -19,7 +19,10 @@ Kinds and their params: ``refuse`` (close the connection, no response), ``hang``
 ``slow`` (``factor``: stretch TTFT and every inter-event gap; ``min_gap_s`` floors the stretched gap),
 ``slice`` (``mode``: ``byte`` | ``crlf`` | ``data`` | ``utf8``), ``recomputed`` (``tokens``: end after k
 tokens with ``finish_reason "stop"``, ``stop_reason "recomputed"``), ``no_kv_params`` (the prefiller finishes
-on a first-token EOS and returns no ``kv_transfer_params``).
+on a first-token EOS and returns no ``kv_transfer_params``), ``hold_answer`` (``delay_s``: a non-streaming answer
+is sent that long after the engine finished the request — a prefiller's KV is pinned meanwhile — like an API server
+slow to send a finished answer), ``slow_health`` (``delay_s``: ``/health`` answers that late; give it
+``"path": "/health"``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 KINDS = frozenset({"refuse", "hang", "status", "headers_then_stall", "reset_after_events", "close_without_done",
-                   "slow", "slice", "recomputed", "no_kv_params"})
+                   "slow", "slice", "recomputed", "no_kv_params", "hold_answer", "slow_health"})
 SLICE_MODES = frozenset({"byte", "crlf", "data", "utf8"})
 DEFAULT_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/inference/v1/generate")
 _META = ("kind", "on_request", "times", "path", "probability")

@@ -21,6 +21,7 @@ records, faults, prefix-cache hashes and pinned KV (pins and their expiry).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
 import socket
@@ -264,8 +265,8 @@ class SimServer:
         r.add_get("/v1/models", self._models)
         r.add_post("/tokenize", self._tokenize)
         r.add_post("/detokenize", self._detokenize)
-        r.add_get("/health", self._health)
-        r.add_route("*", "/ping", self._health)
+        r.add_get("/health", lambda req: self._health(listener, req))
+        r.add_route("*", "/ping", lambda req: self._health(listener, req))
         r.add_get("/version", lambda _req: self._version())
         r.add_get("/metrics", lambda _req: self._metrics(listener))
         r.add_get("/load", lambda _req: self._load(listener))
@@ -338,7 +339,11 @@ class SimServer:
             return web.Response(status=400, body=error_body(str(exc), "BadRequestError", 400),
                                 content_type="application/json")
 
-    async def _health(self, _request: web.Request) -> web.Response:
+    async def _health(self, listener: Listener, request: web.Request) -> web.Response:
+        """200; late by ``delay_s`` under a ``slow_health`` fault given ``"path": "/health"`` (pdproxy/sim/faults.py)."""
+        fault = listener.faults.match(request.path)
+        if fault is not None and fault.kind == "slow_health":
+            await asyncio.sleep(float(fault.params.get("delay_s", 2.0)))
         return web.Response(status=200)
 
     async def _load(self, listener: Listener) -> web.Response:

@@ -76,15 +76,16 @@ async def test_failed_tokenize_falls_back_to_the_estimate(state: ProxyState) -> 
 @pytest.mark.parametrize("state", [{"tokenizer": "sim", "prefill_busy_tokens": 1000}], indirect=True)
 async def test_short_prompts_skip_a_prefiller_busy_with_long_work(state: ProxyState) -> None:
     queue = state.admission.queue
+    director = state.director()                                       # it asks the PD decision
     async with queue.slot(5000, 5001):                                # a long prefill in flight
         hello, ctx = request({"prompt": " hello", "max_tokens": 2})
-        await state.admission.admit(hello, ctx)
+        await director.admit(hello, ctx)
         assert not ctx.disaggregated
         medium, ctx2 = request({"prompt": sim_prompt(2000), "max_tokens": 2})
-        await state.admission.admit(medium, ctx2)
+        await director.admit(medium, ctx2)
         assert ctx2.disaggregated                                     # above decode_only_busy_max_prompt_tokens
     hello, ctx = request({"prompt": " hello", "max_tokens": 2})
-    await state.admission.admit(hello, ctx)
+    await director.admit(hello, ctx)
     assert ctx.disaggregated                                          # the prefiller is free again
     assert state.admission.stats.decode_only_total == {"prefillers_busy": 1}
     assert queue.idle() and state.pool.available(Role.PREFILL)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,20 +37,42 @@ def capacity_waiting(url: str) -> float:
     return metric(scrape(url), "vllm:num_requests_waiting_by_reason", reason="capacity")
 
 
-def queue_time_s(url: str) -> float:
-    return metric(scrape(url), "vllm:request_queue_time_seconds_sum")
-
-
 def test_vllm_alone_makes_the_second_long_prompt_wait(small_pool_engines: Engines, prompts: Prompts) -> None:
+    """Two long prompts cannot both hold KV: a second one sent while the first is decoding (16 + 1 of the 18
+    blocks held) gets its first token only after the first one's last — the order of events on the two streams,
+    not a speed; and the engine counted it as queued (``vllm:request_queue_time_seconds``)."""
     e = small_pool_engines
     longs = [prompts.unique(LONG_TOKENS, seed=3000 + i) for i in range(2)]
-    waited0 = queue_time_s(e.prefill_url)
-    with httpx.Client(base_url=e.prefill_url, timeout=120) as engine, ThreadPoolExecutor(2) as pool:
-        answers = list(pool.map(lambda p: engine.post("/v1/completions", json={
-            "model": e.served_model, "prompt": p, "max_tokens": 64}), longs))
-    assert [a.status_code for a in answers] == [200, 200]
-    # the second could not get its 16 blocks until the first (16 + 1 blocks) finished: it waited in the engine
-    assert queue_time_s(e.prefill_url) - waited0 > 0.1
+    queued0 = metric(scrape(e.prefill_url), "vllm:request_queue_time_seconds_count")
+    order: list[str] = []
+    lock = threading.Lock()
+
+    def note(what: str) -> None:
+        with lock:
+            order.append(what)
+
+    body = {"model": e.served_model, "stream": True, "max_tokens": 32}
+    with httpx.Client(base_url=e.prefill_url, timeout=120) as engine, ThreadPoolExecutor(1) as pool, \
+            engine.stream("POST", "/v1/completions", json={**body, "prompt": longs[0]}) as first:
+        assert first.status_code == 200
+        lines = first.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))          # running: its blocks held
+
+        def second() -> None:
+            with engine.stream("POST", "/v1/completions", json={**body, "prompt": longs[1]}) as answer:
+                assert answer.status_code == 200
+                events = answer.iter_lines()
+                assert next(line for line in events if line.startswith("data: {"))
+                note("second's first token")
+                assert "data: [DONE]" in list(events)
+
+        waiting = pool.submit(second)
+        for line in lines:
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["finish_reason"] is not None:
+                note("first's last token")
+        waiting.result()
+    assert order == ["first's last token", "second's first token"], order
+    assert metric(scrape(e.prefill_url), "vllm:request_queue_time_seconds_count") - queued0 == 2
 
 
 def test_vllm_holds_small_requests_behind_a_long_prompt_waiting_for_kv(small_pool_engines: Engines,

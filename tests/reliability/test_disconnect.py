@@ -93,8 +93,10 @@ def test_disconnect_during_prefill(slow_pair: tuple[SimProcess, SimProcess]) -> 
                           and engine(prefiller)["running"] > 0)
         assert_released(proxy, [prefiller, decoder], left)
         st = engine(prefiller)
-        assert st["aborted"] - aborted_before == len(prefiller.completions_received())  # every prefill aborted
-        assert decoder.completions_received() == []
+        # every prefill was aborted, or — finished within prefill_cancel_grace_s — released by a release leg
+        releases = decoder.completions_received()
+        assert all(r["body"]["max_tokens"] == 1 and r["body"]["kv_transfer_params"] for r in releases)
+        assert st["aborted"] - aborted_before + len(releases) == len(prefiller.completions_received())
     finally:
         proxy.stop()
 

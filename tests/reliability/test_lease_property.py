@@ -90,14 +90,18 @@ actions = st.lists(st.tuples(st.sampled_from(ACTIONS), st.integers(0, 63)), max_
 
 def held(rig: Rig, live: set[str]) -> Counter[str]:
     """The leases the director should hold now, per endpoint URL, from what the engines saw: one per leg in
-    flight (prefill, decode, release), and one per prefiller whose KV handle its request still holds — given out
-    to a request still running, neither pulled nor rejected nor released, and not given up after a decoder that
-    had it failed (only a refused decoder leaves the handle intact)."""
+    flight (prefill — also one whose client left, awaited for its KV handle —, decode, release), one per prefiller
+    whose KV handle its request still holds — given out to a request still running, neither pulled nor rejected nor
+    released, and not given up after a decoder that had it failed (only a refused decoder leaves the handle
+    intact) — and one per prefiller whose handle a release leg in flight is freeing (the KV is still there)."""
     fake = rig.fake
     out: Counter[str] = Counter()
+    handed_by = {handle_id(c.handle): c.endpoint.url for c in fake.calls if c.kind == "prefill"}
     for c in fake.calls:
         if c.open or holds_handle(fake, c, live):
             out[c.endpoint.url] += 1
+        if c.kind == "release" and c.open and c.handle_in in handed_by:
+            out[handed_by[c.handle_in]] += 1
     return out
 
 
@@ -119,7 +123,9 @@ def check_loads(rig: Rig, sent: list[Sent]) -> None:
 
 async def run(drawn: list[Script], steps: list[tuple[str, int]]) -> None:
     # 2 + 2 engines, one prefill at a time per prefiller: requests queue for slots and share engines
-    rig = Rig(prefill=PREFILLERS[:2], decode=DECODERS[:2], stepping=True, prefill_budget_tokens=1)
+    # a prefill whose client left is awaited for prefill_cancel_grace_s (clock time; the only wait on a clock)
+    rig = Rig(prefill=PREFILLERS[:2], decode=DECODERS[:2], stepping=True, prefill_budget_tokens=1,
+              prefill_cancel_grace_s=0.02)
     fake = rig.fake
     for i, s in enumerate(drawn):
         fake.script(f"r{i}", prefill=[prefill_outcome(p) for p in s.prefill],
@@ -156,6 +162,8 @@ async def run(drawn: list[Script], steps: list[tuple[str, int]]) -> None:
                 live[0].client.disconnect()
             elif not rig.director.kv_release._tasks:
                 break
+            else:                                 # a prefill awaited after its client left: the grace runs out
+                await asyncio.wait(list(rig.director.kv_release._tasks), timeout=0.05)
         else:
             raise AssertionError(f"the run did not end: pending={fake.pending} calls={fake.calls}")
         ended = True
