@@ -23,6 +23,10 @@ N = 20
 MAX_TOKENS = CHAT["max_tokens"]
 BAD_REQUEST = {"error": {"message": "This model's maximum context length is 4096 tokens (sim fault)",
                          "type": "BadRequestError", "param": "input_tokens", "code": 400}}
+# vLLM's answer when the engine core died under a request (vllm/v1/engine/exceptions.py EngineDeadError): the one
+# 500 worth another engine (pdproxy.errors.classify)
+ENGINE_DEAD = {"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+                         "type": "InternalServerError", "param": None, "code": 500}}
 # deadlines of the cell proxies (seconds): a hung leg is cut at these, and no request may outlive the total
 FAST = {"prefill_timeout_base_s": 1.0, "prefill_timeout_per_1k_tokens_s": 0.0, "decode_first_byte_timeout_s": 1.0,
         "request_timeout_s": 6.0}
@@ -59,7 +63,7 @@ def received(sims: list[SimProcess]) -> int:
 CELLS: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
     ("prefiller-refuses", "P0", {"kind": "refuse"}, {}),
     ("prefiller-400", "P*", {"kind": "status", "status": 400, "body": BAD_REQUEST}, {}),
-    ("prefiller-500", "P0", {"kind": "status", "status": 500}, {}),
+    ("prefiller-500", "P0", {"kind": "status", "status": 500, "body": ENGINE_DEAD}, {}),
     ("prefiller-503-retry-after", "P0", {"kind": "status", "status": 503, "retry_after": 2}, {}),
     ("prefiller-hangs", "P0", {"kind": "hang"}, FAST),
     ("decoder-refuses", "D0", {"kind": "refuse"}, {}),
@@ -138,18 +142,20 @@ def _release_leg(record: dict[str, Any]) -> bool:
     return body.get("max_tokens") == 1 and (body.get("kv_transfer_params") or {}).get("do_remote_prefill") is True
 
 
-def test_prefiller_500_everywhere_is_retried_once_then_answered(fleet4: Fleet4) -> None:
-    """A 500 is retried at most once elsewhere; then the engine's 500 (or, once both breakers are open, a 503 with
-    Retry-After) reaches the client.  Never more than 2 prefill attempts per request; decoders untouched."""
+@pytest.mark.parametrize("body", [None, ENGINE_DEAD], ids=["deterministic", "engine-dead"])
+def test_prefiller_500_everywhere_is_answered(fleet4: Fleet4, body: dict[str, Any] | None) -> None:
+    """A 500 without a dead engine core fails the same on every prefiller: it reaches the client at once, never
+    retried.  A dead core's 500 is retried at most once elsewhere.  Either way the engine's 500 (or, once both
+    breakers are open, a 503 with Retry-After) reaches the client; decoders untouched."""
     proxy = fleet4.proxy()
     try:
         for sim in fleet4.prefillers:
-            sim.faults({"kind": "status", "status": 500})
+            sim.faults({"kind": "status", "status": 500, **({"body": body} if body else {})})
         results = run(proxy.url, n=N, concurrency=16)
         assert {r.status for r in results} <= {500, 503}
         assert all("retry-after" in r.headers for r in results if r.status == 503)
         assert all(orjson.loads(r.body)["error"]["code"] in (500, 503) for r in results)
-        assert received(fleet4.prefillers) <= 2 * N
+        assert received(fleet4.prefillers) <= (2 * N if body else N)
         assert received(fleet4.decoders) == 0
         fleet4.assert_clean(proxy)
     finally:
