@@ -65,6 +65,7 @@ from pdproxy.errors import ProxyError, UpstreamTimeout, UpstreamUnavailable
 from pdproxy.http import sse
 from pdproxy.http.client import H1Response, ReadTimeout, TransportError
 from pdproxy.http.upstream import proxy_error
+from pdproxy.pd.continuation import RecordIds, Reframe, Resume, StreamLost
 from pdproxy.pd.responder import SSE_HEADERS, Responder
 from pdproxy.timeline import GapCounts, RequestContext
 
@@ -291,6 +292,9 @@ class StreamRelay:
     ``done_event``: the event that ends this API's stream (None: the decoder's end of body ends it).
     ``api_stream``: a Responses or Messages stream (:mod:`pdproxy.apis.streams`): its transform, opening events,
     first-error rule, end event and error event replace the chat ones (None: chat / completions).
+    ``resume``: the stream is continuable (:mod:`pdproxy.pd.continuation`): its first leg records the blocks, a
+    continuation leg is re-framed into the client's stream, and a mid-stream loss raises
+    :class:`~pdproxy.pd.continuation.StreamLost` instead of sending the error event (None: today's rule).
     """
 
     def __init__(self, resp: H1Response, out: Responder, ctx: RequestContext, *,
@@ -300,8 +304,9 @@ class StreamRelay:
                  transcript: recompute.Transcript | None = None, strip_usage: bool = False,
                  idle_timeout_s: float | None = None, on_recomputed: Callable[[], None] | None = None,
                  done_event: bytes | None = sse.DONE_EVENT,
-                 api_stream: api_streams.ApiStream | None = None) -> None:
+                 api_stream: api_streams.ApiStream | None = None, resume: Resume | None = None) -> None:
         self.api_stream = api_stream
+        self.resume = resume
         if api_stream is not None:
             done_event = api_stream.done_event
         self.resp = resp
@@ -322,6 +327,10 @@ class StreamRelay:
         """The transform for this stream (see module docstring), chosen once when it starts."""
         if self.api_stream is not None:
             return self.api_stream
+        if self.resume is not None:
+            if self.resume.legs > 1:
+                return Reframe(self.resume, self.ctx)
+            return Chain([RecordIds(self.resume), ChatUsage(self.ctx, self.cached_tokens, self.strip_usage)])
         t = self.transcript
         if t is not None and t.attempts > 1:
             return ContinueTranscript(self.ctx, t, keep_usage=not self.strip_usage)
@@ -404,11 +413,16 @@ class StreamRelay:
                 else:
                     failure = proxy_error(exc, who, ctx.decoder or "", " mid-stream")
                     failure.message += "; the response is incomplete"
+                if self.resume is not None and not out.ended:
+                    raise StreamLost(failure) from None
                 out.error_nowait(failure)
                 return False
         finally:
             splice.stop()
         ctx.events = splice.writes
+        if self.recomputed and self.resume is not None:
+            raise StreamLost(UpstreamUnavailable(f"{who} sent an error event mid-stream; the response is incomplete",
+                                                 endpoint=ctx.decoder or ""))
         if self.recomputed and self.transcript is None:
             ctx.outcome = "upstream_error"
             out.error_nowait(UpstreamUnavailable(

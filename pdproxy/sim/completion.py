@@ -36,14 +36,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import struct
 import time
-import zlib
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from pdproxy.sim import connector
+from pdproxy.sim.continuation import greedy_offset
 from pdproxy.sim.faults import Fault, slice_event
 from pdproxy.sim.generation import Seq, Usage, Writer
 from pdproxy.sim.outputs import json_example, json_text, plan_output, tool_arguments
@@ -250,7 +249,7 @@ def build_sequences(server: SimServer, rank: RankEngine, parsed: ParsedRequest, 
         if spec.seed is not None:  # the same seed says the same thing
             base = spec.seed * 7
         elif spec.temperature < SAMPLING_EPS:  # greedy: a prompt always gets the same answer
-            base = zlib.crc32(struct.pack(f"<{len(prompt)}q", *prompt))
+            base = greedy_offset(prompt, server.token_table)  # continues its own greedy output exactly
         else:
             base = server.next_word_offset()
         for k in range(n):
