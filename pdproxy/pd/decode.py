@@ -124,7 +124,8 @@ class DecodeLeg:
                             on_recomputed=(lambda: self.recompute_decoders.add(endpoint.url))
                             if s.recompute_continuation else None,
                             api_stream=api_streams.stream_for(req.api, ctx, prefill.cached_tokens),
-                            resume=resume).run()
+                            resume=resume, lost_when=(s.stream_continuation_stall_factor,
+                                                      s.stream_continuation_stall_min_s)).run()
                     else:
                         prefill.consume()          # the decoder answered: it has the request and its KV
                         recomputed = await relay_json(resp, ctx, prefill.cached_tokens, out, transcript,

@@ -89,9 +89,9 @@ class _Splice:
     client's part ended with ``recomputed``), False (the stream ended and the response is finished), or raises
     :class:`TransportError` / :class:`_NoDone`."""
 
-    __slots__ = ("bounds", "conn", "counts", "ctx", "done", "done_event", "done_len", "done_mark", "feed", "gaps",
-                 "idle_s", "idle_timer", "last", "loop", "out", "prev", "resp", "stall_timer", "tail", "transform",
-                 "trigger", "write", "writes")
+    __slots__ = ("bounds", "conn", "counts", "ctx", "done", "done_event", "done_len", "done_mark", "feed", "first",
+                 "gaps", "idle_s", "idle_timer", "last", "loop", "lost_timer", "lost_when", "out", "prev", "resp",
+                 "stall_timer", "tail", "transform", "trigger", "write", "writes")
 
     def __init__(self, relay: StreamRelay, transform: Any, tail: bytes, last_write: float) -> None:
         self.loop = relay.resp.loop
@@ -109,7 +109,9 @@ class _Splice:
         self.prev = b""
         self.tail = tail
         self.writes = 0
-        self.last = last_write
+        self.last = self.first = last_write
+        self.lost_when = relay.lost_when
+        self.lost_timer: asyncio.TimerHandle | None = None
         self.gaps = relay.ctx.gaps or GapCounts((float("inf"),))
         self.bounds = self.gaps.bounds
         self.counts = self.gaps.counts
@@ -212,6 +214,8 @@ class _Splice:
         self.conn.flow = self
         if self.idle_s is not None:
             self.idle_timer = self.loop.call_later(self.idle_s, self._check_idle)
+        if self.lost_when is not None:
+            self.lost_timer = self.loop.call_later(self.lost_when[1], self._check_lost)
         self.resp.splice(self)
         if self.conn.paused and not self.done.done():
             self.client_paused()
@@ -222,10 +226,10 @@ class _Splice:
         objects at once instead of a full garbage collection later (see :mod:`pdproxy.ops.gcpolicy`)."""
         if self.conn.flow is self:
             self.conn.flow = None
-        for timer in (self.idle_timer, self.stall_timer):
+        for timer in (self.idle_timer, self.stall_timer, self.lost_timer):
             if timer is not None:
                 timer.cancel()
-        self.idle_timer = self.stall_timer = None
+        self.idle_timer = self.stall_timer = self.lost_timer = None
         if self.resp.sink is self:
             self.resp.sink = None
         self.write = _drop
@@ -247,6 +251,23 @@ class _Splice:
             self.idle_timer = self.loop.call_later(self.idle_s - quiet, self._check_idle)
         else:
             self.idle_timer = self.loop.call_later(self.idle_s, self._check_idle)
+
+    def _check_lost(self) -> None:
+        """A continuable stream's decoder is lost when it is silent for ``factor`` × the stream's own mean gap
+        between writes, at least ``min_s`` (``lost_when``); not while the client holds the stream paused.  One lazy
+        timer, re-armed per check, never per event."""
+        self.lost_timer = None
+        if self.done.done() or self.out.ended or self.lost_when is None:
+            return
+        factor, min_s = self.lost_when
+        now = time.monotonic()
+        limit = max(min_s, factor * (self.last - self.first) / max(self.writes - 1, 1))
+        quiet = now - self.last
+        if quiet >= limit and self.stall_timer is None:
+            self.done.set_exception(ReadTimeout(f"no token for {quiet:.1f} s (over {factor:g}× the stream's "
+                                                f"inter-token time)"))
+            return
+        self.lost_timer = self.loop.call_later(max(limit - quiet, min_s / 4), self._check_lost)
 
     def client_paused(self) -> None:
         """The client's transport went above its high-water mark: stop reading the decoder."""
@@ -295,6 +316,8 @@ class StreamRelay:
     ``resume``: the stream is continuable (:mod:`pdproxy.pd.continuation`): its first leg records the blocks, a
     continuation leg is re-framed into the client's stream, and a mid-stream loss raises
     :class:`~pdproxy.pd.continuation.StreamLost` instead of sending the error event (None: today's rule).
+    ``lost_when``: ``(factor, min_s)``: a silence of ``factor`` × the stream's mean inter-event gap (at least
+    ``min_s`` seconds) is a lost decoder (None: only ``idle_timeout_s``).
     """
 
     def __init__(self, resp: H1Response, out: Responder, ctx: RequestContext, *,
@@ -304,9 +327,11 @@ class StreamRelay:
                  transcript: recompute.Transcript | None = None, strip_usage: bool = False,
                  idle_timeout_s: float | None = None, on_recomputed: Callable[[], None] | None = None,
                  done_event: bytes | None = sse.DONE_EVENT,
-                 api_stream: api_streams.ApiStream | None = None, resume: Resume | None = None) -> None:
+                 api_stream: api_streams.ApiStream | None = None, resume: Resume | None = None,
+                 lost_when: tuple[float, float] | None = None) -> None:
         self.api_stream = api_stream
         self.resume = resume
+        self.lost_when = lost_when if resume is not None else None
         if api_stream is not None:
             done_event = api_stream.done_event
         self.resp = resp

@@ -11,11 +11,22 @@ ids and every delivered id (``return_token_ids``) reproduces the uninterrupted r
 
 from __future__ import annotations
 
+import asyncio
 import struct
 import zlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pdproxy.sim.outputs import WORDS, TokenTable
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from pdproxy.sim.generation import Writer
+
+MID_STREAM_KINDS = ("error_after_events", "stall_after_events")
+"""Fault kinds (:mod:`pdproxy.sim.faults`) that end a stream after ``events`` events the way a lost decoder
+does: vLLM's in-band error event (then the route's terminator), or silence with the connection kept open."""
 
 
 def greedy_offset(prompt: Sequence[int], table: TokenTable) -> int:
@@ -37,3 +48,15 @@ def greedy_offset(prompt: Sequence[int], table: TokenTable) -> int:
             return crc + (len(prompt) - j)
         crc = zlib.crc32(packed[8 * j:8 * j + 8], crc)
     return crc
+
+
+async def mid_stream_fault(resp: web.StreamResponse, kind: str, writer: Writer | None) -> None:
+    """Fire a :data:`MID_STREAM_KINDS` fault on a started stream: ``error_after_events`` writes the writer's
+    failure events (vLLM's ``data: {"error": …}`` for the OpenAI routes) and its terminator;
+    ``stall_after_events`` never writes again (the handler is cancelled when the client leaves)."""
+    if kind == "error_after_events" and writer is not None:
+        for event in [*writer.failure(), writer.done]:
+            if event:
+                await resp.write(event)
+        return
+    await asyncio.Event().wait()

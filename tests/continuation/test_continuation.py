@@ -1,5 +1,6 @@
 """Streams survive a decoder (docs/stream-continuation.md): a chat or text completions stream cut after its first
-event (reset, end of body without ``[DONE]``) continues on another P→D pair, and the client's stream is the
+event (reset, end of body without ``[DONE]``, vLLM's in-band error event, a silence far above its inter-token
+time) continues on another P→D pair, and the client's stream is the
 uninterrupted one — same text, one role chunk, one id, usage of the original prompt and every delivered token."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "Tell me 
         "max_tokens": MAX, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
 COMPLETIONS = {"model": "sim-model", "prompt": "Once upon a time in a data center", "max_tokens": MAX,
                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-ON = {"stream_continuation": True, "stream_continuation_max": 3}
+ON = {"stream_continuation": True, "stream_continuation_max": 3, "stream_continuation_stall_min_s": 0.3}
 
 
 def one(url: str, body: dict[str, Any], path: str) -> Result:
@@ -34,7 +35,8 @@ def usage(r: Result) -> dict[str, Any]:
     return dict(found[0])
 
 
-@pytest.mark.parametrize("kind", ["reset_after_events", "close_without_done"])
+@pytest.mark.parametrize("kind", ["reset_after_events", "close_without_done", "error_after_events",
+                                  "stall_after_events"])
 @pytest.mark.parametrize(("path", "body"), [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETIONS)],
                          ids=["chat", "completions"])
 def test_cut_stream_continues_token_exact(fleet5: Fleet4, kind: str, path: str, body: dict[str, Any]) -> None:
