@@ -101,7 +101,7 @@ class DecodeLeg:
             transcript = None  # plain splice; a "recomputed" from this decoder is detected (on_recomputed)
         if resume is not None and resume.legs == 1:
             resume.cached_tokens = prefill.cached_tokens
-            if not resume.keep_ids:
+            if not resume.keep_ids and resume.openai:   # vLLM's Responses / Messages streams carry no ids
                 body = ask_token_ids(body)
         strip_usage = bool(req.stream and transcript is not None and not req.include_usage)
         if strip_usage:

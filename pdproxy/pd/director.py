@@ -156,7 +156,7 @@ class Director:
             lost.error.message += f" (not continued: {why})"
             out.error_nowait(lost.error)
             return None
-        leg = resume.next_leg(ctx)
+        leg = resume.next_leg()
         if leg is None:
             out.done_sent = True
             out.end_nowait(resume.ending(resume.req.include_usage))

@@ -350,12 +350,14 @@ class StreamRelay:
 
     def transforms(self) -> Any:
         """The transform for this stream (see module docstring), chosen once when it starts."""
-        if self.api_stream is not None:
-            return self.api_stream
         if self.resume is not None:
             if self.resume.legs > 1:
-                return Reframe(self.resume, self.ctx)
+                return Reframe(self.resume, self.ctx, self.out)
+            if self.api_stream is not None:
+                return Chain([RecordIds(self.resume), self.api_stream])
             return Chain([RecordIds(self.resume), ChatUsage(self.ctx, self.cached_tokens, self.strip_usage)])
+        if self.api_stream is not None:
+            return self.api_stream
         t = self.transcript
         if t is not None and t.attempts > 1:
             return ContinueTranscript(self.ctx, t, keep_usage=not self.strip_usage)

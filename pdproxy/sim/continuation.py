@@ -30,24 +30,49 @@ does: vLLM's in-band error event (then the route's terminator), or silence with 
 
 
 def greedy_offset(prompt: Sequence[int], table: TokenTable) -> int:
-    """The word offset of a greedy request for ``prompt`` (token ids): see the module docstring."""
+    """The word offset of a greedy request for ``prompt`` (token ids): see the module docstring.  A generated word
+    in the prompt may be its output id (a continuation by ids) or its text's full encoding (a continuation by
+    text, ``continue_final_message``)."""
     n = len(WORDS)
-    index = {tid: k for k, tid in enumerate(table.word_ids)}
+    bounds, words = _trailing_words(prompt, table)
     packed = struct.pack(f"<{len(prompt)}q", *prompt)
-    run = len(prompt)  # start of the trailing run of consecutive words
-    while run > 0:
-        k = index.get(prompt[run - 1])
-        if k is None:
+    first = bounds[0] if bounds else len(prompt)
+    crc = zlib.crc32(packed[:8 * first])
+    done = first
+    for i, j in enumerate(bounds):
+        crc = zlib.crc32(packed[8 * done:8 * j], crc)
+        done = j
+        if crc % n == words[i]:
+            return crc + (len(words) - i)
+    return zlib.crc32(packed[8 * done:], crc)
+
+
+def _trailing_words(prompt: Sequence[int], table: TokenTable) -> tuple[list[int], list[int]]:
+    """The trailing run of consecutive words (word index ``k`` then ``k + 1`` mod ``len(WORDS)``) in ``prompt``:
+    ``(start position of each word, word index of each word)``, in prompt order."""
+    n = len(WORDS)
+    starts: list[int] = []
+    words: list[int] = []
+    end = len(prompt)
+    while end > 0:
+        candidates = range(n) if not words else ((words[-1] - 1) % n,)
+        found = None
+        for k in candidates:
+            enc = table.word_encodings[k]
+            if len(enc) > 1 and end >= len(enc) and tuple(prompt[end - len(enc):end]) == enc:
+                found = (k, len(enc))
+                break
+            if prompt[end - 1] == table.word_ids[k]:
+                found = (k, 1)
+                break
+        if found is None:
             break
-        if run < len(prompt) and (k + 1) % n != index[prompt[run]]:
-            break
-        run -= 1
-    crc = zlib.crc32(packed[:8 * run])
-    for j in range(run, len(prompt)):
-        if crc % n == index[prompt[j]] % n:
-            return crc + (len(prompt) - j)
-        crc = zlib.crc32(packed[8 * j:8 * j + 8], crc)
-    return crc
+        words.append(found[0])
+        end -= found[1]
+        starts.append(end)
+    starts.reverse()
+    words.reverse()
+    return starts, words
 
 
 async def mid_stream_fault(resp: web.StreamResponse, kind: str, writer: Writer | None) -> None:

@@ -11,7 +11,7 @@ from tests.reliability.harness import Fleet4
 from tests.support import SimProcess, running
 
 ARGS = ("--served-model-name", "sim-model", "--max-model-len", "4096", "--prefill-tokens-per-s", "0",
-        "--decode-tokens-per-s", "400", "--kv-pin-timeout-s", "120")
+        "--decode-tokens-per-s", "400", "--kv-pin-timeout-s", "120", "--output-tokens", "64")
 
 
 @pytest.fixture(scope="session")

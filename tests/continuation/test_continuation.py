@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 import pytest
 
 from tests.reliability.harness import Fleet4, Result, run
@@ -83,3 +84,77 @@ def test_off_or_ineligible_gets_the_error_event(fleet5: Fleet4) -> None:
             fleet5.assert_clean(proxy)
         finally:
             proxy.stop()
+
+
+RESPONSES = {"model": "sim-model", "input": "Tell me about continuation.", "max_output_tokens": MAX,
+             "temperature": 0, "stream": True}
+MESSAGES = {"model": "sim-model", "messages": [{"role": "user", "content": "Tell me about continuation."}],
+            "max_tokens": MAX, "temperature": 0, "stream": True}
+
+
+def named_events(body: bytes) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for raw in body.split(b"\n\n"):
+        lines = raw.strip().split(b"\n")
+        if len(lines) == 2 and lines[0].startswith(b"event: ") and lines[1].startswith(b"data: "):
+            out.append((lines[0][7:].decode(), orjson.loads(lines[1][6:])))
+    return out
+
+
+def responses_view(body: bytes) -> tuple[str, list[int], dict[str, Any], list[str]]:
+    """(delta text, sequence numbers, the completed response, event names)."""
+    events = named_events(body)
+    text = "".join(e["delta"] for n, e in events if n == "response.output_text.delta")
+    done = [e["response"] for n, e in events if n == "response.completed"]
+    return text, [e["sequence_number"] for _, e in events], done[0] if done else {}, [n for n, _ in events]
+
+
+def messages_view(body: bytes) -> tuple[str, list[str], dict[str, Any]]:
+    """(delta text, event names, the message_delta event)."""
+    events = named_events(body)
+    text = "".join(e["delta"]["text"] for n, e in events if n == "content_block_delta")
+    final = [e for n, e in events if n == "message_delta"]
+    return text, [n for n, _ in events], final[0] if final else {}
+
+
+@pytest.mark.parametrize("kind", ["reset_after_events", "error_after_events"])
+def test_responses_and_messages_streams_continue(fleet5: Fleet4, kind: str) -> None:
+    """A Responses and a Messages stream cut mid-text continue (text continuation on the chat the request
+    renders, ids from then on): same text and end as the uninterrupted run, one ``response.created`` /
+    ``message_start``, ``sequence_number`` 0, 1, 2, … without a gap, output tokens = the tokens delivered."""
+    proxy = fleet5.proxy(**ON)
+    try:
+        base_r = one(proxy.url, RESPONSES, "/v1/responses")
+        base_m = one(proxy.url, MESSAGES, "/v1/messages")
+        cut, legs = {}, []
+        for path, body in (("/v1/responses", RESPONSES), ("/v1/messages", MESSAGES)):
+            for sim in fleet5.decoders:
+                sim.reset()
+                sim.faults({"kind": kind, "events": 6, "times": 1})
+            cut[path] = one(proxy.url, body, path)
+            legs += [r["body"] for s in fleet5.decoders for r in s.received()
+                     if r["body"].get("continue_final_message")]
+        cut_r, cut_m = cut["/v1/responses"], cut["/v1/messages"]
+
+        text, seqs, done, names = responses_view(cut_r.body)
+        b_text, _, b_done, _ = responses_view(base_r.body)
+        assert cut_r.status == 200 and "error" not in names, cut_r.body[-600:]
+        assert text == b_text and len(b_text.split()) == MAX
+        assert seqs == list(range(len(seqs))) and names.count("response.created") == 1
+        assert names[-1] == "response.completed" and done["status"] == b_done["status"]
+        assert done["output"][0]["content"][0]["text"] == b_text
+        assert done["usage"]["output_tokens"] == MAX
+        # Responses streams carry no prompt count: the continuation's prompt less the delivered tokens, off by what
+        # re-tokenizing the delivered text changes (the sim's words are 1-2 tokens of its tokenizer)
+        assert 0 <= done["usage"]["input_tokens"] - b_done["usage"]["input_tokens"] <= 6
+
+        text, names, final = messages_view(cut_m.body)
+        b_text, _, b_final = messages_view(base_m.body)
+        assert cut_m.status == 200 and "error" not in names, cut_m.body[-600:]
+        assert text == b_text and names.count("message_start") == 1 and names[-1] == "message_stop"
+        assert final["delta"] == b_final["delta"] and final["usage"]["output_tokens"] == MAX
+        assert final["usage"]["input_tokens"] == b_final["usage"]["input_tokens"]
+        assert len(legs) >= 2 and all(b["messages"][-1]["role"] == "assistant" for b in legs)
+        fleet5.assert_clean(proxy)
+    finally:
+        proxy.stop()
