@@ -20,6 +20,7 @@ from pdproxy.engines.pool import EndpointPool
 from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.upstream import Upstream
 from pdproxy.ops.tracing import Tracing, tracing_from_settings
+from pdproxy.pd.continuation import LiveStreams
 from pdproxy.pd.director import Director
 from pdproxy.pd.kv_release import KVReleaser
 from pdproxy.prefix.cache import PrefixCache
@@ -58,6 +59,7 @@ class ProxyState:
     in_flight: int = 0
     share: WorkerShare | None = None
     extras: dict[str, object] = field(default_factory=dict)
+    live_streams: LiveStreams = field(default_factory=LiveStreams)
 
     @classmethod
     def build(cls, settings: Settings, share: WorkerShare | None = None) -> ProxyState:
@@ -108,7 +110,8 @@ class ProxyState:
                               timeout_s=self.settings.kv_release_timeout_s)
         return Director(self.settings, admission=self.admission, scheduler=self.scheduler, queue=self.queue,
                         pool=self.pool, health=self.health, upstream=self.upstream, headers=self.headers,
-                        releaser=releaser, prefix=prefix or self.prefix, tracing=self.tracing, served=self.served)
+                        releaser=releaser, prefix=prefix or self.prefix, tracing=self.tracing, served=self.served,
+                        live=self.live_streams)
 
     async def start(self) -> None:
         """Start the upstream pool, admission, the prefix cache's KV event subscriber and health monitoring

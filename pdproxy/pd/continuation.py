@@ -28,6 +28,8 @@ A client that leaves cancels the director's task: a stream is continued only whi
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,11 +63,46 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty
 
 class StreamLost(Exception):
     """The decoder of a started, continuable stream was lost (internal: raised by the relay instead of its error
-    event; the director continues the stream or sends ``error``, the typed error the client would have had)."""
+    event; the director continues the stream or sends ``error``, the typed error the client would have had).
+    ``planned``: an operator's drain moved the stream (the decoder's breaker is not told)."""
 
-    def __init__(self, error: ProxyError) -> None:
+    def __init__(self, error: ProxyError, planned: bool = False) -> None:
         super().__init__(error.message)
         self.error = error
+        self.planned = planned
+
+
+class LiveStreams:
+    """The continuable streams each decoder is relaying now, by endpoint name: what a drain with ``migrate``
+    moves (``POST /admin/endpoints/drain``, pdproxy/app/admin.py).  Per process (``--workers N``: each worker
+    moves its own streams)."""
+
+    def __init__(self) -> None:
+        self._by_decoder: dict[str, set[Callable[[], None]]] = {}
+
+    @contextmanager
+    def track(self, decoder: str, move: Callable[[], None]) -> Iterator[None]:
+        """Register ``move`` (ends the stream's current leg as lost, planned) for ``decoder`` while the block
+        runs."""
+        moves = self._by_decoder.setdefault(decoder, set())
+        moves.add(move)
+        try:
+            yield
+        finally:
+            moves.discard(move)
+            if not moves:
+                self._by_decoder.pop(decoder, None)
+
+    def migrate(self, decoder: str) -> int:
+        """Move every live stream of ``decoder`` to other decoders; returns how many were asked to move."""
+        moves = list(self._by_decoder.get(decoder, ()))
+        for move in moves:
+            move()
+        return len(moves)
+
+    def count(self, decoder: str) -> int:
+        """Live continuable streams on ``decoder``."""
+        return len(self._by_decoder.get(decoder, ()))
 
 
 def eligible(req: ProxyRequest, enabled: bool) -> bool:

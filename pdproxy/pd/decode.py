@@ -31,7 +31,7 @@ from pdproxy.http.client import H1Response, TransportError
 from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.upstream import Upstream, UpstreamRefused, proxy_error
 from pdproxy.ops.tracing import NO_TRACING, Tracing
-from pdproxy.pd.continuation import Resume, StreamLost, ask_token_ids
+from pdproxy.pd.continuation import LiveStreams, Resume, StreamLost, ask_token_ids
 from pdproxy.pd.prefill import PrefillResult
 from pdproxy.pd.relay import StreamRelay
 from pdproxy.pd.responder import Responder
@@ -53,11 +53,14 @@ def routing_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:
 class DecodeLeg:
     """Runs the decode leg of a request (see the module docstring).  ``scheduler`` picks the decoder, ``pool``
     holds its lease, ``health`` hears the verdict, ``upstream`` opens it with ``headers``; ``tracing`` spans each
-    attempt."""
+    attempt; ``live``: the registry of continuable streams per decoder (:mod:`pdproxy.pd.continuation`)."""
 
     def __init__(self, settings: Settings, *, scheduler: Scheduler, pool: EndpointPool, health: HealthMonitor,
-                 upstream: Upstream, headers: EngineHeaders, tracing: Tracing = NO_TRACING) -> None:
+                 upstream: Upstream, headers: EngineHeaders, tracing: Tracing = NO_TRACING,
+                 live: LiveStreams | None = None) -> None:
         self.settings = settings
+        self.live = live or LiveStreams()
+        """The continuable streams each decoder relays now (a drain with ``migrate`` moves them)."""
         self.scheduler = scheduler
         self.pool = pool
         self.health = health
@@ -117,7 +120,7 @@ class DecodeLeg:
                         endpoint, req.api.value, body, self.headers.leg(endpoint, ctx.request_id, ctx.authorization),
                         first_byte_timeout_s=first_byte_s) as resp:
                     if req.stream:
-                        recomputed = await StreamRelay(
+                        relay = StreamRelay(
                             resp, out, ctx, cached_tokens=prefill.cached_tokens, first_event_timeout_s=first_byte_s,
                             on_first_event=prefill.consume, headers=routing, transcript=transcript,
                             strip_usage=strip_usage, idle_timeout_s=s.decode_idle_timeout_s,
@@ -125,7 +128,12 @@ class DecodeLeg:
                             if s.recompute_continuation else None,
                             api_stream=api_streams.stream_for(req.api, ctx, prefill.cached_tokens),
                             resume=resume, lost_when=(s.stream_continuation_stall_factor,
-                                                      s.stream_continuation_stall_min_s)).run()
+                                                      s.stream_continuation_stall_min_s))
+                        if resume is None:
+                            recomputed = await relay.run()
+                        else:
+                            with self.live.track(endpoint.name, relay.move):
+                                recomputed = await relay.run()
                     else:
                         prefill.consume()          # the decoder answered: it has the request and its KV
                         recomputed = await relay_json(resp, ctx, prefill.cached_tokens, out, transcript,
@@ -137,7 +145,10 @@ class DecodeLeg:
                     raise
                 raise DecodeFailed(exc, endpoint, kv_intact=isinstance(exc, UpstreamRefused)) from None
             except StreamLost as lost:             # lost after its first event: the director continues elsewhere
-                self.health.record_error(endpoint, lost.error)
+                if lost.planned:
+                    self.health.record_neutral(endpoint)
+                else:
+                    self.health.record_error(endpoint, lost.error)
                 if resume is not None:
                     resume.lost.append(endpoint)
                 raise

@@ -64,14 +64,15 @@ class Director:
     ``admission`` admits; ``scheduler`` answers "could any decoder take it" before a prefill is spent (and picks
     inside the legs); ``queue`` grants prefill slots; ``pool``, ``health``, ``upstream`` and ``headers`` serve the
     legs; ``releaser`` frees KV that no decoder will read; ``prefix`` supplies prefix hints; ``tracing`` spans
-    each step (:mod:`pdproxy.ops.tracing`; off by default).  :meth:`pdproxy.app.state.ProxyState.director`
+    each step (:mod:`pdproxy.ops.tracing`; off by default); ``live`` lists the continuable streams per decoder
+    (:mod:`pdproxy.pd.continuation`, moved by a drain with ``migrate``).  :meth:`pdproxy.app.state.ProxyState.director`
     wires one from the proxy's components.
     """
 
     def __init__(self, settings: Settings, *, admission: Admission, scheduler: Scheduler, queue: PrefillQueue,
                  pool: EndpointPool, health: HealthMonitor, upstream: Upstream, headers: EngineHeaders,
                  releaser: KVReleaser, prefix: PrefixSource | None = None, tracing: Tracing = NO_TRACING,
-                 served: ServedModels | None = None) -> None:
+                 served: ServedModels | None = None, live: continuation.LiveStreams | None = None) -> None:
         self.settings = settings
         self.served = served
         self.admission = admission
@@ -83,7 +84,7 @@ class Director:
         self.prefill = PrefillLeg(settings, queue=queue, pool=pool, health=health, upstream=upstream,
                                   headers=headers, backoff=self.backoff, tracing=tracing)
         self.decode = DecodeLeg(settings, scheduler=scheduler, pool=pool, health=health, upstream=upstream,
-                                headers=headers, tracing=tracing)
+                                headers=headers, tracing=tracing, live=live)
         self.fan_out = fanout.FanOut(admit=self.admit, run=self.run_sequence,
                                      max_sequences=settings.fan_out_max_sequences)
 

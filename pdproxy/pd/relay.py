@@ -83,6 +83,10 @@ class _NoDone(Exception):
     """The decoder's body ended without the stream's end event."""
 
 
+class _Moved(Exception):
+    """An operator's drain moves the stream to another decoder (:meth:`StreamRelay.move`)."""
+
+
 class _Splice:
     """The streaming phase of one relay (see module docstring): an :class:`pdproxy.http.client.BodySink` for the
     decoder's body and the ``flow`` listener of the client's connection.  ``done`` resolves with True (the
@@ -332,6 +336,7 @@ class StreamRelay:
         self.api_stream = api_stream
         self.resume = resume
         self.lost_when = lost_when if resume is not None else None
+        self.splice: _Splice | None = None
         if api_stream is not None:
             done_event = api_stream.done_event
         self.resp = resp
@@ -391,6 +396,13 @@ class StreamRelay:
         finally:
             resp.deadline_at = before
 
+    def move(self) -> None:
+        """End this leg as lost (planned): a continuable stream moves to another decoder (a drain with
+        ``migrate``); no-op before the first event (the decoder finishes that stream) or after the end."""
+        splice = self.splice
+        if splice is not None and not splice.done.done() and not self.out.ended:
+            splice.done.set_exception(_Moved())
+
     async def run(self) -> bool:
         """Relay until the decoder ends.  Raises :class:`ProxyError` only before this decoder's first event
         reached the client (so the director may still fail over); afterwards failures become an SSE error event
@@ -422,18 +434,21 @@ class StreamRelay:
             ctx.timeline.first_token_at = time.monotonic()
             out.start_nowait(200, SSE_HEADERS + self.headers)
         transform = self.transforms()
-        splice = _Splice(self, transform, b"", ctx.timeline.first_token_at or time.monotonic())
+        splice = self.splice = _Splice(self, transform, b"", ctx.timeline.first_token_at or time.monotonic())
         try:
             splice.data(block)
             splice.tail = framer.pending  # what came after the first events, held for its rest
             splice.start()
             try:
                 self.recomputed = await splice.done
-            except (TransportError, _NoDone) as exc:
+            except (TransportError, _NoDone, _Moved) as exc:
                 ctx.events = splice.writes
                 ctx.outcome = "upstream_error"
                 failure: ProxyError
-                if isinstance(exc, _NoDone):
+                if isinstance(exc, _Moved):
+                    failure = UpstreamUnavailable(f"{who} was drained mid-stream; the response is incomplete",
+                                                  endpoint=ctx.decoder or "")
+                elif isinstance(exc, _NoDone):
                     end = fmt.end_name if fmt is not None else "data: [DONE]"
                     failure = UpstreamUnavailable(f"{who} ended the stream without {end}; the response may "
                                                   "be incomplete", endpoint=ctx.decoder or "")
@@ -441,11 +456,12 @@ class StreamRelay:
                     failure = proxy_error(exc, who, ctx.decoder or "", " mid-stream")
                     failure.message += "; the response is incomplete"
                 if self.resume is not None and not out.ended:
-                    raise StreamLost(failure) from None
+                    raise StreamLost(failure, planned=isinstance(exc, _Moved)) from None
                 out.error_nowait(failure)
                 return False
         finally:
             splice.stop()
+            self.splice = None
         ctx.events = splice.writes
         if self.recomputed and self.resume is not None:
             raise StreamLost(UpstreamUnavailable(f"{who} sent an error event mid-stream; the response is incomplete",
