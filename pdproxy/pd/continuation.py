@@ -480,47 +480,53 @@ class Reframe:
             "index": self.resume.events.content_index})
 
     def closing(self) -> bytes:
-        """The client's end of stream: usage (if asked) + ``[DONE]`` (chat / completions); the text item's done
-        events and ``response.completed`` (Responses); ``content_block_stop``, ``message_delta`` and
-        ``message_stop`` (Messages)."""
-        r = self.resume
-        if r.openai:
-            return r.ending(r.req.include_usage)   # the splice marks [DONE] sent when it writes it
-        self.out.done_sent = True
-        length = r.finish_reason == "length"
-        text = "".join(r.text)
-        st = r.events
-        if self.api is Api.MESSAGES:
-            tally: dict[str, Any] = {"input_tokens": r.prompt_tokens(), "output_tokens": r.tokens,
-                                     "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
-            api_streams.patch_messages_usage(tally, r.cached_tokens)
-            return (api_streams.named_event(b"content_block_stop", {"type": "content_block_stop",
-                                                                    "index": st.content_index})
-                    + api_streams.named_event(b"message_delta", {
-                        "type": "message_delta", "delta": {"stop_reason": "max_tokens" if length else "end_turn",
-                                                           "stop_sequence": None}, "usage": tally})
-                    + api_streams.named_event(b"message_stop", {"type": "message_stop"}))
-        part: dict[str, Any] = {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
-        item = {"id": st.item_id, "content": [part], "role": "assistant", "status": "completed", "type": "message"}
-        events = []
-        for name, payload in ((b"response.output_text.done", {"content_index": st.content_index,
-                                                               "item_id": st.item_id, "logprobs": [],
-                                                               "output_index": st.output_index, "text": text}),
-                              (b"response.content_part.done", {"content_index": st.content_index,
-                                                                "item_id": st.item_id,
-                                                                "output_index": st.output_index, "part": part}),
-                              (b"response.output_item.done", {"item": item, "output_index": st.output_index})):
-            st.sequence += 1
-            events.append(api_streams.named_event(name, {**payload, "sequence_number": st.sequence,
-                                                         "type": name.decode()}))
-        prompt = r.prompt_tokens()
-        usage: dict[str, Any] = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": r.cached_tokens or 0},
-                 "output_tokens": r.tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                 "total_tokens": prompt + r.tokens}
-        response = {**st.opening, "output": [item], "usage": usage,
-                    "status": "incomplete" if length else "completed",
-                    "incomplete_details": {"reason": "max_output_tokens"} if length else None}
+        """The client's end of stream (:func:`closing`)."""
+        return closing(self.resume, self.out)
+
+
+def closing(r: Resume, out: Responder) -> bytes:
+    """The client's end of stream: usage (if asked) + ``[DONE]`` (chat / completions); the text item's done
+    events and ``response.completed`` (Responses); ``content_block_stop``, ``message_delta`` and
+    ``message_stop`` (Messages)."""
+    if r.openai:
+        return r.ending(r.req.include_usage)   # the splice marks [DONE] sent when it writes it
+    out.done_sent = True
+    length = r.finish_reason == "length"
+    text = "".join(r.text)
+    st = r.events
+    if r.req.api is Api.MESSAGES:
+        tally: dict[str, Any] = {"input_tokens": r.prompt_tokens(), "output_tokens": r.tokens,
+                                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+        api_streams.patch_messages_usage(tally, r.cached_tokens)
+        return (api_streams.named_event(b"content_block_stop", {"type": "content_block_stop",
+                                                                "index": st.content_index})
+                + api_streams.named_event(b"message_delta", {
+                    "type": "message_delta", "delta": {"stop_reason": "max_tokens" if length else "end_turn",
+                                                       "stop_sequence": None}, "usage": tally})
+                + api_streams.named_event(b"message_stop", {"type": "message_stop"}))
+    part: dict[str, Any] = {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
+    item = {"id": st.item_id, "content": [part], "role": "assistant", "status": "completed", "type": "message"}
+    events = []
+    for name, payload in ((b"response.output_text.done", {"content_index": st.content_index,
+                                                           "item_id": st.item_id, "logprobs": [],
+                                                           "output_index": st.output_index, "text": text}),
+                          (b"response.content_part.done", {"content_index": st.content_index,
+                                                            "item_id": st.item_id,
+                                                            "output_index": st.output_index, "part": part}),
+                          (b"response.output_item.done", {"item": item, "output_index": st.output_index})):
         st.sequence += 1
-        events.append(api_streams.named_event(b"response.completed", {
-            "response": response, "sequence_number": st.sequence, "type": "response.completed"}))
-        return b"".join(events)
+        events.append(api_streams.named_event(name, {**payload, "sequence_number": st.sequence,
+                                                     "type": name.decode()}))
+    prompt = r.prompt_tokens()
+    usage: dict[str, Any] = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": r.cached_tokens or 0},
+             "output_tokens": r.tokens, "output_tokens_details": {"reasoning_tokens": 0},
+             "total_tokens": prompt + r.tokens}
+    response = {**st.opening, "output": [item], "usage": usage,
+                "status": "incomplete" if length else "completed",
+                "incomplete_details": {"reason": "max_output_tokens"} if length else None}
+    st.sequence += 1
+    events.append(api_streams.named_event(b"response.completed", {
+        "response": response, "sequence_number": st.sequence, "type": "response.completed"}))
+    if isinstance(out.api_stream, api_streams.ResponsesStream):
+        out.api_stream.sequence = st.sequence
+    return b"".join(events)

@@ -159,8 +159,9 @@ class Director:
             return None
         leg = resume.next_leg()
         if leg is None:
+            tail = continuation.closing(resume, out)
             out.done_sent = True
-            out.end_nowait(resume.ending(resume.req.include_usage))
+            out.end_nowait(tail)
             return None
         ctx.request_id = new_request_id(ctx.client_request_id)
         return leg

@@ -113,7 +113,8 @@ class _Splice:
         self.prev = b""
         self.tail = tail
         self.writes = 0
-        self.last = self.first = last_write
+        self.last = last_write
+        self.first = time.monotonic()  # this leg's start: its own inter-token time, not the stream's history
         self.lost_when = relay.lost_when
         self.lost_timer: asyncio.TimerHandle | None = None
         self.gaps = relay.ctx.gaps or GapCounts((float("inf"),))

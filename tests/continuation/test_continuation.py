@@ -36,10 +36,11 @@ def usage(r: Result) -> dict[str, Any]:
     return dict(found[0])
 
 
-@pytest.mark.parametrize("kind", ["reset_after_events", "close_without_done", "error_after_events",
-                                  "stall_after_events"])
-@pytest.mark.parametrize(("path", "body"), [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETIONS)],
-                         ids=["chat", "completions"])
+@pytest.mark.parametrize(("path", "body", "kind"), [
+    ("/v1/chat/completions", CHAT, "reset_after_events"), ("/v1/chat/completions", CHAT, "close_without_done"),
+    ("/v1/chat/completions", CHAT, "error_after_events"), ("/v1/chat/completions", CHAT, "stall_after_events"),
+    ("/v1/completions", COMPLETIONS, "reset_after_events"), ("/v1/completions", COMPLETIONS, "stall_after_events"),
+], ids=["chat-reset", "chat-eof", "chat-error-event", "chat-stall", "completions-reset", "completions-stall"])
 def test_cut_stream_continues_token_exact(fleet5: Fleet4, kind: str, path: str, body: dict[str, Any]) -> None:
     """Every decoder cuts its first stream after 5 events; the client's stream still equals the uninterrupted
     run (text, finish, usage), with one id and one role chunk, and the continuation legs carry the token ids."""

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(90)
 
 
 def test_bounded_fault_bench() -> None:
-    args = fault_bench.parse_args(["--requests", "80", "--concurrency", "16", "--fault-rate", "0.3",
+    args = fault_bench.parse_args(["--requests", "48", "--concurrency", "16", "--fault-rate", "0.3",
                                    "--ineligible-share", "0.1", "--seed", "7"])
     r = asyncio.run(fault_bench.main_async(args))
     print(fault_bench.table(r))
