@@ -353,34 +353,46 @@ def _event_obj(event: bytes) -> dict[str, Any] | None:
 
 class RecordIds:
     """The first leg's transform (every block): keep the block for :meth:`Resume.read_transcript`, strip the ids
-    unless the client asked for them (chat / completions); the decoder's in-band error event ends the leg for the
-    client (``recomputed`` set, the relay then raises :class:`StreamLost`)."""
+    unless the client asked for them (chat / completions), then run ``then`` (the stream's own transform: chat
+    usage, or the Responses / Messages stream) on blocks holding its trigger.  The decoder's in-band error event
+    ends the leg for the client (``lost`` set; the relay then raises :class:`StreamLost`)."""
 
-    __slots__ = ("blocks", "error", "keep", "recomputed")
+    __slots__ = ("blocks", "error", "keep", "lost", "then", "then_trigger")
     trigger = b""
 
-    def __init__(self, resume: Resume) -> None:
+    def __init__(self, resume: Resume, then: Any) -> None:
         self.blocks = resume.blocks
         self.keep = resume.keep_ids or not resume.openai
         self.error = _ERROR_EVENT if resume.openai else api_streams.ERROR_EVENT
-        self.recomputed = False
+        self.lost = False
+        self.then = then
+        self.then_trigger: bytes = then.trigger
+
+    @property
+    def recomputed(self) -> bool:
+        """True once the client's part of this leg is over (the relay's transform contract)."""
+        return self.lost or bool(self.then.recomputed)
 
     def feed(self, block: bytes, prev: bytes = b"") -> bytes:
         """The block for the client (see class docstring)."""
-        if self.recomputed:
+        if self.lost:
             return b""
         if block.find(self.error) >= 0:
             kept = []
             for event in sse.split_events(block):
                 if event.startswith(self.error):
-                    self.recomputed = True
+                    self.lost = True
                     break
                 kept.append(event)
             block = b"".join(kept)
             if not block:
                 return b""
         self.blocks.append(block)
-        return block if self.keep else _IDS_RE.sub(_NULL_IDS, block)
+        if not self.keep:
+            block = _IDS_RE.sub(_NULL_IDS, block)
+        if block.find(self.then_trigger) >= 0:
+            block = self.then.feed(block, prev)
+        return block
 
 
 class Reframe:

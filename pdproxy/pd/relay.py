@@ -360,8 +360,8 @@ class StreamRelay:
             if self.resume.legs > 1:
                 return Reframe(self.resume, self.ctx, self.out)
             if self.api_stream is not None:
-                return Chain([RecordIds(self.resume), self.api_stream])
-            return Chain([RecordIds(self.resume), ChatUsage(self.ctx, self.cached_tokens, self.strip_usage)])
+                return RecordIds(self.resume, self.api_stream)
+            return RecordIds(self.resume, ChatUsage(self.ctx, self.cached_tokens, self.strip_usage))
         if self.api_stream is not None:
             return self.api_stream
         t = self.transcript
