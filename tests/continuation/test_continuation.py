@@ -159,3 +159,25 @@ def test_responses_and_messages_streams_continue(fleet5: Fleet4, kind: str) -> N
         fleet5.assert_clean(proxy)
     finally:
         proxy.stop()
+
+
+def test_client_that_asked_for_token_ids_keeps_them(fleet5: Fleet4) -> None:
+    """A client that asked for ``return_token_ids`` gets the prompt ids once and every delta's ids, across the
+    cut: the same ids as the uninterrupted run."""
+    body = {**CHAT, "return_token_ids": True}
+    proxy = fleet5.proxy(**ON)
+    try:
+        base = one(proxy.url, body, "/v1/chat/completions")
+        for sim in fleet5.decoders:
+            sim.faults({"kind": "reset_after_events", "events": 5, "times": 1})
+        cut = one(proxy.url, body, "/v1/chat/completions")
+        assert cut.status == 200 and not cut.errors and cut.text == base.text
+
+        def ids(r: Result) -> tuple[list[list[int]], list[int]]:
+            prompts = [e["prompt_token_ids"] for e in r.events if e.get("prompt_token_ids")]
+            return prompts, [i for e in r.events for c in e["choices"] for i in c.get("token_ids") or []]
+
+        assert ids(cut) == ids(base) and len(ids(base)[1]) == MAX and len(ids(base)[0]) == 1
+        fleet5.assert_clean(proxy)
+    finally:
+        proxy.stop()
