@@ -116,11 +116,16 @@ def eligible(req: ProxyRequest, enabled: bool) -> bool:
     body = req.body
     if req.api is Api.RESPONSES:
         fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
-        return (not any(body.get(k) not in (None, False) for k in _INELIGIBLE_RESPONSES)
+        return (not any(_present(body.get(k)) for k in _INELIGIBLE_RESPONSES)
                 and (fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text")))
     if req.api is Api.MESSAGES:
-        return not any(body.get(k) not in (None, False, []) for k in _INELIGIBLE_MESSAGES)
-    return not any(body.get(k) not in (None, False) for k in _INELIGIBLE)
+        return not any(_present(body.get(k)) for k in _INELIGIBLE_MESSAGES)
+    return not any(_present(body.get(k)) for k in _INELIGIBLE)
+
+
+def _present(value: Any) -> bool:
+    """Whether a request field is set: not absent, null, false, an empty list or an empty string (0 is set)."""
+    return value is not None and value is not False and value != [] and value != ""
 
 
 def ask_token_ids(body: bytes) -> bytes:
