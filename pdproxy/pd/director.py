@@ -155,6 +155,7 @@ class Director:
         why = resume.refusal(self.settings.stream_continuation_max)
         if why is not None:
             lost.error.message += f" (not continued: {why})"
+            ctx.outcome = "upstream_error"
             out.error_nowait(lost.error)
             return None
         leg = resume.next_leg()

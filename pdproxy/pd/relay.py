@@ -435,6 +435,7 @@ class StreamRelay:
             ctx.timeline.first_token_at = time.monotonic()
             out.start_nowait(200, SSE_HEADERS + self.headers)
         transform = self.transforms()
+        base = ctx.events if self.resume is not None and self.resume.legs > 1 else 0  # a continued stream's count
         splice = self.splice = _Splice(self, transform, b"", ctx.timeline.first_token_at or time.monotonic())
         try:
             splice.data(block)
@@ -443,8 +444,7 @@ class StreamRelay:
             try:
                 self.recomputed = await splice.done
             except (TransportError, _NoDone, _Moved) as exc:
-                ctx.events = splice.writes
-                ctx.outcome = "upstream_error"
+                ctx.events = base + splice.writes
                 failure: ProxyError
                 if isinstance(exc, _Moved):
                     failure = UpstreamUnavailable(f"{who} was drained mid-stream; the response is incomplete",
@@ -458,12 +458,13 @@ class StreamRelay:
                     failure.message += "; the response is incomplete"
                 if self.resume is not None and not out.ended:
                     raise StreamLost(failure, planned=isinstance(exc, _Moved)) from None
+                ctx.outcome = "upstream_error"
                 out.error_nowait(failure)
                 return False
         finally:
             splice.stop()
             self.splice = None
-        ctx.events = splice.writes
+        ctx.events = base + splice.writes
         if self.recomputed and self.resume is not None:
             raise StreamLost(UpstreamUnavailable(f"{who} sent an error event mid-stream; the response is incomplete",
                                                  endpoint=ctx.decoder or ""))
