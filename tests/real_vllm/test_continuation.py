@@ -24,6 +24,7 @@ import httpx
 import orjson
 import pytest
 
+from pdproxy.endpoints import Role
 from tests.real_vllm.ports import engine_ports
 from tests.real_vllm.support import Engines, Prompts
 from tests.support import ProxyThread, wait_until
@@ -89,8 +90,7 @@ def _stream(url: str, path: str, body: dict[str, Any], on_event: Callable[[int],
 
 
 @pytest.mark.parametrize("api", ["completions", "chat"])
-def test_sigkill_in_the_decoder_path_mid_stream_continues(engines: Engines, prompts: Prompts,
-                                                          make_proxy: Callable[..., ProxyThread], api: str) -> None:
+def test_sigkill_in_the_decoder_path_mid_stream_continues(engines: Engines, prompts: Prompts, api: str) -> None:
     (port,) = engine_ports(1)
     relay = subprocess.Popen([sys.executable, "-c", RELAY, str(port), engines.decode_url.rsplit(":", 1)[1]],
                              start_new_session=True)
@@ -107,7 +107,7 @@ def test_sigkill_in_the_decoder_path_mid_stream_continues(engines: Engines, prom
             reference, _, _ = _stream(proxy.url, path, body)
             assert reference
 
-            direct = next(e for e in proxy.state.pool.endpoints("decode") if e.url == engines.decode_url)
+            direct = next(e for e in proxy.state.pool.endpoints(Role.DECODE) if e.url == engines.decode_url)
             proxy.state.pool.load(direct).draining = True      # the first leg goes through the relay
 
             def kill(k: int) -> None:
