@@ -202,6 +202,16 @@ class Settings(BaseSettings):
     recompute_continuation: bool = Field(
         True, description="continue vLLM-Ascend 'stop_reason: recomputed' streams on a new P/D pair (forces "
                           "stream_options.include_usage upstream and strips it for clients that did not ask)")
+    stream_continuation: bool = Field(
+        False, description="continue a chat / completions stream whose decoder is lost after the first byte on "
+                           "another P/D pair, token-exact (asks decoders for return_token_ids; "
+                           "docs/stream-continuation.md)")
+    stream_continuation_max: int = Field(2, ge=0, le=20, description="continuations per stream")
+    stream_continuation_stall_factor: float = Field(
+        20.0, gt=1, description="a continuable stream's decoder silent for this many times the stream's own mean "
+                                "inter-token time (at least stream_continuation_stall_min_s) is lost")
+    stream_continuation_stall_min_s: float = Field(2.0, gt=0, description="the shortest silence that counts as "
+                                                                          "a lost decoder (seconds)")
     recompute_max_attempts: int = Field(3, ge=0, le=20, description="recomputed continuations per request")
     recompute_decoders: StrList = Field(
         [], description="decoder URLs that can end a stream with 'stop_reason: recomputed' (vLLM-Ascend), or '*' "

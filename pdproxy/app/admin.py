@@ -18,7 +18,8 @@ stands for all its internal-DP ranks):
   model ids, as ``models`` in the config file: pdproxy/engines/models.py) → 201 with the new entries (probed once: a
   reachable engine takes traffic at once, an unreachable one when its ``/health`` answers); 409 if present;
 - ``POST /admin/endpoints/drain`` ``{"url", "role"}`` → 202: no new work, in-flight requests finish, the
-  endpoint stays (``draining``, then ``drained``);
+  endpoint stays (``draining``, then ``drained``); with ``"migrate": true`` a decoder's continuable streams move
+  to other decoders now (``migrated``: how many; docs/stream-continuation.md);
 - ``POST /admin/endpoints/undrain`` ``{"url", "role"}`` → 200: takes work again (also a ``leaving`` one);
 - ``DELETE /admin/endpoints`` ``{"url", "role", "force"?: false}`` → 202 ``{"leaving": [...], "removed": [...]}``
   (drain, then it leaves once idle; an idle one is removed at once) or,
@@ -65,6 +66,7 @@ class EndpointRef(BaseModel):
     role: Role
     dp_size: int = Field(1, ge=1, le=1024)
     force: bool = False
+    migrate: bool = False           # drain only: move the decoder's live streams (docs/stream-continuation.md)
     models: list[str] = []          # add only: pin the endpoint to these model ids (as the config's ``models``)
 
 
@@ -251,7 +253,8 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
         state = authorized(request)
         ref = await _body(request, state.settings)
         found = _drain(state, ref)
-        return _json({"draining": [describe(state, e) for e in found]}, 202)
+        moved = sum(state.live_streams.migrate(e.name) for e in found) if ref.migrate else 0
+        return _json({"draining": [describe(state, e) for e in found], "migrated": moved}, 202)
 
     @router.post("/endpoints/undrain")
     async def undrain_endpoint(request: Request) -> Response:

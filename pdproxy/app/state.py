@@ -24,6 +24,7 @@ from pdproxy.engines.pool import EndpointPool
 from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.upstream import Upstream
 from pdproxy.ops.tracing import Tracing, tracing_from_settings
+from pdproxy.pd.continuation import LiveStreams
 from pdproxy.pd.director import Director
 from pdproxy.pd.kv_release import KVReleaser
 from pdproxy.prefix.cache import PrefixCache
@@ -62,6 +63,7 @@ class ProxyState:
     in_flight: int = 0
     share: WorkerShare | None = None
     _stack: AsyncExitStack | None = field(default=None, repr=False)
+    live_streams: LiveStreams = field(default_factory=LiveStreams)
 
     @classmethod
     def build(cls, settings: Settings, share: WorkerShare | None = None) -> ProxyState:
@@ -138,7 +140,8 @@ class ProxyState:
                               timeout_s=self.settings.kv_release_timeout_s)
         return Director(self.settings, admission=self.admission, scheduler=self.scheduler, queue=self.queue,
                         pool=self.pool, health=self.health, upstream=self.upstream, headers=self.headers,
-                        releaser=releaser, prefix=prefix or self.prefix, tracing=self.tracing, served=self.served)
+                        releaser=releaser, prefix=prefix or self.prefix, tracing=self.tracing, served=self.served,
+                        live=self.live_streams)
 
     async def start(self) -> None:
         """Start, in this order: the upstream pool, admission (its token-count threads and tokenizers), the prefix

@@ -31,6 +31,7 @@ from pdproxy.http.client import H1Response, TransportError
 from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.upstream import Upstream, proxy_error
 from pdproxy.ops.tracing import NO_TRACING, Tracing
+from pdproxy.pd.continuation import LiveStreams, Resume, StreamLost, ask_token_ids
 from pdproxy.pd.prefill import PrefillResult
 from pdproxy.pd.relay import StreamRelay
 from pdproxy.pd.responder import Responder
@@ -52,11 +53,14 @@ def routing_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:
 class DecodeLeg:
     """Runs the decode leg of a request (see the module docstring).  ``scheduler`` picks the decoder, ``pool``
     holds its lease, ``health`` hears the verdict, ``upstream`` opens it with ``headers``; ``tracing`` spans each
-    attempt."""
+    attempt; ``live``: the registry of continuable streams per decoder (:mod:`pdproxy.pd.continuation`)."""
 
     def __init__(self, settings: Settings, *, scheduler: Scheduler, pool: EndpointPool, health: HealthMonitor,
-                 upstream: Upstream, headers: EngineHeaders, tracing: Tracing = NO_TRACING) -> None:
+                 upstream: Upstream, headers: EngineHeaders, tracing: Tracing = NO_TRACING,
+                 live: LiveStreams | None = None) -> None:
         self.settings = settings
+        self.live = live or LiveStreams()
+        """The continuable streams each decoder relays now (a drain with ``migrate`` moves them)."""
         self.scheduler = scheduler
         self.pool = pool
         self.health = health
@@ -73,8 +77,13 @@ class DecodeLeg:
         return "*" in known or endpoint.url in known
 
     async def run(self, req: ProxyRequest, ctx: RequestContext, pick: PickRequest, prefill: PrefillResult,
-                  out: Responder, exclude: list[Endpoint], transcript: recompute.Transcript | None) -> bool:
+                  out: Responder, exclude: list[Endpoint], transcript: recompute.Transcript | None,
+                  resume: Resume | None = None) -> bool:
         """Pick a decoder (not in ``exclude``), open the decode leg and relay its answer to ``out``.
+
+        ``resume``: the stream is continuable (:mod:`pdproxy.pd.continuation`): its first leg asks the decoder for
+        ``return_token_ids``; a loss after the first event raises :class:`StreamLost` (the decoder's breaker is
+        told).  A decoder known to send vLLM-Ascend's ``recomputed`` keeps that continuation instead.
 
         Raises :class:`DecodeFailed` for an engine fault before the client got anything,
         :class:`~pdproxy.errors.UpstreamHTTPError` for its 4xx, the scheduler's refusal when no decoder is
@@ -87,8 +96,16 @@ class DecodeLeg:
         ctx.decoder = endpoint.name
         ctx.decoder_dp_rank = endpoint.dp_rank
         body = kv_transfer.decode_leg_body(req.api, req.raw, req.body, prefill.params, ctx.request_id)
+        if resume is not None and resume.legs > 1:
+            transcript = None  # a continuation leg: re-framed by pdproxy.pd.continuation
+        elif resume is not None and transcript is not None and self.sends_recomputed(endpoint):
+            resume = None      # vLLM-Ascend's recomputed continuation (pdproxy.apis.recompute) instead
         if req.stream and transcript is not None and transcript.attempts == 1 and not self.sends_recomputed(endpoint):
             transcript = None  # plain splice; a "recomputed" from this decoder is detected (on_recomputed)
+        if resume is not None and resume.legs == 1:
+            resume.cached_tokens = prefill.cached_tokens
+            if not resume.keep_ids and resume.openai:   # vLLM's Responses / Messages streams carry no ids
+                body = ask_token_ids(body)
         strip_usage = bool(req.stream and transcript is not None and not req.include_usage)
         if strip_usage:
             body = recompute.force_usage_bytes(body, req.body)
@@ -104,13 +121,20 @@ class DecodeLeg:
                         self.headers.leg(endpoint, ctx.request_id, ctx.authorization, ctx.client_headers),
                         first_byte_timeout_s=first_byte_s) as resp:
                     if req.stream:
-                        recomputed = await StreamRelay(
+                        relay = StreamRelay(
                             resp, out, ctx, cached_tokens=prefill.cached_tokens, first_event_timeout_s=first_byte_s,
                             on_first_event=prefill.consume, headers=routing, transcript=transcript,
                             strip_usage=strip_usage, idle_timeout_s=s.decode_idle_timeout_s,
                             on_recomputed=(lambda: self.recompute_decoders.add(endpoint.url))
                             if s.recompute_continuation else None,
-                            api_stream=api_streams.stream_for(req.api, ctx, prefill.cached_tokens)).run()
+                            api_stream=api_streams.stream_for(req.api, ctx, prefill.cached_tokens),
+                            resume=resume, lost_when=(s.stream_continuation_stall_factor,
+                                                      s.stream_continuation_stall_min_s))
+                        if resume is None:
+                            recomputed = await relay.run()
+                        else:
+                            with self.live.track(endpoint.name, relay.move):
+                                recomputed = await relay.run()
                     else:
                         prefill.consume()          # the decoder answered: it has the request and its KV
                         recomputed = await relay_json(resp, ctx, prefill.cached_tokens, out, transcript,
@@ -121,6 +145,14 @@ class DecodeLeg:
                 if not self.health.record_error(endpoint, exc):
                     raise
                 raise DecodeFailed(exc, endpoint, kv_intact=classify(exc).unsent) from None
+            except StreamLost as lost:             # lost after its first event: the director continues elsewhere
+                if lost.planned:
+                    self.health.record_neutral(endpoint)
+                else:
+                    self.health.record_error(endpoint, lost.error)
+                if resume is not None:
+                    resume.lost.append(endpoint)
+                raise
             except BaseException:                  # cancelled (client left, deadline): no verdict on the engine
                 self.health.record_neutral(endpoint)   # a half-open trial's slot must not stay taken
                 raise

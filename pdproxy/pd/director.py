@@ -13,8 +13,10 @@ Failure policy, decided here and in the two leg modules and nowhere else:
 - **decode, before the decoder's first event reached the client**: another decoder (``decode_attempts``).  When
   the connection was refused the decoder never saw the request and the KV handle is reused; otherwise the KV may
   have been pulled or freed, so the prefill runs again for the new pair and the old handle is released.
-- **after the first event**: never replayed (the relay sends an SSE error event + ``[DONE]``), except vLLM-Ascend's
-  ``stop_reason "recomputed"``, which is continued on a new P→D pair (:mod:`pdproxy.apis.recompute`).
+- **after the first event**: never replayed; with ``stream_continuation`` an eligible chat / completions stream
+  continues token-exact on a new P→D pair (:mod:`pdproxy.pd.continuation`), otherwise the relay sends an SSE
+  error event + ``[DONE]``; vLLM-Ascend's ``stop_reason "recomputed"`` is continued on a new P→D pair
+  (:mod:`pdproxy.apis.recompute`).
 - **leaving early** (client disconnect, deadline, error) between the prefill and the decoder's first event: the
   prefiller's pinned KV is released by a release leg (:mod:`pdproxy.pd.kv_release`); leaving while the prefill
   leg is in flight, its answer is still awaited (``prefill_cancel_grace_s``) and released the same way, since the
@@ -45,7 +47,7 @@ from pdproxy.errors import DecodeFailed, UpstreamTimeout, UpstreamUnavailable
 from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.upstream import Upstream
 from pdproxy.ops.tracing import NO_TRACING, Tracing
-from pdproxy.pd import fanout, prefill_answer
+from pdproxy.pd import continuation, fanout, prefill_answer
 from pdproxy.pd.backoff import Backoff
 from pdproxy.pd.decode import DecodeLeg, routing_headers
 from pdproxy.pd.kv_release import KVReleaser
@@ -66,14 +68,15 @@ class Director:
     prefiller; ``scheduler`` answers "could any decoder take it" before a prefill is spent (and picks
     inside the legs); ``queue`` grants prefill slots; ``pool``, ``health``, ``upstream`` and ``headers`` serve the
     legs; ``releaser`` frees KV that no decoder will read; ``prefix`` supplies prefix hints; ``tracing`` spans
-    each step (:mod:`pdproxy.ops.tracing`; off by default).  :meth:`pdproxy.app.state.ProxyState.director`
+    each step (:mod:`pdproxy.ops.tracing`; off by default); ``live`` lists the continuable streams per decoder
+    (:mod:`pdproxy.pd.continuation`, moved by a drain with ``migrate``).  :meth:`pdproxy.app.state.ProxyState.director`
     wires one from the proxy's components.
     """
 
     def __init__(self, settings: Settings, *, admission: Admission, scheduler: Scheduler, queue: PrefillQueue,
                  pool: EndpointPool, health: HealthMonitor, upstream: Upstream, headers: EngineHeaders,
                  releaser: KVReleaser, prefix: PrefixSource | None = None, tracing: Tracing = NO_TRACING,
-                 served: ServedModels | None = None) -> None:
+                 served: ServedModels | None = None, live: continuation.LiveStreams | None = None) -> None:
         self.settings = settings
         self.served = served
         self.admission = admission
@@ -86,7 +89,7 @@ class Director:
                                   headers=headers, backoff=self.backoff, tracing=tracing, releaser=releaser)
         self.decision = PDDecision.from_settings(settings, queue)
         self.decode = DecodeLeg(settings, scheduler=scheduler, pool=pool, health=health, upstream=upstream,
-                                headers=headers, tracing=tracing)
+                                headers=headers, tracing=tracing, live=live)
         self.fan_out = fanout.FanOut(admit=self.admit, run=self.run_sequence,
                                      max_sequences=settings.fan_out_max_sequences)
 
@@ -127,10 +130,16 @@ class Director:
         """One admitted sequence: queue + prefill → decode → relay, continued on a new pair after vLLM-Ascend's
         ``stop_reason "recomputed"``; ``affinity``: a prefiller to prefer (a fan-out sibling's)."""
         transcript = self.new_transcript(req)
+        resume = continuation.Resume.of(req, self.settings.stream_continuation)
         leg: ProxyRequest | None = req
         while leg is not None:
-            recomputed = await self.run_pd(leg, ctx, out, transcript,  # 2-4. queue+prefill → decode → relay
-                                           affinity if leg is req else None)
+            try:
+                recomputed = await self.run_pd(leg, ctx, out, transcript,  # 2-4. queue+prefill → decode → relay
+                                               affinity if leg is req else None, resume)
+            except continuation.StreamLost as lost:                 # the decoder was lost mid-stream
+                assert resume is not None
+                leg = self.resume_leg(resume, ctx, out, lost)
+                continue
             leg = await self.continuation(req, ctx, out, transcript) if recomputed else None  # 5. Ascend
 
     @asynccontextmanager
@@ -148,15 +157,36 @@ class Director:
         except TimeoutError:
             raise UpstreamTimeout(f"request exceeded the end-to-end deadline of {limit:.1f} s") from None
 
+    def resume_leg(self, resume: continuation.Resume, ctx: RequestContext, out: Responder,
+                   lost: continuation.StreamLost) -> ProxyRequest | None:
+        """After a decoder was lost mid-stream: the continuation leg (:mod:`pdproxy.pd.continuation`), or None
+        when the stream was finished here (nothing left to generate) or refused with the typed error event."""
+        resume.read_transcript()
+        why = resume.refusal(self.settings.stream_continuation_max)
+        if why is not None:
+            lost.error.message += f" (not continued: {why})"
+            ctx.outcome = "upstream_error"
+            out.error_nowait(lost.error)
+            return None
+        leg = resume.next_leg()
+        if leg is None:
+            tail = continuation.closing(resume, out)
+            out.done_sent = True
+            out.end_nowait(tail)
+            return None
+        ctx.request_id = new_request_id(ctx.client_request_id)
+        return leg
+
     async def run_pd(self, req: ProxyRequest, ctx: RequestContext, out: Responder,
-                     transcript: recompute.Transcript | None, affinity: Endpoint | None = None) -> bool:
+                     transcript: recompute.Transcript | None, affinity: Endpoint | None = None,
+                     resume: continuation.Resume | None = None) -> bool:
         """Prefill, then decode; a decoder failing before its first event is replaced (re-prefilling unless the
         KV handle is known intact).  Returns True when the decoder ended with ``stop_reason "recomputed"``.
         Raises the scheduler's refusal at once when no decoder could take the request (no prefill is spent)."""
         attempts = self.settings.decode_attempts
         hints = await self.prefix.hints(req, ctx)                       # who holds the prompt's prefix
         pick = PickRequest.of(req, ctx.request_id, hints, affinity=affinity)
-        failed: list[Endpoint] = []
+        failed: list[Endpoint] = resume.lost[-1:] if resume is not None else []  # the decoder just lost
         prefill: PrefillResult | None = None
         self.scheduler.require(Role.DECODE, pick)
         async with AsyncExitStack() as stack:
@@ -170,7 +200,7 @@ class Director:
                                 req, ctx, out, prefill, transcript):
                             return False
                     try:
-                        return await self.decode.run(req, ctx, pick, prefill, out, failed, transcript)
+                        return await self.decode.run(req, ctx, pick, prefill, out, failed, transcript, resume)
                     except DecodeFailed as f:
                         failed.append(f.endpoint)
                         if attempt + 1 >= attempts:

@@ -66,6 +66,7 @@ from pdproxy.errors import ProxyError, UpstreamTimeout, UpstreamUnavailable
 from pdproxy.http import sse
 from pdproxy.http.client import H1Response, ReadTimeout, TransportError
 from pdproxy.http.upstream import proxy_error
+from pdproxy.pd.continuation import RecordIds, Reframe, Resume, StreamLost
 from pdproxy.pd.responder import SSE_HEADERS, Responder
 from pdproxy.timeline import GapCounts, RequestContext
 
@@ -83,15 +84,19 @@ class _NoDone(Exception):
     """The decoder's body ended without the stream's end event."""
 
 
+class _Moved(Exception):
+    """An operator's drain moves the stream to another decoder (:meth:`StreamRelay.move`)."""
+
+
 class _Splice:
     """The streaming phase of one relay (see module docstring): an :class:`pdproxy.http.client.BodySink` for the
     decoder's body and the ``flow`` listener of the client's connection.  ``done`` resolves with True (the
     client's part ended with ``recomputed``), False (the stream ended and the response is finished), or raises
     :class:`TransportError` / :class:`_NoDone`."""
 
-    __slots__ = ("bounds", "conn", "counts", "ctx", "done", "done_event", "done_len", "done_mark", "feed", "gaps",
-                 "idle_s", "idle_timer", "last", "loop", "out", "prev", "resp", "stall_timer", "tail", "transform",
-                 "trigger", "write", "writes")
+    __slots__ = ("bounds", "conn", "counts", "ctx", "done", "done_event", "done_len", "done_mark", "feed", "first",
+                 "gaps", "idle_s", "idle_timer", "last", "loop", "lost_timer", "lost_when", "out", "prev", "resp",
+                 "stall_timer", "tail", "transform", "trigger", "write", "writes")
 
     def __init__(self, relay: StreamRelay, transform: Transform | None, tail: bytes, last_write: float) -> None:
         self.loop = relay.resp.loop
@@ -110,6 +115,9 @@ class _Splice:
         self.tail = tail
         self.writes = 0
         self.last = last_write
+        self.first = time.monotonic()  # this leg's start: its own inter-token time, not the stream's history
+        self.lost_when = relay.lost_when
+        self.lost_timer: asyncio.TimerHandle | None = None
         self.gaps = relay.ctx.gaps or GapCounts((float("inf"),))
         self.bounds = self.gaps.bounds
         self.counts = self.gaps.counts
@@ -216,6 +224,8 @@ class _Splice:
         self.conn.flow = self
         if self.idle_s is not None:
             self.idle_timer = self.loop.call_later(self.idle_s, self._check_idle)
+        if self.lost_when is not None:
+            self.lost_timer = self.loop.call_later(self.lost_when[1], self._check_lost)
         self.resp.splice(self)
         if self.conn.paused and not self.done.done():
             self.client_paused()
@@ -226,10 +236,10 @@ class _Splice:
         objects at once instead of a full garbage collection later (see :mod:`pdproxy.ops.gcpolicy`)."""
         if self.conn.flow is self:
             self.conn.flow = None
-        for timer in (self.idle_timer, self.stall_timer):
+        for timer in (self.idle_timer, self.stall_timer, self.lost_timer):
             if timer is not None:
                 timer.cancel()
-        self.idle_timer = self.stall_timer = None
+        self.idle_timer = self.stall_timer = self.lost_timer = None
         if self.resp.sink is self:
             self.resp.sink = None
         self.write = _drop
@@ -251,6 +261,23 @@ class _Splice:
             self.idle_timer = self.loop.call_later(self.idle_s - quiet, self._check_idle)
         else:
             self.idle_timer = self.loop.call_later(self.idle_s, self._check_idle)
+
+    def _check_lost(self) -> None:
+        """A continuable stream's decoder is lost when it is silent for ``factor`` × the stream's own mean gap
+        between writes, at least ``min_s`` (``lost_when``); not while the client holds the stream paused.  One lazy
+        timer, re-armed per check, never per event."""
+        self.lost_timer = None
+        if self.done.done() or self.out.ended or self.lost_when is None:
+            return
+        factor, min_s = self.lost_when
+        now = time.monotonic()
+        limit = max(min_s, factor * (self.last - self.first) / max(self.writes - 1, 1))
+        quiet = now - self.last
+        if quiet >= limit and self.stall_timer is None:
+            self.done.set_exception(ReadTimeout(f"no token for {quiet:.1f} s (over {factor:g}× the stream's "
+                                                f"inter-token time)"))
+            return
+        self.lost_timer = self.loop.call_later(max(limit - quiet, min_s / 4), self._check_lost)
 
     def client_paused(self) -> None:
         """The client's transport went above its high-water mark: stop reading the decoder."""
@@ -296,6 +323,11 @@ class StreamRelay:
     ``done_event``: the event that ends this API's stream (None: the decoder's end of body ends it).
     ``api_stream``: a Responses or Messages stream (:mod:`pdproxy.apis.streams`): its transform, opening events,
     first-error rule, end event and error event replace the chat ones (None: chat / completions).
+    ``resume``: the stream is continuable (:mod:`pdproxy.pd.continuation`): its first leg records the blocks, a
+    continuation leg is re-framed into the client's stream, and a mid-stream loss raises
+    :class:`~pdproxy.pd.continuation.StreamLost` instead of sending the error event (None: today's rule).
+    ``lost_when``: ``(factor, min_s)``: a silence of ``factor`` × the stream's mean inter-event gap (at least
+    ``min_s`` seconds) is a lost decoder (None: only ``idle_timeout_s``).
     """
 
     def __init__(self, resp: H1Response, out: Responder, ctx: RequestContext, *,
@@ -305,8 +337,12 @@ class StreamRelay:
                  transcript: recompute.Transcript | None = None, strip_usage: bool = False,
                  idle_timeout_s: float | None = None, on_recomputed: Callable[[], None] | None = None,
                  done_event: bytes | None = sse.DONE_EVENT,
-                 api_stream: api_streams.ApiStream | None = None) -> None:
+                 api_stream: api_streams.ApiStream | None = None, resume: Resume | None = None,
+                 lost_when: tuple[float, float] | None = None) -> None:
         self.api_stream = api_stream
+        self.resume = resume
+        self.lost_when = lost_when if resume is not None else None
+        self.splice: _Splice | None = None
         if api_stream is not None:
             done_event = api_stream.done_event
         self.resp = resp
@@ -325,6 +361,12 @@ class StreamRelay:
 
     def transforms(self) -> Transform:
         """The transform for this stream (see module docstring), chosen once when it starts."""
+        if self.resume is not None:
+            if self.resume.legs > 1:
+                return Reframe(self.resume, self.ctx, self.out)
+            if self.api_stream is not None:
+                return RecordIds(self.resume, self.api_stream)
+            return RecordIds(self.resume, ChatUsage(self.ctx, self.cached_tokens, self.strip_usage))
         if self.api_stream is not None:
             return self.api_stream
         t = self.transcript
@@ -360,6 +402,13 @@ class StreamRelay:
         finally:
             resp.deadline_at = before
 
+    def move(self) -> None:
+        """End this leg as lost (planned): a continuable stream moves to another decoder (a drain with
+        ``migrate``); no-op before the first event (the decoder finishes that stream) or after the end."""
+        splice = self.splice
+        if splice is not None and not splice.done.done() and not self.out.ended:
+            splice.done.set_exception(_Moved())
+
     async def run(self) -> bool:
         """Relay until the decoder ends.  Raises :class:`ProxyError` only before this decoder's first event
         reached the client (so the director may still fail over); afterwards failures become an SSE error event
@@ -391,29 +440,39 @@ class StreamRelay:
             ctx.timeline.first_token_at = time.monotonic()
             out.start_nowait(200, SSE_HEADERS + self.headers)
         transform = self.transforms()
-        splice = _Splice(self, transform, b"", ctx.timeline.first_token_at or time.monotonic())
+        base = ctx.events if self.resume is not None and self.resume.legs > 1 else 0  # a continued stream's count
+        splice = self.splice = _Splice(self, transform, b"", ctx.timeline.first_token_at or time.monotonic())
         try:
             splice.data(block)
             splice.tail = framer.pending  # what came after the first events, held for its rest
             splice.start()
             try:
                 self.recomputed = await splice.done
-            except (TransportError, _NoDone) as exc:
-                ctx.events = splice.writes
-                ctx.outcome = "upstream_error"
+            except (TransportError, _NoDone, _Moved) as exc:
+                ctx.events = base + splice.writes
                 failure: ProxyError
-                if isinstance(exc, _NoDone):
+                if isinstance(exc, _Moved):
+                    failure = UpstreamUnavailable(f"{who} was drained mid-stream; the response is incomplete",
+                                                  endpoint=ctx.decoder or "")
+                elif isinstance(exc, _NoDone):
                     end = fmt.end_name if fmt is not None else "data: [DONE]"
                     failure = UpstreamUnavailable(f"{who} ended the stream without {end}; the response may "
                                                   "be incomplete", endpoint=ctx.decoder or "")
                 else:
                     failure = proxy_error(exc, who, ctx.decoder or "", " mid-stream")
                     failure.message += "; the response is incomplete"
+                if self.resume is not None and not out.ended:
+                    raise StreamLost(failure, planned=isinstance(exc, _Moved)) from None
+                ctx.outcome = "upstream_error"
                 out.error_nowait(failure)
                 return False
         finally:
             splice.stop()
-        ctx.events = splice.writes
+            self.splice = None
+        ctx.events = base + splice.writes
+        if self.recomputed and self.resume is not None:
+            raise StreamLost(UpstreamUnavailable(f"{who} sent an error event mid-stream; the response is incomplete",
+                                                 endpoint=ctx.decoder or ""))
         if self.recomputed and self.transcript is None:
             ctx.outcome = "upstream_error"
             out.error_nowait(UpstreamUnavailable(

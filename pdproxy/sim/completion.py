@@ -36,14 +36,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import struct
 import time
-import zlib
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from pdproxy.sim import connector
+from pdproxy.sim.continuation import MID_STREAM_KINDS, greedy_offset, mid_stream_fault
 from pdproxy.sim.faults import Fault, slice_event
 from pdproxy.sim.generation import Seq, Usage, Writer
 from pdproxy.sim.outputs import json_example, json_text, plan_output, tool_arguments
@@ -122,15 +121,18 @@ async def pre_response_fault(fault: Fault, request: web.Request) -> web.StreamRe
 class _SSE:
     """Writes SSE events, applying stream faults (slice, reset/close after k events, slow)."""
 
-    def __init__(self, resp: web.StreamResponse, request: web.Request, fault: Fault | None) -> None:
+    def __init__(self, resp: web.StreamResponse, request: web.Request, fault: Fault | None,
+                 writer: Writer | None = None) -> None:
         self.resp = resp
         self.request = request
         self.events = 0
         self.mode = fault.params.get("mode", "byte") if fault and fault.kind == "slice" else None
         self.limit = int(fault.params.get("events", 1)) if fault and fault.kind in (
-            "reset_after_events", "close_without_done") else None
+            "reset_after_events", "close_without_done", *MID_STREAM_KINDS) else None
         self.reset = bool(fault and fault.kind == "reset_after_events")
         self.stopped = False
+        self.mid_stream = fault.kind if fault and fault.kind in MID_STREAM_KINDS else None
+        self.writer = writer
 
     async def send(self, event: bytes) -> None:
         """Write one SSE ``event`` (bytes), sliced if the fault says so; dropped once stopped.  Raises
@@ -149,6 +151,8 @@ class _SSE:
             if self.reset:
                 abort_transport(self.request)
                 raise ConnectionResetError("sim fault: reset_after_events")
+            if self.mid_stream is not None:
+                await mid_stream_fault(self.resp, self.mid_stream, self.writer)
 
     async def send_all(self, events: list[bytes]) -> None:
         """Write each of ``events``."""
@@ -250,7 +254,7 @@ def build_sequences(server: SimServer, rank: RankEngine, parsed: ParsedRequest, 
         if spec.seed is not None:  # the same seed says the same thing
             base = spec.seed * 7
         elif spec.temperature < SAMPLING_EPS:  # greedy: a prompt always gets the same answer
-            base = zlib.crc32(struct.pack(f"<{len(prompt)}q", *prompt))
+            base = greedy_offset(prompt, server.token_table)  # continues its own greedy output exactly
         else:
             base = server.next_word_offset()
         for k in range(n):
@@ -354,7 +358,7 @@ async def _stream(server: SimServer, listener: Listener, request: web.Request, r
     resp = web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream; charset=utf-8",
                                                    "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    sse = _SSE(resp, request, fault)
+    sse = _SSE(resp, request, fault, writer)
     rank.active_streams += 1
     loop = asyncio.get_running_loop()
     block_size = server.config.block_size

@@ -16,6 +16,8 @@ Kinds and their params: ``refuse`` (close the connection, no response), ``hang``
 ``status`` (``status``, ``body``, ``retry_after``), ``headers_then_stall`` (200 SSE headers, then nothing),
 ``reset_after_events`` (``events``: send k SSE events, then reset the TCP connection),
 ``close_without_done`` (``events``: k events, then end the body cleanly without ``data: [DONE]``),
+``error_after_events`` (``events``: k events, then vLLM's in-band error event and the terminator),
+``stall_after_events`` (``events``: k events, then silence with the connection open),
 ``slow`` (``factor``: stretch TTFT and every inter-event gap; ``min_gap_s`` floors the stretched gap),
 ``slice`` (``mode``: ``byte`` | ``crlf`` | ``data`` | ``utf8``), ``recomputed`` (``tokens``: end after k
 tokens with ``finish_reason "stop"``, ``stop_reason "recomputed"``), ``no_kv_params`` (the prefiller finishes
@@ -32,7 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 KINDS = frozenset({"refuse", "hang", "status", "headers_then_stall", "reset_after_events", "close_without_done",
-                   "slow", "slice", "recomputed", "no_kv_params", "hold_answer", "slow_health"})
+                   "slow", "slice", "recomputed", "no_kv_params", "hold_answer", "slow_health",
+                   "error_after_events", "stall_after_events"})
 SLICE_MODES = frozenset({"byte", "crlf", "data", "utf8"})
 DEFAULT_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/inference/v1/generate")
 _META = ("kind", "on_request", "times", "path", "probability")

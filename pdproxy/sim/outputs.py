@@ -47,10 +47,14 @@ class TokenTable:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         ids = []
+        encodings = []
         for word in WORDS:
             encoded = tokenizer.encode(word)
             ids.append(encoded[0] if encoded else zlib.crc32(word.encode()) & 0xFFFF)
+            encodings.append(tuple(encoded))
         self.word_ids: tuple[int, ...] = tuple(ids)
+        self.word_encodings: tuple[tuple[int, ...], ...] = tuple(encodings)
+        """Each word's full encoding (a word's text sent back in a prompt; :mod:`pdproxy.sim.continuation`)."""
 
     @staticmethod
     def piece_id(piece: str) -> int:

@@ -132,7 +132,7 @@ class ResponseWriter:
             return []
         return [self._event({**self._head, "choices": [{
             "index": seq.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-            "finish_reason": None}], "prompt_token_ids": None, "prompt_text": None})]
+            "finish_reason": None}], "prompt_token_ids": self._stream_prompt_ids(seq, 0), "prompt_text": None})]
 
     def output(self, seq: Seq, start: int, end: int, finish: str | None, stop_reason: Any,
                usage: Usage | None, last: bool) -> list[bytes]:
@@ -158,10 +158,11 @@ class ResponseWriter:
                                       "finish_reason": public}
             if public is not None:
                 choice["stop_reason"] = stop_reason
-            choice["token_ids"] = None
+            choice["token_ids"] = self._stream_ids(seq, start, end)
         else:
             choice = {"index": seq.index, "text": text, "logprobs": logprobs, "finish_reason": public,
-                      "stop_reason": stop_reason, "prompt_token_ids": None, "token_ids": None}
+                      "stop_reason": stop_reason, "prompt_token_ids": self._stream_prompt_ids(seq, start),
+                      "token_ids": self._stream_ids(seq, start, end)}
         chunk: dict[str, Any] = {**self._head, "choices": [choice]}
         if usage_obj is not None:
             chunk["usage"] = usage_obj
@@ -169,6 +170,16 @@ class ResponseWriter:
             chunk["system_fingerprint"] = self.fingerprint
         events.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
         return events
+
+    def _stream_ids(self, seq: Seq, start: int, end: int) -> list[int] | None:
+        """A streamed choice's ``token_ids`` (output tokens ``[start, end)``) with ``return_token_ids``, else None
+        (``vllm/entrypoints/openai/chat_completion/serving.py``, ``completion/serving.py``)."""
+        return seq.plan.token_ids(start, end) if self.req.return_token_ids else None
+
+    def _stream_prompt_ids(self, seq: Seq, start: int) -> list[int] | None:
+        """The prompt's ids, sent once per choice (chat: top level of the role chunk; completions: the choice's
+        first chunk) with ``return_token_ids``, else None."""
+        return list(seq.ereq.prompt_token_ids) if self.req.return_token_ids and start == 0 else None
 
     def _forced_tool_chunks(self, seq: Seq, start: int, end: int, text: str, finish: str | None, stop_reason: Any,
                             usage: dict[str, Any] | None, last: bool) -> list[bytes]:

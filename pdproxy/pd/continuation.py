@@ -1,0 +1,558 @@
+"""Stream continuation: a chat / text completions stream whose decoder is lost after the first byte continues,
+token-exact, on another P→D pair; the client sees one stream (docs/stream-continuation.md).
+
+**Record (hot path).**  An eligible stream's decode leg asks the decoder for ``return_token_ids`` (vLLM 0.32:
+``prompt_token_ids`` in the first chunk — top level for chat, in the choice for completions — and ``token_ids``
+in every choice chunk; ``vllm/entrypoints/openai/chat_completion/serving.py``, ``completion/serving.py``).
+:class:`RecordIds` keeps each relayed block as it came (one list append, no parsing) and, unless the client asked
+for the ids itself, rewrites every ``"token_ids":[…]`` / ``"prompt_token_ids":[…]`` array to ``null`` with one regular-expression pass over the
+block — the client gets vLLM's plain shape (``"token_ids":null``).  One byte search per block looks for vLLM's
+in-band error event (``data: {"error": …}``, e.g. a failed KV load), which ends the client's part of this leg.
+
+**On loss.**  The relay raises :class:`StreamLost` instead of sending its error event (a reset, an end of body
+without ``data: [DONE]``, the relay's silence limit, vLLM's in-band error event).  Only then is the transcript
+parsed (:meth:`Resume.read_transcript`): the prompt's ids, every delivered id, the first chunk's
+``id``/``created``/``model``, and whether a tool call or reasoning was streamed.  :meth:`Resume.next_leg` builds
+the continuation — ``/v1/completions`` with the token-id ``prompt`` = prompt ids + delivered ids, ``max_tokens``
+and ``min_tokens`` lowered by what was delivered, the client's sampling fields — which the director runs through
+the usual prefill and decode legs, the lost decoder excluded (and its breaker told).
+
+**Re-frame.**  :class:`Reframe` turns the continuation's completions chunks into the client's API shape with the
+first chunk's ``id``/``created``/``model``: no second role chunk (chat), ``prompt_token_ids`` dropped, the usage
+chunk (only if the client asked for one) with the original ``prompt_tokens`` and every delivered token as
+``completion_tokens``.  The re-prefill of the delivered tokens is never in usage.
+
+A client that leaves cancels the director's task: a stream is continued only while its client is connected.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from pdproxy.apis import fields
+from pdproxy.apis import streams as api_streams
+from pdproxy.apis.request import Api, ProxyRequest, parse_request
+from pdproxy.apis.transform import Transform
+from pdproxy.endpoints import Endpoint
+from pdproxy.errors import ProxyError
+from pdproxy.http import sse
+from pdproxy.pd.responder import Responder
+from pdproxy.timeline import RequestContext
+
+_IDS_RE = re.compile(rb'token_ids":\[[0-9,\s]*\]')  # "token_ids" and "prompt_token_ids"
+_NULL_IDS = b'token_ids":null'
+_ERROR_EVENT = b'data: {"error"'
+# request fields that make a continuation unfaithful or unparseable (docs/stream-continuation.md lists why)
+_INELIGIBLE = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+               "guided_grammar", "guided_decoding_backend", "stop", "echo", "logprobs", "top_logprobs",
+               "prompt_logprobs", "best_of", "use_beam_search", "suffix", "prompt_embeds")
+_INELIGIBLE_RESPONSES = ("previous_response_id", "conversation", "prompt", "background", "top_logprobs",
+                         "include", "reasoning")
+_INELIGIBLE_MESSAGES = ("stop_sequences", "thinking", "output_format")
+# sampling fields copied onto the continuation's completions body
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+             "spaces_between_special_tokens", "logit_bias", "cache_salt", "priority", "user", "bad_words",
+             "allowed_token_ids", "truncate_prompt_tokens")
+
+
+class StreamLost(Exception):
+    """The decoder of a started, continuable stream was lost (internal: raised by the relay instead of its error
+    event; the director continues the stream or sends ``error``, the typed error the client would have had).
+    ``planned``: an operator's drain moved the stream (the decoder's breaker is not told)."""
+
+    def __init__(self, error: ProxyError, planned: bool = False) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.planned = planned
+
+
+class LiveStreams:
+    """The continuable streams each decoder is relaying now, by endpoint name: what a drain with ``migrate``
+    moves (``POST /admin/endpoints/drain``, pdproxy/app/admin.py).  Per process (``--workers N``: each worker
+    moves its own streams)."""
+
+    def __init__(self) -> None:
+        self._by_decoder: dict[str, set[Callable[[], None]]] = {}
+
+    @contextmanager
+    def track(self, decoder: str, move: Callable[[], None]) -> Iterator[None]:
+        """Register ``move`` (ends the stream's current leg as lost, planned) for ``decoder`` while the block
+        runs."""
+        moves = self._by_decoder.setdefault(decoder, set())
+        moves.add(move)
+        try:
+            yield
+        finally:
+            moves.discard(move)
+            if not moves:
+                self._by_decoder.pop(decoder, None)
+
+    def migrate(self, decoder: str) -> int:
+        """Move every live stream of ``decoder`` to other decoders; returns how many were asked to move."""
+        moves = list(self._by_decoder.get(decoder, ()))
+        for move in moves:
+            move()
+        return len(moves)
+
+    def count(self, decoder: str) -> int:
+        """Live continuable streams on ``decoder``."""
+        return len(self._by_decoder.get(decoder, ()))
+
+
+def eligible(req: ProxyRequest, enabled: bool) -> bool:
+    """Whether a stream of ``req`` is continued should its decoder be lost: chat or text completions, streamed,
+    one sequence, no structured output, stop strings, echo, logprobs or beam search, and ``continuous_usage``
+    off; ``enabled`` is the ``stream_continuation`` setting."""
+    if not enabled or not req.stream or req.sequences != 1:
+        return False
+    if req.decoder_prefills or req.engine_judges or req.continuous_usage:
+        return False
+    body = req.body
+    if req.api is Api.RESPONSES:
+        fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+        return (not any(_present(body.get(k)) for k in _INELIGIBLE_RESPONSES)
+                and (fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text")))
+    if req.api is Api.MESSAGES:
+        return not any(_present(body.get(k)) for k in _INELIGIBLE_MESSAGES)
+    return not any(_present(body.get(k)) for k in _INELIGIBLE)
+
+
+def _present(value: Any) -> bool:
+    """Whether a request field is set: not absent, null, false, an empty list or an empty string (0 is set)."""
+    return value is not None and value is not False and value != [] and value != ""
+
+
+def ask_token_ids(body: bytes) -> bytes:
+    """Decode-leg body bytes with ``return_token_ids: true`` appended as the object's last member (vLLM keeps the
+    last duplicate key)."""
+    end = body.rstrip().rfind(b"}")
+    return body[:end].rstrip() + b',"return_token_ids":true}'
+
+
+@dataclass
+class EventState:
+    """What a Responses / Messages client has been sent (read from its events on loss, then kept by
+    :class:`Reframe`): the opening object (``response`` of ``response.created`` / ``message`` of
+    ``message_start``), the text item's ids and indices, the last ``sequence_number``, the prompt's
+    ``input_tokens`` (Messages), and ``closing``: an event that closes the text was already sent."""
+
+    opening: dict[str, Any] = field(default_factory=dict)
+    item_id: str = ""
+    output_index: int = 0
+    content_index: int = 0
+    sequence: int = -1
+    input_tokens: int | None = None
+    closing: bool = False
+
+
+@dataclass
+class Resume:
+    """The state of one continuable client stream across its legs.
+
+    ``req``: the client's request; ``keep_ids``: the client asked for ``return_token_ids`` (ids not stripped);
+    ``blocks``: the first leg's relayed blocks, unparsed; ``prompt_ids`` / ``generated``: token ids read from
+    them on loss (and from every continuation chunk); ``delivered``: tokens sent before the ids are known (a
+    Responses / Messages first leg: one per text delta event); ``text``: the text sent (Responses / Messages);
+    ``head``: the first chunk's ``id``/``created``/``model``; ``events``: Responses / Messages state;
+    ``lost``: decoders lost so far; ``legs``: decode legs run (1 = the original); ``finish``: a finish reason
+    was delivered (``finish_reason``: a continuation's); ``unsafe``: a tool call or reasoning was streamed (a continuation would mis-parse it);
+    ``cached_tokens``: the original prefill's prefix-cache hits for usage."""
+
+    req: ProxyRequest
+    keep_ids: bool
+    blocks: list[bytes] = field(default_factory=list)
+    prompt_ids: list[int] | None = None
+    generated: list[int] = field(default_factory=list)
+    delivered: int = 0
+    text: list[str] = field(default_factory=list)
+    head: dict[str, Any] = field(default_factory=dict)
+    events: EventState = field(default_factory=EventState)
+    lost: list[Endpoint] = field(default_factory=list)
+    legs: int = 1
+    finish: bool = False
+    finish_reason: str | None = None
+    unsafe: bool = False
+    cached_tokens: int | None = None
+
+    @classmethod
+    def of(cls, req: ProxyRequest, enabled: bool) -> Resume | None:
+        """The state for ``req`` when it is :func:`eligible`, else None."""
+        if not eligible(req, enabled):
+            return None
+        return cls(req, keep_ids=req.body.get("return_token_ids") is True)
+
+    @property
+    def openai(self) -> bool:
+        """The client speaks chat or text completions (token ids in its own stream)."""
+        return self.req.api in (Api.CHAT, Api.COMPLETIONS)
+
+    @property
+    def tokens(self) -> int:
+        """Completion tokens delivered so far."""
+        return self.delivered + len(self.generated)
+
+    # --- the rare path: read what was delivered ---------------------------------------------------------------
+    def read_transcript(self) -> None:
+        """Parse the first leg's blocks into the state above."""
+        blocks, self.blocks = self.blocks, []
+        for block in blocks:
+            for event in sse.split_events(block):
+                obj = _event_obj(event)
+                if obj is None:
+                    continue
+                if self.openai:
+                    self.observe(obj)
+                else:
+                    self.observe_event(api_streams.event_name(event).decode(), obj)
+
+    def observe(self, obj: dict[str, Any]) -> None:
+        """Account one chat / completions chunk (the first leg, or a continuation leg)."""
+        if not self.head and "id" in obj:
+            self.head = {k: obj[k] for k in ("id", "created", "model") if k in obj}
+        ids = obj.get("prompt_token_ids")
+        choices = obj.get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else None
+        if choice is not None and ids is None:
+            ids = choice.get("prompt_token_ids")
+        if self.prompt_ids is None and isinstance(ids, list):
+            self.prompt_ids = [int(i) for i in ids]
+        if choice is None:
+            return
+        out = choice.get("token_ids")
+        if isinstance(out, list):
+            self.generated.extend(int(i) for i in out)
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and (delta.get("tool_calls") or delta.get("reasoning")
+                                        or delta.get("reasoning_content")):
+            self.unsafe = True
+        if choice.get("finish_reason") is not None:
+            self.finish = True
+
+    def observe_event(self, name: str, obj: dict[str, Any]) -> None:
+        """Account one Responses / Messages event of the first leg."""
+        st = self.events
+        if isinstance(obj.get("sequence_number"), int):
+            st.sequence = max(st.sequence, obj["sequence_number"])
+        if name in ("response.created", "message_start"):
+            opening = obj.get("response") if name == "response.created" else obj.get("message")
+            st.opening = dict(opening) if isinstance(opening, dict) else {}
+            usage = st.opening.get("usage")
+            if name == "message_start" and isinstance(usage, dict) and isinstance(usage.get("input_tokens"), int):
+                st.input_tokens = usage["input_tokens"]
+        elif name == "response.output_item.added":
+            item = obj.get("item") or {}
+            if item.get("type") != "message":
+                self.unsafe = True
+            st.item_id = str(item.get("id") or "")
+            st.output_index = int(obj.get("output_index") or 0)
+        elif name == "response.content_part.added":
+            st.content_index = int(obj.get("content_index") or 0)
+        elif name == "content_block_start":
+            if (obj.get("content_block") or {}).get("type") != "text":
+                self.unsafe = True
+            st.content_index = int(obj.get("index") or 0)
+        elif name == "response.output_text.delta":
+            self.text.append(str(obj.get("delta") or ""))
+            self.delivered += 1
+        elif name == "content_block_delta":
+            delta = obj.get("delta") or {}
+            if delta.get("type") != "text_delta":
+                self.unsafe = True
+            self.text.append(str(delta.get("text") or ""))
+            self.delivered += 1
+        elif name in ("response.output_text.done", "content_block_stop", "message_delta"):
+            st.closing = True
+        elif name not in ("response.in_progress", "response.content_part.added", "ping"):
+            self.unsafe = True      # function calls, reasoning, anything this module does not re-frame
+
+    def refusal(self, max_legs: int) -> str | None:
+        """Why this stream cannot be continued (None: it can)."""
+        if self.unsafe:
+            return "a tool call or reasoning block was in flight"
+        if self.events.closing and not self.openai:
+            return "it was lost while closing the response"
+        if self.openai and self.prompt_ids is None:
+            return "the decoder sent no prompt token ids"
+        if self.legs > max_legs:
+            return f"it was already continued {max_legs} times"
+        return None
+
+    def next_leg(self) -> ProxyRequest | None:
+        """The continuation request, or None when nothing is left to generate (the budget is spent or a finish
+        reason was delivered: the stream only needs its end).  With the prompt's ids known it is
+        ``/v1/completions`` with the token-id ``prompt`` = prompt ids + delivered ids; for a Responses / Messages
+        first leg (vLLM sends no ids there) it is ``/v1/chat/completions`` on the chat the request renders
+        (:mod:`pdproxy.apis.fields`) with the delivered text as the final assistant message
+        (``continue_final_message``), asking ``return_token_ids`` so that later legs are token-exact."""
+        body = self.req.body
+        sent = self.tokens
+        limit = self.req.max_output_tokens
+        if self.finish or (limit is not None and limit - sent < 1):
+            return None
+        cont: dict[str, Any] = {k: body[k] for k in _SAMPLING if k in body}
+        cont.update({"model": body.get("model") or self.head.get("model"),
+                     "max_tokens": None if limit is None else limit - sent, "stream": True,
+                     "stream_options": {"include_usage": True}, "return_token_ids": True})
+        for key in ("min_tokens", "min_completion_tokens"):
+            if isinstance(body.get(key), int):
+                cont["min_tokens"] = max(0, body[key] - sent)
+        self.legs += 1
+        if self.prompt_ids is not None:
+            cont["prompt"] = self.prompt_ids + self.generated
+            leg = parse_request(orjson.dumps(cont), Api.COMPLETIONS)
+            leg.prompt_tokens = len(cont["prompt"])
+            return leg
+        chat = fields.responses_chat(body) if self.req.api is Api.RESPONSES else fields.messages_chat(body)
+        messages = [*chat["messages"], {"role": "assistant", "content": "".join(self.text)}]
+        cont.update({"messages": messages, "continue_final_message": True, "add_generation_prompt": False})
+        if chat.get("tools"):
+            cont["tools"] = chat["tools"]
+        leg = parse_request(orjson.dumps(cont), Api.CHAT)
+        leg.prompt_tokens = (self.req.prompt_tokens or 0) + sent
+        return leg
+
+    def prompt_tokens(self) -> int:
+        """The client's original prompt tokens."""
+        if self.events.input_tokens is not None:
+            return self.events.input_tokens
+        if self.openai and self.prompt_ids is not None:
+            return len(self.prompt_ids)
+        return self.req.prompt_tokens or 0
+
+    def usage(self) -> dict[str, Any]:
+        """The client's chat / completions usage: the original prompt, every delivered token (the re-prefill never
+        counts)."""
+        prompt = self.prompt_tokens()
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + self.tokens,
+                                 "completion_tokens": self.tokens}
+        if self.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
+
+    def ending(self, include_usage: bool) -> bytes:
+        """The end of a chat / completions stream whose last content was delivered before the loss: usage (if
+        asked) and ``[DONE]``."""
+        tail = b""
+        if include_usage:
+            kind = "chat.completion.chunk" if self.req.api is Api.CHAT else "text_completion"
+            tail = sse.data_event(orjson.dumps({**self.head, "object": kind, "choices": [], "usage": self.usage()}))
+        return tail + sse.DONE_EVENT
+
+
+def _event_obj(event: bytes) -> dict[str, Any] | None:
+    data = sse.event_data(event)
+    if data is None or data == b"[DONE]":
+        return None
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+class RecordIds:
+    """The first leg's transform (every block): keep the block for :meth:`Resume.read_transcript`, strip the ids
+    unless the client asked for them (chat / completions), then run ``then`` (the stream's own transform: chat
+    usage, or the Responses / Messages stream) on blocks holding its trigger.  The decoder's in-band error event
+    ends the leg for the client (``lost`` set; the relay then raises :class:`StreamLost`)."""
+
+    __slots__ = ("blocks", "error", "keep", "lost", "then", "then_trigger")
+    trigger = b""
+
+    def __init__(self, resume: Resume, then: Transform) -> None:
+        self.blocks = resume.blocks
+        self.keep = resume.keep_ids or not resume.openai
+        self.error = _ERROR_EVENT if resume.openai else api_streams.ERROR_EVENT
+        self.lost = False
+        self.then = then
+        self.then_trigger: bytes = then.trigger
+
+    @property
+    def recomputed(self) -> bool:
+        """True once the client's part of this leg is over (the relay's transform contract)."""
+        return self.lost or bool(self.then.recomputed)
+
+    def feed(self, block: bytes, prev: bytes = b"") -> bytes:
+        """The block for the client (see class docstring)."""
+        if self.lost:
+            return b""
+        if block.find(self.error) >= 0:
+            kept = []
+            for event in sse.split_events(block):
+                if event.startswith(self.error):
+                    self.lost = True
+                    break
+                kept.append(event)
+            block = b"".join(kept)
+            if not block:
+                return b""
+        self.blocks.append(block)
+        if not self.keep:
+            block = _IDS_RE.sub(_NULL_IDS, block)
+        if block.find(self.then_trigger) >= 0:
+            block = self.then.feed(block, prev)
+        return block
+
+    def ending(self, block: bytes, prev: bytes) -> bytes:
+        """The stream's last block, through the stream's own transform's ending hook."""
+        return self.then.ending(block, prev)
+
+
+class Reframe:
+    """A continuation leg's transform (every block; parses each event — the rare path): completions or chat
+    chunks in, the client's events out (see the module docstring); the decoder's in-band error event ends the
+    leg for the client (``recomputed``).  ``out``: the client's responder (a Responses stream's last
+    ``sequence_number`` and its end are noted on it)."""
+
+    __slots__ = ("api", "ctx", "out", "recomputed", "resume")
+    trigger = b""
+
+    def __init__(self, resume: Resume, ctx: RequestContext, out: Responder) -> None:
+        self.resume = resume
+        self.ctx = ctx
+        self.out = out
+        self.api = resume.req.api
+        self.recomputed = False
+
+    def feed(self, block: bytes, prev: bytes = b"") -> bytes:
+        """The client's events for ``block``."""
+        out: list[bytes] = []
+        for event in sse.split_events(block):
+            if self.recomputed:
+                break
+            if event.startswith(_ERROR_EVENT):
+                self.recomputed = True
+                break
+            if sse.event_data(event) == b"[DONE]":
+                out.append(self.closing())
+                continue
+            obj = _event_obj(event)
+            if obj is not None:
+                out.append(self.chunk(obj))
+        if isinstance(self.out.api_stream, api_streams.ResponsesStream):
+            self.out.api_stream.sequence = self.resume.events.sequence
+        return b"".join(out)
+
+    def ending(self, block: bytes, prev: bytes) -> bytes:
+        """The stream's last block, as :meth:`feed` left it."""
+        return block
+
+    def chunk(self, obj: dict[str, Any]) -> bytes:
+        """One continuation chunk as the client's events (may be empty)."""
+        r = self.resume
+        if r.prompt_ids is None and isinstance(obj.get("prompt_token_ids"), list):
+            r.prompt_ids = [int(i) for i in obj["prompt_token_ids"]]   # a chat leg: its prompt holds the text
+            if r.events.input_tokens is None:                          # Responses: the prompt without it
+                r.events.input_tokens = max(0, len(r.prompt_ids) - r.delivered)
+        choices = obj.get("choices")
+        if not choices:
+            return b""
+        src = choices[0]
+        ids = src.get("token_ids")
+        if isinstance(ids, list):
+            r.generated.extend(int(i) for i in ids)
+        self.ctx.completion_tokens = r.tokens
+        delta = src.get("delta")
+        text = src.get("text") or (delta.get("content") if isinstance(delta, dict) else None) or ""
+        finish = src.get("finish_reason")
+        if finish is not None:
+            r.finish = True
+            r.finish_reason = str(finish)
+        if not text and finish is None and not (r.keep_ids and ids):
+            return b""
+        if self.api is Api.RESPONSES:
+            return self._responses_delta(text)
+        if self.api is Api.MESSAGES:
+            return self._messages_delta(text)
+        shown = ids if r.keep_ids else None
+        choice: dict[str, Any]
+        if self.api is Api.CHAT:
+            choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
+                      "finish_reason": finish}
+            if finish is not None:
+                choice["stop_reason"] = src.get("stop_reason")
+            choice["token_ids"] = shown
+            kind = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+                      "stop_reason": src.get("stop_reason"), "prompt_token_ids": None, "token_ids": shown}
+            kind = "text_completion"
+        return sse.data_event(orjson.dumps({**r.head, "object": kind, "choices": [choice]}))
+
+    def _responses_delta(self, text: str) -> bytes:
+        if not text:
+            return b""
+        r = self.resume
+        r.text.append(text)
+        st = r.events
+        st.sequence += 1
+        return api_streams.named_event(b"response.output_text.delta", {
+            "content_index": st.content_index, "delta": text, "item_id": st.item_id, "logprobs": [],
+            "output_index": st.output_index, "sequence_number": st.sequence, "type": "response.output_text.delta"})
+
+    def _messages_delta(self, text: str) -> bytes:
+        if not text:
+            return b""
+        self.resume.text.append(text)
+        return api_streams.named_event(b"content_block_delta", {
+            "type": "content_block_delta", "delta": {"type": "text_delta", "text": text},
+            "index": self.resume.events.content_index})
+
+    def closing(self) -> bytes:
+        """The client's end of stream (:func:`closing`)."""
+        return closing(self.resume, self.out)
+
+
+def closing(r: Resume, out: Responder) -> bytes:
+    """The client's end of stream: usage (if asked) + ``[DONE]`` (chat / completions); the text item's done
+    events and ``response.completed`` (Responses); ``content_block_stop``, ``message_delta`` and
+    ``message_stop`` (Messages)."""
+    if r.openai:
+        return r.ending(r.req.include_usage)   # the splice marks [DONE] sent when it writes it
+    out.done_sent = True
+    length = r.finish_reason == "length"
+    text = "".join(r.text)
+    st = r.events
+    if r.req.api is Api.MESSAGES:
+        tally: dict[str, Any] = {"input_tokens": r.prompt_tokens(), "output_tokens": r.tokens,
+                                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+        api_streams.patch_messages_usage(tally, r.cached_tokens)
+        return (api_streams.named_event(b"content_block_stop", {"type": "content_block_stop",
+                                                                "index": st.content_index})
+                + api_streams.named_event(b"message_delta", {
+                    "type": "message_delta", "delta": {"stop_reason": "max_tokens" if length else "end_turn",
+                                                       "stop_sequence": None}, "usage": tally})
+                + api_streams.named_event(b"message_stop", {"type": "message_stop"}))
+    part: dict[str, Any] = {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
+    item = {"id": st.item_id, "content": [part], "role": "assistant", "status": "completed", "type": "message"}
+    events = []
+    for name, payload in ((b"response.output_text.done", {"content_index": st.content_index,
+                                                           "item_id": st.item_id, "logprobs": [],
+                                                           "output_index": st.output_index, "text": text}),
+                          (b"response.content_part.done", {"content_index": st.content_index,
+                                                            "item_id": st.item_id,
+                                                            "output_index": st.output_index, "part": part}),
+                          (b"response.output_item.done", {"item": item, "output_index": st.output_index})):
+        st.sequence += 1
+        events.append(api_streams.named_event(name, {**payload, "sequence_number": st.sequence,
+                                                     "type": name.decode()}))
+    prompt = r.prompt_tokens()
+    usage: dict[str, Any] = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": r.cached_tokens or 0},
+             "output_tokens": r.tokens, "output_tokens_details": {"reasoning_tokens": 0},
+             "total_tokens": prompt + r.tokens}
+    response = {**st.opening, "output": [item], "usage": usage,
+                "status": "incomplete" if length else "completed",
+                "incomplete_details": {"reason": "max_output_tokens"} if length else None}
+    st.sequence += 1
+    events.append(api_streams.named_event(b"response.completed", {
+        "response": response, "sequence_number": st.sequence, "type": "response.completed"}))
+    if isinstance(out.api_stream, api_streams.ResponsesStream):
+        out.api_stream.sequence = st.sequence
+    return b"".join(events)

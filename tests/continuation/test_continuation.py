@@ -1,0 +1,183 @@
+"""Streams survive a decoder (docs/stream-continuation.md): a chat or text completions stream cut after its first
+event (reset, end of body without ``[DONE]``, vLLM's in-band error event, a silence far above its inter-token
+time) continues on another P→D pair, and the client's stream is the
+uninterrupted one — same text, one role chunk, one id, usage of the original prompt and every delivered token."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from tests.reliability.harness import Fleet4, Result, run
+
+pytestmark = pytest.mark.timeout(60)
+
+MAX = 24
+CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "Tell me about continuation."}],
+        "max_tokens": MAX, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+COMPLETIONS = {"model": "sim-model", "prompt": "Once upon a time in a data center", "max_tokens": MAX,
+               "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+ON = {"stream_continuation": True, "stream_continuation_max": 3, "stream_continuation_stall_min_s": 0.3}
+
+
+def one(url: str, body: dict[str, Any], path: str) -> Result:
+    return run(url, body, n=1, concurrency=1, path=path)[0]
+
+
+def roles(r: Result) -> int:
+    return sum(1 for e in r.events for c in e.get("choices") or [] if "role" in (c.get("delta") or {}))
+
+
+def usage(r: Result) -> dict[str, Any]:
+    found = [e["usage"] for e in r.events if e.get("usage")]
+    assert len(found) == 1, found
+    return dict(found[0])
+
+
+@pytest.mark.parametrize(("path", "body", "kind"), [
+    ("/v1/chat/completions", CHAT, "reset_after_events"), ("/v1/chat/completions", CHAT, "close_without_done"),
+    ("/v1/chat/completions", CHAT, "error_after_events"), ("/v1/chat/completions", CHAT, "stall_after_events"),
+    ("/v1/completions", COMPLETIONS, "reset_after_events"), ("/v1/completions", COMPLETIONS, "stall_after_events"),
+], ids=["chat-reset", "chat-eof", "chat-error-event", "chat-stall", "completions-reset", "completions-stall"])
+def test_cut_stream_continues_token_exact(fleet5: Fleet4, kind: str, path: str, body: dict[str, Any]) -> None:
+    """Every decoder cuts its first stream after 5 events; the client's stream still equals the uninterrupted
+    run (text, finish, usage), with one id and one role chunk, and the continuation legs carry the token ids."""
+    proxy = fleet5.proxy(**ON)
+    try:
+        base = one(proxy.url, body, path)
+        assert base.status == 200 and not base.errors and base.done == 1
+        for sim in fleet5.decoders:
+            sim.faults({"kind": kind, "events": 5, "times": 1})
+        cut = one(proxy.url, body, path)
+        assert cut.status == 200 and not cut.errors, cut.body[-400:]
+        assert cut.done == 1
+        assert cut.text == base.text and len(cut.text.split()) == MAX
+        assert roles(cut) == roles(base) == (1 if "chat" in path else 0)
+        assert len({e["id"] for e in cut.events}) == 1
+        assert usage(cut)["completion_tokens"] == MAX
+        assert usage(cut)["prompt_tokens"] == usage(base)["prompt_tokens"]
+        assert [c["finish_reason"] for e in cut.events for c in e["choices"] if c.get("finish_reason")] == ["length"]
+        assert all(c.get("token_ids") is None and c.get("prompt_token_ids") is None and e.get("prompt_token_ids")
+                   is None for e in cut.events for c in e["choices"])  # the ids were for the proxy only
+        legs = [r["body"] for s in fleet5.decoders for r in s.received()
+                if r["path"] == "/v1/completions" and isinstance(r["body"].get("prompt"), list)]
+        assert legs, "no continuation leg reached a decoder"
+        assert all(b["return_token_ids"] is True and b["max_tokens"] < MAX for b in legs)
+        fleet5.assert_clean(proxy)
+    finally:
+        proxy.stop()
+
+
+def test_off_or_ineligible_gets_the_error_event(fleet5: Fleet4) -> None:
+    """With continuation off, and for an ineligible stream (stop strings) with it on, a cut stream ends with the
+    typed error event + [DONE] as before, and no continuation leg is sent."""
+    for settings, body in (({}, CHAT), (ON, {**CHAT, "stop": ["never-said"]})):
+        proxy = fleet5.proxy(**settings)
+        try:
+            fleet5.reset()
+            for sim in fleet5.decoders:
+                sim.faults({"kind": "reset_after_events", "events": 5, "times": 1})
+            cut = one(proxy.url, body, "/v1/chat/completions")
+            assert cut.status == 200 and len(cut.errors) == 1 and cut.done == 1
+            assert not any(isinstance(r["body"].get("prompt"), list) for s in fleet5.decoders for r in s.received())
+            fleet5.assert_clean(proxy)
+        finally:
+            proxy.stop()
+
+
+RESPONSES = {"model": "sim-model", "input": "Tell me about continuation.", "max_output_tokens": MAX,
+             "temperature": 0, "stream": True}
+MESSAGES = {"model": "sim-model", "messages": [{"role": "user", "content": "Tell me about continuation."}],
+            "max_tokens": MAX, "temperature": 0, "stream": True}
+
+
+def named_events(body: bytes) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for raw in body.split(b"\n\n"):
+        lines = raw.strip().split(b"\n")
+        if len(lines) == 2 and lines[0].startswith(b"event: ") and lines[1].startswith(b"data: "):
+            out.append((lines[0][7:].decode(), orjson.loads(lines[1][6:])))
+    return out
+
+
+def responses_view(body: bytes) -> tuple[str, list[int], dict[str, Any], list[str]]:
+    """(delta text, sequence numbers, the completed response, event names)."""
+    events = named_events(body)
+    text = "".join(e["delta"] for n, e in events if n == "response.output_text.delta")
+    done = [e["response"] for n, e in events if n == "response.completed"]
+    return text, [e["sequence_number"] for _, e in events], done[0] if done else {}, [n for n, _ in events]
+
+
+def messages_view(body: bytes) -> tuple[str, list[str], dict[str, Any]]:
+    """(delta text, event names, the message_delta event)."""
+    events = named_events(body)
+    text = "".join(e["delta"]["text"] for n, e in events if n == "content_block_delta")
+    final = [e for n, e in events if n == "message_delta"]
+    return text, [n for n, _ in events], final[0] if final else {}
+
+
+@pytest.mark.parametrize("kind", ["reset_after_events", "error_after_events"])
+def test_responses_and_messages_streams_continue(fleet5: Fleet4, kind: str) -> None:
+    """A Responses and a Messages stream cut mid-text continue (text continuation on the chat the request
+    renders, ids from then on): same text and end as the uninterrupted run, one ``response.created`` /
+    ``message_start``, ``sequence_number`` 0, 1, 2, … without a gap, output tokens = the tokens delivered."""
+    proxy = fleet5.proxy(**ON)
+    try:
+        base_r = one(proxy.url, RESPONSES, "/v1/responses")
+        base_m = one(proxy.url, MESSAGES, "/v1/messages")
+        cut, legs = {}, []
+        for path, body in (("/v1/responses", RESPONSES), ("/v1/messages", MESSAGES)):
+            for sim in fleet5.decoders:
+                sim.reset()
+                sim.faults({"kind": kind, "events": 6, "times": 1})
+            cut[path] = one(proxy.url, body, path)
+            legs += [r["body"] for s in fleet5.decoders for r in s.received()
+                     if r["body"].get("continue_final_message")]
+        cut_r, cut_m = cut["/v1/responses"], cut["/v1/messages"]
+
+        text, seqs, done, names = responses_view(cut_r.body)
+        b_text, _, b_done, _ = responses_view(base_r.body)
+        assert cut_r.status == 200 and "error" not in names, cut_r.body[-600:]
+        assert text == b_text and len(b_text.split()) == MAX
+        assert seqs == list(range(len(seqs))) and names.count("response.created") == 1
+        assert names[-1] == "response.completed" and done["status"] == b_done["status"]
+        assert done["output"][0]["content"][0]["text"] == b_text
+        assert done["usage"]["output_tokens"] == MAX
+        # Responses streams carry no prompt count: the continuation's prompt less the delivered tokens, off by what
+        # re-tokenizing the delivered text changes (the sim's words are 1-2 tokens of its tokenizer)
+        assert 0 <= done["usage"]["input_tokens"] - b_done["usage"]["input_tokens"] <= 6
+
+        text, names, final = messages_view(cut_m.body)
+        b_text, _, b_final = messages_view(base_m.body)
+        assert cut_m.status == 200 and "error" not in names, cut_m.body[-600:]
+        assert text == b_text and names.count("message_start") == 1 and names[-1] == "message_stop"
+        assert final["delta"] == b_final["delta"] and final["usage"]["output_tokens"] == MAX
+        assert final["usage"]["input_tokens"] == b_final["usage"]["input_tokens"]
+        assert len(legs) >= 2 and all(b["messages"][-1]["role"] == "assistant" for b in legs)
+        fleet5.assert_clean(proxy)
+    finally:
+        proxy.stop()
+
+
+def test_client_that_asked_for_token_ids_keeps_them(fleet5: Fleet4) -> None:
+    """A client that asked for ``return_token_ids`` gets the prompt ids once and every delta's ids, across the
+    cut: the same ids as the uninterrupted run."""
+    body = {**CHAT, "return_token_ids": True}
+    proxy = fleet5.proxy(**ON)
+    try:
+        base = one(proxy.url, body, "/v1/chat/completions")
+        for sim in fleet5.decoders:
+            sim.faults({"kind": "reset_after_events", "events": 5, "times": 1})
+        cut = one(proxy.url, body, "/v1/chat/completions")
+        assert cut.status == 200 and not cut.errors and cut.text == base.text
+
+        def ids(r: Result) -> tuple[list[list[int]], list[int]]:
+            prompts = [e["prompt_token_ids"] for e in r.events if e.get("prompt_token_ids")]
+            return prompts, [i for e in r.events for c in e["choices"] for i in c.get("token_ids") or []]
+
+        assert ids(cut) == ids(base) and len(ids(base)[1]) == MAX and len(ids(base)[0]) == 1
+        fleet5.assert_clean(proxy)
+    finally:
+        proxy.stop()
