@@ -32,7 +32,6 @@ def test_drain_with_migrate_moves_live_streams(fleet5: Fleet4) -> None:
         victim = fleet5.decoders[0]
         name = next(e.name for e in proxy.state.pool.endpoints() if e.url == victim.url)
         wait_until(lambda: proxy.state.live_streams.count(name) >= 3, 20, 0.005, "live streams on the victim")
-        before = len(victim.received())
         answer = httpx.post(proxy.url + "/admin/endpoints/drain", headers={"authorization": "Bearer k"},
                             json={"url": victim.url, "role": "decode", "migrate": True}, timeout=10).json()
         assert answer["migrated"] >= 3
@@ -43,7 +42,11 @@ def test_drain_with_migrate_moves_live_streams(fleet5: Fleet4) -> None:
         assert all(r.text == base.text for r in results)
         usage: list[dict[str, Any]] = [e["usage"] for r in results for e in r.events if e.get("usage")]
         assert len(usage) == 24 and all(u["completion_tokens"] == LONG for u in usage)
-        assert len(victim.received()) == before      # drained: no new leg, continuations went elsewhere
+        # drained: every continuation (a token-id prompt on /v1/completions) went to another decoder; a first leg
+        # picked just before the drain may still reach the victim, so only continuation legs are counted
+        continued = [r for s in fleet5.decoders for r in s.received() if isinstance(r["body"].get("prompt"), list)]
+        assert len(continued) >= answer["migrated"]
+        assert not [r for r in victim.received() if isinstance(r["body"].get("prompt"), list)]
         snap = proxy.state.health.snapshot(next(e for e in proxy.state.pool.endpoints() if e.url == victim.url))
         assert snap["breaker"] == "closed"           # planned: no verdict against the decoder
         fleet5.assert_clean(proxy)
