@@ -687,14 +687,33 @@ class ServerProtocol(asyncio.Protocol):
 
     def _run_completion(self, ex: Exchange) -> None:
         assert ex.api is not None
-        self._spawn(self.proxy.handle_completion(ex.api, ex))
+        task = self._spawn(self.proxy.handle_completion(ex.api, ex))
+        task.add_done_callback(functools.partial(self._completion_done, ex))
 
-    def _spawn(self, coro: Any) -> None:
+    def _completion_done(self, ex: Exchange, task: asyncio.Task[None]) -> None:
+        """A completion handler that raised (it answers every error itself, so this is a defect) must not hold
+        the connection: log it, answer 500 and close (or cut a response under way)."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            return
+        log.error("%s %s: the request handler raised", ex.method, ex.path, exc_info=exc)
+        if ex.finished or self.transport is None or ex is not self.current:
+            return
+        if ex.started:
+            self.refused = True
+            ex.abort()
+        else:
+            self._refuse(500, "internal error while handling the request")
+
+    def _spawn(self, coro: Any) -> asyncio.Task[None]:
         task = self.loop.create_task(coro)
         tasks = getattr(self.server_state, "tasks", None)
         if tasks is not None:
             tasks.add(task)
             task.add_done_callback(tasks.discard)
+        return task
 
     def response_done(self, ex: Exchange) -> None:
         """``ex``'s response was fully written: close, or start the next pipelined request, or wait idle."""

@@ -194,3 +194,15 @@ def test_a_connection_refused_at_the_cap_is_not_left_open(sims: Fleet) -> None:
         assert data.startswith(b"HTTP/1.1 503 ")
         s.close()
         held.close()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_a_request_whose_handler_raises_is_answered_and_closed(edge: ProxyThread, path: str) -> None:
+    """A body nested 1,100 deep once made the completion handler raise (RecursionError) and the connection was
+    held forever; whatever a handler raises, the server answers in the error shape and closes."""
+    deep = b'{"model": "sim-model", "messages": ' + b"[" * 1100 + b"]" * 1100 + b"}"
+    c = RawConn(edge.port)
+    c.send(post(path, deep))
+    m = c.read_messages(1, timeout_s=20)[0]
+    assert m.status in (400, 500), m
+    assert orjson.loads(m.body)["error"]["code"] == m.status or m.body.startswith(b"Internal")
