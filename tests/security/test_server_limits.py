@@ -46,10 +46,19 @@ def send_unterminated(c: RawConn, n: int) -> None:
             c.sock.sendall(b"a" * 1024)
 
 
-@pytest.fixture
-def edge(sims: Fleet) -> Iterator[ProxyThread]:
-    with edge_proxy(sims, request_headers_timeout_s=0.5, request_body_timeout_s=0.5) as p:
+@pytest.fixture(scope="module")
+def timed_edge(fleet: Fleet) -> Iterator[ProxyThread]:
+    with edge_proxy(fleet, request_headers_timeout_s=0.5, request_body_timeout_s=0.5) as p:
         yield p
+
+
+@pytest.fixture
+def edge(timed_edge: ProxyThread) -> Iterator[ProxyThread]:
+    """The module's proxy with 0.5 s head and body timeouts; after each test its load counters are back to zero
+    and it holds no connection."""
+    yield timed_edge
+    timed_edge.wait_idle()
+    wait_until(lambda: not timed_edge.server.server_state.connections, 10, 0.02, "connections released")
 
 
 def test_a_header_line_that_never_ends_gets_431_once_the_head_limit_is_passed(edge: ProxyThread,
