@@ -171,16 +171,18 @@ def deep_json(depth: int = 1100) -> bytes:
 
 
 def redos_multipart(size: int = 60_000) -> bytes:
-    line = b'Content-Disposition: form-data; name="model"\r\n'
-    return b"--b\r\n" + line * (size // len(line))
+    line = b'name="model"\r\n'
+    return b"--b\r\nContent-Disposition: form-data; " + line * (size // len(line))
 
 
 # --- the normal client (its own process) ----------------------------------------------------------------------
 async def normal_client(url: str, clients: int, duration: float) -> dict[str, Any]:
     """``clients`` loops of streamed chat completions for ``duration`` s: TTFT (first content event) per request."""
     ttfts: list[float] = []
+    slowest: list[tuple[float, float]] = []  # (seconds into the run the request started, its TTFT)
     outcomes: Counter[str] = Counter()
-    stop = time.monotonic() + duration
+    begin = time.monotonic()
+    stop = begin + duration
 
     async def one(client: httpx.AsyncClient) -> None:
         while time.monotonic() < stop:
@@ -196,6 +198,7 @@ async def normal_client(url: str, clients: int, duration: float) -> dict[str, An
                 outcomes["ok" if r.status_code == 200 and done and first is not None else f"http_{r.status_code}"] += 1
                 if first is not None:
                     ttfts.append(first)
+                    slowest.append((round(start - begin, 2), round(first, 3)))
             except httpx.HTTPError as exc:
                 outcomes[type(exc).__name__] += 1
 
@@ -208,7 +211,8 @@ async def normal_client(url: str, clients: int, duration: float) -> dict[str, An
 
     return {"requests": sum(outcomes.values()), "ok": outcomes["ok"], "outcomes": dict(outcomes),
             "ttft_p50_s": q(0.5), "ttft_p99_s": q(0.99), "ttft_max_s": ttfts[-1] if ttfts else None,
-            "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None}
+            "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
+            "slowest": sorted(slowest, key=lambda x: -x[1])[:5]}
 
 
 # --- the run ---------------------------------------------------------------------------------------------------
@@ -302,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"normal client: {client['ok']}/{client['requests']} streams ok, TTFT p50 "
           f"{client['ttft_p50_s'] or float('nan'):.3f} s, p99 {p99 or float('nan'):.3f} s (target < 1 s: "
           f"{'met' if p99 is not None and p99 < 1 and client['ok'] == client['requests'] else 'NOT met'})")
+    print(f"  slowest (s into the client's run, TTFT s): {client['slowest']}")
     print(f"pdproxy RSS: {baseline / mib:.0f} MiB before, peak {attacked['peak_rss_bytes'] / mib:.0f} MiB "
           f"(bound {RSS_BOUND / mib:.0f} MiB: {'held' if attacked['peak_rss_bytes'] < RSS_BOUND else 'EXCEEDED'})")
     for name, t in attacked["attacks"].items():
