@@ -7,7 +7,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install fast-test real-vllm-test bench bench-pinned prefix-bench clean
+.PHONY: demo test install fast-test real-vllm-test bench bench-pinned prefix-bench fuzz attack-bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,16 @@ bench-pinned: $(VENV)/.installed-bench
 
 prefix-bench: $(VENV)/.installed-bench
 	$(BIN)/python -m loadtest.prefix_bench --json loadtest/results/prefix.json
+
+# the HTTP server fuzzer, long (tests/security/test_server_fuzz.py; `make test` runs 200 inputs): FUZZ_EXAMPLES=N
+FUZZ_EXAMPLES ?= 20000
+fuzz: $(VENV)/.installed-test
+	PDPROXY_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q -p no:randomly --timeout 0 \
+		--hypothesis-show-statistics tests/security/test_server_fuzz.py
+
+# a mixed attack on pdproxy (slow heads, endless header lines, deep JSON, ReDoS multipart) while a client streams
+attack-bench: $(VENV)/.installed-bench
+	$(BIN)/python -m loadtest.attack_bench
 
 clean:
 	rm -rf $(VENV)

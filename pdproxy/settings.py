@@ -154,6 +154,18 @@ class Settings(BaseSettings):
         75.0, gt=0, description="how long an idle client connection stays open; longer than clients' own pools "
                                 "keep idle connections (httpx 5 s, aiohttp 15 s), so the client always closes "
                                 "first and never reuses a connection the proxy is closing")
+    # the client edge's other limits (pdproxy/http/server.py, docs/limits.md)
+    request_headers_timeout_s: float = Field(
+        30.0, gt=0, description="a request head (request line + header fields) must arrive whole within this "
+                                "many seconds of its first byte, else 408 and close (Envoy request_headers_timeout, "
+                                "Go ReadHeaderTimeout, nginx client_header_timeout)")
+    request_body_timeout_s: float = Field(
+        60.0, gt=0, description="longest gap between two reads of a request body, else 408 and close (nginx "
+                                "client_body_timeout; Envoy stream_idle_timeout)")
+    max_client_connections: int | None = Field(
+        None, ge=1, description="open client connections; one more is answered 503 and closed.  Unset: half of "
+                                "the open-file limit left after 64 (the other half is for engine connections); "
+                                "pdproxy raises its soft RLIMIT_NOFILE to the hard limit (at most 65535, as vLLM) at start")
     gc_full_interval_s: float = Field(
         300.0, ge=0, description="run CPython's full garbage collection on this timer instead of whenever the "
                                  "live set grows by a quarter (which pauses the loop ~1 µs per live object, mid-ramp); "

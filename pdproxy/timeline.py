@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 from pdproxy.endpoints import Endpoint
 
@@ -70,6 +71,11 @@ class Timeline:
         }
 
 
+CLIENT_REQUEST_ID_MAX: Final = 96
+"""The longest client ``X-Request-Id`` kept, in characters: longer ones are cut to this length wherever they are
+read (pdproxy/http/server.py cuts the header field as it arrives) and in the engine-side id."""
+
+
 def new_request_id(client_id: str | None) -> str:
     """A unique engine-side request id that keeps the client's ``X-Request-Id`` recognisable as its prefix.
 
@@ -78,7 +84,7 @@ def new_request_id(client_id: str | None) -> str:
     """
     suffix = uuid.uuid4().hex
     if client_id:
-        safe = "".join(c for c in client_id[:96] if c.isalnum() or c in "-_.:")
+        safe = "".join(c for c in client_id[:CLIENT_REQUEST_ID_MAX] if c.isalnum() or c in "-_.:")
         if safe:
             return f"{safe}-{suffix[:16]}"
     return suffix

@@ -15,9 +15,24 @@ What a connection does (RFC 9112):
 - **keep-alive**: an idle connection is closed after ``timeout_keep_alive_s`` (default 75 s: longer than the
   clients' own pools keep idle connections — httpx 5 s, aiohttp 15 s — so the client always drops first and never
   sends a request on a connection the proxy is closing);
-- **limits**: a request line + header fields over ``max_request_head_bytes`` get 431 (a URL over 8 KiB: 414);
-  a completion body over ``max_body_bytes`` gets 413 (at once when ``Content-Length`` says so); a malformed
-  request gets 400; each of these closes the connection;
+- **limits** (docs/limits.md): a request line + header fields over ``max_request_head_bytes`` get 431 (a URL over
+  8 KiB: 414) — counted as the bytes arrive, so a header line that never ends is refused once the bytes read for
+  the head pass the limit + 4 KiB (as Go's ``MaxHeaderBytes``), never buffered whole; the same bound holds for
+  the trailer section of a chunked body.  A completion body over ``max_body_bytes`` gets 413 (at once when
+  ``Content-Length`` says so); a malformed request gets 400; each of these closes the connection;
+- **timeouts**: a head must arrive whole within ``request_headers_timeout_s`` of its first byte, and a body may
+  not pause longer than ``request_body_timeout_s`` between reads (408 and close; a response in progress is cut);
+  one timer per connection, re-armed only when the phase changes (the body's idle gap is checked lazily);
+- **connections**: past ``max_client_connections`` open connections a new one is answered 503 (OpenAI error
+  body, ``Connection: close``) and closed;
+- **strictness** (RFC 9112): trailer fields of a chunked request are read and dropped (never headers); an HTTP/1.0
+  request framed by ``Transfer-Encoding`` is answered then the connection closed (§6.1); a request line without
+  a version (HTTP/0.9) or an HTTP/1.1 request without exactly one ``Host`` (§3.2) or a target that is not
+  origin-form (``/path``) gets 400, another version 505, and the connection closes.  (§3.2.2 asks servers to
+  accept an absolute-form target too; pdproxy is no forward proxy and refuses it, so the authority a client names
+  can never differ from the ``Host`` the control plane sees.)  An ``X-Request-Id`` longer than
+  :data:`pdproxy.timeline.CLIENT_REQUEST_ID_MAX` characters is cut to that length before anything reads it
+  (answers, logs and engine ids alike);
 - ``Expect: 100-continue``: ``100 Continue`` is sent when the request's turn comes (never for a body that is
   refused by its ``Content-Length``);
 - **shutdown**: uvicorn's ``Server`` runs the protocol (``uvicorn.Config(http=protocol_factory(app))``): it owns
@@ -38,22 +53,23 @@ import contextlib
 import functools
 import http
 import logging
+import resource
 import urllib.parse
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import httptools
 import orjson
 
 from pdproxy.errors import error_body
+from pdproxy.timeline import CLIENT_REQUEST_ID_MAX
 
 if TYPE_CHECKING:
     from pdproxy.settings import Settings
 
 log = logging.getLogger("pdproxy.server")
-
-
 
 class ServedApp(Protocol):
     """What :class:`ServerProtocol` serves (``pdproxy.app.application.PDProxyApp``): its ``settings`` (limits and
@@ -72,6 +88,62 @@ class ServedApp(Protocol):
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None: ...
 """The generation routes served through PD (chat, completions, Responses, Anthropic Messages), read whole here."""
 MAX_URL_BYTES = 8 * 1024
+HEAD_SLACK_BYTES: Final = 4096
+"""Bytes read for a head beyond ``max_request_head_bytes`` before it is refused while still arriving: the request
+line's method and version, separators and line ends are not in the header count (Go's ``MaxHeaderBytes`` adds
+4,096 the same way)."""
+ENGINE_FD_RESERVE: Final = 64
+"""Open files kept back from the client-connection cap for the listening socket, logs, KV-event sockets and the
+like; what remains is split in half between clients and engine connections (one each per in-flight request)."""
+OPEN_FILE_TARGET: Final = 65535
+"""The soft RLIMIT_NOFILE pdproxy raises itself to at start, within the hard limit (vLLM's ``set_ulimit`` does the
+same for the API server: vllm/utils/system_utils.py)."""
+LINGER_S: Final = 1.0
+"""How long a connection refused at the connection cap stays half-closed, so the client reads the 503 before the
+close (an unread request in the socket would otherwise turn the close into a reset)."""
+
+# What one connection is reading (ServerProtocol.phase) and what its one timer is for (ServerProtocol.timer_kind).
+_WAIT, _HEAD, _BODY = 0, 1, 2
+_NO_TIMER, _IDLE_TIMER, _HEAD_TIMER, _BODY_TIMER = 0, 1, 2, 3
+
+
+def raise_open_file_limit(target: int = OPEN_FILE_TARGET) -> int:
+    """Raise this process's soft RLIMIT_NOFILE to ``min(target, hard)`` if it is lower; return the soft limit now
+    in force.  Never lowers it; a refusal by the OS leaves it as it was."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+    return int(soft) if soft != resource.RLIM_INFINITY else target
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeLimits:
+    """The client edge's limits, read once from the settings (docs/limits.md): seconds, bytes, connections."""
+
+    keep_alive_s: float
+    head_timeout_s: float
+    body_timeout_s: float
+    max_head: int
+    max_body: int
+    max_connections: int
+
+    @classmethod
+    def of(cls, s: Settings, open_files: int | None = None) -> EdgeLimits:
+        """``open_files``: the soft RLIMIT_NOFILE (default: this process's) that sizes an unset
+        ``max_client_connections``: ``(open_files - ENGINE_FD_RESERVE) // 2``, at least 16."""
+        cap = s.max_client_connections
+        if cap is None:
+            if open_files is None:
+                open_files = int(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+            cap = max(16, (open_files - ENGINE_FD_RESERVE) // 2)
+        return cls(keep_alive_s=s.timeout_keep_alive_s, head_timeout_s=s.request_headers_timeout_s,
+                   body_timeout_s=s.request_body_timeout_s, max_head=s.max_request_head_bytes,
+                   max_body=s.max_body_bytes, max_connections=cap)
+
+
 
 
 def _status_line(code: int) -> bytes:
@@ -124,8 +196,8 @@ class Exchange:
     """
 
     __slots__ = ("_parts", "_proto", "api", "body", "chunked", "complete", "continue_expected", "declared",
-                 "finished", "flow", "head_only", "headers", "keep_alive", "method", "on_disconnect", "path",
-                 "query", "raw_path", "size", "started", "version")
+                 "finished", "flow", "head_only", "headers", "hosts", "keep_alive", "method", "on_disconnect",
+                 "path", "query", "raw_path", "size", "started", "transfer_encoded", "version")
 
     def __init__(self, proto: ServerProtocol) -> None:
         self._proto = proto
@@ -147,6 +219,8 @@ class Exchange:
         self.started = False
         self.finished = False
         self.chunked = False
+        self.hosts = 0  # Host header fields received
+        self.transfer_encoded = False  # a Transfer-Encoding header field was received
         self.flow: Any = None
         self.on_disconnect: Callable[[], None] | None = None
 
@@ -247,17 +321,20 @@ class Exchange:
 
 class ServerProtocol(asyncio.Protocol):
     """One client connection.  Built by uvicorn's ``Server`` with ``config``, ``server_state`` and
-    ``app_state`` (keywords, see :func:`protocol_factory`); ``proxy`` is the :class:`ServedApp`."""
+    ``app_state`` (keywords, see :func:`protocol_factory`); ``proxy`` is the :class:`ServedApp`, ``limits`` its
+    :class:`EdgeLimits` (read from its settings when not given)."""
 
     def __init__(self, config: Any = None, server_state: Any = None, app_state: dict[str, Any] | None = None,
-                 _loop: asyncio.AbstractEventLoop | None = None, *, proxy: ServedApp) -> None:
+                 _loop: asyncio.AbstractEventLoop | None = None, *, proxy: ServedApp,
+                 limits: EdgeLimits | None = None) -> None:
         self.proxy = proxy
         self.asgi = config.loaded_app if config is not None and getattr(config, "loaded", False) else proxy
-        s = proxy.settings
+        self.limits = lim = limits or EdgeLimits.of(proxy.settings)
         self.routes = proxy.completion_routes
-        self.keep_alive_s = s.timeout_keep_alive_s
-        self.max_head = s.max_request_head_bytes
-        self.max_body = s.max_body_bytes
+        self.keep_alive_s = lim.keep_alive_s
+        self.max_head = lim.max_head
+        self.max_body = lim.max_body
+        self.head_limit = lim.max_head + HEAD_SLACK_BYTES
         self.server_state = server_state
         self.app_state = app_state if app_state is not None else {}
         self.loop = _loop or asyncio.get_event_loop()
@@ -272,7 +349,19 @@ class ServerProtocol(asyncio.Protocol):
         self.head_bytes = 0
         self.url = b""
         self.write_paused: asyncio.Future[None] | None = None
-        self.idle_timer: asyncio.TimerHandle | None = None
+        # reading: what the parser is in (_WAIT between requests, _HEAD, _BODY), the bytes read for the head (or a
+        # chunked body's trailer section) so far, how many heads were completed (to tell a read that finished one)
+        self.phase = _WAIT
+        self.head_fed = 0
+        self.heads = 0
+        self.tail_fed = 0
+        self.chunk_open = False  # a chunk-size line was the last thing parsed: the trailer section may follow
+        self.chunks = 0
+        self.refused = False  # the server refused this connection's input: later bytes are dropped unparsed
+        # the connection's one timer: what it is for and when the body was last read (a lazily checked idle gap)
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_kind = _NO_TIMER
+        self.read_at = 0.0
         self.reading_paused = False
         self.closing = False
         self.scheme = "http"
@@ -283,6 +372,9 @@ class ServerProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         if self.server_state is not None:
+            if len(self.server_state.connections) >= self.limits.max_connections:
+                self._over_capacity()
+                return
             self.server_state.connections.add(self)
         if transport.get_extra_info("sslcontext") is not None:
             self.scheme = "https"
@@ -292,12 +384,29 @@ class ServerProtocol(asyncio.Protocol):
         sock = transport.get_extra_info("sockname")
         if isinstance(sock, tuple) and len(sock) >= 2:
             self.server = (str(sock[0]), int(sock[1]))
-        self._arm_idle()
+        self._set_timer()
+
+    def _over_capacity(self) -> None:
+        """Answer 503 at once (the request is never read) and close: half-close now, close when the client does
+        or after :data:`LINGER_S`, so the client reads the answer rather than a reset."""
+        self.refused = True
+        self.parser = None
+        t = self.transport
+        assert t is not None
+        body = orjson.dumps(error_body(503, "too many open connections to this server; retry later",
+                                       error_type="ServiceUnavailableError"))
+        t.write(b"".join([_STATUS_LINES[503], b"content-type: application/json\r\ncontent-length: ",
+                          str(len(body)).encode(), b"\r\nretry-after: 1\r\nconnection: close\r\n\r\n", body]))
+        if t.can_write_eof():
+            t.write_eof()
+            self.timer = self.loop.call_later(LINGER_S, t.close)
+        else:
+            t.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.server_state is not None:
             self.server_state.connections.discard(self)
-        self._cancel_idle()
+        self._cancel_timer()
         self.closing = True
         w = self.write_paused
         self.write_paused = None
@@ -346,41 +455,110 @@ class ServerProtocol(asyncio.Protocol):
         elif self.current is not None:
             self.current.keep_alive = False
 
-    def _arm_idle(self) -> None:
-        self._cancel_idle()
-        self.idle_timer = self.loop.call_later(self.keep_alive_s, self._idle_expired)
+    # --- the connection's timer: keep-alive idle, head deadline, body idle gap ---------------------------------
+    def _set_timer(self) -> None:
+        """Arm the timer the connection's state calls for, unless it is already armed for it (a head's deadline
+        runs from its first read; the body's idle gap is re-checked when the timer fires)."""
+        phase = self.phase
+        if phase == _HEAD:
+            kind = _HEAD_TIMER
+        elif phase == _BODY:
+            kind = _NO_TIMER if self.reading_paused else _BODY_TIMER
+        elif self.current is None and not self.queue and not self.closing and not self.refused:
+            kind = _IDLE_TIMER
+        else:
+            kind = _NO_TIMER
+        if kind == self.timer_kind:
+            return
+        self._cancel_timer()
+        self.timer_kind = kind
+        if kind == _IDLE_TIMER:
+            self.timer = self.loop.call_later(self.keep_alive_s, self._timer_fired)
+        elif kind == _HEAD_TIMER:
+            self.timer = self.loop.call_later(self.limits.head_timeout_s, self._timer_fired)
+        elif kind == _BODY_TIMER:
+            self.read_at = self.loop.time()
+            self.timer = self.loop.call_later(self.limits.body_timeout_s, self._timer_fired)
 
-    def _cancel_idle(self) -> None:
-        if self.idle_timer is not None:
-            self.idle_timer.cancel()
-            self.idle_timer = None
+    def _cancel_timer(self) -> None:
+        self.timer_kind = _NO_TIMER
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
-    def _idle_expired(self) -> None:
-        self.idle_timer = None
-        if self.current is None and self.parsing is None and self.transport is not None:
+    def _timer_fired(self) -> None:
+        kind, self.timer, self.timer_kind = self.timer_kind, None, _NO_TIMER
+        if self.transport is None or self.refused:
+            return
+        if kind == _IDLE_TIMER:
+            if self.current is None and self.phase == _WAIT:
+                self.transport.close()
+        elif kind == _HEAD_TIMER:
+            self._timed_out(f"request head not received within {self.limits.head_timeout_s:g} s")
+        elif kind == _BODY_TIMER:
+            left = self.read_at + self.limits.body_timeout_s - self.loop.time()
+            if left > 0:
+                self.timer_kind = _BODY_TIMER
+                self.timer = self.loop.call_later(left, self._timer_fired)
+            else:
+                self._timed_out(f"request body stalled for {self.limits.body_timeout_s:g} s", body=True)
+
+    def _timed_out(self, message: str, body: bool = False) -> None:
+        """408 and close.  A stalled head after a response in progress lets that response end first; a stalled
+        body whose response is already under way (a control-plane route answering before reading it whole) cuts
+        the response, since the request it answers can no longer complete."""
+        ex = self.current
+        if body and ex is not None and ex.started and not ex.finished and self.transport is not None:
+            self.refused = True
             self.transport.close()
+            return
+        self._refuse(408, message)
 
     # --- parsing ---------------------------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
-        self._cancel_idle()
-        if self.parser is None:
+        if self.parser is None or self.refused:
             return
+        phase = self.phase
+        if phase == _BODY and self.timer_kind == _BODY_TIMER:
+            self.read_at = self.loop.time()
+        heads, chunks = self.heads, self.chunks
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._refuse(400, "protocol upgrades are not supported")
+            return
         except httptools.HttpParserError as exc:
             cause = exc.__context__
             if isinstance(cause, _Reject):
                 self._refuse(cause.status, cause.message)
             else:
                 self._refuse(400, "Invalid HTTP request received.")
-        else:
-            if self.current is None and self.parsing is None and not self.queue and not self.closing:
-                self._arm_idle()
+            return
+        if self.refused:
+            return
+        # Bytes the parser holds for a line still arriving (httptools accumulates a header field until its line
+        # ends): bounded by counting the reads that ended inside a head or a trailer section.  A read in which a
+        # head (or the trailer section) began after other bytes is not counted: one read at most goes uncounted.
+        if self.phase == _HEAD:
+            if phase != _BODY and heads == self.heads:
+                self.head_fed += len(data)
+                if self.head_fed > self.head_limit:
+                    self._refuse(431, f"request header fields larger than {self.max_head} bytes")
+                    return
+        elif self.chunk_open and chunks == self.chunks:
+            self.tail_fed += len(data)
+            if self.tail_fed > self.head_limit:
+                self._refuse(431, f"request trailer fields larger than {self.max_head} bytes")
+                return
+        if self.timer_kind == _NO_TIMER or self.phase != phase or heads != self.heads:
+            if heads != self.heads and self.timer_kind == _HEAD_TIMER:
+                self._cancel_timer()  # a new head began in this read: its own deadline
+            self._set_timer()
 
     def on_message_begin(self) -> None:
         self.parsing = None if self.no_more else Exchange(self)
+        self.phase = _HEAD
+        self.head_fed = 0
         self.head_bytes = 0
         self.url = b""
 
@@ -390,6 +568,8 @@ class ServerProtocol(asyncio.Protocol):
             raise _Reject(414, f"request URL longer than {MAX_URL_BYTES} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.phase != _HEAD:
+            return  # a trailer field of a chunked body: read (within the head limit) and dropped
         ex = self.parsing
         if ex is None:
             return
@@ -397,20 +577,39 @@ class ServerProtocol(asyncio.Protocol):
         if self.head_bytes + len(self.url) > self.max_head:
             raise _Reject(431, f"request header fields larger than {self.max_head} bytes")
         name = name.lower()
-        ex.headers.append((name, value))
         if name == b"expect" and value.lower() == b"100-continue":
             ex.continue_expected = True
         elif name == b"content-length" and value.isdigit():
             ex.declared = int(value)
+        elif name == b"host":
+            ex.hosts += 1
+        elif name == b"transfer-encoding":
+            ex.transfer_encoded = True
+        elif name == b"x-request-id" and len(value) > CLIENT_REQUEST_ID_MAX:
+            value = value[:CLIENT_REQUEST_ID_MAX]
+        ex.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        self.phase = _BODY
+        self.heads += 1
+        self.head_fed = 0
+        self.tail_fed = 0
         ex = self.parsing
         if ex is None:
             return
         p = self.parser
-        ex.version = p.get_http_version()
+        ex.version = version = p.get_http_version()
         ex.method = p.get_method().decode("ascii", "replace")
-        ex.keep_alive = p.should_keep_alive() and not self.closing
+        if version != "1.1" and version != "1.0":
+            if version == "0.9":
+                raise _Reject(400, "the request line has no HTTP version (HTTP/0.9 is not served)")
+            raise _Reject(505, f"HTTP/{version} is not served on this port: send HTTP/1.1")
+        if ex.hosts > 1 or (ex.hosts == 0 and version == "1.1"):
+            raise _Reject(400, "an HTTP/1.1 request needs exactly one Host header field")
+        if self.url[:1] != b"/" and not (self.url == b"*" and ex.method == "OPTIONS"):
+            raise _Reject(400, "the request target must be a path (origin-form, e.g. /v1/models)")
+        ex.keep_alive = p.should_keep_alive() and not self.closing and not (ex.transfer_encoded
+                                                                            and version == "1.0")
         if not ex.keep_alive:
             self.no_more = True
         ex.head_only = ex.method == "HEAD"
@@ -432,7 +631,16 @@ class ServerProtocol(asyncio.Protocol):
             self.queue.append(ex)
             self._pause_reading()
 
+    def on_chunk_header(self) -> None:
+        self.chunk_open = True
+        self.chunks += 1
+        self.tail_fed = 0
+
+    def on_chunk_complete(self) -> None:
+        self.chunk_open = False
+
     def on_body(self, body: bytes) -> None:
+        self.chunk_open = False
         ex = self.parsing
         if ex is None:
             return
@@ -444,6 +652,10 @@ class ServerProtocol(asyncio.Protocol):
             ex.flow.body_arrived()
 
     def on_message_complete(self) -> None:
+        self.phase = _WAIT
+        self.chunk_open = False
+        if self.timer_kind == _BODY_TIMER:
+            self._cancel_timer()
         ex = self.parsing
         if ex is None:
             return
@@ -475,14 +687,33 @@ class ServerProtocol(asyncio.Protocol):
 
     def _run_completion(self, ex: Exchange) -> None:
         assert ex.api is not None
-        self._spawn(self.proxy.handle_completion(ex.api, ex))
+        task = self._spawn(self.proxy.handle_completion(ex.api, ex))
+        task.add_done_callback(functools.partial(self._completion_done, ex))
 
-    def _spawn(self, coro: Any) -> None:
+    def _completion_done(self, ex: Exchange, task: asyncio.Task[None]) -> None:
+        """A completion handler that raised (it answers every error itself, so this is a defect) must not hold
+        the connection: log it, answer 500 and close (or cut a response under way)."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            return
+        log.error("%s %s: the request handler raised", ex.method, ex.path, exc_info=exc)
+        if ex.finished or self.transport is None or ex is not self.current:
+            return
+        if ex.started:
+            self.refused = True
+            ex.abort()
+        else:
+            self._refuse(500, "internal error while handling the request")
+
+    def _spawn(self, coro: Any) -> asyncio.Task[None]:
         task = self.loop.create_task(coro)
         tasks = getattr(self.server_state, "tasks", None)
         if tasks is not None:
             tasks.add(task)
             task.add_done_callback(tasks.discard)
+        return task
 
     def response_done(self, ex: Exchange) -> None:
         """``ex``'s response was fully written: close, or start the next pipelined request, or wait idle."""
@@ -503,8 +734,7 @@ class ServerProtocol(asyncio.Protocol):
                 self._resume_reading()
         else:
             self._resume_reading()
-            if self.parsing is None:
-                self._arm_idle()
+        self._set_timer()
 
     def _pause_reading(self) -> None:
         if not self.reading_paused and self.transport is not None:
@@ -515,18 +745,23 @@ class ServerProtocol(asyncio.Protocol):
         if self.reading_paused and self.transport is not None:
             self.reading_paused = False
             self.transport.resume_reading()
+            self._set_timer()
 
     def _refuse(self, status: int, message: str) -> None:
-        """Answer a request the server itself refuses (after any response in progress) and close."""
+        """Answer a request the server itself refuses (after any response in progress) and close; no later byte
+        from the client is parsed."""
         self.closing = True
         self.no_more = True
+        self.refused = True
         self.queue.clear()
         self.parsing = None
+        self._cancel_timer()
         if self.transport is None:
             return
         ex = self.current
         if ex is not None and ex.started and not ex.finished:
             ex.keep_alive = False  # the bad bytes come after a response in progress: it ends, then we close
+            self._pause_reading()
             return
         self.current = None
         if ex is not None and ex.on_disconnect is not None:
@@ -635,17 +870,20 @@ class _AsgiCycle:
 
 
 def protocol_factory(proxy: ServedApp) -> Callable[..., ServerProtocol]:
-    """The ``http`` argument of ``uvicorn.Config`` that serves ``proxy`` with :class:`ServerProtocol`."""
-    return functools.partial(ServerProtocol, proxy=proxy)
+    """The ``http`` argument of ``uvicorn.Config`` that serves ``proxy`` with :class:`ServerProtocol` (its
+    :class:`EdgeLimits` read once, here)."""
+    return functools.partial(ServerProtocol, proxy=proxy, limits=EdgeLimits.of(proxy.settings))
 
 
 def uvicorn_config(proxy: ServedApp, **kwargs: Any) -> Any:
     """A ``uvicorn.Config`` for ``proxy`` on :class:`ServerProtocol` (uvloop when installed, lifespan on, no
-    access log); ``kwargs`` override or add any ``uvicorn.Config`` argument (``host``, ``port`` …).  TLS: give the
+    access log), after raising the soft open-file limit (:func:`raise_open_file_limit`, which sizes
+    ``max_client_connections``); ``kwargs`` override or add any ``uvicorn.Config`` argument (``host``, ``port`` …).  TLS: give the
     config an ``ssl.SSLContext`` with ``pdproxy.http.tls.apply_to_uvicorn(config, ctx)`` — the protocol is
     TLS-agnostic (the listening socket's transport does the TLS), so every route is served over it."""
     import uvicorn
 
+    raise_open_file_limit()
     options: dict[str, Any] = {"loop": "uvloop", "log_level": "warning", "access_log": False, "lifespan": "on",
                                "timeout_keep_alive": int(proxy.settings.timeout_keep_alive_s)}
     options.update(kwargs)

@@ -1,0 +1,217 @@
+"""The client edge's limits through raw sockets on loopback (pdproxy/http/server.py, docs/limits.md): the bytes
+buffered for a head or a trailer section while it arrives, the head and body timeouts (408 and close), the cap on
+open client connections (503 and close), and that nothing refused ever reaches an engine."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+
+import orjson
+import pytest
+
+from pdproxy.http.server import ENGINE_FD_RESERVE, EdgeLimits
+from pdproxy.settings import Settings
+from tests.conftest import Fleet
+from tests.relay.rawclient import RawConn, get, post
+from tests.support import ProxyThread, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+JSON = orjson.dumps({"model": "sim-model", "prompt": "hello edge", "max_tokens": 3})
+HEAD = 4096  # the proxies' max_request_head_bytes here
+
+
+def engine_requests(sims: Fleet) -> int:
+    return sum(len(s.received()) for s in sims.all)
+
+
+@contextlib.contextmanager
+def edge_proxy(sims: Fleet, **settings: object) -> Iterator[ProxyThread]:
+    p = ProxyThread(prefill=[s.url for s in sims.prefillers], decode=[s.url for s in sims.decoders],
+                    max_request_head_bytes=HEAD, max_body_bytes=HEAD, **settings).start()
+    try:
+        yield p
+        p.wait_idle()
+    finally:
+        p.stop()
+
+
+def send_unterminated(c: RawConn, n: int) -> None:
+    """Send ``n`` bytes of one header value with no line end (as far as the proxy reads them) and nothing more."""
+    c.sock.settimeout(10)
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        for _ in range(n // 1024):
+            c.sock.sendall(b"a" * 1024)
+
+
+@pytest.fixture(scope="module")
+def timed_edge(fleet: Fleet) -> Iterator[ProxyThread]:
+    with edge_proxy(fleet, request_headers_timeout_s=0.5, request_body_timeout_s=0.5) as p:
+        yield p
+
+
+@pytest.fixture
+def edge(timed_edge: ProxyThread) -> Iterator[ProxyThread]:
+    """The module's proxy with 0.5 s head and body timeouts; after each test its load counters are back to zero
+    and it holds no connection."""
+    yield timed_edge
+    timed_edge.wait_idle()
+    wait_until(lambda: not timed_edge.server.server_state.connections, 10, 0.02, "connections released")
+
+
+def test_a_header_line_that_never_ends_gets_431_once_the_head_limit_is_passed(edge: ProxyThread,
+                                                                               sims: Fleet) -> None:
+    """The head is bounded while it arrives, not once a line ends: the proxy answers 431 after about
+    max_request_head_bytes (+ one read), never buffering what follows."""
+    before = engine_requests(sims)
+    c = RawConn(edge.port)
+    c.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Endless: ")
+    send_unterminated(c, 8 * HEAD)  # then silence: the answer cannot wait for a line end
+    assert c.wait_closed()
+    m = c.p.messages[0]
+    assert m.status == 431 and m.header("connection") == "close"
+    assert orjson.loads(m.body)["error"]["code"] == 431
+    assert engine_requests(sims) == before
+
+
+def test_an_endless_request_line_gets_414(edge: ProxyThread) -> None:
+    c = RawConn(edge.port)
+    c.send(b"GET /v1/models?q=")
+    send_unterminated(c, 16 * 1024)
+    assert c.wait_closed()
+    assert c.p.messages[0].status in (414, 431)
+
+
+def test_a_trailer_line_that_never_ends_gets_431(edge: ProxyThread, sims: Fleet) -> None:
+    before = engine_requests(sims)
+    c = RawConn(edge.port)
+    c.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n0\r\nX-Trailer: " % (len(JSON), JSON))
+    send_unterminated(c, 8 * HEAD)
+    assert c.wait_closed()
+    assert c.p.messages[0].status == 431
+    assert engine_requests(sims) == before
+
+
+def test_one_byte_then_silence_is_closed_by_the_head_timeout(edge: ProxyThread) -> None:
+    c = RawConn(edge.port)
+    c.send(b"G")
+    assert c.wait_closed(timeout_s=20)
+    m = c.p.messages[0]
+    assert m.status == 408 and m.header("connection") == "close"
+    assert "head" in orjson.loads(m.body)["error"]["message"]
+
+
+def test_a_head_that_keeps_trickling_is_closed_at_its_deadline(edge: ProxyThread, sims: Fleet) -> None:
+    """The head deadline runs from its first byte: more bytes do not extend it (slowloris)."""
+    c = RawConn(edge.port)
+    c.send(b"POST /v1/completions HTTP/1.1\r\n")
+    for _ in range(200):
+        try:
+            c.sock.sendall(b"X-Slow: 1\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            break
+        if c.wait_closed(timeout_s=0.05):
+            break
+    assert c.wait_closed(timeout_s=20)
+    assert c.p.messages[0].status == 408
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
+def test_a_stalled_body_is_closed_by_the_body_timeout(edge: ProxyThread, sims: Fleet, path: str) -> None:
+    """A completion route (read whole by the server) and a passthrough route (read by the app) alike."""
+    before = engine_requests(sims)
+    c = RawConn(edge.port)
+    c.send(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Content-Length: 100\r\n\r\n{\"model\": ")
+    assert c.wait_closed(timeout_s=20)
+    m = c.p.messages[0]
+    assert m.status == 408 and "body" in orjson.loads(m.body)["error"]["message"]
+    assert engine_requests(sims) == before
+
+
+def test_an_honest_client_is_served_and_kept_alive_across_the_timeouts(edge: ProxyThread) -> None:
+    """The timers follow the connection's phase: a whole request, then an idle gap longer than the head and
+    body timeouts (the keep-alive idle timeout, 75 s, is what applies between requests), then another."""
+    c = RawConn(edge.port)
+    c.send(post("/v1/completions", JSON))
+    assert c.read_messages(1)[0].status == 200
+    assert not c.wait_closed(timeout_s=1.5)  # three head timeouts long: still open
+    c.send(post("/v1/completions", JSON)[:40])
+    c.send(post("/v1/completions", JSON)[40:])
+    assert c.read_messages(2)[1].status == 200
+    c.close()
+
+
+def test_past_max_client_connections_a_new_connection_gets_503_and_the_rest_are_served(sims: Fleet) -> None:
+    with edge_proxy(sims, max_client_connections=3) as p:
+        held = [RawConn(p.port) for _ in range(3)]
+        wait_until(lambda: len(p.server.server_state.connections) == 3, 10, 0.02, "3 connections accepted")
+        extra = RawConn(p.port)
+        extra.send(get("/v1/models"))
+        assert extra.wait_closed()
+        m = extra.p.messages[0]
+        assert m.status == 503 and m.header("connection") == "close"
+        err = orjson.loads(m.body)["error"]
+        assert err["code"] == 503 and "connections" in err["message"]
+        for c in held:  # the connections within the cap are served as usual
+            c.send(get("/v1/models"))
+            assert c.read_messages(1)[0].status == 200
+        held[0].close()
+        wait_until(lambda: len(p.server.server_state.connections) == 2, 10, 0.02, "a slot freed")
+        again = RawConn(p.port)
+        again.send(post("/v1/completions", JSON))
+        assert again.read_messages(1)[0].status == 200
+        for c in [*held[1:], again, extra]:
+            c.close()
+
+
+def test_the_default_connection_cap_leaves_room_for_engine_connections() -> None:
+    limits = EdgeLimits.of(Settings(), open_files=1024)
+    assert limits.max_connections == (1024 - ENGINE_FD_RESERVE) // 2
+    assert EdgeLimits.of(Settings(max_client_connections=7), open_files=1024).max_connections == 7
+
+
+def test_pdproxy_raises_its_open_file_limit_at_start(sims: Fleet) -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 1024), hard))
+    try:
+        with edge_proxy(sims):
+            now = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        assert now >= min(hard, 65535)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0]),
+                                                    hard))
+
+
+def test_a_connection_refused_at_the_cap_is_not_left_open(sims: Fleet) -> None:
+    """The refused client reads its 503, then the proxy closes even if the client never does."""
+    with edge_proxy(sims, max_client_connections=1) as p:
+        held = RawConn(p.port)
+        wait_until(lambda: len(p.server.server_state.connections) == 1, 10, 0.02, "1 connection accepted")
+        s = socket.create_connection(("127.0.0.1", p.port), timeout=10)
+        data = b""
+        while True:
+            piece = s.recv(65536)
+            if not piece:
+                break
+            data += piece
+        assert data.startswith(b"HTTP/1.1 503 ")
+        s.close()
+        held.close()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_a_request_whose_handler_raises_is_answered_and_closed(edge: ProxyThread, path: str) -> None:
+    """A body nested 1,100 deep once made the completion handler raise (RecursionError) and the connection was
+    held forever; whatever a handler raises, the server answers in the error shape and closes."""
+    deep = b'{"model": "sim-model", "messages": ' + b"[" * 1100 + b"]" * 1100 + b"}"
+    c = RawConn(edge.port)
+    c.send(post(path, deep))
+    m = c.read_messages(1, timeout_s=20)[0]
+    assert m.status in (400, 500), m
+    assert orjson.loads(m.body)["error"]["code"] == m.status or m.body.startswith(b"Internal")
