@@ -33,12 +33,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -47,6 +43,8 @@ from typing import Any
 import httpx
 import orjson
 
+from loadtest.chaos import Proc, free_port
+
 KINDS = ("reset_after_events", "close_without_done", "error_after_events", "stall_after_events")
 EVENT_COUNTS = (2, 4, 7, 11)
 APIS = ("chat", "completions", "responses", "messages")
@@ -54,51 +52,6 @@ PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "resp
          "messages": "/v1/messages"}
 TOPICS = ("disaggregated serving", "KV cache transfer", "prefix caching", "decode ranks", "stream continuation",
           "load balancing", "tail latency", "breakers")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Proc:
-    """A child process in its own session."""
-
-    name: str
-    argv: list[str]
-    url: str
-    popen: subprocess.Popen[bytes] | None = None
-
-    def spawn(self) -> subprocess.Popen[bytes]:
-        """Start the process (returns at once)."""
-        self.popen = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      start_new_session=True)
-        return self.popen
-
-    async def start(self, timeout_s: float = 60.0) -> None:
-        """Start and wait for ``/health``."""
-        popen = self.spawn()
-        deadline = time.monotonic() + timeout_s
-        async with httpx.AsyncClient(timeout=1.0) as client:
-            while time.monotonic() < deadline:
-                if popen.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited with {popen.returncode}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(self.url + "/health")).status_code == 200:
-                        return
-                await asyncio.sleep(0.05)
-        raise RuntimeError(f"{self.name} not healthy within {timeout_s} s")
-
-    def stop(self) -> None:
-        if self.popen is not None and self.popen.poll() is None:
-            os.killpg(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait()
 
 
 @dataclass(frozen=True)

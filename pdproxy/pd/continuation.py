@@ -35,7 +35,7 @@ from typing import Any
 
 import orjson
 
-from pdproxy.apis import fields
+from pdproxy.apis import fields, recompute
 from pdproxy.apis import streams as api_streams
 from pdproxy.apis.request import Api, ProxyRequest, parse_request
 from pdproxy.apis.transform import Transform
@@ -204,7 +204,7 @@ class Resume:
         blocks, self.blocks = self.blocks, []
         for block in blocks:
             for event in sse.split_events(block):
-                obj = _event_obj(event)
+                obj = recompute.parse_event(event)
                 if obj is None:
                     continue
                 if self.openai:
@@ -346,17 +346,6 @@ class Resume:
         return tail + sse.DONE_EVENT
 
 
-def _event_obj(event: bytes) -> dict[str, Any] | None:
-    data = sse.event_data(event)
-    if data is None or data == b"[DONE]":
-        return None
-    try:
-        obj = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
 class RecordIds:
     """The first leg's transform (every block): keep the block for :meth:`Resume.read_transcript`, strip the ids
     unless the client asked for them (chat / completions), then run ``then`` (the stream's own transform: chat
@@ -433,7 +422,7 @@ class Reframe:
             if sse.event_data(event) == b"[DONE]":
                 out.append(self.closing())
                 continue
-            obj = _event_obj(event)
+            obj = recompute.parse_event(event)
             if obj is not None:
                 out.append(self.chunk(obj))
         if isinstance(self.out.api_stream, api_streams.ResponsesStream):
