@@ -256,6 +256,7 @@ launch() {  # ROLE PORT SIDE_PORT CPU EXTRA_ARGS
   env VLLM_NIXL_SIDE_CHANNEL_PORT="$side" VLLM_NIXL_SIDE_CHANNEL_HOST=localhost \
       VLLM_CPU_KVCACHE_SPACE=1 "${bind[@]}" REAL_VLLM_NIXL_PTHR_DELAY_US="$PTHR_DELAY" \
       HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_CACHE_ROOT="$RV_HOME/cache" \
+      VLLM_SERVER_DEV_MODE=1 \
       setsid "$PY" -m vllm.entrypoints.openai.api_server \
         --host 127.0.0.1 --port "$port" \
         --model "$MODEL_DIR" --served-model-name "$SERVED_MODEL" --max-model-len "$MAX_MODEL_LEN" \

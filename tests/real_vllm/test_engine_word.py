@@ -3,6 +3,8 @@ and the prefill leg's relaxed output constraints render the very prompt tokens o
 
 - blocks a small pool evicts (``BlockRemoved``): pdproxy's prediction for the prefiller drops as soon as its
   index has read the batch, although pdproxy prefilled that prompt there a moment before;
+- ``POST /reset_prefix_cache`` (``AllBlocksCleared``; a ``VLLM_SERVER_DEV_MODE`` route, which scripts/real-vllm.sh
+  turns on): the prediction is 0 as soon as the index has read the event;
 - a chat with ``cache_salt``: the prefiller's ``BlockStored`` events carry the salt in the first block's extra
   keys, and pdproxy's keys for the same prompt with the same salt match them (another salt, or none, does not);
 - the prefill leg with ``tool_choice`` relaxed to "auto" and structured outputs dropped renders the same
@@ -35,9 +37,7 @@ def test_evictions_end_pdproxys_credit_at_once(small_pool_engines: Engines, prom
                                                make_proxy: Any) -> None:
     """The 18-block pool: a prompt pdproxy prefilled there, then a long one sent straight to the engine evicts
     most of it (``BlockRemoved``).  Once pdproxy's index has read that batch, its prediction for the first prompt
-    is what the engine still holds — not the settling credit of pdproxy's own recent prefill.  (``AllBlocksCleared``
-    is covered by the simulator, tests/kv_events/test_engine_word.py: vLLM 0.32 serves ``/reset_prefix_cache`` only
-    with ``VLLM_SERVER_DEV_MODE=1``, which the real stage does not set.)"""
+    is what the engine still holds — not the settling credit of pdproxy's own recent prefill."""
     e = small_pool_engines
     url = e.prefill_url
     proxy: ProxyThread = make_proxy(e, kv_events=[f"{url}={e.prefill_kv_events}"],
@@ -60,6 +60,32 @@ def test_evictions_end_pdproxys_credit_at_once(small_pool_engines: Engines, prom
                "the long prompt's batch read (its evictions with it)")
     assert cache.index.stats.removed_blocks > 0
     assert held(proxy, url, first) < want           # at once: only what the engine still holds
+    proxy.wait_idle()
+
+
+def test_a_cleared_prefix_cache_ends_pdproxys_credit_at_once(engines: Engines, prompts: Prompts,
+                                                              make_proxy: Any) -> None:
+    """A prompt pdproxy prefilled, then the engine's prefix cache reset (``AllBlocksCleared``): once pdproxy's index
+    has counted the clear, its prediction for that prompt is 0 — not the settling credit of its own recent prefill,
+    which would otherwise last seconds more."""
+    e = engines
+    url = e.prefill_url
+    proxy: ProxyThread = make_proxy(e, kv_events=[f"{url}={e.prefill_kv_events}"],
+                                    kv_events_replay=[f"{url}={e.prefill_kv_replay}"],
+                                    kv_events_topic=KV_EVENTS_TOPIC)
+    cache = proxy.state.prefix_cache
+    wait_until(lambda: cache.is_precise(url), 20, 0.05, "pdproxy follows the prefiller's events")
+    bs = block_size(url)
+    first = {"model": e.served_model, "prompt": prompts.unique(300, seed=9551), "max_tokens": 1}
+    r = httpx.post(proxy.url + "/v1/completions", json=first, timeout=120)
+    assert r.status_code == 200, r.text
+    want = ((len(prompt_token_ids(prompts.tok, first, "completions")) - 1) // bs) * bs
+    wait_until(lambda: held(proxy, url, first) == want, 20, 0.05, "the prefill's BlockStored events")
+    cleared = cache.index.stats.cleared
+    reset = httpx.post(url + "/reset_prefix_cache", timeout=60)
+    assert reset.status_code == 200, reset.text
+    wait_until(lambda: cache.index.stats.cleared > cleared, 20, 0.02, "the AllBlocksCleared event read")
+    assert held(proxy, url, first) == 0
     proxy.wait_idle()
 
 
