@@ -65,9 +65,12 @@ def test_evictions_end_pdproxys_credit_at_once(small_pool_engines: Engines, prom
 
 def test_a_cleared_prefix_cache_ends_pdproxys_credit_at_once(engines: Engines, prompts: Prompts,
                                                               make_proxy: Any) -> None:
-    """A prompt pdproxy prefilled, then the engine's prefix cache reset (``AllBlocksCleared``): once pdproxy's index
-    has counted the clear, its prediction for that prompt is 0 — not the settling credit of its own recent prefill,
-    which would otherwise last seconds more."""
+    """A prompt pdproxy prefilled, then the engine's prefix cache reset (``AllBlocksCleared``, published with the
+    engine's next step — ``vllm/v1/core/block_pool.py::reset_prefix_cache``): once pdproxy's index has counted the
+    clear, its prediction for that prompt is 0 — not the settling credit of its own recent prefill, which would
+    otherwise last seconds more.  (A restarted real engine is covered on the simulator only,
+    tests/kv_events/test_engine_word.py: a real restart takes longer than the settling credit lasts, so it could
+    not tell "at once" from "eventually".)"""
     e = engines
     url = e.prefill_url
     proxy: ProxyThread = make_proxy(e, kv_events=[f"{url}={e.prefill_kv_events}"],
@@ -82,8 +85,16 @@ def test_a_cleared_prefix_cache_ends_pdproxys_credit_at_once(engines: Engines, p
     want = ((len(prompt_token_ids(prompts.tok, first, "completions")) - 1) // bs) * bs
     wait_until(lambda: held(proxy, url, first) == want, 20, 0.05, "the prefill's BlockStored events")
     cleared = cache.index.stats.cleared
-    reset = httpx.post(url + "/reset_prefix_cache", timeout=60)
-    assert reset.status_code == 200, reset.text
+
+    def reset() -> bool:     # vLLM refuses ({"success": false}) while a block is held, e.g. until the decoder pulled
+        r = httpx.post(url + "/reset_prefix_cache", timeout=60)
+        assert r.status_code == 200, r.text
+        return bool(r.json().get("success"))
+
+    wait_until(reset, 30, 0.5, "the prefiller's prefix cache reset")
+    # vLLM publishes the event with its next step's batch: one unrelated 1-token request straight to the engine
+    tiny = {"model": e.served_model, "prompt": prompts.unique(20, seed=9552), "max_tokens": 1}
+    httpx.post(url + "/v1/completions", json=tiny, timeout=60).raise_for_status()
     wait_until(lambda: cache.index.stats.cleared > cleared, 20, 0.02, "the AllBlocksCleared event read")
     assert held(proxy, url, first) == 0
     proxy.wait_idle()
