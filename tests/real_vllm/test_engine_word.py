@@ -33,6 +33,24 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 SCHEMA = {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}
 
 
+def prefilled_through_pdproxy(make_proxy: Any, e: Engines, prompts: Prompts, words: int,
+                              seed: int) -> tuple[ProxyThread, dict[str, Any], int]:
+    """pdproxy following ``e``'s prefiller's KV events, one prompt of ``words`` words prefilled through it, and its
+    index holding that prompt's blocks: ``(proxy, the request body, the tokens held)``."""
+    url = e.prefill_url
+    proxy: ProxyThread = make_proxy(e, kv_events=[f"{url}={e.prefill_kv_events}"],
+                                    kv_events_replay=[f"{url}={e.prefill_kv_replay}"],
+                                    kv_events_topic=KV_EVENTS_TOPIC)
+    wait_until(lambda: proxy.state.prefix_cache.is_precise(url), 20, 0.05, "pdproxy follows the prefiller's events")
+    bs = block_size(url)
+    body = {"model": e.served_model, "prompt": prompts.unique(words, seed=seed), "max_tokens": 1}
+    r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    want = ((len(prompt_token_ids(prompts.tok, body, "completions")) - 1) // bs) * bs
+    wait_until(lambda: held(proxy, url, body) == want, 20, 0.05, "the prefill's BlockStored events")
+    return proxy, body, want
+
+
 def test_evictions_end_pdproxys_credit_at_once(small_pool_engines: Engines, prompts: Prompts,
                                                make_proxy: Any) -> None:
     """The 18-block pool: a prompt pdproxy prefilled there, then a long one sent straight to the engine evicts
@@ -40,18 +58,9 @@ def test_evictions_end_pdproxys_credit_at_once(small_pool_engines: Engines, prom
     is what the engine still holds — not the settling credit of pdproxy's own recent prefill."""
     e = small_pool_engines
     url = e.prefill_url
-    proxy: ProxyThread = make_proxy(e, kv_events=[f"{url}={e.prefill_kv_events}"],
-                                    kv_events_replay=[f"{url}={e.prefill_kv_replay}"],
-                                    kv_events_topic=KV_EVENTS_TOPIC)
+    proxy, first, want = prefilled_through_pdproxy(make_proxy, e, prompts, 600, 9501)
     cache = proxy.state.prefix_cache
-    wait_until(lambda: cache.is_precise(url), 20, 0.05, "pdproxy follows the prefiller's events")
     bs = block_size(url)
-    first = {"model": e.served_model, "prompt": prompts.unique(600, seed=9501), "max_tokens": 1}
-    r = httpx.post(proxy.url + "/v1/completions", json=first, timeout=120)
-    assert r.status_code == 200, r.text
-    ids = prompt_token_ids(prompts.tok, first, "completions")
-    want = ((len(ids) - 1) // bs) * bs
-    wait_until(lambda: held(proxy, url, first) == want, 20, 0.05, "the prefill's BlockStored events")
     long = {"model": e.served_model, "prompt": prompts.unique(1800, seed=9502), "max_tokens": 1}
     httpx.post(url + "/v1/completions", json=long, timeout=120).raise_for_status()   # straight to the engine
     long_ids = prompt_token_ids(prompts.tok, long, "completions")
@@ -73,17 +82,8 @@ def test_a_cleared_prefix_cache_ends_pdproxys_credit_at_once(engines: Engines, p
     not tell "at once" from "eventually".)"""
     e = engines
     url = e.prefill_url
-    proxy: ProxyThread = make_proxy(e, kv_events=[f"{url}={e.prefill_kv_events}"],
-                                    kv_events_replay=[f"{url}={e.prefill_kv_replay}"],
-                                    kv_events_topic=KV_EVENTS_TOPIC)
+    proxy, first, _want = prefilled_through_pdproxy(make_proxy, e, prompts, 300, 9551)
     cache = proxy.state.prefix_cache
-    wait_until(lambda: cache.is_precise(url), 20, 0.05, "pdproxy follows the prefiller's events")
-    bs = block_size(url)
-    first = {"model": e.served_model, "prompt": prompts.unique(300, seed=9551), "max_tokens": 1}
-    r = httpx.post(proxy.url + "/v1/completions", json=first, timeout=120)
-    assert r.status_code == 200, r.text
-    want = ((len(prompt_token_ids(prompts.tok, first, "completions")) - 1) // bs) * bs
-    wait_until(lambda: held(proxy, url, first) == want, 20, 0.05, "the prefill's BlockStored events")
     cleared = cache.index.stats.cleared
 
     def reset() -> bool:     # vLLM refuses ({"success": false}) while a block is held, e.g. until the decoder pulled

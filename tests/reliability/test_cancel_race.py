@@ -30,7 +30,9 @@ from tests.support import ProxyThread, SimProcess, running, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
-SHORT, LONG = 1000, 6000         # prompt tokens: 0.2 s and 1.2 s of prefill at 5,000 tokens/s
+SHORT, LONG = 1000, 15000        # prompt tokens: 0.2 s and 3 s of prefill at 5,000 tokens/s
+GRACE_S = 2.0                    # prefill_cancel_grace_s: 4x a short prefill + its held answer (a loaded machine's
+                                 # margin), 1 s short of a long one's prefill (still computing when it ends)
 ANSWER_HELD_S = 0.3              # the prefiller holds its answer this long after pinning the KV (fault "slow")
 PHASES = ("sent", "prefilling", "pinned, answer unread")
 
@@ -41,7 +43,8 @@ def rig() -> Iterator[tuple[SimProcess, SimProcess, ProxyThread]]:
     with running(SimProcess("prefill", *args, "--prefill-tokens-per-s", "5000", "--decode-tokens-per-s", "0"),
                  SimProcess("decode", *args, "--prefill-tokens-per-s", "0", "--decode-tokens-per-s", "200")) as (
                      prefiller, decoder):
-        proxy = ProxyThread(prefill=[prefiller.url], decode=[decoder.url], retry_backoff_s=0.01).start()
+        proxy = ProxyThread(prefill=[prefiller.url], decode=[decoder.url], retry_backoff_s=0.01,
+                            prefill_cancel_grace_s=GRACE_S).start()
         try:
             yield prefiller, decoder, proxy
         finally:
@@ -105,7 +108,7 @@ def test_pinned_kv_returns_to_zero_whenever_the_client_leaves(
     body = {**CHAT, "messages": [{"role": "user", "content": sim_prompt(tokens, unique=True, seed=seed)}],
             "max_tokens": 64}
     asyncio.run(leave(proxy.url, body, reached(phase, prefiller, proxy), jitter_ms / 1000))
-    # the bound: the grace (0.5 s) + the rest of a short prefill + the release leg, on a loaded machine
+    # the bound: the grace (GRACE_S) + the rest of a short prefill + the release leg, on a loaded machine
     blind: list[int] = []
     wait_until(lambda: released(prefiller, decoder, proxy, blind), 10, 0.005,
                f"pinned KV released after leaving in phase {phase!r}: prefiller {prefiller.state()}, "
