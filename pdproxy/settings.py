@@ -224,6 +224,10 @@ class Settings(BaseSettings):
                                 "inter-token time (at least stream_continuation_stall_min_s) is lost")
     stream_continuation_stall_min_s: float = Field(2.0, gt=0, description="the shortest silence that counts as "
                                                                           "a lost decoder (seconds)")
+    stream_continuation_timeout_s: float = Field(
+        20.0, gt=0, description="the longest a client waits from a lost decoder's detection to its continuation's "
+                                "first event (seconds; re-prefill, handoff and first token, retries included); past "
+                                "it the stream ends with the typed error event")
     recompute_max_attempts: int = Field(3, ge=0, le=20, description="recomputed continuations per request")
     recompute_decoders: StrList = Field(
         [], description="decoder URLs that can end a stream with 'stop_reason: recomputed' (vLLM-Ascend), or '*' "

@@ -284,6 +284,7 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
             stack.callback(setattr, state, "shutting_down", True)   # first out: refuse new work
             proxy.state, proxy.director = state, director
             proxy.metrics.follow_releases(director.kv_release)  # pdproxy_kv_release_legs_total
+            state.live_streams.observer = proxy.metrics.continuations  # pdproxy_continuation*
             gc_policy = GcPolicy(proxy.settings.gc_full_interval_s)  # no full-collection pauses mid-ramp (gcpolicy.py)
             gc_policy.start()
             stack.callback(gc_policy.stop)

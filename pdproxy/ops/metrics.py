@@ -21,6 +21,14 @@ sizes tokens.  Three kinds of series:
   ``reason`` = the failed attempt's outcome: ``upstream_error``, ``timeout`` …; each retry goes to another
   endpoint) and ``pdproxy_failovers_total{leg,reason}`` (the decode failures among them that moved the request to a
   new P/D pair, prefilling it again, because the KV handle was lost);
+- **stream continuation** (counted as it happens, :class:`ContinuationMetrics`; docs/stream-continuation.md):
+  ``pdproxy_continuations_total{cause,api}`` (a started stream whose decoder was lost and that goes on: ``cause`` =
+  ``reset`` | ``no_end`` | ``error_event`` | ``stall`` | ``drain``), ``pdproxy_continuations_refused_total{reason,api}``
+  (lost and ended with the typed error event: ``ineligible`` | ``tool_or_reasoning`` | ``closing`` |
+  ``no_token_ids`` | ``max_continuations`` | ``timeout`` | ``failed``), ``pdproxy_continuation_prefill_tokens_total{api}``
+  (the continuation legs' prompts, prefilled again — never in the client's usage nor in
+  ``pdproxy_prompt_tokens_total``) and ``pdproxy_continuation_gap_seconds{api}`` (client-visible: the last write
+  before the loss to the continuation's first event);
 - **release legs** (copied from the director's releaser, :meth:`ProxyMetrics.follow_releases`):
   ``pdproxy_kv_release_legs_total{outcome}`` (``sent``: a decoder was told to free the prefiller's pinned KV;
   ``no_decoder``: none could be asked, the KV stays pinned until the connector's timeout);
@@ -157,6 +165,50 @@ def _add_gaps(hist_child: Any, gaps: GapCounts) -> None:
         hist_child._sum.inc(gaps.total)
 
 
+class ContinuationMetrics:
+    """The stream-continuation families (see the module docstring), counted as continuations happen: the
+    director's observer (``pdproxy.pd.continuation.ContinuationObserver``, set on the app's ``LiveStreams``).
+    ``cause`` / ``reason`` come from closed enums there, ``api`` from the request's API label."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.continuations = Counter("pdproxy_continuations", "Started streams whose decoder was lost and that "
+                                     "continued on another P/D pair, by cause (reset | no_end | error_event | stall "
+                                     "| drain) and API.", ("cause", "api"), registry=registry)
+        self.refusals = Counter("pdproxy_continuations_refused", "Started streams whose decoder was lost and that "
+                                "ended with the typed error event instead, by reason and API.", ("reason", "api"),
+                                registry=registry)
+        self.prefill_tokens = Counter("pdproxy_continuation_prefill_tokens", "Prompt tokens of continuation legs "
+                                      "(the original prompt + the delivered tokens), prefilled again; never in "
+                                      "usage.", ("api",), registry=registry)
+        self.gaps = Histogram("pdproxy_continuation_gap_seconds", "Client-visible gap of a continuation: the last "
+                              "write before the loss to the continuation's first event.", ("api",),
+                              buckets=TTFT_BUCKETS, registry=registry)
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def _child(self, family: Any, *values: str) -> Any:
+        child = self._children.get((family, values))
+        if child is None:
+            child = self._children[(family, values)] = family.labels(*values)
+        return child
+
+    def continued(self, cause: str, api: str) -> None:
+        """One continuation of a lost stream."""
+        self._child(self.continuations, str(cause), api).inc()
+
+    def refused(self, reason: str, api: str) -> None:
+        """One lost stream not continued."""
+        self._child(self.refusals, str(reason), api).inc()
+
+    def reprefilled(self, api: str, tokens: int) -> None:
+        """One continuation leg's prompt tokens."""
+        if tokens > 0:
+            self._child(self.prefill_tokens, api).inc(tokens)
+
+    def gap(self, api: str, seconds: float) -> None:
+        """One continuation's client-visible gap (seconds)."""
+        self._child(self.gaps, api).observe(seconds)
+
+
 class ProxyMetrics:
     """The metric families of one app, its registry, and :meth:`render` for ``GET /metrics``.
 
@@ -232,6 +284,7 @@ class ProxyMetrics:
                                     "decoder will read, by outcome (sent | no_decoder).", ("outcome",),
                                     registry=reg)
         self._releases: ReleaseCounts | None = None
+        self.continuations = ContinuationMetrics(reg)
         self.queue_depth = Gauge("pdproxy_prefill_queue_depth", "Requests waiting in pdproxy's prefill queue.",
                                  registry=reg, multiprocess_mode="livesum")
         self._synced: dict[tuple[str, str], float] = {}

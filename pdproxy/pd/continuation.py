@@ -27,11 +27,14 @@ A client that leaves cancels the director's task: a stream is continued only whi
 
 from __future__ import annotations
 
+import asyncio
+import enum
 import re
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -62,24 +65,88 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty
              "allowed_token_ids", "truncate_prompt_tokens")
 
 
+class LossCause(enum.StrEnum):
+    """How a continuable stream's decoder was lost (the ``cause`` label of ``pdproxy_continuations_total``)."""
+
+    RESET = "reset"               # the connection failed mid-stream (reset, decoder process killed)
+    NO_END = "no_end"             # end of body without the API's end marker
+    ERROR_EVENT = "error_event"   # vLLM's in-band error event (e.g. a failed KV load)
+    STALL = "stall"               # silence far above the leg's own inter-token time
+    DRAIN = "drain"               # an operator's drain with ``migrate``
+
+
+class Refusal(enum.StrEnum):
+    """Why a started stream whose decoder was lost was not continued (the ``reason`` label of
+    ``pdproxy_continuations_refused_total``); the client gets the typed error event."""
+
+    INELIGIBLE = "ineligible"           # the request's shape (n > 1, structured output, stop strings …: eligible())
+    IN_FLIGHT = "tool_or_reasoning"     # a tool call or reasoning block was streamed
+    CLOSING = "closing"                 # lost while closing a Responses / Messages text
+    NO_TOKEN_IDS = "no_token_ids"       # the decoder sent no prompt token ids
+    MAX = "max_continuations"           # ``stream_continuation_max`` spent
+    TIMEOUT = "timeout"                 # no continuation event within ``stream_continuation_timeout_s``
+    FAILED = "failed"                   # the continuation's own prefill / decode legs failed
+
+
+class ContinuationObserver(Protocol):
+    """Where continuations are counted (``pdproxy.ops.metrics.ContinuationMetrics``; ``api``: the client's API
+    label)."""
+
+    def continued(self, cause: LossCause, api: str) -> None:
+        """A lost stream is being continued (one per continuation leg)."""
+
+    def refused(self, reason: Refusal, api: str) -> None:
+        """A started stream lost its decoder and was not continued."""
+
+    def reprefilled(self, api: str, tokens: int) -> None:
+        """A continuation leg's prompt (the original prompt + the delivered tokens), prefilled again; never in
+        the client's usage."""
+
+    def gap(self, api: str, seconds: float) -> None:
+        """The client-visible gap of one continuation: the last write before the loss to the continuation's
+        first event (or to the stream's end when nothing was left to generate)."""
+
+
+class NoObserver:
+    """Counts nothing (a director without metrics)."""
+
+    def continued(self, cause: LossCause, api: str) -> None:
+        """Nothing."""
+
+    def refused(self, reason: Refusal, api: str) -> None:
+        """Nothing."""
+
+    def reprefilled(self, api: str, tokens: int) -> None:
+        """Nothing."""
+
+    def gap(self, api: str, seconds: float) -> None:
+        """Nothing."""
+
+
 class StreamLost(Exception):
     """The decoder of a started, continuable stream was lost (internal: raised by the relay instead of its error
     event; the director continues the stream or sends ``error``, the typed error the client would have had).
-    ``planned``: an operator's drain moved the stream (the decoder's breaker is not told)."""
+    ``planned``: an operator's drain moved the stream (the decoder's breaker is not told); ``cause``: how it was
+    lost; ``last_write``: monotonic time of the last write to the client before the loss (None: unknown)."""
 
-    def __init__(self, error: ProxyError, planned: bool = False) -> None:
+    def __init__(self, error: ProxyError, planned: bool = False, cause: LossCause = LossCause.RESET,
+                 last_write: float | None = None) -> None:
         super().__init__(error.message)
         self.error = error
         self.planned = planned
+        self.cause = LossCause.DRAIN if planned else cause
+        self.last_write = last_write
 
 
 class LiveStreams:
     """The continuable streams each decoder is relaying now, by endpoint name: what a drain with ``migrate``
     moves (``POST /admin/endpoints/drain``, pdproxy/app/admin.py).  Per process (``--workers N``: each worker
-    moves its own streams)."""
+    moves its own streams); ``observer``: where this process's continuations are counted."""
 
     def __init__(self) -> None:
         self._by_decoder: dict[str, set[Callable[[], None]]] = {}
+        self.observer: ContinuationObserver = NoObserver()
+        """Where continuations are counted (the app sets its metrics, pdproxy/app/application.py)."""
 
     @contextmanager
     def track(self, decoder: str, move: Callable[[], None]) -> Iterator[None]:
@@ -163,7 +230,10 @@ class Resume:
     ``head``: the first chunk's ``id``/``created``/``model``; ``events``: Responses / Messages state;
     ``lost``: decoders lost so far; ``legs``: decode legs run (1 = the original); ``finish``: a finish reason
     was delivered (``finish_reason``: a continuation's); ``unsafe``: a tool call or reasoning was streamed (a continuation would mis-parse it);
-    ``cached_tokens``: the original prefill's prefix-cache hits for usage."""
+    ``cached_tokens``: the original prefill's prefix-cache hits for usage; ``observer``: where continuations are
+    counted; ``last_write``: monotonic time of the client's last write before the current loss (the gap's start);
+    ``waiting``: the time budget of the continuation in flight (``stream_continuation_timeout_s``), met at its
+    first event."""
 
     req: ProxyRequest
     keep_ids: bool
@@ -180,6 +250,9 @@ class Resume:
     finish_reason: str | None = None
     unsafe: bool = False
     cached_tokens: int | None = None
+    observer: ContinuationObserver = field(default_factory=NoObserver)
+    last_write: float | None = None
+    waiting: asyncio.Timeout | None = None
 
     @classmethod
     def of(cls, req: ProxyRequest, enabled: bool) -> Resume | None:
@@ -272,17 +345,27 @@ class Resume:
         elif name not in ("response.in_progress", "response.content_part.added", "ping"):
             self.unsafe = True      # function calls, reasoning, anything this module does not re-frame
 
-    def refusal(self, max_legs: int) -> str | None:
-        """Why this stream cannot be continued (None: it can)."""
+    def refusal(self, max_legs: int) -> tuple[Refusal, str] | None:
+        """Why this stream cannot be continued, as ``(reason, message)`` (None: it can)."""
         if self.unsafe:
-            return "a tool call or reasoning block was in flight"
+            return Refusal.IN_FLIGHT, "a tool call or reasoning block was in flight"
         if self.events.closing and not self.openai:
-            return "it was lost while closing the response"
+            return Refusal.CLOSING, "it was lost while closing the response"
         if self.openai and self.prompt_ids is None:
-            return "the decoder sent no prompt token ids"
+            return Refusal.NO_TOKEN_IDS, "the decoder sent no prompt token ids"
         if self.legs > max_legs:
-            return f"it was already continued {max_legs} times"
+            return Refusal.MAX, f"it was already continued {max_legs} times"
         return None
+
+    def resumed(self, api: str) -> None:
+        """The continuation's first event is in (or the stream is being ended here): its time budget is met, and
+        the client-visible gap since the last write before the loss is counted (once per loss)."""
+        if self.waiting is not None:
+            self.waiting.reschedule(None)
+            self.waiting = None
+        if self.last_write is not None:
+            self.observer.gap(api, max(0.0, time.monotonic() - self.last_write))
+            self.last_write = None
 
     def next_leg(self) -> ProxyRequest | None:
         """The continuation request, or None when nothing is left to generate (the budget is spent or a finish
@@ -412,6 +495,8 @@ class Reframe:
 
     def feed(self, block: bytes, prev: bytes = b"") -> bytes:
         """The client's events for ``block``."""
+        if self.resume.waiting is not None or self.resume.last_write is not None:
+            self.resume.resumed(self.ctx.api_label)   # the continuation's first event: budget met, gap counted
         out: list[bytes] = []
         for event in sse.split_events(block):
             if self.recomputed:

@@ -31,7 +31,7 @@ from pdproxy.http.client import H1Response, TransportError
 from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.upstream import Upstream, proxy_error
 from pdproxy.ops.tracing import NO_TRACING, Tracing
-from pdproxy.pd.continuation import LiveStreams, Resume, StreamLost, ask_token_ids
+from pdproxy.pd.continuation import LiveStreams, Refusal, Resume, StreamLost, ask_token_ids
 from pdproxy.pd.prefill import PrefillResult
 from pdproxy.pd.relay import StreamRelay
 from pdproxy.pd.responder import Responder
@@ -132,6 +132,8 @@ class DecodeLeg:
                                                       s.stream_continuation_stall_min_s))
                         if resume is None:
                             recomputed = await relay.run()
+                            if s.stream_continuation and ctx.outcome == "upstream_error":  # cut, not continuable
+                                self.live.observer.refused(Refusal.INELIGIBLE, ctx.api_label)
                         else:
                             with self.live.track(endpoint.name, relay.move):
                                 recomputed = await relay.run()

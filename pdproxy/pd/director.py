@@ -43,7 +43,7 @@ from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.health import HealthMonitor
 from pdproxy.engines.models import ServedModels
 from pdproxy.engines.pool import EndpointPool
-from pdproxy.errors import DecodeFailed, UpstreamTimeout, UpstreamUnavailable
+from pdproxy.errors import DecodeFailed, ProxyError, UpstreamTimeout, UpstreamUnavailable
 from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.upstream import Upstream
 from pdproxy.ops.tracing import NO_TRACING, Tracing
@@ -131,16 +131,60 @@ class Director:
         ``stop_reason "recomputed"``; ``affinity``: a prefiller to prefer (a fan-out sibling's)."""
         transcript = self.new_transcript(req)
         resume = continuation.Resume.of(req, self.settings.stream_continuation)
+        if resume is not None:
+            resume.observer = self.decode.live.observer
+        first_prefill = (ctx.engine_prompt_tokens, ctx.cached_tokens)
         leg: ProxyRequest | None = req
-        while leg is not None:
-            try:
-                recomputed = await self.run_pd(leg, ctx, out, transcript,  # 2-4. queue+prefill → decode → relay
-                                               affinity if leg is req else None, resume)
-            except continuation.StreamLost as lost:                 # the decoder was lost mid-stream
-                assert resume is not None
-                leg = self.resume_leg(resume, ctx, out, lost)
-                continue
-            leg = await self.continuation(req, ctx, out, transcript) if recomputed else None  # 5. Ascend
+        resumed = False
+        try:
+            while leg is not None:
+                try:
+                    if resumed and resume is not None:              # a lost decoder's continuation
+                        await self.run_resumed(leg, ctx, out, resume)
+                        recomputed = False
+                    else:                                           # 2-4. queue+prefill → decode → relay
+                        recomputed = await self.run_pd(leg, ctx, out, transcript, affinity if leg is req else None,
+                                                       resume)
+                except continuation.StreamLost as lost:             # the decoder was lost mid-stream
+                    assert resume is not None
+                    if not resumed:
+                        first_prefill = (ctx.engine_prompt_tokens, ctx.cached_tokens)
+                    leg, resumed = self.resume_leg(resume, ctx, out, lost), True
+                    continue
+                leg = await self.continuation(req, ctx, out, transcript) if recomputed else None  # 5. Ascend
+        finally:
+            if resumed:   # the re-prefills are counted apart (pdproxy_continuation_prefill_tokens_total)
+                ctx.engine_prompt_tokens, ctx.cached_tokens = first_prefill
+
+    async def run_resumed(self, leg: ProxyRequest, ctx: RequestContext, out: Responder,
+                          resume: continuation.Resume) -> None:
+        """Run one continuation leg (prefill → decode → relay, re-framed), its first event due within
+        ``stream_continuation_timeout_s`` seconds of the loss's detection (however many prefillers and decoders
+        it tries meanwhile); past that the legs are cancelled (their KV released) and the client gets the typed
+        error event.  After the first event the leg is watched like any continuable stream (stall detection).
+        Raises :class:`continuation.StreamLost` when it is lost in turn, a :class:`ProxyError` when its legs
+        fail (counted as refused, ``failed``)."""
+        budget = self.settings.stream_continuation_timeout_s
+        api = ctx.api_label
+        timer = asyncio.timeout(budget)
+        try:
+            async with timer:
+                resume.waiting = timer
+                await self.run_pd(leg, ctx, out, None, None, resume)
+        except TimeoutError:
+            resume.waiting = None
+            if not timer.expired():             # not the budget's
+                raise
+            resume.observer.refused(continuation.Refusal.TIMEOUT, api)
+            ctx.outcome = "upstream_error"
+            out.error_nowait(UpstreamTimeout(
+                f"decoder {resume.lost[-1].name if resume.lost else ''} was lost mid-stream and no continuation "
+                f"answered within stream_continuation_timeout_s ({budget:g} s); the response is incomplete",
+                endpoint=ctx.decoder or ""))
+        except ProxyError:
+            resume.waiting = None
+            resume.observer.refused(continuation.Refusal.FAILED, api)
+            raise
 
     @asynccontextmanager
     async def deadline(self, ctx: RequestContext) -> AsyncIterator[None]:
@@ -160,20 +204,27 @@ class Director:
     def resume_leg(self, resume: continuation.Resume, ctx: RequestContext, out: Responder,
                    lost: continuation.StreamLost) -> ProxyRequest | None:
         """After a decoder was lost mid-stream: the continuation leg (:mod:`pdproxy.pd.continuation`), or None
-        when the stream was finished here (nothing left to generate) or refused with the typed error event."""
+        when the stream was finished here (nothing left to generate) or refused with the typed error event.
+        Counts the continuation (by cause), its re-prefilled tokens, or the refusal (by reason)."""
         resume.read_transcript()
+        api = ctx.api_label
         why = resume.refusal(self.settings.stream_continuation_max)
         if why is not None:
-            lost.error.message += f" (not continued: {why})"
+            resume.observer.refused(why[0], api)
+            lost.error.message += f" (not continued: {why[1]})"
             ctx.outcome = "upstream_error"
             out.error_nowait(lost.error)
             return None
+        resume.observer.continued(lost.cause, api)
+        resume.last_write = lost.last_write
         leg = resume.next_leg()
         if leg is None:
+            resume.resumed(api)
             tail = continuation.closing(resume, out)
             out.done_sent = True
             out.end_nowait(tail)
             return None
+        resume.observer.reprefilled(api, leg.prompt_tokens or 0)
         ctx.request_id = new_request_id(ctx.client_request_id)
         return leg
 

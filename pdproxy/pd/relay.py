@@ -66,7 +66,7 @@ from pdproxy.errors import ProxyError, UpstreamTimeout, UpstreamUnavailable
 from pdproxy.http import sse
 from pdproxy.http.client import H1Response, ReadTimeout, TransportError
 from pdproxy.http.upstream import proxy_error
-from pdproxy.pd.continuation import RecordIds, Reframe, Resume, StreamLost
+from pdproxy.pd.continuation import LossCause, RecordIds, Reframe, Resume, StreamLost
 from pdproxy.pd.responder import SSE_HEADERS, Responder
 from pdproxy.timeline import GapCounts, RequestContext
 
@@ -462,7 +462,10 @@ class StreamRelay:
                     failure = proxy_error(exc, who, ctx.decoder or "", " mid-stream")
                     failure.message += "; the response is incomplete"
                 if self.resume is not None and not out.ended:
-                    raise StreamLost(failure, planned=isinstance(exc, _Moved)) from None
+                    cause = (LossCause.NO_END if isinstance(exc, _NoDone) else LossCause.STALL
+                             if isinstance(exc, ReadTimeout) else LossCause.RESET)
+                    raise StreamLost(failure, planned=isinstance(exc, _Moved), cause=cause,
+                                     last_write=splice.last) from None
                 ctx.outcome = "upstream_error"
                 out.error_nowait(failure)
                 return False
@@ -472,7 +475,8 @@ class StreamRelay:
         ctx.events = base + splice.writes
         if self.recomputed and self.resume is not None:
             raise StreamLost(UpstreamUnavailable(f"{who} sent an error event mid-stream; the response is incomplete",
-                                                 endpoint=ctx.decoder or ""))
+                                                 endpoint=ctx.decoder or ""),
+                             cause=LossCause.ERROR_EVENT, last_write=splice.last)
         if self.recomputed and self.transcript is None:
             ctx.outcome = "upstream_error"
             out.error_nowait(UpstreamUnavailable(

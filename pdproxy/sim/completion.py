@@ -139,6 +139,9 @@ class _SSE:
         ``ConnectionResetError`` after the connection is reset by a ``reset_after_events`` fault."""
         if self.stopped or not event:
             return
+        if self.limit is not None and self.limit <= 0:
+            await self._fire()   # ``events: 0``: before the first event (the engine has the request and its KV)
+            return
         if self.mode is None:
             await self.resp.write(event)
         else:
@@ -147,12 +150,16 @@ class _SSE:
                 await asyncio.sleep(0)
         self.events += 1
         if self.limit is not None and self.events >= self.limit:
-            self.stopped = True
-            if self.reset:
-                abort_transport(self.request)
-                raise ConnectionResetError("sim fault: reset_after_events")
-            if self.mid_stream is not None:
-                await mid_stream_fault(self.resp, self.mid_stream, self.writer)
+            await self._fire()
+
+    async def _fire(self) -> None:
+        """The stream fault, once its event count is reached."""
+        self.stopped = True
+        if self.reset:
+            abort_transport(self.request)
+            raise ConnectionResetError("sim fault: reset_after_events")
+        if self.mid_stream is not None:
+            await mid_stream_fault(self.resp, self.mid_stream, self.writer)
 
     async def send_all(self, events: list[bytes]) -> None:
         """Write each of ``events``."""

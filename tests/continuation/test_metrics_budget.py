@@ -1,0 +1,97 @@
+"""Stream continuation's metrics and time budget (docs/stream-continuation.md): a real continuation moves
+``pdproxy_continuations_total`` by its cause, counts its re-prefill apart from the client's usage and
+``pdproxy_prompt_tokens_total``, and observes the client-visible gap; a stream that is not continued is counted by
+reason; a continuation whose decoders never answer ends in the typed error event once
+``stream_continuation_timeout_s`` has passed, with every counter back to zero."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.continuation.test_continuation import CHAT, MAX, ON, one, usage
+from tests.ops.promtext import Samples, scrape
+from tests.reliability.harness import Fleet4, parse_sse
+
+pytestmark = pytest.mark.timeout(60)
+
+CAUSES = {"reset_after_events": "reset", "close_without_done": "no_end", "error_after_events": "error_event",
+          "stall_after_events": "stall"}
+
+
+def test_metrics_count_each_cause_the_reprefill_and_the_gap(fleet5: Fleet4) -> None:
+    """One cut chat stream per loss kind, then a cut stream that may not continue (stop strings): each cause is
+    counted once, the re-prefilled prompt tokens equal the continuation legs' token-id prompts, the usage and
+    ``pdproxy_prompt_tokens_total`` hold only the original prompts, one gap per continuation."""
+    proxy = fleet5.proxy(**ON)
+    try:
+        prompts = 0
+        for kind in CAUSES:
+            for sim in fleet5.decoders:
+                sim.reset()
+                sim.faults({"kind": kind, "events": 5, "times": 1, "path": "/v1/chat/completions"})
+            cut = one(proxy.url, CHAT, "/v1/chat/completions")
+            assert cut.status == 200 and not cut.errors and cut.done == 1, cut.body[-300:]
+            assert usage(cut)["completion_tokens"] == MAX
+            prompts += usage(cut)["prompt_tokens"]
+        legs = [len(r["body"]["prompt"]) for s in fleet5.decoders for r in s.received()
+                if r["path"] == "/v1/completions" and isinstance(r["body"].get("prompt"), list)]
+        assert len(legs) == 1, legs       # received() is per reset: the last kind's leg
+        for sim in fleet5.decoders:
+            sim.reset()
+            sim.faults({"kind": "reset_after_events", "events": 5, "times": 1})
+        refused = one(proxy.url, {**CHAT, "stop": ["never-said"]}, "/v1/chat/completions")
+        assert len(refused.errors) == 1 and refused.done == 1
+        proxy.wait_idle()
+        m = scrape(proxy.url)
+        for cause in CAUSES.values():
+            assert m.value("pdproxy_continuations_total", cause=cause, api="chat") == 1, (cause, m.text)
+        assert m.total("pdproxy_continuations_total") == len(CAUSES)
+        assert m.value("pdproxy_continuations_refused_total", reason="ineligible", api="chat") == 1
+        assert m.total("pdproxy_continuations_refused_total") == 1
+        assert m.value("pdproxy_continuation_gap_seconds_count", api="chat") == len(CAUSES)
+        reprefill = m.value("pdproxy_continuation_prefill_tokens_total", api="chat")
+        # each leg re-prefills the prompt + the tokens delivered before the cut (the same cut point every time)
+        assert reprefill == len(CAUSES) * legs[0]
+        # the same prompt each time, the refused stream's included; the re-prefills are not in it
+        assert m.value("pdproxy_prompt_tokens_total", api="chat") == prompts // len(CAUSES) * (len(CAUSES) + 1)
+        fleet5.assert_clean(proxy)
+    finally:
+        proxy.stop()
+
+
+def test_a_continuation_that_never_answers_ends_within_the_budget(fleet5: Fleet4) -> None:
+    """The first leg is reset after 5 events; every decoder then runs the continuation (pulls its KV) but never
+    sends an event.  With a 1 s budget and a 60 s first-event timeout the client gets the typed error event + [DONE]
+    long before the first-event timeout, the refusal is counted as ``timeout``, and the engines, pinned KV and the
+    proxy's load are back to zero."""
+    budget = 1.0
+    proxy = fleet5.proxy(**ON, stream_continuation_timeout_s=budget, decode_first_byte_timeout_s=60.0)
+    try:
+        for sim in fleet5.decoders:
+            sim.faults({"kind": "reset_after_events", "events": 5, "times": 1, "path": "/v1/chat/completions"},
+                       {"kind": "stall_after_events", "events": 0, "path": "/v1/completions"})
+        stamps: list[tuple[float, bytes]] = []
+        with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=CHAT, timeout=30) as resp:
+            assert resp.status_code == 200
+            for chunk in resp.iter_raw():
+                stamps.append((time.monotonic(), chunk))
+        body = b"".join(c for _, c in stamps)
+        events, done, errors = parse_sse(body)
+        assert done == 1 and len(errors) == 1, body[-400:]
+        assert "stream_continuation_timeout_s" in errors[0]["error"]["message"]
+        assert events and sum(1 for e in events for c in e["choices"] if c.get("delta", {}).get("content")) >= 3
+        error_at = next(t for t, c in stamps if b'"error"' in c)
+        last_content = max(t for t, c in stamps if b'"content"' in c and t <= error_at)
+        assert error_at - last_content < 60.0 / 4, "the budget, not the first-event timeout, ended the stream"
+        conts = [r for s in fleet5.decoders for r in s.received() if isinstance(r["body"].get("prompt"), list)]
+        assert conts, "no continuation leg reached a decoder"
+        proxy.wait_idle()
+        m: Samples = scrape(proxy.url)
+        assert m.value("pdproxy_continuations_refused_total", reason="timeout", api="chat") == 1
+        assert m.value("pdproxy_continuations_total", cause="reset", api="chat") == 1
+        fleet5.assert_clean(proxy)
+    finally:
+        proxy.stop()
