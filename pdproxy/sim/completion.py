@@ -330,7 +330,7 @@ async def run_generation(server: SimServer, listener: Listener, request: web.Req
                                  recompute_after, slow)
         hold_s = float(fault.params.get("delay_s", 0.5)) if fault is not None and fault.kind == "hold_answer" else 0.0
         return await _unary(server, listener, rank, parsed, writer, seqs, wake, headers, recompute_after, slow,
-                            hold_s)
+                            hold_s, request, fault)
     finally:
         for seq in seqs:
             if not seq.ereq.finished:
@@ -431,7 +431,8 @@ async def _stream(server: SimServer, listener: Listener, request: web.Request, r
 
 async def _unary(server: SimServer, listener: Listener, rank: RankEngine, parsed: ParsedRequest, writer: Writer,
                  seqs: list[Seq], wake: _Wake, headers: dict[str, str], recompute_after: int | None,
-                 slow: tuple[float, float] | None, hold_s: float = 0.0) -> web.StreamResponse:
+                 slow: tuple[float, float] | None, hold_s: float = 0.0, request: web.Request | None = None,
+                 fault: Fault | None = None) -> web.StreamResponse:
     loop = asyncio.get_running_loop()
     started = loop.time()
     pending = list(seqs)
@@ -453,4 +454,33 @@ async def _unary(server: SimServer, listener: Listener, rank: RankEngine, parsed
     counted = {s.index: s.sent for s in seqs}
     usage = usage_of(seqs, parsed, server.config.block_size, counted)
     body = writer.body(seqs, usage, _kv_params(server, listener, rank, seqs))
+    if fault is not None and request is not None and fault.kind in UNARY_CUT_KINDS:
+        if fault.kind == "error_after_events":
+            status, failure = writer.failure_body()
+            return web.Response(status=status, body=failure, content_type="application/json", headers=headers)
+        return await _cut_unary(request, fault.kind, body, headers)
     return web.Response(status=200, body=body, content_type="application/json", headers=headers)
+
+
+UNARY_CUT_KINDS = ("reset_after_events", "close_without_done", "error_after_events", "stall_after_events")
+"""Stream faults that also cut a non-streaming answer, once the engine finished the request (a decoder pulled its
+KV and generated): ``reset_after_events`` sends the status line, headers and half the body, then resets the
+connection; ``close_without_done`` the same, then closes it cleanly (the body shorter than its
+``Content-Length``); ``error_after_events`` answers vLLM's failure (a failed KV load: HTTP 500); and
+``stall_after_events`` sends half the body, then nothing (``events`` is not used)."""
+
+
+async def _cut_unary(request: web.Request, kind: str, body: bytes, headers: dict[str, str]) -> web.StreamResponse:
+    """Send part of a non-streaming answer, then cut it as ``kind`` says (:data:`UNARY_CUT_KINDS`)."""
+    resp = web.StreamResponse(status=200, headers={**headers, "Content-Type": "application/json"})
+    resp.content_length = len(body)
+    await resp.prepare(request)
+    with contextlib.suppress(ConnectionResetError):
+        await resp.write(body[:len(body) // 2])
+        if kind == "stall_after_events":
+            await _forever()
+        if kind == "reset_after_events":
+            abort_transport(request)
+        elif request.transport is not None:
+            request.transport.close()
+    return resp

@@ -18,7 +18,9 @@ Kinds and their params: ``refuse`` (close the connection, no response), ``hang``
 ``close_without_done`` (``events``: k events, then end the body cleanly without ``data: [DONE]``),
 ``error_after_events`` (``events``: k events, then vLLM's in-band error event and the terminator),
 ``stall_after_events`` (``events``: k events, then silence with the connection open; ``events: 0``: the engine
-runs the request — a decoder pulls its KV — but no event is ever written),
+runs the request — a decoder pulls its KV — but no event is ever written; these four also cut a non-streaming
+answer once the engine finished it: half the body then a reset / a clean close / silence, or vLLM's 500,
+``pdproxy/sim/completion.py``),
 ``slow`` (``factor``: stretch TTFT and every inter-event gap; ``min_gap_s`` floors the stretched gap),
 ``slice`` (``mode``: ``byte`` | ``crlf`` | ``data`` | ``utf8``), ``recomputed`` (``tokens``: end after k
 tokens with ``finish_reason "stop"``, ``stop_reason "recomputed"``), ``no_kv_params`` (the prefiller finishes
