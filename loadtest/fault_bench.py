@@ -42,6 +42,7 @@ from typing import Any
 
 import httpx
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.chaos import Proc, free_port
 
@@ -140,18 +141,25 @@ def read_events(api: str, body: bytes, stream: Stream) -> None:
     stream.text = "".join(parts)
 
 
-async def one(client: httpx.AsyncClient, url: str, spec: Spec) -> Stream:
-    """Run one stream, timing every chunk the client receives."""
+async def one(client: httpx.AsyncClient, url: str, spec: Spec, live: Live | None = None) -> Stream:
+    """Run one stream, timing every chunk the client receives; ``live`` counts it while it streams."""
     s = Stream(spec)
     chunks: list[bytes] = []
+    counted = False
     try:
         async with client.stream("POST", url + PATHS[spec.api], json=spec.body()) as resp:
             s.status = resp.status_code
             async for chunk in resp.aiter_raw():
                 s.times.append(time.monotonic())
                 chunks.append(chunk)
+                if live is not None and not counted:
+                    live.now += 1
+                    counted = True
     except httpx.HTTPError as exc:
         s.detail = f"{type(exc).__name__}: {exc}"
+    finally:
+        if live is not None and counted:
+            live.now -= 1
     body = b"".join(chunks)
     if s.status == 200:
         read_events(spec.api, body, s)
@@ -164,13 +172,20 @@ async def one(client: httpx.AsyncClient, url: str, spec: Spec) -> Stream:
     return s
 
 
-async def drive(url: str, specs: list[Spec], concurrency: int) -> list[Stream]:
+@dataclass
+class Live:
+    """Streams that have received their first bytes and not ended yet (the drain mode waits for a full load)."""
+
+    now: int = 0
+
+
+async def drive(url: str, specs: list[Spec], concurrency: int, live: Live | None = None) -> list[Stream]:
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=60.0, limits=limits) as client:
         async def bounded(spec: Spec) -> Stream:
             async with sem:
-                return await one(client, url, spec)
+                return await one(client, url, spec, live)
         return await asyncio.gather(*(bounded(s) for s in specs))
 
 
@@ -271,6 +286,194 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def proxy_argv(args: argparse.Namespace, port: int, prefillers: list[str], decoders: list[str],
+               extra: list[str]) -> list[str]:
+    """``pdproxy serve`` with stream continuation over the simulated engines."""
+    return [sys.executable, "-m", "pdproxy", "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--prefill", *prefillers, "--decode", *decoders, "--stream-continuation",
+            "--stream-continuation-max", str(args.max_continuations), "--log-level", "error", *extra]
+
+
+def histogram_quantiles(text: str, name: str, **labels: str) -> dict[str, float | None]:
+    """p50 / p99 (the upper bound of the bucket holding them) and the mean of one histogram of a scrape."""
+    by_le: dict[float, float] = {}
+    total = count = 0.0
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if not all(sample.labels.get(k) == v for k, v in labels.items()):
+                continue
+            if sample.name == name + "_bucket":
+                le = float(sample.labels["le"])
+                by_le[le] = by_le.get(le, 0.0) + sample.value
+            elif sample.name == name + "_sum":
+                total += sample.value
+            elif sample.name == name + "_count":
+                count += sample.value
+    buckets = sorted(by_le.items())
+
+    def q(x: float) -> float | None:
+        return next((le for le, n in buckets if n >= x * count), None) if count else None
+
+    return {"p50": q(0.5), "p99": q(0.99), "mean": round(total / count, 4) if count else None, "count": count}
+
+
+async def sustain(url: str, specs: list[Spec], concurrency: int, live: Live, done: asyncio.Event,
+                  minimum: int) -> list[Stream]:
+    """Keep ``concurrency`` streams going (``specs`` in turn) until ``done`` is set and at least ``minimum`` ran."""
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    results: list[Stream] = []
+    issued = 0
+    async with httpx.AsyncClient(timeout=60.0, limits=limits) as client:
+        async def worker() -> None:
+            nonlocal issued
+            while not (done.is_set() and issued >= minimum):
+                spec = specs[issued % len(specs)]
+                issued += 1
+                results.append(await one(client, url, spec, live))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results
+
+
+async def drain_async(args: argparse.Namespace) -> dict[str, Any]:
+    """The drain mode: ``--concurrency`` streams live at once (at least ``--requests`` in all, and until the last
+    decoder is back) while every decoder in turn is drained with ``migrate`` (``POST /admin/endpoints/drain``),
+    waited for until idle, restarted (``--restart``) and undrained — a rolling restart of the decoders.  No faults
+    are injected."""
+    flags = ["--served-model-name", "sim-model", "--max-model-len", "8192", "--prefill-tokens-per-s", "0",
+             "--decode-tokens-per-s", str(args.decode_tokens_per_s), "--kv-pin-timeout-s", "60",
+             "--output-tokens", "256"]
+    sims = [Proc(f"{role}{k}", [sys.executable, "-m", "pdproxy", "sim", "--role", role, "--port", str(port),
+                                "--seed", str(k), *flags], f"http://127.0.0.1:{port}")
+            for role, count in (("prefill", args.prefillers), ("decode", args.decoders))
+            for k, port in ((k, free_port()) for k in range(count))]
+    decoders = [s for s in sims if s.name.startswith("decode")]
+    port = free_port()
+    key = "drain-bench"
+    proxy = Proc("pdproxy", proxy_argv(args, port, [s.url for s in sims if s.name.startswith("prefill")],
+                                       [d.url for d in decoders],
+                                       ["--admin-key", key, "--decode-first-byte-timeout-s", "30",
+                                        "--max-client-connections", str(args.concurrency * 2 + 64)]),
+                 f"http://127.0.0.1:{port}")
+    rng = random.Random(args.seed)
+    distinct = [Spec(api, topic, rng.choice(args.drain_tokens), True) for api in APIS
+                for topic in range(len(TOPICS))]
+    specs = [distinct[i % len(distinct)] for i in range(args.requests)]
+    rng.shuffle(specs)
+    auth = {"authorization": f"Bearer {key}"}
+    steps: list[dict[str, Any]] = []
+    live = Live()
+    rolled = asyncio.Event()
+
+    async def rolling(client: httpx.AsyncClient) -> None:
+        try:
+            await roll(client)
+        finally:
+            rolled.set()
+
+    async def roll(client: httpx.AsyncClient) -> None:
+        deadline = time.monotonic() + 60
+        while live.now < args.concurrency * 0.9 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for d in decoders:
+            ref = {"url": d.url, "role": "decode"}
+            step: dict[str, Any] = {"decoder": d.name, "live_streams": live.now}
+            t0 = time.monotonic()
+            answer = (await client.post(proxy.url + "/admin/endpoints/drain", json={**ref, "migrate": True},
+                                        headers=auth)).json()
+            step["migrated"] = answer["migrated"]
+            while time.monotonic() - t0 < 60:       # its non-continuable / not yet started streams finish
+                rows = (await client.get(proxy.url + "/admin/endpoints", headers=auth)).json()["endpoints"]
+                if all(r["requests"] == 0 for r in rows if r["url"] == d.url):
+                    break
+                await asyncio.sleep(0.05)
+            step["idle_after_s"] = round(time.monotonic() - t0, 3)
+            if args.restart:
+                d.stop()
+                await d.start()
+            (await client.post(proxy.url + "/admin/endpoints/undrain", json=ref, headers=auth)).raise_for_status()
+            step["back_after_s"] = round(time.monotonic() - t0, 3)
+            steps.append(step)
+            await asyncio.sleep(args.drain_pause_s)
+
+    try:
+        await asyncio.gather(*(s.start() for s in sims))
+        await proxy.start()
+        reference = {s.spec: s for s in await drive(proxy.url, distinct, args.concurrency)}
+        broken_reference = [s.spec for s in reference.values() if s.status != 200 or s.error or not s.ended]
+        t0 = time.monotonic()
+        async with httpx.AsyncClient(timeout=30.0) as client:
+            streams, _ = await asyncio.gather(sustain(proxy.url, specs, args.concurrency, live, rolled,
+                                                      args.requests), rolling(client))
+            wall_s = time.monotonic() - t0
+            metrics = (await client.get(proxy.url + "/metrics")).text
+    finally:
+        proxy.stop()
+        for s in sims:
+            s.stop()
+    broken = [s for s in streams if s.status != 200 or s.error or not s.ended]
+    differ = [s for s in streams if s not in broken and s.text != reference[s.spec].text]
+    usage_ok = [s for s in streams if s.usage_tokens is not None and s.usage_tokens == reference[s.spec].usage_tokens]
+    one_opening = [s for s in streams if s.openings == (0 if s.spec.api == "completions" else 1)]
+    gaps = [s.gap_s for s in streams]
+    continued = sum(_counter(metrics, "pdproxy_continuations_total", cause="drain"))
+    refused = sum(_counter(metrics, "pdproxy_continuations_refused_total"))
+    result = {
+        "mode": "drain",
+        "config": {"requests": args.requests, "concurrency": args.concurrency, "prefillers": args.prefillers,
+                   "decoders": args.decoders, "decode_tokens_per_s": args.decode_tokens_per_s,
+                   "max_tokens": list(args.drain_tokens), "restart": args.restart,
+                   "max_continuations": args.max_continuations, "cpus": len(os.sched_getaffinity(0)),
+                   "seed": args.seed},
+        "wall_s": round(wall_s, 2),
+        "streams": len(streams),
+        "broken": len(broken),
+        "identical": len(streams) - len(broken) - len(differ),
+        "differ": len(differ),
+        "one_opening": len(one_opening),
+        "usage_ok": len(usage_ok),
+        "migrated": sum(st["migrated"] for st in steps),
+        "continued_after_drain": continued,
+        "refused": refused,
+        "steps": steps,
+        "gap_s": {"p50": pct(gaps, 0.5), "p99": pct(gaps, 0.99), "max": max(gaps, default=None)},
+        "continuation_gap_s": histogram_quantiles(metrics, "pdproxy_continuation_gap_seconds"),
+        "per_api": {api: sum(1 for s in streams if s.spec.api == api) for api in APIS},
+        "broken_reference": len(broken_reference),
+        "broken_details": [f"{s.spec.api}: {s.status} {s.detail or s.text[-80:]}" for s in broken[:5]],
+        "differ_details": [f"{s.spec.api}: {s.text[:60]!r} vs {reference[s.spec].text[:60]!r}" for s in differ[:5]],
+    }
+    result["pass"] = (not broken and not differ and not broken_reference and len(usage_ok) == len(streams)
+                      and len(one_opening) == len(streams))
+    return result
+
+
+def _counter(text: str, name: str, **labels: str) -> list[float]:
+    """The values of one counter's samples matching ``labels`` in a scrape."""
+    return [s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+
+
+def drain_table(r: dict[str, Any]) -> str:
+    """The drain mode's table."""
+    n = r["streams"]
+    cg = r["continuation_gap_s"]
+    rows = [("streams (--concurrency of them live at once)", n, ""),
+            ("  broken (error / truncated / no end marker)", r["broken"], "target 0"),
+            ("  byte-identical to the uninterrupted greedy run", r["identical"], f"of {n}"),
+            ("  one role chunk / response.created / message_start", r["one_opening"], f"of {n}"),
+            ("  usage == delivered tokens", r["usage_ok"], f"of {n}"),
+            ("streams migrated by the drains", r["migrated"], " + ".join(str(s["migrated"]) for s in r["steps"])),
+            ("continuations counted (cause drain) / refused", f"{r['continued_after_drain']:g} / {r['refused']:g}",
+             ""),
+            ("drained decoder idle after, s", " / ".join(str(s["idle_after_s"]) for s in r["steps"]), ""),
+            ("client max gap per stream p50 / p99 / max s", f"{r['gap_s']['p50']} / {r['gap_s']['p99']} / "
+                                                          f"{r['gap_s']['max']}", ""),
+            ("continuation gap (proxy histogram) p50 / p99 / mean s", f"<={cg['p50']} / <={cg['p99']} / "
+                                                                     f"{cg['mean']}", ""),
+            ("wall s", r["wall_s"], "")]
+    return "\n".join(f"{name:<55} {value!s:>22}  {note}" for name, value, note in rows)
+
+
 def table(r: dict[str, Any]) -> str:
     rows = [("eligible streams", r["eligible"], ""),
             ("  ended in error / truncated", r["eligible_broken"], "target 0"),
@@ -291,24 +494,36 @@ def table(r: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The bench's options (see the module docstring)."""
     parser = argparse.ArgumentParser(prog="python -m loadtest.fault_bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--requests", type=int)
+    parser.add_argument("--concurrency", type=int)
     parser.add_argument("--prefillers", type=int, default=2)
     parser.add_argument("--decoders", type=int, default=3)
     parser.add_argument("--fault-rate", type=float, default=0.2, help="share of decode legs that meet a fault")
     parser.add_argument("--ineligible-share", type=float, default=0.05)
-    parser.add_argument("--decode-tokens-per-s", type=float, default=200.0)
+    parser.add_argument("--decode-tokens-per-s", type=float)
     parser.add_argument("--max-continuations", type=int, default=6)
     parser.add_argument("--stall-min-s", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", help="also write the JSON here")
-    return parser.parse_args(argv)
+    parser.add_argument("--drain", action="store_true", help="drain mode: a rolling drain with migrate of every "
+                        "decoder during --concurrency live streams, no faults (defaults: 600 requests, 200 live)")
+    parser.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True,
+                        help="drain mode: restart each drained decoder's process before undraining it")
+    parser.add_argument("--drain-tokens", type=int, nargs="+", default=[120, 160, 200],
+                        help="drain mode: max_tokens choices (below the sim's 256-token EOS)")
+    parser.add_argument("--drain-pause-s", type=float, default=0.3, help="drain mode: pause between decoders")
+    args = parser.parse_args(argv)
+    for name, fault_default, drain_default in (("requests", 1000, 600), ("concurrency", 32, 200),
+                                               ("decode_tokens_per_s", 200.0, 40.0)):
+        if getattr(args, name) is None:
+            setattr(args, name, drain_default if args.drain else fault_default)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    result = asyncio.run(main_async(args))
-    print(table(result))
+    result = asyncio.run(drain_async(args) if args.drain else main_async(args))
+    print(drain_table(result) if args.drain else table(result))
     text = orjson.dumps(result, option=orjson.OPT_INDENT_2).decode()
     print(text)
     if args.out:

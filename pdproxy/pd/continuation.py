@@ -144,14 +144,14 @@ class LiveStreams:
     moves its own streams); ``observer``: where this process's continuations are counted."""
 
     def __init__(self) -> None:
-        self._by_decoder: dict[str, set[Callable[[], None]]] = {}
+        self._by_decoder: dict[str, set[Callable[[], bool]]] = {}
         self.observer: ContinuationObserver = NoObserver()
         """Where continuations are counted (the app sets its metrics, pdproxy/app/application.py)."""
 
     @contextmanager
-    def track(self, decoder: str, move: Callable[[], None]) -> Iterator[None]:
-        """Register ``move`` (ends the stream's current leg as lost, planned) for ``decoder`` while the block
-        runs."""
+    def track(self, decoder: str, move: Callable[[], bool]) -> Iterator[None]:
+        """Register ``move`` (ends the stream's current leg as lost, planned; False when it cannot move now: before
+        its first event or after its end) for ``decoder`` while the block runs."""
         moves = self._by_decoder.setdefault(decoder, set())
         moves.add(move)
         try:
@@ -162,11 +162,9 @@ class LiveStreams:
                 self._by_decoder.pop(decoder, None)
 
     def migrate(self, decoder: str) -> int:
-        """Move every live stream of ``decoder`` to other decoders; returns how many were asked to move."""
-        moves = list(self._by_decoder.get(decoder, ()))
-        for move in moves:
-            move()
-        return len(moves)
+        """Move every live stream of ``decoder`` to other decoders; returns how many move (a stream still waiting
+        for its first event there finishes there)."""
+        return sum(1 for move in list(self._by_decoder.get(decoder, ())) if move())
 
     def count(self, decoder: str) -> int:
         """Live continuable streams on ``decoder``."""
