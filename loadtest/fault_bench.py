@@ -371,10 +371,10 @@ async def drain_async(args: argparse.Namespace) -> dict[str, Any]:
             rolled.set()
 
     async def roll(client: httpx.AsyncClient) -> None:
-        deadline = time.monotonic() + 60
-        while live.now < args.concurrency * 0.9 and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
         for d in decoders:
+            deadline = time.monotonic() + 60        # each drain during a full load: 90 % of the streams streaming
+            while live.now < args.concurrency * 0.9 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
             ref = {"url": d.url, "role": "decode"}
             step: dict[str, Any] = {"decoder": d.name, "live_streams": live.now}
             t0 = time.monotonic()
