@@ -415,6 +415,7 @@ async def drain_async(args: argparse.Namespace) -> dict[str, Any]:
     usage_ok = [s for s in streams if s.usage_tokens is not None and s.usage_tokens == reference[s.spec].usage_tokens]
     one_opening = [s for s in streams if s.openings == (0 if s.spec.api == "completions" else 1)]
     gaps = [s.gap_s for s in streams]
+    ref_gaps = [s.gap_s for s in reference.values()]
     continued = sum(_counter(metrics, "pdproxy_continuations_total", cause="drain"))
     refused = sum(_counter(metrics, "pdproxy_continuations_refused_total"))
     result = {
@@ -436,6 +437,7 @@ async def drain_async(args: argparse.Namespace) -> dict[str, Any]:
         "refused": refused,
         "steps": steps,
         "gap_s": {"p50": pct(gaps, 0.5), "p99": pct(gaps, 0.99), "max": max(gaps, default=None)},
+        "reference_gap_s": {"p50": pct(ref_gaps, 0.5), "p99": pct(ref_gaps, 0.99)},
         "continuation_gap_s": histogram_quantiles(metrics, "pdproxy_continuation_gap_seconds"),
         "per_api": {api: sum(1 for s in streams if s.spec.api == api) for api in APIS},
         "broken_reference": len(broken_reference),
@@ -468,6 +470,8 @@ def drain_table(r: dict[str, Any]) -> str:
             ("drained decoder idle after, s", " / ".join(str(s["idle_after_s"]) for s in r["steps"]), ""),
             ("client max gap per stream p50 / p99 / max s", f"{r['gap_s']['p50']} / {r['gap_s']['p99']} / "
                                                           f"{r['gap_s']['max']}", ""),
+            ("  the same, uninterrupted reference runs (no drain)", f"{r['reference_gap_s']['p50']} / "
+                                                                  f"{r['reference_gap_s']['p99']}", ""),
             ("continuation gap (proxy histogram) p50 / p99 / mean s", f"<={cg['p50']} / <={cg['p99']} / "
                                                                      f"{cg['mean']}", ""),
             ("wall s", r["wall_s"], "")]
