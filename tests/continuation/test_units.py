@@ -1,14 +1,16 @@
-"""Pure pieces of stream continuation: the simulator's exact greedy continuation (ids or text) and the relay's
-id stripping on vLLM-shaped chunks."""
+"""Pure pieces of stream continuation: the simulator's exact greedy continuation (ids or text), the relay's
+id stripping on vLLM-shaped chunks, a drain's count of the streams that move, and a loss's cause."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import orjson
 
 from pdproxy.apis.request import Api, parse_request
-from pdproxy.pd.continuation import RecordIds, Resume
+from pdproxy.errors import UpstreamUnavailable
+from pdproxy.pd.continuation import LiveStreams, LossCause, RecordIds, Resume, StreamLost
 from pdproxy.sim.continuation import greedy_offset
 from pdproxy.sim.outputs import WORDS, TokenTable
 from pdproxy.tokens import SimTokenizer
@@ -58,3 +60,27 @@ def test_record_ids_keeps_blocks_and_nulls_the_ids_for_the_client() -> None:
     assert t.feed(token) == b""                          # nothing after the error event is for the client
     resume.read_transcript()
     assert resume.prompt_ids == [5, 6, 7] and resume.generated == [42, 43, 42, 43] and resume.head["id"] == "c"
+
+
+def test_a_drain_counts_only_the_streams_that_move() -> None:
+    """``migrated`` is the streams that move now: one still waiting for its first event (its move answers False)
+    finishes on the drained decoder and is not counted; the registry forgets a stream whose block ended."""
+    live = LiveStreams()
+    moved: list[str] = []
+
+    def mover(name: str, ok: bool) -> Callable[[], bool]:
+        def move() -> bool:
+            moved.append(name)
+            return ok
+        return move
+
+    with live.track("d0", mover("a", True)), live.track("d0", mover("b", False)), live.track("d1", mover("c", True)):
+        assert live.count("d0") == 2
+        assert live.migrate("d0") == 1 and sorted(moved) == ["a", "b"]
+    assert live.count("d0") == live.count("d1") == live.migrate("d0") == 0
+
+
+def test_a_drain_is_the_cause_of_a_planned_loss() -> None:
+    err = UpstreamUnavailable("gone", endpoint="d0")
+    assert StreamLost(err, planned=True, cause=LossCause.RESET).cause is LossCause.DRAIN
+    assert StreamLost(err, cause=LossCause.STALL, last_write=1.0).cause is LossCause.STALL
