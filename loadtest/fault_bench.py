@@ -124,6 +124,7 @@ def read_events(api: str, body: bytes, stream: Stream) -> None:
         obj = orjson.loads(data)
         if name == "error" or (isinstance(obj, dict) and "error" in obj and api in ("chat", "completions")):
             stream.error = True
+            stream.detail = str(obj.get("error", obj))[:300]
             continue
         if api in ("chat", "completions"):
             for choice in obj.get("choices") or []:
@@ -285,7 +286,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "gap_s": {"p50": pct(gaps, 0.5), "p99": pct(gaps, 0.99), "max": max(gaps, default=None)},
         "per_api": {api: sum(1 for s in eligible if s.spec.api == api) for api in APIS},
         "broken_reference": len(broken_reference),
-        "broken_details": [f"{s.spec.api}: {s.status} {s.detail or s.text[-80:]}" for s in broken[:5]],
+        "broken_details": [f"{s.spec.api}: {s.status} error={s.error} ended={s.ended} {s.detail or s.text[-80:]}"
+                           for s in broken[:5]],
         "usage_details": [f"{s.spec.api}/{s.spec.max_tokens}: {s.usage_tokens} vs {reference[s.spec].usage_tokens}"
                           for s in eligible if s not in usage_ok][:5],
         "differ_details": [f"{s.spec.api}: {s.text[:60]!r} vs {reference[s.spec].text[:60]!r}" for s in differ[:5]],

@@ -358,9 +358,9 @@ class Resume:
     def resumed(self, api: str) -> None:
         """The continuation's first event is in (or the stream is being ended here): its time budget is met, and
         the client-visible gap since the last write before the loss is counted (once per loss)."""
-        if self.waiting is not None:
-            self.waiting.reschedule(None)
-            self.waiting = None
+        waiting, self.waiting = self.waiting, None
+        if waiting is not None and not waiting.expired():
+            waiting.reschedule(None)
         if self.last_write is not None:
             self.observer.gap(api, max(0.0, time.monotonic() - self.last_write))
             self.last_write = None

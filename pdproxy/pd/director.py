@@ -172,7 +172,6 @@ class Director:
                 resume.waiting = timer
                 await self.run_pd(leg, ctx, out, None, None, resume)
         except TimeoutError:
-            resume.waiting = None
             if not timer.expired():             # not the budget's
                 raise
             resume.observer.refused(continuation.Refusal.TIMEOUT, api)
@@ -182,9 +181,10 @@ class Director:
                 f"answered within stream_continuation_timeout_s ({budget:g} s); the response is incomplete",
                 endpoint=ctx.decoder or ""))
         except ProxyError:
-            resume.waiting = None
             resume.observer.refused(continuation.Refusal.FAILED, api)
             raise
+        finally:
+            resume.waiting = None
 
     @asynccontextmanager
     async def deadline(self, ctx: RequestContext) -> AsyncIterator[None]:
