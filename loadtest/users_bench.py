@@ -265,11 +265,17 @@ def py_spy() -> str:
     return shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
 
 
+IDLE_LEAVES = ("_worker (futures/thread.py)", "Runner.run (asyncio/runners.py)")
+"""Leaves that are waits, not work: a thread-pool worker blocked on its queue; uvloop's loop in C (its poll, and
+also its native socket I/O, which py-spy cannot see without ``--native``).  py-spy's idle filter misses both
+under ``--nonblocking``."""
+
+
 def top_frames(collapsed: str, n: int = 25) -> str:
     """A flame graph's story from py-spy's collapsed stacks (``frame;frame;... count`` per line): the top ``n``
-    functions by inclusive share (a function counted once per stack) and by self share (the leaf), in % of all
-    samples."""
-    total = 0
+    functions by inclusive share (a function counted once per stack) and by self share (the leaf), in % of the
+    busy samples (stacks whose leaf is one of :data:`IDLE_LEAVES` are counted apart)."""
+    total = idle = 0
     incl: dict[str, int] = {}
     self_: dict[str, int] = {}
     for line in collapsed.splitlines():
@@ -277,14 +283,18 @@ def top_frames(collapsed: str, n: int = 25) -> str:
         if not stack or not count.isdigit():
             continue
         k = int(count)
-        total += k
         frames = [_frame(f) for f in stack.split(";")]
+        if frames[-1] in IDLE_LEAVES:
+            idle += k
+            continue
+        total += k
         for f in set(frames):
             incl[f] = incl.get(f, 0) + k
         self_[frames[-1]] = self_.get(frames[-1], 0) + k
     if not total:
         return "no samples\n"
-    lines = [f"{total} samples", "", "inclusive %  function"]
+    lines = [f"{total} busy samples ({idle} more in waits: {', '.join(IDLE_LEAVES)})", "",
+             "inclusive %  function"]
     lines += [f"{100 * v / total:10.1f}  {f}" for f, v in sorted(incl.items(), key=lambda kv: -kv[1])[:n]]
     lines += ["", "self %  function"]
     lines += [f"{100 * v / total:6.1f}  {f}" for f, v in sorted(self_.items(), key=lambda kv: -kv[1])[:n]]

@@ -80,7 +80,7 @@ def test_top_frames_counts_a_function_once_per_stack() -> None:
                  "main (a/cli.py:1);serve (a/app.py:7);serve (a/app.py:9) 3\n"
                  "main (a/cli.py:1);relay (pd/relay.py:3) 1\n")
     text = top_frames(collapsed)
-    assert "10 samples" in text
+    assert "10 busy samples" in text
     inclusive, self_ = text.split("self %")
     assert "100.0  main (a/cli.py)" in inclusive and "90.0  serve (a/app.py)" in inclusive
     assert "60.0  keys (prefix/index.py)" in self_ and "30.0  serve (a/app.py)" in self_
