@@ -7,11 +7,20 @@
   docs/pd-protocol.md §1 — then the original body plus the prefiller's ``kv_transfer_params`` to ``decode``: the
   floor of any PD proxy),
   ``proxy`` (POST the client body to ``target``);
-- ``api`` (``completions`` | ``chat``), ``max_tokens`` (events per stream), ``prompt_bytes`` (unique text);
+- ``api`` (``completions`` | ``chat``), ``max_tokens`` (events per stream), ``prompt_bytes`` (unique text: a
+  random hex word, then ordinary words; past 4 KiB a random slice of a word corpus made once per process, so a
+  ~250 KB prompt costs the generator a copy, not 40,000 random draws);
+- ``agent``: ``{"system_bytes", "tools", "turn_bytes", "turns"}`` (chat only): each closed-loop worker holds a
+  conversation — one system prompt and ``tools`` function tools shared by every conversation, a unique first user
+  message, then per turn an assistant tool call and a tool result of ``turn_bytes`` unique words appended — for
+  ``turns`` turns, then a new conversation.  A turn's body repeats the earlier turns' messages byte for byte
+  (the prefix an agent's engine caches);
 - ``arrival``: ``{"kind": "poisson", "rate": req/s}`` (open loop), ``{"kind": "closed", "concurrency": n,
   "ramp_s": s}`` (closed loop, workers started evenly over ``ramp_s``) or ``{"kind": "batch", "n": n,
   "ramp_s": s}`` (``n`` requests, one each, started evenly over ``ramp_s``; the whole run, from just before the
-  first request to the last answer, is the one window: see :func:`run_batch`);
+  first request to the last answer, is the one window: see :func:`run_batch`) or ``{"kind": "closed_n",
+  "concurrency": c, "n": n, "ramp_s": s}`` (closed loop: ``c`` workers, started evenly over ``ramp_s``, run ``n``
+  requests in all; measured as one window like ``batch``);
 - ``warmup_s``, ``windows``, ``window_s``: a discarded warm-up, then ``windows`` windows of ``window_s`` seconds;
 - ``stall_gap_s``: an inter-event gap longer than this counts as a stall;
 - ``read_pause_s``, ``rcvbuf``: slow readers (each stream unread for that long after its first event; the
@@ -76,6 +85,57 @@ class Sink:
     conc_max: int = 0
 
 
+_CORPUS_BYTES = 1 << 20
+
+
+def _words(rng: random.Random, size: int) -> str:
+    """Ordinary words (:data:`_WORDS`) joined by spaces, at least ``size`` characters."""
+    out: list[str] = []
+    n = 0
+    while n < size:
+        w = rng.choice(_WORDS)
+        out.append(w)
+        n += len(w) + 1
+    return " ".join(out)
+
+
+class Agents:
+    """Agent conversations, one per closed-loop worker slot (see ``agent`` in the module docstring)."""
+
+    def __init__(self, conf: dict[str, Any], rng: random.Random) -> None:
+        self.rng = rng
+        self.turn_bytes = int(conf.get("turn_bytes", 6000))
+        self.turns = int(conf.get("turns", 12))
+        shared = random.Random(7)  # the same system prompt and tools in every run and for every conversation
+        self.system = {"role": "system", "content": "You are a coding agent. " + _words(
+            shared, int(conf.get("system_bytes", 24000)))}
+        self.tools = [{"type": "function", "function": {
+            "name": f"tool_{i}", "description": _words(shared, 400),
+            "parameters": {"type": "object", "properties": {"path": {"type": "string", "description": _words(
+                shared, 80)}, "query": {"type": "string"}}, "required": ["path"]}}}
+            for i in range(int(conf.get("tools", 16)))]
+        self.history: dict[int, list[dict[str, Any]]] = {}
+        self.done_turns: dict[int, int] = {}
+
+    def messages(self, slot: int) -> list[dict[str, Any]]:
+        """The messages of ``slot``'s next turn (a new conversation after ``turns`` turns)."""
+        hist = self.history.get(slot)
+        if hist is None or self.done_turns.get(slot, 0) >= self.turns:
+            hist = [self.system, {"role": "user", "content": uuid.uuid4().hex + " " + _words(self.rng, 1000)}]
+            self.history[slot], self.done_turns[slot] = hist, 0
+        return list(hist)
+
+    def answered(self, slot: int) -> None:
+        """Append the turn's tool call and its result to ``slot``'s conversation."""
+        hist = self.history[slot]
+        call = "call_" + uuid.uuid4().hex[:16]
+        hist.append({"role": "assistant", "content": None, "tool_calls": [{
+            "id": call, "type": "function", "function": {"name": "tool_1", "arguments": '{"path": "src/a.py"}'}}]})
+        hist.append({"role": "tool", "tool_call_id": call, "content": uuid.uuid4().hex + " " + _words(
+            self.rng, self.turn_bytes)})
+        self.done_turns[slot] = self.done_turns.get(slot, 0) + 1
+
+
 class Workload:
     """Issues requests per the spec and records them into the current :class:`Sink`."""
 
@@ -90,6 +150,8 @@ class Workload:
         self.api = spec.get("api", "completions")
         self.path = "/v1/chat/completions" if self.api == "chat" else "/v1/completions"
         self.tasks: set[asyncio.Task[None]] = set()
+        self.corpus = _words(self.rng, _CORPUS_BYTES) if int(spec.get("prompt_bytes", 400)) > 4096 else ""
+        self.agents = Agents(spec["agent"], self.rng) if spec.get("agent") else None
 
     @property
     def sink(self) -> Sink:
@@ -99,24 +161,33 @@ class Workload:
     def sink(self, value: Sink) -> None:
         self._sink = self.pool.sink = value
 
-    def body(self) -> dict[str, Any]:
-        """A fresh client body with a unique prompt (no accidental prefix-cache hits)."""
-        size = int(self.spec.get("prompt_bytes", 400))
-        words = [uuid.uuid4().hex[:12]]
-        while sum(len(w) + 1 for w in words) < size:
-            words.append(self.rng.choice(_WORDS))
-        text = " ".join(words)
+    def body(self, slot: int = 0) -> dict[str, Any]:
+        """A fresh client body with a unique prompt (no accidental prefix-cache hits), or ``slot``'s next agent
+        turn."""
         out: dict[str, Any] = {"model": "bench-model", "max_tokens": int(self.spec.get("max_tokens", 64)),
                                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+        if self.agents is not None:
+            out["messages"] = self.agents.messages(slot)
+            out["tools"] = self.agents.tools
+            return out
+        size = int(self.spec.get("prompt_bytes", 400))
+        if self.corpus:
+            at = self.rng.randrange(0, len(self.corpus) - size)
+            text = uuid.uuid4().hex + " " + self.corpus[at:at + size]
+        else:
+            words = [uuid.uuid4().hex[:12]]
+            while sum(len(w) + 1 for w in words) < size:
+                words.append(self.rng.choice(_WORDS))
+            text = " ".join(words)
         if self.api == "chat":
             out["messages"] = [{"role": "user", "content": text}]
         else:
             out["prompt"] = text
         return out
 
-    async def one(self) -> None:
-        """Run one request end to end and record it."""
-        spec, body = self.spec, self.body()
+    async def one(self, slot: int = 0) -> None:
+        """Run one request end to end and record it (``slot``: the closed-loop worker, for agent turns)."""
+        spec, body = self.spec, self.body(slot)
         mode = spec["mode"]
         self.active += 1
         start = now()
@@ -138,6 +209,8 @@ class Workload:
                 url = spec["decode"] if mode == "direct" else spec["target"]
             resp = await self.pool.request(url, self.path, orjson.dumps(body), headers, start)
             self._record(resp, start)
+            if self.agents is not None:
+                self.agents.answered(slot)
         finally:
             self.active -= 1
 
@@ -222,6 +295,7 @@ async def run_batch(spec: dict[str, Any]) -> dict[str, Any]:
     w = Workload(spec)
     arrival = spec["arrival"]
     n, ramp = int(arrival["n"]), float(arrival.get("ramp_s", 0.0))
+    concurrency = int(arrival.get("concurrency", 0)) if arrival["kind"] == "closed_n" else 0
     stall = float(spec.get("stall_gap_s", 1.0))
     groups = _groups(spec)
     idle = {name: procstat.tree_rss_bytes(p) for name, p in groups.items()}
@@ -237,11 +311,22 @@ async def run_batch(spec: dict[str, Any]) -> dict[str, Any]:
         await asyncio.sleep(ramp * i / max(1, n))
         await w.one()
 
+    left = [n]
+
+    async def worker(i: int) -> None:
+        await asyncio.sleep(ramp * i / max(1, concurrency))
+        while left[0] > 0:
+            left[0] -= 1
+            await w.one(i)
+
     cpu0 = {name: procstat.tree_stat_cpu_seconds(p) for name, p in groups.items()}
     self0, t0, busy0 = _self_cpu(), now(), procstat.machine_busy_seconds()
     sampler, rss_task = asyncio.ensure_future(w.sample()), asyncio.ensure_future(rss_sampler())
     try:
-        await asyncio.gather(*(one_at(i) for i in range(n)))
+        if concurrency:
+            await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        else:
+            await asyncio.gather(*(one_at(i) for i in range(n)))
     finally:
         sampler.cancel()
         rss_task.cancel()
@@ -260,7 +345,7 @@ async def run_batch(spec: dict[str, Any]) -> dict[str, Any]:
 async def run(spec: dict[str, Any]) -> dict[str, Any]:
     """Run the spec; return ``{"windows": [...], "spec": spec}``."""
     arrival = spec["arrival"]
-    if arrival["kind"] == "batch":
+    if arrival["kind"] in ("batch", "closed_n"):
         return await run_batch(spec)
     w = Workload(spec)
     if arrival["kind"] == "poisson":

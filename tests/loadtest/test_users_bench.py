@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from loadtest.users_bench import FULL, figures, render
+from loadtest.users_bench import FULL, figures, render, top_frames
 
 
 def window(cpu_s: float | None, events: int, ttft_p99: float, *, errors: int = 0, stalls: int = 0,
            rss: int = 0, idle: int = 0) -> dict[str, Any]:
     pct = {"p50": 1.0, "p90": 2.0, "p99": ttft_p99, "p999": ttft_p99, "max": ttft_p99, "mean": 1.0, "n": 10}
-    return {"cpu_s": {} if cpu_s is None else {"proxy": cpu_s}, "events": events, "wall_s": 10.0,
+    return {"cpu_s": {} if cpu_s is None else {"proxy": cpu_s}, "events": events, "requests": 10, "wall_s": 10.0,
             "ttft_ms": pct, "gap_ms": pct, "errors": errors, "stalls": stalls, "error_samples": [],
             "rss_bytes": {} if cpu_s is None else {"proxy": rss}, "rss_idle_bytes": {"proxy": idle},
             "concurrency": {"mean": 1.0, "max": 1}, "others_cpu_frac": 0.1}
@@ -39,3 +39,48 @@ def test_headline_ratios_medians_and_targets() -> None:
     assert rows["rss_per_slow_reader"]["pdproxy"] == 8.0 and rows["rss_per_slow_reader"]["met"] is True
     text = render(doc)
     assert "CPU µs per event, 1,000 paced streams" in text and "1.20" in text and "NO" in text
+
+
+def per_request_window(cpu_s: float | None, requests: int, ttft_p50: float) -> dict[str, Any]:
+    w = window(cpu_s, requests * 32, ttft_p50)
+    w["ttft_ms"] = {**w["ttft_ms"], "p50": ttft_p50, "p99": ttft_p50 * 2}
+    w["requests"] = requests
+    return w
+
+
+def test_per_request_rows_against_round_robin_and_cache_aware() -> None:
+    long16 = {"pdproxy": [per_request_window(0.4, 400, 20.0), per_request_window(0.8, 400, 30.0),
+                          per_request_window(0.5, 400, 25.0)],
+              "pdproxy_noprefix": [per_request_window(0.3, 400, 15.0)],
+              "vllm-router": [per_request_window(0.5, 400, 22.0)],
+              "vllm-router_cache_aware": [per_request_window(1.2, 400, 40.0)],
+              "client_pd": [per_request_window(None, 400, 10.0)]}
+    data = {"long_16": long16,
+            "full_100": {"pdproxy": [window(1.0, 500_000, 1.0)], "pdproxy_continuation": [window(1.1, 500_000, 1.0)],
+                         "vllm-router": [window(2.0, 500_000, 1.0)]}}
+    doc = figures(data, FULL)
+    rows = {r["key"]: r for r in doc["headline"]}
+    req = rows["cpu_req_long_16"]
+    assert (req["pdproxy"], req["vllm-router"], req["met"]) == (1.25, 1.25, True)  # median 0.5 s / 400 requests
+    ttft = rows["ttft_p50_long_16"]  # added over client-side PD's p50: 25 − 10 against 22 − 10
+    assert (ttft["pdproxy"], ttft["vllm-router"], ttft["met"]) == (15.0, 12.0, True)
+    ca = rows["cpu_req_long_16_cache_aware"]
+    assert (ca["vllm-router"], ca["ratio"], ca["met"], ca["reference"]) == (3.0, 0.417, True, "cache_aware")
+    cont = rows["continuation_full_100"]
+    assert (cont["ratio"], cont["met"]) == (1.1, False)  # 2.2 µs with continuation against 2.0 without
+    per = doc["per_request"]["long_16"]
+    assert per["pdproxy_noprefix"]["added_ttft_ms_p99"] == 10.0 and per["client_pd"]["added_ttft_ms_p50"] is None
+    assert "cpu_req_short_100" not in rows  # a scenario not run has no rows
+    text = render(doc)
+    assert "long_16" in text and "vllm-router_cache_aware" in text and "≤ 0.5× cache_aware" in text
+
+
+def test_top_frames_counts_a_function_once_per_stack() -> None:
+    collapsed = ("main (a/cli.py:1);serve (a/app.py:5);keys (prefix/index.py:10) 6\n"
+                 "main (a/cli.py:1);serve (a/app.py:7);serve (a/app.py:9) 3\n"
+                 "main (a/cli.py:1);relay (pd/relay.py:3) 1\n")
+    text = top_frames(collapsed)
+    assert "10 busy samples" in text
+    inclusive, self_ = text.split("self %")
+    assert "100.0  main (a/cli.py)" in inclusive and "90.0  serve (a/app.py)" in inclusive
+    assert "60.0  keys (prefix/index.py)" in self_ and "30.0  serve (a/app.py)" in self_
