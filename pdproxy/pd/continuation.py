@@ -31,7 +31,7 @@ import asyncio
 import enum
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -138,37 +138,48 @@ class StreamLost(Exception):
         self.last_write = last_write
 
 
+class Movable(Protocol):
+    """A live stream's decode leg as a drain sees it (:class:`pdproxy.pd.relay.StreamRelay`)."""
+
+    @property
+    def movable(self) -> bool:
+        """Whether :meth:`move` would move it now: past its first event and not ended."""
+
+    def move(self) -> bool:
+        """End the leg as lost (planned) so the stream continues on another decoder; False when not movable."""
+
+
 class LiveStreams:
     """The continuable streams each decoder is relaying now, by endpoint name: what a drain with ``migrate``
     moves (``POST /admin/endpoints/drain``, pdproxy/app/admin.py).  Per process (``--workers N``: each worker
     moves its own streams); ``observer``: where this process's continuations are counted."""
 
     def __init__(self) -> None:
-        self._by_decoder: dict[str, set[Callable[[], bool]]] = {}
+        self._by_decoder: dict[str, set[Movable]] = {}
         self.observer: ContinuationObserver = NoObserver()
         """Where continuations are counted (the app sets its metrics, pdproxy/app/application.py)."""
 
     @contextmanager
-    def track(self, decoder: str, move: Callable[[], bool]) -> Iterator[None]:
-        """Register ``move`` (ends the stream's current leg as lost, planned; False when it cannot move now: before
-        its first event or after its end) for ``decoder`` while the block runs."""
-        moves = self._by_decoder.setdefault(decoder, set())
-        moves.add(move)
+    def track(self, decoder: str, leg: Movable) -> Iterator[None]:
+        """Register ``leg`` (a stream's decode leg on ``decoder``) while the block runs."""
+        legs = self._by_decoder.setdefault(decoder, set())
+        legs.add(leg)
         try:
             yield
         finally:
-            moves.discard(move)
-            if not moves:
+            legs.discard(leg)
+            if not legs:
                 self._by_decoder.pop(decoder, None)
 
     def migrate(self, decoder: str) -> int:
         """Move every live stream of ``decoder`` to other decoders; returns how many move (a stream still waiting
         for its first event there finishes there)."""
-        return sum(1 for move in list(self._by_decoder.get(decoder, ())) if move())
+        return sum(1 for leg in list(self._by_decoder.get(decoder, ())) if leg.move())
 
-    def count(self, decoder: str) -> int:
-        """Live continuable streams on ``decoder``."""
-        return len(self._by_decoder.get(decoder, ()))
+    def count(self, decoder: str, *, movable: bool = False) -> int:
+        """Live continuable streams on ``decoder`` (``movable``: only those a drain would move now)."""
+        legs = self._by_decoder.get(decoder, ())
+        return sum(1 for leg in legs if leg.movable) if movable else len(legs)
 
 
 def eligible(req: ProxyRequest, enabled: bool) -> bool:

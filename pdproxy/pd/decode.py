@@ -135,7 +135,7 @@ class DecodeLeg:
                             if s.stream_continuation and ctx.outcome == "upstream_error":  # cut, not continuable
                                 self.live.observer.refused(Refusal.INELIGIBLE, ctx.api_label)
                         else:
-                            with self.live.track(endpoint.name, relay.move):
+                            with self.live.track(endpoint.name, relay):
                                 recomputed = await relay.run()
                     else:
                         prefill.consume()          # the decoder answered: it has the request and its KV

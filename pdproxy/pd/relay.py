@@ -402,15 +402,21 @@ class StreamRelay:
         finally:
             resp.deadline_at = before
 
+    @property
+    def movable(self) -> bool:
+        """Whether :meth:`move` would move this leg now: past its first event and not ended."""
+        splice = self.splice
+        return splice is not None and not splice.done.done() and not self.out.ended
+
     def move(self) -> bool:
         """End this leg as lost (planned): a continuable stream moves to another decoder (a drain with
         ``migrate``); no-op before the first event (the decoder finishes that stream) or after the end.  Returns
         whether it moves."""
-        splice = self.splice
-        if splice is not None and not splice.done.done() and not self.out.ended:
-            splice.done.set_exception(_Moved())
-            return True
-        return False
+        if not self.movable:
+            return False
+        assert self.splice is not None
+        self.splice.done.set_exception(_Moved())
+        return True
 
     async def run(self) -> bool:
         """Relay until the decoder ends.  Raises :class:`ProxyError` only before this decoder's first event

@@ -31,7 +31,8 @@ def test_drain_with_migrate_moves_live_streams(fleet5: Fleet4) -> None:
         runner.start()
         victim = fleet5.decoders[0]
         name = next(e.name for e in proxy.state.pool.endpoints() if e.url == victim.url)
-        wait_until(lambda: proxy.state.live_streams.count(name) >= 3, 20, 0.005, "live streams on the victim")
+        wait_until(lambda: proxy.state.live_streams.count(name, movable=True) >= 3, 20, 0.005,
+                   "streams past their first event on the victim")
         answer = httpx.post(proxy.url + "/admin/endpoints/drain", headers={"authorization": "Bearer k"},
                             json={"url": victim.url, "role": "decode", "migrate": True}, timeout=10).json()
         assert answer["migrated"] >= 3

@@ -4,7 +4,7 @@ id stripping on vLLM-shaped chunks, a drain's count of the streams that move, an
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import orjson
 
@@ -68,14 +68,17 @@ def test_a_drain_counts_only_the_streams_that_move() -> None:
     live = LiveStreams()
     moved: list[str] = []
 
-    def mover(name: str, ok: bool) -> Callable[[], bool]:
-        def move() -> bool:
-            moved.append(name)
-            return ok
-        return move
+    @dataclass(eq=False)
+    class Leg:
+        name: str
+        movable: bool
 
-    with live.track("d0", mover("a", True)), live.track("d0", mover("b", False)), live.track("d1", mover("c", True)):
-        assert live.count("d0") == 2
+        def move(self) -> bool:
+            moved.append(self.name)
+            return self.movable
+
+    with live.track("d0", Leg("a", True)), live.track("d0", Leg("b", False)), live.track("d1", Leg("c", True)):
+        assert live.count("d0") == 2 and live.count("d0", movable=True) == 1
         assert live.migrate("d0") == 1 and sorted(moved) == ["a", "b"]
     assert live.count("d0") == live.count("d1") == live.migrate("d0") == 0
 
