@@ -121,9 +121,17 @@ def test_bulk_record_equals_one_key_at_a_time(ops: list[tuple[str, list[int]]], 
                     min_size=1, max_size=16))
 def test_inflight_counts_equal_one_key_at_a_time(ops: list[tuple[str, str, list[int]]]) -> None:
     clock = [0.0]
-    flying = InflightPrefixes(settle_s=10.0, clock=lambda: clock[0])
+    flying = InflightPrefixes(settle_s=100.0, clock=lambda: clock[0])
     counts: dict[str, dict[int, int]] = {E: {}, F: {}}
     added: list[tuple[str, BlockKeys]] = []
+    settling: list[tuple[str, list[int]]] = []
+
+    def take(endpoint: str, keys: list[int]) -> None:
+        for k in keys:
+            counts[endpoint][k] -= 1
+            if not counts[endpoint][k]:
+                del counts[endpoint][k]
+
     for op, endpoint, chain in ops:
         keys = BlockKeys(chain, 4, 4 * len(chain) + 1)
         if op == "add":
@@ -135,12 +143,21 @@ def test_inflight_counts_equal_one_key_at_a_time(ops: list[tuple[str, str, list[
             endpoint, keys = added.pop(0)
             flying.remove(endpoint, keys, answered=op == "answer")
             if op == "fail":
-                for k in keys.keys:
-                    counts[endpoint][k] -= 1
+                take(endpoint, keys.keys)
+            else:
+                settling.append((endpoint, list(keys.keys)))
         elif op == "drop":
             flying.drop(endpoint, frozenset(chain))
+            kept = []
+            for name, held in settling:
+                cut = next((i for i, k in enumerate(held) if k in chain), len(held)) if name == endpoint else len(held)
+                take(name, held[cut:])
+                if cut:
+                    kept.append((name, held[:cut]))
+            settling = kept
         clock[0] += 1.0
-    clock[0] += 100.0                                              # every answered prompt settled and gone
+        assert flying._held == {e: c for e, c in counts.items() if c}          # the same counts, key by key
+    clock[0] += 1000.0                                             # every answered prompt settled and gone
     while added:
         endpoint, keys = added.pop()
         flying.remove(endpoint, keys)
