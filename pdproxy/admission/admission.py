@@ -5,7 +5,8 @@ Steps of :meth:`Admission.admit`:
 
 1. **Limit.**  ``M`` = the largest prompt some prefiller and some decoder accept (:mod:`pdproxy.engines.limits`: their
    ``max_model_len`` and real KV pool, with this request's ``max_tokens`` counted on the decoder).
-2. **Bounds** (:mod:`pdproxy.admission.bounds`, no tokenizer): ``upper <= M`` → fits, no count; ``lower > M`` →
+2. **Bounds** (:mod:`pdproxy.admission.bounds`, no tokenizer): ``upper <= M`` → fits, no count (the common case:
+   only lengths are summed, on the event loop); else the word count gives ``lower``, and ``lower > M`` →
    400 at once ("at least L+1 tokens", the way vLLM 0.32 words a truncated count) — except when ``lower`` is at
    most the ``max_model_len`` L it breaks: the bound misses BOS, so "exactly L" (vLLM's ``max_tokens`` 400) and
    "more than L" (its ``input_tokens`` 400) are told apart by an exact count.
@@ -54,6 +55,9 @@ T = TypeVar("T")
 
 INLINE_BYTES = 16_384
 """Request bodies up to this size are bounded/counted on the event loop; larger ones in the worker threads."""
+BOUND_BYTES_PER_MESSAGE = 256
+"""The byte bound's work per chat message, as bytes of :data:`INLINE_BYTES` (it sums lengths, never reads text):
+chats of up to 64 messages are bounded on the event loop."""
 
 
 @dataclass(slots=True)
@@ -199,8 +203,13 @@ class Admission:
         max_output = req.max_output_tokens
         limit = self.limits.max_prompt_tokens(max_output, model=req.model)
         overhead = s.chat_template_max_overhead_tokens + (2 if special else 0)
-        bounds = await self._offload(functools.partial(
-            prompt_bounds, view, chat, template_overhead=overhead), size=len(req.raw))
+        messages = view.get("messages") if chat else None          # the sizes: O(messages), not O(bytes)
+        bounds = await self._offload(functools.partial(prompt_bounds, view, chat, template_overhead=overhead,
+                                                       lower=False),
+                                     size=BOUND_BYTES_PER_MESSAGE * len(messages) if isinstance(messages, list) else 0)
+        if not bounds.exact and limit is not None and bounds.upper > limit and s.word_bound:
+            bounds = await self._offload(functools.partial(    # the word count reads every byte: only when it decides
+                prompt_bounds, view, chat, template_overhead=overhead), size=len(req.raw))
         lower = bounds.lower if bounds.exact or s.word_bound else 0
         if bounds.exact:                                   # token ids
             tokens, exact, method, upper = bounds.lower, True, "ids", bounds.lower

@@ -83,8 +83,8 @@ def client_handle_fault(body: Mapping[str, Any]) -> str | None:
     for path in EXTRA_ARGS:
         node: Any = body
         for key in path:
-            node = node.get(key) if isinstance(node, Mapping) else None
-        if isinstance(node, Mapping):
+            node = node.get(key) if isinstance(node, dict) else None   # parsed JSON: objects are dicts
+        if isinstance(node, dict):
             for name in PROXY_OWNED:
                 if name in node:
                     return ".".join((*path, name))
@@ -245,7 +245,7 @@ def decode_body_bytes(raw: bytes, params: KVTransferParams | None,
     """
     if parsed is None:
         parsed = orjson.loads(raw)
-    if not isinstance(parsed, Mapping):
+    if type(parsed) is not dict and not isinstance(parsed, Mapping):   # a dict first: no ABC check per request
         raise ValueError("request body is not a JSON object")
     if PROXY_OWNED.isdisjoint(parsed.keys()):
         return raw if params is None else _append_member(raw, KV_TRANSFER_PARAMS, params)
@@ -429,7 +429,7 @@ def prefill_prompt_tokens(prefill_response: Mapping[str, Any], api: Api = Api.CH
     (Responses), ``input_tokens`` + ``cache_read_input_tokens`` + ``cache_creation_input_tokens`` (Messages, whose
     ``input_tokens`` is net of the cache)."""
     usage = prefill_response.get("usage")
-    if not isinstance(usage, Mapping):
+    if type(usage) is not dict and not isinstance(usage, Mapping):
         return None
     if api is Api.MESSAGES:
         parts = [usage.get(k) for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")]
@@ -448,11 +448,11 @@ def prefill_cached_tokens(prefill_response: Mapping[str, Any], api: Api = Api.CH
     counts local and external hits alike; 0 with NIXL on vLLM 0.32), so the client must see the prefiller's figure.
     """
     usage = prefill_response.get("usage") or {}
-    if not isinstance(usage, Mapping):
+    if type(usage) is not dict and not isinstance(usage, Mapping):
         return None
     if api is Api.MESSAGES:
         value = usage.get("cache_read_input_tokens")
     else:
         details = usage.get("input_tokens_details" if api is Api.RESPONSES else "prompt_tokens_details") or {}
-        value = details.get("cached_tokens") if isinstance(details, Mapping) else None
+        value = details.get("cached_tokens") if type(details) is dict or isinstance(details, Mapping) else None
     return value if isinstance(value, int) and not isinstance(value, bool) else None

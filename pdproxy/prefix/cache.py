@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from pdproxy.endpoints import Endpoint, KVEventSource
 from pdproxy.engines.control import EngineInfo
-from pdproxy.prefix.index import ApproxPrefixIndex, BlockKeys, DropListener, PrefixIndex
+from pdproxy.prefix.index import ApproxPrefixIndex, BlockKeys, DropListener, PrefixIndex, key_bytes
 from pdproxy.prefix.metrics import PrefixCacheCollector
 from pdproxy.prefix.subscriber import KVEventSubscriber
 from pdproxy.scheduling import PrefixHints
@@ -95,7 +95,7 @@ class PrefixCache:
         eps = list(endpoints)
         predicted = self.predict(keys, [e.name for e in eps])
         cached = {e: predicted[e.name].cached_tokens for e in eps if predicted.get(e.name, _NONE).cached_tokens}
-        key = keys.keys[0].to_bytes(8, "big", signed=True) if keys.keys else None
+        key = key_bytes(keys.keys[0]) if keys.keys else None
         return PrefixHints(cached_tokens=cached, routing_key=key)
 
     def record(self, endpoint: str, keys: BlockKeys) -> None:

@@ -29,13 +29,18 @@ last prompt token is always computed: at most ``(n - 1) // block_size`` blocks).
 
 from __future__ import annotations
 
+import bisect
+import functools
 import hashlib
+import itertools
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
+from xxhash import xxh3_64_intdigest
 
 from pdproxy.prefix.kv_events import (
     ArrayBlockRemoved,
@@ -52,12 +57,16 @@ DEFAULT_MEDIUM = "GPU"
 DEFAULT_TEXT_CHUNK_CHARS = 256
 DEFAULT_CHARS_PER_TOKEN = 4.0
 _MISSING: Any = object()
+KEY_MASK = (1 << 64) - 1
+TEXT_GROWTH = 16
+"""Text keys: past ``TEXT_GROWTH`` chunks, each chunk is 1/TEXT_GROWTH of the bytes before it (:func:`text_keys`)."""
 
 
 DropListener = Callable[[str, frozenset[int] | None], None]
 """``(endpoint name, block keys or None = all)``: what :attr:`PrefixIndex.on_drop` is told."""
 
 
+@functools.lru_cache(maxsize=4096)
 def namespace_root(namespace: str = "", kind: str = "tokens") -> int:
     """The key every chain of ``namespace`` starts from (a signed 64-bit int).
 
@@ -93,7 +102,7 @@ def chain_keys(parent: int, token_ids: Sequence[int], block_size: int, num_block
 @dataclass(frozen=True, slots=True)
 class BlockKeys:
     """A request's prefix keys: ``keys[i]`` for block ``i`` (full blocks only), ``block_size`` (tokens per block,
-    or characters per chunk for ``kind="text"``), ``num_tokens`` (the prompt's length in tokens: exact for token
+    or UTF-8 bytes per chunk for ``kind="text"``), ``num_tokens`` (the prompt's length in tokens: exact for token
     keys, estimated for text), ``namespace`` and ``kind``.  Build with :func:`block_keys` or :func:`text_keys`."""
 
     keys: list[int]
@@ -102,17 +111,10 @@ class BlockKeys:
     namespace: str = ""
     kind: Literal["tokens", "text"] = "tokens"
     num_chars: int = 0
-    """Text keys: the rendered prompt's length in characters (the partial last chunk included)."""
-
-    @property
-    def tokens_per_block(self) -> float:
-        """Tokens one key stands for (``block_size`` for token keys; for text chunks ``num_tokens`` spread
-        evenly over the characters)."""
-        if self.kind == "tokens":
-            return float(self.block_size)
-        if self.num_chars:
-            return self.num_tokens * self.block_size / self.num_chars
-        return self.num_tokens / len(self.keys) if self.keys else 0.0
+    """Text keys: the rendered prompt's length in UTF-8 bytes (the partial last chunk included)."""
+    ends: Sequence[int] = ()
+    """Text keys: ``ends[i]`` = the bytes of the prompt that ``keys[: i + 1]`` cover (chunks grow along the
+    prompt, :func:`text_keys`)."""
 
     def cached_tokens(self, blocks: int) -> int:
         """Tokens an engine reports cached when it holds the first ``blocks`` blocks: vLLM always computes the
@@ -120,7 +122,18 @@ class BlockKeys:
         if self.kind == "tokens":
             limit = max(self.num_tokens - 1, 0) // self.block_size
             return min(blocks, limit) * self.block_size
-        return min(int(blocks * self.tokens_per_block), max(self.num_tokens - 1, 0))
+        if blocks <= 0 or not self.num_chars:
+            return 0
+        covered = self.ends[min(blocks, len(self.ends)) - 1]
+        return min(int(covered * self.num_tokens / self.num_chars), max(self.num_tokens - 1, 0))
+
+    def blocks_within(self, tokens: int) -> int:
+        """How many leading blocks ``tokens`` cached tokens cover (the inverse of :meth:`cached_tokens`)."""
+        if self.kind == "tokens":
+            return tokens // self.block_size
+        if not self.num_tokens or not self.num_chars:
+            return 0
+        return bisect.bisect_left(self.ends, (tokens + 1) * self.num_chars / self.num_tokens)
 
 
 def extra_key(entry: Sequence[Any]) -> int:
@@ -149,25 +162,54 @@ def block_keys(token_ids: Sequence[int], block_size: int, namespace: str = "",
 
 
 def text_keys(text: str, *, chunk_chars: int = DEFAULT_TEXT_CHUNK_CHARS, namespace: str = "",
-              num_tokens: int | None = None, chars_per_token: float = DEFAULT_CHARS_PER_TOKEN) -> BlockKeys:
-    """Fallback keys when no tokenizer is at hand: full chunks of ``chunk_chars`` characters of the rendered
-    prompt, chained with blake2b (stable across processes).  Only the approximate index can use them (engines
-    report token blocks).  ``num_tokens``: the prompt's token count if known, else ``len(text) /
-    chars_per_token``.  Accuracy: a chunk boundary is not a block boundary, so a shared prefix is credited to the
-    last full chunk it covers (up to ``chunk_chars`` characters less than the engine's hit).
+              num_tokens: int | None = None, chars_per_token: float = DEFAULT_CHARS_PER_TOKEN,
+              tokens_per_byte: float | None = None) -> BlockKeys:
+    """Fallback keys when no tokenizer is at hand: chunks of the rendered prompt's UTF-8 encoding, chained with
+    XXH3-64 (each chunk hashed with the previous key as its seed; stable across processes and replicas), as
+    unsigned 64-bit ints.  Only the approximate index can use them (engines report token blocks).
+
+    Chunks: ``chunk_chars`` bytes each for the first :data:`TEXT_GROWTH` chunks, then each one 1/TEXT_GROWTH of
+    the bytes before it (a chunk's bounds depend on its offset alone, so prompts that share a prefix share its
+    chunks; a partial last chunk has no key), so a prompt of ``n`` bytes has about ``16 + 16 ln(n / 4096)``
+    keys at the default sizes (85 for 250 KB, where fixed chunks had 1,000): hashing, the index's record and
+    query cost that many dict operations.  Accuracy: a chunk boundary is not a block boundary, so a shared prefix
+    is credited to the last full chunk it covers: up to ``chunk_chars`` bytes, or 1/TEXT_GROWTH of the prefix,
+    less than the engine's hit.  Cost: ~0.2 µs per chunk (``loadtest/request_cost_bench.py``).
+
+    ``num_tokens``: the prompt's token count if known, else ``bytes / chars_per_token``; ``tokens_per_byte``,
+    when given, sets it to ``bytes × tokens_per_byte`` (at least 1) instead (the engine's ratio, learnt from its
+    answers).
     """
     if chunk_chars < 1:
         raise ValueError(f"chunk_chars must be >= 1, got {chunk_chars}")
-    parent = namespace_root(namespace, "text").to_bytes(8, "big", signed=True)
+    data = text.encode("utf-8", "surrogatepass")
+    size = len(data)
+    seed = namespace_root(namespace, "text") & KEY_MASK
     keys: list[int] = []
-    step = chunk_chars
-    blake = hashlib.blake2b
-    for start in range(0, len(text) - step + 1, step):
-        chunk = text[start:start + step].encode("utf-8", "surrogatepass")
-        parent = blake(chunk, digest_size=8, key=parent).digest()
-        keys.append(int.from_bytes(parent, "big", signed=True))
-    estimate = num_tokens if num_tokens is not None else int(len(text) / chars_per_token)
-    return BlockKeys(keys, chunk_chars, estimate, namespace, "text", len(text))
+    ends: list[int] = []
+    view = memoryview(data)
+    xxh = xxh3_64_intdigest
+    start, step, floor = 0, chunk_chars, chunk_chars * TEXT_GROWTH
+    while start + step <= size:
+        end = start + step
+        seed = xxh(view[start:end], seed)
+        keys.append(seed)
+        ends.append(end)
+        start = end
+        if end >= floor:
+            step = end // TEXT_GROWTH
+    if tokens_per_byte:
+        estimate = max(1, round(size * tokens_per_byte))
+    else:
+        estimate = num_tokens if num_tokens is not None else int(size / chars_per_token)
+    return BlockKeys(keys, chunk_chars, estimate, namespace, "text", size, ends)
+
+
+def key_bytes(key: int) -> bytes:
+    """A block key (signed, as token keys are, or unsigned, as text keys are) as 8 big-endian bytes: the
+    two's complement of a negative key, so a signed key gives the bytes ``to_bytes(8, "big", signed=True)``
+    gives."""
+    return (key & KEY_MASK).to_bytes(8, "big")
 
 
 def rendezvous_order(key: int, endpoints: Iterable[str]) -> list[str]:
@@ -223,6 +265,16 @@ class _MaskTable:
             holders[key] = mask
         else:
             holders.pop(key, None)
+
+    def _release_many(self, keys: list[int], bit: int) -> None:
+        """:meth:`_release` of every key of ``keys``: C loops when this location was their only holder (a prompt
+        nobody else was sent), else one :meth:`_release` each."""
+        holders = self._holders
+        if list(map(holders.get, keys)).count(bit) == len(keys):
+            deque(map(holders.__delitem__, keys), maxlen=0)
+        else:
+            for key in keys:
+                self._release(key, bit)
 
     def _match_blocks(self, keys: Sequence[int], candidates: list[_Location]) -> dict[_Location, int]:
         """Leading blocks of ``keys`` each candidate holds (one dict lookup per block until none is left)."""
@@ -571,18 +623,27 @@ class ApproxPrefixIndex(_MaskTable):
         sent = loc.sent
         bit = loc.bit
         holders = self._holders
-        for key in reversed(keys.keys):  # head last = most recent: the tail goes first, as the engine frees it
-            if sent.pop(key, None) is None:
-                holders[key] = holders.get(key, 0) | bit
-            sent[key] = now
-        self.stats.recorded_blocks += len(keys.keys)
+        chain = keys.keys
+        # set and dict operations over the whole chain (C loops); Python loops only over the keys sent here before
+        # (a conversation's earlier turns) and those other endpoints hold (a shared prompt)
+        again = sent.keys() & chain
+        for key in again:
+            del sent[key]
+        sent.update(dict.fromkeys(reversed(chain), now))  # head last = most recent: the tail goes first, as the
+        fresh = set(chain)                                # engine frees it
+        fresh -= again
+        shared = fresh & holders.keys()
+        for key in shared:
+            holders[key] |= bit
+        fresh -= shared
+        holders.update(dict.fromkeys(fresh, bit))
+        self.stats.recorded_blocks += len(chain)
         self._expire(loc, now)
         cap = self._capacity.get(endpoint, self.default_capacity_blocks)
         if len(sent) > cap:
-            drop = [k for _i, k in zip(range(len(sent) - cap), sent, strict=False)]
-            for key in drop:
-                del sent[key]
-                self._release(key, bit)
+            drop = list(itertools.islice(sent, len(sent) - cap))
+            deque(map(sent.__delitem__, drop), maxlen=0)
+            self._release_many(drop, bit)
             self.stats.evicted_blocks += len(drop)
 
     def _expire(self, loc: _Location, now: float) -> None:
@@ -593,9 +654,8 @@ class ApproxPrefixIndex(_MaskTable):
             if at >= limit:
                 break
             old.append(key)
-        for key in old:
-            del sent[key]
-            self._release(key, loc.bit)
+        deque(map(sent.__delitem__, old), maxlen=0)
+        self._release_many(old, loc.bit)
         self.stats.expired_blocks += len(old)
 
     def match(self, keys: BlockKeys, endpoints: Iterable[str] | None = None) -> dict[str, int]:

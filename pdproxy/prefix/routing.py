@@ -16,8 +16,8 @@ ids of repeated blocks cached), else the engine's ``/tokenize``; the block keys
 ``prefix_keys: auto`` asks an engine's ``/tokenize`` only when some engine publishes KV events (precise routing
 needs the engine's own tokens; a round trip per request); otherwise, and with ``prefix_keys: text``, the prompt is
 rendered canonically (:func:`render_text`: tools, then each message's role and content) and hashed in fixed
-character chunks (:func:`~pdproxy.prefix.index.text_keys`), which only the approximate index understands; their
-token figures use the engine's tokens per character as its answers show them (before the first answer:
+byte chunks (:func:`~pdproxy.prefix.index.text_keys`), which only the approximate index understands; their
+token figures use the engine's tokens per byte as its answers show them (before the first answer:
 admission's estimate).
 
 **Modes** (``prefix_routing``), per endpoint: ``auto`` — precise where the endpoint's KV event publisher is live
@@ -44,7 +44,7 @@ import contextlib
 import functools
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -56,13 +56,17 @@ from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.control import EngineInfo
 from pdproxy.engines.pool import EndpointPool
 from pdproxy.prefix.cache import Prediction, PrefixCache
-from pdproxy.prefix.index import BlockKeys, block_keys, text_keys
+from pdproxy.prefix.index import BlockKeys, block_keys, key_bytes, text_keys
 from pdproxy.scheduling import NO_HINTS, PrefixHints
 from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext
 
 DEFAULT_BLOCK_SIZE = 16
 """Block size (tokens) assumed for an engine that has not said (``vllm:cache_config_info``): vLLM's default."""
+
+TEXT_KEYS_INLINE_BYTES = 1 << 20
+"""Text keys of request bodies up to this size are hashed on the event loop (~60 µs for 250 KB: less than the
+hop to a worker thread and back); larger ones in the admission's worker threads."""
 
 KeyKind = Literal["tokens", "text"]
 
@@ -107,7 +111,7 @@ class PrefixLookup:
     """One request's prefix view: ``keys`` per block size (token keys) or under its chunk size (text keys),
     ``kind``, ``predictions`` per endpoint name (those considered), ``block_sizes`` per endpoint name, ``hints``
     for the scheduler and ``token_count``: the prompt's length in the engine's tokens — exact from token ids, or
-    for text keys estimated at the engine's tokens per character once learnt — else None."""
+    for text keys estimated at the engine's tokens per byte once learnt — else None."""
 
     keys: dict[int, BlockKeys]
     kind: KeyKind
@@ -139,16 +143,19 @@ class InflightPrefixes:
         self._answered: deque[tuple[float, str, Sequence[int]]] = deque()
         self._flying = 0
 
-    def _take(self, endpoint: str, keys: Iterable[int]) -> None:
+    def _take(self, endpoint: str, keys: Sequence[int]) -> None:
         held = self._held.get(endpoint)
         if held is None:
             return
-        for k in keys:
-            n = held.get(k, 0) - 1
-            if n > 0:
-                held[k] = n
-            else:
-                held.pop(k, None)
+        if len(held.keys() & keys) == len(keys) and max(map(held.__getitem__, keys), default=0) == 1:
+            deque(map(held.__delitem__, keys), maxlen=0)     # held once each (the common case): C loops only
+        else:
+            for k in keys:
+                n = held.get(k, 0) - 1
+                if n > 0:
+                    held[k] = n
+                else:
+                    held.pop(k, None)
         if not held:
             del self._held[endpoint]
 
@@ -161,8 +168,10 @@ class InflightPrefixes:
     def add(self, endpoint: str, keys: BlockKeys) -> None:
         """``keys``' prompt is being prefilled on ``endpoint``."""
         held = self._held.setdefault(endpoint, {})
-        for k in keys.keys:
-            held[k] = held.get(k, 0) + 1
+        counts = dict.fromkeys(keys.keys, 1)              # C loops; Python only for the keys already held there
+        for k in held.keys() & counts.keys():
+            counts[k] = held[k] + 1
+        held.update(counts)
         self._flying += 1
 
     def remove(self, endpoint: str, keys: BlockKeys, *, answered: bool = False) -> None:
@@ -228,8 +237,8 @@ class PrefixRouter:
         self.engine_ids = bool(settings.kv_events) and settings.prefix_routing in ("auto", "precise")
         self.inflight = InflightPrefixes()
         cache.on_drop(self.inflight.drop)   # the engine's word (cleared, restarted, evicted) ends settling credit
-        self.tokens_per_char: dict[str, float] = {}
-        """Text keys: per model, the engine's prompt tokens per rendered character, learnt from the prefillers'
+        self.tokens_per_byte: dict[str, float] = {}
+        """Text keys: per model, the engine's prompt tokens per rendered UTF-8 byte, learnt from the prefillers'
         answers (``usage.prompt_tokens``; a moving average), so a text prediction is in the engine's tokens."""
 
     # ---- per endpoint
@@ -295,19 +304,18 @@ class PrefixRouter:
             view, chat, _special = req.count_view()
             text_namespace = namespace if salt is None else f"{namespace}\0cache_salt\0{salt}"
             derive_text = functools.partial(self._text_keys, view, chat, text_namespace, req.prompt_tokens,
-                                            self.tokens_per_char.get(req.model or ""))
-            tk = await self.admission.offload(derive_text, size=len(req.raw))
-            calibrated = tk.num_tokens if (req.model or "") in self.tokens_per_char else None
+                                            self.tokens_per_byte.get(req.model or ""))
+            tk = derive_text() if len(req.raw) <= TEXT_KEYS_INLINE_BYTES else await self.admission.offload(
+                derive_text, size=len(req.raw))
+            calibrated = tk.num_tokens if (req.model or "") in self.tokens_per_byte else None
             lookup = PrefixLookup({tk.block_size: tk}, "text", block_sizes=sizes, token_count=calibrated)
         self._predict(lookup, targets)
         return lookup
 
     def _text_keys(self, body: dict[str, Any], chat: bool, namespace: str, tokens: int | None,
-                   per_char: float | None) -> BlockKeys:
-        text = render_text(body, chat)
-        if per_char:
-            tokens = max(1, round(len(text) * per_char))
-        return text_keys(text, chunk_chars=self.text_chunk_chars, namespace=namespace, num_tokens=tokens)
+                   per_byte: float | None) -> BlockKeys:
+        return text_keys(render_text(body, chat), chunk_chars=self.text_chunk_chars, namespace=namespace,
+                         num_tokens=tokens, tokens_per_byte=per_byte)
 
     def _predict(self, lookup: PrefixLookup, targets: Sequence[tuple[Endpoint, bool, bool]]) -> None:
         groups: dict[tuple[int, bool, bool], list[Endpoint]] = {}
@@ -350,9 +358,8 @@ class PrefixRouter:
         if keys is None or not keys.keys or not prefillers:
             return None
         common = min(cached.get(e, 0) for e in prefillers)
-        per_block = keys.tokens_per_block
-        index = min(int(common / per_block + 1e-6) if per_block else 0, len(keys.keys) - 1)
-        return keys.keys[index].to_bytes(8, "big", signed=True)
+        index = min(keys.blocks_within(common), len(keys.keys) - 1)
+        return key_bytes(keys.keys[index])
 
     async def hints(self, req: ProxyRequest, ctx: RequestContext) -> PrefixHints:
         """The scheduler's hints for ``req`` (:data:`~pdproxy.scheduling.NO_HINTS` when ``prefix_routing`` is
@@ -402,8 +409,8 @@ class PrefixRouter:
         if keys is not None and keys.kind == "text" and keys.num_chars and ctx.engine_prompt_tokens:
             seen = ctx.engine_prompt_tokens / keys.num_chars
             model = req.model or ""
-            last = self.tokens_per_char.get(model)
-            self.tokens_per_char[model] = seen if last is None else 0.8 * last + 0.2 * seen
+            last = self.tokens_per_byte.get(model)
+            self.tokens_per_byte[model] = seen if last is None else 0.8 * last + 0.2 * seen
 
     async def explain(self, req: ProxyRequest, ctx: RequestContext) -> dict[str, Any]:
         """``GET/POST /debug/prefix``: which endpoint holds how much of ``req``'s prompt, as a plain dict."""

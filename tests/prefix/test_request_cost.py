@@ -1,0 +1,193 @@
+"""In process: the per-request shortcuts of prefix routing and admission give what the plain computations gave.
+
+Text keys (XXH3-chained chunks that grow along the prompt) keep a shared prefix's keys and only its keys; the
+approximate index's bulk record, the in-flight counts' bulk add and take, and the tools' size from orjson's
+rendering each equal the one-at-a-time reference they replaced (property tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdproxy.admission.bounds import indented_json_bytes, prompt_bounds, utf8_len
+from pdproxy.prefix.index import TEXT_GROWTH, ApproxPrefixIndex, BlockKeys, key_bytes, text_keys
+from pdproxy.prefix.routing import InflightPrefixes
+
+pytestmark = pytest.mark.timeout(60)
+
+E, F = "http://e:1", "http://f:1"
+
+
+def test_text_chunks_grow_with_their_offset_and_stay_few() -> None:
+    keys = text_keys("word " * 55_000, chunk_chars=256)                    # 275 KB
+    sizes = [b - a for a, b in zip([0, *keys.ends], keys.ends, strict=False)]
+    assert sizes[:TEXT_GROWTH] == [256] * TEXT_GROWTH
+    assert all(size == start // TEXT_GROWTH for start, size in zip(keys.ends, sizes[1:], strict=False)
+               if start >= 256 * TEXT_GROWTH)
+    assert len(keys.keys) < 100 and keys.ends[-1] <= keys.num_chars == 275_000
+    assert text_keys("é" * 100, chunk_chars=64).num_chars == 200                # bytes, not characters
+
+
+def test_text_keys_do_not_depend_on_the_process() -> None:
+    code = "from pdproxy.prefix.index import text_keys; print(text_keys('abc ' * 2000, namespace='x').keys)"
+    outs = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
+                           capture_output=True, text=True, check=True).stdout for seed in ("0", "1")}
+    assert len(outs) == 1 and outs.pop().strip() == str(text_keys("abc " * 2000, namespace="x").keys)
+
+
+@settings(max_examples=150, deadline=None)
+@given(shared=st.text(min_size=0, max_size=6000), a=st.text(min_size=1, max_size=3000),
+       b=st.text(min_size=1, max_size=3000), chunk=st.sampled_from([1, 7, 64, 256]))
+def test_text_keys_share_exactly_the_chunks_of_a_shared_prefix(shared: str, a: str, b: str, chunk: int) -> None:
+    if a[0] == b[0]:
+        b = chr((ord(a[0]) + 1) % 0xD800) + b[1:]
+    ka, kb = text_keys(shared + a, chunk_chars=chunk), text_keys(shared + b, chunk_chars=chunk)
+    da, db = ((shared + x).encode("utf-8", "surrogatepass") for x in (a, b))
+    common = next((i for i, (x, y) in enumerate(zip(da, db, strict=False)) if x != y), min(len(da), len(db)))
+    inside = sum(1 for end in ka.ends if end <= common)          # chunks wholly inside the shared bytes
+    assert ka.keys[:inside] == kb.keys[:inside] and ka.ends[:inside] == kb.ends[:inside]
+    diverged = min(len(ka.keys), len(kb.keys))
+    if inside < diverged and ka.ends[inside] == kb.ends[inside]:
+        assert ka.keys[inside] != kb.keys[inside]                 # the chunk holding the first different byte
+    assert text_keys(shared + a, chunk_chars=chunk, namespace="lora").keys[:1] != ka.keys[:1] or not ka.keys
+
+
+@settings(max_examples=100, deadline=None)
+@given(size=st.integers(0, 300_000), tokens=st.integers(1, 100_000))
+def test_text_cached_tokens_and_blocks_within_are_inverse(size: int, tokens: int) -> None:
+    keys = text_keys("x" * size, num_tokens=tokens)
+    for blocks in range(len(keys.keys) + 1):
+        cached = keys.cached_tokens(blocks)
+        assert cached <= max(tokens - 1, 0)
+        if cached < tokens - 1:                                  # the most blocks that cover no more than it
+            within = keys.blocks_within(cached)
+            assert within >= blocks and keys.cached_tokens(within) == cached
+            assert within == len(keys.keys) or keys.cached_tokens(within + 1) > cached
+
+
+def test_key_bytes_are_the_signed_bytes_of_a_signed_key() -> None:
+    for key in (0, 1, -1, -(1 << 63), (1 << 63) - 1, 123456789):
+        assert key_bytes(key) == key.to_bytes(8, "big", signed=True)
+    assert key_bytes((1 << 64) - 1) == b"\xff" * 8
+
+
+# ---------------------------------------------------------------------------------------------- bulk = one by one
+def reference_record(sent: dict[int, float], holders: dict[int, int], bit: int, chain: list[int],
+                     now: float, cap: int) -> None:
+    """The approximate index's record, one key at a time (the code the bulk version replaced)."""
+    for key in reversed(chain):
+        if sent.pop(key, None) is None:
+            holders[key] = holders.get(key, 0) | bit
+        sent[key] = now
+    while len(sent) > cap:
+        key = next(iter(sent))
+        del sent[key]
+        mask = holders.get(key, 0) & ~bit
+        if mask:
+            holders[key] = mask
+        else:
+            holders.pop(key, None)
+
+
+chains = st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from([E, F]), chains), min_size=1, max_size=12),
+       cap=st.integers(3, 30))
+def test_bulk_record_equals_one_key_at_a_time(ops: list[tuple[str, list[int]]], cap: int) -> None:
+    approx = ApproxPrefixIndex(default_capacity_blocks=cap, ttl_s=1e9, clock=lambda: 5.0)
+    sent: dict[str, dict[int, float]] = {E: {}, F: {}}
+    holders: dict[int, int] = {}
+    bits: dict[str, int] = {}
+    for endpoint, chain in ops:
+        approx.record(endpoint, BlockKeys(chain, 4, 4 * len(chain) + 1))
+        loc = approx._loc(endpoint, "tokens", 4)
+        bits[endpoint] = loc.bit
+        reference_record(sent[endpoint], holders, loc.bit, chain, 5.0, cap)
+        assert list(loc.sent) == list(sent[endpoint])              # same keys, same LRU order
+        assert approx._holders == holders
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "fail", "answer", "drop"]), st.sampled_from([E, F]), chains),
+                    min_size=1, max_size=16))
+def test_inflight_counts_equal_one_key_at_a_time(ops: list[tuple[str, str, list[int]]]) -> None:
+    clock = [0.0]
+    flying = InflightPrefixes(settle_s=100.0, clock=lambda: clock[0])
+    counts: dict[str, dict[int, int]] = {E: {}, F: {}}
+    added: list[tuple[str, BlockKeys]] = []
+    settling: list[tuple[str, list[int]]] = []
+
+    def take(endpoint: str, keys: list[int]) -> None:
+        for k in keys:
+            counts[endpoint][k] -= 1
+            if not counts[endpoint][k]:
+                del counts[endpoint][k]
+
+    for op, endpoint, chain in ops:
+        keys = BlockKeys(chain, 4, 4 * len(chain) + 1)
+        if op == "add":
+            flying.add(endpoint, keys)
+            added.append((endpoint, keys))
+            for k in chain:
+                counts[endpoint][k] = counts[endpoint].get(k, 0) + 1
+        elif op in ("fail", "answer") and added:
+            endpoint, keys = added.pop(0)
+            flying.remove(endpoint, keys, answered=op == "answer")
+            if op == "fail":
+                take(endpoint, keys.keys)
+            else:
+                settling.append((endpoint, list(keys.keys)))
+        elif op == "drop":
+            flying.drop(endpoint, frozenset(chain))
+            kept = []
+            for name, held in settling:
+                cut = next((i for i, k in enumerate(held) if k in chain), len(held)) if name == endpoint else len(held)
+                take(name, held[cut:])
+                if cut:
+                    kept.append((name, held[:cut]))
+            settling = kept
+        clock[0] += 1.0
+        assert flying._held == {e: c for e, c in counts.items() if c}          # the same counts, key by key
+    clock[0] += 1000.0                                             # every answered prompt settled and gone
+    while added:
+        endpoint, keys = added.pop()
+        flying.remove(endpoint, keys)
+    assert flying.match(BlockKeys([1, 2, 3], 4, 13), E) == 0 and not flying._held and len(flying) == 0
+
+
+# ---------------------------------------------------------------------------------------------- admission bounds
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 63) - 1) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=json_values)
+def test_tools_size_is_pythons_indented_json(value: Any) -> None:
+    assert indented_json_bytes(value) == utf8_len(json.dumps(value, indent=4, ensure_ascii=False))
+
+
+@settings(max_examples=50, deadline=None)
+@given(value=st.lists(st.floats(allow_nan=False, allow_infinity=False), max_size=6))
+def test_tools_size_with_floats_is_an_upper_bound(value: list[float]) -> None:
+    assert indented_json_bytes(value) >= utf8_len(json.dumps(value, indent=4, ensure_ascii=False)) - 2 * len(value)
+
+
+def test_the_upper_bound_needs_no_word_count() -> None:
+    body: dict[str, Any] = {"messages": [{"role": "system", "content": "be brief " * 500},
+                                         {"role": "user", "content": "a b c d e f"}],
+                            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"x": [1.5]}}}]}
+    full, cheap = prompt_bounds(body, True, template_overhead=64), prompt_bounds(body, True, template_overhead=64,
+                                                                                 lower=False)
+    assert cheap.upper == full.upper and cheap.lower == 0 < full.lower
+    assert cheap.text_bytes == full.text_bytes
