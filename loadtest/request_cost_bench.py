@@ -23,6 +23,11 @@ order the request path runs them (``pdproxy/app/application.py`` → ``pdproxy/p
 
 and ``total`` (all of them, in one asyncio task, the worker-thread hops included).  ``--profile STEP`` prints
 cProfile's top functions of one step.  Run: ``python -m loadtest.request_cost_bench [--runs 200] [--json FILE]``.
+
+``--full-index``: instead, the approximate index's ``record`` (its expiry and eviction walk ``sent`` from the
+head) once the endpoint's entries are at capacity (65,536 keys, 60-key chains, the ``short``/``agent`` churn),
+with ``sent`` as the index keeps it (an ``OrderedDict``) and as a plain dict (what it was): mean and worst µs
+per record (CPU time, ``time.process_time``).  A plain dict's head walk passes every slot deleted since its last resize.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import pstats
 import random
 import statistics
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -43,6 +49,7 @@ import orjson
 from pdproxy.apis import kv_transfer
 from pdproxy.apis.request import Api, ProxyRequest, parse_request
 from pdproxy.app.state import ProxyState
+from pdproxy.prefix.index import ApproxPrefixIndex, BlockKeys
 from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext, new_request_id
 
@@ -261,6 +268,28 @@ async def profile(kind: str, step: str, runs: int) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
+def full_index(runs: int, capacity: int = 65536, chain: int = 60) -> dict[str, dict[str, float]]:
+    """µs per ``ApproxPrefixIndex.record`` of a fresh ``chain``-key prompt on an endpoint held at ``capacity``
+    keys (after 3× capacity of churn), per container of ``sent``: ``{"OrderedDict"|"dict": {mean, p50, max}}``."""
+    out: dict[str, dict[str, float]] = {}
+    for name, container in (("OrderedDict", OrderedDict), ("dict", dict)):
+        approx = ApproxPrefixIndex(default_capacity_blocks=capacity, ttl_s=1e9, clock=lambda: 1.0)
+        loc = approx._loc("http://e:1", "text", 256)
+        loc.sent = container()  # type: ignore[assignment]
+        key = 0
+        times = []
+        for i in range(3 * capacity // chain + runs):
+            keys = BlockKeys(list(range(key, key + chain)), 256, chain * 64, kind="text")
+            key += chain
+            started = time.process_time()
+            approx.record("http://e:1", keys)
+            if i >= 3 * capacity // chain:
+                times.append(time.process_time() - started)
+        out[name] = {"mean": round(statistics.fmean(times) * 1e6, 1),
+                     "p50": round(statistics.median(times) * 1e6, 1), "max": round(max(times) * 1e6, 1)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=150)
@@ -268,7 +297,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-routing", nargs="+", default=["auto", "off"])
     ap.add_argument("--profile", metavar="STEP", choices=STEPS[1:])
     ap.add_argument("--json", help="write the figures to this file")
+    ap.add_argument("--full-index", action="store_true", help="time the approximate index's record at capacity")
     args = ap.parse_args(argv)
+    if args.full_index:
+        figures = full_index(max(args.runs, 2000))
+        print("µs per approximate-index record at capacity (65,536 keys, 60-key chains)")
+        for name, row in figures.items():
+            print(f"sent as {name:12} mean {row['mean']:>8.1f}  p50 {row['p50']:>8.1f}  max {row['max']:>8.1f}")
+        return 0
     if args.profile:
         for kind in args.kinds:
             print(f"== {kind}: {args.profile}")

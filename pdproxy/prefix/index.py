@@ -34,7 +34,7 @@ import functools
 import hashlib
 import itertools
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -231,8 +231,11 @@ class _Location:
     block_size: int | None = None
     engine: dict[EngineHash, int | None] = field(default_factory=dict)
     """Precise: engine hash → own key (None: an orphan, whose parent chain is unknown), in store order."""
-    sent: dict[int, float] = field(default_factory=dict)
-    """Approximate: own key → last time sent, oldest first."""
+    sent: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    """Approximate: own key → last time sent, oldest first.  An ``OrderedDict`` because the index reads it from
+    the head (expiry, eviction) after deleting there: a plain dict leaves a deleted entry's slot in place until it
+    resizes, so its first live item sits behind every key deleted since (up to the whole capacity, ms per walk);
+    the ``OrderedDict``'s linked list reaches it in O(1) (``loadtest/request_cost_bench.py --full-index``)."""
 
 
 class _MaskTable:

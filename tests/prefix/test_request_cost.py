@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import OrderedDict
 from typing import Any
 
 import pytest
@@ -114,6 +115,44 @@ def test_bulk_record_equals_one_key_at_a_time(ops: list[tuple[str, list[int]]], 
         reference_record(sent[endpoint], holders, loc.bit, chain, 5.0, cap)
         assert list(loc.sent) == list(sent[endpoint])              # same keys, same LRU order
         assert approx._holders == holders
+
+
+def reference_expire(sent: dict[int, float], holders: dict[int, int], bit: int, limit: float) -> None:
+    """The approximate index's expiry, one key at a time: keys sent before ``limit`` leave, oldest first."""
+    while sent and next(iter(sent.values())) < limit:
+        key = next(iter(sent))
+        del sent[key]
+        mask = holders.get(key, 0) & ~bit
+        if mask:
+            holders[key] = mask
+        else:
+            holders.pop(key, None)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from([E, F]), chains, st.integers(0, 3)), min_size=1, max_size=20),
+       cap=st.integers(3, 12))
+def test_a_churned_index_keeps_lru_and_ttl_order(ops: list[tuple[str, list[int], int]], cap: int) -> None:
+    """Past capacity (every record deletes at the head) and with time moving on (expiry deletes at the head too),
+    the index keeps the reference's keys in the reference's order, and ``sent``'s head is an O(1) read (an
+    ``OrderedDict``: a plain dict walks every deleted slot before its first live key)."""
+    clock = [0.0]
+    approx = ApproxPrefixIndex(default_capacity_blocks=cap, ttl_s=4.0, clock=lambda: clock[0])
+    sent: dict[str, dict[int, float]] = {E: {}, F: {}}
+    holders: dict[int, int] = {}
+    for endpoint, chain, step in ops:
+        clock[0] += step
+        approx.record(endpoint, BlockKeys(chain, 4, 4 * len(chain) + 1))
+        loc = approx._loc(endpoint, "tokens", 4)
+        reference_record(sent[endpoint], holders, loc.bit, chain, clock[0], 10**9)
+        reference_expire(sent[endpoint], holders, loc.bit, clock[0] - 4.0)
+        reference_record(sent[endpoint], holders, loc.bit, [], clock[0], cap)
+        assert isinstance(loc.sent, OrderedDict)
+        assert list(loc.sent.items()) == list(sent[endpoint].items())
+        assert approx._holders == holders
+    clock[0] += 5.0
+    approx.match(BlockKeys([1], 4, 5))                              # a query expires every location
+    assert approx.entries() == 0 and approx._holders == {}
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
