@@ -140,10 +140,9 @@ class ChatUsage:
             block = self._detect(block, prev)
             if not block:
                 return block
-        if block.find(b'"completion_tokens"') >= 0:
-            n = completion_tokens_in(block)
-            if n is not None:
-                self.ctx.completion_tokens = n
+        n = completion_tokens_in(block)  # searched from the end, where the usage chunk is
+        if n is not None:
+            self.ctx.completion_tokens = n
         return _patch_block(block, self.cached, self.strip) if self.patch else block
 
     def ending(self, block: bytes, prev: bytes) -> bytes:
@@ -208,10 +207,9 @@ class ContinueTranscript:
 
     def feed(self, block: bytes, prev: bytes = b"") -> bytes:
         """The rewritten events for the client."""
-        if block.find(b'"completion_tokens"') >= 0:
-            n = completion_tokens_in(block)
-            if n is not None:
-                self.ctx.completion_tokens = n + self.transcript.completion_tokens
+        n = completion_tokens_in(block)
+        if n is not None:
+            self.ctx.completion_tokens = n + self.transcript.completion_tokens
         if self.recomputed:
             self.transcript.rewrite(block, keep_usage=self.keep_usage)  # accounting only
             return b""

@@ -427,10 +427,18 @@ _COMPLETION_TOKENS_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
 
 def completion_tokens_in(data: bytes) -> int | None:
-    """The last ``usage.completion_tokens`` figure in a JSON document or a block of SSE events, without parsing
-    (one regex scan; callers check ``b'"completion_tokens"' in data`` first).  None when absent."""
-    found = _COMPLETION_TOKENS_RE.findall(data)
-    return int(found[-1]) if found else None
+    """The last ``usage.completion_tokens`` figure in a JSON document or a block of SSE events, without parsing.
+    None when absent.  Searched from the end (``rfind``, then the figure matched in place): usage is the last
+    chunk before ``[DONE]``, so a block of a whole answer costs a few bytes' search, not a scan of its events
+    (``bytes.find`` of a key ending in ``"`` crawls through JSON, where ``"`` is everywhere)."""
+    end = len(data)
+    match = _COMPLETION_TOKENS_RE.match
+    while (at := data.rfind(b'"completion_tokens"', 0, end)) >= 0:
+        found = match(data, at)
+        if found is not None:
+            return int(found[1])
+        end = at
+    return None
 
 
 def patch_usage(obj: dict[str, Any], cached_tokens: int | None) -> bool:

@@ -2,12 +2,14 @@
 
 Text keys (XXH3-chained chunks that grow along the prompt) keep a shared prefix's keys and only its keys; the
 approximate index's bulk record, the in-flight counts' bulk add and take, and the tools' size from orjson's
-rendering each equal the one-at-a-time reference they replaced (property tests)."""
+rendering, and the usage figure searched from a block's end, each equal the one-at-a-time (or whole-scan)
+reference they replaced (property tests)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import OrderedDict
@@ -18,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdproxy.admission.bounds import indented_json_bytes, prompt_bounds, utf8_len
+from pdproxy.apis.request import completion_tokens_in
 from pdproxy.prefix.index import TEXT_GROWTH, ApproxPrefixIndex, BlockKeys, key_bytes, text_keys
 from pdproxy.prefix.routing import InflightPrefixes
 
@@ -230,3 +233,17 @@ def test_the_upper_bound_needs_no_word_count() -> None:
                                                                                  lower=False)
     assert cheap.upper == full.upper and cheap.lower == 0 < full.lower
     assert cheap.text_bytes == full.text_bytes
+
+
+# ----------------------------------------------------------------------- usage figure, searched from the end
+usage_piece = st.sampled_from([b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n', b'"completion_tokens": 7',
+                               b'"completion_tokens":12}', b'"completion_tokens": null', b'"completion_tokens"',
+                               b'"completion_tokens" :  345', b'data: [DONE]\n\n', b':', b' ', b'9'])
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(usage_piece, max_size=10))
+def test_completion_tokens_from_the_end_equal_the_last_of_a_whole_scan(pieces: list[bytes]) -> None:
+    data = b"".join(pieces)
+    found = re.findall(rb'"completion_tokens"\s*:\s*(\d+)', data)
+    assert completion_tokens_in(data) == (int(found[-1]) if found else None)
