@@ -16,7 +16,7 @@ import enum
 import ipaddress
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 DP_RANK_HEADER = "X-data-parallel-rank"
@@ -42,11 +42,24 @@ class Endpoint:
     role: Role
     dp_rank: int | None = None
     internal_dp: bool = False
+    name: str = field(init=False, repr=False, compare=False)
+    """Display / metrics label: the URL, plus ``#dp<rank>`` for an internal-DP rank (computed once: the request
+    path reads it many times per request)."""
+    _hash: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def name(self) -> str:
-        """Display / metrics label: the URL, plus ``#dp<rank>`` for an internal-DP rank."""
-        return f"{self.url}#dp{self.dp_rank}" if self.internal_dp else self.url
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", f"{self.url}#dp{self.dp_rank}" if self.internal_dp else self.url)
+        object.__setattr__(self, "_hash", hash((self.url, self.role, self.dp_rank, self.internal_dp)))
+
+    def __hash__(self) -> int:
+        """The hash of the compared fields, computed once (an endpoint keys the pool's, health's, limits' and the
+        ledger's dicts: several lookups per filter per request)."""
+        return self._hash
+
+    def __reduce__(self) -> tuple[type[Endpoint], tuple[str, Role, int | None, bool]]:
+        """Pickled as its constructor's arguments: the cached hash is recomputed in the receiving process
+        (``hash(str)`` is salted per process)."""
+        return (Endpoint, (self.url, self.role, self.dp_rank, self.internal_dp))
 
     @property
     def host(self) -> str:

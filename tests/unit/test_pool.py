@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import pickle
 import random
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdproxy.endpoints import Role, expand
+from pdproxy.endpoints import Endpoint, Role, expand
 from pdproxy.engines.pool import EndpointPool
 from pdproxy.errors import NoEndpointAvailable
 from pdproxy.scheduling import PickRequest, Scheduler
@@ -27,6 +32,24 @@ def test_lease_released_on_return_exception_and_early_release() -> None:
         raise RuntimeError
     assert pool.idle()
     assert pool.load(P[0]).leased_total == pool.load(P[0]).released_total == 1
+
+
+def test_an_endpoint_keys_dicts_by_value_with_its_name_and_hash_computed_once() -> None:
+    """Equal fields = equal endpoints, whatever object: the same dict slot; ``name`` and the hash are computed at
+    construction, also for a copy by ``dataclasses.replace``; a pickled endpoint, read in another process (another
+    ``hash(str)`` salt), still finds its slot there."""
+    a = Endpoint("http://h:1", Role.DECODE, 2, internal_dp=True)
+    b = Endpoint("http://h:1", Role.DECODE, 2, internal_dp=True)
+    assert a == b and hash(a) == hash(b) and {a: 1}[b] == 1 and a.name == "http://h:1#dp2"
+    c = dataclasses.replace(a, dp_rank=3)
+    assert c.name == "http://h:1#dp3" and c != a and {a: 1}.get(c) is None
+    assert Endpoint("http://h:1", Role.PREFILL).name == "http://h:1" != a
+    assert "_hash" not in repr(a) and pickle.loads(pickle.dumps(a)) == a
+    code = ("import pickle, sys; from pdproxy.endpoints import Endpoint, Role; e = pickle.loads(sys.stdin.buffer.read()); "
+            "print({Endpoint('http://h:1', Role.DECODE, 2, internal_dp=True): 'found'}.get(e), e.name)")
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(a), capture_output=True, timeout=30,
+                         env={**os.environ, "PYTHONHASHSEED": "random"}, check=True)
+    assert out.stdout.decode().split() == ["found", "http://h:1#dp2"]
 
 
 def test_internal_dp_expansion_sets_rank_header() -> None:
