@@ -240,10 +240,17 @@ class PrefillLedger:
         self._listeners: list[Callable[[], None]] = []
         self.long_tokens = 1 << 62
         self._long: dict[Endpoint, int] = {}
+        self._long_total = 0
 
     def add_long(self, endpoint: Endpoint, prefills: int) -> None:
         """Add (or remove) long prefills in flight on ``endpoint`` (:class:`PrefillSlot` does)."""
         self._long[endpoint] = self._long.get(endpoint, 0) + prefills
+        self._long_total += prefills
+
+    @property
+    def any_long_prefills(self) -> bool:
+        """True when some prefiller has a long prefill in flight (:meth:`long_prefills` > 0 for one at least)."""
+        return self._long_total > 0
 
     def long_prefills(self, endpoint: Endpoint) -> int:
         """Prefills of at least ``long_tokens`` uncached tokens dispatched to ``endpoint`` and not answered yet (this
@@ -412,6 +419,8 @@ class PrefillQueue:
         behind which a small prompt would wait (vLLM runs a chunked prefill to its end before newer requests).  Many
         small prefills in flight are not long work, however many tokens they add up to.  False when no prefiller
         could take it (routing will tell)."""
+        if not self.ledger.any_long_prefills:  # the common case: no filtering needed to say no
+            return False
         candidates = self.scheduler.eligible(Role.PREFILL, request or PickRequest(), capacity=False)
         long_prefills = self.ledger.long_prefills
         return bool(candidates) and all(long_prefills(e) > 0 for e in candidates)

@@ -176,3 +176,24 @@ async def test_kv_pool_is_the_budget_when_smaller_and_an_idle_prefiller_takes_an
         a.prefill_done()                                             # no lease taken: the answer frees it
         assert (await waiter).endpoint == P
     assert q.idle()
+
+
+async def test_congested_filters_only_while_a_long_prefill_is_in_flight() -> None:
+    """``congested`` is asked on every request: with no long prefill anywhere it answers False without running
+    the filters; with one in flight on the only prefiller it filters and says True; after it ends, False again
+    without filtering."""
+    q = make_queue(budget=100_000)
+    eligible = q.scheduler.eligible
+    calls: list[Role] = []
+
+    def counted(role: Role, *args: object, **kwargs: object) -> list[Endpoint]:
+        calls.append(role)
+        return eligible(role, *args, **kwargs)  # type: ignore[arg-type]
+
+    q.scheduler.eligible = counted  # type: ignore[method-assign]
+    assert not q.congested() and calls == []
+    async with q.slot(20_000, 20_001) as slot:                       # 20,000 uncached tokens >= busy_tokens
+        assert q.congested() and calls == [Role.PREFILL]
+        slot.prefill_done()
+    assert not q.ledger.any_long_prefills
+    assert not q.congested() and calls == [Role.PREFILL]
