@@ -12,9 +12,12 @@ import httpx
 import openai
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Histogram
 
 from pdproxy.errors import BadRequest, NoEndpointAvailable, Overloaded, PromptTooLong, UpstreamHTTPError
-from pdproxy.ops.metrics import PHASES, ProxyMetrics, rejection_of
+from pdproxy.ops.metrics import PHASES, ProxyMetrics, _observe, rejection_of
 from pdproxy.timeline import RequestContext, Timeline
 from tests.conftest import Fleet
 from tests.ops.promtext import Samples, scrape
@@ -175,3 +178,26 @@ def test_observe_computes_ttft_itl_tpot_and_phases() -> None:
     # one registry per app: a second app does not share (or collide with) the first one's series
     other = Samples(ProxyMetrics(lambda: None).render().decode())
     assert other.value("pdproxy_requests_total", api="chat", status="200", outcome="ok") == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([0.005, 0.25, 1.0, 10.0]),
+                       max_size=20))
+def test_bisected_observe_stores_what_histogram_observe_stores(values: list[float]) -> None:
+    """The request path's histogram observe (bucket by bisection) leaves the same samples as prometheus_client's
+    own ``observe``, bucket bounds, infinities and NaN included."""
+    reg = CollectorRegistry()
+    bounds = (0.005, 0.05, 0.25, 1.0, 10.0)
+    ours = Histogram("ours", "x", ("api",), buckets=bounds, registry=reg).labels("chat")
+    theirs = Histogram("theirs", "x", ("api",), buckets=bounds, registry=reg).labels("chat")
+    for v in values:
+        _observe(ours, v)
+        theirs.observe(v)
+
+    def samples(name: str) -> list[tuple[str, dict[str, str], float]]:
+        return [(x.name.removeprefix(name), x.labels, x.value) for m in reg.collect() if m.name == name
+                for x in m.samples if not x.name.endswith("_created")]
+
+    got, want = samples("ours"), samples("theirs")
+    assert [(n, lab) for n, lab, _v in got] == [(n, lab) for n, lab, _v in want]
+    assert [v for _n, _l, v in got] == pytest.approx([v for _n, _l, v in want], nan_ok=True)
