@@ -214,7 +214,7 @@ class Resume:
     # --- the rare path: read what was delivered ---------------------------------------------------------------
     def read_transcript(self) -> None:
         """Parse the first leg's record (``blocks``, in order: ids of token-chunk blocks and whole blocks) into the
-        state above; ``last_block`` only adds whether a finish reason was delivered."""
+        state above; ``last_block`` only adds whether a finish reason was delivered (its ids are in the record)."""
         blocks, self.blocks = self.blocks, []
         for block in blocks:
             if not block[:1].isalpha() and block[:1] != b":":   # a block's ids (RecordIds): "5,6,7"
@@ -385,14 +385,15 @@ class RecordIds:
     cannot hold an unescaped ``"``, so a false hit only sends the block the general way) is kept whole instead, so
     that :meth:`Resume.refusal` still sees it.  The general path (every other block) is the rule above."""
 
-    __slots__ = ("blocks", "error", "fast", "keep", "lost", "resume", "then", "then_trigger", "unsafe")
+    __slots__ = ("blocks", "error", "fast", "keep", "lost", "openai", "resume", "then", "then_trigger", "unsafe")
     trigger = b""
 
     def __init__(self, resume: Resume, then: Transform) -> None:
         self.resume = resume
         self.blocks = resume.blocks
         self.keep = resume.keep_ids or not resume.openai
-        self.fast = resume.openai                  # Responses / Messages streams carry no ids: general path
+        self.openai = resume.openai               # Responses / Messages streams carry no ids: general path only
+        self.fast = False
         chat = resume.req.api is Api.CHAT
         tools = chat and bool(resume.req.body.get("tools")) and resume.req.body.get("tool_choice") != "none"
         self.unsafe: tuple[bytes, ...] = (_UNSAFE if tools else _UNSAFE[:1]) if chat else ()
@@ -408,7 +409,7 @@ class RecordIds:
 
     def feed(self, block: bytes, prev: bytes = b"") -> bytes:
         """The block for the client (see class docstring)."""
-        if self.fast and self.blocks and block.endswith(_TOKEN_END):
+        if self.fast and block[-6:] == _TOKEN_END:
             for word in self.unsafe:
                 if block.find(word) >= 0:
                     return self._general(block, prev)
@@ -437,13 +438,15 @@ class RecordIds:
             kept = []
             for event in sse.split_events(block):
                 if event.startswith(self.error):
-                    self.lost, self.fast = True, False   # nothing after it is for the client
+                    self.lost = True                      # nothing after it is for the client
+                    self.openai = False
                     break
                 kept.append(event)
             block = b"".join(kept)
             if not block:
                 return b""
         self.blocks.append(block)
+        self.fast = self.openai                   # after the first block (the prompt's ids): the fast path
         if not self.keep:
             block = _IDS_RE.sub(_NULL_IDS, block)
         if block.find(self.then_trigger) >= 0:
