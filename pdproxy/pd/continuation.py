@@ -439,7 +439,7 @@ class RecordIds:
             for event in sse.split_events(block):
                 if event.startswith(self.error):
                     self.lost = True                      # nothing after it is for the client
-                    self.openai = False
+                    self.fast = self.openai = False
                     break
                 kept.append(event)
             block = b"".join(kept)
