@@ -15,7 +15,8 @@ Wire behaviour (shapes follow vLLM's OpenAI server: the handle of ``docs/pd-prot
   - ``stream`` true: chunked SSE, first event after ``ttft_s``, then one event every ``itl_s`` seconds
     (``itl_s`` 0 = full speed: bursts of ``burst`` events per loop turn), ``max_completion_tokens`` or
     ``max_tokens`` events (default 16), a usage chunk when ``stream_options.include_usage``, then
-    ``data: [DONE]``;
+    ``data: [DONE]``; with ``return_token_ids`` every chunk carries ``token_ids`` and the first one the prompt's
+    8 ids (chat: a role chunk first, with top-level ``prompt_token_ids``), as vLLM sends them;
 - ``GET /health``, ``/v1/models`` (``max_model_len``), ``/metrics`` (``vllm:cache_config_info``);
 - ``POST /bench/config`` ``{"itl_s", "ttft_s", "prefill_s", "burst", "step_s"}`` changes timing for later
   requests (``step_s``: paced events fall on a grid of that step, like an engine's scheduler steps);
@@ -119,7 +120,7 @@ class Engine:
 class Stream:
     """One SSE response being written: prebuilt event bytes, paced by loop timers."""
 
-    __slots__ = ("done", "engine", "event", "handle", "include_usage", "last", "left", "proto", "usage")
+    __slots__ = ("done", "engine", "event", "first", "handle", "include_usage", "last", "left", "proto", "usage")
 
     def __init__(self, engine: Engine, proto: EngineProtocol, path: bytes, body: dict[str, Any]) -> None:
         self.engine = engine
@@ -129,15 +130,25 @@ class Stream:
         rid = (b"chatcmpl-" if chat else b"cmpl-") + uuid.uuid4().hex.encode()
         head = b'{"id":"%s","object":"%s","created":%d,"model":"%s","choices":[{"index":0,' % (
             rid, b"chat.completion.chunk" if chat else b"text_completion", engine.created, MODEL.encode())
+        ids = body.get("return_token_ids") is True
+        self.first = b""        # with ids: chat's role chunk (before the first event), or completions' first event
         if chat:
+            tid = b',"token_ids":[1000]}]}\n\n' if ids else b"}]}\n\n"
             self.event = _chunk(b"data: " + head + b'"delta":{"content":" tok"},"logprobs":null,'
-                                                   b'"finish_reason":null}]}\n\n')
+                                                   b'"finish_reason":null' + tid)
             self.last = _chunk(b"data: " + head + b'"delta":{"content":" tok"},"logprobs":null,'
-                                                  b'"finish_reason":"length","stop_reason":null}]}\n\n')
+                                                  b'"finish_reason":"length","stop_reason":null' + tid)
+            if ids:
+                self.first = _chunk(b"data: " + head + b'"delta":{"role":"assistant","content":""},"logprobs":null,'
+                                    b'"finish_reason":null}],"prompt_token_ids":[1,2,3,4,5,6,7,8],'
+                                    b'"prompt_text":null}\n\n')
         else:
-            tail = b'"stop_reason":null,"prompt_token_ids":null,"token_ids":null}]}\n\n'
+            tail = b'"stop_reason":null,"prompt_token_ids":null,"token_ids":%s}]}\n\n' % (b"[1000]" if ids else b"null")
             self.event = _chunk(b"data: " + head + b'"text":" tok","logprobs":null,"finish_reason":null,' + tail)
             self.last = _chunk(b"data: " + head + b'"text":" tok","logprobs":null,"finish_reason":"length",' + tail)
+            if ids:
+                self.first = _chunk(b"data: " + head + b'"text":" tok","logprobs":null,"finish_reason":null,'
+                                    + tail.replace(b'"prompt_token_ids":null', b'"prompt_token_ids":[1,2,3,4,5,6,7,8]'))
         opts = body.get("stream_options")
         self.include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
         n = self.left
@@ -167,6 +178,12 @@ class Stream:
         self.left -= n
         self.engine.stats.stream_events += n
         data = self.event * (n - 1) + (self.last if self.left == 0 else self.event)
+        if self.first:      # the stream's first write, with ids: chat's role chunk / completions' first chunk
+            if self.first.find(b'"role"') >= 0:
+                data = self.first + data
+            elif data.startswith(self.event):
+                data = self.first + data[len(self.event):]
+            self.first = b""
         if self.left == 0:
             data += (self.usage if self.include_usage else b"") + _chunk(_DONE) + b"0\r\n\r\n"
             self.proto.transport.write(data)

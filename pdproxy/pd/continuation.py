@@ -4,10 +4,16 @@ token-exact, on another P→D pair; the client sees one stream (docs/stream-cont
 **Record (hot path).**  An eligible stream's decode leg asks the decoder for ``return_token_ids`` (vLLM 0.32:
 ``prompt_token_ids`` in the first chunk — top level for chat, in the choice for completions — and ``token_ids``
 in every choice chunk; ``vllm/entrypoints/openai/chat_completion/serving.py``, ``completion/serving.py``).
-:class:`RecordIds` keeps each relayed block as it came (one list append, no parsing) and, unless the client asked
-for the ids itself, rewrites every ``"token_ids":[…]`` / ``"prompt_token_ids":[…]`` array to ``null`` with one regular-expression pass over the
-block — the client gets vLLM's plain shape (``"token_ids":null``).  One byte search per block looks for vLLM's
-in-band error event (``data: {"error": …}``, e.g. a failed KV load), which ends the client's part of this leg.
+Unless the client asked for the ids itself, :class:`RecordIds` rewrites every ``"token_ids":[…]`` /
+``"prompt_token_ids":[…]`` array to ``null`` — the client gets vLLM's plain shape byte for byte (vLLM sets the
+field to None, and serializes with ``exclude_unset``, so a plain stream carries ``"token_ids":null``) — and keeps
+what a continuation needs: the first block whole (head, prompt ids), then, per block of token chunks, only the
+block's ids as one ``b"1,2,3"`` string (about 6 bytes a token instead of the ~250-byte event).  One
+regular-expression split per block does both, and nothing else runs for a block whose last event is a token chunk
+(see :meth:`RecordIds.feed`: vLLM's usage chunk, in-band error event and ``[DONE]`` come only after the last token
+chunk, so such a block holds none of them and their searches are skipped).  Any other block takes the general
+path: a search for vLLM's in-band error event (``data: {"error": …}``, e.g. a failed KV load), which ends the
+client's part of this leg, the block kept whole, the ids rewritten, the stream's own transform.
 
 **On loss.**  The relay raises :class:`StreamLost` instead of sending its error event (a reset, an end of body
 without ``data: [DONE]``, the relay's silence limit, vLLM's in-band error event).  Only then is the transcript
@@ -48,9 +54,13 @@ from pdproxy.http import sse
 from pdproxy.pd.responder import Responder
 from pdproxy.timeline import RequestContext
 
-_IDS_RE = re.compile(rb'token_ids":\[[0-9,\s]*\]')  # "token_ids" and "prompt_token_ids"
+_IDS_RE = re.compile(rb'token_ids":\[([0-9,\s]*)\]')  # "token_ids" and "prompt_token_ids"; group 1: the ids
 _NULL_IDS = b'token_ids":null'
 _ERROR_EVENT = b'data: {"error"'
+_TOKEN_END = b"]}]}\n\n"   # the end of a chat / completions token chunk with ids: ``"token_ids":[…]}]}`` + blank line
+_TOKEN_IDS_KEY = b'"token_ids":'
+_NULL_END = b"null}]}\n\n"
+_UNSAFE = (b'"reasoning', b'"tool_calls"')   # chat deltas a continuation would mis-parse (docs/stream-continuation.md)
 # request fields that make a continuation unfaithful or unparseable (docs/stream-continuation.md lists why)
 _INELIGIBLE = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                "guided_grammar", "guided_decoding_backend", "stop", "echo", "logprobs", "top_logprobs",
@@ -233,7 +243,9 @@ class Resume:
     """The state of one continuable client stream across its legs.
 
     ``req``: the client's request; ``keep_ids``: the client asked for ``return_token_ids`` (ids not stripped);
-    ``blocks``: the first leg's relayed blocks, unparsed; ``prompt_ids`` / ``generated``: token ids read from
+    ``blocks``: the first leg's record (:class:`RecordIds`), unparsed: relayed blocks kept whole (they start with
+    an SSE field name) and, for blocks of plain token chunks, only their ids (``b"5,6,7"``: they start with a digit);
+    ``last_block``: the last block recorded as ids only (read on loss for a finish reason); ``prompt_ids`` / ``generated``: token ids read from
     them on loss (and from every continuation chunk); ``delivered``: tokens sent before the ids are known (a
     Responses / Messages first leg: one per text delta event); ``text``: the text sent (Responses / Messages);
     ``head``: the first chunk's ``id``/``created``/``model``; ``events``: Responses / Messages state;
@@ -247,6 +259,7 @@ class Resume:
     req: ProxyRequest
     keep_ids: bool
     blocks: list[bytes] = field(default_factory=list)
+    last_block: bytes = b""
     prompt_ids: list[int] | None = None
     generated: list[int] = field(default_factory=list)
     delivered: int = 0
@@ -282,9 +295,13 @@ class Resume:
 
     # --- the rare path: read what was delivered ---------------------------------------------------------------
     def read_transcript(self) -> None:
-        """Parse the first leg's blocks into the state above."""
+        """Parse the first leg's record (``blocks``, in order: ids of token-chunk blocks and whole blocks) into the
+        state above; ``last_block`` only adds whether a finish reason was delivered (its ids are in the record)."""
         blocks, self.blocks = self.blocks, []
         for block in blocks:
+            if not block[:1].isalpha() and block[:1] != b":":   # a block's ids (RecordIds): "5,6,7"
+                self.generated.extend(int(i) for i in block.split(b",") if i.strip())
+                continue
             for event in sse.split_events(block):
                 obj = recompute.parse_event(event)
                 if obj is None:
@@ -293,6 +310,13 @@ class Resume:
                     self.observe(obj)
                 else:
                     self.observe_event(api_streams.event_name(event).decode(), obj)
+        last, self.last_block = self.last_block, b""
+        for event in sse.split_events(last):
+            obj = recompute.parse_event(event)
+            choices = obj.get("choices") if obj is not None else None
+            if isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") is not None
+                                                 for c in choices):
+                self.finish = True
 
     def observe(self, obj: dict[str, Any]) -> None:
         """Account one chat / completions chunk (the first leg, or a continuation leg)."""
@@ -439,17 +463,32 @@ class Resume:
 
 
 class RecordIds:
-    """The first leg's transform (every block): keep the block for :meth:`Resume.read_transcript`, strip the ids
+    """The first leg's transform (every block): record the block for :meth:`Resume.read_transcript`, strip the ids
     unless the client asked for them (chat / completions), then run ``then`` (the stream's own transform: chat
     usage, or the Responses / Messages stream) on blocks holding its trigger.  The decoder's in-band error event
-    ends the leg for the client (``lost`` set; the relay then raises :class:`StreamLost`)."""
+    ends the leg for the client (``lost`` set; the relay then raises :class:`StreamLost`).
 
-    __slots__ = ("blocks", "error", "keep", "lost", "then", "then_trigger")
+    **Fast path** (chat / completions, after the first block): a block whose last event is a token chunk with ids
+    (it ends with ``]}]}`` and a blank line).  vLLM writes its usage chunk, its in-band error event and
+    ``[DONE]`` only after the last token chunk (``chat_completion/serving.py``, ``completion/serving.py``), and
+    sends the prompt's ids only in the first chunk, so such a block holds nothing but token chunks: one
+    regular-expression split gives the client's bytes (ids → ``null``) and the ids to record; no error or usage
+    search, no copy kept.  A chat block that may hold a reasoning or tool-call delta (a byte search: a JSON string
+    cannot hold an unescaped ``"``, so a false hit only sends the block the general way) is kept whole instead, so
+    that :meth:`Resume.refusal` still sees it.  The general path (every other block) is the rule above."""
+
+    __slots__ = ("blocks", "error", "fast", "keep", "lost", "openai", "resume", "then", "then_trigger", "unsafe")
     trigger = b""
 
     def __init__(self, resume: Resume, then: Transform) -> None:
+        self.resume = resume
         self.blocks = resume.blocks
         self.keep = resume.keep_ids or not resume.openai
+        self.openai = resume.openai               # Responses / Messages streams carry no ids: general path only
+        self.fast = False
+        chat = resume.req.api is Api.CHAT
+        tools = chat and bool(resume.req.body.get("tools")) and resume.req.body.get("tool_choice") != "none"
+        self.unsafe: tuple[bytes, ...] = (_UNSAFE if tools else _UNSAFE[:1]) if chat else ()
         self.error = _ERROR_EVENT if resume.openai else api_streams.ERROR_EVENT
         self.lost = False
         self.then = then
@@ -462,19 +501,44 @@ class RecordIds:
 
     def feed(self, block: bytes, prev: bytes = b"") -> bytes:
         """The block for the client (see class docstring)."""
+        if self.fast and block[-6:] == _TOKEN_END:
+            for word in self.unsafe:
+                if block.find(word) >= 0:
+                    return self._general(block, prev)
+            if self.keep:                          # the client asked for the ids: they stay, the block is kept
+                self.blocks.append(block)
+                return block
+            k = block.rfind(b"[")                  # one event (a paced stream's read): its ids are the last array
+            if block.find(b"\n") == len(block) - 2 and block[k - 12:k] == _TOKEN_IDS_KEY:
+                ids = block[k + 1:-6]
+                if ids.isdigit():
+                    self.blocks.append(ids)
+                    self.resume.last_block = block
+                    return block[:k] + _NULL_END
+            parts = _IDS_RE.split(block)           # [text, ids, text, ids, …, text]
+            if len(parts) > 1:
+                self.blocks.append(b",".join(parts[1::2]))
+                self.resume.last_block = block
+                return _NULL_IDS.join(parts[::2])
+        return self._general(block, prev)
+
+    def _general(self, block: bytes, prev: bytes) -> bytes:
+        """Any block (see class docstring): error search, the block kept whole, ids stripped, ``then``."""
         if self.lost:
             return b""
         if block.find(self.error) >= 0:
             kept = []
             for event in sse.split_events(block):
                 if event.startswith(self.error):
-                    self.lost = True
+                    self.lost = True                      # nothing after it is for the client
+                    self.fast = self.openai = False
                     break
                 kept.append(event)
             block = b"".join(kept)
             if not block:
                 return b""
         self.blocks.append(block)
+        self.fast = self.openai                   # after the first block (the prompt's ids): the fast path
         if not self.keep:
             block = _IDS_RE.sub(_NULL_IDS, block)
         if block.find(self.then_trigger) >= 0:
