@@ -2,10 +2,12 @@
 token-exact prompts built with the tiny model's own tokenizer.
 
 :class:`RealEngines` runs ``scripts/real-vllm.sh start|stop`` with one :class:`EngineConfig` at a time (the
-script's facts and traps: docs/real-vllm.md and the script's header). Ports are picked free at session start,
-below the kernel's ephemeral range (``tests/real_vllm/ports.py``; ``REAL_VLLM_*_PORT`` from the environment win),
-never 8100/8200 (``pdproxy demo``'s). The NIXL lease (``kv_lease_duration``) is cut to 10 s, so KV a test
-abandons on a prefiller is freed quickly instead of keeping it busy for 30 s.
+script's facts and traps: docs/real-vllm.md and the script's header); :meth:`RealEngines.extra_decoder` adds a
+second decoder beside the running configuration's (``REAL_VLLM_ROLES=decode`` on ports of its own), for a test that
+kills one. Ports are picked free at session start, below the kernel's ephemeral range (``tests/real_vllm/ports.py``;
+``REAL_VLLM_*_PORT`` from the environment win), never 8100/8200 (``pdproxy demo``'s). The NIXL lease
+(``kv_lease_duration``) is cut to 10 s, so KV a test abandons on a prefiller is freed quickly instead of keeping it
+busy for 30 s.
 """
 
 from __future__ import annotations
