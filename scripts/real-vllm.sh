@@ -27,6 +27,8 @@
 #   REAL_VLLM_PREFILL_PORT / REAL_VLLM_DECODE_PORT                              default 8100 / 8200
 #   REAL_VLLM_PREFILL_SIDE_PORT / REAL_VLLM_DECODE_SIDE_PORT (NIXL side channel) default 5600 / 5601
 #   REAL_VLLM_PREFILL_ARGS / REAL_VLLM_DECODE_ARGS  extra api_server args, e.g. "--num-gpu-blocks-override 18"
+#   REAL_VLLM_ROLES           the engines start/stop/status act on: "prefill decode" (default), "decode" alone
+#                             (e.g. a second decoder on other REAL_VLLM_DECODE_PORT / _SIDE_PORT values)
 #   REAL_VLLM_MAX_MODEL_LEN   default 2048
 #   REAL_VLLM_START_TIMEOUT   seconds to wait for both /health = 200            default 300
 #   REAL_VLLM_STOP_GRACE      seconds between SIGTERM and SIGKILL               default 20
@@ -72,6 +74,7 @@ OMP_BIND="${REAL_VLLM_OMP_BIND:-split}"
 PTHR_DELAY="${REAL_VLLM_NIXL_PTHR_DELAY_US:-1000}"
 DEFAULT_KV_CONFIG='{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}'
 KV_CONFIG="${REAL_VLLM_KV_CONFIG:-$DEFAULT_KV_CONFIG}"
+read -r -a ROLES <<< "${REAL_VLLM_ROLES:-prefill decode}"
 
 log() { printf '[real-vllm %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { printf '[real-vllm] ERROR: %s\n' "$*" >&2; exit 1; }
@@ -226,6 +229,10 @@ cmd_setup() {
 # ---------------------------------------------------------------------------------------------------- engines
 pid_alive() { [[ -n "${1:-}" ]] && kill -0 "$1" 2>/dev/null; }
 
+for _role in "${ROLES[@]}"; do
+  [[ $_role == prefill || $_role == decode ]] || die "REAL_VLLM_ROLES: unknown role '$_role' (prefill, decode)"
+done
+
 role_port() { if [[ $1 == decode ]]; then echo "$D_PORT"; else echo "$P_PORT"; fi; }
 
 # Run state is per role AND port (run/prefill-8100.pid, logs/prefill-8100.log): engine sets on other ports (another
@@ -270,13 +277,14 @@ launch() {  # ROLE PORT SIDE_PORT CPU EXTRA_ARGS
 cmd_start() {
   [[ -x "$PY" && -f "$MODEL_DIR/config.json" ]] || die "not set up; run: scripts/real-vllm.sh setup"
   mkdir -p "$LOG_DIR" "$RUN_DIR"
-  local t0=$SECONDS
-  launch prefill "$P_PORT" "$P_SIDE" 0 "${REAL_VLLM_PREFILL_ARGS:-}"
-  launch decode "$D_PORT" "$D_SIDE" 1 "${REAL_VLLM_DECODE_ARGS:-}"
-  local role port
+  local t0=$SECONDS role port
+  for role in "${ROLES[@]}"; do
+    if [[ $role == prefill ]]; then launch prefill "$P_PORT" "$P_SIDE" 0 "${REAL_VLLM_PREFILL_ARGS:-}"
+    else launch decode "$D_PORT" "$D_SIDE" 1 "${REAL_VLLM_DECODE_ARGS:-}"; fi
+  done
   while :; do
     local ready=1
-    for role in prefill decode; do
+    for role in "${ROLES[@]}"; do
       port=$P_PORT; [[ $role == decode ]] && port=$D_PORT
       if ! read_pid "$role" >/dev/null; then
         tail -n 15 "$(log_file "$role")" >&2 || true
@@ -294,9 +302,8 @@ cmd_start() {
     fi
     sleep 2
   done
-  log "both engines healthy in $((SECONDS - t0)) s"
-  echo "prefill http://127.0.0.1:$P_PORT"
-  echo "decode  http://127.0.0.1:$D_PORT"
+  log "${ROLES[*]} healthy in $((SECONDS - t0)) s"
+  for role in "${ROLES[@]}"; do echo "$role http://127.0.0.1:$(role_port "$role")"; done
 }
 
 stop_role() {
@@ -318,13 +325,13 @@ stop_role() {
 
 cmd_stop() {
   mkdir -p "$RUN_DIR"
-  stop_role prefill
-  stop_role decode
+  local role
+  for role in "${ROLES[@]}"; do stop_role "$role"; done
 }
 
 cmd_status() {
   local role port pid rc=0
-  for role in prefill decode; do
+  for role in "${ROLES[@]}"; do
     port=$P_PORT; [[ $role == decode ]] && port=$D_PORT
     if pid="$(read_pid "$role")"; then
       echo "$role pid=$pid http://127.0.0.1:$port health=$(health_code "$port")"

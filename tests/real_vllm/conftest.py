@@ -4,7 +4,8 @@
   loudly) and stops every engine it started at the end of the session;
 - ``engines`` / ``small_pool_engines`` (module): the engines in the standard configuration, or restarted with a
   prefiller KV pool of 18 blocks (2,304 tokens) for the KV-pressure tests (``tracing_engines``, exporting their
-  spans to the test's OTLP receiver, is defined in ``test_tracing.py``). Tests are ordered so that each
+  spans to the test's OTLP receiver, is defined in ``test_tracing.py``; ``extra_decoder``, a second decoder beside
+  the standard ones that the test kills, in ``test_continuation.py``). Tests are ordered so that each
   configuration starts once (standard first), and the test that triggers a start gets the start time added to
   its timeout;
 - ``make_proxy``: pdproxy (``tests.support.ProxyThread``) in front of the running engines, waited on until it has

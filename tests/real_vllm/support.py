@@ -2,10 +2,12 @@
 token-exact prompts built with the tiny model's own tokenizer.
 
 :class:`RealEngines` runs ``scripts/real-vllm.sh start|stop`` with one :class:`EngineConfig` at a time (the
-script's facts and traps: docs/real-vllm.md and the script's header). Ports are picked free at session start,
-below the kernel's ephemeral range (``tests/real_vllm/ports.py``; ``REAL_VLLM_*_PORT`` from the environment win),
-never 8100/8200 (``pdproxy demo``'s). The NIXL lease (``kv_lease_duration``) is cut to 10 s, so KV a test
-abandons on a prefiller is freed quickly instead of keeping it busy for 30 s.
+script's facts and traps: docs/real-vllm.md and the script's header); :meth:`RealEngines.extra_decoder` adds a
+second decoder beside the running configuration's (``REAL_VLLM_ROLES=decode`` on ports of its own), for a test that
+kills one. Ports are picked free at session start, below the kernel's ephemeral range (``tests/real_vllm/ports.py``;
+``REAL_VLLM_*_PORT`` from the environment win), never 8100/8200 (``pdproxy demo``'s). The NIXL lease
+(``kv_lease_duration``) is cut to 10 s, so KV a test abandons on a prefiller is freed quickly instead of keeping it
+busy for 30 s.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import os
 import re
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +71,15 @@ class Engines:
     """The prefiller's KV event PUB address (``tcp://127.0.0.1:PORT``): every configuration starts the prefiller
     with ``--enable-prefix-caching --kv-events-config`` (a PUB and a replay ROUTER socket; no cost when idle)."""
     prefill_kv_replay: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ExtraDecoder:
+    """A second real decoder beside the running configuration's (:meth:`RealEngines.extra_decoder`)."""
+
+    url: str
+    pgid: int
+    """Its process group (``setsid``: the API server and its EngineCore), e.g. for ``os.killpg``."""
 
 
 class RealEngines:
@@ -123,6 +136,26 @@ class RealEngines:
                                int(env["REAL_VLLM_MAX_MODEL_LEN"]), f"tcp://127.0.0.1:{self.kv_events_port}",
                                f"tcp://127.0.0.1:{self.kv_replay_port}")
         return self.current
+
+    @contextmanager
+    def extra_decoder(self) -> Iterator[ExtraDecoder]:
+        """A second decoder like the running configuration's (same model, KV connector and decoder arguments) on
+        ports of its own, started by ``scripts/real-vllm.sh`` with ``REAL_VLLM_ROLES=decode``; stopped on exit
+        (a no-op when the test killed it). Requires a running configuration (:meth:`ensure`)."""
+        assert self.current is not None, "start a configuration first"
+        port, side = engine_ports(2)
+        env = {"REAL_VLLM_ROLES": "decode", "REAL_VLLM_DECODE_PORT": str(port),
+               "REAL_VLLM_DECODE_SIDE_PORT": str(side), "REAL_VLLM_DECODE_ARGS": self.current.config.decode_args}
+        started = time.monotonic()
+        try:
+            self._run("start", timeout_s=START_TIMEOUT_S + 60, **env)
+            self.timings["start_extra_decoder_s"] = time.monotonic() - started
+            status = self._run("status", timeout_s=30, **env)
+            pid = re.search(r"^decode pid=(\d+) ", status, re.M)
+            assert pid, status
+            yield ExtraDecoder(f"http://127.0.0.1:{port}", int(pid.group(1)))
+        finally:
+            self._run("stop", timeout_s=4 * STOP_GRACE_S + 30, **env)
 
     def kv_events_args(self) -> str:
         """The prefiller's prefix-cache and KV-event flags (no spaces: the script splits its extra args on them)."""
