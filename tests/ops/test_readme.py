@@ -103,7 +103,6 @@ def test_every_command_runs_as_printed() -> None:
 
 def test_every_timeout_is_in_the_readme_settings_table() -> None:
     text = README.read_text() + (ROOT / "docs" / "limits.md").read_text()  # the client edge's limits live there
-    text += (ROOT / "docs" / "stream-continuation.md").read_text()         # and stream continuation's settings
     rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| (`[^|]+`(?:[^|]*)) \|.*$", text, re.M)}
     table = "\n".join(rows.values())
     timeouts = [n for n in Settings.model_fields if n.endswith("_timeout_s") or n.startswith(("shutdown_",
