@@ -22,8 +22,8 @@ Prints a table and one JSON document:
 - ``ineligible_error_s``: for ineligible streams that were cut, seconds from the last event before the error to
   the error event (p50 / max), detection included (a stall is detected by ``decode_idle_timeout_s`` =
   ``--stall-min-s``); the error itself follows detection at once;
-- ``broken_details``: for the first broken streams, the API, status, the response's ``x-request-id`` (its line in
-  ``--request-log``), the client's transport error if any and the body's last bytes;
+- ``broken_details``: for the first broken streams, the API, status, the ``x-request-id`` the bench sent (the
+  ``client_request_id`` of its line in ``--request-log``), the client's transport error if any and the body's last bytes;
 - ``gap_s``: the longest client-visible gap between two chunks of a stream (p50 / p99 / max), and ``cut``: how
   many streams had at least one lost decode leg (from the decoders' own fault counters).
 
@@ -48,6 +48,7 @@ import os
 import random
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,9 +162,10 @@ async def one(client: httpx.AsyncClient, url: str, spec: Spec, live: Live | None
     chunks: list[bytes] = []
     counted = False
     try:
-        async with client.stream("POST", url + PATHS[spec.api], json=spec.body()) as resp:
+        s.request_id = f"fb-{uuid.uuid4().hex[:16]}"   # the proxy logs it as client_request_id (--request-log)
+        async with client.stream("POST", url + PATHS[spec.api], json=spec.body(),
+                                 headers={"x-request-id": s.request_id}) as resp:
             s.status = resp.status_code
-            s.request_id = resp.headers.get("x-request-id", "")
             async for chunk in resp.aiter_raw():
                 s.times.append(time.monotonic())
                 chunks.append(chunk)
@@ -529,7 +531,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--request-log", help="the proxy's request log (one JSON line per request: outcome, "
-                        "error, decoders) goes to this file; a broken stream's request id finds its line")
+                        "error, decoders) goes to this file; a broken stream's request id is its client_request_id")
     parser.add_argument("--drain", action="store_true", help="drain mode: a rolling drain with migrate of every "
                         "decoder during --concurrency live streams, no faults (defaults: 600 requests, 200 live)")
     parser.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True,
