@@ -22,6 +22,8 @@ Prints a table and one JSON document:
 - ``ineligible_error_s``: for ineligible streams that were cut, seconds from the last event before the error to
   the error event (p50 / max), detection included (a stall is detected by ``decode_idle_timeout_s`` =
   ``--stall-min-s``); the error itself follows detection at once;
+- ``broken_details``: for the first broken streams, the API, status, the ``x-request-id`` the bench sent (the
+  ``client_request_id`` of its line in ``--request-log``), the client's transport error if any and the body's last bytes;
 - ``gap_s``: the longest client-visible gap between two chunks of a stream (p50 / p99 / max), and ``cut``: how
   many streams had at least one lost decode leg (from the decoders' own fault counters).
 
@@ -46,6 +48,7 @@ import os
 import random
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +106,8 @@ class Stream:
     gap_s: float = 0.0
     error_after_s: float | None = None
     detail: str = ""
+    request_id: str = ""
+    tail: bytes = b""
     times: list[float] = field(default_factory=list)
 
 
@@ -157,7 +162,9 @@ async def one(client: httpx.AsyncClient, url: str, spec: Spec, live: Live | None
     chunks: list[bytes] = []
     counted = False
     try:
-        async with client.stream("POST", url + PATHS[spec.api], json=spec.body()) as resp:
+        s.request_id = f"fb-{uuid.uuid4().hex[:16]}"   # the proxy logs it as client_request_id (--request-log)
+        async with client.stream("POST", url + PATHS[spec.api], json=spec.body(),
+                                 headers={"x-request-id": s.request_id}) as resp:
             s.status = resp.status_code
             async for chunk in resp.aiter_raw():
                 s.times.append(time.monotonic())
@@ -171,6 +178,7 @@ async def one(client: httpx.AsyncClient, url: str, spec: Spec, live: Live | None
         if live is not None and counted:
             live.now -= 1
     body = b"".join(chunks)
+    s.tail = body[-240:]
     if s.status == 200:
         read_events(spec.api, body, s)
     else:
@@ -231,7 +239,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                              "--stream-continuation-stall-min-s", str(args.stall_min_s),
                              "--decode-idle-timeout-s", str(args.stall_min_s), "--breaker-open-s", "0.5",
                              "--decode-first-byte-timeout-s", str(args.stall_min_s * 4),
-                             "--log-level", "error"], f"http://127.0.0.1:{port}")
+                             "--log-level", "error",
+                             *(["--request-log-path", args.request_log] if args.request_log else [])],
+                 f"http://127.0.0.1:{port}")
     rng = random.Random(args.seed)
     distinct = [Spec(api, topic, rng.choice((12, 20, 32)), True) for api in APIS for topic in range(len(TOPICS))]
     ineligible = [Spec("chat", t, 16, False) for t in range(2)]
@@ -286,8 +296,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "gap_s": {"p50": pct(gaps, 0.5), "p99": pct(gaps, 0.99), "max": max(gaps, default=None)},
         "per_api": {api: sum(1 for s in eligible if s.spec.api == api) for api in APIS},
         "broken_reference": len(broken_reference),
-        "broken_details": [f"{s.spec.api}: {s.status} error={s.error} ended={s.ended} {s.detail or s.text[-80:]}"
-                           for s in broken[:5]],
+        "broken_details": [f"{s.spec.api}: {s.status} error={s.error} ended={s.ended} request {s.request_id}: "
+                           f"{s.detail} body tail {s.tail!r}" for s in broken[:5]],
         "usage_details": [f"{s.spec.api}/{s.spec.max_tokens}: {s.usage_tokens} vs {reference[s.spec].usage_tokens}"
                           for s in eligible if s not in usage_ok][:5],
         "differ_details": [f"{s.spec.api}: {s.text[:60]!r} vs {reference[s.spec].text[:60]!r}" for s in differ[:5]],
@@ -520,6 +530,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stall-min-s", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--request-log", help="the proxy's request log (one JSON line per request: outcome, "
+                        "error, decoders) goes to this file; a broken stream's request id is its client_request_id")
     parser.add_argument("--drain", action="store_true", help="drain mode: a rolling drain with migrate of every "
                         "decoder during --concurrency live streams, no faults (defaults: 600 requests, 200 live)")
     parser.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True,

@@ -254,7 +254,8 @@ class Resume:
     ``cached_tokens``: the original prefill's prefix-cache hits for usage; ``observer``: where continuations are
     counted; ``last_write``: monotonic time of the client's last write before the current loss (the gap's start);
     ``waiting``: the time budget of the continuation in flight (``stream_continuation_timeout_s``), met at its
-    first event."""
+    first event; ``usage_sent``: the first leg's usage chunk reached the client (the decoder was lost between it
+    and ``[DONE]``: the end then adds only ``[DONE]``)."""
 
     req: ProxyRequest
     keep_ids: bool
@@ -275,6 +276,7 @@ class Resume:
     observer: ContinuationObserver = field(default_factory=NoObserver)
     last_write: float | None = None
     waiting: asyncio.Timeout | None = None
+    usage_sent: bool = False
 
     @classmethod
     def of(cls, req: ProxyRequest, enabled: bool) -> Resume | None:
@@ -330,6 +332,8 @@ class Resume:
         if self.prompt_ids is None and isinstance(ids, list):
             self.prompt_ids = [int(i) for i in ids]
         if choice is None:
+            if isinstance(obj.get("usage"), dict):
+                self.usage_sent = True      # the usage chunk (``choices: []``): vLLM's last before [DONE]
             return
         out = choice.get("token_ids")
         if isinstance(out, list):
@@ -454,9 +458,9 @@ class Resume:
 
     def ending(self, include_usage: bool) -> bytes:
         """The end of a chat / completions stream whose last content was delivered before the loss: usage (if
-        asked) and ``[DONE]``."""
+        asked and not already sent) and ``[DONE]``."""
         tail = b""
-        if include_usage:
+        if include_usage and not self.usage_sent:
             kind = "chat.completion.chunk" if self.req.api is Api.CHAT else "text_completion"
             tail = sse.data_event(orjson.dumps({**self.head, "object": kind, "choices": [], "usage": self.usage()}))
         return tail + sse.DONE_EVENT

@@ -170,7 +170,10 @@ class _Splice:
         transform = self.transform
         if transform is not None:
             chunk = transform.ending(chunk, self.prev)
-            if transform.recomputed:  # detected only now: the relay ends the response with an error
+            # detected only now (a ``recomputed`` chunk, a decoder's error event): the relay ends the response with
+            # an error or continues it — unless the block still ends with the end event, which the client then has
+            # in full: a loss signalled after the end (vLLM's error event after ``[DONE]``) changes nothing
+            if transform.recomputed and not chunk.endswith(self.done_event):
                 if chunk:
                     self.write(chunk)
                 return
@@ -196,12 +199,12 @@ class _Splice:
             self.data(sse.normalize(tail).rstrip(b"\n") + b"\n\n")  # the engine's last event lacked its blank line
         if self.done.done():
             return
-        if not self.out.ended:
-            self.ctx.timeline.last_token_at = time.monotonic()
+        if self.out.ended:      # the client has its whole stream: nothing after its end is continued
+            self.done.set_result(False)
+            return
+        self.ctx.timeline.last_token_at = time.monotonic()
         if self.transform is not None and self.transform.recomputed:
             self.done.set_result(True)
-        elif self.out.ended:
-            self.done.set_result(False)
         elif self.done_len < 1 << 62 and not self.out.done_sent and self.prev.find(self.done_event) < 0:
             self.done.set_exception(_NoDone())
         else:

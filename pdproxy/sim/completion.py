@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from pdproxy.sim import connector
-from pdproxy.sim.continuation import MID_STREAM_KINDS, greedy_offset, mid_stream_fault
+from pdproxy.sim.continuation import MID_STREAM_KINDS, error_events, greedy_offset, mid_stream_fault
 from pdproxy.sim.faults import Fault, slice_event
 from pdproxy.sim.generation import Seq, Usage, Writer
 from pdproxy.sim.outputs import json_example, json_text, plan_output, tool_arguments
@@ -143,6 +143,14 @@ class _SSE:
             await self._fire()   # ``events: 0``: before the first event (the engine has the request and its KV)
             return
         if self.mode is None:
+            if (self.mid_stream == "error_after_events" and self.writer is not None and self.limit is not None
+                    and self.events + 1 >= self.limit):
+                # the k-th event and the error event in one write, as an engine that fails right after an event
+                # (even after ``[DONE]``) sends them: the proxy reads them together
+                self.events += 1
+                self.stopped = True
+                await self.resp.write(event + error_events(self.writer))
+                return
             await self.resp.write(event)
         else:
             for piece in slice_event(event, self.mode):

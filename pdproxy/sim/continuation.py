@@ -80,8 +80,11 @@ async def mid_stream_fault(resp: web.StreamResponse, kind: str, writer: Writer |
     failure events (vLLM's ``data: {"error": …}`` for the OpenAI routes) and its terminator;
     ``stall_after_events`` never writes again (the handler is cancelled when the client leaves)."""
     if kind == "error_after_events" and writer is not None:
-        for event in [*writer.failure(), writer.done]:
-            if event:
-                await resp.write(event)
+        await resp.write(error_events(writer))
         return
     await asyncio.Event().wait()
+
+
+def error_events(writer: Writer) -> bytes:
+    """vLLM's in-band error event(s) of ``writer``'s route and its terminator, as one write."""
+    return b"".join([*writer.failure(), writer.done])

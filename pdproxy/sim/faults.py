@@ -16,7 +16,8 @@ Kinds and their params: ``refuse`` (close the connection, no response), ``hang``
 ``status`` (``status``, ``body``, ``retry_after``), ``headers_then_stall`` (200 SSE headers, then nothing),
 ``reset_after_events`` (``events``: send k SSE events, then reset the TCP connection),
 ``close_without_done`` (``events``: k events, then end the body cleanly without ``data: [DONE]``),
-``error_after_events`` (``events``: k events, then vLLM's in-band error event and the terminator),
+``error_after_events`` (``events``: k events, then vLLM's in-band error event and the terminator, in the k-th
+event's write),
 ``stall_after_events`` (``events``: k events, then silence with the connection open; ``events: 0``: the engine
 runs the request — a decoder pulls its KV — but no event is ever written; these four also cut a non-streaming
 answer once the engine finished it: half the body then a reset / a clean close / silence, or vLLM's 500,
