@@ -448,12 +448,13 @@ class StreamRelay:
             out.api_stream = fmt
         if self.on_first_event is not None:
             self.on_first_event()
+        leg_start = time.monotonic()   # a later leg's (continuation, recompute) silence counts from its own start
         if not out.started:
-            ctx.timeline.first_token_at = time.monotonic()
+            ctx.timeline.first_token_at = leg_start
             out.start_nowait(200, SSE_HEADERS + self.headers)
         transform = self.transforms()
         base = ctx.events if self.resume is not None and self.resume.legs > 1 else 0  # a continued stream's count
-        splice = self.splice = _Splice(self, transform, b"", ctx.timeline.first_token_at or time.monotonic())
+        splice = self.splice = _Splice(self, transform, b"", leg_start)
         try:
             splice.data(block)
             splice.tail = framer.pending  # what came after the first events, held for its rest

@@ -5,6 +5,7 @@ Flow control, the stall cut, the end at ``[DONE]``, usage rewriting, recompute d
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -238,3 +239,42 @@ async def test_decoder_reset_mid_stream_becomes_an_error_event() -> None:
     assert b'"error"' in client.text and client.text.endswith(DONE) and client.finished
     assert ctx.outcome == "upstream_error" and "mid-stream" in (ctx.error or "")
     assert issubclass(UpstreamUnavailable, Exception)
+
+
+async def test_a_continuation_legs_silence_is_measured_from_its_own_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later leg of a stream already answering (a continuation, a recompute) starts its "last write" clock when
+    the leg starts, not at the stream's first token: a leg whose first block writes nothing (a Responses /
+    Messages continuation's role chunk, here: every block dropped) was otherwise judged silent since the stream
+    began, and cut as lost once ``stream_continuation_stall_min_s`` passed."""
+    from pdproxy.apis.request import Api, parse_request
+    from pdproxy.pd import relay as relay_module
+    from pdproxy.pd.continuation import Resume
+
+    monkeypatch.setattr(relay_module._Splice, "data", lambda self, chunk: None)   # a block that writes nothing
+
+    script = Script()
+    async with Engine(script) as engine:
+        pool = H1Pool(connect_timeout_s=1.0, keepalive_s=30.0)
+        script.send(HEAD + chunk(TOKEN))
+        resp = await post(pool, engine.key)
+        ctx = RequestContext(request_id="r", client_request_id=None, api_label="completions", decoder="d")
+        client = Client()
+        out = Responder(client, ctx, [])  # type: ignore[arg-type]
+        out.start_nowait(200, [])                              # the stream answered on an earlier leg
+        ctx.timeline.first_token_at = asyncio.get_running_loop().time() - 100.0
+        resume = Resume.of(parse_request(b'{"model":"m","prompt":"hi","stream":true}', Api.COMPLETIONS), True)
+        assert resume is not None
+        resume.legs = 2
+        relay = StreamRelay(resp, out, ctx, cached_tokens=None, first_event_timeout_s=5.0, idle_timeout_s=5.0,
+                            resume=resume, lost_when=(20.0, 2.0))
+        started = time.monotonic()
+        task = asyncio.ensure_future(relay.run())
+        try:
+            await until(lambda: relay.splice is not None, "the leg's splice")
+            assert relay.splice is not None and relay.splice.last >= started
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            resp.close()
+            pool.close()
+            script.send(None)  # type: ignore[arg-type]
