@@ -91,13 +91,18 @@ def reference_record(sent: dict[int, float], holders: dict[int, int], bit: int, 
             holders[key] = holders.get(key, 0) | bit
         sent[key] = now
     while len(sent) > cap:
-        key = next(iter(sent))
-        del sent[key]
-        mask = holders.get(key, 0) & ~bit
-        if mask:
-            holders[key] = mask
-        else:
-            holders.pop(key, None)
+        _drop_oldest(sent, holders, bit)
+
+
+def _drop_oldest(sent: dict[int, float], holders: dict[int, int], bit: int) -> None:
+    """The reference's release of ``sent``'s oldest key: ``bit`` leaves its holders' mask."""
+    key = next(iter(sent))
+    del sent[key]
+    mask = holders.get(key, 0) & ~bit
+    if mask:
+        holders[key] = mask
+    else:
+        holders.pop(key, None)
 
 
 chains = st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=True)
@@ -123,13 +128,7 @@ def test_bulk_record_equals_one_key_at_a_time(ops: list[tuple[str, list[int]]], 
 def reference_expire(sent: dict[int, float], holders: dict[int, int], bit: int, limit: float) -> None:
     """The approximate index's expiry, one key at a time: keys sent before ``limit`` leave, oldest first."""
     while sent and next(iter(sent.values())) < limit:
-        key = next(iter(sent))
-        del sent[key]
-        mask = holders.get(key, 0) & ~bit
-        if mask:
-            holders[key] = mask
-        else:
-            holders.pop(key, None)
+        _drop_oldest(sent, holders, bit)
 
 
 @settings(max_examples=100, deadline=None)
