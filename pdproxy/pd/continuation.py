@@ -321,9 +321,10 @@ class Resume:
                     self.observe(obj)
                 else:
                     self.observe_event(api_streams.event_name(event).decode(), obj)
-        tail = b"".join(self.tail)
+        tail = b"".join(self.tail)                # empty on a later loss: Reframe kept ``held`` then
         self.tail.clear()
-        self.held = 0
+        if tail:
+            self.held = 0
         for event in sse.split_events(tail):
             obj = recompute.parse_event(event)
             choices = obj.get("choices") if obj is not None else None
