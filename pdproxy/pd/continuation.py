@@ -8,7 +8,8 @@ Unless the client asked for the ids itself, :class:`RecordIds` rewrites every ``
 ``"prompt_token_ids":[…]`` array to ``null`` — the client gets vLLM's plain shape byte for byte (vLLM sets the
 field to None, and serializes with ``exclude_unset``, so a plain stream carries ``"token_ids":null``) — and keeps
 what a continuation needs: the first block whole (head, prompt ids), then, per block of token chunks, only the
-block's ids as one ``b"1,2,3"`` string (about 6 bytes a token instead of the ~250-byte event).  One
+block's ids as one ``b"1,2,3"`` string (about 6 bytes a token instead of the ~250-byte event), and the last
+``_TAIL`` reads whole in a ring (a reference each, no copy).  One
 regular-expression split per block does both, and nothing else runs for a block whose last event is a token chunk
 (see :meth:`RecordIds.feed`: vLLM's usage chunk, in-band error event and ``[DONE]`` come only after the last token
 chunk, so such a block holds none of them and their searches are skipped).  Any other block takes the general
@@ -18,10 +19,13 @@ client's part of this leg, the block kept whole, the ids rewritten, the stream's
 **On loss.**  The relay raises :class:`StreamLost` instead of sending its error event (a reset, an end of body
 without ``data: [DONE]``, the relay's silence limit, vLLM's in-band error event).  Only then is the transcript
 parsed (:meth:`Resume.read_transcript`): the prompt's ids, every delivered id, the first chunk's
-``id``/``created``/``model``, and whether a tool call or reasoning was streamed.  :meth:`Resume.next_leg` builds
-the continuation — ``/v1/completions`` with the token-id ``prompt`` = prompt ids + delivered ids, ``max_tokens``
-and ``min_tokens`` lowered by what was delivered, the client's sampling fields — which the director runs through
-the usual prefill and decode legs, the lost decoder excluded (and its breaker told).
+``id``/``created``/``model``, whether a tool call or reasoning was streamed, and (from the ring) the trailing ids
+whose token events carried no text — vLLM held back the text of a token that ends inside a UTF-8 character, so
+they were not delivered as text.  :meth:`Resume.next_leg` builds the continuation — ``/v1/completions`` with the
+token-id ``prompt`` = prompt ids + delivered ids less that held-back run (the new decoder generates it again and
+sends the character whole), ``max_tokens`` and ``min_tokens`` lowered by the ids kept, the client's sampling
+fields — which the director runs through the usual prefill and decode legs, the lost decoder excluded (and its
+breaker told).
 
 **Re-frame.**  :class:`Reframe` turns the continuation's completions chunks into the client's API shape with the
 first chunk's ``id``/``created``/``model``: no second role chunk (chat), ``prompt_token_ids`` dropped, the usage
