@@ -8,7 +8,8 @@ Unless the client asked for the ids itself, :class:`RecordIds` rewrites every ``
 ``"prompt_token_ids":[…]`` array to ``null`` — the client gets vLLM's plain shape byte for byte (vLLM sets the
 field to None, and serializes with ``exclude_unset``, so a plain stream carries ``"token_ids":null``) — and keeps
 what a continuation needs: the first block whole (head, prompt ids), then, per block of token chunks, only the
-block's ids as one ``b"1,2,3"`` string (about 6 bytes a token instead of the ~250-byte event).  One
+block's ids as one ``b"1,2,3"`` string (about 6 bytes a token instead of the ~250-byte event), and the last
+``_TAIL`` reads whole in a ring (a reference each, no copy).  One
 regular-expression split per block does both, and nothing else runs for a block whose last event is a token chunk
 (see :meth:`RecordIds.feed`: vLLM's usage chunk, in-band error event and ``[DONE]`` come only after the last token
 chunk, so such a block holds none of them and their searches are skipped).  Any other block takes the general
@@ -18,10 +19,13 @@ client's part of this leg, the block kept whole, the ids rewritten, the stream's
 **On loss.**  The relay raises :class:`StreamLost` instead of sending its error event (a reset, an end of body
 without ``data: [DONE]``, the relay's silence limit, vLLM's in-band error event).  Only then is the transcript
 parsed (:meth:`Resume.read_transcript`): the prompt's ids, every delivered id, the first chunk's
-``id``/``created``/``model``, and whether a tool call or reasoning was streamed.  :meth:`Resume.next_leg` builds
-the continuation — ``/v1/completions`` with the token-id ``prompt`` = prompt ids + delivered ids, ``max_tokens``
-and ``min_tokens`` lowered by what was delivered, the client's sampling fields — which the director runs through
-the usual prefill and decode legs, the lost decoder excluded (and its breaker told).
+``id``/``created``/``model``, whether a tool call or reasoning was streamed, and (from the ring) the trailing ids
+whose token events carried no text — vLLM held back the text of a token that ends inside a UTF-8 character, so
+they were not delivered as text.  :meth:`Resume.next_leg` builds the continuation — ``/v1/completions`` with the
+token-id ``prompt`` = prompt ids + delivered ids less that held-back run (the new decoder generates it again and
+sends the character whole), ``max_tokens`` and ``min_tokens`` lowered by the ids kept, the client's sampling
+fields — which the director runs through the usual prefill and decode legs, the lost decoder excluded (and its
+breaker told).
 
 **Re-frame.**  :class:`Reframe` turns the continuation's completions chunks into the client's API shape with the
 first chunk's ``id``/``created``/``model``: no second role chunk (chat), ``prompt_token_ids`` dropped, the usage
@@ -37,6 +41,7 @@ import asyncio
 import enum
 import re
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -60,6 +65,7 @@ _ERROR_EVENT = b'data: {"error"'
 _TOKEN_END = b"]}]}\n\n"   # the end of a chat / completions token chunk with ids: ``"token_ids":[…]}]}`` + blank line
 _TOKEN_IDS_KEY = b'"token_ids":'
 _NULL_END = b"null}]}\n\n"
+_TAIL = 8     # whole reads kept for the held-back tail (RecordIds.tail): a run of empty-text token events is short
 _UNSAFE = (b'"reasoning', b'"tool_calls"')   # chat deltas a continuation would mis-parse (docs/stream-continuation.md)
 # request fields that make a continuation unfaithful or unparseable (docs/stream-continuation.md lists why)
 _INELIGIBLE = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
@@ -245,8 +251,13 @@ class Resume:
     ``req``: the client's request; ``keep_ids``: the client asked for ``return_token_ids`` (ids not stripped);
     ``blocks``: the first leg's record (:class:`RecordIds`), unparsed: relayed blocks kept whole (they start with
     an SSE field name) and, for blocks of plain token chunks, only their ids (``b"5,6,7"``: they start with a digit);
-    ``last_block``: the last block recorded as ids only (read on loss for a finish reason); ``prompt_ids`` / ``generated``: token ids read from
-    them on loss (and from every continuation chunk); ``delivered``: tokens sent before the ids are known (a
+    ``tail``: the last few reads, whole (:class:`RecordIds`; read on loss for a finish reason and ``held``);
+    ``prompt_ids`` / ``generated``: token ids read from them on loss (and from every continuation chunk);
+    ``held``: how many of the last ``generated`` ids came in token events of empty text — vLLM's detokenizer holds
+    back the text of a token that ends inside a UTF-8 character (or decodes to nothing, e.g. a skipped special
+    token) and sends it with the token that completes it, so these ids were not delivered as text and the
+    continuation regenerates them (:meth:`next_leg`); ``replay``: regenerated ids the client already got
+    (``return_token_ids``), not shown again; ``delivered``: tokens sent before the ids are known (a
     Responses / Messages first leg: one per text delta event); ``text``: the text sent (Responses / Messages);
     ``head``: the first chunk's ``id``/``created``/``model``; ``events``: Responses / Messages state;
     ``lost``: decoders lost so far; ``legs``: decode legs run (1 = the original); ``finish``: a finish reason
@@ -260,7 +271,9 @@ class Resume:
     req: ProxyRequest
     keep_ids: bool
     blocks: list[bytes] = field(default_factory=list)
-    last_block: bytes = b""
+    tail: deque[bytes] = field(default_factory=lambda: deque(maxlen=_TAIL))
+    held: int = 0
+    replay: int = 0
     prompt_ids: list[int] | None = None
     generated: list[int] = field(default_factory=list)
     delivered: int = 0
@@ -298,7 +311,9 @@ class Resume:
     # --- the rare path: read what was delivered ---------------------------------------------------------------
     def read_transcript(self) -> None:
         """Parse the first leg's record (``blocks``, in order: ids of token-chunk blocks and whole blocks) into the
-        state above; ``last_block`` only adds whether a finish reason was delivered (its ids are in the record)."""
+        state above; ``tail`` (the last reads, whole; their ids are in the record) adds whether a finish reason was
+        delivered and ``held``: the trailing ids whose token events carried no text (a run longer than the tail's
+        reads is counted from the tail's start)."""
         blocks, self.blocks = self.blocks, []
         for block in blocks:
             if not block[:1].isalpha() and block[:1] != b":":   # a block's ids (RecordIds): "5,6,7"
@@ -312,13 +327,23 @@ class Resume:
                     self.observe(obj)
                 else:
                     self.observe_event(api_streams.event_name(event).decode(), obj)
-        last, self.last_block = self.last_block, b""
-        for event in sse.split_events(last):
+        tail = b"".join(self.tail)                # empty on a later loss: Reframe kept ``held`` then
+        self.tail.clear()
+        if tail:
+            self.held = 0
+        for event in sse.split_events(tail):
             obj = recompute.parse_event(event)
             choices = obj.get("choices") if obj is not None else None
-            if isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") is not None
-                                                 for c in choices):
-                self.finish = True
+            for c in choices if isinstance(choices, list) else ():
+                if not isinstance(c, dict):
+                    continue
+                if c.get("finish_reason") is not None:
+                    self.finish = True
+                ids = c.get("token_ids")
+                if c.get("finish_reason") is not None or _has_text(c):
+                    self.held = 0
+                elif isinstance(ids, list):
+                    self.held += len(ids)
 
     def observe(self, obj: dict[str, Any]) -> None:
         """Account one chat / completions chunk (the first leg, or a continuation leg)."""
@@ -412,6 +437,11 @@ class Resume:
         (:mod:`pdproxy.apis.fields`) with the delivered text as the final assistant message
         (``continue_final_message``), asking ``return_token_ids`` so that later legs are token-exact."""
         body = self.req.body
+        if self.held and not self.finish:      # ids whose text was held back: regenerated, not in the prompt
+            held = min(self.held, len(self.generated))
+            del self.generated[len(self.generated) - held:]
+            self.replay += held if self.keep_ids else 0
+            self.held = 0
         sent = self.tokens
         limit = self.req.max_output_tokens
         if self.finish or (limit is not None and limit - sent < 1):
@@ -466,6 +496,16 @@ class Resume:
         return tail + sse.DONE_EVENT
 
 
+def _has_text(choice: dict[str, Any]) -> bool:
+    """Whether a chat / completions choice chunk delivered text (``text``; ``delta``'s ``content``, a reasoning or
+    a tool-call delta)."""
+    if choice.get("text"):
+        return True
+    delta = choice.get("delta")
+    return isinstance(delta, dict) and bool(delta.get("content") or delta.get("reasoning")
+                                            or delta.get("reasoning_content") or delta.get("tool_calls"))
+
+
 class RecordIds:
     """The first leg's transform (every block): record the block for :meth:`Resume.read_transcript`, strip the ids
     unless the client asked for them (chat / completions), then run ``then`` (the stream's own transform: chat
@@ -481,12 +521,14 @@ class RecordIds:
     cannot hold an unescaped ``"``, so a false hit only sends the block the general way) is kept whole instead, so
     that :meth:`Resume.refusal` still sees it.  The general path (every other block) is the rule above."""
 
-    __slots__ = ("blocks", "error", "fast", "keep", "lost", "openai", "resume", "then", "then_trigger", "unsafe")
+    __slots__ = ("blocks", "error", "fast", "keep", "lost", "openai", "resume", "tail", "then", "then_trigger",
+                 "unsafe")
     trigger = b""
 
     def __init__(self, resume: Resume, then: Transform) -> None:
         self.resume = resume
         self.blocks = resume.blocks
+        self.tail = resume.tail.append            # every read, whole: the last few stay (Resume.read_transcript)
         self.keep = resume.keep_ids or not resume.openai
         self.openai = resume.openai               # Responses / Messages streams carry no ids: general path only
         self.fast = False
@@ -511,18 +553,19 @@ class RecordIds:
                     return self._general(block, prev)
             if self.keep:                          # the client asked for the ids: they stay, the block is kept
                 self.blocks.append(block)
+                self.tail(block)
                 return block
             k = block.rfind(b"[")                  # one event (a paced stream's read): its ids are the last array
             if block.find(b"\n") == len(block) - 2 and block[k - 12:k] == _TOKEN_IDS_KEY:
                 ids = block[k + 1:-6]
                 if ids.isdigit():
                     self.blocks.append(ids)
-                    self.resume.last_block = block
+                    self.tail(block)
                     return block[:k] + _NULL_END
             parts = _IDS_RE.split(block)           # [text, ids, text, ids, …, text]
             if len(parts) > 1:
                 self.blocks.append(b",".join(parts[1::2]))
-                self.resume.last_block = block
+                self.tail(block)
                 return _NULL_IDS.join(parts[::2])
         return self._general(block, prev)
 
@@ -542,6 +585,7 @@ class RecordIds:
             if not block:
                 return b""
         self.blocks.append(block)
+        self.tail(block)
         self.fast = self.openai                   # after the first block (the prompt's ids): the fast path
         if not self.keep:
             block = _IDS_RE.sub(_NULL_IDS, block)
@@ -607,12 +651,15 @@ class Reframe:
             return b""
         src = choices[0]
         ids = src.get("token_ids")
-        if isinstance(ids, list):
-            r.generated.extend(int(i) for i in ids)
-        self.ctx.completion_tokens = r.tokens
         delta = src.get("delta")
         text = src.get("text") or (delta.get("content") if isinstance(delta, dict) else None) or ""
         finish = src.get("finish_reason")
+        if isinstance(ids, list):
+            r.generated.extend(int(i) for i in ids)
+            r.held = 0 if text or finish is not None else r.held + len(ids)
+            if r.replay:                           # regenerated held-back ids the client already got
+                ids, r.replay = ids[r.replay:], max(0, r.replay - len(ids))
+        self.ctx.completion_tokens = r.tokens
         if finish is not None:
             r.finish = True
             r.finish_reason = str(finish)

@@ -74,6 +74,7 @@ class SimConfig:
     kv_pin_timeout_s: float = 480.0
     kv_transfer_tokens_per_s: float = 0.0
     hol_blocking: bool = True
+    held_back: bool = False     # greedy text of non-ASCII words held back to the next token (pdproxy/sim/outputs.py)
     recompute_stop: bool = False
     enable_auto_tool_choice: bool = True
     max_tokens_overflow: Literal["clamp", "reject"] = "clamp"

@@ -45,7 +45,7 @@ class TokenTable:
     """Token ids of :data:`WORDS` under a tokenizer: the first id of each word's encoding (one id each with the
     built-in tokenizer). Fixed-content pieces get ``crc32(piece) % vocab`` ids."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, held_back: bool = False) -> None:
         ids = []
         encodings = []
         for word in WORDS:
@@ -55,6 +55,12 @@ class TokenTable:
         self.word_ids: tuple[int, ...] = tuple(ids)
         self.word_encodings: tuple[tuple[int, ...], ...] = tuple(encodings)
         """Each word's full encoding (a word's text sent back in a prompt; :mod:`pdproxy.sim.continuation`)."""
+        self.held: tuple[bool, ...] = tuple(held_back and not w.isascii() for w in WORDS)
+        """Per word: its text is held back (``--held-back``: the non-ASCII words, as vLLM's detokenizer holds back
+        a token that ends inside a UTF-8 character, ``vllm/v1/engine/detokenizer.py``): the word's own chunk has
+        empty text and the next token's chunk starts with it; a greedy output's first token never gets the held
+        text of the prompt's last token (vLLM primes its detokenizer with the prompt and does not start at such a
+        cut either)."""
 
     @staticmethod
     def piece_id(piece: str) -> int:
@@ -133,12 +139,27 @@ class OutputPlan:
                 if self.sampled:
                     return "".join(WORDS[self.word(i)] for i in range(start, end))
                 words, off, n = WORDS, self.offset, len(WORDS)
+                if any(self._table.held):
+                    return self._held_text(start, end)
                 return "".join(words[(off + i) % n] for i in range(start, end))
             return "".join(self.piece(i) for i in range(start, end))
         offsets = self._char_offsets(end)
         full = "".join(self.piece(i) for i in range(start, end))
         lo, hi = offsets[start], offsets[end]
         return full[:max(min(hi, self._limit) - lo, 0)]
+
+    def _held_text(self, start: int, end: int) -> str:
+        """:meth:`text` of a greedy output with held-back words (:attr:`TokenTable.held`): token ``i``'s chunk is
+        the held text of token ``i - 1`` (none for ``i`` 0) and its own text unless held."""
+        held, n = self._table.held, len(WORDS)
+        out = []
+        for i in range(start, end):
+            prev, w = (self.offset + i - 1) % n, (self.offset + i) % n
+            if i > 0 and held[prev]:
+                out.append(WORDS[prev])
+            if not held[w]:
+                out.append(WORDS[w])
+        return "".join(out)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Ids of output tokens ``[start, end)``."""

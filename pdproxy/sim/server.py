@@ -88,7 +88,7 @@ class SimServer:
         self._word_offset = config.seed
         self.models = ModelRegistry(config.served_model_name, config.max_model_len,
                                     parse_lora_modules(config.lora_modules))
-        self.token_table = TokenTable(self.tokenizer)
+        self.token_table = TokenTable(self.tokenizer, config.held_back)
         self.fingerprint = f"vllm-{config.version}-{secrets.token_hex(4)}"
         self.http_requests: dict[tuple[str, str, str], int] = {}
         self._stack = contextlib.AsyncExitStack()

@@ -2,7 +2,9 @@
 ``RecordIds``, through the real splice of pdproxy/pd/relay.py): for vLLM-framed event sequences cut into reads at
 arbitrary points, what the client gets equals the reference rewrite (every ``token_ids`` / ``prompt_token_ids``
 array → ``null``, or untouched when the client asked for the ids; nothing from vLLM's in-band error event on), and
-the transcript read on loss holds exactly the delivered ids, head, finish and tool-call / reasoning state."""
+the transcript read on loss holds exactly the delivered ids, head, finish and tool-call / reasoning state, and the
+continuation's prompt leaves out the trailing ids whose events carried no text (vLLM's detokenizer held their text
+back: a cut inside a UTF-8 character)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdproxy.apis.request import Api, parse_request
-from pdproxy.pd.continuation import Resume
+from pdproxy.pd.continuation import _TAIL, Reframe, Resume
 from pdproxy.pd.relay import StreamRelay, _Splice
 from pdproxy.timeline import RequestContext
 
@@ -82,6 +84,7 @@ class Stream:
     generated: list[int] = field(default_factory=list)
     finish: bool = False
     unsafe: bool = False
+    held: int = 0                 # trailing delivered ids whose events carried no text
     tools: bool = False           # the request has tools (vLLM streams tool-call deltas only then)
 
 
@@ -148,6 +151,11 @@ def streams(draw: st.DrawFn) -> Stream:
             s.finish = s.finish or c.get("finish_reason") is not None
             d = c.get("delta") or {}
             s.unsafe = s.unsafe or bool(d.get("reasoning") or d.get("tool_calls"))  # as Resume.observe reads it
+            if c.get("finish_reason") is not None or c.get("text") or d.get("content") or d.get("reasoning") \
+                    or d.get("tool_calls"):
+                s.held = 0
+            else:
+                s.held += len(c.get("token_ids") or [])
     return s
 
 
@@ -155,7 +163,7 @@ def relay(loop: asyncio.AbstractEventLoop, s: Stream, cuts: list[int], keep: boo
           tools: bool = False) -> tuple[bytes, Resume]:
     """Feed ``s`` (cut into reads at ``cuts``) through a continuable stream's splice; returns the client's bytes
     and the resume state after :meth:`Resume.read_transcript` (``recorded``: the record before it)."""
-    body: dict[str, Any] = {"model": "m", "stream": True}
+    body: dict[str, Any] = {"model": "m", "stream": True, "max_tokens": 1000}
     body.update({"messages": [{"role": "user", "content": "hi"}]} if s.api is Api.CHAT else {"prompt": "hi"})
     if keep:
         body["return_token_ids"] = True
@@ -197,6 +205,49 @@ def test_client_bytes_equal_the_reference_rewrite_for_any_reads(loop: asyncio.Ab
     assert resume.finish is s.finish
     assert resume.unsafe is s.unsafe
     assert resume.head["id"] == orjson.loads(s.events[0][6:])["id"]
+    # the held-back run is read from the last _TAIL reads: exact when the stream came in no more reads
+    held = resume.held
+    assert held == s.held if len(cuts) < _TAIL else held <= s.held
+    leg = resume.next_leg()
+    if s.finish:
+        assert leg is None
+        return
+    assert leg is not None
+    kept = s.generated[:len(s.generated) - held]
+    assert leg.body["prompt"] == s.prompt + kept and leg.body["max_tokens"] == 1000 - len(kept)
+    assert resume.tokens == len(kept) and resume.replay == (held if keep else 0)
+
+
+def _completion(text: str, ids: list[int], finish: str | None = None) -> bytes:
+    return token_chunk(Api.COMPLETIONS, text, ids, finish)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_ids_of_held_back_text_are_regenerated_not_delivered(loop: asyncio.AbstractEventLoop, keep: bool) -> None:
+    """A cut right after two token events of empty text (vLLM holds back the bytes of an unfinished character):
+    the continuation's prompt ends before them, its budget counts only the ids kept, and the continuation's
+    regenerated ids complete the character; the client's usage equals every token it got, and a client that asked
+    for the ids gets each id once.  A second loss inside the continuation drops its own held-back tail."""
+    s = Stream(Api.COMPLETIONS, prompt=[7, 8])
+    s.events = [_completion("a", [1], None).replace(b'"prompt_token_ids":null', b'"prompt_token_ids":[7,8]'),
+                _completion("b", [2]), _completion("", [3]), _completion("", [4]), b"data: [DONE]\n\n"]
+    s.delivered = 4
+    _, resume = relay(loop, s, [len(s.events[0]), len(s.events[0]) + len(s.events[1])], keep)
+    assert resume.generated == [1, 2, 3, 4] and resume.held == 2
+    leg = resume.next_leg()
+    assert leg is not None and leg.body["prompt"] == [7, 8, 1, 2] and leg.body["max_tokens"] == 998
+    ctx = RequestContext(request_id="t", client_request_id=None, api_label="completions")
+    reframe = Reframe(resume, ctx, _Out([]))  # type: ignore[arg-type]
+    out = reframe.feed(_completion("", [3]) + _completion("é", [4]) + _completion("", [5]))
+    texts = [orjson.loads(e[6:])["choices"][0] for e in out.split(b"\n\n") if e]
+    assert [(c["text"], c["token_ids"]) for c in texts] == ([("é", []), ("", [5])] if keep else [("é", None)])
+    assert resume.generated == [1, 2, 3, 4, 5] and resume.held == 1 and resume.tokens == 5
+    resume.read_transcript()                       # lost again (the director reads the transcript on each loss)
+    leg = resume.next_leg()                        # id 5's text is held back too
+    assert leg is not None and leg.body["prompt"] == [7, 8, 1, 2, 3, 4] and leg.body["max_tokens"] == 996
+    out = Reframe(resume, ctx, _Out([])).feed(_completion("ü", [5], "length"))  # type: ignore[arg-type]
+    assert orjson.loads(out[6:out.index(b"\n\n")])["choices"][0]["token_ids"] == ([] if keep else None)
+    assert resume.tokens == 5 and resume.usage()["completion_tokens"] == 5
 
 
 def test_plain_token_reads_are_recorded_as_ids_only(loop: asyncio.AbstractEventLoop) -> None:
