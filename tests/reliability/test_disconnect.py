@@ -172,9 +172,13 @@ def test_disconnect_while_waiting_in_the_prefill_queue(slow_pair: tuple[SimProce
         bodies = [chat(1500, 8, seed) for seed in range(N)]  # one fits the budget at a time: 15 wait
         left = leave_when(proxy.url, bodies, lambda _ev: queue.depth >= N - 2
                           and engine(prefiller)["running"] > 0)
-        dispatched = len(prefiller.completions_received())
         assert_released(proxy, [prefiller, decoder], left)
         assert queue.depth == 0
-        assert len(prefiller.completions_received()) == dispatched  # nobody was dispatched after leaving
+        # Nobody waiting was dispatched after leaving.  The clients' closes reach pdproxy one by one: the running
+        # prefill's cancel frees its budget, and a waiter whose close is still unread in its socket may be granted
+        # in that loop turn (seen once in CI under load: 2 prefills).  A waiter that stayed queued after leaving
+        # would be dispatched as the budget frees, one after another, up to all N.
+        dispatched = len(prefiller.completions_received())
+        assert 1 <= dispatched <= 3, dispatched
     finally:
         proxy.stop()
