@@ -30,6 +30,7 @@ request of several sequences (``n > 1``, a completion prompt list) runs one P→
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -43,7 +44,7 @@ from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.health import HealthMonitor
 from pdproxy.engines.models import ServedModels
 from pdproxy.engines.pool import EndpointPool
-from pdproxy.errors import DecodeFailed, ProxyError, UpstreamTimeout, UpstreamUnavailable
+from pdproxy.errors import DecodeFailed, NoEndpointAvailable, ProxyError, UpstreamTimeout, UpstreamUnavailable
 from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.upstream import Upstream
 from pdproxy.ops.tracing import NO_TRACING, Tracing
@@ -85,6 +86,7 @@ class Director:
         self.prefix: PrefixSource = prefix or NoPrefix()
         self.tracing = tracing
         self.backoff = Backoff(settings.retry_backoff_s, settings.retry_backoff_max_s)
+        self.no_endpoint_wait = Backoff(0.05, 1.0)      # a continuation leg no endpoint could take, tried again
         self.prefill = PrefillLeg(settings, queue=queue, pool=pool, health=health, upstream=upstream,
                                   headers=headers, backoff=self.backoff, tracing=tracing, releaser=releaser)
         self.decision = PDDecision.from_settings(settings, queue)
@@ -162,23 +164,34 @@ class Director:
         ``stream_continuation_timeout_s`` seconds of the loss's detection (however many prefillers and decoders
         it tries meanwhile); past that the legs are cancelled (their KV released) and the client gets the typed
         error event.  After the first event the leg is watched like any continuable stream (stall detection).
+        A moment with no endpoint that could take the leg (every breaker open, the lost decoder the only one, all
+        drained) is waited out within the budget: the leg is tried again after a short backoff (50 ms doubling to
+        1 s), the lost decoder no longer excluded (its breaker and health decide).
         Raises :class:`continuation.StreamLost` when it is lost in turn, a :class:`ProxyError` when its legs
         fail (counted as refused, ``failed``)."""
         budget = self.settings.stream_continuation_timeout_s
         api = ctx.api_label
         timer = asyncio.timeout(budget)
+        unavailable: NoEndpointAvailable | None = None
         try:
             async with timer:
                 resume.waiting = timer
-                await self.run_pd(leg, ctx, out, None, None, resume)
+                for attempt in itertools.count(1):
+                    try:
+                        await self.run_pd(leg, ctx, out, None, None, resume, avoid_lost=attempt == 1)
+                        break
+                    except NoEndpointAvailable as refusal:
+                        unavailable = refusal
+                    await self.no_endpoint_wait.sleep(attempt)
         except TimeoutError:
             if not timer.expired():             # not the budget's
                 raise
             resume.observer.refused(continuation.Refusal.TIMEOUT, api)
             ctx.outcome = "upstream_error"
+            why = f" (meanwhile: {unavailable.message})" if unavailable is not None else ""
             out.error_nowait(UpstreamTimeout(
                 f"decoder {resume.lost[-1].name if resume.lost else ''} was lost mid-stream and no continuation "
-                f"answered within stream_continuation_timeout_s ({budget:g} s); the response is incomplete",
+                f"answered within stream_continuation_timeout_s ({budget:g} s){why}; the response is incomplete",
                 endpoint=ctx.decoder or ""))
         except ProxyError:
             resume.observer.refused(continuation.Refusal.FAILED, api)
@@ -230,14 +243,15 @@ class Director:
 
     async def run_pd(self, req: ProxyRequest, ctx: RequestContext, out: Responder,
                      transcript: recompute.Transcript | None, affinity: Endpoint | None = None,
-                     resume: continuation.Resume | None = None) -> bool:
+                     resume: continuation.Resume | None = None, *, avoid_lost: bool = True) -> bool:
         """Prefill, then decode; a decoder failing before its first event is replaced (re-prefilling unless the
         KV handle is known intact).  Returns True when the decoder ended with ``stop_reason "recomputed"``.
+        A continuation leg (``resume``) avoids the decoder just lost when ``avoid_lost``.
         Raises the scheduler's refusal at once when no decoder could take the request (no prefill is spent)."""
         attempts = self.settings.decode_attempts
         hints = await self.prefix.hints(req, ctx)                       # who holds the prompt's prefix
         pick = PickRequest.of(req, ctx.request_id, hints, affinity=affinity)
-        failed: list[Endpoint] = resume.lost[-1:] if resume is not None else []  # the decoder just lost
+        failed: list[Endpoint] = resume.lost[-1:] if resume is not None and avoid_lost else []  # the one just lost
         prefill: PrefillResult | None = None
         self.scheduler.require(Role.DECODE, pick)
         async with AsyncExitStack() as stack:

@@ -339,11 +339,14 @@ class SimServer:
             return web.Response(status=400, body=error_body(str(exc), "BadRequestError", 400),
                                 content_type="application/json")
 
-    async def _health(self, listener: Listener, request: web.Request) -> web.Response:
-        """200; late by ``delay_s`` under a ``slow_health`` fault given ``"path": "/health"`` (pdproxy/sim/faults.py)."""
+    async def _health(self, listener: Listener, request: web.Request) -> web.StreamResponse:
+        """200; under a fault given ``"path": "/health"`` (pdproxy/sim/faults.py): late by ``delay_s``
+        (``slow_health``), or ``refuse`` / ``hang`` / ``status`` (vLLM answers 503 when its engine core is dead)."""
         fault = listener.faults.match(request.path)
         if fault is not None and fault.kind == "slow_health":
             await asyncio.sleep(float(fault.params.get("delay_s", 2.0)))
+        elif fault is not None and (early := await completion.pre_response_fault(fault, request)) is not None:
+            return early
         return web.Response(status=200)
 
     async def _load(self, listener: Listener) -> web.Response:

@@ -95,3 +95,52 @@ def test_a_continuation_that_never_answers_ends_within_the_budget(fleet5: Fleet4
         fleet5.assert_clean(proxy)
     finally:
         proxy.stop()
+
+
+def test_a_continuation_waits_within_the_budget_for_a_decoder_to_take_it(fleet5: Fleet4) -> None:
+    """One decoder, whose breaker opens on its first failure for 0.5 s: it resets the stream after 5 events, so at
+    the loss no decoder can take the continuation (the lost one excluded, its breaker open).  The continuation waits
+    (within the 20 s budget) and runs on the same decoder once its breaker lets a trial through; the client gets
+    the uninterrupted text, one continuation is counted and none refused."""
+    decoder = fleet5.decoders[0]
+    proxy = fleet5.proxy(**ON, decode=[decoder.url], breaker_failures=1, breaker_open_s=0.5)
+    try:
+        base = one(proxy.url, CHAT, "/v1/chat/completions")
+        assert base.status == 200 and not base.errors and base.done == 1
+        decoder.faults({"kind": "reset_after_events", "events": 5, "times": 1, "path": "/v1/chat/completions"})
+        cut = one(proxy.url, CHAT, "/v1/chat/completions")
+        assert cut.status == 200 and not cut.errors and cut.done == 1, cut.body[-400:]
+        assert cut.text == base.text and usage(cut)["completion_tokens"] == MAX
+        legs = [r for r in decoder.received() if isinstance(r["body"].get("prompt"), list)]
+        assert len(legs) == 1, "the continuation ran on the decoder it lost, once its breaker let a trial through"
+        proxy.wait_idle()
+        m = scrape(proxy.url)
+        assert m.value("pdproxy_continuations_total", cause="reset", api="chat") == 1
+        assert m.total("pdproxy_continuations_refused_total") == 0
+        fleet5.assert_clean(proxy)
+    finally:
+        proxy.stop()
+
+
+def test_a_continuation_no_decoder_takes_within_the_budget_ends_with_the_reason(fleet5: Fleet4) -> None:
+    """The same single decoder, its breaker open for 30 s after the loss (its ``/health`` failing) and a 1 s budget:
+    the client gets the
+    typed error event + ``[DONE]`` about a second after the loss, naming the budget and why no decoder took it;
+    the refusal is counted as ``timeout`` and nothing stays pinned or loaded."""
+    decoder = fleet5.decoders[0]
+    proxy = fleet5.proxy(**ON, decode=[decoder.url], breaker_failures=1, breaker_open_s=30.0,
+                         stream_continuation_timeout_s=1.0)
+    try:
+        decoder.faults({"kind": "reset_after_events", "events": 5, "times": 1, "path": "/v1/chat/completions"},
+                       {"kind": "status", "status": 503, "path": "/health"})    # the probe after the loss fails
+        cut = one(proxy.url, CHAT, "/v1/chat/completions")
+        assert cut.status == 200 and cut.done == 1 and len(cut.errors) == 1, cut.body[-400:]
+        message = cut.errors[0]["error"]["message"]
+        assert "stream_continuation_timeout_s (1 s)" in message and "No healthy decode endpoint" in message, message
+        assert not [r for r in decoder.received() if isinstance(r["body"].get("prompt"), list)]
+        proxy.wait_idle()
+        m = scrape(proxy.url)
+        assert m.value("pdproxy_continuations_refused_total", reason="timeout", api="chat") == 1
+        fleet5.assert_clean(proxy)
+    finally:
+        proxy.stop()

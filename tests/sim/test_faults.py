@@ -55,6 +55,17 @@ async def test_status_fault_with_custom_body_and_path_filter(sim: SimServer, htt
     assert (await post(http, sim.base_urls[0] + "/v1/chat/completions", CHAT))[0] == 200
 
 
+async def test_health_answers_a_status_fault_given_its_path(sim: SimServer, http: aiohttp.ClientSession) -> None:
+    """``/health`` takes the faults given ``"path": "/health"`` (a dead engine core's 503), generation routes not."""
+    await add(http, sim, {"kind": "status", "status": 503, "path": "/health", "times": 2})
+    statuses = []
+    for _ in range(3):
+        async with http.get(sim.base_urls[0] + "/health") as resp:
+            statuses.append(resp.status)
+    assert statuses == [503, 503, 200]
+    assert (await post(http, sim.base_urls[0] + "/v1/completions", {"prompt": "x", "max_tokens": 1}))[0] == 200
+
+
 async def test_refuse_closes_without_a_response(sim: SimServer, http: aiohttp.ClientSession) -> None:
     await add(http, sim, {"kind": "refuse", "on_request": 1})
     got = await raw_post(sim.ports[0], "/v1/completions", {"prompt": "x"})
