@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,7 @@ import openai
 import pytest
 
 from tests.real_vllm.support import REPO, SMALL_POOL_BLOCKS, Engines, Prompts, metric, scrape
-from tests.support import ProxyThread, sampling
+from tests.support import ProxyThread, sampling, wait_until
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(120)]
 LONG_TOKENS = 2000       # 16 blocks of 128: two never fit in 18
@@ -37,41 +36,48 @@ def capacity_waiting(url: str) -> float:
     return metric(scrape(url), "vllm:num_requests_waiting_by_reason", reason="capacity")
 
 
+def finished(url: str) -> float:
+    """Requests the engine has finished (``vllm:request_success_total``, every finish reason)."""
+    return metric(scrape(url), "vllm:request_success_total")
+
+
 def test_vllm_alone_makes_the_second_long_prompt_wait(small_pool_engines: Engines, prompts: Prompts) -> None:
-    """Two long prompts cannot both hold KV: a second one sent while the first is decoding (16 + 1 of the 18
-    blocks held) gets its first token only after the first one's last — the order of events on the two streams,
-    not a speed; and the engine counted it as queued (``vllm:request_queue_time_seconds``)."""
+    """Two long prompts cannot both hold KV: a second 1,500-token prompt (one token asked) sent while the first
+    (1,500 tokens, then 500 generated with ``ignore_eos``: 12 blocks growing to 16 of the 18) is decoding waits
+    inside the engine for capacity (``vllm:num_requests_waiting_by_reason{reason="capacity"}``), and gets its token
+    only once the first has finished — read from the engine's own count of finished requests when that token
+    arrives (2: the first and itself; 1 had it run beside the first), never from the order two client threads
+    happened to read their streams in.  vLLM's API server counts a step's finishes before any of that step's
+    output reaches a client (``output_handler``, vllm/v1/engine/async_llm.py)."""
     e = small_pool_engines
-    longs = [prompts.unique(LONG_TOKENS, seed=3000 + i) for i in range(2)]
+    longs = [prompts.unique(1500, seed=3000 + i) for i in range(2)]
     queued0 = metric(scrape(e.prefill_url), "vllm:request_queue_time_seconds_count")
-    order: list[str] = []
-    lock = threading.Lock()
-
-    def note(what: str) -> None:
-        with lock:
-            order.append(what)
-
-    body = {"model": e.served_model, "stream": True, "max_tokens": 32}
+    finished0 = finished(e.prefill_url)
+    body = {"model": e.served_model, "stream": True}
     with httpx.Client(base_url=e.prefill_url, timeout=120) as engine, ThreadPoolExecutor(1) as pool, \
-            engine.stream("POST", "/v1/completions", json={**body, "prompt": longs[0]}) as first:
+            engine.stream("POST", "/v1/completions", json={**body, "prompt": longs[0], "max_tokens": 500,
+                                                           "ignore_eos": True}) as first:
         assert first.status_code == 200
         lines = first.iter_lines()
         assert next(line for line in lines if line.startswith("data: {"))          # running: its blocks held
 
-        def second() -> None:
-            with engine.stream("POST", "/v1/completions", json={**body, "prompt": longs[1]}) as answer:
+        def second() -> float:
+            """Requests the engine had finished when the second's first token arrived."""
+            with engine.stream("POST", "/v1/completions",
+                               json={**body, "prompt": longs[1], "max_tokens": 1}) as answer:
                 assert answer.status_code == 200
                 events = answer.iter_lines()
                 assert next(line for line in events if line.startswith("data: {"))
-                note("second's first token")
+                finished_then = finished(e.prefill_url) - finished0
                 assert "data: [DONE]" in list(events)
+                return finished_then
 
         waiting = pool.submit(second)
-        for line in lines:
-            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["finish_reason"] is not None:
-                note("first's last token")
-        waiting.result()
-    assert order == ["first's last token", "second's first token"], order
+        wait_until(lambda: waiting.done() or capacity_waiting(e.prefill_url) >= 1, 60, 0.02,
+                   "the engine's word: the second waits for KV capacity")
+        assert not waiting.done(), "the second long prompt was served without waiting for capacity"
+        assert "data: [DONE]" in list(lines)
+        assert waiting.result() == 2, "the second long prompt got its token before the first one finished"
     assert metric(scrape(e.prefill_url), "vllm:request_queue_time_seconds_count") - queued0 == 2
 
 
@@ -80,17 +86,21 @@ def test_vllm_holds_small_requests_behind_a_long_prompt_waiting_for_kv(small_poo
     """Head-of-line blocking in vLLM 0.32 (like vLLM-Ascend in seed 000; ``pdproxy sim --hol-blocking on``): a
     small request that would fit waits while a long prompt at the head of the queue waits for KV blocks.
 
-    A 1,300-token prompt decoding 600 tokens holds 15 of the 18 blocks; a second one cannot get its 11; a 2-token
-    request needs one block. Order is established by reading streams, not by timing."""
+    A 1,300-token prompt decoding 600 tokens (``ignore_eos``) holds 15 of the 18 blocks; a second one cannot get
+    its 11; a 2-token request needs one block.  Whether the small request waited is read from the engine's count of
+    finished requests when its answer arrives (1, itself: served while the first decodes; 2 or more: after the
+    first finished), not from two client threads' clocks."""
     e = small_pool_engines
 
-    def scenario(with_waiting_long: bool, seed: int) -> tuple[float, float]:
-        """(monotonic time the first long prompt's stream ended, time the small request's answer arrived)."""
+    def scenario(with_waiting_long: bool, seed: int) -> float:
+        """Requests the engine had finished, since the scenario began, when the small request's answer arrived."""
+        finished0 = finished(e.prefill_url)
         with httpx.Client(base_url=e.prefill_url, timeout=120) as engine, ThreadPoolExecutor(2) as pool, \
                 ExitStack() as stack:
             body = {"model": e.served_model, "stream": True}
             with engine.stream("POST", "/v1/completions", json={
-                    **body, "prompt": prompts.unique(1300, seed=seed), "max_tokens": 600}) as first:
+                    **body, "prompt": prompts.unique(1300, seed=seed), "max_tokens": 600,
+                    "ignore_eos": True}) as first:
                 lines = first.iter_lines()
                 assert next(line for line in lines if line.startswith("data: {"))   # decoding now
                 second = None
@@ -98,20 +108,23 @@ def test_vllm_holds_small_requests_behind_a_long_prompt_waiting_for_kv(small_poo
                     second = stack.enter_context(engine.stream("POST", "/v1/completions", json={
                         **body, "prompt": prompts.unique(1300, seed=seed + 1), "max_tokens": 8}))
                     assert second.status_code == 200
-                small = pool.submit(lambda: (engine.post("/v1/completions", json={
-                    "model": e.served_model, "prompt": "Hi", "max_tokens": 2}), time.monotonic()))
+                    wait_until(lambda: capacity_waiting(e.prefill_url) >= 1, 60, 0.02,
+                               "the second long prompt waiting for capacity at the head of the queue")
+
+                def small() -> float:
+                    reply = engine.post("/v1/completions", json={"model": e.served_model, "prompt": "Hi",
+                                                                 "max_tokens": 2})
+                    assert reply.status_code == 200
+                    return finished(e.prefill_url) - finished0
+                answered = pool.submit(small)
                 assert "data: [DONE]" in list(lines)
-                first_done = time.monotonic()
-                reply, small_done = small.result()
-                assert reply.status_code == 200
+                finished_then = answered.result()
                 if second is not None:
                     assert "data: [DONE]" in list(second.iter_lines())
-        return first_done, small_done
+        return finished_then
 
-    first_done, small_done = scenario(False, 5000)
-    assert small_done < first_done                       # nothing waiting: the small one is served at once
-    first_done, small_done = scenario(True, 5100)
-    assert small_done > first_done                       # held behind the waiting long prompt until the first ended
+    assert scenario(False, 5000) == 1        # nothing waiting: the small one is served while the first decodes
+    assert scenario(True, 5100) >= 2         # held behind the waiting long prompt until the first ended
 
 
 def test_pdproxy_reads_the_pool_and_queues_the_second_long_prompt(
