@@ -1,0 +1,66 @@
+"""``load_json``'s nesting limit (pdproxy/apis/request.py) at its edge, for small bodies and for bodies of
+hundreds of KB (the agent and long-prompt sizes): exactly ``max_depth`` levels parse to orjson's own value, one
+more is vLLM's 400 ``json_invalid``, many shallow brackets are not depth, and what is not one JSON value stays a
+400 — whichever of the two paths (bracket bound or padded parse) the body takes."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdproxy.apis.request import BadRequest, load_json
+
+pytestmark = pytest.mark.timeout(60)
+
+LIMIT = 40
+BIG = "word " * 60_000           # 300 KB of prompt text: a body far above 64 KiB
+
+
+def body(depth: int, pad: str = "", siblings: int = 0) -> bytes:
+    """An object whose ``x`` nests ``depth - 1`` arrays (``depth`` levels with the object), ``siblings`` empty
+    arrays beside it (shallow brackets), ``pad`` as a long string member."""
+    return (b'{"content": ' + orjson.dumps(pad) + b', "s": [' + b",".join([b"[]"] * siblings) + b'], "x": '
+            + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}")
+
+
+@pytest.mark.parametrize("pad", ["", BIG], ids=["small", "300KB"])
+@pytest.mark.parametrize("siblings", [0, 3 * LIMIT], ids=["few-brackets", "many-brackets"])
+def test_exactly_the_limit_parses_and_one_more_is_refused(pad: str, siblings: int) -> None:
+    ok = body(LIMIT, pad, siblings)
+    assert load_json(ok, LIMIT) == orjson.loads(ok)
+    with pytest.raises(BadRequest) as refused:
+        load_json(body(LIMIT + 1, pad, siblings), LIMIT)
+    assert "json_invalid" in refused.value.message and "max_json_depth" in refused.value.message
+
+
+@pytest.mark.parametrize("raw", [b"1, 2", b"[1] [2]", b"", b'{"a": 1', b"[" * 5000])
+@pytest.mark.parametrize("pad", [b"", b" " * 70_000], ids=["small", "70KB"])
+def test_what_is_not_one_json_value_is_a_400(raw: bytes, pad: bytes) -> None:
+    with pytest.raises(BadRequest):
+        load_json(pad + raw, LIMIT)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(st.none() | st.integers(-(2**63), 2**63 - 1) | st.text(alphabet="[]{}ab", max_size=8),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner,
+                                                                                 max_size=4), max_leaves=60),
+       st.booleans())
+def test_any_value_parses_iff_it_fits(value: object, big: bool) -> None:
+    """Brackets inside strings count toward the bound but never toward the depth."""
+    raw = orjson.dumps([value, BIG] if big else value)
+
+    def depth(v: object) -> int:
+        if isinstance(v, list):
+            return 1 + max((depth(x) for x in v), default=0)
+        if isinstance(v, dict):
+            return 1 + max((depth(x) for x in v.values()), default=0)
+        return 0
+
+    limit = 6
+    if depth(orjson.loads(raw)) <= limit:
+        assert load_json(raw, limit) == orjson.loads(raw)
+    else:
+        with pytest.raises(BadRequest):
+            load_json(raw, limit)
