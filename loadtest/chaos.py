@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,15 +34,11 @@ from typing import Any
 import httpx
 import orjson
 
+from loadtest.ports import free_port
+
 ADMIN_KEY = "chaos-admin"
 SIM_FLAGS = ["--served-model-name", "sim-model", "--max-model-len", "8192", "--prefill-tokens-per-s", "200000",
              "--decode-tokens-per-s", "100", "--kv-pin-timeout-s", "30"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

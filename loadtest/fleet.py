@@ -12,7 +12,6 @@ import contextlib
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,14 +22,9 @@ from typing import Any
 import httpx
 import orjson
 
+from loadtest.ports import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cpu_split() -> tuple[list[int] | None, list[int] | None]:

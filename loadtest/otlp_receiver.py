@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import gzip
 import signal
-import socket
 import sys
 import threading
 import time
@@ -32,6 +31,8 @@ from typing import IO, Any
 import orjson
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+from loadtest.ports import free_port
 
 KINDS = {0: "UNSPECIFIED", 1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
 STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}
@@ -138,19 +139,13 @@ class SpanStore:
             self.spans.clear()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class HttpReceiver:
     """OTLP/HTTP on ``http://127.0.0.1:{port}/v1/traces`` (aiohttp in its own thread and event loop).
     ``fail_status``: answer every export with this status instead (an unavailable collector)."""
 
     def __init__(self, store: SpanStore | None = None, port: int | None = None) -> None:
         self.store = store or SpanStore()
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}/v1/traces"
         self.fail_status: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -34,11 +34,11 @@ fi
 echo "== real-vLLM stage"
 stage_start=$SECONDS
 # Ports for this run only (never 8100/8200, pdproxy demo's), below the kernel's ephemeral range so that no
-# outgoing connection or port-0 listener of the suite takes one meanwhile (tests/real_vllm/ports.py); the tests'
+# outgoing connection or port-0 listener of the suite takes one meanwhile (loadtest/ports.py); the tests'
 # fixtures start/stop the engines with them (tests/real_vllm/conftest.py), and the trap stops anything left if
 # pytest itself dies.
 read -r REAL_VLLM_PREFILL_PORT REAL_VLLM_DECODE_PORT REAL_VLLM_PREFILL_SIDE_PORT REAL_VLLM_DECODE_SIDE_PORT \
-  REAL_VLLM_KV_EVENTS_PORT REAL_VLLM_KV_REPLAY_PORT < <($PY -m tests.real_vllm.ports 6)
+  REAL_VLLM_KV_EVENTS_PORT REAL_VLLM_KV_REPLAY_PORT < <($PY -m loadtest.ports 6)
 export REAL_VLLM_PREFILL_PORT REAL_VLLM_DECODE_PORT REAL_VLLM_PREFILL_SIDE_PORT REAL_VLLM_DECODE_SIDE_PORT
 export REAL_VLLM_KV_EVENTS_PORT REAL_VLLM_KV_REPLAY_PORT
 unset REAL_VLLM_KEEP

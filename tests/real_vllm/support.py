@@ -4,7 +4,7 @@ token-exact prompts built with the tiny model's own tokenizer.
 :class:`RealEngines` runs ``scripts/real-vllm.sh start|stop`` with one :class:`EngineConfig` at a time (the
 script's facts and traps: docs/real-vllm.md and the script's header); :meth:`RealEngines.extra_decoder` adds a
 second decoder beside the running configuration's (``REAL_VLLM_ROLES=decode`` on ports of its own), for a test that
-kills one. Ports are picked free at session start, below the kernel's ephemeral range (``tests/real_vllm/ports.py``;
+kills one. Ports are picked free at session start, below the kernel's ephemeral range (``loadtest/ports.py``;
 ``REAL_VLLM_*_PORT`` from the environment win), never 8100/8200 (``pdproxy demo``'s). The NIXL lease
 (``kv_lease_duration``) is cut to 10 s, so KV a test abandons on a prefiller is freed quickly instead of keeping it
 busy for 30 s.
@@ -25,8 +25,8 @@ from typing import Any
 
 import httpx
 
+from loadtest.ports import engine_ports
 from pdproxy.tokens import HFTokenizer, prompt_token_ids
-from tests.real_vllm.ports import engine_ports
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "real-vllm.sh"
@@ -88,7 +88,7 @@ class RealEngines:
     def __init__(self) -> None:
         names = ("REAL_VLLM_PREFILL_PORT", "REAL_VLLM_DECODE_PORT", "REAL_VLLM_PREFILL_SIDE_PORT",
                  "REAL_VLLM_DECODE_SIDE_PORT", "REAL_VLLM_KV_EVENTS_PORT", "REAL_VLLM_KV_REPLAY_PORT")
-        spare = iter(engine_ports(len(names)))          # below the ephemeral range (tests/real_vllm/ports.py)
+        spare = iter(engine_ports(len(names)))          # below the ephemeral range (loadtest/ports.py)
         ports = {name: os.environ.get(name) or str(next(spare)) for name in names}
         self.kv_events_port = int(ports["REAL_VLLM_KV_EVENTS_PORT"])
         self.kv_replay_port = int(ports["REAL_VLLM_KV_REPLAY_PORT"])

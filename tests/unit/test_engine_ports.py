@@ -1,4 +1,4 @@
-"""``tests/real_vllm/ports.py``: the real engines' ports come from below the ephemeral range, free and distinct."""
+"""``loadtest/ports.py``: the real engines' ports come from below the ephemeral range, free and distinct."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.real_vllm.ports import RESERVED, engine_ports, ephemeral_low
+from loadtest.ports import RESERVED, engine_ports, ephemeral_low
 
 
 def test_ports_are_free_distinct_and_never_ephemeral() -> None:

@@ -1,4 +1,5 @@
-"""Ports for the real engines, picked below the kernel's ephemeral range.
+"""Ports for processes that bind them later (engines, proxies, receivers of the benches and the tests), picked below
+the kernel's ephemeral range.
 
 The real-vLLM stage picks the engines' ports once and starts three engine configurations on them over several
 minutes.  A port picked by binding port 0 comes from the ephemeral range (``/proc/sys/net/ipv4/
@@ -8,7 +9,7 @@ lost the decoder's NIXL side channel that way: the prefiller's worker, starting 
 the decoder's ``nixl_handshake_listener`` thread died on ``Address already in use``, so it could never pull.
 Ports below the ephemeral range are never handed out by the kernel, so a port free when picked stays free.
 
-``python -m tests.real_vllm.ports N`` prints N such ports (scripts/test-all.sh exports them).
+``python -m loadtest.ports N`` prints N such ports (scripts/test-all.sh exports them for the real-vLLM stage).
 """
 
 from __future__ import annotations
@@ -48,6 +49,21 @@ def engine_ports(n: int, low: int = 20000, high: int | None = None) -> list[int]
     if len(picked) < n:
         raise RuntimeError(f"only {len(picked)} free ports below the ephemeral range, {n} needed")
     return picked
+
+
+_HANDED_OUT: set[int] = set()
+"""Ports :func:`free_port` gave out in this process (each once)."""
+
+
+def free_port() -> int:
+    """A port free now for a process that binds it later: below the ephemeral range, where no outgoing connection
+    or port-0 listener can take it meanwhile, and never handed out twice in this process (a restarted engine keeps
+    its port: pass it explicitly)."""
+    while True:
+        port = engine_ports(1)[0]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 if __name__ == "__main__":
