@@ -6,7 +6,9 @@ Run: ``python -m loadtest.fault_bench [--requests 1000] [--concurrency 32] [--fa
 
 Everything runs on 127.0.0.1: ``--prefillers`` (2) and ``--decoders`` (3) simulated engines (``pdproxy sim``, one
 token per event at ``--decode-tokens-per-s``), ``pdproxy serve`` in its own process with ``--stream-continuation``,
-and this load generator.  First every distinct request is run once with no fault (the uninterrupted, greedy
+and this load generator, a client that retries as the OpenAI and Anthropic SDKs do (a 429 / 503 answered with
+``Retry-After`` before the stream's first byte, twice: with every decoder's breaker open pdproxy refuses a new
+request at once, as vllm-router and LiteLLM do; ``client_retried`` counts them).  First every distinct request is run once with no fault (the uninterrupted, greedy
 reference); then the faults are installed on every decoder (``POST /sim/faults``: each kind at a few event
 counts, each firing with a probability so that about ``--fault-rate`` of all decode legs — continuation legs too —
 are lost) and ``--requests`` streams run.  A share of the requests (``--ineligible-share``) carry stop strings,
@@ -109,6 +111,8 @@ class Stream:
     request_id: str = ""
     tail: bytes = b""
     times: list[float] = field(default_factory=list)
+    retry_after_s: float | None = None     # the answer was a 429 / 503 with Retry-After (before any stream byte)
+    retries: int = 0                       # how many such answers the client retried before this one
 
 
 def read_events(api: str, body: bytes, stream: Stream) -> None:
@@ -156,8 +160,25 @@ def read_events(api: str, body: bytes, stream: Stream) -> None:
     stream.text = "".join(parts)
 
 
+CLIENT_RETRIES = 2
+"""What the OpenAI and Anthropic SDKs do by default: a 429 / 5xx answered before any stream byte is retried twice,
+after the ``Retry-After`` the server gave (here capped at 5 s)."""
+
+
 async def one(client: httpx.AsyncClient, url: str, spec: Spec, live: Live | None = None) -> Stream:
-    """Run one stream, timing every chunk the client receives; ``live`` counts it while it streams."""
+    """Run one stream as an SDK client would (:data:`CLIENT_RETRIES`), timing every chunk the client receives;
+    ``live`` counts it while it streams."""
+    for attempt in range(CLIENT_RETRIES + 1):
+        s = await _one(client, url, spec, live)
+        s.retries = attempt
+        retry_after = s.retry_after_s
+        if retry_after is None or attempt == CLIENT_RETRIES:
+            return s
+        await asyncio.sleep(min(retry_after, 5.0))
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def _one(client: httpx.AsyncClient, url: str, spec: Spec, live: Live | None = None) -> Stream:
     s = Stream(spec)
     chunks: list[bytes] = []
     counted = False
@@ -166,6 +187,11 @@ async def one(client: httpx.AsyncClient, url: str, spec: Spec, live: Live | None
         async with client.stream("POST", url + PATHS[spec.api], json=spec.body(),
                                  headers={"x-request-id": s.request_id}) as resp:
             s.status = resp.status_code
+            if resp.status_code in (429, 503) and "retry-after" in resp.headers:
+                try:
+                    s.retry_after_s = float(resp.headers["retry-after"])
+                except ValueError:
+                    s.retry_after_s = 1.0
             async for chunk in resp.aiter_raw():
                 s.times.append(time.monotonic())
                 chunks.append(chunk)
@@ -296,6 +322,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "gap_s": {"p50": pct(gaps, 0.5), "p99": pct(gaps, 0.99), "max": max(gaps, default=None)},
         "per_api": {api: sum(1 for s in eligible if s.spec.api == api) for api in APIS},
         "broken_reference": len(broken_reference),
+        "client_retried": sum(1 for s in streams if s.retries),
         "broken_details": [f"{s.spec.api}: {s.status} error={s.error} ended={s.ended} request {s.request_id}: "
                            f"{s.detail} body tail {s.tail!r}" for s in broken[:5]],
         "usage_details": [f"{s.spec.api}/{s.spec.max_tokens}: {s.usage_tokens} vs {reference[s.spec].usage_tokens}"
@@ -506,6 +533,7 @@ def table(r: dict[str, Any]) -> str:
             ("  usage == delivered tokens", r["usage_ok"], f"of {r['eligible']}"),
             ("  byte-identical to the uninterrupted run", r["identical"], f"of {r['eligible']}"),
             ("decode legs lost (faults fired)", r["legs_lost"], ""),
+            ("requests the client retried (503 + Retry-After first)", r["client_retried"], "as the SDKs do"),
             ("ineligible streams", r["ineligible"], ""),
             ("  cut, typed error event", r["ineligible_cut_typed_error"], ""),
             ("  last event -> error (with detection), p50 / max s", f"{r['ineligible_error_s']['p50']} / "
