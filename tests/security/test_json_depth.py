@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdproxy.apis.request import BadRequest, load_json
+from pdproxy.apis.request import BadRequest, _brackets_at_most, load_json
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,3 +64,14 @@ def test_any_value_parses_iff_it_fits(value: object, big: bool) -> None:
     else:
         with pytest.raises(BadRequest):
             load_json(raw, limit)
+
+
+def test_the_bracket_bound_counts_both_openers_and_stops_past_the_limit() -> None:
+    """The cheap path (no padded parse) is taken exactly when the body has at most ``limit`` opening brackets —
+    a 300 KB one-message chat takes it; brackets inside strings count (never toward depth, only toward the bound)."""
+    assert _brackets_at_most(b'{"a": ["[", {"b": 1}]}', 4)
+    assert not _brackets_at_most(b'{"a": ["[", {"b": 1}]}', 3)
+    assert _brackets_at_most(b"no brackets at all", 0)
+    assert not _brackets_at_most(b"[" * 10_000, 200)
+    chat = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": BIG}], "max_tokens": 32})
+    assert len(chat) > 300_000 and _brackets_at_most(chat, 200)
