@@ -286,7 +286,9 @@ cmd_start() {
     local ready=1
     for role in "${ROLES[@]}"; do
       port=$P_PORT; [[ $role == decode ]] && port=$D_PORT
-      if ! read_pid "$role" >/dev/null; then
+      # The recorded pid itself, not read_pid: until the launched shell has exec'd vLLM its command line is still
+      # this script's, and a loaded machine can take that long to get there (not an exit).
+      if ! pid_alive "$(cat "$(pid_file "$role")" 2>/dev/null)"; then
         tail -n 15 "$(log_file "$role")" >&2 || true
         local cause
         cause="$(grep -E '^[A-Za-z.]*(Error|Exception): ' "$(log_file "$role")" | tail -n 1 || true)"
