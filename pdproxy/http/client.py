@@ -12,9 +12,11 @@ two ways to take the body:
 - **reads**: ``readany()`` / ``read()`` drain a body buffer (reading paused above 256 KB buffered), with an idle
   timeout and an absolute deadline as connection timers (the prefill leg, a JSON decode answer, the decoder's
   first event);
-- **splice**: :meth:`H1Response.splice` hands every later body segment straight to a :class:`BodySink` from the
-  protocol's ``data_received``, with no buffer, future or coroutine switch per segment (the relay's streaming
-  phase, :mod:`pdproxy.pd.relay`); the sink pauses and resumes reading for back-pressure.
+- **splice**: :meth:`H1Response.splice` hands the body straight to a :class:`BodySink` from the protocol's
+  ``data_received``, with no future or coroutine switch (the relay's streaming phase, :mod:`pdproxy.pd.relay`): the
+  body segments of one socket read — one per HTTP chunk, i.e. one per SSE event from vLLM — are joined and given
+  as one piece at the end of that read, so a decoder that is ahead of the proxy costs one sink call (and one
+  client write) per read, not per event; the sink pauses and resumes reading for back-pressure.
 
 Errors are this module's own small tree, mapped to :class:`pdproxy.errors.ProxyError` in one place
 (``pdproxy/http/upstream.py``)::
@@ -74,7 +76,8 @@ class ReadTimeout(TransportError, TimeoutError):
 class BodySink(Protocol):
     """Receives a spliced response body (:meth:`H1Response.splice`), called from the connection's protocol
     callbacks: ``data`` once per body segment (bytes, never empty), then exactly one of ``eof`` (the message is
-    complete) or ``fail`` (a :class:`TransportError`; bytes that did arrive were all given to ``data``)."""
+    complete) or ``fail`` (a :class:`TransportError`; bytes that did arrive were all given to ``data``).  One
+    ``data`` call holds every body segment of one socket read, in order (:meth:`H1Connection.data_received`)."""
 
     def data(self, chunk: bytes) -> None: ...
 
@@ -184,7 +187,7 @@ class H1Response:
         elif self._eof:
             sink.eof()
         elif self.sink is sink:
-            self._conn.body_sink = sink.data
+            self._conn.splice_to(sink.data)
 
     def pause_reading(self) -> None:
         """Stop reading the engine's socket (back-pressure from the client side); no-op when closed."""
@@ -338,6 +341,8 @@ class H1Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.resp: H1Response | None = None
         self.body_sink: Any = None
+        self.held: list[bytes] = []  # a spliced body's segments of the current read (see data_received)
+        self.sink_data: Any = None
         self.headers_in: asyncio.Future[None] | None = None
         self.closed = False
         self.counted = True  # holds one of the pool's per-endpoint places until closed
@@ -394,6 +399,8 @@ class H1Connection(asyncio.Protocol):
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
+            if self.held:
+                self._flush()
         except httptools.HttpParserUpgrade:
             self._broken("unexpected protocol upgrade")
         except httptools.HttpParserError as exc:
@@ -439,11 +446,30 @@ class H1Connection(asyncio.Protocol):
         if self.interim:
             self.interim = False
             return
+        if self.held:
+            self._flush()
         self.complete = True
         if self.resp is not None:
             self.resp.feed_eof()
 
+    def splice_to(self, data: Any) -> None:
+        """Hand the response's later body to ``data`` (a :class:`BodySink`'s ``data``): the segments of each read
+        are held and given as one piece when the read's parsing ends (:meth:`data_received`), before the
+        message's end or a failure is told."""
+        self.sink_data = data
+        self.body_sink = self.held.append
+
+    def _flush(self) -> None:
+        """Give the held segments of this read to the sink as one piece."""
+        held = self.held
+        data = held[0] if len(held) == 1 else b"".join(held)
+        held.clear()
+        if self.body_sink == held.append:  # the sink may have let go of the response since
+            self.sink_data(data)
+
     def _broken(self, why: str) -> None:
+        if self.held:
+            self._flush()
         err = ProtocolError(why)
         if self.headers_in is not None and not self.headers_in.done():
             self.headers_in.set_exception(err)
@@ -512,7 +538,8 @@ class H1Connection(asyncio.Protocol):
         if self.resp is not resp:
             return
         self.resp = None
-        self.body_sink = None
+        self.body_sink = self.sink_data = None
+        self.held.clear()
         if reusable and self.complete and not self.closed:
             self.resume()
             self.pool.put(self)

@@ -7,9 +7,10 @@ over).  After the first byte the relay never replays: a failure becomes ``data: 
 connection written to — is :mod:`pdproxy.pd.responder`'s.
 
 **The splice.**  The first event is read with an ordinary ``await`` (it carries the first-event timeout and the
-error check).  From then on the decoder connection hands every body segment straight to :class:`_Splice` from its
-``data_received`` (:meth:`pdproxy.http.client.H1Response.splice`), which writes it to the client's transport in the
-same call: no coroutine switch, ASGI message, dict or copy per event beyond the chunk framing.  The block that
+error check).  From then on the decoder connection hands the body straight to :class:`_Splice` from its
+``data_received`` (:meth:`pdproxy.http.client.H1Response.splice`): the body segments of one socket read (one HTTP
+chunk per event from vLLM) as one piece, which the splice writes to the client's transport in the same call — no
+coroutine switch, ASGI message or dict per event, and one client write per read however many events it holds.  The block that
 holds ``data: [DONE]`` ends the client's response in the same write (a client that closes its connection right
 after ``[DONE]`` has its whole answer); the decoder's end of body is then awaited only to pool its connection.  Per write it
 costs: the SSE boundary check (complete events are forwarded; an incomplete tail waits for its rest), the

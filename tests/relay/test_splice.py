@@ -207,6 +207,22 @@ async def test_events_split_across_reads_are_forwarded_whole() -> None:
     assert client.text == TOKEN * 3 + DONE
 
 
+async def test_the_events_of_one_read_reach_the_client_as_one_write() -> None:
+    """A decoder ahead of the proxy: the HTTP chunks (one per event, as vLLM writes them) of one socket read are
+    one client write, in order; with the end of the message in the same read, ``[DONE]`` ends the response and
+    the end of the body comes after every event (pdproxy/http/client.py ``H1Connection.data_received``)."""
+    script = Script()
+    async with relaying(script) as (task, client, ctx, resp):
+        script.send(chunk(TOKEN) * 5)
+        await until(lambda: len(client.body) >= 2, "the five events")
+        assert client.body[1:] == [TOKEN * 5]
+        script.send(chunk(TOKEN) + chunk(TOKEN) + chunk(USAGE) + chunk(DONE) + b"0\r\n\r\n")
+        assert await task is False
+        assert resp.at_eof()
+    assert client.body[2:] == [TOKEN * 2 + USAGE + DONE] and client.finished
+    assert ctx.completion_tokens == 3 and ctx.events == 3
+
+
 @pytest.mark.parametrize("split", [True, False], ids=["own-block", "with-done"])
 async def test_a_decoder_not_known_for_recomputed_is_detected_and_the_stream_ends_with_an_error(split: bool) -> None:
     detected: list[bool] = []
