@@ -399,8 +399,13 @@ class H1Connection(asyncio.Protocol):
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
-            if self.held:
-                self._flush()
+            held = self.held
+            if held:  # a spliced body's segments of this read: one piece to the sink (inline: once per read)
+                data = held[0] if len(held) == 1 else b"".join(held)
+                held.clear()
+                sink = self.sink_data
+                if sink is not None:
+                    sink(data)
         except httptools.HttpParserUpgrade:
             self._broken("unexpected protocol upgrade")
         except httptools.HttpParserError as exc:
@@ -464,8 +469,9 @@ class H1Connection(asyncio.Protocol):
         held = self.held
         data = held[0] if len(held) == 1 else b"".join(held)
         held.clear()
-        if self.body_sink == held.append:  # the sink may have let go of the response since
-            self.sink_data(data)
+        sink = self.sink_data
+        if sink is not None:  # None once the response is done with (done())
+            sink(data)
 
     def _broken(self, why: str) -> None:
         if self.held:
@@ -496,6 +502,7 @@ class H1Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.resp = resp = H1Response(self, idle_timeout_s, deadline_at)
         self.body_sink = resp.feed
+        self.sink_data = None
         self.headers_in = waiter = loop.create_future()
         timer = loop.call_at(headers_by, self._headers_late, waiter) if headers_by is not None else None
         try:
