@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from contextlib import suppress
 from typing import Any, Protocol
 
 import httptools
@@ -77,7 +78,8 @@ class BodySink(Protocol):
     """Receives a spliced response body (:meth:`H1Response.splice`), called from the connection's protocol
     callbacks: ``data`` once per body segment (bytes, never empty), then exactly one of ``eof`` (the message is
     complete) or ``fail`` (a :class:`TransportError`; bytes that did arrive were all given to ``data``).  One
-    ``data`` call holds every body segment of one socket read, in order (:meth:`H1Connection.data_received`)."""
+    ``data`` call holds every body segment of one socket read, in order (:meth:`H1Connection.data_received`); a
+    ``data`` that raises fails the response (``fail`` with a :class:`ProtocolError`, the connection closed)."""
 
     def data(self, chunk: bytes) -> None: ...
 
@@ -414,6 +416,8 @@ class H1Connection(asyncio.Protocol):
             else:
                 cause = exc.__context__
                 self._broken(str(cause) if isinstance(cause, ProtocolError) else f"malformed HTTP response: {exc}")
+        except Exception as exc:  # the sink failed on this read's piece (called here, not from a parser callback)
+            self._broken(str(exc) if isinstance(exc, ProtocolError) else f"malformed HTTP response: {exc!r}")
 
     def on_message_begin(self) -> None:
         if self.complete:
@@ -475,7 +479,8 @@ class H1Connection(asyncio.Protocol):
 
     def _broken(self, why: str) -> None:
         if self.held:
-            self._flush()
+            with suppress(Exception):  # a sink failing on the bytes before the break is told the break below
+                self._flush()
         err = ProtocolError(why)
         if self.headers_in is not None and not self.headers_in.done():
             self.headers_in.set_exception(err)
