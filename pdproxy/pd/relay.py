@@ -129,15 +129,17 @@ class _Splice:
 
     # --- the hot path --------------------------------------------------------------------------------------
     def data(self, chunk: bytes) -> None:
-        """One decoder body segment: forward its complete events now (called from the decoder's protocol).
+        """One decoder read's body: forward its complete events now (called from the decoder's protocol).
 
-        The common case — a segment of whole events (ending in a blank line), no tail held — runs straight
-        through; anything else is reassembled first (:meth:`_reframe`).  Byte tests are index comparisons
-        where they can be (``chunk[-1] == 10``): in CPython an index costs a fraction of ``endswith``.  A
-        segment ending ``\\r\\n\\n`` is reframed too (its end marker is then found); a segment of one or two bytes
+        The common case — whole events framed as vLLM frames them (``\\n`` endings, the last ending in a blank
+        line), no tail held — runs straight through; anything else is reassembled first (:meth:`_reframe`).  Byte
+        tests are index comparisons where they can be (``chunk[-1] == 10``): in CPython an index costs a fraction
+        of ``endswith``.  A read holding a ``\\r`` anywhere is reframed too (its end marker is then found, and one
+        read may hold events framed differently: its last event alone does not tell; JSON never holds a raw
+        ``\\r``, so vLLM's events never take this path; one ``memchr`` per read); a segment of one or two bytes
         raises IndexError, free to catch (exception tables, CPython 3.11+)."""
         try:
-            odd = self.tail or chunk[-1] != 10 or chunk[-2] != 10 or chunk[-3] == 13
+            odd = self.tail or chunk[-1] != 10 or chunk[-2] != 10 or chunk[-3] == 13 or chunk.find(b"\r") >= 0
         except IndexError:
             odd = True
         if odd:

@@ -294,3 +294,14 @@ async def test_a_continuation_legs_silence_is_measured_from_its_own_start(monkey
             resp.close()
             pool.close()
             script.send(None)  # type: ignore[arg-type]
+
+
+async def test_a_read_mixing_line_endings_reaches_the_client_with_newline_endings() -> None:
+    """One read holding an event framed with ``\\r\\n`` then one framed as vLLM frames it (``\\n``): the
+    transforms and the client see ``\\n`` endings throughout (pdproxy/http/sse.py), as when each event came in
+    a read of its own — the read's last event alone does not tell its framing."""
+    script = Script()
+    async with relaying(script) as (task, client, _ctx, _resp):
+        script.send(chunk(TOKEN.replace(b"\n", b"\r\n")) + chunk(TOKEN) + chunk(DONE) + b"0\r\n\r\n")
+        assert await task is False
+    assert client.text == TOKEN * 3 + DONE and client.finished
