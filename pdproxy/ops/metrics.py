@@ -9,7 +9,8 @@ sizes tokens.  Three kinds of series:
   ``no_endpoint``/``prefill``|``decode``, ``bad_request``/param …); client-visible
   ``pdproxy_time_to_first_token_seconds``, ``pdproxy_inter_token_latency_seconds`` (one observation per gap
   between consecutive writes of a stream to the client, observed by the relay as it writes; a write may carry
-  several events when the engine's stream interval is above 1),
+  several events: the engine's stream interval above 1, or every event of one read from a decoder ahead of the
+  proxy — the client gets them at one instant),
   ``pdproxy_request_time_per_output_token_seconds`` (when ``completion_tokens`` is known),
   ``pdproxy_e2e_request_latency_seconds{api,outcome}``; and the phase split of :meth:`Timeline.phases`:
   ``pdproxy_admission_wait_seconds``, ``pdproxy_prefill_time_seconds``, ``pdproxy_pd_gap_seconds``,
