@@ -17,21 +17,11 @@ from pdproxy.http.client import H1Pool, H1Response
 from pdproxy.pd.relay import StreamRelay
 from pdproxy.pd.responder import Responder
 from pdproxy.timeline import GapCounts, RequestContext
-from tests.unit.rawengine import Engine, Peer, post, until
+from tests.unit.rawengine import Engine, Peer, chunk, post, until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-
-
-@pytest.fixture(params=[pytest.param(("asyncio", {}), id="asyncio"),
-                        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop")])
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, bool]]:
-    return request.param  # type: ignore[no-any-return]
-
-
-def chunk(data: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(data), data)
 
 
 def event(obj: dict) -> bytes:

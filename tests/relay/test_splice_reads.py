@@ -10,22 +10,12 @@ import asyncio
 import pytest
 
 from pdproxy.http.client import H1Response, ProtocolError, TransportError
-from tests.unit.rawengine import Peer, post, serving, until
+from tests.unit.rawengine import Peer, chunk, post, serving, until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 EV = b'data: {"choices":[{"text":" t"}]}\n\n'
-
-
-@pytest.fixture(params=[pytest.param(("asyncio", {}), id="asyncio"),
-                        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop")])
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, bool]]:
-    return request.param  # type: ignore[no-any-return]
-
-
-def chunk(data: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(data), data)
 
 
 class Sink:

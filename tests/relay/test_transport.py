@@ -16,13 +16,6 @@ from tests.unit.rawengine import Engine, Peer, answer, once, post, serving
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
 
 
-@pytest.fixture(params=[pytest.param(("asyncio", {}), id="asyncio"),
-                        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop")])
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, bool]]:
-    """Both loops: the proxy serves on uvloop (``pdproxy serve``), the tests' proxies on asyncio."""
-    return request.param  # type: ignore[no-any-return]
-
-
 async def test_interim_100_continue_is_skipped() -> None:
     async with serving(once(b"HTTP/1.1 100 Continue\r\n\r\n", answer(b'{"ok": 1}'))) as (engine, pool):
         resp = await post(pool, engine.key)

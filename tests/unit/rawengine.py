@@ -138,6 +138,11 @@ def answer(body: bytes, *headers: str) -> bytes:
             .encode() + body)
 
 
+def chunk(data: bytes) -> bytes:
+    """One HTTP/1.1 chunk of a chunked body (size line, data, CRLF)."""
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
 def chunked(*chunks: bytes) -> bytes:
     """A 200 SSE head and its chunked body (one chunk extension, a trailer)."""
     out = [b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\nTransfer-Encoding: chunked\r\n\r\n"]
