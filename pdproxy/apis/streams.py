@@ -58,6 +58,13 @@ _OUTPUT_TOKENS_RE = re.compile(rb'"output_tokens"\s*:\s*(\d+)')
 ERROR_EVENT = b"event: error"
 
 
+def holds_event(block: bytes, line: bytes) -> bool:
+    """Whether ``block`` (whole SSE events) holds an event whose field line starts with ``line`` (e.g. ``event:
+    message_stop``): at the block's start or after a newline — never inside a ``data:`` line, whose JSON holds no raw
+    newline, so a model's text that spells an event's name does not count."""
+    return block.startswith(line) or block.find(b"\n" + line) >= 0
+
+
 def event_name(event: bytes) -> bytes:
     """The ``event:`` field of one SSE event (``b""`` when it has none)."""
     if event.startswith(b"event:"):
@@ -189,8 +196,8 @@ class _EventStream:
     responder: Ends | None
 
     def ended(self, block: bytes) -> bool:
-        """True when ``block`` holds an event that ends the stream (one of ``terminal``)."""
-        return any(block.find(t) >= 0 for t in self.terminal)
+        """True when ``block`` holds an event that ends the stream (one of ``terminal``, :func:`holds_event`)."""
+        return any(holds_event(block, t) for t in self.terminal)
 
     def ending(self, block: bytes, prev: bytes) -> bytes:
         """The stream's last block, as is (:class:`pdproxy.apis.transform.Transform`)."""
@@ -200,7 +207,7 @@ class _EventStream:
         """Mark the response done at the stream's last event; an engine error event is the request's outcome."""
         if self.responder is not None and self.ended(block):
             self.responder.done_sent = True
-            if block.find(ERROR_EVENT) >= 0:
+            if holds_event(block, ERROR_EVENT):
                 self.ctx.outcome = "upstream_error"
 
     def _usage(self, block: bytes, events: tuple[bytes, ...],
