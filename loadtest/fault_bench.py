@@ -262,6 +262,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     proxy = Proc("pdproxy", [py, "-m", "pdproxy", "serve", "--host", "127.0.0.1", "--port", str(port),
                              "--prefill", *prefillers, "--decode", *(d.url for d in decoders),
                              "--stream-continuation", "--stream-continuation-max", str(args.max_continuations),
+                             # the same budget of decoder legs before the first event as after it: this bench's
+                             # faults strike each leg independently (a Responses stream's opening events are held
+                             # back, so its faults after 2 events come before pdproxy's first event), unlike a
+                             # dead decoder, which its breaker routes around
+                             "--decode-attempts", str(min(10, args.max_continuations)),
                              "--stream-continuation-stall-min-s", str(args.stall_min_s),
                              "--decode-idle-timeout-s", str(args.stall_min_s), "--breaker-open-s", "0.5",
                              "--decode-first-byte-timeout-s", str(args.stall_min_s * 4),

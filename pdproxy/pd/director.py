@@ -245,13 +245,15 @@ class Director:
                      transcript: recompute.Transcript | None, affinity: Endpoint | None = None,
                      resume: continuation.Resume | None = None, *, avoid_lost: bool = True) -> bool:
         """Prefill, then decode; a decoder failing before its first event is replaced (re-prefilling unless the
-        KV handle is known intact).  Returns True when the decoder ended with ``stop_reason "recomputed"``.
+        KV handle is known intact) — by one that has not failed this request while there is one, else by one that
+        has (``decode_attempts`` in all).  Returns True when the decoder ended with ``stop_reason "recomputed"``.
         A continuation leg (``resume``) avoids the decoder just lost when ``avoid_lost``.
         Raises the scheduler's refusal at once when no decoder could take the request (no prefill is spent)."""
         attempts = self.settings.decode_attempts
         hints = await self.prefix.hints(req, ctx)                       # who holds the prompt's prefix
         pick = PickRequest.of(req, ctx.request_id, hints, affinity=affinity)
-        failed: list[Endpoint] = resume.lost[-1:] if resume is not None and avoid_lost else []  # the one just lost
+        lost: list[Endpoint] = resume.lost[-1:] if resume is not None and avoid_lost else []  # the one just lost
+        failed = list(lost)
         prefill: PrefillResult | None = None
         self.scheduler.require(Role.DECODE, pick)
         async with AsyncExitStack() as stack:
@@ -264,8 +266,14 @@ class Director:
                         if prefill.answer is not None and await self.answer_from_prefill(
                                 req, ctx, out, prefill, transcript):
                             return False
+                    exclude = failed
+                    if attempt and not self.scheduler.eligible(Role.DECODE, pick, failed, capacity=False):
+                        # every decoder that could take it failed it already: those are a preference, not a ban
+                        # (as Envoy's previous_hosts retry predicate), so the retry goes to one of them (their
+                        # breakers still decide) rather than answering 503
+                        exclude = lost
                     try:
-                        return await self.decode.run(req, ctx, pick, prefill, out, failed, transcript, resume)
+                        return await self.decode.run(req, ctx, pick, prefill, out, exclude, transcript, resume)
                     except DecodeFailed as f:
                         failed.append(f.endpoint)
                         if attempt + 1 >= attempts:

@@ -26,7 +26,7 @@ from tests.middle.fake_upstream import (
     error_event,
     handle_id,
 )
-from tests.middle.rig import PREFILLERS, Rig
+from tests.middle.rig import DECODERS, PREFILLERS, Rig
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(20)]
 
@@ -224,6 +224,21 @@ async def test_a_decoder_failing_before_its_first_event_is_replaced_after_a_new_
         assert release.request_id == d1.request_id
     else:
         assert not releases
+
+
+@pytest.mark.parametrize("decoders", [1, 2])
+async def test_when_every_decoder_failed_the_request_the_retry_goes_to_one_that_did(decoders: int) -> None:
+    """Decoders that failed a request before its first event are a preference, not a ban: once none other could
+    take it, the next attempt (after a new prefill) goes to one of them — their breakers still decide — instead of
+    the client getting a 503 while ``decode_attempts`` remain (as Envoy's ``previous_hosts`` retry predicate)."""
+    async with Rig(decode=DECODERS[:decoders]) as rig:
+        rig.fake.script("r", decode=[Reset()] * decoders)
+        client = await rig.run("r")
+    decodes = rig.fake.of("decode", "r")
+    assert len(decodes) == decoders + 1 and len(rig.fake.of("prefill", "r")) == decoders + 1
+    assert len({d.endpoint for d in decodes[:decoders]}) == decoders          # each decoder first
+    assert decodes[-1].endpoint in {d.endpoint for d in decodes[:decoders]}   # then one that failed it
+    assert_full_stream(client)
 
 
 @pytest.mark.parametrize("first", ["status", "error event"])
