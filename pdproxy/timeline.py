@@ -16,8 +16,9 @@ All ``*_at`` values are ``time.monotonic()`` seconds; all ``*_s`` values are dur
 
 from __future__ import annotations
 
+import os
+import re
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -76,15 +77,22 @@ CLIENT_REQUEST_ID_MAX: Final = 96
 read (pdproxy/http/server.py cuts the header field as it arrives) and in the engine-side id."""
 
 
+_SAFE_ID: Final = re.compile(r"[A-Za-z0-9_.:-]+")
+"""A client id kept as it is (the common case, one C-level match); any other is filtered character by character."""
+
+
 def new_request_id(client_id: str | None) -> str:
     """A unique engine-side request id that keeps the client's ``X-Request-Id`` recognisable as its prefix.
 
-    Engines key the KV transfer on this id and two clients may send the same one, so a uuid4 suffix is always
-    added (vLLM #27723: colliding ids corrupt the engine; vLLM-Ascend replaced counters with uuid4).
+    Engines key the KV transfer on this id and two clients may send the same one, so 128 random bits (32 hex
+    digits, as many as a uuid4 holds) are always added (vLLM #27723: colliding ids corrupt the engine; vLLM-Ascend
+    replaced counters with uuid4).
     """
-    suffix = uuid.uuid4().hex
+    suffix = os.urandom(16).hex()  # 128 random bits, as a uuid4 (without building one: ~2 µs less)
     if client_id:
-        safe = "".join(c for c in client_id[:CLIENT_REQUEST_ID_MAX] if c.isalnum() or c in "-_.:")
+        client_id = client_id[:CLIENT_REQUEST_ID_MAX]
+        safe = client_id if _SAFE_ID.fullmatch(client_id) else "".join(
+            c for c in client_id if c.isalnum() or c in "-_.:")
         if safe:
             return f"{safe}-{suffix[:16]}"
     return suffix

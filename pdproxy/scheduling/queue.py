@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.limits import EngineLimits, Limits
 from pdproxy.engines.pool import EndpointPool
-from pdproxy.errors import Overloaded, ProxyError, QueueTimeout
+from pdproxy.errors import Overloaded, QueueTimeout
 from pdproxy.scheduling import PickRequest, Scheduler
 
 POLL_S = 0.25
@@ -438,9 +438,8 @@ class PrefillQueue:
         epoch = counts.epoch()                       # before the room is read (try_hold re-checks if it moved)
         if not self.ledger.decode_room(w.decode_tokens):
             return False
-        try:
-            endpoint = self.scheduler.pick(Role.PREFILL, w.request, w.exclude)
-        except ProxyError:           # no room now (or no longer placeable: its own wait loop will say so)
+        endpoint = self.scheduler.try_pick(Role.PREFILL, w.request, w.exclude)
+        if endpoint is None:         # no room now (or no longer placeable: its own wait loop will say so)
             return False
         compute = max(0, w.tokens - w.request.hints.cached(endpoint))
         slot = self.ledger.try_hold(endpoint, w.tokens, w.decode_tokens, epoch, compute)

@@ -9,8 +9,9 @@ ones; see :mod:`pdproxy.scheduling.filters`, :mod:`~pdproxy.scheduling.scorers`,
 
 from __future__ import annotations
 
+import functools
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -135,19 +136,22 @@ class Scheduler:
                                            prefill_resolution_tokens=prefill_resolution_tokens), health=health)
 
     def _filter(self, role: Role, request: PickRequest, exclude: Sequence[Endpoint],
-                capacity: bool) -> tuple[list[Endpoint], ProxyError | None]:
+                capacity: bool) -> tuple[list[Endpoint], Callable[[], ProxyError] | None]:
+        """The candidates that pass, and (when none does) what makes the refusal: built only by a caller that
+        raises it (the prefill queue's grants try a full prefiller several times per request and raise nothing)."""
         candidates = self.pool.endpoints(role)
         if not candidates:
-            return [], NoEndpointAvailable(role.value, "none is configured")
+            return [], functools.partial(NoEndpointAvailable, role.value, "none is configured")
         if exclude:
             candidates = [e for e in candidates if e not in exclude]
             if not candidates:
-                return [], NoEndpointAvailable(role.value, "all candidates failed for this request")
+                return [], functools.partial(NoEndpointAvailable, role.value,
+                                             "all candidates failed for this request")
         profile = self.profiles[role]
         for rule in profile.filters if capacity else profile.static_filters:
             candidates = rule(request, candidates)
             if not candidates:
-                return [], rule.refusal(role, request)
+                return [], functools.partial(rule.refusal, role, request)
         return candidates, None
 
     def _refuse(self, role: Role, error: ProxyError) -> ProxyError:
@@ -165,10 +169,10 @@ class Scheduler:
         """Raise at once when no endpoint of ``role`` could ever take ``request`` (capacity aside): the first
         filter's refusal that ruled every one out — :class:`NoEndpointAvailable` (503 + ``Retry-After``) or
         :class:`~pdproxy.errors.ModelNotFound` (404)."""
-        candidates, error = self._filter(role, request, exclude, False)
+        candidates, refusal = self._filter(role, request, exclude, False)
         if not candidates:
-            assert error is not None
-            raise self._refuse(role, error)
+            assert refusal is not None
+            raise self._refuse(role, refusal())
 
     def score(self, role: Role, request: PickRequest, candidates: Sequence[Endpoint]) -> list[Score]:
         """Each candidate's cost per tier of ``role``'s profile (weighted sums; same order as ``candidates``)."""
@@ -195,18 +199,30 @@ class Scheduler:
         :class:`~pdproxy.errors.ModelNotFound` (404) when no candidate is left: the refusal of the first filter
         that left none.
         """
+        endpoint, refusal = self._choose(role, request, exclude, capacity, trial)
+        if endpoint is None:
+            raise self._refuse(role, refusal() if refusal is not None
+                               else NoEndpointAvailable(role.value, f.BreakerClosed.reason))
+        return endpoint
+
+    def try_pick(self, role: Role, request: PickRequest, exclude: Sequence[Endpoint] = ()) -> Endpoint | None:
+        """:meth:`pick` (every filter, a breaker trial taken), or None where it would raise: no error is built
+        (the prefill queue's grant attempts, most of which find the prefillers full)."""
+        return self._choose(role, request, exclude, True, True)[0]
+
+    def _choose(self, role: Role, request: PickRequest, exclude: Sequence[Endpoint], capacity: bool,
+                trial: bool) -> tuple[Endpoint | None, Callable[[], ProxyError] | None]:
         for _ in range(_TRIAL_RACES):
-            candidates, error = self._filter(role, request, exclude, capacity)
+            candidates, refusal = self._filter(role, request, exclude, capacity)
             if not candidates:
-                assert error is not None
-                raise self._refuse(role, error)
+                return None, refusal
             if len(candidates) == 1:
                 endpoint = candidates[0]
             else:
                 endpoint = self.profiles[role].picker(request, candidates, self.score(role, request, candidates))
             if not trial or self.health is None or self.health.on_pick(endpoint):
-                return endpoint
-        raise self._refuse(role, NoEndpointAvailable(role.value, f.BreakerClosed.reason))
+                return endpoint, None
+        return None, None
 
     def unpick(self, endpoint: Endpoint) -> None:
         """A pick made with ``trial`` that will not be used (the prefill queue's grant lost a race for the room):

@@ -44,12 +44,12 @@ def model_info(*ids: str, max_model_len: int | None = None, kv: int | None = Non
                       kv_pool_tokens=kv, reachable=True)
 
 
-def build(infos: dict[Endpoint, EngineInfo] | None = None, *, budget: int = 0,
-          picker: str = "least_cost") -> tuple[EndpointPool, HealthMonitor, PrefillLedger, Scheduler]:
+def build(infos: dict[Endpoint, EngineInfo] | None = None, *, budget: int = 0, picker: str = "least_cost",
+          clock: Clock | None = None) -> tuple[EndpointPool, HealthMonitor, PrefillLedger, Scheduler]:
     infos = infos if infos is not None else {e: EngineInfo() for e in ALL}
     pool = EndpointPool(ALL)
     health = HealthMonitor(pool, engines=None, infos=infos, interval_s=1.0, refresh_interval_s=1.0,  # type: ignore
-                           breaker_failures=1, breaker_open_s=5.0, clock=Clock())
+                           breaker_failures=1, breaker_open_s=5.0, clock=clock or Clock())
     limits = Limits(pool, infos)
     ledger = PrefillLedger(pool, limits, budget_tokens=budget)
     return pool, health, ledger, Scheduler.standard(pool, health=health, infos=infos, limits=limits, ledger=ledger,
@@ -153,6 +153,28 @@ def test_prefill_room_is_a_capacity_filter_over_the_ledger() -> None:
         slot.release()
     assert ledger.idle()
     assert "prefill_room" not in {r.name for r in sched.profiles[Role.DECODE].filters}
+
+
+def test_try_pick_is_pick_without_the_refusal() -> None:
+    """The prefill queue's grant attempts: the same choice as ``pick``, None where ``pick`` raises (full, every
+    one excluded, breaker open), and a half-open breaker's one trial slot taken as ``pick`` takes it."""
+    clock = Clock()
+    _, health, ledger, sched = build(budget=1000, clock=clock)
+    slots = [ledger.hold(p, 900, 901) for p in P]
+    large = PickRequest("l", prompt_tokens=101)
+    assert sched.try_pick(Role.PREFILL, large) is None                 # where pick raises "budget … is full"
+    slots[2].prefill_done()
+    assert sched.try_pick(Role.PREFILL, large) == sched.pick(Role.PREFILL, large) == P[2]
+    assert sched.try_pick(Role.PREFILL, large, exclude=[P[2]]) is None
+    health.record_failure(P[2])                                       # threshold 1: open …
+    assert sched.try_pick(Role.PREFILL, large) is None
+    clock.now += 6                                                    # … half-open after 5 s: one trial
+    assert sched.try_pick(Role.PREFILL, large) == P[2]
+    assert sched.try_pick(Role.PREFILL, large) is None                # the trial is out: nobody else
+    sched.unpick(P[2])
+    assert sched.try_pick(Role.PREFILL, large) == P[2]
+    for slot in slots:
+        slot.release()
 
 
 def test_the_first_filter_that_leaves_none_names_the_reason() -> None:
