@@ -198,6 +198,6 @@ async def run(drawn: list[Script], steps: list[tuple[str, int]]) -> None:
 def test_the_director_keeps_every_counter_and_kv_handle_balanced(drawn: list[Script],
                                                                  steps: list[tuple[str, int]]) -> None:
     ids = itertools.count()
-    deterministic = types.SimpleNamespace(uuid4=lambda: types.SimpleNamespace(hex=f"{next(ids):032x}"))
-    with mock.patch.object(pdproxy.timeline, "uuid", deterministic):
+    deterministic = types.SimpleNamespace(urandom=lambda n: next(ids).to_bytes(n, "big"))  # the request ids
+    with mock.patch.object(pdproxy.timeline, "os", deterministic):
         asyncio.run(run(drawn, steps))
