@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 import orjson
 
 from pdproxy.admission import count as token_count
-from pdproxy.admission.bounds import PromptBounds, prompt_bounds
+from pdproxy.admission.bounds import PromptBounds, ToolsBytes, prompt_bounds
 from pdproxy.apis.request import ProxyRequest
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.limits import Limits
@@ -112,6 +112,7 @@ class Admission:
         self._sources = _model_sources(list(s.model_tokenizers))
         self._local: dict[str, token_count.LocalCounter] = {}
         self._engine_cache = token_count.BlockCache(s.token_count_cache_entries)
+        self._tools_bytes = ToolsBytes()
         self._executor: ThreadPoolExecutor | None = None
 
     async def start(self) -> None:
@@ -205,11 +206,12 @@ class Admission:
         overhead = s.chat_template_max_overhead_tokens + (2 if special else 0)
         messages = view.get("messages") if chat else None          # the sizes: O(messages), not O(bytes)
         bounds = await self._offload(functools.partial(prompt_bounds, view, chat, template_overhead=overhead,
-                                                       lower=False),
+                                                       lower=False, tools_bytes=self._tools_bytes),
                                      size=BOUND_BYTES_PER_MESSAGE * len(messages) if isinstance(messages, list) else 0)
         if not bounds.exact and limit is not None and bounds.upper > limit and s.word_bound:
             bounds = await self._offload(functools.partial(    # the word count reads every byte: only when it decides
-                prompt_bounds, view, chat, template_overhead=overhead), size=len(req.raw))
+                prompt_bounds, view, chat, template_overhead=overhead, tools_bytes=self._tools_bytes),
+                size=len(req.raw))
         lower = bounds.lower if bounds.exact or s.word_bound else 0
         if bounds.exact:                                   # token ids
             tokens, exact, method, upper = bounds.lower, True, "ids", bounds.lower

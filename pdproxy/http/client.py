@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import suppress
 from typing import Any, Protocol
 
@@ -332,6 +333,10 @@ class _Headers(dict[str, str]):
         self[name] = value if old is None else f"{old}, {value}"
 
 
+def _discard(body: bytes) -> None:
+    """The body sink of a connection with no response in progress (its bytes are refused before parsing)."""
+
+
 class H1Connection(asyncio.Protocol):
     """One keep-alive connection to an engine; one request at a time."""
 
@@ -342,9 +347,9 @@ class H1Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.resp: H1Response | None = None
-        self.body_sink: Any = None
+        self.body_sink: Callable[[bytes], None] = _discard
         self.held: list[bytes] = []  # a spliced body's segments of the current read (see data_received)
-        self.sink_data: Any = None
+        self.sink_data: Callable[[bytes], None] | None = None
         self.headers_in: asyncio.Future[None] | None = None
         self.closed = False
         self.counted = True  # holds one of the pool's per-endpoint places until closed
@@ -461,7 +466,7 @@ class H1Connection(asyncio.Protocol):
         if self.resp is not None:
             self.resp.feed_eof()
 
-    def splice_to(self, data: Any) -> None:
+    def splice_to(self, data: Callable[[bytes], None]) -> None:
         """Hand the response's later body to ``data`` (a :class:`BodySink`'s ``data``): the segments of each read
         are held and given as one piece when the read's parsing ends (:meth:`data_received`), before the
         message's end or a failure is told."""
@@ -550,7 +555,8 @@ class H1Connection(asyncio.Protocol):
         if self.resp is not resp:
             return
         self.resp = None
-        self.body_sink = self.sink_data = None
+        self.body_sink = _discard
+        self.sink_data = None
         self.held.clear()
         if reusable and self.complete and not self.closed:
             self.resume()

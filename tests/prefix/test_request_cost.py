@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdproxy.admission.bounds import indented_json_bytes, prompt_bounds, utf8_len
+from pdproxy.admission.bounds import ToolsBytes, indented_json_bytes, prompt_bounds, utf8_len
 from pdproxy.apis.request import completion_tokens_in
 from pdproxy.prefix.index import TEXT_GROWTH, ApproxPrefixIndex, BlockKeys, key_bytes, text_keys
 from pdproxy.prefix.routing import InflightPrefixes
@@ -222,6 +222,39 @@ def test_tools_size_is_pythons_indented_json(value: Any) -> None:
 @given(value=st.lists(st.floats(allow_nan=False, allow_infinity=False), max_size=6))
 def test_tools_size_with_floats_is_an_upper_bound(value: list[float]) -> None:
     assert indented_json_bytes(value) >= utf8_len(json.dumps(value, indent=4, ensure_ascii=False)) - 2 * len(value)
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(json_values, min_size=1, max_size=6))
+def test_remembered_tools_sizes_are_each_lists_own(values: list[Any]) -> None:
+    """Admission's cache of tools sizes (two entries, so it also forgets): every answer, first or remembered, is
+    the list's own :func:`indented_json_bytes` — lists of other sizes never share an answer."""
+    sizes = ToolsBytes(entries=2)
+    for value in values + values[::-1] + values:
+        assert sizes(value) == indented_json_bytes(value)
+    assert len(sizes._sizes) <= 2
+
+
+def test_an_agents_tools_are_measured_once_per_list() -> None:
+    tools = [{"type": "function", "function": {"name": f"t{i}", "parameters": {"x": {"type": "string"}}}}
+             for i in range(16)]
+    calls: list[int] = []
+    sizes = ToolsBytes()
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+
+    def counted(value: Any) -> int:
+        calls.append(1)
+        return sizes(value)
+
+    first = prompt_bounds(body, True, template_overhead=64, tools_bytes=counted)
+    for _ in range(5):                       # each turn parses a new, equal list
+        again = prompt_bounds(json.loads(json.dumps(body)), True, template_overhead=64, tools_bytes=counted)
+        assert again.upper == first.upper == prompt_bounds(body, True, template_overhead=64).upper
+    assert len(calls) == 6 and len(sizes._sizes) == 1
+    changed = json.loads(json.dumps(body))
+    changed["tools"][3]["function"]["name"] = "a_longer_name"
+    assert prompt_bounds(changed, True, template_overhead=64, tools_bytes=sizes).upper == first.upper + 11   # "t3" → "a_longer_name"
+    assert len(sizes._sizes) == 2
 
 
 def test_the_upper_bound_needs_no_word_count() -> None:
