@@ -2,10 +2,10 @@
 
 Every choice of an endpoint in pdproxy goes through :meth:`Scheduler.pick`: the decode leg's decoder, the
 ``/tokenize`` engine, the KV release leg's decoder — or its twin :meth:`Scheduler.try_pick` (the same choice, None
-instead of a refusal), the prefill queue's grant of a prefiller.  A routing policy is
-therefore changed in one place, the :class:`Profile` of its role (:func:`standard_profiles` builds the default
-ones; see :mod:`pdproxy.scheduling.filters`, :mod:`~pdproxy.scheduling.scorers`,
-:mod:`~pdproxy.scheduling.picker` for each part).
+instead of a refusal): the prefill queue's grant of a prefiller.  A routing policy is therefore changed in one
+place, the :class:`Profile` of its role (:func:`standard_profiles` builds the default ones; see
+:mod:`pdproxy.scheduling.filters`, :mod:`~pdproxy.scheduling.scorers`, :mod:`~pdproxy.scheduling.picker` for each
+part).
 """
 
 from __future__ import annotations
