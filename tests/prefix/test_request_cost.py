@@ -235,26 +235,27 @@ def test_remembered_tools_sizes_are_each_lists_own(values: list[Any]) -> None:
     assert len(sizes._sizes) <= 2
 
 
-def test_an_agents_tools_are_measured_once_per_list() -> None:
+def test_an_agents_tools_are_measured_once_per_list(monkeypatch: pytest.MonkeyPatch) -> None:
     tools = [{"type": "function", "function": {"name": f"t{i}", "parameters": {"x": {"type": "string"}}}}
              for i in range(16)]
-    calls: list[int] = []
-    sizes = ToolsBytes()
-    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    measured: list[int] = []
 
     def counted(value: Any) -> int:
-        calls.append(1)
-        return sizes(value)
+        measured.append(1)
+        return indented_json_bytes(value)
 
-    first = prompt_bounds(body, True, template_overhead=64, tools_bytes=counted)
+    monkeypatch.setattr("pdproxy.admission.bounds.indented_json_bytes", counted)   # what ToolsBytes measures with
+    sizes = ToolsBytes()
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    first = prompt_bounds(body, True, template_overhead=64, tools_bytes=sizes)
     for _ in range(5):                       # each turn parses a new, equal list
-        again = prompt_bounds(json.loads(json.dumps(body)), True, template_overhead=64, tools_bytes=counted)
-        assert again.upper == first.upper == prompt_bounds(body, True, template_overhead=64).upper
-    assert len(calls) == 6 and len(sizes._sizes) == 1
+        again = prompt_bounds(json.loads(json.dumps(body)), True, template_overhead=64, tools_bytes=sizes)
+        assert again.upper == first.upper
+    assert len(measured) == 1 and len(sizes._sizes) == 1         # measured on the first turn only
     changed = json.loads(json.dumps(body))
     changed["tools"][3]["function"]["name"] = "a_longer_name"
-    assert prompt_bounds(changed, True, template_overhead=64, tools_bytes=sizes).upper == first.upper + 11   # "t3" → "a_longer_name"
-    assert len(sizes._sizes) == 2
+    assert prompt_bounds(changed, True, template_overhead=64, tools_bytes=sizes).upper == first.upper + 11  # +11 bytes
+    assert len(measured) == 2 and len(sizes._sizes) == 2
 
 
 def test_the_upper_bound_needs_no_word_count() -> None:
