@@ -41,9 +41,8 @@ import orjson
 from pdproxy.admission import count as token_count
 from pdproxy.admission.bounds import PromptBounds, ToolsBytes, prompt_bounds
 from pdproxy.apis.request import ProxyRequest
-from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.limits import Limits
-from pdproxy.errors import BadRequest, NoEndpointAvailable, ProxyError, UpstreamHTTPError
+from pdproxy.errors import BadRequest, ProxyError, UpstreamHTTPError
 from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.upstream import Upstream
 from pdproxy.scheduling import PickRequest, Scheduler
@@ -285,7 +284,7 @@ class Admission:
         if cached is not None:
             return token_count.TokenCount(cached, True, "engine")
         try:
-            endpoint = self._tokenize_endpoint(PickRequest(request_id=ctx.request_id, model=req.model))
+            endpoint = self.scheduler.pick_engine(PickRequest(request_id=ctx.request_id, model=req.model))
         except ProxyError:
             self.stats.count_errors_total += 1
             return None
@@ -309,7 +308,7 @@ class Admission:
     async def _engine_ids(self, req: ProxyRequest, ctx: RequestContext) -> list[int] | None:
         """The prompt's token ids from an engine's ``/tokenize`` (None when no engine answers with them)."""
         try:
-            endpoint = self._tokenize_endpoint(PickRequest(request_id=ctx.request_id, model=req.model))
+            endpoint = self.scheduler.pick_engine(PickRequest(request_id=ctx.request_id, model=req.model))
         except ProxyError:
             return None
         view, chat, special = req.count_view()
@@ -322,14 +321,6 @@ class Admission:
             self.stats.count_errors_total += 1
             return None
         return token_count.parse_tokenize_ids(reply)
-
-    def _tokenize_endpoint(self, request: PickRequest) -> Endpoint:
-        """An engine to ask ``/tokenize``: the scheduler's prefiller, else its decoder (both run the model).
-        Raises the scheduler's refusal when neither role has one."""
-        try:
-            return self.scheduler.pick(Role.PREFILL, request, trial=False)
-        except NoEndpointAvailable:
-            return self.scheduler.pick(Role.DECODE, request, trial=False)
 
     def snapshot(self) -> dict[str, Any]:
         """Counters and queue state as a plain dict (debug endpoint, tests)."""

@@ -21,7 +21,8 @@ without ``data: [DONE]``, the relay's silence limit, vLLM's in-band error event)
 parsed (:meth:`Resume.read_transcript`): the prompt's ids, every delivered id, the first chunk's
 ``id``/``created``/``model``, whether a tool call or reasoning was streamed, and (from the ring) the trailing ids
 whose token events carried no text — vLLM held back the text of a token that ends inside a UTF-8 character, so
-they were not delivered as text.  :meth:`Resume.next_leg` builds the continuation — ``/v1/completions`` with the
+they were not delivered as text — and, when the last event with text carried several ids, an engine's
+``/detokenize`` says whether its last ids were held back too (:func:`held_in_text`).  :meth:`Resume.next_leg` builds the continuation — ``/v1/completions`` with the
 token-id ``prompt`` = prompt ids + delivered ids less that held-back run (the new decoder generates it again and
 sends the character whole), ``max_tokens`` and ``min_tokens`` lowered by the ids kept, the client's sampling
 fields — which the director runs through the usual prefill and decode legs, the lost decoder excluded (and its
@@ -42,7 +43,7 @@ import enum
 import re
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -65,6 +66,8 @@ _ERROR_EVENT = b'data: {"error"'
 _TOKEN_END = b"]}]}\n\n"   # the end of a chat / completions token chunk with ids: ``"token_ids":[…]}]}`` + blank line
 _TOKEN_IDS_KEY = b'"token_ids":'
 _NULL_END = b"null}]}\n\n"
+_CHAR_TOKENS = 3   # tokens that can end inside one character: a UTF-8 character is at most 4 bytes
+_CUT_WINDOW = 16   # trailing ids detokenized to see the cut (a character spans at most 4 of them)
 _TAIL = 8     # whole reads kept for the held-back tail (RecordIds.tail): a run of empty-text token events is short
 _UNSAFE = (b'"reasoning', b'"tool_calls"')   # chat deltas a continuation would mis-parse (docs/stream-continuation.md)
 # request fields that make a continuation unfaithful or unparseable (docs/stream-continuation.md lists why)
@@ -256,7 +259,9 @@ class Resume:
     ``held``: how many of the last ``generated`` ids came in token events of empty text — vLLM's detokenizer holds
     back the text of a token that ends inside a UTF-8 character (or decodes to nothing, e.g. a skipped special
     token) and sends it with the token that completes it, so these ids were not delivered as text and the
-    continuation regenerates them (:meth:`next_leg`); ``replay``: regenerated ids the client already got
+    continuation regenerates them (:meth:`next_leg`); ``texted``: how many ids the last token event with text
+    carried (vLLM sends what accumulated since its last write, so its last ids may be held back too:
+    :func:`held_in_text`); ``replay``: regenerated ids the client already got
     (``return_token_ids``), not shown again; ``delivered``: tokens sent before the ids are known (a
     Responses / Messages first leg: one per text delta event); ``text``: the text sent (Responses / Messages);
     ``head``: the first chunk's ``id``/``created``/``model``; ``events``: Responses / Messages state;
@@ -273,6 +278,7 @@ class Resume:
     blocks: list[bytes] = field(default_factory=list)
     tail: deque[bytes] = field(default_factory=lambda: deque(maxlen=_TAIL))
     held: int = 0
+    texted: int = 0
     replay: int = 0
     prompt_ids: list[int] | None = None
     generated: list[int] = field(default_factory=list)
@@ -330,7 +336,7 @@ class Resume:
         tail = b"".join(self.tail)                # empty on a later loss: Reframe kept ``held`` then
         self.tail.clear()
         if tail:
-            self.held = 0
+            self.held = self.texted = 0
         for event in sse.split_events(tail):
             obj = recompute.parse_event(event)
             choices = obj.get("choices") if obj is not None else None
@@ -342,6 +348,7 @@ class Resume:
                 ids = c.get("token_ids")
                 if c.get("finish_reason") is not None or _has_text(c):
                     self.held = 0
+                    self.texted = len(ids) if isinstance(ids, list) else 0
                 elif isinstance(ids, list):
                     self.held += len(ids)
 
@@ -506,6 +513,39 @@ def _has_text(choice: dict[str, Any]) -> bool:
                                             or delta.get("reasoning_content") or delta.get("tool_calls"))
 
 
+Detokenize = Callable[[list[int]], Awaitable[str | None]]
+"""The text of token ids from an engine (``POST /detokenize``); None when no engine answered."""
+
+
+async def held_in_text(resume: Resume, detokenize: Detokenize) -> None:
+    """Count into ``resume.held`` the last ids of the last token event with text whose own text vLLM held back.
+
+    vLLM's API server sends what accumulated since its last write, so one event can carry several tokens, and the
+    last of them can end inside a UTF-8 character: the event's text stops before that character, and a
+    continuation primed after those ids would not start at the cut (vLLM's ``DecodeStream`` then returned the
+    prompt's whole text; docs/stream-continuation.md, "A cut inside a character").  vLLM holds text back exactly
+    while the decoded text ends with U+FFFD (``tokenizers``' ``DecodeStream.step``, the fallback's
+    ``detokenize_incrementally``; ``vllm/v1/engine/detokenizer.py``), so the engine's text of the ids up to the
+    cut (the last ``_CUT_WINDOW`` of them), then of one, two, three ids fewer, says how many: the first text that
+    does not end with U+FFFD.  Asked on loss only, and only for a token-id continuation (``prompt_ids`` known) whose
+    last event with text carried more than one id (with one id, that id's text was sent) and that has no finish.
+    ``detokenize`` returning None, or every text ending with U+FFFD, counts nothing: the continuation starts at the
+    cut, as without this check.  At most ``_CHAR_TOKENS + 1`` calls; usually one."""
+    candidates = min(resume.texted - 1, _CHAR_TOKENS)
+    resume.texted = 0
+    end = len(resume.generated) - resume.held
+    if resume.finish or resume.prompt_ids is None or candidates < 1 or end < 1:
+        return
+    window = resume.generated[max(0, end - _CUT_WINDOW):end]
+    for k in range(min(candidates, len(window)) + 1):
+        text = await detokenize(window[:len(window) - k])
+        if text is None:
+            return
+        if not text.endswith("\ufffd"):
+            resume.held += k
+            return
+
+
 class RecordIds:
     """The first leg's transform (every block): record the block for :meth:`Resume.read_transcript`, strip the ids
     unless the client asked for them (chat / completions), then run ``then`` (the stream's own transform: chat
@@ -656,7 +696,10 @@ class Reframe:
         finish = src.get("finish_reason")
         if isinstance(ids, list):
             r.generated.extend(int(i) for i in ids)
-            r.held = 0 if text or finish is not None else r.held + len(ids)
+            if text or finish is not None:
+                r.held, r.texted = 0, len(ids)
+            else:
+                r.held += len(ids)
             if r.replay:                           # regenerated held-back ids the client already got
                 ids, r.replay = ids[r.replay:], max(0, r.replay - len(ids))
         self.ctx.completion_tokens = r.tokens

@@ -30,6 +30,7 @@ request of several sequences (``n > 1``, a completion prompt list) runs one P→
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -85,6 +86,8 @@ class Director:
         self.kv_release = releaser
         self.prefix: PrefixSource = prefix or NoPrefix()
         self.tracing = tracing
+        self.upstream = upstream
+        self.headers = headers
         self.backoff = Backoff(settings.retry_backoff_s, settings.retry_backoff_max_s)
         self.no_endpoint_wait = Backoff(0.05, 1.0)      # a continuation leg no endpoint could take, tried again
         self.prefill = PrefillLeg(settings, queue=queue, pool=pool, health=health, upstream=upstream,
@@ -151,7 +154,7 @@ class Director:
                     assert resume is not None
                     if not resumed:
                         first_prefill = (ctx.engine_prompt_tokens, ctx.cached_tokens)
-                    leg, resumed = self.resume_leg(resume, ctx, out, lost), True
+                    leg, resumed = await self.resume_leg(resume, ctx, out, lost), True
                     continue
                 leg = await self.continuation(req, ctx, out, transcript) if recomputed else None  # 5. Ascend
         finally:
@@ -214,11 +217,12 @@ class Director:
         except TimeoutError:
             raise UpstreamTimeout(f"request exceeded the end-to-end deadline of {limit:.1f} s") from None
 
-    def resume_leg(self, resume: continuation.Resume, ctx: RequestContext, out: Responder,
-                   lost: continuation.StreamLost) -> ProxyRequest | None:
-        """After a decoder was lost mid-stream: the continuation leg (:mod:`pdproxy.pd.continuation`), or None
-        when the stream was finished here (nothing left to generate) or refused with the typed error event.
-        Counts the continuation (by cause), its re-prefilled tokens, or the refusal (by reason)."""
+    async def resume_leg(self, resume: continuation.Resume, ctx: RequestContext, out: Responder,
+                         lost: continuation.StreamLost) -> ProxyRequest | None:
+        """After a decoder was lost mid-stream: the continuation leg (:mod:`pdproxy.pd.continuation`; its prompt
+        ends before any ids whose text vLLM held back, :func:`continuation.held_in_text`), or None when the stream
+        was finished here (nothing left to generate) or refused with the typed error event.  Counts the
+        continuation (by cause), its re-prefilled tokens, or the refusal (by reason)."""
         resume.read_transcript()
         api = ctx.api_label
         why = resume.refusal(self.settings.stream_continuation_max)
@@ -230,6 +234,8 @@ class Director:
             return None
         resume.observer.continued(lost.cause, api)
         resume.last_write = lost.last_write
+        await continuation.held_in_text(resume, functools.partial(self.detokenize, ctx, resume.req.model,
+                                                                  resume.lost[-1:]))
         leg = resume.next_leg()
         if leg is None:
             resume.resumed(api)
@@ -240,6 +246,23 @@ class Director:
         resume.observer.reprefilled(api, leg.prompt_tokens or 0)
         ctx.request_id = new_request_id(ctx.client_request_id)
         return leg
+
+    async def detokenize(self, ctx: RequestContext, model: str | None, avoid: list[Endpoint],
+                         ids: list[int]) -> str | None:
+        """The text of token ``ids`` from an engine's ``POST /detokenize`` (vLLM ``{"model", "tokens"}`` →
+        ``{"prompt": text}``, ``vllm/entrypoints/serve/tokenize/``): a prefiller's, else a decoder's other than
+        ``avoid``.  None when no engine answers with text within ``tokenize_timeout_s`` (at most
+        ``stream_continuation_timeout_s``) seconds."""
+        try:
+            endpoint = self.scheduler.pick_engine(PickRequest(request_id=ctx.request_id, model=model), avoid)
+            reply = await self.upstream.post_json(
+                endpoint, "/detokenize", orjson.dumps({"model": model, "tokens": ids}),
+                self.headers.leg(endpoint, f"{ctx.request_id}-detokenize", ctx.authorization),
+                timeout_s=min(self.settings.tokenize_timeout_s, self.settings.stream_continuation_timeout_s))
+        except ProxyError:
+            return None
+        text = reply.get("prompt")
+        return text if isinstance(text, str) else None
 
     async def run_pd(self, req: ProxyRequest, ctx: RequestContext, out: Responder,
                      transcript: recompute.Transcript | None, affinity: Endpoint | None = None,

@@ -187,6 +187,15 @@ class Scheduler:
             rows[tier] = costs if row is None else [a + b for a, b in zip(row, costs, strict=True)]
         return list(zip(*(row or [0.0] * len(candidates) for row in rows), strict=True))
 
+    def pick_engine(self, request: PickRequest, exclude: Sequence[Endpoint] = ()) -> Endpoint:
+        """An engine for a call about the model rather than a leg (``/tokenize``, ``/detokenize``): a prefiller,
+        else a decoder (both run the model), minus ``exclude``; no breaker trial taken (``trial=False``: the outcome
+        is not reported).  Raises the decoders' refusal (:meth:`pick`) when neither role has one."""
+        try:
+            return self.pick(Role.PREFILL, request, exclude, trial=False)
+        except NoEndpointAvailable:
+            return self.pick(Role.DECODE, request, exclude, trial=False)
+
     def pick(self, role: Role, request: PickRequest, exclude: Sequence[Endpoint] = (), *,
              capacity: bool = True, trial: bool = True) -> Endpoint:
         """The endpoint of ``role`` for ``request``: filters (all, or all but the capacity ones when ``capacity``

@@ -93,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--held-back", action="store_true",
                    help="greedy outputs: a non-ASCII word's chunk has empty text and the next chunk starts with it, as"
                         " vLLM's detokenizer holds back a token that ends inside a UTF-8 character")
+    s.add_argument("--stream-interval", type=int, default=1,
+                   help="streamed outputs: one event per this many tokens (vLLM's --stream-interval; the simulator"
+                        " cuts events at fixed multiples of it from the first token, the last event may be shorter)")
     s.add_argument("--recompute-stop", action="store_true",
                    help='on preemption finish the victim with stop_reason "recomputed" (vLLM-Ascend)')
     s.add_argument("--refuse-connections", action="store_true",
@@ -130,7 +133,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         data_parallel_size=args.data_parallel_size, dp_ports=tuple(args.dp_ports or ()),
         dp_single_port=args.dp_single_port, kv_connector=args.kv_connector, kv_pin_timeout_s=args.kv_pin_timeout_s,
         kv_transfer_tokens_per_s=args.kv_transfer_tokens_per_s, hol_blocking=args.hol_blocking == "on",
-        held_back=args.held_back,
+        held_back=args.held_back, stream_interval=max(1, args.stream_interval),
         recompute_stop=args.recompute_stop, enable_auto_tool_choice=args.enable_auto_tool_choice,
         max_tokens_overflow=args.max_tokens_overflow,
         refuse_connections=args.refuse_connections, faults=faults,

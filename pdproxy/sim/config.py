@@ -75,6 +75,7 @@ class SimConfig:
     kv_transfer_tokens_per_s: float = 0.0
     hol_blocking: bool = True
     held_back: bool = False     # greedy text of non-ASCII words held back to the next token (pdproxy/sim/outputs.py)
+    stream_interval: int = 1    # tokens per streamed event (vLLM's --stream-interval; pdproxy/sim/completion.py)
     recompute_stop: bool = False
     enable_auto_tool_choice: bool = True
     max_tokens_overflow: Literal["clamp", "reject"] = "clamp"

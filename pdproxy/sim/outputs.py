@@ -61,6 +61,9 @@ class TokenTable:
         empty text and the next token's chunk starts with it; a greedy output's first token never gets the held
         text of the prompt's last token (vLLM primes its detokenizer with the prompt and does not start at such a
         cut either)."""
+        self.held_ids: frozenset[int] = frozenset(i for i, h in zip(ids, self.held, strict=True) if h)
+        """Ids of the held-back words: the simulator's ``/detokenize`` of ids ending with one ends with U+FFFD, as a
+        real tokenizer's decode of a token that ends inside a UTF-8 character does."""
 
     @staticmethod
     def piece_id(piece: str) -> int:

@@ -334,6 +334,8 @@ class SimServer:
     async def _detokenize(self, request: web.Request) -> web.Response:
         try:
             ids = orjson.loads(await request.read())["tokens"]
+            if ids and ids[-1] in self.token_table.held_ids:   # --held-back: ends inside a character
+                return _json({"prompt": self.tokenizer.decode(ids[:-1]) + "\ufffd"})
             return _json({"prompt": self.tokenizer.decode(ids)})
         except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
             return web.Response(status=400, body=error_body(str(exc), "BadRequestError", 400),

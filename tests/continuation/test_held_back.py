@@ -2,7 +2,8 @@
 ends inside a UTF-8 character and sends the character with the token that completes it; the simulator's
 ``--held-back``): the continuation starts before the held token, so the client's text equals the uninterrupted
 run's — without that, the held word's text is lost (docs/stream-continuation.md, "What 'the same stream'
-means")."""
+means").  Both shapes of the cut: an event of one token with empty text, and an event of several tokens
+(``--stream-interval``) whose text stops before its held last token (found with the engine's ``/detokenize``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from pdproxy.sim.outputs import TokenTable
+from pdproxy.tokens import SimTokenizer
 from tests.continuation.conftest import ARGS
 from tests.reliability.harness import Fleet4, Result, run
 from tests.support import SimProcess, running
@@ -26,6 +29,21 @@ def held_fleet() -> Iterator[Fleet4]:
     with running(SimProcess("prefill", *ARGS, "--held-back"),
                  *(SimProcess("decode", *ARGS, "--held-back") for _ in range(2))) as sims:
         yield Fleet4(prefillers=list(sims[:1]), decoders=list(sims[1:]))
+
+
+@pytest.fixture(scope="module")
+def merged_fleet() -> Iterator[Fleet4]:
+    """As :func:`held_fleet`, with 3 tokens per streamed event (``--stream-interval 3``)."""
+    args = (*ARGS, "--held-back", "--stream-interval", "3")
+    with running(SimProcess("prefill", *args), *(SimProcess("decode", *args) for _ in range(2))) as sims:
+        yield Fleet4(prefillers=list(sims[:1]), decoders=list(sims[1:]))
+
+
+def _token_events(r: Result) -> list[tuple[str, list[int]]]:
+    """Each token event's ``(text, token_ids)`` (the chat role chunk and the finish-only / usage chunks left out)."""
+    return [((c.get("delta") or {}).get("content") or c.get("text") or "", c.get("token_ids") or [])
+            for e in r.events for c in e.get("choices") or []
+            if "role" not in (c.get("delta") or {}) and c.get("finish_reason") is None]
 
 
 def _texts(r: Result) -> list[str]:
@@ -67,5 +85,46 @@ def test_a_cut_right_after_a_held_back_token_continues_with_whole_text(held_flee
         # too): the original prompt + the `held` ids before the held-back one
         assert min(map(len, prompts)) == base_usage["prompt_tokens"] + held, (prompts, base_usage, held)
         held_fleet.assert_clean(proxy)
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"prompt": "Once upon a time in a data center"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me about continuation."}]}),
+], ids=["completions", "chat"])
+def test_a_cut_after_an_event_whose_last_token_is_held_back_continues_with_whole_text(
+        merged_fleet: Fleet4, path: str, body: dict[str, Any]) -> None:
+    """Cut after the first event of three tokens that has text but whose last token is held back (its text is
+    in the next event): the client's text, finish and ``completion_tokens`` equal the uninterrupted run's, and the
+    continuation's prompt ends before the held token (the engine's ``/detokenize`` said it ends inside a
+    character).  Without the check the continuation is primed after the held token and its word is lost."""
+    req = {"model": "sim-model", **body, "max_tokens": MAX, "temperature": 0, "stream": True,
+           "stream_options": {"include_usage": True}}
+    held_ids = TokenTable(SimTokenizer(), held_back=True).held_ids
+    proxy = merged_fleet.proxy(stream_continuation=True)
+    try:
+        with_ids = run(proxy.url, {**req, "return_token_ids": True}, n=1, concurrency=1, path=path)[0]
+        events = _token_events(with_ids)
+        assert [len(ids) for _, ids in events] == [3] * (MAX // 3 - 1), events   # fixed 3-token events; the
+        # last one carries the finish
+        cut = next(i for i, (text, ids) in enumerate(events[:-1]) if text and ids[-1] in held_ids)
+        base = run(proxy.url, req, n=1, concurrency=1, path=path)[0]
+        assert base.status == 200 and base.done == 1 and not base.errors and base.text == with_ids.text
+        skip = 1 if "chat" in path else 0            # the chat role chunk
+        for sim in merged_fleet.decoders:
+            sim.reset()
+            sim.faults({"kind": "reset_after_events", "events": skip + cut + 1, "times": 1})
+        got = run(proxy.url, req, n=1, concurrency=1, path=path)[0]
+        assert got.status == 200 and got.done == 1 and not got.errors, got.body[-400:]
+        assert got.text == base.text
+        usage = [e["usage"] for e in got.events if e.get("usage")]
+        assert len(usage) == 1 and usage[0]["completion_tokens"] == MAX
+        prompts = [r["body"]["prompt"] for s in merged_fleet.decoders for r in s.received()
+                   if r["path"] == "/v1/completions" and isinstance(r["body"].get("prompt"), list)]
+        base_usage = next(e["usage"] for e in base.events if e.get("usage"))
+        # the first continuation: the original prompt + the delivered ids less the held one at the cut
+        assert min(map(len, prompts)) == base_usage["prompt_tokens"] + 3 * (cut + 1) - 1, (prompts, cut)
+        merged_fleet.assert_clean(proxy)
     finally:
         proxy.stop()

@@ -1,8 +1,10 @@
 """Pure pieces of stream continuation: the simulator's exact greedy continuation (ids or text), the relay's
-id stripping on vLLM-shaped chunks, a drain's count of the streams that move, and a loss's cause."""
+id stripping on vLLM-shaped chunks, a drain's count of the streams that move, a loss's cause, and the count of
+ids whose text vLLM held back at the end of an event of several tokens."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import dataclass
 
@@ -10,7 +12,7 @@ import orjson
 
 from pdproxy.apis.request import Api, parse_request
 from pdproxy.errors import UpstreamUnavailable
-from pdproxy.pd.continuation import LiveStreams, LossCause, RecordIds, Resume, StreamLost
+from pdproxy.pd.continuation import LiveStreams, LossCause, RecordIds, Resume, StreamLost, held_in_text
 from pdproxy.sim.continuation import greedy_offset
 from pdproxy.sim.outputs import WORDS, TokenTable
 from pdproxy.tokens import SimTokenizer
@@ -87,3 +89,91 @@ def test_a_drain_is_the_cause_of_a_planned_loss() -> None:
     err = UpstreamUnavailable("gone", endpoint="d0")
     assert StreamLost(err, planned=True, cause=LossCause.RESET).cause is LossCause.DRAIN
     assert StreamLost(err, cause=LossCause.STALL, last_write=1.0).cause is LossCause.STALL
+
+
+def _chunk(text: str, ids: list[int], finish: str | None = None) -> bytes:
+    return b"data: " + orjson.dumps({"id": "c", "object": "text_completion", "created": 1, "model": "m", "choices": [
+        {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "token_ids": ids}]}) + b"\n\n"
+
+
+def _lost_after(*events: bytes) -> Resume:
+    """A completions stream's state read on loss after ``events`` (its first chunk carries the prompt's ids)."""
+    req = parse_request(orjson.dumps({"model": "m", "prompt": "hi", "stream": True, "max_tokens": 50}),
+                        Api.COMPLETIONS)
+    resume = Resume.of(req, True)
+    assert resume is not None
+    t = RecordIds(resume, _Usage())
+    first = (b'data: {"id":"c","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
+             b'"text":"","logprobs":null,"finish_reason":null,"prompt_token_ids":[5,6],"token_ids":[]}]}\n\n')
+    t.feed(first)
+    for event in events:
+        t.feed(event)
+    resume.read_transcript()
+    return resume
+
+
+class _Engine:
+    """``/detokenize`` of a byte-level tokenizer: ids >= 900 are the leading bytes of a character (the decoded text
+    ends with U+FFFD while they end it); None: the engine does not answer."""
+
+    def __init__(self, answers: bool = True) -> None:
+        self.asked: list[list[int]] = []
+        self.answers = answers
+
+    async def __call__(self, ids: list[int]) -> str | None:
+        self.asked.append(ids)
+        if not self.answers:
+            return None
+        return "x" * len(ids) + ("\ufffd" if ids and ids[-1] >= 900 else "")
+
+
+def _held_in_text(resume: Resume, engine: _Engine) -> None:
+    asyncio.run(held_in_text(resume, engine))
+
+
+def test_the_held_back_end_of_an_event_of_several_tokens_is_counted_and_regenerated() -> None:
+    # the last event carried 4 ids: text for the first two, the last two (a character's leading bytes) held back
+    resume = _lost_after(_chunk(" a", [10]), _chunk(" b c", [11, 12, 901, 902]))
+    engine = _Engine()
+    _held_in_text(resume, engine)
+    assert engine.asked == [[10, 11, 12, 901, 902], [10, 11, 12, 901], [10, 11, 12]]
+    assert resume.held == 2
+    leg = resume.next_leg()
+    assert leg is not None
+    assert leg.body["prompt"] == [5, 6, 10, 11, 12] and leg.body["max_tokens"] == 47   # regenerates 901, 902
+
+
+def test_an_event_of_several_tokens_ending_on_a_whole_character_costs_one_question() -> None:
+    resume = _lost_after(_chunk(" a b", [10, 11]))
+    engine = _Engine()
+    _held_in_text(resume, engine)
+    assert engine.asked == [[10, 11]] and resume.held == 0
+    leg = resume.next_leg()
+    assert leg is not None and leg.body["prompt"] == [5, 6, 10, 11]
+
+
+def test_held_text_before_an_empty_text_event_adds_to_its_run() -> None:
+    # [12, 901] sent " c" (901 held), then [902] with empty text (still inside the character): both are regenerated
+    resume = _lost_after(_chunk(" c", [12, 901]), _chunk("", [902]))
+    assert resume.held == 1
+    engine = _Engine()
+    _held_in_text(resume, engine)
+    assert engine.asked == [[12, 901], [12]] and resume.held == 2
+    leg = resume.next_leg()
+    assert leg is not None and leg.body["prompt"] == [5, 6, 12]
+
+
+def test_no_question_for_one_id_events_a_finish_or_an_engine_that_does_not_answer() -> None:
+    one = _lost_after(_chunk(" a", [10]), _chunk(" b", [901]))     # one id with text: that id's text was sent
+    engine = _Engine()
+    _held_in_text(one, engine)
+    assert engine.asked == [] and one.held == 0
+    finished = _lost_after(_chunk(" a b", [10, 901], "length"))
+    _held_in_text(finished, engine)
+    assert engine.asked == [] and finished.held == 0
+    silent = _lost_after(_chunk(" a b", [10, 901]))
+    mute = _Engine(answers=False)
+    _held_in_text(silent, mute)
+    assert mute.asked == [[10, 901]] and silent.held == 0        # the continuation starts at the cut, as before
+    leg = silent.next_leg()
+    assert leg is not None and leg.body["prompt"] == [5, 6, 10, 901]
