@@ -270,7 +270,8 @@ class Resume:
     ``cached_tokens``: the original prefill's prefix-cache hits for usage; ``observer``: where continuations are
     counted; ``last_write``: monotonic time of the client's last write before the current loss (the gap's start);
     ``waiting``: the time budget of the continuation in flight (``stream_continuation_timeout_s``), met at its
-    first event; ``usage_sent``: the first leg's usage chunk reached the client (the decoder was lost between it
+    first event; ``deadline``: the event loop's time by which the current loss's continuation must send its first
+event (its detection + ``stream_continuation_timeout_s``); ``usage_sent``: the first leg's usage chunk reached the client (the decoder was lost between it
     and ``[DONE]``: the end then adds only ``[DONE]``)."""
 
     req: ProxyRequest
@@ -295,6 +296,7 @@ class Resume:
     observer: ContinuationObserver = field(default_factory=NoObserver)
     last_write: float | None = None
     waiting: asyncio.Timeout | None = None
+    deadline: float | None = None
     usage_sent: bool = False
 
     @classmethod

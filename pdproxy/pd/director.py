@@ -30,6 +30,7 @@ request of several sequences (``n > 1``, a completion prompt list) runs one P→
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import time
@@ -164,8 +165,8 @@ class Director:
     async def run_resumed(self, leg: ProxyRequest, ctx: RequestContext, out: Responder,
                           resume: continuation.Resume) -> None:
         """Run one continuation leg (prefill → decode → relay, re-framed), its first event due within
-        ``stream_continuation_timeout_s`` seconds of the loss's detection (however many prefillers and decoders
-        it tries meanwhile); past that the legs are cancelled (their KV released) and the client gets the typed
+        ``stream_continuation_timeout_s`` seconds of the loss's detection (``resume.deadline``; however many
+        prefillers and decoders it tries meanwhile); past that the legs are cancelled (their KV released) and the client gets the typed
         error event.  After the first event the leg is watched like any continuable stream (stall detection).
         A moment with no endpoint that could take the leg (every breaker open, the lost decoder the only one, all
         drained) is waited out within the budget: the leg is tried again after a short backoff (50 ms doubling to
@@ -174,7 +175,7 @@ class Director:
         fail (counted as refused, ``failed``)."""
         budget = self.settings.stream_continuation_timeout_s
         api = ctx.api_label
-        timer = asyncio.timeout(budget)
+        timer = asyncio.timeout_at(resume.deadline) if resume.deadline is not None else asyncio.timeout(budget)
         unavailable: NoEndpointAvailable | None = None
         try:
             async with timer:
@@ -220,7 +221,8 @@ class Director:
     async def resume_leg(self, resume: continuation.Resume, ctx: RequestContext, out: Responder,
                          lost: continuation.StreamLost) -> ProxyRequest | None:
         """After a decoder was lost mid-stream: the continuation leg (:mod:`pdproxy.pd.continuation`; its prompt
-        ends before any ids whose text vLLM held back, :func:`continuation.held_in_text`), or None when the stream
+        ends before any ids whose text vLLM held back, :func:`continuation.held_in_text`, asked within a quarter of
+        ``stream_continuation_timeout_s``, whose count starts here: ``resume.deadline``), or None when the stream
         was finished here (nothing left to generate) or refused with the typed error event.  Counts the
         continuation (by cause), its re-prefilled tokens, or the refusal (by reason)."""
         resume.read_transcript()
@@ -234,8 +236,12 @@ class Director:
             return None
         resume.observer.continued(lost.cause, api)
         resume.last_write = lost.last_write
-        await continuation.held_in_text(resume, functools.partial(self.detokenize, ctx, resume.req.model,
-                                                                  resume.lost[-1:]))
+        budget = self.settings.stream_continuation_timeout_s
+        resume.deadline = asyncio.get_running_loop().time() + budget       # the budget runs from the detection
+        with contextlib.suppress(TimeoutError):   # a quarter of it at most for the check: then the cut as it is
+            async with asyncio.timeout(min(self.settings.tokenize_timeout_s, budget / 4)):
+                await continuation.held_in_text(resume, functools.partial(self.detokenize, ctx, resume.req.model,
+                                                                          resume.lost[-1:]))
         leg = resume.next_leg()
         if leg is None:
             resume.resumed(api)
@@ -252,7 +258,8 @@ class Director:
         """The text of token ``ids`` from an engine's ``POST /detokenize`` (vLLM ``{"model", "tokens"}`` →
         ``{"prompt": text}``, ``vllm/entrypoints/serve/tokenize/``): a prefiller's, else a decoder's other than
         ``avoid``.  None when no engine answers with text within ``tokenize_timeout_s`` (at most
-        ``stream_continuation_timeout_s``) seconds."""
+        ``stream_continuation_timeout_s``) seconds; :meth:`resume_leg` bounds all of a loss's calls together by
+        a quarter of ``stream_continuation_timeout_s``, which they count against."""
         try:
             endpoint = self.scheduler.pick_engine(PickRequest(request_id=ctx.request_id, model=model), avoid)
             reply = await self.upstream.post_json(

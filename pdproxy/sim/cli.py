@@ -94,8 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="greedy outputs: a non-ASCII word's chunk has empty text and the next chunk starts with it, as"
                         " vLLM's detokenizer holds back a token that ends inside a UTF-8 character")
     s.add_argument("--stream-interval", type=int, default=1,
-                   help="streamed outputs: one event per this many tokens (vLLM's --stream-interval; the simulator"
-                        " cuts events at fixed multiples of it from the first token, the last event may be shorter)")
+                   help="streamed outputs: the first token alone, then one event per this many tokens (vLLM's"
+                        " --stream-interval; the simulator cuts events at fixed positions 1 + k*N, the last may be"
+                        " shorter)")
     s.add_argument("--recompute-stop", action="store_true",
                    help='on preemption finish the victim with stop_reason "recomputed" (vLLM-Ascend)')
     s.add_argument("--refuse-connections", action="store_true",

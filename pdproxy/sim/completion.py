@@ -25,9 +25,11 @@ same under their (required or usual) limit, and stop at the limit when it is low
 token ids, ``min_tokens``, ``ignore_eos`` and fixed contents (JSON, tool calls) end sequences as
 :mod:`pdproxy.sim.outputs` describes.
 
-Streamed events: one per engine step's new tokens; with ``--stream-interval N`` (vLLM's flag: the API server writes
-after N tokens) one per group of N tokens, the groups cut at fixed multiples of N from the first token (vLLM sends
-what accumulated, so its cuts drift under load; fixed cuts make a test's cut reproducible), the last one shorter.
+Streamed events: one per engine step's new tokens; with ``--stream-interval N`` (vLLM's flag: its output processor
+sends a request's first token alone, then at least N tokens at a time, ``vllm/v1/engine/output_processor.py``) the
+first token alone, then one event per group of N tokens, cut at 1 + k·N (vLLM sends what accumulated, so its cuts
+drift under load; fixed cuts make a test's cut reproducible), the last one shorter; a ``slow`` fault still sends
+one token per event.
 
 PD: a prefill leg (``kv_transfer_params.do_remote_decode``) pins every sequence's blocks and returns the params
 of one sequence only (the last child of the first prompt), as vLLM 0.32 does for ``n > 1`` and prompt lists
@@ -405,8 +407,8 @@ async def _stream(server: SimServer, listener: Listener, request: web.Request, r
                 else:
                     n, finish, stop_reason = _progress(seq, rank, recompute_after)
                 sent = seq.sent
-                if interval > 1 and finish is None:
-                    n -= (n - sent) % interval   # --stream-interval: whole groups of tokens until the finish
+                if interval > 1 and finish is None:      # --stream-interval: the first token alone, then groups
+                    n = min(n, 1) if sent == 0 else n - (n - sent) % interval
                 if n <= sent and finish is None:
                     continue
                 if not seq.started:  # chat's role chunk goes out with the first output, before any stretch
@@ -421,9 +423,9 @@ async def _stream(server: SimServer, listener: Listener, request: web.Request, r
                         await sse.send_all(writer.output(seq, sent, sent + 1, None, None, usage, False))
                         sent += 1
                     await _stretch(slow, per_token_s)
-                while n - sent > interval > 1:   # one event per group, at fixed multiples from the first token
-                    await sse.send_all(writer.output(seq, sent, sent + interval, None, None, usage, False))
-                    sent += interval
+                while interval > 1 and n - sent > (step := 1 if sent == 0 else interval):   # one event per group
+                    await sse.send_all(writer.output(seq, sent, sent + step, None, None, usage, False))
+                    sent += step
                 if finish is not None and stop_reason == "recomputed" and n > sent:
                     await sse.send_all(writer.output(seq, sent, n, None, None, usage, False))
                     sent = n

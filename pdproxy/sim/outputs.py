@@ -58,7 +58,7 @@ class TokenTable:
         self.held: tuple[bool, ...] = tuple(held_back and not w.isascii() for w in WORDS)
         """Per word: its text is held back (``--held-back``: the non-ASCII words, as vLLM's detokenizer holds back
         a token that ends inside a UTF-8 character, ``vllm/v1/engine/detokenizer.py``): the word's own chunk has
-        empty text and the next token's chunk starts with it; a greedy output's first token never gets the held
+        empty text and the next chunk of a word not held starts with it; a greedy output's first token never gets the held
         text of the prompt's last token (vLLM primes its detokenizer with the prompt and does not start at such a
         cut either)."""
         self.held_ids: frozenset[int] = frozenset(i for i, h in zip(ids, self.held, strict=True) if h)
@@ -152,16 +152,19 @@ class OutputPlan:
         return full[:max(min(hi, self._limit) - lo, 0)]
 
     def _held_text(self, start: int, end: int) -> str:
-        """:meth:`text` of a greedy output with held-back words (:attr:`TokenTable.held`): token ``i``'s chunk is
-        the held text of token ``i - 1`` (none for ``i`` 0) and its own text unless held."""
-        held, n = self._table.held, len(WORDS)
-        out = []
+        """:meth:`text` of a greedy output with held-back words (:attr:`TokenTable.held`): a held token's chunk is
+        empty; the next token that is not held carries the run of held tokens right before it (none of the prompt's:
+        output token 0 starts the run), then its own text — as vLLM holds text back while it ends inside a
+        character, however many tokens that takes."""
+        held, n, off = self._table.held, len(WORDS), self.offset
+        out: list[str] = []
         for i in range(start, end):
-            prev, w = (self.offset + i - 1) % n, (self.offset + i) % n
-            if i > 0 and held[prev]:
-                out.append(WORDS[prev])
-            if not held[w]:
-                out.append(WORDS[w])
+            if held[(off + i) % n]:
+                continue
+            j = i
+            while j > 0 and held[(off + j - 1) % n]:
+                j -= 1
+            out.extend(WORDS[(off + k) % n] for k in range(j, i + 1))
         return "".join(out)
 
     def token_ids(self, start: int, end: int) -> list[int]:

@@ -264,7 +264,7 @@ class SimServer:
             r.add_post("/v1/completions", completions)
         r.add_get("/v1/models", self._models)
         r.add_post("/tokenize", self._tokenize)
-        r.add_post("/detokenize", self._detokenize)
+        r.add_post("/detokenize", lambda req: self._detokenize(listener, req))
         r.add_get("/health", lambda req: self._health(listener, req))
         r.add_route("*", "/ping", lambda req: self._health(listener, req))
         r.add_get("/version", lambda _req: self._version())
@@ -331,7 +331,12 @@ class SimServer:
         return _json({"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
                       "token_strs": None})
 
-    async def _detokenize(self, request: web.Request) -> web.Response:
+    async def _detokenize(self, listener: Listener, request: web.Request) -> web.StreamResponse:
+        """vLLM's ``{"tokens"}`` → ``{"prompt": text}``; under a fault given ``"path": "/detokenize"``:
+        ``refuse`` / ``hang`` / ``status``."""
+        fault = listener.faults.match(request.path)
+        if fault is not None and (early := await completion.pre_response_fault(fault, request)) is not None:
+            return early
         try:
             ids = orjson.loads(await request.read())["tokens"]
             if ids and ids[-1] in self.token_table.held_ids:   # --held-back: ends inside a character

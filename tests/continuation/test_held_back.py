@@ -15,12 +15,15 @@ import pytest
 from pdproxy.sim.outputs import TokenTable
 from pdproxy.tokens import SimTokenizer
 from tests.continuation.conftest import ARGS
+from tests.ops.promtext import scrape
 from tests.reliability.harness import Fleet4, Result, run
 from tests.support import SimProcess, running
 
 pytestmark = pytest.mark.timeout(60)
 
 MAX = 24
+MERGED_MAX = 30
+"""Long enough that both prompts' outputs hold an event ending with one held word and one ending with two."""
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,8 @@ def held_fleet() -> Iterator[Fleet4]:
 
 @pytest.fixture(scope="module")
 def merged_fleet() -> Iterator[Fleet4]:
-    """As :func:`held_fleet`, with 3 tokens per streamed event (``--stream-interval 3``)."""
+    """As :func:`held_fleet`, streaming as vLLM with ``--stream-interval 3``: the first token alone, then 3 tokens
+    per event."""
     args = (*ARGS, "--held-back", "--stream-interval", "3")
     with running(SimProcess("prefill", *args), *(SimProcess("decode", *args) for _ in range(2))) as sims:
         yield Fleet4(prefillers=list(sims[:1]), decoders=list(sims[1:]))
@@ -93,22 +97,28 @@ def test_a_cut_right_after_a_held_back_token_continues_with_whole_text(held_flee
     ("/v1/completions", {"prompt": "Once upon a time in a data center"}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me about continuation."}]}),
 ], ids=["completions", "chat"])
+@pytest.mark.parametrize("held", [1, 2], ids=["one_held", "two_held"])
 def test_a_cut_after_an_event_whose_last_token_is_held_back_continues_with_whole_text(
-        merged_fleet: Fleet4, path: str, body: dict[str, Any]) -> None:
-    """Cut after the first event of three tokens that has text but whose last token is held back (its text is
-    in the next event): the client's text, finish and ``completion_tokens`` equal the uninterrupted run's, and the
-    continuation's prompt ends before the held token (the engine's ``/detokenize`` said it ends inside a
-    character).  Without the check the continuation is primed after the held token and its word is lost."""
-    req = {"model": "sim-model", **body, "max_tokens": MAX, "temperature": 0, "stream": True,
+        merged_fleet: Fleet4, path: str, body: dict[str, Any], held: int) -> None:
+    """Cut after the first event of three tokens that has text but whose last ``held`` tokens are held back
+    (their text is in a later event; two: the simulator's two adjacent non-ASCII words): the client's text,
+    finish and ``completion_tokens`` equal the uninterrupted run's, and the continuation's prompt ends before the
+    held tokens (the engine's ``/detokenize`` said where the character starts).  Without the check the
+    continuation is primed after the held tokens and their words are lost."""
+    req = {"model": "sim-model", **body, "max_tokens": MERGED_MAX, "temperature": 0, "stream": True,
            "stream_options": {"include_usage": True}}
     held_ids = TokenTable(SimTokenizer(), held_back=True).held_ids
     proxy = merged_fleet.proxy(stream_continuation=True)
     try:
         with_ids = run(proxy.url, {**req, "return_token_ids": True}, n=1, concurrency=1, path=path)[0]
         events = _token_events(with_ids)
-        assert [len(ids) for _, ids in events] == [3] * (MAX // 3 - 1), events   # fixed 3-token events; the
-        # last one carries the finish
-        cut = next(i for i, (text, ids) in enumerate(events[:-1]) if text and ids[-1] in held_ids)
+        sizes = [len(ids) for _, ids in events]           # vLLM's order: the first token alone, then 3 at a time
+        assert sizes[0] == 1 and set(sizes[1:]) == {3}, events       # (the last event, with the finish, left out)
+
+        def trailing(ids: list[int]) -> int:            # the held ids ending an event (all but its first at most)
+            return next((k for k in range(len(ids) - 1) if ids[-k - 1] not in held_ids), len(ids) - 1)
+
+        cut = next(i for i, (text, ids) in enumerate(events[:-1]) if text and trailing(ids) == held)
         base = run(proxy.url, req, n=1, concurrency=1, path=path)[0]
         assert base.status == 200 and base.done == 1 and not base.errors and base.text == with_ids.text
         skip = 1 if "chat" in path else 0            # the chat role chunk
@@ -119,12 +129,52 @@ def test_a_cut_after_an_event_whose_last_token_is_held_back_continues_with_whole
         assert got.status == 200 and got.done == 1 and not got.errors, got.body[-400:]
         assert got.text == base.text
         usage = [e["usage"] for e in got.events if e.get("usage")]
-        assert len(usage) == 1 and usage[0]["completion_tokens"] == MAX
+        assert len(usage) == 1 and usage[0]["completion_tokens"] == MERGED_MAX
         prompts = [r["body"]["prompt"] for s in merged_fleet.decoders for r in s.received()
                    if r["path"] == "/v1/completions" and isinstance(r["body"].get("prompt"), list)]
         base_usage = next(e["usage"] for e in base.events if e.get("usage"))
-        # the first continuation: the original prompt + the delivered ids less the held one at the cut
-        assert min(map(len, prompts)) == base_usage["prompt_tokens"] + 3 * (cut + 1) - 1, (prompts, cut)
+        # the first continuation: the original prompt + the delivered ids less the held ones at the cut
+        delivered = sum(sizes[:cut + 1])
+        assert min(map(len, prompts)) == base_usage["prompt_tokens"] + delivered - held, (prompts, cut)
         merged_fleet.assert_clean(proxy)
     finally:
+        proxy.stop()
+
+
+def test_an_engine_that_never_answers_detokenize_holds_a_continuation_a_quarter_of_its_budget(
+        merged_fleet: Fleet4) -> None:
+    """The prefiller's ``/detokenize`` hangs: the check gives up after a quarter of
+    ``stream_continuation_timeout_s`` and the stream continues from the cut as it was (the held word's text is then
+    lost, as before the check), within the budget counted from the loss's detection — no error event, usage of
+    every token, nothing left behind on the engines."""
+    req = {"model": "sim-model", "prompt": "Once upon a time in a data center", "max_tokens": MERGED_MAX,
+           "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    held_ids = TokenTable(SimTokenizer(), held_back=True).held_ids
+    proxy = merged_fleet.proxy(stream_continuation=True, stream_continuation_timeout_s=4.0)
+    try:
+        path = "/v1/completions"
+        events = _token_events(run(proxy.url, {**req, "return_token_ids": True}, n=1, concurrency=1, path=path)[0])
+        cut = next(i for i, (text, ids) in enumerate(events[:-1]) if text and len(ids) > 1 and ids[-1] in held_ids)
+        for sim in merged_fleet.all:
+            sim.reset()
+        merged_fleet.prefillers[0].faults({"kind": "hang", "path": "/detokenize"})
+        for sim in merged_fleet.decoders:
+            sim.faults({"kind": "reset_after_events", "events": cut + 1, "times": 1})
+        got = run(proxy.url, req, n=1, concurrency=1, path=path)[0]
+        assert got.status == 200 and got.done == 1 and not got.errors, got.body[-400:]
+        assert got.elapsed_s >= 1.0                   # it waited for the hung /detokenize: a quarter of 4 s
+        m = scrape(proxy.url)       # the client's gaps (the continuation may be cut too): each under the budget
+        losses = m.value("pdproxy_continuation_gap_seconds_count", api="completions")
+        assert losses >= 1 and 1.0 <= m.value("pdproxy_continuation_gap_seconds_sum", api="completions") < 4.0 * losses
+        usage = [e["usage"] for e in got.events if e.get("usage")]
+        assert len(usage) == 1 and usage[0]["completion_tokens"] == MERGED_MAX
+        prompts = [r["body"]["prompt"] for s in merged_fleet.decoders for r in s.received()
+                   if r["path"] == "/v1/completions" and isinstance(r["body"].get("prompt"), list)]
+        delivered = sum(len(ids) for _, ids in events[:cut + 1])
+        assert min(map(len, prompts)) == usage[0]["prompt_tokens"] + delivered     # the cut as it was
+        merged_fleet.prefillers[0].reset()            # the hung /detokenize connection is closed by pdproxy
+        merged_fleet.assert_clean(proxy)
+    finally:
+        for sim in merged_fleet.all:
+            sim.reset()
         proxy.stop()
