@@ -50,6 +50,23 @@ def _token_events(r: Result) -> list[tuple[str, list[int]]]:
             if "role" not in (c.get("delta") or {}) and c.get("finish_reason") is None]
 
 
+def _cut(fleet: Fleet4, proxy_url: str, req: dict[str, Any], path: str, events: int) -> tuple[Result, int]:
+    """Run ``req`` with every decoder resetting its first stream after ``events`` events: the client's result,
+    asserted complete (200, one ``[DONE]``, no error event, one usage chunk counting every token of
+    ``max_tokens``), and the length of the first continuation's token-id prompt (the shortest a decoder received:
+    a continuation may be cut too)."""
+    for sim in fleet.decoders:
+        sim.reset()
+        sim.faults({"kind": "reset_after_events", "events": events, "times": 1})
+    got = run(proxy_url, req, n=1, concurrency=1, path=path)[0]
+    assert got.status == 200 and got.done == 1 and not got.errors, got.body[-400:]
+    usage = [e["usage"] for e in got.events if e.get("usage")]
+    assert len(usage) == 1 and usage[0]["completion_tokens"] == req["max_tokens"], usage
+    prompts = [r["body"]["prompt"] for s in fleet.decoders for r in s.received()
+               if r["path"] == "/v1/completions" and isinstance(r["body"].get("prompt"), list)]
+    return got, min(map(len, prompts))
+
+
 def _texts(r: Result) -> list[str]:
     """Each token event's text (the chat role chunk and the finish-only / usage chunks left out)."""
     return [(c.get("delta") or {}).get("content") or c.get("text") or "" for e in r.events
@@ -74,20 +91,12 @@ def test_a_cut_right_after_a_held_back_token_continues_with_whole_text(held_flee
         held = texts.index("")                       # the first token whose text was held back
         assert texts[held + 1] and held + 1 < MAX    # …sent with the next token
         skip = 1 if "chat" in path else 0            # the chat role chunk
-        for sim in held_fleet.decoders:
-            sim.reset()
-            sim.faults({"kind": "reset_after_events", "events": skip + held + 1, "times": 1})
-        cut = run(proxy.url, req, n=1, concurrency=1, path=path)[0]
-        assert cut.status == 200 and cut.done == 1 and not cut.errors, cut.body[-400:]
+        cut, first = _cut(held_fleet, proxy.url, req, path, skip + held + 1)
         assert cut.text == base.text
-        usage = [e["usage"] for e in cut.events if e.get("usage")]
-        assert len(usage) == 1 and usage[0]["completion_tokens"] == MAX
-        prompts = [r["body"]["prompt"] for s in held_fleet.decoders for r in s.received()
-                   if r["path"] == "/v1/completions" and isinstance(r["body"].get("prompt"), list)]
         base_usage = next(e["usage"] for e in base.events if e.get("usage"))
         # the first continuation (the shortest: each decoder cuts its first stream, so a continuation may be cut
         # too): the original prompt + the `held` ids before the held-back one
-        assert min(map(len, prompts)) == base_usage["prompt_tokens"] + held, (prompts, base_usage, held)
+        assert first == base_usage["prompt_tokens"] + held, (first, base_usage, held)
         held_fleet.assert_clean(proxy)
     finally:
         proxy.stop()
@@ -122,20 +131,12 @@ def test_a_cut_after_an_event_whose_last_token_is_held_back_continues_with_whole
         base = run(proxy.url, req, n=1, concurrency=1, path=path)[0]
         assert base.status == 200 and base.done == 1 and not base.errors and base.text == with_ids.text
         skip = 1 if "chat" in path else 0            # the chat role chunk
-        for sim in merged_fleet.decoders:
-            sim.reset()
-            sim.faults({"kind": "reset_after_events", "events": skip + cut + 1, "times": 1})
-        got = run(proxy.url, req, n=1, concurrency=1, path=path)[0]
-        assert got.status == 200 and got.done == 1 and not got.errors, got.body[-400:]
+        got, first = _cut(merged_fleet, proxy.url, req, path, skip + cut + 1)
         assert got.text == base.text
-        usage = [e["usage"] for e in got.events if e.get("usage")]
-        assert len(usage) == 1 and usage[0]["completion_tokens"] == MERGED_MAX
-        prompts = [r["body"]["prompt"] for s in merged_fleet.decoders for r in s.received()
-                   if r["path"] == "/v1/completions" and isinstance(r["body"].get("prompt"), list)]
         base_usage = next(e["usage"] for e in base.events if e.get("usage"))
         # the first continuation: the original prompt + the delivered ids less the held ones at the cut
         delivered = sum(sizes[:cut + 1])
-        assert min(map(len, prompts)) == base_usage["prompt_tokens"] + delivered - held, (prompts, cut)
+        assert first == base_usage["prompt_tokens"] + delivered - held, (first, cut)
         merged_fleet.assert_clean(proxy)
     finally:
         proxy.stop()
@@ -155,23 +156,16 @@ def test_an_engine_that_never_answers_detokenize_holds_a_continuation_a_quarter_
         path = "/v1/completions"
         events = _token_events(run(proxy.url, {**req, "return_token_ids": True}, n=1, concurrency=1, path=path)[0])
         cut = next(i for i, (text, ids) in enumerate(events[:-1]) if text and len(ids) > 1 and ids[-1] in held_ids)
-        for sim in merged_fleet.all:
-            sim.reset()
+        merged_fleet.prefillers[0].reset()
         merged_fleet.prefillers[0].faults({"kind": "hang", "path": "/detokenize"})
-        for sim in merged_fleet.decoders:
-            sim.faults({"kind": "reset_after_events", "events": cut + 1, "times": 1})
-        got = run(proxy.url, req, n=1, concurrency=1, path=path)[0]
-        assert got.status == 200 and got.done == 1 and not got.errors, got.body[-400:]
+        got, first = _cut(merged_fleet, proxy.url, req, path, cut + 1)
         assert got.elapsed_s >= 1.0                   # it waited for the hung /detokenize: a quarter of 4 s
         m = scrape(proxy.url)       # the client's gaps (the continuation may be cut too): each under the budget
         losses = m.value("pdproxy_continuation_gap_seconds_count", api="completions")
         assert losses >= 1 and 1.0 <= m.value("pdproxy_continuation_gap_seconds_sum", api="completions") < 4.0 * losses
-        usage = [e["usage"] for e in got.events if e.get("usage")]
-        assert len(usage) == 1 and usage[0]["completion_tokens"] == MERGED_MAX
-        prompts = [r["body"]["prompt"] for s in merged_fleet.decoders for r in s.received()
-                   if r["path"] == "/v1/completions" and isinstance(r["body"].get("prompt"), list)]
+        usage = next(e["usage"] for e in got.events if e.get("usage"))
         delivered = sum(len(ids) for _, ids in events[:cut + 1])
-        assert min(map(len, prompts)) == usage[0]["prompt_tokens"] + delivered     # the cut as it was
+        assert first == usage["prompt_tokens"] + delivered     # the cut as it was
         merged_fleet.prefillers[0].reset()            # the hung /detokenize connection is closed by pdproxy
         merged_fleet.assert_clean(proxy)
     finally:
