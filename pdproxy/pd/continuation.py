@@ -22,11 +22,11 @@ parsed (:meth:`Resume.read_transcript`): the prompt's ids, every delivered id, t
 ``id``/``created``/``model``, whether a tool call or reasoning was streamed, and (from the ring) the trailing ids
 whose token events carried no text — vLLM held back the text of a token that ends inside a UTF-8 character, so
 they were not delivered as text — and, when the last event with text carried several ids, an engine's
-``/detokenize`` says whether its last ids were held back too (:func:`held_in_text`).  :meth:`Resume.next_leg` builds the continuation — ``/v1/completions`` with the
-token-id ``prompt`` = prompt ids + delivered ids less that held-back run (the new decoder generates it again and
-sends the character whole), ``max_tokens`` and ``min_tokens`` lowered by the ids kept, the client's sampling
-fields — which the director runs through the usual prefill and decode legs, the lost decoder excluded (and its
-breaker told).
+``/detokenize`` says whether its last ids were held back too (:func:`held_in_text`).  :meth:`Resume.next_leg`
+builds the continuation — ``/v1/completions`` with the token-id ``prompt`` = prompt ids + delivered ids less that
+held-back run (the new decoder generates it again and sends the character whole), ``max_tokens`` and
+``min_tokens`` lowered by the ids kept, the client's sampling fields — which the director runs through the usual
+prefill and decode legs, the lost decoder excluded (and its breaker told).
 
 **Re-frame.**  :class:`Reframe` turns the continuation's completions chunks into the client's API shape with the
 first chunk's ``id``/``created``/``model``: no second role chunk (chat), ``prompt_token_ids`` dropped, the usage
@@ -271,8 +271,8 @@ class Resume:
     counted; ``last_write``: monotonic time of the client's last write before the current loss (the gap's start);
     ``waiting``: the time budget of the continuation in flight (``stream_continuation_timeout_s``), met at its
     first event; ``deadline``: the event loop's time by which the current loss's continuation must send its first
-event (its detection + ``stream_continuation_timeout_s``); ``usage_sent``: the first leg's usage chunk reached the client (the decoder was lost between it
-    and ``[DONE]``: the end then adds only ``[DONE]``)."""
+    event (its detection + ``stream_continuation_timeout_s``); ``usage_sent``: the first leg's usage chunk reached
+    the client (the decoder was lost between it and ``[DONE]``: the end then adds only ``[DONE]``)."""
 
     req: ProxyRequest
     keep_ids: bool

@@ -166,11 +166,11 @@ class Director:
                           resume: continuation.Resume) -> None:
         """Run one continuation leg (prefill → decode → relay, re-framed), its first event due within
         ``stream_continuation_timeout_s`` seconds of the loss's detection (``resume.deadline``; however many
-        prefillers and decoders it tries meanwhile); past that the legs are cancelled (their KV released) and the client gets the typed
-        error event.  After the first event the leg is watched like any continuable stream (stall detection).
-        A moment with no endpoint that could take the leg (every breaker open, the lost decoder the only one, all
-        drained) is waited out within the budget: the leg is tried again after a short backoff (50 ms doubling to
-        1 s), the lost decoder no longer excluded (its breaker and health decide).
+        prefillers and decoders it tries meanwhile); past that the legs are cancelled (their KV released) and the
+        client gets the typed error event.  After the first event the leg is watched like any continuable stream
+        (stall detection).  A moment with no endpoint that could take the leg (every breaker open, the lost decoder
+        the only one, all drained) is waited out within the budget: the leg is tried again after a short backoff
+        (50 ms doubling to 1 s), the lost decoder no longer excluded (its breaker and health decide).
         Raises :class:`continuation.StreamLost` when it is lost in turn, a :class:`ProxyError` when its legs
         fail (counted as refused, ``failed``)."""
         budget = self.settings.stream_continuation_timeout_s

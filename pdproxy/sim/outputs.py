@@ -58,9 +58,9 @@ class TokenTable:
         self.held: tuple[bool, ...] = tuple(held_back and not w.isascii() for w in WORDS)
         """Per word: its text is held back (``--held-back``: the non-ASCII words, as vLLM's detokenizer holds back
         a token that ends inside a UTF-8 character, ``vllm/v1/engine/detokenizer.py``): the word's own chunk has
-        empty text and the next chunk of a word not held starts with it; a greedy output's first token never gets the held
-        text of the prompt's last token (vLLM primes its detokenizer with the prompt and does not start at such a
-        cut either)."""
+        empty text and the next chunk of a word not held starts with it; a greedy output's first token never gets
+        the held text of the prompt's last token (vLLM primes its detokenizer with the prompt and does not start at
+        such a cut either)."""
         self.held_ids: frozenset[int] = frozenset(i for i, h in zip(ids, self.held, strict=True) if h)
         """Ids of the held-back words: the simulator's ``/detokenize`` of ids ending with one ends with U+FFFD, as a
         real tokenizer's decode of a token that ends inside a UTF-8 character does."""
