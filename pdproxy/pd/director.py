@@ -175,7 +175,8 @@ class Director:
         fail (counted as refused, ``failed``)."""
         budget = self.settings.stream_continuation_timeout_s
         api = ctx.api_label
-        timer = asyncio.timeout_at(resume.deadline) if resume.deadline is not None else asyncio.timeout(budget)
+        assert resume.deadline is not None                  # set by resume_leg at the loss's detection
+        timer = asyncio.timeout_at(resume.deadline)
         unavailable: NoEndpointAvailable | None = None
         try:
             async with timer:

@@ -68,9 +68,8 @@ def _cut(fleet: Fleet4, proxy_url: str, req: dict[str, Any], path: str, events: 
 
 
 def _texts(r: Result) -> list[str]:
-    """Each token event's text (the chat role chunk and the finish-only / usage chunks left out)."""
-    return [(c.get("delta") or {}).get("content") or c.get("text") or "" for e in r.events
-            for c in e.get("choices") or [] if "role" not in (c.get("delta") or {}) and c.get("finish_reason") is None]
+    """Each token event's text (:func:`_token_events`)."""
+    return [text for text, _ids in _token_events(r)]
 
 
 @pytest.mark.parametrize(("path", "body"), [
