@@ -7,12 +7,12 @@ in every choice chunk; ``vllm/entrypoints/openai/chat_completion/serving.py``, `
 Unless the client asked for the ids itself, :class:`RecordIds` rewrites every ``"token_ids":[…]`` /
 ``"prompt_token_ids":[…]`` array to ``null`` — the client gets vLLM's plain shape byte for byte (vLLM sets the
 field to None, and serializes with ``exclude_unset``, so a plain stream carries ``"token_ids":null``) — and keeps
-what a continuation needs: the first block whole (head, prompt ids), then, per block of token chunks, only the
-block's ids as one ``b"1,2,3"`` string (about 6 bytes a token instead of the ~250-byte event), and the last
-``_TAIL`` reads whole in a ring (a reference each, no copy).  One
-regular-expression split per block does both, and nothing else runs for a block whose last event is a token chunk
-(see :meth:`RecordIds.feed`: vLLM's usage chunk, in-band error event and ``[DONE]`` come only after the last token
-chunk, so such a block holds none of them and their searches are skipped).  Any other block takes the general
+what a continuation needs: the first block whole (head, prompt ids), then, for the blocks of token chunks, only
+their ids, appended to one ``bytearray`` (about 6 bytes a token instead of the ~250-byte event), and the last
+``_TAIL`` reads whole in a ring (a reference each, no copy).  One call into compiled code per block does both
+(:mod:`pdproxy.pd.record`, ``pdproxy/pd/_record.c``), and nothing else runs for a block whose last event is a token
+chunk (see :class:`RecordIds`: vLLM's usage chunk, in-band error event and ``[DONE]`` come only after the last
+token chunk, so such a block holds none of them and their searches are skipped).  Any other block takes the general
 path: a search for vLLM's in-band error event (``data: {"error": …}``, e.g. a failed KV load), which ends the
 client's part of this leg, the block kept whole, the ids rewritten, the stream's own transform.
 
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
@@ -57,15 +56,11 @@ from pdproxy.apis.transform import Transform
 from pdproxy.endpoints import Endpoint
 from pdproxy.errors import ProxyError
 from pdproxy.http import sse
+from pdproxy.pd.record import IDS_RE, NULL_IDS, RecordBase
 from pdproxy.pd.responder import Responder
 from pdproxy.timeline import RequestContext
 
-_IDS_RE = re.compile(rb'token_ids":\[([0-9,\s]*)\]')  # "token_ids" and "prompt_token_ids"; group 1: the ids
-_NULL_IDS = b'token_ids":null'
 _ERROR_EVENT = b'data: {"error"'
-_TOKEN_END = b"]}]}\n\n"   # the end of a chat / completions token chunk with ids: ``"token_ids":[…]}]}`` + blank line
-_TOKEN_IDS_KEY = b'"token_ids":'
-_NULL_END = b"null}]}\n\n"
 _CHAR_TOKENS = 3   # tokens that can end inside one character: a UTF-8 character is at most 4 bytes
 _CUT_WINDOW = 16   # trailing ids detokenized to see the cut (a character spans at most 4 of them)
 _TAIL = 8     # whole reads kept for the held-back tail (RecordIds.tail): a run of empty-text token events is short
@@ -253,7 +248,8 @@ class Resume:
 
     ``req``: the client's request; ``keep_ids``: the client asked for ``return_token_ids`` (ids not stripped);
     ``blocks``: the first leg's record (:class:`RecordIds`), unparsed: relayed blocks kept whole (they start with
-    an SSE field name) and, for blocks of plain token chunks, only their ids (``b"5,6,7"``: they start with a digit);
+    an SSE field name; ``bytes``) and, for the blocks of plain token chunks between them, only their ids, in one
+    ``bytearray`` (``b"5,6,7"``; :class:`pdproxy.pd.record.PyRecordBase`);
     ``tail``: the last few reads, whole (:class:`RecordIds`; read on loss for a finish reason and ``held``);
     ``prompt_ids`` / ``generated``: token ids read from them on loss (and from every continuation chunk);
     ``held``: how many of the last ``generated`` ids came in token events of empty text — vLLM's detokenizer holds
@@ -276,7 +272,7 @@ class Resume:
 
     req: ProxyRequest
     keep_ids: bool
-    blocks: list[bytes] = field(default_factory=list)
+    blocks: list[bytes | bytearray] = field(default_factory=list)
     tail: deque[bytes] = field(default_factory=lambda: deque(maxlen=_TAIL))
     held: int = 0
     texted: int = 0
@@ -324,7 +320,7 @@ class Resume:
         reads is counted from the tail's start)."""
         blocks, self.blocks = self.blocks, []
         for block in blocks:
-            if not block[:1].isalpha() and block[:1] != b":":   # a block's ids (RecordIds): "5,6,7"
+            if isinstance(block, bytearray):      # token blocks' ids (RecordIds): "5,6,7"
                 self.generated.extend(int(i) for i in block.split(b",") if i.strip())
                 continue
             for event in sse.split_events(block):
@@ -548,35 +544,35 @@ async def held_in_text(resume: Resume, detokenize: Detokenize) -> None:
             return
 
 
-class RecordIds:
+class RecordIds(RecordBase):
     """The first leg's transform (every block): record the block for :meth:`Resume.read_transcript`, strip the ids
     unless the client asked for them (chat / completions), then run ``then`` (the stream's own transform: chat
     usage, or the Responses / Messages stream) on blocks holding its trigger.  The decoder's in-band error event
     ends the leg for the client (``lost`` set; the relay then raises :class:`StreamLost`).
 
-    **Fast path** (chat / completions, after the first block): a block whose last event is a token chunk with ids
-    (it ends with ``]}]}`` and a blank line).  vLLM writes its usage chunk, its in-band error event and
-    ``[DONE]`` only after the last token chunk (``chat_completion/serving.py``, ``completion/serving.py``), and
-    sends the prompt's ids only in the first chunk, so such a block holds nothing but token chunks: one
-    regular-expression split gives the client's bytes (ids → ``null``) and the ids to record; no error or usage
-    search, no copy kept.  A chat block that may hold a reasoning or tool-call delta (a byte search: a JSON string
-    cannot hold an unescaped ``"``, so a false hit only sends the block the general way) is kept whole instead, so
-    that :meth:`Resume.refusal` still sees it.  The general path (every other block) is the rule above."""
+    **Fast path** (chat / completions, after the first block; :meth:`feed`, :mod:`pdproxy.pd.record`, compiled): a
+    block whose last event is a token chunk with ids (it ends with ``]}]}`` and a blank line).  vLLM writes its
+    usage chunk, its in-band error event and ``[DONE]`` only after the last token chunk
+    (``chat_completion/serving.py``, ``completion/serving.py``), and sends the prompt's ids only in the first
+    chunk, so such a block holds nothing but token chunks: its ids are recorded and the client's bytes have
+    ``"token_ids":null``; no error or usage search, no copy kept.  A chat block that may hold a reasoning or
+    tool-call delta (``unsafe``: a byte search; a JSON string cannot hold an unescaped ``"``, so a false hit only
+    sends the block the general way) is kept whole instead, so that :meth:`Resume.refusal` still sees it.  The
+    general path (:meth:`_slow`, every other block) is the rule above."""
 
-    __slots__ = ("blocks", "error", "fast", "keep", "lost", "openai", "resume", "tail", "then", "then_trigger",
-                 "unsafe")
+    __slots__ = ("error", "lost", "openai", "resume", "then", "then_trigger")
     trigger = b""
 
     def __init__(self, resume: Resume, then: Transform) -> None:
         self.resume = resume
         self.blocks = resume.blocks
         self.tail = resume.tail.append            # every read, whole: the last few stay (Resume.read_transcript)
-        self.keep = resume.keep_ids or not resume.openai
+        self.keep = bool(resume.keep_ids or not resume.openai)
         self.openai = resume.openai               # Responses / Messages streams carry no ids: general path only
         self.fast = False
         chat = resume.req.api is Api.CHAT
         tools = chat and bool(resume.req.body.get("tools")) and resume.req.body.get("tool_choice") != "none"
-        self.unsafe: tuple[bytes, ...] = (_UNSAFE if tools else _UNSAFE[:1]) if chat else ()
+        self.unsafe = (_UNSAFE if tools else _UNSAFE[:1]) if chat else ()
         self.error = _ERROR_EVENT if resume.openai else api_streams.ERROR_EVENT
         self.lost = False
         self.then = then
@@ -587,32 +583,9 @@ class RecordIds:
         """True once the client's part of this leg is over (the relay's transform contract)."""
         return self.lost or bool(self.then.recomputed)
 
-    def feed(self, block: bytes, prev: bytes = b"") -> bytes:
-        """The block for the client (see class docstring)."""
-        if self.fast and block[-6:] == _TOKEN_END:
-            for word in self.unsafe:
-                if block.find(word) >= 0:
-                    return self._general(block, prev)
-            if self.keep:                          # the client asked for the ids: they stay, the block is kept
-                self.blocks.append(block)
-                self.tail(block)
-                return block
-            k = block.rfind(b"[")                  # one event (a paced stream's read): its ids are the last array
-            if block.find(b"\n") == len(block) - 2 and block[k - 12:k] == _TOKEN_IDS_KEY:
-                ids = block[k + 1:-6]
-                if ids.isdigit():
-                    self.blocks.append(ids)
-                    self.tail(block)
-                    return block[:k] + _NULL_END
-            parts = _IDS_RE.split(block)           # [text, ids, text, ids, …, text]
-            if len(parts) > 1:
-                self.blocks.append(b",".join(parts[1::2]))
-                self.tail(block)
-                return _NULL_IDS.join(parts[::2])
-        return self._general(block, prev)
-
-    def _general(self, block: bytes, prev: bytes) -> bytes:
-        """Any block (see class docstring): error search, the block kept whole, ids stripped, ``then``."""
+    def _slow(self, block: bytes, prev: bytes) -> bytes:
+        """Any block the fast path does not take (see class docstring): error search, the block kept whole, ids
+        stripped, ``then``."""
         if self.lost:
             return b""
         if block.find(self.error) >= 0:
@@ -630,7 +603,7 @@ class RecordIds:
         self.tail(block)
         self.fast = self.openai                   # after the first block (the prompt's ids): the fast path
         if not self.keep:
-            block = _IDS_RE.sub(_NULL_IDS, block)
+            block = IDS_RE.sub(NULL_IDS, block)
         if block.find(self.then_trigger) >= 0:
             block = self.then.feed(block, prev)
         return block

@@ -146,7 +146,8 @@ class _Splice:
             chunk = self._reframe(chunk)
             if not chunk:
                 return
-        if chunk.find(self.trigger) >= 0:
+        trigger = self.trigger
+        if not trigger or chunk.find(trigger) >= 0:  # b"": every block (a continuable stream's record)
             chunk = self.feed(chunk, self.prev)
             if not chunk:
                 return

@@ -27,7 +27,7 @@ from pdproxy.pd.relay import StreamRelay, _Splice
 from pdproxy.timeline import RequestContext
 
 REFERENCE = re.compile(rb'token_ids":\[[0-9,\s]*\]')   # the rewrite the client must see, over the whole stream
-RECORDED: list[bytes] = []      # the last relay()'s record, before it was read
+RECORDED: list[bytes | bytearray] = []      # the last relay()'s record, before it was read
 HEAD = {"id": "chatcmpl-4f2a", "created": 1765000000, "model": "m"}
 TRICKY = ['"token_ids":[1]', 'token_ids":[', "]}]}\n\n", '"reasoning', "data: {\"error\"", "[1,2]", "null}]}",
           "é中🙂", "\\", '"prompt_token_ids":[5]', '"usage"', "data: [DONE]\n\n", "", " "]
@@ -264,9 +264,9 @@ def test_plain_token_reads_are_recorded_as_ids_only(loop: asyncio.AbstractEventL
         cuts = [ends[1], ends[2], ends[10], ends[17]]    # first | 1 event | 8 events | 7 events | [DONE]
         out, resume = relay(loop, s, cuts, keep=False)
         assert out == expected(s, keep=False) and b"[1" not in out.replace(b'"token_ids":null', b"")
-        record = [first, b"100", b",".join(b"%d" % i for i in range(101, 109)),
-                  b",".join(b"%d" % i for i in range(109, 116)), b"data: [DONE]\n\n"]
-        assert record == RECORDED
+        # the token blocks' ids in one bytearray, extended per read
+        assert [first, b",".join(b"%d" % i for i in range(100, 116)), b"data: [DONE]\n\n"] == RECORDED
+        assert [type(b) for b in RECORDED] == [bytes, bytearray, bytes]
         assert resume.generated == [*([1] if api is Api.COMPLETIONS else []), *range(100, 116)]
 
 

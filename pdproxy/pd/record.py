@@ -1,0 +1,94 @@
+"""The per-read step of a continuable stream's first decode leg: record the decoder's token ids, give the client
+its bytes without them (docs/stream-continuation.md, "The record in compiled code").
+
+:class:`RecordBase` is the base of :class:`pdproxy.pd.continuation.RecordIds`.  Its :meth:`~PyRecordBase.feed`
+handles the one common block — every event a chat / completions token chunk with ids, none holding a word of
+``unsafe`` — and hands every other block to the subclass's ``_slow(block, prev)``.  Two implementations with the
+same results: the compiled ``pdproxy.pd._record`` (``pdproxy/pd/_record.c``, built by ``pip install``; a Python
+call into it costs about what one ``bytes.find`` does, which is what keeps a relayed event's cost within a few
+per cent of a stream without the record) and :class:`PyRecordBase` below, used when the extension is not built or
+``PDPROXY_NO_EXTENSIONS`` is set (as aiohttp's ``AIOHTTP_NO_EXTENSIONS``).  ``tests/continuation/test_record.py``
+checks that the two agree on generated blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+IDS_RE = re.compile(rb'token_ids":\[([0-9,\s]*)\]')  # "token_ids" and "prompt_token_ids"; group 1: the ids
+NULL_IDS = b'token_ids":null'
+TOKEN_END = b"]}]}\n\n"   # the end of a chat / completions token chunk with ids: ``"token_ids":[…]}]}`` + blank line
+_IDS_KEY = b'token_ids":['
+_NULL_END = b"null}]}\n\n"
+
+
+class PyRecordBase:
+    """``blocks``: the record, a list of blocks kept whole (``bytes``, by ``_slow``, or every block with ``keep``)
+    and, for the token blocks between them, one ``bytearray`` of their ids joined with ``,`` (``b"1,2,3"``: every
+    ``token_ids`` array's ids, in order; extended in place, about 6 bytes a token); ``tail``: called with every
+    recorded block (the ring of the last reads); ``unsafe``: byte strings that send a block to ``_slow``; ``fast``:
+    the fast path is on; ``keep``: the client asked for the ids, so blocks are recorded and given unchanged."""
+
+    __slots__ = ("blocks", "fast", "keep", "tail", "unsafe")
+    blocks: list[bytes | bytearray]
+    tail: Callable[[bytes], object]
+    unsafe: tuple[bytes, ...]
+    fast: bool
+    keep: bool
+
+    def feed(self, block: bytes, prev: bytes = b"") -> bytes:
+        """The block for the client: a fast block rewritten (``token_ids":[…]`` → ``token_ids":null``) and
+        recorded; any other block: ``self._slow(block, prev)``."""
+        if self.fast and block[-6:] == TOKEN_END:
+            for word in self.unsafe:
+                if block.find(word) >= 0:
+                    return self._slow(block, prev)
+            if self.keep:
+                self.blocks.append(block)
+                self.tail(block)
+                return block
+            k = block.rfind(b"[")    # one event (a paced stream's read) whose only array is its last: its ids
+            if block.find(b"\n") == len(block) - 2 and block.find(_IDS_KEY) == k - 11:
+                ids = block[k + 1:-6]
+                if ids.isdigit():
+                    self._record(ids)
+                    self.tail(block)
+                    return block[:k] + _NULL_END
+            parts = IDS_RE.split(block)            # [text, ids, text, ids, …, text]
+            if len(parts) > 1:
+                self._record(b",".join(parts[1::2]))
+                self.tail(block)
+                return NULL_IDS.join(parts[::2])
+        return self._slow(block, prev)
+
+    def _record(self, ids: bytes) -> None:
+        """``ids`` onto the record's last ``bytearray`` (after a ``,``), or a new one after a block kept whole."""
+        blocks = self.blocks
+        last = blocks[-1] if blocks else None
+        if type(last) is bytearray:
+            last += b"," + ids
+        else:
+            blocks.append(bytearray(ids))
+
+    def _slow(self, block: bytes, prev: bytes) -> bytes:
+        raise NotImplementedError
+
+
+def _implementation() -> type[PyRecordBase]:
+    """The compiled ``RecordBase`` when it is built and not disabled, else :class:`PyRecordBase`."""
+    if os.environ.get("PDPROXY_NO_EXTENSIONS"):
+        return PyRecordBase
+    try:
+        from pdproxy.pd import _record
+    except ImportError:   # not built (no compiler at install time): the Python one, same results
+        return PyRecordBase
+    return _record.RecordBase  # type: ignore[return-value]  # the same interface (pdproxy/pd/_record.pyi)
+
+
+if TYPE_CHECKING:
+    RecordBase = PyRecordBase
+else:
+    RecordBase = _implementation()
