@@ -8,9 +8,9 @@
    rewrite is the one of the regular expression ``token_ids":\[([0-9,\s]*)\]`` (pdproxy/pd/record.py): the recorded ids
    are the matches' groups joined with ``,``.
 
-   Pure C over the block's bytes: two bounded scans, no Python call but the two appends (``blocks.append`` and the
-   ``tail`` callable) and ``_slow``.  The block comes from a decoder, not a client; every index below stays inside
-   [0, n). */
+   Pure C over the block's bytes: two linear scans (the second reuses the first's first MATCHES arrays), no Python
+   code run but the ``tail`` callable and ``_slow``.  The block comes from a decoder, not a client; every index below
+   stays inside [0, n). */
 
 #define _GNU_SOURCE  /* memmem */
 #define PY_SSIZE_T_CLEAN
@@ -160,10 +160,10 @@ rewrite(RecordBase *self, PyObject *block, const char *s, Py_ssize_t n)
 }
 
 static PyObject *
-slow(RecordBase *self, PyObject *const *args, Py_ssize_t nargs)
+slow(RecordBase *self, PyObject *block, PyObject *prev)
 {
-    PyObject *call[3] = {(PyObject *)self, args[0], nargs > 1 ? args[1] : NULL};
-    if (call[2] == NULL) {
+    PyObject *call[3] = {(PyObject *)self, block, prev};
+    if (prev == NULL) {
         call[2] = PyBytes_FromStringAndSize(NULL, 0);
         if (call[2] == NULL)
             return NULL;
@@ -174,26 +174,38 @@ slow(RecordBase *self, PyObject *const *args, Py_ssize_t nargs)
     return PyObject_VectorcallMethod(slow_name, call, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
 }
 
+/* feed(block, prev=b""): positional or by keyword, as the Python twin */
 static PyObject *
-RecordBase_feed(RecordBase *self, PyObject *const *args, Py_ssize_t nargs)
+RecordBase_feed(RecordBase *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "feed(block, prev=b'') takes one or two arguments");
+    PyObject *block = nargs > 0 ? args[0] : NULL, *prev = nargs > 1 ? args[1] : NULL;
+    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    int bad = nargs > 2;
+    for (Py_ssize_t i = 0; i < nkw && !bad; i++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+        if (block == NULL && PyUnicode_CompareWithASCIIString(name, "block") == 0)
+            block = args[nargs + i];
+        else if (prev == NULL && PyUnicode_CompareWithASCIIString(name, "prev") == 0)
+            prev = args[nargs + i];
+        else
+            bad = 1;
+    }
+    if (bad || block == NULL) {
+        PyErr_SetString(PyExc_TypeError, "feed(block, prev=b'') takes a block and an optional prev");
         return NULL;
     }
-    PyObject *block = args[0];
     if (!self->fast || !PyBytes_CheckExact(block) || self->blocks == NULL || !PyList_CheckExact(self->blocks)
         || self->tail == NULL || self->unsafe == NULL || !PyTuple_CheckExact(self->unsafe))
-        return slow(self, args, nargs);
+        return slow(self, block, prev);
     const char *s = PyBytes_AS_STRING(block);
     Py_ssize_t n = PyBytes_GET_SIZE(block);
     if (n < TOKEN_END_LEN || memcmp(s + n - TOKEN_END_LEN, TOKEN_END, TOKEN_END_LEN) != 0)
-        return slow(self, args, nargs);
+        return slow(self, block, prev);
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(self->unsafe); i++) {
         PyObject *word = PyTuple_GET_ITEM(self->unsafe, i);
         if (!PyBytes_Check(word) || PyBytes_GET_SIZE(word) == 0
             || memmem(s, (size_t)n, PyBytes_AS_STRING(word), (size_t)PyBytes_GET_SIZE(word)) != NULL)
-            return slow(self, args, nargs);
+            return slow(self, block, prev);
     }
     if (self->keep) {
         if (PyList_Append(self->blocks, block) < 0 || ring(self, block) < 0)
@@ -202,7 +214,7 @@ RecordBase_feed(RecordBase *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *out = rewrite(self, block, s, n);
     if (out == NULL && !PyErr_Occurred())
-        return slow(self, args, nargs);
+        return slow(self, block, prev);
     return out;
 }
 
@@ -234,7 +246,7 @@ RecordBase_dealloc(RecordBase *self)
 }
 
 static PyMethodDef RecordBase_methods[] = {
-    {"feed", (PyCFunction)(void (*)(void))RecordBase_feed, METH_FASTCALL,
+    {"feed", (PyCFunction)(void (*)(void))RecordBase_feed, METH_FASTCALL | METH_KEYWORDS,
      "feed(block, prev=b'') -> bytes: the block for the client (pdproxy.pd.record.PyRecordBase.feed)."},
     {NULL, NULL, 0, NULL},
 };

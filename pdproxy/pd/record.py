@@ -2,8 +2,9 @@
 its bytes without them (docs/stream-continuation.md, "The record in compiled code").
 
 :class:`RecordBase` is the base of :class:`pdproxy.pd.continuation.RecordIds`.  Its :meth:`~PyRecordBase.feed`
-handles the one common block — every event a chat / completions token chunk with ids, none holding a word of
-``unsafe`` — and hands every other block to the subclass's ``_slow(block, prev)``.  Two implementations with the
+handles the one common block — its last event a chat / completions token chunk with ids (vLLM sends nothing else
+before it in such a block: :class:`pdproxy.pd.continuation.RecordIds`), no word of ``unsafe`` in it — and hands
+every other block to the subclass's ``_slow(block, prev)``.  Two implementations with the
 same results: the compiled ``pdproxy.pd._record`` (``pdproxy/pd/_record.c``, built by ``pip install``; a Python
 call into it costs about what one ``bytes.find`` does, which is what keeps a relayed event's cost within a few
 per cent of a stream without the record) and :class:`PyRecordBase` below, used when the extension is not built or
@@ -51,7 +52,7 @@ class PyRecordBase:
                 self.tail(block)
                 return block
             k = block.rfind(b"[")    # one event (a paced stream's read) whose only array is its last: its ids
-            if block.find(b"\n") == len(block) - 2 and block.find(_IDS_KEY) == k - 11:
+            if block.find(b"\n") == len(block) - 2 and 0 <= block.find(_IDS_KEY) == k - 11:
                 ids = block[k + 1:-6]
                 if ids.isdigit():
                     self._record(ids)

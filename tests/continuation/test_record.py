@@ -73,6 +73,7 @@ _BLOCK = st.lists(_EVENT, min_size=1, max_size=5).map(b"".join)
 @pytest.mark.skipif(len(IMPLEMENTATIONS) < 2, reason="the compiled record is not built (see the test above)")
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @example(blocks=[b'token_ids":[]' + _chunk("", [0], False, b",")], fast=True, keep=False, unsafe=())  # one event, two arrays
+@example(blocks=[b"0123456789[123]}]}\n\n"], fast=True, keep=False, unsafe=())  # an array without the key
 @given(blocks=st.lists(_BLOCK, min_size=1, max_size=4), fast=st.booleans(), keep=st.booleans(),
        unsafe=st.sampled_from([(), (b'"reasoning',), (b'"reasoning', b'"tool_calls"'), (b"",)]))
 def test_compiled_and_python_records_agree(blocks: list[bytes], fast: bool, keep: bool,
@@ -146,6 +147,18 @@ def test_no_reference_is_leaked_or_kept(base: type) -> None:
     del p
     gc.collect()
     assert dead() is None
+
+
+@pytest.mark.parametrize("base", IMPLEMENTATIONS, ids=lambda b: b.__module__)
+def test_feed_takes_its_arguments_by_position_or_name(base: type) -> None:
+    p = _make(base)
+    block = _chunk("x", [1])
+    assert p.feed(block, b"") == p.feed(block, prev=b"") == p.feed(block=block) == block.replace(b"[1]", b"null")
+    for bad in ((), (block, b"", b""), ):
+        with pytest.raises(TypeError):
+            p.feed(*bad)
+    with pytest.raises(TypeError):
+        p.feed(block, other=b"")
 
 
 @pytest.mark.parametrize("base", IMPLEMENTATIONS, ids=lambda b: b.__module__)
