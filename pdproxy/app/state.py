@@ -106,7 +106,8 @@ class ProxyState:
         return cls(settings=s, pool=pool, infos=infos, served=served, limits=limits, health=health, ledger=ledger,
                    scheduler=scheduler, queue=queue, headers=headers, upstream=upstream, engines=engines,
                    admission=admission, tracing=tracing, passthrough=passthrough, prefix_cache=prefix_cache,
-                   prefix=prefix, share=share)
+                   prefix=prefix, share=share,
+                   live_streams=LiveStreams(check_interval_s=s.stream_continuation_stall_min_s / 4))
 
     # --- what /metrics reads (pdproxy/ops/collector.py's MetricsState) ------------------------------------------
     @property

@@ -56,7 +56,7 @@ from pdproxy.apis.transform import Transform
 from pdproxy.endpoints import Endpoint
 from pdproxy.errors import ProxyError
 from pdproxy.http import sse
-from pdproxy.pd.record import IDS_RE, NULL_IDS, RecordBase
+from pdproxy.pd.record import RecordBase, null_ids
 from pdproxy.pd.responder import Responder
 from pdproxy.timeline import RequestContext
 
@@ -72,6 +72,7 @@ _INELIGIBLE = ("response_format", "structured_outputs", "guided_json", "guided_r
 _INELIGIBLE_RESPONSES = ("previous_response_id", "conversation", "prompt", "background", "top_logprobs",
                          "include", "reasoning")
 _INELIGIBLE_MESSAGES = ("stop_sequences", "thinking", "output_format")
+_INELIGIBLE_SET = frozenset(_INELIGIBLE)   # a body with none of these keys (the common case): one set test
 # sampling fields copied onto the continuation's completions body
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
@@ -153,7 +154,7 @@ class StreamLost(Exception):
 
 
 class Movable(Protocol):
-    """A live stream's decode leg as a drain sees it (:class:`pdproxy.pd.relay.StreamRelay`)."""
+    """A live stream's decode leg as a drain and the stall sweep see it (:class:`pdproxy.pd.relay.StreamRelay`)."""
 
     @property
     def movable(self) -> bool:
@@ -162,28 +163,59 @@ class Movable(Protocol):
     def move(self) -> bool:
         """End the leg as lost (planned) so the stream continues on another decoder; False when not movable."""
 
+    def check_lost(self, now: float) -> None:
+        """End the leg as lost if its decoder has been silent too long by monotonic time ``now``."""
+
 
 class LiveStreams:
     """The continuable streams each decoder is relaying now, by endpoint name: what a drain with ``migrate``
-    moves (``POST /admin/endpoints/drain``, pdproxy/app/admin.py).  Per process (``--workers N``: each worker
-    moves its own streams); ``observer``: where this process's continuations are counted."""
+    moves (``POST /admin/endpoints/drain``, pdproxy/app/admin.py), and what the stall sweep checks: while any leg
+    is tracked, one timer every ``check_interval_s`` seconds (``stream_continuation_stall_min_s / 4``) asks each
+    whether its decoder is silent too long (:meth:`sweep`) — a lost decoder is seen at most that much after its
+    limit, at a cost per stream and sweep of one method call, instead of a timer per stream re-armed every few
+    seconds (≈ 2 % of the CPU of 1,000 paced streams, loadtest/RESULTS.md).  Per process (``--workers N``: each
+    worker its own streams); ``observer``: where this process's continuations are counted."""
 
-    def __init__(self) -> None:
+    def __init__(self, check_interval_s: float = 0.5) -> None:
         self._by_decoder: dict[str, set[Movable]] = {}
+        self.check_interval_s = check_interval_s
+        self._sweep: asyncio.TimerHandle | None = None
+        self._sweep_loop: asyncio.AbstractEventLoop | None = None
         self.observer: ContinuationObserver = NoObserver()
         """Where continuations are counted (the app sets its metrics, pdproxy/app/application.py)."""
 
     @contextmanager
     def track(self, decoder: str, leg: Movable) -> Iterator[None]:
-        """Register ``leg`` (a stream's decode leg on ``decoder``) while the block runs."""
+        """Register ``leg`` (a stream's decode leg on ``decoder``) while the block runs; the sweep runs on the
+        running event loop while any leg is registered."""
         legs = self._by_decoder.setdefault(decoder, set())
         legs.add(leg)
+        loop = asyncio.get_running_loop()
+        if self._sweep is None or self._sweep_loop is not loop:     # a new loop (tests): the old timer is gone
+            self._sweep_loop = loop
+            self._sweep = loop.call_later(self.check_interval_s, self.sweep)
         try:
             yield
         finally:
             legs.discard(leg)
             if not legs:
                 self._by_decoder.pop(decoder, None)
+
+    @property
+    def sweeping(self) -> bool:
+        """Whether the next sweep is armed (while a leg is tracked, and once more after the last one left)."""
+        return self._sweep is not None
+
+    def sweep(self) -> None:
+        """Ask every tracked leg whether its decoder is lost (:meth:`Movable.check_lost`), then again in
+        ``check_interval_s`` seconds while any leg is tracked."""
+        self._sweep = None
+        now = time.monotonic()
+        for legs in list(self._by_decoder.values()):
+            for leg in list(legs):
+                leg.check_lost(now)
+        if self._by_decoder and self._sweep_loop is not None:
+            self._sweep = self._sweep_loop.call_later(self.check_interval_s, self.sweep)
 
     def migrate(self, decoder: str) -> int:
         """Move every live stream of ``decoder`` to other decoders; returns how many move (a stream still waiting
@@ -211,6 +243,8 @@ def eligible(req: ProxyRequest, enabled: bool) -> bool:
                 and (fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text")))
     if req.api is Api.MESSAGES:
         return not any(_present(body.get(k)) for k in _INELIGIBLE_MESSAGES)
+    if _INELIGIBLE_SET.isdisjoint(body):
+        return True
     return not any(_present(body.get(k)) for k in _INELIGIBLE)
 
 
@@ -567,13 +601,13 @@ class RecordIds(RecordBase):
         self.resume = resume
         self.blocks = resume.blocks
         self.tail = resume.tail.append            # every read, whole: the last few stay (Resume.read_transcript)
-        self.keep = bool(resume.keep_ids or not resume.openai)
-        self.openai = resume.openai               # Responses / Messages streams carry no ids: general path only
+        openai = self.openai = resume.openai      # Responses / Messages streams carry no ids: general path only
+        self.keep = bool(resume.keep_ids or not openai)
         self.fast = False
         chat = resume.req.api is Api.CHAT
         tools = chat and bool(resume.req.body.get("tools")) and resume.req.body.get("tool_choice") != "none"
         self.unsafe = (_UNSAFE if tools else _UNSAFE[:1]) if chat else ()
-        self.error = _ERROR_EVENT if resume.openai else api_streams.ERROR_EVENT
+        self.error = _ERROR_EVENT if openai else api_streams.ERROR_EVENT
         self.lost = False
         self.then = then
         self.then_trigger: bytes = then.trigger
@@ -603,7 +637,7 @@ class RecordIds(RecordBase):
         self.tail(block)
         self.fast = self.openai                   # after the first block (the prompt's ids): the fast path
         if not self.keep:
-            block = IDS_RE.sub(NULL_IDS, block)
+            block = null_ids(block)
         if block.find(self.then_trigger) >= 0:
             block = self.then.feed(block, prev)
         return block

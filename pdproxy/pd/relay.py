@@ -96,7 +96,7 @@ class _Splice:
     :class:`TransportError` / :class:`_NoDone`."""
 
     __slots__ = ("bounds", "conn", "counts", "ctx", "done", "done_event", "done_len", "done_mark", "feed", "first",
-                 "gaps", "idle_s", "idle_timer", "last", "loop", "lost_timer", "lost_when", "out", "prev", "resp",
+                 "gaps", "idle_s", "idle_timer", "last", "loop", "lost_when", "out", "prev", "resp",
                  "stall_timer", "tail", "transform", "trigger", "write", "writes")
 
     def __init__(self, relay: StreamRelay, transform: Transform | None, tail: bytes, last_write: float) -> None:
@@ -118,7 +118,6 @@ class _Splice:
         self.last = last_write
         self.first = time.monotonic()  # this leg's start: its own inter-token time, not the stream's history
         self.lost_when = relay.lost_when
-        self.lost_timer: asyncio.TimerHandle | None = None
         self.gaps = relay.ctx.gaps or GapCounts((float("inf"),))
         self.bounds = self.gaps.bounds
         self.counts = self.gaps.counts
@@ -231,8 +230,6 @@ class _Splice:
         self.conn.flow = self
         if self.idle_s is not None:
             self.idle_timer = self.loop.call_later(self.idle_s, self._check_idle)
-        if self.lost_when is not None:
-            self.lost_timer = self.loop.call_later(self.lost_when[1], self._check_lost)
         self.resp.splice(self)
         if self.conn.paused and not self.done.done():
             self.client_paused()
@@ -243,10 +240,10 @@ class _Splice:
         objects at once instead of a full garbage collection later (see :mod:`pdproxy.ops.gcpolicy`)."""
         if self.conn.flow is self:
             self.conn.flow = None
-        for timer in (self.idle_timer, self.stall_timer, self.lost_timer):
+        for timer in (self.idle_timer, self.stall_timer):
             if timer is not None:
                 timer.cancel()
-        self.idle_timer = self.stall_timer = self.lost_timer = None
+        self.idle_timer = self.stall_timer = None
         if self.resp.sink is self:
             self.resp.sink = None
         self.write = _drop
@@ -269,22 +266,22 @@ class _Splice:
         else:
             self.idle_timer = self.loop.call_later(self.idle_s, self._check_idle)
 
-    def _check_lost(self) -> None:
-        """A continuable stream's decoder is lost when it is silent for ``factor`` × the stream's own mean gap
-        between writes, at least ``min_s`` (``lost_when``); not while the client holds the stream paused.  One lazy
-        timer, re-armed per check, never per event."""
-        self.lost_timer = None
-        if self.done.done() or self.out.ended or self.lost_when is None:
+    def check_lost(self, now: float) -> None:
+        """End the leg as lost (:class:`ReadTimeout`) when a continuable stream's decoder has been silent for
+        ``factor`` × the stream's own mean gap between writes, at least ``min_s`` seconds (``lost_when``) at
+        monotonic time ``now``; not while the client holds the stream paused.  Called by the registry's sweep
+        (:meth:`pdproxy.pd.continuation.LiveStreams.sweep`, every ``min_s / 4`` seconds): one timer for all streams,
+        none per stream or per event."""
+        if self.lost_when is None or self.stall_timer is not None or self.done.done() or self.out.ended:
             return
         factor, min_s = self.lost_when
-        now = time.monotonic()
-        limit = max(min_s, factor * (self.last - self.first) / max(self.writes - 1, 1))
         quiet = now - self.last
-        if quiet >= limit and self.stall_timer is None:
+        if quiet < min_s:
+            return
+        limit = max(min_s, factor * (self.last - self.first) / max(self.writes - 1, 1))
+        if quiet >= limit:
             self.done.set_exception(ReadTimeout(f"no token for {quiet:.1f} s (over {factor:g}× the stream's "
                                                 f"inter-token time)"))
-            return
-        self.lost_timer = self.loop.call_later(max(limit - quiet, min_s / 4), self._check_lost)
 
     def client_paused(self) -> None:
         """The client's transport went above its high-water mark: stop reading the decoder."""
@@ -408,6 +405,12 @@ class StreamRelay:
                     return held + block if held else block
         finally:
             resp.deadline_at = before
+
+    def check_lost(self, now: float) -> None:
+        """Whether its decoder is lost by now (monotonic ``now``; :meth:`_Splice.check_lost`); nothing before the
+        first event (``first_event_timeout_s`` applies then)."""
+        if self.splice is not None:
+            self.splice.check_lost(now)
 
     @property
     def movable(self) -> bool:

@@ -9,6 +9,7 @@ import random
 from dataclasses import dataclass
 
 import orjson
+import pytest
 
 from pdproxy.apis.request import Api, parse_request
 from pdproxy.errors import UpstreamUnavailable
@@ -64,7 +65,8 @@ def test_record_ids_keeps_blocks_and_nulls_the_ids_for_the_client() -> None:
     assert resume.prompt_ids == [5, 6, 7] and resume.generated == [42, 43, 42, 43] and resume.head["id"] == "c"
 
 
-def test_a_drain_counts_only_the_streams_that_move() -> None:
+@pytest.mark.anyio
+async def test_a_drain_counts_only_the_streams_that_move() -> None:
     """``migrated`` is the streams that move now: one still waiting for its first event (its move answers False)
     finishes on the drained decoder and is not counted; the registry forgets a stream whose block ended."""
     live = LiveStreams()
@@ -79,10 +81,47 @@ def test_a_drain_counts_only_the_streams_that_move() -> None:
             moved.append(self.name)
             return self.movable
 
+        def check_lost(self, now: float) -> None:
+            """Never lost."""
+
     with live.track("d0", Leg("a", True)), live.track("d0", Leg("b", False)), live.track("d1", Leg("c", True)):
         assert live.count("d0") == 2 and live.count("d0", movable=True) == 1
         assert live.migrate("d0") == 1 and sorted(moved) == ["a", "b"]
     assert live.count("d0") == live.count("d1") == live.migrate("d0") == 0
+
+
+@pytest.mark.anyio
+async def test_one_sweep_checks_every_tracked_leg_and_stops_when_none_is_left() -> None:
+    """The stall check is one timer for all continuable streams (``LiveStreams.sweep``), not one per stream: each
+    tracked leg is asked once per sweep, the sweep re-arms itself while a leg is tracked, and no timer is left
+    once the last leg is gone."""
+    live = LiveStreams(check_interval_s=0.01)
+    asked: list[str] = []
+    swept = asyncio.Event()
+
+    @dataclass(eq=False)
+    class Leg:
+        name: str
+        movable = True
+
+        def move(self) -> bool:
+            return True
+
+        def check_lost(self, now: float) -> None:
+            asked.append(self.name)
+            if len(asked) >= 9:
+                swept.set()
+
+    assert not live.sweeping
+    with live.track("d0", Leg("a")), live.track("d0", Leg("b")), live.track("d1", Leg("c")):
+        assert live.sweeping
+        async with asyncio.timeout(5):
+            await swept.wait()                               # three sweeps at least
+        assert sorted(asked[:3]) == ["a", "b", "c"] and sorted(asked[3:6]) == ["a", "b", "c"]
+        assert live.sweeping
+    n = len(asked)
+    live.sweep()                                             # the sweep due next: nobody to ask, not re-armed
+    assert len(asked) == n and not live.sweeping
 
 
 def test_a_drain_is_the_cause_of_a_planned_loss() -> None:
