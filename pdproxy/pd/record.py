@@ -78,18 +78,24 @@ class PyRecordBase:
         raise NotImplementedError
 
 
-def _implementation() -> type[PyRecordBase]:
-    """The compiled ``RecordBase`` when it is built and not disabled, else :class:`PyRecordBase`."""
+def py_null_ids(block: bytes) -> bytes:
+    """``block`` with every ``token_ids":[…]`` array written as ``token_ids":null`` (the general path's rewrite)."""
+    return IDS_RE.sub(NULL_IDS, block)
+
+
+def _implementation() -> tuple[type[PyRecordBase], Callable[[bytes], bytes]]:
+    """The compiled ``RecordBase`` and ``null_ids`` when they are built and not disabled, else the Python ones."""
     if os.environ.get("PDPROXY_NO_EXTENSIONS"):
-        return PyRecordBase
+        return PyRecordBase, py_null_ids
     try:
         from pdproxy.pd import _record
-    except ImportError:   # not built (no compiler at install time): the Python one, same results
-        return PyRecordBase
-    return _record.RecordBase  # type: ignore[return-value]  # the same interface (pdproxy/pd/_record.pyi)
+    except ImportError:   # not built (no compiler at install time): the Python ones, same results
+        return PyRecordBase, py_null_ids
+    return _record.RecordBase, _record.null_ids  # type: ignore[return-value]  # pdproxy/pd/_record.pyi
 
 
 if TYPE_CHECKING:
     RecordBase = PyRecordBase
+    null_ids = py_null_ids
 else:
-    RecordBase = _implementation()
+    RecordBase, null_ids = _implementation()

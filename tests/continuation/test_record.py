@@ -88,6 +88,26 @@ def test_compiled_and_python_records_agree(blocks: list[bytes], fast: bool, keep
     assert c.slow_calls == py.slow_calls
 
 
+@pytest.mark.skipif(_record is None, reason="the compiled record is not built (see the first test)")
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(block=b"".join(b'x token_ids":[%d] ' % i for i in range(40)))   # more arrays than the C scan stores
+@example(block=b'token_ids":[]token_ids":[\x0b\x0c]token_ids":[\x1c]')    # "[]" grows to "null"; \s bytes only
+@given(block=st.one_of(_BLOCK, st.lists(_BLOCK, max_size=40).map(b"".join)))
+def test_compiled_null_ids_is_the_expression(block: bytes) -> None:
+    """The general path's rewrite (a first block with the prompt's ids, a usage block, any block the fast path
+    does not take): the compiled ``null_ids`` gives what ``IDS_RE.sub(NULL_IDS, …)`` gives."""
+    assert _record.null_ids(block) == record.py_null_ids(block) == record.IDS_RE.sub(record.NULL_IDS, block)
+    assert record.null_ids is (record.py_null_ids if os.environ.get("PDPROXY_NO_EXTENSIONS") else _record.null_ids)
+
+
+def test_a_prompts_ids_are_nulled_in_one_pass() -> None:
+    """A 64K-token prompt's ids (≈ 400 KB in the first chunk) come out as ``null`` with the rest byte for byte."""
+    ids = b",".join(b"%d" % (i * 7919 % 150_000) for i in range(65_536))
+    head = b'data: {"id":"cmpl-1","choices":[{"index":0,"text":"Hi","token_ids":[9906],"prompt_token_ids":['
+    out = record.null_ids(head + ids + b"]}]}\n\n")
+    assert out == head.replace(b"[9906]", b"null")[:-1] + b"null}]}\n\n"
+
+
 @pytest.mark.parametrize("base", IMPLEMENTATIONS, ids=lambda b: b.__module__)
 def test_token_chunks_are_recorded_and_given_with_null_ids(base: type) -> None:
     p = _make(base)
