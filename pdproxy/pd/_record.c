@@ -25,6 +25,7 @@ static const char NULL_WORD[] = "null";            /* 4 bytes */
 #define IDS_KEY_LEN 12
 #define NULL_LEN 4
 #define MATCHES 32  /* arrays of one block located in the first scan; more are found again in the second */
+#define TAIL_BYTES 4096  /* what the ring keeps of a larger read: its events that start in its last 4 KiB */
 
 typedef struct {
     PyObject_HEAD
@@ -73,10 +74,48 @@ next_ids(const char *s, Py_ssize_t n, Py_ssize_t from, Py_ssize_t *end)
     return -1;
 }
 
+/* The part of a block the ring keeps (pdproxy.pd.record.py_last_events): the whole block up to TAIL_BYTES; of a
+   larger one (a read of many events: a stream at full speed, a client that paused it) the events that start in its
+   last TAIL_BYTES bytes, or its last event alone when none does.  A new reference. */
+static PyObject *
+last_events_of(PyObject *block, const char *s, Py_ssize_t n)
+{
+    if (n <= TAIL_BYTES)
+        return Py_NewRef(block);
+    Py_ssize_t from = n - TAIL_BYTES - 2;
+    const char *p = memmem(s + from, (size_t)(n - from), "\n\n", 2);
+    Py_ssize_t start = p != NULL ? (p - s) + 2 : n;
+    if (start >= n) {  /* no event starts in the window: from after the last blank line before the block's end */
+        start = 0;
+        for (Py_ssize_t k = n - 3; k >= 1; k--) {
+            if (s[k] == '\n' && s[k - 1] == '\n') {
+                start = k + 1;
+                break;
+            }
+        }
+    }
+    return PyBytes_FromStringAndSize(s + start, n - start);
+}
+
+static PyObject *
+last_events(PyObject *module, PyObject *block)
+{
+    if (!PyBytes_Check(block)) {
+        PyErr_SetString(PyExc_TypeError, "last_events(block) takes bytes");
+        return NULL;
+    }
+    return last_events_of(block, PyBytes_AS_STRING(block), PyBytes_GET_SIZE(block));
+}
+
 static int
 ring(RecordBase *self, PyObject *block)
 {
-    PyObject *r = PyObject_CallOneArg(self->tail, block);
+    PyObject *kept = PyBytes_GET_SIZE(block) <= TAIL_BYTES ? Py_NewRef(block)
+        : last_events_of(block, PyBytes_AS_STRING(block), PyBytes_GET_SIZE(block));
+    if (kept == NULL)
+        return -1;
+    PyObject *r = PyObject_CallOneArg(self->tail, kept);
+    Py_DECREF(kept);
     if (r == NULL)
         return -1;
     Py_DECREF(r);
@@ -326,13 +365,15 @@ static PyTypeObject RecordBaseType = {
 static PyMethodDef record_functions[] = {
     {"null_ids", (PyCFunction)null_ids, METH_O,
      "null_ids(block) -> bytes: every token_ids array written as null (pdproxy.pd.record.py_null_ids)."},
+    {"last_events", (PyCFunction)last_events, METH_O,
+     "last_events(block) -> bytes: what the ring keeps of a block (pdproxy.pd.record.py_last_events)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef record_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "pdproxy.pd._record",
-    .m_doc = "Compiled RecordBase and null_ids (pdproxy/pd/record.py holds the same in Python).",
+    .m_doc = "Compiled RecordBase, null_ids and last_events (pdproxy/pd/record.py holds the same in Python).",
     .m_size = -1,
     .m_methods = record_functions,
 };

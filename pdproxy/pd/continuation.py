@@ -9,7 +9,8 @@ Unless the client asked for the ids itself, :class:`RecordIds` rewrites every ``
 field to None, and serializes with ``exclude_unset``, so a plain stream carries ``"token_ids":null``) — and keeps
 what a continuation needs: the first block whole (head, prompt ids), then, for the blocks of token chunks, only
 their ids, appended to one ``bytearray`` (about 6 bytes a token instead of the ~250-byte event), and the last
-``_TAIL`` reads whole in a ring (a reference each, no copy).  One call into compiled code per block does both
+``_TAIL`` reads in a ring (a reference each, no copy; of a read over 4 KiB only its last events:
+:func:`pdproxy.pd.record.py_last_events`).  One call into compiled code per block does both
 (:mod:`pdproxy.pd.record`, ``pdproxy/pd/_record.c``), and nothing else runs for a block whose last event is a token
 chunk (see :class:`RecordIds`: vLLM's usage chunk, in-band error event and ``[DONE]`` come only after the last
 token chunk, so such a block holds none of them and their searches are skipped).  Any other block takes the general
@@ -56,14 +57,14 @@ from pdproxy.apis.transform import Transform
 from pdproxy.endpoints import Endpoint
 from pdproxy.errors import ProxyError
 from pdproxy.http import sse
-from pdproxy.pd.record import RecordBase, null_ids
+from pdproxy.pd.record import RecordBase, last_events, null_ids
 from pdproxy.pd.responder import Responder
 from pdproxy.timeline import RequestContext
 
 _ERROR_EVENT = b'data: {"error"'
 _CHAR_TOKENS = 3   # tokens that can end inside one character: a UTF-8 character is at most 4 bytes
 _CUT_WINDOW = 16   # trailing ids detokenized to see the cut (a character spans at most 4 of them)
-_TAIL = 8     # whole reads kept for the held-back tail (RecordIds.tail): a run of empty-text token events is short
+_TAIL = 8     # reads kept for the held-back tail (RecordIds.tail; ≤ 4 KiB each): a run of empty-text events is short
 _UNSAFE = (b'"reasoning', b'"tool_calls"')   # chat deltas a continuation would mis-parse (docs/stream-continuation.md)
 # request fields that make a continuation unfaithful or unparseable (docs/stream-continuation.md lists why)
 _INELIGIBLE = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
@@ -284,7 +285,8 @@ class Resume:
     ``blocks``: the first leg's record (:class:`RecordIds`), unparsed: relayed blocks kept whole (they start with
     an SSE field name; ``bytes``) and, for the blocks of plain token chunks between them, only their ids, in one
     ``bytearray`` (``b"5,6,7"``; :class:`pdproxy.pd.record.PyRecordBase`);
-    ``tail``: the last few reads, whole (:class:`RecordIds`; read on loss for a finish reason and ``held``);
+    ``tail``: the last few reads (:class:`RecordIds`; of a read over 4 KiB its last events only:
+    :func:`pdproxy.pd.record.py_last_events`; read on loss for a finish reason and ``held``);
     ``prompt_ids`` / ``generated``: token ids read from them on loss (and from every continuation chunk);
     ``held``: how many of the last ``generated`` ids came in token events of empty text — vLLM's detokenizer holds
     back the text of a token that ends inside a UTF-8 character (or decodes to nothing, e.g. a skipped special
@@ -349,7 +351,7 @@ class Resume:
     # --- the rare path: read what was delivered ---------------------------------------------------------------
     def read_transcript(self) -> None:
         """Parse the first leg's record (``blocks``, in order: ids of token-chunk blocks and whole blocks) into the
-        state above; ``tail`` (the last reads, whole; their ids are in the record) adds whether a finish reason was
+        state above; ``tail`` (the last reads' last events; their ids are in the record) adds whether a finish reason was
         delivered and ``held``: the trailing ids whose token events carried no text (a run longer than the tail's
         reads is counted from the tail's start)."""
         blocks, self.blocks = self.blocks, []
@@ -600,7 +602,7 @@ class RecordIds(RecordBase):
     def __init__(self, resume: Resume, then: Transform) -> None:
         self.resume = resume
         self.blocks = resume.blocks
-        self.tail = resume.tail.append            # every read, whole: the last few stay (Resume.read_transcript)
+        self.tail = resume.tail.append            # every read (its last events): the last few stay
         openai = self.openai = resume.openai      # Responses / Messages streams carry no ids: general path only
         self.keep = bool(resume.keep_ids or not openai)
         self.fast = False
@@ -634,7 +636,7 @@ class RecordIds(RecordBase):
             if not block:
                 return b""
         self.blocks.append(block)
-        self.tail(block)
+        self.tail(last_events(block))
         self.fast = self.openai                   # after the first block (the prompt's ids): the fast path
         if not self.keep:
             block = null_ids(block)

@@ -24,14 +24,16 @@ NULL_IDS = b'token_ids":null'
 TOKEN_END = b"]}]}\n\n"   # the end of a chat / completions token chunk with ids: ``"token_ids":[…]}]}`` + blank line
 _IDS_KEY = b'token_ids":['
 _NULL_END = b"null}]}\n\n"
+TAIL_BYTES = 4096   # what the ring keeps of a larger read: its events that start in its last 4 KiB (py_last_events)
 
 
 class PyRecordBase:
     """``blocks``: the record, a list of blocks kept whole (``bytes``, by ``_slow``, or every block with ``keep``)
     and, for the token blocks between them, one ``bytearray`` of their ids joined with ``,`` (``b"1,2,3"``: every
     ``token_ids`` array's ids, in order; extended in place, about 6 bytes a token); ``tail``: called with every
-    recorded block (the ring of the last reads); ``unsafe``: byte strings that send a block to ``_slow``; ``fast``:
-    the fast path is on; ``keep``: the client asked for the ids, so blocks are recorded and given unchanged."""
+    recorded block's last events (the ring of the last reads: :func:`py_last_events`); ``unsafe``: byte strings
+    that send a block to ``_slow``; ``fast``: the fast path is on; ``keep``: the client asked for the ids, so blocks
+    are recorded and given unchanged."""
 
     __slots__ = ("blocks", "fast", "keep", "tail", "unsafe")
     blocks: list[bytes | bytearray]
@@ -49,19 +51,19 @@ class PyRecordBase:
                     return self._slow(block, prev)
             if self.keep:
                 self.blocks.append(block)
-                self.tail(block)
+                self.tail(block if len(block) <= TAIL_BYTES else py_last_events(block))
                 return block
             k = block.rfind(b"[")    # one event (a paced stream's read) whose only array is its last: its ids
             if block.find(b"\n") == len(block) - 2 and 0 <= block.find(_IDS_KEY) == k - 11:
                 ids = block[k + 1:-6]
                 if ids.isdigit():
                     self._record(ids)
-                    self.tail(block)
+                    self.tail(block if len(block) <= TAIL_BYTES else py_last_events(block))
                     return block[:k] + _NULL_END
             parts = IDS_RE.split(block)            # [text, ids, text, ids, …, text]
             if len(parts) > 1:
                 self._record(b",".join(parts[1::2]))
-                self.tail(block)
+                self.tail(block if len(block) <= TAIL_BYTES else py_last_events(block))
                 return NULL_IDS.join(parts[::2])
         return self._slow(block, prev)
 
@@ -78,24 +80,42 @@ class PyRecordBase:
         raise NotImplementedError
 
 
+def py_last_events(block: bytes) -> bytes:
+    """What the ring of the last reads keeps of ``block``: all of it up to ``TAIL_BYTES``; of a larger one (a read
+    of many events: a stream at full speed, or a client that paused it) the events that start in its last
+    ``TAIL_BYTES`` bytes, or its last event alone when none does — so a stream's ring stays within a few tens of KiB
+    whatever its reads' size (the ring is read only for a loss's last events: ``Resume.read_transcript``)."""
+    n = len(block)
+    if n <= TAIL_BYTES:
+        return block
+    start = block.find(b"\n\n", n - TAIL_BYTES - 2) + 2
+    if start <= 1 or start >= n:          # no event starts in the window: the last event alone
+        start = max(block.rfind(b"\n\n", 0, n - 2) + 2, 0)
+        if start == 1:
+            start = 0
+    return block[start:]
+
+
 def py_null_ids(block: bytes) -> bytes:
     """``block`` with every ``token_ids":[…]`` array written as ``token_ids":null`` (the general path's rewrite)."""
     return IDS_RE.sub(NULL_IDS, block)
 
 
-def _implementation() -> tuple[type[PyRecordBase], Callable[[bytes], bytes]]:
-    """The compiled ``RecordBase`` and ``null_ids`` when they are built and not disabled, else the Python ones."""
+def _implementation() -> tuple[type[PyRecordBase], Callable[[bytes], bytes], Callable[[bytes], bytes]]:
+    """The compiled ``RecordBase``, ``null_ids`` and ``last_events`` when they are built and not disabled, else
+    the Python ones."""
     if os.environ.get("PDPROXY_NO_EXTENSIONS"):
-        return PyRecordBase, py_null_ids
+        return PyRecordBase, py_null_ids, py_last_events
     try:
         from pdproxy.pd import _record
     except ImportError:   # not built (no compiler at install time): the Python ones, same results
-        return PyRecordBase, py_null_ids
-    return _record.RecordBase, _record.null_ids  # type: ignore[return-value]  # pdproxy/pd/_record.pyi
+        return PyRecordBase, py_null_ids, py_last_events
+    return _record.RecordBase, _record.null_ids, _record.last_events  # type: ignore[return-value]  # _record.pyi
 
 
 if TYPE_CHECKING:
     RecordBase = PyRecordBase
     null_ids = py_null_ids
+    last_events = py_last_events
 else:
-    RecordBase, null_ids = _implementation()
+    RecordBase, null_ids, last_events = _implementation()

@@ -68,13 +68,16 @@ _EVENT = st.one_of(
     st.sampled_from([b'token_ids":[1,2]', b'token_ids":[x]', b'"prompt_token_ids":[7,8],', b"]}]}\n\n", b"data: [DONE]\n\n"]),
 )
 _BLOCK = st.lists(_EVENT, min_size=1, max_size=5).map(b"".join)
+# a read of many events (full speed, or after the client paused): over record.TAIL_BYTES, so the ring trims it
+_BIG = st.tuples(st.lists(_EVENT, max_size=3).map(b"".join), st.integers(20, 80), _BLOCK).map(
+    lambda t: t[0] + _chunk(" w", [7, 8]) * t[1] + t[2])
 
 
 @pytest.mark.skipif(len(IMPLEMENTATIONS) < 2, reason="the compiled record is not built (see the test above)")
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @example(blocks=[b'token_ids":[]' + _chunk("", [0], False, b",")], fast=True, keep=False, unsafe=())  # one event, two arrays
 @example(blocks=[b"0123456789[123]}]}\n\n"], fast=True, keep=False, unsafe=())  # an array without the key
-@given(blocks=st.lists(_BLOCK, min_size=1, max_size=4), fast=st.booleans(), keep=st.booleans(),
+@given(blocks=st.lists(st.one_of(_BLOCK, _BLOCK, _BIG), min_size=1, max_size=4), fast=st.booleans(), keep=st.booleans(),
        unsafe=st.sampled_from([(), (b'"reasoning',), (b'"reasoning', b'"tool_calls"'), (b"",)]))
 def test_compiled_and_python_records_agree(blocks: list[bytes], fast: bool, keep: bool,
                                            unsafe: tuple[bytes, ...]) -> None:
@@ -98,6 +101,22 @@ def test_compiled_null_ids_is_the_expression(block: bytes) -> None:
     does not take): the compiled ``null_ids`` gives what ``IDS_RE.sub(NULL_IDS, …)`` gives."""
     assert _record.null_ids(block) == record.py_null_ids(block) == record.IDS_RE.sub(record.NULL_IDS, block)
     assert record.null_ids is (record.py_null_ids if os.environ.get("PDPROXY_NO_EXTENSIONS") else _record.null_ids)
+
+
+@pytest.mark.skipif(_record is None, reason="the compiled record is not built (see the first test)")
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(block=b"x" * 5000)                                     # no event boundary at all
+@example(block=b"\n\n" + b"x" * 5000 + b"\n\n")                   # one event longer than the window
+@example(block=b"\n\n\n" * 3000)
+@given(block=st.one_of(_BIG, _BIG.map(lambda b: b[:-1]), st.binary(min_size=4000, max_size=6000)))
+def test_compiled_last_events_is_the_python_one(block: bytes) -> None:
+    """What the ring keeps of a large read: the compiled and Python ``last_events`` agree, and it is whole events
+    from the block's end — at most ``TAIL_BYTES`` of them, or the last event alone."""
+    kept = _record.last_events(block)
+    assert kept == record.py_last_events(block) and block.endswith(kept)
+    start = len(block) - len(kept)
+    assert start == 0 or block[start - 2:start] == b"\n\n"
+    assert len(kept) <= record.TAIL_BYTES or block[start:-2].find(b"\n\n") < 0
 
 
 def test_a_prompts_ids_are_nulled_in_one_pass() -> None:

@@ -14,6 +14,7 @@ import pytest
 from pdproxy.apis.request import Api, parse_request
 from pdproxy.errors import UpstreamUnavailable
 from pdproxy.pd.continuation import LiveStreams, LossCause, RecordIds, Resume, StreamLost, held_in_text
+from pdproxy.pd.record import TAIL_BYTES
 from pdproxy.sim.continuation import greedy_offset
 from pdproxy.sim.outputs import WORDS, TokenTable
 from pdproxy.tokens import SimTokenizer
@@ -149,6 +150,24 @@ def _lost_after(*events: bytes) -> Resume:
         t.feed(event)
     resume.read_transcript()
     return resume
+
+
+def test_a_large_read_keeps_only_its_last_events_and_the_held_tail_is_still_read() -> None:
+    """A read of many token events (a stream at full speed, or one its client paused: tens of KiB) is kept in the
+    ring as its last events only (``TAIL_BYTES``: ~4 KiB), so eight of them cost a stream no more than ~36 KiB
+    however large the reads; the loss's reading still finds the ids whose events carried no text at the end."""
+    big = b"".join(_chunk(" w", [100 + i]) for i in range(600)) + _chunk("", [901]) + _chunk("", [902])
+    assert len(big) > 16 * TAIL_BYTES
+    resume = _lost_after(big, big)
+    assert resume.generated == [100 + i for i in range(600)] + [901, 902] + [100 + i for i in range(600)] + [901, 902]
+    assert resume.held == 2 and resume.texted == 1 and not resume.finish
+    req = parse_request(orjson.dumps({"model": "m", "prompt": "hi", "stream": True}), Api.COMPLETIONS)
+    kept = Resume.of(req, True)
+    assert kept is not None
+    t = RecordIds(kept, _Usage())
+    for block in [_chunk("", [1])] + [big] * 20:
+        t.feed(block)
+    assert len(kept.tail) == 8 and sum(map(len, kept.tail)) <= 8 * (TAIL_BYTES + len(_chunk(" w", [700])))
 
 
 class _Engine:
