@@ -82,7 +82,9 @@ last_events_of(PyObject *block, const char *s, Py_ssize_t n)
 {
     if (n <= TAIL_BYTES)
         return Py_NewRef(block);
-    Py_ssize_t from = n - TAIL_BYTES - 2;
+    Py_ssize_t from = n - TAIL_BYTES - 2;  /* a blank line ending at or after the window's start */
+    if (from < 0)
+        from = 0;                            /* n == TAIL_BYTES + 1 */
     const char *p = memmem(s + from, (size_t)(n - from), "\n\n", 2);
     Py_ssize_t start = p != NULL ? (p - s) + 2 : n;
     if (start >= n) {  /* no event starts in the window: from after the last blank line before the block's end */

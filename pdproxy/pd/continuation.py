@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
@@ -60,6 +61,8 @@ from pdproxy.http import sse
 from pdproxy.pd.record import RecordBase, last_events, null_ids
 from pdproxy.pd.responder import Responder
 from pdproxy.timeline import RequestContext
+
+log = logging.getLogger("pdproxy.continuation")
 
 _ERROR_EVENT = b'data: {"error"'
 _CHAR_TOKENS = 3   # tokens that can end inside one character: a UTF-8 character is at most 4 bytes
@@ -214,7 +217,10 @@ class LiveStreams:
         now = time.monotonic()
         for legs in list(self._by_decoder.values()):
             for leg in list(legs):
-                leg.check_lost(now)
+                try:
+                    leg.check_lost(now)
+                except Exception:     # one leg's failure must not stop the others' checks, now or later
+                    log.exception("stall check of a continuable stream failed")
         if self._by_decoder and self._sweep_loop is not None:
             self._sweep = self._sweep_loop.call_later(self.check_interval_s, self.sweep)
 

@@ -88,7 +88,7 @@ def py_last_events(block: bytes) -> bytes:
     n = len(block)
     if n <= TAIL_BYTES:
         return block
-    start = block.find(b"\n\n", n - TAIL_BYTES - 2) + 2
+    start = block.find(b"\n\n", max(n - TAIL_BYTES - 2, 0)) + 2   # a negative start would count from the end
     if start <= 1 or start >= n:          # no event starts in the window: the last event alone
         start = max(block.rfind(b"\n\n", 0, n - 2) + 2, 0)
         if start == 1:

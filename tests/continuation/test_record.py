@@ -108,6 +108,7 @@ def test_compiled_null_ids_is_the_expression(block: bytes) -> None:
 @example(block=b"x" * 5000)                                     # no event boundary at all
 @example(block=b"\n\n" + b"x" * 5000 + b"\n\n")                   # one event longer than the window
 @example(block=b"\n\n\n" * 3000)
+@example(block=b"A" * 10 + b"\n\n" + b"B" * 4078 + b"\n\n" + b"CCC\n\n")   # 4,097 bytes: the window starts at 1
 @given(block=st.one_of(_BIG, _BIG.map(lambda b: b[:-1]), st.binary(min_size=4000, max_size=6000)))
 def test_compiled_last_events_is_the_python_one(block: bytes) -> None:
     """What the ring keeps of a large read: the compiled and Python ``last_events`` agree, and it is whole events
@@ -117,6 +118,19 @@ def test_compiled_last_events_is_the_python_one(block: bytes) -> None:
     start = len(block) - len(kept)
     assert start == 0 or block[start - 2:start] == b"\n\n"
     assert len(kept) <= record.TAIL_BYTES or block[start:-2].find(b"\n\n") < 0
+
+
+@pytest.mark.parametrize("last_events", [record.py_last_events] + ([_record.last_events] if _record else []))
+def test_the_ring_keeps_the_events_that_start_in_a_large_reads_last_4_kib(last_events: Any) -> None:
+    """Of a read just over ``TAIL_BYTES`` (4,097 bytes: the window starts one byte in) the events that start in
+    the window are kept — not only the last one (a search start of -1 counts from the end in Python, and reads the
+    byte before the buffer in C)."""
+    block = b"A" * 10 + b"\n\n" + b"B" * 4078 + b"\n\n" + b"CCC\n\n"
+    assert len(block) == record.TAIL_BYTES + 1
+    assert last_events(block) == block[12:]
+    assert last_events(block + b"D\n\n") == block[12:] + b"D\n\n"                  # 4,101 bytes
+    assert last_events(b"x" * 5000 + b"\n\nE\n\n") == b"E\n\n"
+    assert last_events(b"E\n\n" + b"x" * 5000 + b"\n\n") == b"x" * 5000 + b"\n\n"   # one long event: whole
 
 
 def test_a_prompts_ids_are_nulled_in_one_pass() -> None:

@@ -125,6 +125,36 @@ async def test_one_sweep_checks_every_tracked_leg_and_stops_when_none_is_left() 
     assert len(asked) == n and not live.sweeping
 
 
+@pytest.mark.anyio
+async def test_a_leg_whose_check_fails_stops_no_other_legs_check(caplog: pytest.LogCaptureFixture) -> None:
+    """One sweep for all streams must not die with one of them: a leg whose check raises is logged, the others
+    are still asked, in this sweep and the next ones."""
+    live = LiveStreams(check_interval_s=0.01)
+    asked: list[str] = []
+    twice = asyncio.Event()
+
+    @dataclass(eq=False)
+    class Leg:
+        name: str
+        movable = True
+
+        def move(self) -> bool:
+            return True
+
+        def check_lost(self, now: float) -> None:
+            if self.name == "bad":
+                raise RuntimeError("Event loop is closed")
+            asked.append(self.name)
+            if len(asked) >= 3:
+                twice.set()
+
+    with live.track("d0", Leg("bad")), live.track("d0", Leg("good")):
+        async with asyncio.timeout(5):
+            await twice.wait()                               # three sweeps asked the good leg
+        assert live.sweeping
+    assert "stall check of a continuable stream failed" in caplog.text
+
+
 def test_a_drain_is_the_cause_of_a_planned_loss() -> None:
     err = UpstreamUnavailable("gone", endpoint="d0")
     assert StreamLost(err, planned=True, cause=LossCause.RESET).cause is LossCause.DRAIN
