@@ -263,7 +263,10 @@ async def profile(kind: str, step: str, runs: int) -> None:
             prof.enable()
         path.decode_body(req, ctx, handle(req.prompt_tokens or 0))
         prof.disable()
+        if step == "record":
+            prof.enable()
         path.record(req, ctx)
+        prof.disable()
     await path.stop()
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 

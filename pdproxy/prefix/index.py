@@ -269,16 +269,6 @@ class _MaskTable:
         else:
             holders.pop(key, None)
 
-    def _release_many(self, keys: list[int], bit: int) -> None:
-        """:meth:`_release` of every key of ``keys``: C loops when this location was their only holder (a prompt
-        nobody else was sent), else one :meth:`_release` each."""
-        holders = self._holders
-        if list(map(holders.get, keys)).count(bit) == len(keys):
-            deque(map(holders.__delitem__, keys), maxlen=0)
-        else:
-            for key in keys:
-                self._release(key, bit)
-
     def _match_blocks(self, keys: Sequence[int], candidates: list[_Location]) -> dict[_Location, int]:
         """Leading blocks of ``keys`` each candidate holds (one dict lookup per block until none is left)."""
         live = 0
@@ -585,18 +575,24 @@ class ApproxStats:
     expired_blocks: int = 0
 
 
-class ApproxPrefixIndex(_MaskTable):
+class ApproxPrefixIndex:
     """Where pdproxy sent each request's block chain, for engines without KV events (see the module docstring).
 
     Per endpoint at most ``capacity_blocks`` keys (:meth:`set_capacity` with the engine's ``num_gpu_blocks``
     when known, else ``default_capacity_blocks``), least recently sent dropped first, and none older than
     ``ttl_s`` seconds (``clock``: monotonic seconds).  The same :meth:`match` as :class:`PrefixIndex`; token and
     text keys both work (each only matches its own kind).
+
+    One table per location (endpoint, key kind and block size): its ``sent`` keys in LRU order.  Unlike the
+    precise index there is no key → holders table: a query asks each location's ``sent`` (a prefiller or a few
+    here, not the dozens of DP ranks the precise index serves), so a record touches one table, not two.  At a
+    few hundred thousand keys every dict operation is a cache miss (≈ 0.25 µs each), and a record of a 64K-token
+    prompt (85 text keys) at capacity inserts and evicts 85: the second table doubled that
+    (``loadtest/request_cost_bench.py``).
     """
 
     def __init__(self, *, default_capacity_blocks: int = 65536, ttl_s: float = 600.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__()
         if default_capacity_blocks < 1 or ttl_s <= 0:
             raise ValueError("default_capacity_blocks must be >= 1 and ttl_s > 0")
         self.default_capacity_blocks = default_capacity_blocks
@@ -604,6 +600,7 @@ class ApproxPrefixIndex(_MaskTable):
         self.stats = ApproxStats()
         self._clock = clock
         self._capacity: dict[str, int] = {}
+        self._locations: dict[tuple[str, str], _Location] = {}
 
     def set_capacity(self, endpoint: str, blocks: int | None) -> None:
         """Bound ``endpoint``'s entries to ``blocks`` (its KV pool, ``num_gpu_blocks``); None = the default."""
@@ -613,40 +610,32 @@ class ApproxPrefixIndex(_MaskTable):
             self._capacity[endpoint] = blocks
 
     def _loc(self, endpoint: str, kind: str, block_size: int) -> _Location:
-        loc = self._location(endpoint, f"{kind}:{block_size}")
-        loc.block_size = block_size
+        medium = f"{kind}:{block_size}"
+        loc = self._locations.get((endpoint, medium))
+        if loc is None:
+            loc = self._locations[(endpoint, medium)] = _Location(endpoint, medium, 0, block_size)
         return loc
 
     def record(self, endpoint: str, keys: BlockKeys) -> None:
         """``keys``' request was sent to ``endpoint``: after its prefill the engine holds those blocks."""
-        if not keys.keys:
+        chain = keys.keys
+        if not chain:
             return
         now = self._clock()
         loc = self._loc(endpoint, keys.kind, keys.block_size)
         sent = loc.sent
-        bit = loc.bit
-        holders = self._holders
-        chain = keys.keys
-        # set and dict operations over the whole chain (C loops); Python loops only over the keys sent here before
-        # (a conversation's earlier turns) and those other endpoints hold (a shared prompt)
-        again = sent.keys() & chain
-        for key in again:
-            del sent[key]
-        sent.update(dict.fromkeys(reversed(chain), now))  # head last = most recent: the tail goes first, as the
-        fresh = set(chain)                                # engine frees it
-        fresh -= again
-        shared = fresh & holders.keys()
-        for key in shared:
-            holders[key] |= bit
-        fresh -= shared
-        holders.update(dict.fromkeys(fresh, bit))
+        before = len(sent)
+        # C loops only: the chain goes in tail first, so its head is the most recent key (the engine frees a
+        # prompt's tail first); keys sent here before (a conversation's earlier turns) are moved to that end too
+        sent.update(dict.fromkeys(reversed(chain), now))
+        if len(sent) - before != len(chain):
+            deque(map(sent.move_to_end, reversed(chain)), maxlen=0)
         self.stats.recorded_blocks += len(chain)
         self._expire(loc, now)
         cap = self._capacity.get(endpoint, self.default_capacity_blocks)
         if len(sent) > cap:
             drop = list(itertools.islice(sent, len(sent) - cap))
             deque(map(sent.__delitem__, drop), maxlen=0)
-            self._release_many(drop, bit)
             self.stats.evicted_blocks += len(drop)
 
     def _expire(self, loc: _Location, now: float) -> None:
@@ -658,26 +647,39 @@ class ApproxPrefixIndex(_MaskTable):
                 break
             old.append(key)
         deque(map(sent.__delitem__, old), maxlen=0)
-        self._release_many(old, loc.bit)
         self.stats.expired_blocks += len(old)
 
     def match(self, keys: BlockKeys, endpoints: Iterable[str] | None = None) -> dict[str, int]:
-        """Per endpoint, the cached tokens to expect from what was sent there (see :meth:`PrefixIndex.match`)."""
+        """Per endpoint, the cached tokens to expect from what was sent there (see :meth:`PrefixIndex.match`):
+        every endpoint of ``endpoints`` (0 when nothing was sent there), or with None every endpoint something of
+        ``keys``' kind and block size was sent to."""
         now = self._clock()
         medium = f"{keys.kind}:{keys.block_size}"
-        candidates = [loc for (e, m), loc in self._locations.items() if m == medium]
-        for loc in candidates:
+        wanted = None if endpoints is None else set(endpoints)
+        result: dict[str, int] = dict.fromkeys(wanted, 0) if wanted is not None else {}
+        chain = keys.keys
+        for (endpoint, m), loc in self._locations.items():
+            if m != medium or (wanted is not None and endpoint not in wanted):
+                continue
             self._expire(loc, now)
-        return self._per_endpoint(keys, candidates, endpoints)
+            blocks = len(list(itertools.takewhile(loc.sent.__contains__, chain)))  # the leading run held
+            tokens = keys.cached_tokens(blocks)
+            if tokens > result.get(endpoint, -1):
+                result[endpoint] = tokens
+        return result
 
     def forget(self, endpoint: str) -> int:
         """Drop what was recorded for ``endpoint`` (its engine restarted or left).  Returns entries dropped."""
         dropped = 0
         for (e, _m), loc in self._locations.items():
             if e == endpoint:
-                dropped += self._drop_location(loc, loc.sent)
+                dropped += len(loc.sent)
                 loc.sent.clear()
         return dropped
+
+    def endpoints(self) -> list[str]:
+        """Endpoints that have (or had) a location here."""
+        return sorted({e for e, _m in self._locations})
 
     def entries(self, endpoint: str | None = None) -> int:
         """Keys held (of ``endpoint``, or all)."""

@@ -83,26 +83,32 @@ def test_key_bytes_are_the_signed_bytes_of_a_signed_key() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- bulk = one by one
-def reference_record(sent: dict[int, float], holders: dict[int, int], bit: int, chain: list[int],
-                     now: float, cap: int) -> None:
-    """The approximate index's record, one key at a time (the code the bulk version replaced)."""
+def reference_record(sent: dict[int, float], chain: list[int], now: float, cap: int) -> None:
+    """The approximate index's record, one key at a time: each key of ``chain``, tail first, becomes the most
+    recent (its head last), then the oldest keys leave down to ``cap``."""
     for key in reversed(chain):
-        if sent.pop(key, None) is None:
-            holders[key] = holders.get(key, 0) | bit
+        sent.pop(key, None)
         sent[key] = now
     while len(sent) > cap:
-        _drop_oldest(sent, holders, bit)
+        del sent[next(iter(sent))]
 
 
-def _drop_oldest(sent: dict[int, float], holders: dict[int, int], bit: int) -> None:
-    """The reference's release of ``sent``'s oldest key: ``bit`` leaves its holders' mask."""
-    key = next(iter(sent))
-    del sent[key]
-    mask = holders.get(key, 0) & ~bit
-    if mask:
-        holders[key] = mask
-    else:
-        holders.pop(key, None)
+def reference_expire(sent: dict[int, float], limit: float) -> None:
+    """The approximate index's expiry, one key at a time: keys sent before ``limit`` leave, oldest first."""
+    while sent and next(iter(sent.values())) < limit:
+        del sent[next(iter(sent))]
+
+
+def reference_match(sent: dict[str, dict[int, float]], chain: list[int], block_size: int = 4) -> dict[str, int]:
+    """Per endpoint, the cached tokens of the leading run of ``chain`` held in its ``sent`` (one key at a time)."""
+    keys = BlockKeys(chain, block_size, block_size * len(chain) + 1)
+    out = {}
+    for endpoint, held in sent.items():
+        n = 0
+        while n < len(chain) and chain[n] in held:
+            n += 1
+        out[endpoint] = keys.cached_tokens(n)
+    return out
 
 
 chains = st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=True)
@@ -110,25 +116,21 @@ chains = st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=True)
 
 @settings(max_examples=200, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from([E, F]), chains), min_size=1, max_size=12),
-       cap=st.integers(3, 30))
-def test_bulk_record_equals_one_key_at_a_time(ops: list[tuple[str, list[int]]], cap: int) -> None:
+       cap=st.integers(3, 30), queries=st.lists(chains, min_size=1, max_size=4))
+def test_bulk_record_equals_one_key_at_a_time(ops: list[tuple[str, list[int]]], cap: int,
+                                              queries: list[list[int]]) -> None:
+    """Same keys in the same LRU order per endpoint, and every query answers what the one-at-a-time record holds
+    (a prompt recorded on both endpoints, a conversation's next turn re-sending its earlier keys)."""
     approx = ApproxPrefixIndex(default_capacity_blocks=cap, ttl_s=1e9, clock=lambda: 5.0)
-    sent: dict[str, dict[int, float]] = {E: {}, F: {}}
-    holders: dict[int, int] = {}
-    bits: dict[str, int] = {}
+    sent: dict[str, dict[int, float]] = {}
     for endpoint, chain in ops:
         approx.record(endpoint, BlockKeys(chain, 4, 4 * len(chain) + 1))
-        loc = approx._loc(endpoint, "tokens", 4)
-        bits[endpoint] = loc.bit
-        reference_record(sent[endpoint], holders, loc.bit, chain, 5.0, cap)
-        assert list(loc.sent) == list(sent[endpoint])              # same keys, same LRU order
-        assert approx._holders == holders
-
-
-def reference_expire(sent: dict[int, float], holders: dict[int, int], bit: int, limit: float) -> None:
-    """The approximate index's expiry, one key at a time: keys sent before ``limit`` leave, oldest first."""
-    while sent and next(iter(sent.values())) < limit:
-        _drop_oldest(sent, holders, bit)
+        reference_record(sent.setdefault(endpoint, {}), chain, 5.0, cap)
+        assert list(approx._loc(endpoint, "tokens", 4).sent) == list(sent[endpoint])   # same keys, same LRU order
+        for chain_q in [chain, *queries]:
+            assert approx.match(BlockKeys(chain_q, 4, 4 * len(chain_q) + 1)) == reference_match(sent, chain_q)
+            assert approx.match(BlockKeys(chain_q, 4, 4 * len(chain_q) + 1), [E, F]) == {
+                E: 0, F: 0, **reference_match(sent, chain_q)}
 
 
 @settings(max_examples=100, deadline=None)
@@ -140,21 +142,20 @@ def test_a_churned_index_keeps_lru_and_ttl_order(ops: list[tuple[str, list[int],
     ``OrderedDict``: a plain dict walks every deleted slot before its first live key)."""
     clock = [0.0]
     approx = ApproxPrefixIndex(default_capacity_blocks=cap, ttl_s=4.0, clock=lambda: clock[0])
-    sent: dict[str, dict[int, float]] = {E: {}, F: {}}
-    holders: dict[int, int] = {}
+    sent: dict[str, dict[int, float]] = {}
     for endpoint, chain, step in ops:
         clock[0] += step
         approx.record(endpoint, BlockKeys(chain, 4, 4 * len(chain) + 1))
         loc = approx._loc(endpoint, "tokens", 4)
-        reference_record(sent[endpoint], holders, loc.bit, chain, clock[0], 10**9)
-        reference_expire(sent[endpoint], holders, loc.bit, clock[0] - 4.0)
-        reference_record(sent[endpoint], holders, loc.bit, [], clock[0], cap)
+        held = sent.setdefault(endpoint, {})
+        reference_record(held, chain, clock[0], 10**9)
+        reference_expire(held, clock[0] - 4.0)
+        reference_record(held, [], clock[0], cap)
         assert isinstance(loc.sent, OrderedDict)
-        assert list(loc.sent.items()) == list(sent[endpoint].items())
-        assert approx._holders == holders
+        assert list(loc.sent.items()) == list(held.items())
     clock[0] += 5.0
-    approx.match(BlockKeys([1], 4, 5))                              # a query expires every location
-    assert approx.entries() == 0 and approx._holders == {}
+    assert approx.match(BlockKeys([1], 4, 5)) == dict.fromkeys(sent, 0)   # a query expires every location
+    assert approx.entries() == 0
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
