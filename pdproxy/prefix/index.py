@@ -58,8 +58,11 @@ DEFAULT_TEXT_CHUNK_CHARS = 256
 DEFAULT_CHARS_PER_TOKEN = 4.0
 _MISSING: Any = object()
 KEY_MASK = (1 << 64) - 1
-TEXT_GROWTH = 16
+TEXT_GROWTH = 8
 """Text keys: past ``TEXT_GROWTH`` chunks, each chunk is 1/TEXT_GROWTH of the bytes before it (:func:`text_keys`)."""
+MESSAGE_MARK = b"\x1e"
+"""Text keys: the byte :func:`~pdproxy.prefix.routing.render_text` writes before each message (ASCII's record
+separator); a chunk ends at one (:func:`text_keys`)."""
 
 
 DropListener = Callable[[str, frozenset[int] | None], None]
@@ -169,12 +172,16 @@ def text_keys(text: str, *, chunk_chars: int = DEFAULT_TEXT_CHUNK_CHARS, namespa
     unsigned 64-bit ints.  Only the approximate index can use them (engines report token blocks).
 
     Chunks: ``chunk_chars`` bytes each for the first :data:`TEXT_GROWTH` chunks, then each one 1/TEXT_GROWTH of
-    the bytes before it (a chunk's bounds depend on its offset alone, so prompts that share a prefix share its
-    chunks; a partial last chunk has no key), so a prompt of ``n`` bytes has about ``16 + 16 ln(n / 4096)``
-    keys at the default sizes (85 for 250 KB, where fixed chunks had 1,000): hashing, the index's record and
-    query cost that many dict operations.  Accuracy: a chunk boundary is not a block boundary, so a shared prefix
-    is credited to the last full chunk it covers: up to ``chunk_chars`` bytes, or 1/TEXT_GROWTH of the prefix,
-    less than the engine's hit.  Cost: ~0.2 µs per chunk (``loadtest/request_cost_bench.py``).
+    the bytes before it, so a prompt of ``n`` bytes has about ``8 + 8.5 ln(n / 2048)`` keys at the default sizes
+    (49 for 250 KB, where fixed chunks had 1,000): hashing, the index's record and query cost that many dict
+    operations.  Two more bounds: a message boundary (:data:`MESSAGE_MARK`, which :func:`render_text
+    <pdproxy.prefix.routing.render_text>` writes before each message) at least ``chunk_chars`` bytes into a chunk
+    ends it there, and the text's end ends the last chunk.  Every bound depends only on the bytes before it, so
+    prompts that share a prefix share its chunks; and a conversation's next turn, which is this turn's text with
+    new messages after it, holds a chunk ending exactly where this turn's text ended: its whole prefix is
+    credited.  Elsewhere a chunk boundary is not a block boundary, so a shared prefix is credited to the last
+    chunk it covers whole: up to ``chunk_chars`` bytes, or 1/(TEXT_GROWTH + 1) of the prefix, less than the
+    engine's hit.  Cost: ~0.3 µs per chunk (``loadtest/request_cost_bench.py``).
 
     ``num_tokens``: the prompt's token count if known, else ``bytes / chars_per_token``; ``tokens_per_byte``,
     when given, sets it to ``bytes × tokens_per_byte`` (at least 1) instead (the engine's ratio, learnt from its
@@ -189,15 +196,20 @@ def text_keys(text: str, *, chunk_chars: int = DEFAULT_TEXT_CHUNK_CHARS, namespa
     ends: list[int] = []
     view = memoryview(data)
     xxh = xxh3_64_intdigest
+    find = data.find
     start, step, floor = 0, chunk_chars, chunk_chars * TEXT_GROWTH
-    while start + step <= size:
+    while start < size:
         end = start + step
+        mark = find(MESSAGE_MARK, start + chunk_chars, end)
+        if mark != -1:
+            end = mark
+        elif end > size:
+            end = size
         seed = xxh(view[start:end], seed)
         keys.append(seed)
         ends.append(end)
         start = end
-        if end >= floor:
-            step = end // TEXT_GROWTH
+        step = end // TEXT_GROWTH if end >= floor else chunk_chars
     if tokens_per_byte:
         estimate = max(1, round(size * tokens_per_byte))
     else:
@@ -587,7 +599,7 @@ class ApproxPrefixIndex:
     precise index there is no key → holders table: a query asks each location's ``sent`` (a prefiller or a few
     here, not the dozens of DP ranks the precise index serves), so a record touches one table, not two.  At a
     few hundred thousand keys every dict operation is a cache miss (≈ 0.25 µs each), and a record of a 64K-token
-    prompt (85 text keys) at capacity inserts and evicts 85: the second table doubled that
+    prompt (49 text keys) at capacity inserts and evicts 49: a second table doubled that
     (``loadtest/request_cost_bench.py``).
     """
 

@@ -73,8 +73,10 @@ KeyKind = Literal["tokens", "text"]
 
 def render_text(body: dict[str, Any], chat: bool) -> str:
     """A canonical rendering of a request's prompt for text keys: a completion prompt as it is; a chat as its
-    tools (JSON) then each message's role, text content and tool calls (JSON), separated by control characters.
-    A conversation's next turn renders as this turn's text plus its new messages, so text keys share its prefix.
+    tools (JSON) then each message's role, text content and tool calls (JSON), each part after
+    :data:`~pdproxy.prefix.index.MESSAGE_MARK` (``\x1e``; the role and its content apart by ``\x1f``).  A
+    conversation's next turn renders as this turn's text plus its new messages, so text keys share its prefix, and
+    the mark where its new messages begin ends a chunk there (:func:`~pdproxy.prefix.index.text_keys`).
     An id prompt renders as ``""`` (it has token keys)."""
     if not chat:
         prompt = body.get("prompt")

@@ -33,10 +33,23 @@ def test_text_chunks_grow_with_their_offset_and_stay_few() -> None:
     keys = text_keys("word " * 55_000, chunk_chars=256)                    # 275 KB
     sizes = [b - a for a, b in zip([0, *keys.ends], keys.ends, strict=False)]
     assert sizes[:TEXT_GROWTH] == [256] * TEXT_GROWTH
-    assert all(size == start // TEXT_GROWTH for start, size in zip(keys.ends, sizes[1:], strict=False)
+    assert all(size == start // TEXT_GROWTH for start, size in zip(keys.ends[:-2], sizes[1:-1], strict=True)
                if start >= 256 * TEXT_GROWTH)
-    assert len(keys.keys) < 100 and keys.ends[-1] <= keys.num_chars == 275_000
+    assert 0 < sizes[-1] <= keys.ends[-2] // TEXT_GROWTH                  # the last chunk ends at the text's end
+    assert len(keys.keys) <= 52 and keys.ends[-1] == keys.num_chars == 275_000
     assert text_keys("é" * 100, chunk_chars=64).num_chars == 200                # bytes, not characters
+
+
+def test_a_message_mark_a_chunk_or_more_into_a_chunk_ends_it() -> None:
+    text = "\x1esystem\x1f" + "a" * 5000 + "\x1euser\x1f" + "b" * 100 + "\x1eassistant\x1f" + "c" * 3000
+    marks = [i for i, c in enumerate(text) if c == "\x1e"]
+    keys = text_keys(text, chunk_chars=256)
+    starts = [0, *keys.ends[:-1]]
+    for start, end in zip(starts, keys.ends, strict=True):
+        inside = [m for m in marks if start + 256 <= m < end]
+        assert not inside                                                # none skipped a chunk or more in
+        assert end in marks or end == len(text) or end - start in (256, start // TEXT_GROWTH)
+    assert 5000 < marks[1] in keys.ends and marks[2] not in keys.ends    # the user's 100 bytes: < one chunk
 
 
 def test_text_keys_do_not_depend_on_the_process() -> None:
