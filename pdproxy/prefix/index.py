@@ -176,7 +176,9 @@ def text_keys(text: str, *, chunk_chars: int = DEFAULT_TEXT_CHUNK_CHARS, namespa
     (49 for 250 KB, where fixed chunks had 1,000): hashing, the index's record and query cost that many dict
     operations.  Two more bounds: a message boundary (:data:`MESSAGE_MARK`, which :func:`render_text
     <pdproxy.prefix.routing.render_text>` writes before each message) at least ``chunk_chars`` bytes into a chunk
-    ends it there, and the text's end ends the last chunk.  Every bound depends only on the bytes before it, so
+    ends it there, and the text's end ends the last chunk (a text shorter than ``chunk_chars`` has no key, as a
+    prompt shorter than a block has none: its routing key stays None, :meth:`PrefixRouter._routing_key
+    <pdproxy.prefix.routing.PrefixRouter._routing_key>`).  Every bound depends only on the bytes before it, so
     prompts that share a prefix share its chunks; and a conversation's next turn, which is this turn's text with
     new messages after it, holds a chunk ending exactly where this turn's text ended: its whole prefix is
     credited.  Elsewhere a chunk boundary is not a block boundary, so a shared prefix is credited to the last
@@ -204,6 +206,8 @@ def text_keys(text: str, *, chunk_chars: int = DEFAULT_TEXT_CHUNK_CHARS, namespa
         if mark != -1:
             end = mark
         elif end > size:
+            if not start:            # shorter than one chunk: no key (a prompt shorter than a block has none)
+                break
             end = size
         seed = xxh(view[start:end], seed)
         keys.append(seed)

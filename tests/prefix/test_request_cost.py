@@ -38,6 +38,8 @@ def test_text_chunks_grow_with_their_offset_and_stay_few() -> None:
     assert 0 < sizes[-1] <= keys.ends[-2] // TEXT_GROWTH                  # the last chunk ends at the text's end
     assert len(keys.keys) <= 52 and keys.ends[-1] == keys.num_chars == 275_000
     assert text_keys("é" * 100, chunk_chars=64).num_chars == 200                # bytes, not characters
+    assert text_keys("x" * 255, chunk_chars=256).keys == []      # shorter than a chunk: no key (no routing key)
+    assert text_keys("x" * 300, chunk_chars=256).ends == [256, 300]
 
 
 def test_a_message_mark_a_chunk_or_more_into_a_chunk_ends_it() -> None:
