@@ -104,8 +104,9 @@ def chain_keys(parent: int, token_ids: Sequence[int], block_size: int, num_block
 
 @dataclass(frozen=True, slots=True)
 class BlockKeys:
-    """A request's prefix keys: ``keys[i]`` for block ``i`` (full blocks only), ``block_size`` (tokens per block,
-    or UTF-8 bytes per chunk for ``kind="text"``), ``num_tokens`` (the prompt's length in tokens: exact for token
+    """A request's prefix keys: ``keys[i]`` for block ``i`` (token keys: full blocks only; text keys: the chunks
+    of :func:`text_keys`, the last one ending at the text's end), ``block_size`` (tokens per block, or
+    ``chunk_chars`` for ``kind="text"``), ``num_tokens`` (the prompt's length in tokens: exact for token
     keys, estimated for text), ``namespace`` and ``kind``.  Build with :func:`block_keys` or :func:`text_keys`."""
 
     keys: list[int]
@@ -114,7 +115,7 @@ class BlockKeys:
     namespace: str = ""
     kind: Literal["tokens", "text"] = "tokens"
     num_chars: int = 0
-    """Text keys: the rendered prompt's length in UTF-8 bytes (the partial last chunk included)."""
+    """Text keys: the rendered prompt's length in UTF-8 bytes."""
     ends: Sequence[int] = ()
     """Text keys: ``ends[i]`` = the bytes of the prompt that ``keys[: i + 1]`` cover (chunks grow along the
     prompt, :func:`text_keys`)."""
@@ -172,16 +173,19 @@ def text_keys(text: str, *, chunk_chars: int = DEFAULT_TEXT_CHUNK_CHARS, namespa
     unsigned 64-bit ints.  Only the approximate index can use them (engines report token blocks).
 
     Chunks: ``chunk_chars`` bytes each for the first :data:`TEXT_GROWTH` chunks, then each one 1/TEXT_GROWTH of
-    the bytes before it, so a prompt of ``n`` bytes has about ``8 + 8.5 ln(n / 2048)`` keys at the default sizes
-    (49 for 250 KB, where fixed chunks had 1,000): hashing, the index's record and query cost that many dict
+    the bytes before it, so a prompt of ``n`` bytes with few messages has about ``8 + 8.5 ln(n / 2048)`` keys at
+    the default sizes (49 for 250 KB, where fixed chunks had 1,000): hashing, the index's record and query cost that many dict
     operations.  Two more bounds: a message boundary (:data:`MESSAGE_MARK`, which :func:`render_text
-    <pdproxy.prefix.routing.render_text>` writes before each message) at least ``chunk_chars`` bytes into a chunk
-    ends it there, and the text's end ends the last chunk (a text shorter than ``chunk_chars`` has no key, as a
+    <pdproxy.prefix.routing.render_text>` writes before each message) at least half the chunk's length (and
+    ``chunk_chars``) into a chunk ends it there — so every chunk is at least half its step and the count stays
+    logarithmic, however many marks a client writes (≤ 90 for 250 KB of marks alone) — and the text's end ends
+    the last chunk (a text shorter than ``chunk_chars`` has no key, as a
     prompt shorter than a block has none: its routing key stays None, :meth:`PrefixRouter._routing_key
     <pdproxy.prefix.routing.PrefixRouter._routing_key>`).  Every bound depends only on the bytes before it, so
     prompts that share a prefix share its chunks; and a conversation's next turn, which is this turn's text with
-    new messages after it, holds a chunk ending exactly where this turn's text ended: its whole prefix is
-    credited.  Elsewhere a chunk boundary is not a block boundary, so a shared prefix is credited to the last
+    new messages after it, holds a chunk ending exactly where this turn's text ended unless that lies less than
+    half a step into a chunk: its whole prefix is credited but less than ``max(chunk_chars, prefix / 16)``
+    bytes.  Elsewhere a chunk boundary is not a block boundary, so a shared prefix is credited to the last
     chunk it covers whole: up to ``chunk_chars`` bytes, or 1/(TEXT_GROWTH + 1) of the prefix, less than the
     engine's hit.  Cost: ~0.3 µs per chunk (``loadtest/request_cost_bench.py``).
 
@@ -202,7 +206,7 @@ def text_keys(text: str, *, chunk_chars: int = DEFAULT_TEXT_CHUNK_CHARS, namespa
     start, step, floor = 0, chunk_chars, chunk_chars * TEXT_GROWTH
     while start < size:
         end = start + step
-        mark = find(MESSAGE_MARK, start + chunk_chars, end)
+        mark = find(MESSAGE_MARK, start + max(chunk_chars, step >> 1), end)
         if mark != -1:
             end = mark
         elif end > size:
@@ -675,9 +679,11 @@ class ApproxPrefixIndex:
         result: dict[str, int] = dict.fromkeys(wanted, 0) if wanted is not None else {}
         chain = keys.keys
         for (endpoint, m), loc in self._locations.items():
-            if m != medium or (wanted is not None and endpoint not in wanted):
+            if m != medium:
                 continue
-            self._expire(loc, now)
+            self._expire(loc, now)                  # every location of the medium (its entries gauge stays true)
+            if wanted is not None and endpoint not in wanted:
+                continue
             blocks = len(list(itertools.takewhile(loc.sent.__contains__, chain)))  # the leading run held
             tokens = keys.cached_tokens(blocks)
             if tokens > result.get(endpoint, -1):

@@ -15,8 +15,8 @@ ids of repeated blocks cached), else the engine's ``/tokenize``; the block keys
 (:func:`~pdproxy.prefix.index.block_keys`, one set per engine block size) are hashed in the same worker thread.
 ``prefix_keys: auto`` asks an engine's ``/tokenize`` only when some engine publishes KV events (precise routing
 needs the engine's own tokens; a round trip per request); otherwise, and with ``prefix_keys: text``, the prompt is
-rendered canonically (:func:`render_text`: tools, then each message's role and content) and hashed in fixed
-byte chunks (:func:`~pdproxy.prefix.index.text_keys`), which only the approximate index understands; their
+rendered canonically (:func:`render_text`: tools, then each message's role and content) and hashed in byte
+chunks that grow along the prompt (:func:`~pdproxy.prefix.index.text_keys`), which only the approximate index understands; their
 token figures use the engine's tokens per byte as its answers show them (before the first answer:
 admission's estimate).
 

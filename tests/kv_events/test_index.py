@@ -119,6 +119,11 @@ def test_approximate_index_is_bounded_and_aged() -> None:
     assert approx.stats.expired_blocks == 10 and approx.stats.evicted_blocks == 2
     approx.forget(F)
     assert approx.entries() == 0
+    approx.record(E, a)
+    approx.record(F, a)
+    clock.now += 61
+    assert approx.match(a, [F]) == {F: 0}
+    assert approx.entries(E) == 0 and approx.entries() == 0       # a query expires every location of its kind
 
 
 def test_approximate_index_with_text_keys() -> None:

@@ -42,16 +42,25 @@ def test_text_chunks_grow_with_their_offset_and_stay_few() -> None:
     assert text_keys("x" * 300, chunk_chars=256).ends == [256, 300]
 
 
-def test_a_message_mark_a_chunk_or_more_into_a_chunk_ends_it() -> None:
+def test_a_message_mark_half_a_chunk_or_more_into_a_chunk_ends_it() -> None:
     text = "\x1esystem\x1f" + "a" * 5000 + "\x1euser\x1f" + "b" * 100 + "\x1eassistant\x1f" + "c" * 3000
     marks = [i for i, c in enumerate(text) if c == "\x1e"]
     keys = text_keys(text, chunk_chars=256)
     starts = [0, *keys.ends[:-1]]
     for start, end in zip(starts, keys.ends, strict=True):
-        inside = [m for m in marks if start + 256 <= m < end]
-        assert not inside                                                # none skipped a chunk or more in
-        assert end in marks or end == len(text) or end - start in (256, start // TEXT_GROWTH)
+        step = start // TEXT_GROWTH if start >= 256 * TEXT_GROWTH else 256
+        assert not [m for m in marks if start + max(256, step // 2) <= m < end]   # none skipped that far in
+        assert end in marks or end == len(text) or end - start == step
     assert 5000 < marks[1] in keys.ends and marks[2] not in keys.ends    # the user's 100 bytes: < one chunk
+
+
+@pytest.mark.parametrize("text", ["\x1e" * 250_000, ("\x1euser\x1f" + "b" * 114) * 2000,
+                                  ("\x1euser\x1f" + "b" * 44) * 5000, "word " * 50_000])
+def test_a_client_writing_message_marks_cannot_multiply_the_keys(text: str) -> None:
+    """Marks end a chunk only half a step or more into it: 250 KB has at most ~90 keys however many marks it
+    holds (49 with none); every mark past the first chunk would have given ~1,000."""
+    assert len(text_keys(text[:250_000], chunk_chars=256).keys) <= 90
+    assert len(text_keys(text[:250_000], chunk_chars=1).keys) <= 200
 
 
 def test_text_keys_do_not_depend_on_the_process() -> None:
