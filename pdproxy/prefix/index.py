@@ -63,6 +63,7 @@ TEXT_GROWTH = 8
 MESSAGE_MARK = b"\x1e"
 """Text keys: the byte :func:`~pdproxy.prefix.routing.render_text` writes before each message (ASCII's record
 separator); a chunk ends at one (:func:`text_keys`)."""
+_NO_MARK = 1 << 62
 
 
 DropListener = Callable[[str, frozenset[int] | None], None]
@@ -204,12 +205,19 @@ def text_keys(text: str, *, chunk_chars: int = DEFAULT_TEXT_CHUNK_CHARS, namespa
     xxh = xxh3_64_intdigest
     find = data.find
     start, step, floor = 0, chunk_chars, chunk_chars * TEXT_GROWTH
+    mark = -1                        # the first mark at or after some earlier ``low``: searched again once passed
     while start < size:
         end = start + step
-        mark = find(MESSAGE_MARK, start + max(chunk_chars, step >> 1), end)
-        if mark != -1:
-            end = mark
-        elif end > size:
+        if mark < end:               # (the usual chunk has no mark before its end: one comparison)
+            half = step >> 1
+            low = start + (half if half > chunk_chars else chunk_chars)   # grows every chunk
+            if mark < low:
+                mark = find(MESSAGE_MARK, low)
+                if mark == -1:
+                    mark = _NO_MARK
+            if mark < end:
+                end = mark
+        if end > size:
             if not start:            # shorter than one chunk: no key (a prompt shorter than a block has none)
                 break
             end = size
