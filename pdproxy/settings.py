@@ -280,6 +280,9 @@ class Settings(BaseSettings):
                                                "limit (BPE and SentencePiece never merge across whitespace)")
     prefill_budget_tokens: int = Field(32768, ge=0, description="prefill tokens in flight per prefiller before "
                                                                 "prompts wait in pdproxy's queue (0 = no budget)")
+    prefill_budget_s: float = Field(0.5, ge=0, description="the prefill budget is also the tokens a prefiller "
+                                                           "computes in this many seconds at its measured rate, when "
+                                                           "more than prefill_budget_tokens (0 = tokens only)")
     prefill_queue_max: int = Field(1024, ge=0, description="requests waiting for a prefill slot before 429")
     prefill_queue_timeout_s: float = Field(120.0, gt=0, description="longest wait for a prefill slot before 503")
     prefill_queue_aging_tokens_per_s: float = Field(

@@ -371,9 +371,11 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
     @app.get("/debug/load")
     async def debug_load(request: Request) -> dict[str, Any]:
         """Per-endpoint in-flight requests/tokens and health (all zero when idle; with ``--workers N`` summed over
-        the workers), per prefiller the prefill ledger's ``prefill_inflight_tokens`` (dispatched, unanswered) and
-        ``kv_held_tokens`` (in flight or pinned, whole blocks), admission's counters; with ``--workers N`` also the
-        answering ``worker`` and each worker's row (``pid``, ``ready``, ``waiting`` in its prefill queue,
+        the workers), per prefiller the prefill ledger's ``prefill_inflight_tokens`` (dispatched, unanswered),
+        ``kv_held_tokens`` (in flight or pinned, whole blocks) and budget now (``prefill_budget_tokens``: the
+        setting, or ``prefill_budget_s`` × the measured ``prefill_tokens_per_s`` when more; the rate is None until
+        measured, and with ``--workers N`` the answering worker's), admission's counters; with ``--workers N`` also
+        the answering ``worker`` and each worker's row (``pid``, ``ready``, ``waiting`` in its prefill queue,
         ``requests`` it holds).  Who may read it: setting ``debug_routes`` (:func:`pdproxy.app.admin.check_debug_access`:
         by default open on loopback without ``api_keys``, else behind the admin key)."""
         st = state()
@@ -387,6 +389,8 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
             if e.role is Role.PREFILL:
                 out["prefill_inflight_tokens"] = st.ledger.inflight_tokens(e)
                 out["kv_held_tokens"] = st.ledger.kv_held_tokens(e)
+                out["prefill_budget_tokens"] = st.ledger.budget(e)
+                out["prefill_tokens_per_s"] = st.ledger.rate(e).tokens_per_s()
             return out
 
         body: dict[str, Any] = {"in_flight": st.in_flight, "admission": st.admission.snapshot(),

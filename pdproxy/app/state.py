@@ -87,6 +87,7 @@ class ProxyState:
                                unhealthy_threshold=s.health_unhealthy_threshold,
                                healthy_threshold=s.health_healthy_threshold)
         ledger = PrefillLedger(pool, limits, budget_tokens=s.prefill_budget_tokens,
+                               budget_s=s.prefill_budget_s,
                                decoder_capacity=s.prefill_tied_to_decoders, decoder_max_requests=s.decoder_max_requests,
                                counts=share.ledger_counts() if share is not None else None)
         scheduler = Scheduler.standard(pool, health=health, infos=infos, limits=limits, ledger=ledger,

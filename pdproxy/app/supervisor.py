@@ -24,7 +24,7 @@ prefill budget and find a dead engine on its own (the vLLM-Ascend example proxy 
 Workers exit on their own if the supervisor disappears (they watch their parent pid).
 
 **Shared** (one for all workers): in-flight requests and tokens per endpoint (routing scores, ``/metrics``,
-``/debug/load``); the prefill ledger — the per-prefiller ``prefill_budget_tokens``, the prefiller KV-pool guard and
+``/debug/load``); the prefill ledger — the per-prefiller prefill budget's counts, the prefiller KV-pool guard and
 the decoders' reservation (:mod:`pdproxy.workers.ledger`: a grant re-checks under an ``flock`` when another grant
 happened since it read the room, so the bounds hold exactly across workers); each endpoint's circuit breaker
 (:mod:`pdproxy.workers.breaker`: a failure in any worker counts for all, an open breaker is open for all, a

@@ -166,7 +166,7 @@ class PrefillLeg:
                 self.health.record_neutral(endpoint)   # a half-open trial's slot must not stay taken
                 raise
             ctx.timeline.prefill_end_at = time.monotonic()
-            slot.prefill_done()
+            slot.prefilled(ctx.engine_prompt_tokens, ctx.cached_tokens)
             self.health.record_success(endpoint)
             if fault is not None:        # an engine that accepts what vLLM 0.32 refuses: say what vLLM would
                 lease.release()

@@ -15,12 +15,16 @@ the scheduler finds a prefiller that passes every filter including that one.
   than the budget runs only on an otherwise idle prefiller.  ``budget_tokens = 0`` turns the budget off.  The
   tokens counted are those the prefiller will compute: the prompt minus what the prefix index says it holds
   (``PickRequest.hints``, :mod:`pdproxy.prefix.routing`), so a 100K-token turn with 99K cached is a 1K prefill.
+  What a prompt queued behind them waits for is time, so with ``budget_s`` > 0 the budget is the larger of
+  ``budget_tokens`` and the tokens the prefiller computes in ``budget_s`` seconds at its measured rate
+  (:mod:`pdproxy.scheduling.prefill_rate`): a prefiller that answers a 64K-token prompt in milliseconds takes
+  several, one that needs seconds keeps the token budget.
 - **KV pool.**  The prompt tokens in flight *or pinned* on a prefiller must also fit its KV pool
   (``EngineInfo.kv_pool_tokens`` via :class:`~pdproxy.engines.limits.Limits`, from ``vllm:cache_config_info``): after the
   prefill the engine keeps the prompt's blocks until the decoder pulls them (the KV connector's delayed free,
   ``request_finished`` in ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py``), and the director
   holds the prefill's pool lease until the decoder starts answering.  So the effective per-prefiller budget is
-  ``min(budget_tokens, kv pool)``, counted over the pool's prefill leases (plus slots granted but not yet leased)
+  ``min(budget, kv pool)``, counted over the pool's prefill leases (plus slots granted but not yet leased)
   rather than over unanswered prefills only.  Counting is in whole blocks (``block_size``; a held lease counts as
   at most ``block_size − 1`` tokens more than its prompt), as vLLM allocates them.  Without it a second long
   prompt is dispatched and waits inside the engine, where it holds every smaller request behind it (vLLM's
@@ -66,6 +70,7 @@ from pdproxy.engines.limits import EngineLimits, Limits
 from pdproxy.engines.pool import EndpointPool
 from pdproxy.errors import Overloaded, QueueTimeout
 from pdproxy.scheduling import PickRequest, Scheduler
+from pdproxy.scheduling.prefill_rate import PrefillRate
 
 POLL_S = 0.25
 """The queue re-checks its waiters at least this often (seconds, default of ``poll_s``; once per interval however
@@ -91,8 +96,8 @@ class PrefillSlot:
     in-flight count), the whole prompt unleased until :meth:`handed_over`, and ``decode_tokens`` reserved on the
     decoders until :meth:`decode_started`.  The releases are idempotent."""
 
-    __slots__ = ("_counts", "_decode_held", "_ledger", "_long", "_prefill_held", "_unleased", "compute_tokens",
-                 "decode_tokens", "endpoint", "tokens")
+    __slots__ = ("_counts", "_decode_held", "_ledger", "_long", "_prefill_held", "_rate", "_unleased",
+                 "compute_tokens", "decode_tokens", "endpoint", "tokens")
 
     def __init__(self, ledger: PrefillLedger, endpoint: Endpoint, tokens: int, decode_tokens: int,
                  compute_tokens: int | None = None) -> None:
@@ -111,6 +116,8 @@ class PrefillSlot:
         counts.add_inflight(endpoint, self.compute_tokens, 1)
         counts.add_unleased(endpoint, tokens, 1)
         counts.add_pending_decode(decode_tokens)
+        self._rate = ledger.rate(endpoint)
+        self._rate.started(ledger.clock())
 
     def handed_over(self) -> None:
         """The holder took its pool lease on ``endpoint`` (the director does, right after the grant, and holds it
@@ -120,11 +127,24 @@ class PrefillSlot:
             self._unleased = False
             self._counts.add_unleased(self.endpoint, -self.tokens, -1)
 
+    def prefilled(self, prompt_tokens: int | None = None, cached_tokens: int | None = None) -> None:
+        """The prefiller answered: :meth:`prefill_done`, and its measured rate (:mod:`~pdproxy.scheduling.
+        prefill_rate`) credited with the tokens it computed — the engine's ``prompt_tokens`` (``usage``) minus its
+        ``cached_tokens`` where it reports them, else pdproxy's ``tokens`` and predicted cached part."""
+        prompt = self.tokens if prompt_tokens is None else prompt_tokens
+        cached = self.tokens - self.compute_tokens if cached_tokens is None else cached_tokens
+        self._finish(max(0, prompt - cached))
+
     def prefill_done(self) -> None:
-        """The prefiller answered (or failed): its budget is free again (its KV stays counted by the lease)."""
+        """The prefill ended without an answer to measure (failed, abandoned) or the answer was credited: its
+        budget is free again (its KV stays counted by the lease)."""
+        self._finish(None)
+
+    def _finish(self, computed: int | None) -> None:
         self.handed_over()
         if self._prefill_held:
             self._prefill_held = False
+            self._rate.finished(computed, self._ledger.clock())
             if self._long:
                 self._ledger.add_long(self.endpoint, -1)
             self._counts.add_inflight(self.endpoint, -self.compute_tokens, -1)
@@ -220,20 +240,25 @@ class LedgerCounts:
 
 
 class PrefillLedger:
-    """What is held against each prefiller (unanswered prefills against ``budget_tokens``, prompts in flight or
-    pinned against its KV pool) and reserved on the decoders (prefills dispatched, not yet decoding), per the
-    module docstring.  ``limits`` gives the engines' KV pools and block sizes; ``decoder_capacity``: tie dispatch
+    """What is held against each prefiller (unanswered prefills against its :meth:`budget` — ``budget_tokens``, or
+    ``budget_s`` seconds of its measured rate (:meth:`rate`, timed by ``clock``, seconds) when more —, prompts in
+    flight or pinned against its KV pool) and reserved on the decoders (prefills dispatched, not yet decoding), per
+    the module docstring.  ``limits`` gives the engines' KV pools and block sizes; ``decoder_capacity``: tie dispatch
     to the decoders' free KV; ``decoder_max_requests``: decode requests per decoder before prefills wait (0: no
     limit); ``counts``: where the numbers live (default: this process only).  Listeners (:meth:`add_listener`) hear
     every release.  ``long_tokens``: a prefill computing at least this many tokens is *long work*; the ledger
     counts those in flight per prefiller (:meth:`long_prefills`, this process's own; the queue sets it from
     ``prefill_busy_tokens``)."""
 
-    def __init__(self, pool: EndpointPool, limits: Limits, *, budget_tokens: int, decoder_capacity: bool = True,
-                 decoder_max_requests: int = 0, counts: LedgerCounts | None = None) -> None:
+    def __init__(self, pool: EndpointPool, limits: Limits, *, budget_tokens: int, budget_s: float = 0.0,
+                 decoder_capacity: bool = True, decoder_max_requests: int = 0,
+                 counts: LedgerCounts | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.pool = pool
         self.limits = limits
         self.budget_tokens = budget_tokens
+        self.budget_s = budget_s
+        self.clock = clock
+        self._rates: dict[Endpoint, PrefillRate] = {}
         self.decoder_capacity = decoder_capacity
         self.decoder_max_requests = decoder_max_requests
         self.counts = counts if counts is not None else LedgerCounts()
@@ -318,14 +343,33 @@ class PrefillLedger:
         return max(leased_tokens + unleased_tokens + pad * (leased_requests + unleased_requests),
                    flying_tokens + pad * flying_requests)
 
+    def rate(self, endpoint: Endpoint) -> PrefillRate:
+        """``endpoint``'s measured prefill rate (this process's prefills; created on first use)."""
+        rate = self._rates.get(endpoint)
+        if rate is None:
+            rate = self._rates[endpoint] = PrefillRate()
+        return rate
+
+    def budget(self, endpoint: Endpoint) -> int:
+        """``endpoint``'s prefill budget in tokens to compute (0: none): ``budget_tokens``, or the tokens it computes
+        in ``budget_s`` seconds at its measured rate when that is more (module docstring)."""
+        budget = self.budget_tokens
+        if budget > 0 and self.budget_s > 0:
+            rate = self._rates.get(endpoint)
+            per_s = rate.tokens_per_s() if rate is not None else None
+            if per_s is not None and per_s * self.budget_s > budget:
+                return int(per_s * self.budget_s)
+        return budget
+
     def has_room(self, endpoint: Endpoint, tokens: int, compute_tokens: int | None = None) -> bool:
         """True when a prompt of ``tokens`` tokens, ``compute_tokens`` of them not cached on ``endpoint``
-        (default all), fits its budget (by the tokens to compute), then its KV pool (by the whole prompt; module
-        docstring); an idle prefiller takes any prompt the limits let in."""
+        (default all), fits its budget (:meth:`budget`, by the tokens to compute), then its KV pool (by the whole
+        prompt; module docstring); an idle prefiller takes any prompt the limits let in."""
         held = self.inflight_tokens(endpoint)
-        compute = tokens if compute_tokens is None else compute_tokens
-        if not (self.budget_tokens <= 0 or held == 0 or held + compute <= self.budget_tokens):
-            return False
+        if held:
+            budget = self.budget(endpoint)
+            if budget > 0 and held + (tokens if compute_tokens is None else compute_tokens) > budget:
+                return False
         lim = self.limits.of(endpoint)
         if lim.kv_pool_tokens is None:
             return True

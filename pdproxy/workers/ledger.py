@@ -13,8 +13,9 @@ totals were read), publishes its reservation and counts the epoch up.  Every inc
 inside that lock after a check that read every row since the last grant; decreases (releases, the supervisor
 zeroing a dead worker's row) happen anywhere and only make room.  So for each prefiller, across all workers:
 
-- prefill tokens dispatched and unanswered ≤ ``prefill_budget_tokens``, except one prompt larger than the budget
-  alone on an otherwise idle prefiller (the single-process rule);
+- prefill tokens dispatched and unanswered ≤ the budget (``prefill_budget_tokens``, or ``prefill_budget_s`` of the
+  prefiller's rate as the granting worker measured it — :mod:`pdproxy.scheduling.prefill_rate`, per process), except
+  one prompt larger than the budget alone on an otherwise idle prefiller (the single-process rule);
 - prompt KV in flight or pinned (whole blocks) ≤ the prefiller's KV pool, with the same idle exception; the
   unleased → leased hand-over takes the lease before giving the unleased count back and readers read the unleased
   count first, so a prompt is never missing from both (it is briefly in both: a conservative over-count);

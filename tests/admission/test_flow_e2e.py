@@ -65,7 +65,7 @@ def test_two_token_request_is_answered_while_a_120k_prefill_runs(pair_of: Any) -
 
 def test_large_prompts_wait_in_the_queue_smaller_go_first_and_a_full_queue_answers_429(pair_of: Any) -> None:
     pair: Pair = pair_of("flow")
-    proxy = pair.proxy(tokenizer="sim", decode_only_busy_max_prompt_tokens=0, prefill_budget_tokens=16384,
+    proxy = pair.proxy(tokenizer="sim", decode_only_busy_max_prompt_tokens=0, prefill_budget_tokens=16384, prefill_budget_s=0,
                        prefill_queue_aging_tokens_per_s=0, prefill_queue_max=2)
     queue = proxy.state.admission.queue
     try:

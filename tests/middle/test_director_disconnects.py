@@ -26,7 +26,7 @@ def no_breaker_verdict(rig: Rig) -> None:
 
 async def test_leaving_while_queued_for_a_prefill_slot() -> None:
     ahead = Gate("ahead's prefill")
-    async with Rig(prefill=PREFILLERS[:1], prefill_budget_tokens=1) as rig:   # one prefill at a time
+    async with Rig(prefill=PREFILLERS[:1], prefill_budget_tokens=1, prefill_budget_s=0) as rig:   # one prefill at a time
         rig.fake.script("ahead", prefill=[Answer(gate=ahead)])
         first = rig.send("ahead")
         await ahead.reached.wait()

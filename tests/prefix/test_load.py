@@ -90,7 +90,7 @@ def test_the_prefill_budget_counts_uncached_tokens(sims: Fleet, tmp_path: Path) 
     """Budget 2,000 tokens on one prefiller: two 6K-token turns whose 5.9K history is cached both run at once
     (≈100 tokens each to compute); two 6K-token prompts nobody holds run one after the other."""
     proxy = make_proxy(Fleet(sims.prefillers[:1], sims.decoders, dict(list(sims.events.items())[:1])),
-                       tmp_path / "requests.log", prefill_budget_tokens=2000)
+                       tmp_path / "requests.log", prefill_budget_tokens=2000, prefill_budget_s=0)
     system = sim_prompt(6000, unique=True, seed=901)
     try:
         stats = proxy.state.queue.stats

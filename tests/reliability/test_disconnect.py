@@ -166,7 +166,7 @@ def test_disconnect_while_waiting_in_the_prefill_queue(slow_pair: tuple[SimProce
     """Requests held in pdproxy's prefill queue (a per-prefiller budget of in-flight prefill tokens)
     leave it when their clients go: nothing of theirs reaches an engine afterwards and the counters drain."""
     prefiller, decoder = slow_pair
-    proxy = slow_proxy(slow_pair, prefill_budget_tokens=2000)
+    proxy = slow_proxy(slow_pair, prefill_budget_tokens=2000, prefill_budget_s=0)
     try:
         queue = proxy.state.admission.queue
         bodies = [chat(1500, 8, seed) for seed in range(N)]  # one fits the budget at a time: 15 wait

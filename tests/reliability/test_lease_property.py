@@ -124,7 +124,7 @@ def check_loads(rig: Rig, sent: list[Sent]) -> None:
 async def run(drawn: list[Script], steps: list[tuple[str, int]]) -> None:
     # 2 + 2 engines, one prefill at a time per prefiller: requests queue for slots and share engines
     # a prefill whose client left is awaited for prefill_cancel_grace_s (clock time; the only wait on a clock)
-    rig = Rig(prefill=PREFILLERS[:2], decode=DECODERS[:2], stepping=True, prefill_budget_tokens=1,
+    rig = Rig(prefill=PREFILLERS[:2], decode=DECODERS[:2], stepping=True, prefill_budget_tokens=1, prefill_budget_s=0,
               prefill_cancel_grace_s=0.02)
     fake = rig.fake
     for i, s in enumerate(drawn):

@@ -62,7 +62,8 @@ def test_prefill_budget_is_one_budget_across_workers(tmp_path: Path) -> None:
     log = tmp_path / "proxy.log"
     with running(SimProcess("prefill", *MODEL, "--max-model-len", "1024"),       # prompts > 1 KiB: counted exactly
                  SimProcess("decode", *MODEL, "--max-model-len", "1024")) as (prefiller, decoder), \
-            serve_workers(common_args(port, prefiller, decoder) + ["--prefill-budget-tokens", "1000"], log) as proc:
+            serve_workers(common_args(port, prefiller, decoder) + ["--prefill-budget-tokens", "1000",
+                                                                  "--prefill-budget-s", "0"], log) as proc:
         wait_ready(port, 2, proc, log)
         conns = conns_on(port, {0: 2})
         prefiller.faults({"kind": "hang", "on_request": 1, "times": 2})    # worker 0's two prefills stay in flight
