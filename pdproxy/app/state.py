@@ -126,6 +126,10 @@ class ProxyState:
         """Requests waiting in this process's prefill queue."""
         return self.queue.depth
 
+    def prefill_budget_tokens(self, endpoint: Endpoint) -> int:
+        """``endpoint``'s prefill budget now (tokens; 0 = none): the ledger's :meth:`PrefillLedger.budget`."""
+        return self.ledger.budget(endpoint)
+
     @property
     def worker_requests(self) -> list[int] | None:
         """With ``--workers N``: the engine requests each worker holds, by board row; None with one process."""

@@ -2,7 +2,8 @@
 
 Per endpoint (labels ``role``, ``endpoint`` = ``Endpoint.name``, ``dp_rank``): in-flight requests and tokens from the
 pool (with ``--workers N`` the pool's view sums every worker's row of the shared load board), health and draining
-flags, the circuit breaker's state (``HealthMonitor.snapshot``); per worker, the requests each one holds; and the
+flags, the circuit breaker's state (``HealthMonitor.snapshot``), a prefiller's prefill budget now (the answering
+worker's: :meth:`~pdproxy.scheduling.queue.PrefillLedger.budget`); per worker, the requests each one holds; and the
 engines' own gauges as the health loop last read them from each engine's ``/metrics`` (``state.infos``: vLLM's
 ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:num_requests_waiting_by_reason``,
 ``vllm:kv_cache_usage_perc``, and the KV pool from ``vllm:cache_config_info``; ``docs/real-vllm.md``).  Nothing here is
@@ -21,7 +22,7 @@ from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from pdproxy.endpoints import Endpoint
+from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.control import EngineInfo
 from pdproxy.engines.health import HealthMonitor
 from pdproxy.engines.pool import EndpointPool
@@ -72,6 +73,7 @@ class MetricsState(Protocol):
     def queue_depth(self) -> int: ...
     @property
     def worker_requests(self) -> Sequence[int] | None: ...
+    def prefill_budget_tokens(self, endpoint: Endpoint) -> int: ...
 
 
 def _labels(e: Endpoint) -> tuple[str, str, str]:
@@ -109,6 +111,9 @@ class StateCollector:
         breaker = family("pdproxy_endpoint_breaker_state", "Circuit breaker state (1 = current).", ("state",))
         opened = CounterMetricFamily("pdproxy_endpoint_breaker_opened", "Times the endpoint's breaker opened.",
                                      labels=labels)  # a counter: exposed as pdproxy_endpoint_breaker_opened_total
+        budget = family("pdproxy_prefill_budget_tokens", "The prefiller's prefill budget now (tokens to compute in "
+                                                         "flight): prefill_budget_tokens, or prefill_budget_s of its "
+                                                         "measured rate when more; 0 = none.")
         snapshot = st.health.snapshot
         for e in st.pool.endpoints():
             lab = list(_labels(e))
@@ -123,7 +128,9 @@ class StateCollector:
                 breaker.add_metric([*lab, s], 1.0 if s == current else 0.0)
             opened_total = snap.get("opened_total", 0)
             opened.add_metric(lab, float(opened_total) if isinstance(opened_total, int | float) else 0.0)
-        yield from (reqs, toks, healthy, draining, breaker, opened)
+            if e.role is Role.PREFILL:
+                budget.add_metric(lab, st.prefill_budget_tokens(e))
+        yield from (reqs, toks, healthy, draining, breaker, opened, budget)
         workers = st.worker_requests
         if workers is not None:
             per_worker = GaugeMetricFamily("pdproxy_worker_inflight_requests",

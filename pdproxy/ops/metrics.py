@@ -40,7 +40,8 @@ sizes tokens.  Three kinds of series:
 - **proxy state at scrape time** (a collector reading ``ProxyState``): per endpoint
   ``pdproxy_inflight_requests``, ``pdproxy_inflight_tokens``, ``pdproxy_endpoint_healthy``,
   ``pdproxy_endpoint_draining``, ``pdproxy_endpoint_breaker_state{state}`` (1 for the current state),
-  ``pdproxy_endpoint_breaker_opened_total``; with ``--workers N`` also ``pdproxy_worker_inflight_requests{worker}``;
+  ``pdproxy_endpoint_breaker_opened_total``, per prefiller ``pdproxy_prefill_budget_tokens``; with ``--workers N``
+  also ``pdproxy_worker_inflight_requests{worker}``;
 - **prefix cache** (when a ``PrefixCacheCollector`` is added with :meth:`ProxyMetrics.add_collector`, as the app
   does): ``pdproxy_kv_events_*`` and ``pdproxy_prefix_index_*`` (:mod:`pdproxy.prefix.metrics`); and per request,
   prefix routing's prediction for the prefiller against its report, by the prediction's ``source`` (``precise`` |

@@ -17,8 +17,8 @@ the scheduler finds a prefiller that passes every filter including that one.
   (``PickRequest.hints``, :mod:`pdproxy.prefix.routing`), so a 100K-token turn with 99K cached is a 1K prefill.
   What a prompt queued behind them waits for is time, so with ``budget_s`` > 0 the budget is the larger of
   ``budget_tokens`` and the tokens the prefiller computes in ``budget_s`` seconds at its measured rate
-  (:mod:`pdproxy.scheduling.prefill_rate`): a prefiller that answers a 64K-token prompt in milliseconds takes
-  several, one that needs seconds keeps the token budget.
+  (:mod:`pdproxy.scheduling.prefill_rate`, from answers that report their cached tokens): a prefiller that
+  answers a 64K-token prompt in milliseconds takes several, one that needs seconds keeps the token budget.
 - **KV pool.**  The prompt tokens in flight *or pinned* on a prefiller must also fit its KV pool
   (``EngineInfo.kv_pool_tokens`` via :class:`~pdproxy.engines.limits.Limits`, from ``vllm:cache_config_info``): after the
   prefill the engine keeps the prompt's blocks until the decoder pulls them (the KV connector's delayed free,
@@ -70,7 +70,7 @@ from pdproxy.engines.limits import EngineLimits, Limits
 from pdproxy.engines.pool import EndpointPool
 from pdproxy.errors import Overloaded, QueueTimeout
 from pdproxy.scheduling import PickRequest, Scheduler
-from pdproxy.scheduling.prefill_rate import PrefillRate
+from pdproxy.scheduling.prefill_rate import PrefillRate, computed_tokens
 
 POLL_S = 0.25
 """The queue re-checks its waiters at least this often (seconds, default of ``poll_s``; once per interval however
@@ -128,26 +128,25 @@ class PrefillSlot:
             self._counts.add_unleased(self.endpoint, -self.tokens, -1)
 
     def prefilled(self, prompt_tokens: int | None = None, cached_tokens: int | None = None) -> None:
-        """The prefiller answered: :meth:`prefill_done`, and its measured rate (:mod:`~pdproxy.scheduling.
-        prefill_rate`) credited with the tokens it computed — the engine's ``prompt_tokens`` (``usage``) minus its
-        ``cached_tokens`` where it reports them, else pdproxy's ``tokens`` and predicted cached part."""
-        prompt = self.tokens if prompt_tokens is None else prompt_tokens
-        cached = self.tokens - self.compute_tokens if cached_tokens is None else cached_tokens
-        self._finish(max(0, prompt - cached))
+        """The prefiller answered, reporting ``prompt_tokens`` and ``cached_tokens`` (its ``usage``; None: not
+        reported): :meth:`prefill_done`, and its measured rate (:mod:`pdproxy.scheduling.prefill_rate`) credited
+        with the tokens it computed when it reported both (:func:`~pdproxy.scheduling.prefill_rate.
+        computed_tokens`), else with the time alone."""
+        self._finish(computed_tokens(self.tokens, prompt_tokens, cached_tokens))
 
     def prefill_done(self) -> None:
-        """The prefill ended without an answer to measure (failed, abandoned) or the answer was credited: its
-        budget is free again (its KV stays counted by the lease)."""
+        """The prefill ended (failed, abandoned, or answered and credited): its budget is free again (its KV stays
+        counted by the lease); a first call without :meth:`prefilled` credits the rate with the time alone."""
         self._finish(None)
 
     def _finish(self, computed: int | None) -> None:
         self.handed_over()
         if self._prefill_held:
             self._prefill_held = False
-            self._rate.finished(computed, self._ledger.clock())
             if self._long:
                 self._ledger.add_long(self.endpoint, -1)
             self._counts.add_inflight(self.endpoint, -self.compute_tokens, -1)
+            self._rate.finished(computed, self._ledger.clock())
             self._ledger.changed()
 
     def decode_started(self) -> None:

@@ -10,7 +10,7 @@ from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.control import EngineInfo
 from pdproxy.engines.limits import Limits
 from pdproxy.engines.pool import EndpointPool
-from pdproxy.scheduling.prefill_rate import MIN_PREFILLS, WINDOW_S, PrefillRate
+from pdproxy.scheduling.prefill_rate import MIN_PREFILLS, STALE_S, WINDOW_S, PrefillRate, computed_tokens
 from pdproxy.scheduling.queue import PrefillLedger
 
 pytestmark = pytest.mark.timeout(10)
@@ -101,22 +101,81 @@ def test_a_slow_prefiller_keeps_the_token_budget() -> None:
     for _ in range(MIN_PREFILLS):                                 # 600 tokens in 1 s each: 0.5 s of it = 300
         slot = led.hold(P, 600, 601)
         clock.now += 1.0
-        slot.prefilled()
+        slot.prefilled(600, 0)
     assert led.rate(P).tokens_per_s() == pytest.approx(600)
     assert led.budget(P) == 1000
 
 
-def test_the_engine_s_counts_are_what_is_credited_and_a_failure_credits_nothing() -> None:
+def test_only_answers_that_report_what_was_computed_are_credited() -> None:
+    """A prompt the engine had cached is answered at once: without the engine's cached count (vLLM without
+    ``--enable-prompt-tokens-details``) pdproxy cannot tell, so such answers add their time and no tokens."""
     led, clock = ledger()
-    slots = [led.hold(P, 10_000, 10_001, compute_tokens=4000) for _ in range(MIN_PREFILLS + 1)]
-    clock.now += 1.0                                              # all five in flight together for 1 s
-    slots[0].prefilled(9000, 8000)                                # the engine: 9,000 prompt tokens, 8,000 cached
-    slots[1].prefilled(None, 1000)                                # no prompt count: pdproxy's 10,000
-    slots[2].prefilled(9000, None)                                # no cache count: pdproxy's 6,000 predicted
-    slots[3].prefilled()                                          # neither: pdproxy's 4,000
-    slots[4].prefill_done()                                       # failed: nothing
-    slots[4].prefilled(10_000, 0)                                 # already released: ignored
+    for _ in range(2 * MIN_PREFILLS):                             # 64K-token prompts, answered in 10 ms
+        slot = led.hold(P, 64_000, 64_001)
+        clock.now += 0.01
+        slot.prefilled(64_000, None)
+    assert led.rate(P).prefills == 0 and led.rate(P).tokens_per_s() is None
+    assert led.budget(P) == 1000
+    slots = [led.hold(P, 10_000, 10_001, compute_tokens=4000) for _ in range(MIN_PREFILLS + 2)]
+    clock.now += 1.0                                              # six in flight together for 1 s
+    slots[0].prefilled(9000, 8000)                                # 9,000 prompt tokens, 8,000 cached: 1,000
+    slots[1].prefilled(50_000, 0)                                 # more than pdproxy's count: 10,000 at most
+    slots[2].prefilled(9000, -10**9)                              # a negative cached count: 0 cached
+    slots[3].prefilled(9000, 10**9)                               # more cached than the prompt: nothing computed
+    slots[4].prefilled(None, 0)                                   # no prompt count: time only
+    slots[5].prefill_done()                                       # failed: time only
+    slots[5].prefilled(10_000, 0)                                 # already released: ignored
     rate = led.rate(P)
     assert rate.prefills == MIN_PREFILLS
-    assert rate.tokens_per_s() == pytest.approx(1000 + 9000 + 3000 + 4000)
+    assert rate.tokens_per_s() == pytest.approx((1000 + 10_000 + 9000 + 0) / (2 * MIN_PREFILLS * 0.01 + 1.0))
     assert led.inflight_tokens(P) == 0
+
+
+@pytest.mark.parametrize(("own", "prompt", "cached", "computed"), [
+    (100, 100, 30, 70), (100, 120, 30, 70), (0, 120, 30, 90), (100, -5, 0, 0), (100, 100, 200, 0),
+    (100, None, 0, None), (100, 100, None, None)])
+def test_computed_tokens_clamps_the_engine_s_counts(own: int, prompt: int | None, cached: int | None,
+                                                    computed: int | None) -> None:
+    assert computed_tokens(own, prompt, cached) == computed
+
+
+def test_a_failure_ends_its_busy_time_so_idle_time_never_counts() -> None:
+    led, clock = ledger()
+    failed = led.hold(P, 5000, 5001)
+    clock.now += 1.0
+    failed.release()                                              # failed after 1 s: busy 1 s, no tokens
+    clock.now += 30.0                                             # idle (under STALE_S): not busy time
+    for _ in range(MIN_PREFILLS):
+        slot = led.hold(P, 5000, 5001)
+        clock.now += 1.0
+        slot.prefilled(5000, 0)
+        clock.now += 1.0                                          # idle between prefills
+    assert led.rate(P).tokens_per_s() == pytest.approx(MIN_PREFILLS * 5000 / (MIN_PREFILLS + 1.0))
+
+
+def test_long_prefills_are_measured_without_bias_across_the_window() -> None:
+    """Halving keeps the ratio: a prefiller at 10,000 tokens/s reads 10,000 whether its prefills last 0.3 s, 3 s
+    or 60 s (each one longer than the window alone)."""
+    for seconds in (0.3, 3.0, 60.0):
+        rate = PrefillRate()
+        t = 0.0
+        for _ in range(3 * MIN_PREFILLS):
+            rate.started(t)
+            t += seconds
+            rate.finished(int(10_000 * seconds), t)
+        assert rate.tokens_per_s() == pytest.approx(10_000), seconds
+
+
+def test_a_prefiller_idle_past_stale_s_is_measured_afresh() -> None:
+    led, clock = ledger(budget_tokens=1000, budget_s=0.5)
+    for _ in range(MIN_PREFILLS):                                 # fast: 40,000 tokens/s → budget 20,000
+        slot = led.hold(P, 4000, 4001)
+        clock.now += 0.1
+        slot.prefilled(4000, 0)
+    assert led.budget(P) == 20_000
+    clock.now += STALE_S + 1                                      # idle: the engine may have been restarted
+    slot = led.hold(P, 4000, 4001)
+    assert led.rate(P).tokens_per_s() is None and led.budget(P) == 1000
+    clock.now += 4.0
+    slot.prefilled(4000, 0)                                       # slow now: 1,000 tokens/s
+    assert led.rate(P).prefills == 1

@@ -32,6 +32,14 @@ def prefiller_row(proxy: ProxyThread) -> dict[str, Any]:
     return dict(row)
 
 
+def budget_gauge(proxy: ProxyThread) -> int:
+    """``pdproxy_prefill_budget_tokens`` of the one prefiller, as ``GET /metrics`` exposes it."""
+    text = httpx.get(proxy.url + "/metrics", timeout=10).text
+    (value,) = [float(line.rpartition(" ")[2]) for line in text.splitlines()
+                if line.startswith("pdproxy_prefill_budget_tokens{")]
+    return int(value)
+
+
 def warm_up(proxy: ProxyThread, pair: Pair) -> None:
     """:data:`MIN_PREFILLS` prefills of ``BIG`` tokens one after another: the rate is measured from here on."""
     for seed in range(MIN_PREFILLS):
@@ -65,10 +73,12 @@ def test_a_prefiller_that_answers_at_once_takes_several_prompts_over_the_token_b
     try:
         before = prefiller_row(proxy)
         assert before["prefill_budget_tokens"] == BUDGET_TOKENS and before["prefill_tokens_per_s"] is None
+        assert budget_gauge(proxy) == BUDGET_TOKENS
         warm_up(proxy, pair)
         row = prefiller_row(proxy)
         assert row["prefill_tokens_per_s"] > 2 * BIG / 10.0           # ≥ 80 tokens/s: 400 tokens well within 5 s
         assert row["prefill_budget_tokens"] == int(row["prefill_tokens_per_s"] * 10.0) >= 2 * BIG
+        assert budget_gauge(proxy) == row["prefill_budget_tokens"]
         with ExitStack() as stack:
             two_big_held(proxy, pair, stack)
             wait_until(lambda: len(prefills(pair)) == MIN_PREFILLS + 2, 20, what="both big prefills dispatched")
