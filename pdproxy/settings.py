@@ -103,7 +103,8 @@ class EndpointConfig(BaseModel):
 class Settings(BaseSettings):
     """Every pdproxy setting.  See ``config/*.yaml`` for commented examples and README "Configuration"."""
 
-    model_config = SettingsConfigDict(env_prefix="PDPROXY_", extra="forbid", validate_default=True)
+    model_config = SettingsConfigDict(env_prefix="PDPROXY_", extra="forbid", validate_default=True,
+                                      allow_inf_nan=False)   # an infinite timeout or budget is no bound
 
     # --- listening
     host: str = Field("0.0.0.0", description="listen address")

@@ -88,9 +88,12 @@ class PrefillRate:
             self.prefills += 1
         self._trim()
 
-    def tokens_per_s(self) -> float | None:
-        """Computed tokens per busy second, or None before :data:`MIN_PREFILLS` measured prefills (or with no busy
-        time measured)."""
+    def tokens_per_s(self, now: float | None = None) -> float | None:
+        """Computed tokens per busy second, or None before :data:`MIN_PREFILLS` measured prefills, with no busy
+        time measured, or (given ``now``) when the prefiller has been idle for :data:`STALE_S` (its next prefill
+        starts a fresh measure)."""
         if self.prefills < MIN_PREFILLS or self._busy_s <= 0.0:
+            return None
+        if now is not None and self._inflight == 0 and now - self._since > STALE_S:
             return None
         return self._tokens / self._busy_s

@@ -355,7 +355,7 @@ class PrefillLedger:
         budget = self.budget_tokens
         if budget > 0 and self.budget_s > 0:
             rate = self._rates.get(endpoint)
-            per_s = rate.tokens_per_s() if rate is not None else None
+            per_s = rate.tokens_per_s(self.clock()) if rate is not None else None
             if per_s is not None and per_s * self.budget_s > budget:
                 return int(per_s * self.budget_s)
         return budget

@@ -173,7 +173,10 @@ def test_a_prefiller_idle_past_stale_s_is_measured_afresh() -> None:
         clock.now += 0.1
         slot.prefilled(4000, 0)
     assert led.budget(P) == 20_000
-    clock.now += STALE_S + 1                                      # idle: the engine may have been restarted
+    clock.now += STALE_S - 1
+    assert led.budget(P) == 20_000
+    clock.now += 2                                                # idle: the engine may have been restarted
+    assert led.rate(P).tokens_per_s(clock.now) is None and led.budget(P) == 1000    # what operators see too
     slot = led.hold(P, 4000, 4001)
     assert led.rate(P).tokens_per_s() is None and led.budget(P) == 1000
     clock.now += 4.0

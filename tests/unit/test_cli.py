@@ -21,6 +21,10 @@ pytestmark = pytest.mark.timeout(20)
     (["--prefill", "http://p:1", "--decode", "http://d:2", "--port", "70000"], "port"),
     (["--prefill", "http://p:1", "--decode", "http://d:2", "--max-tokens-overflow", "sometimes"],
      "--max-tokens-overflow"),
+    (["--prefill", "http://p:1", "--decode", "http://d:2", "--prefill-budget-s", "inf"],    # no bound at all
+     "--prefill-budget-s: Input should be a finite number"),
+    (["--prefill", "http://p:1", "--decode", "http://d:2", "--prefill-queue-timeout-s", "nan"],
+     "--prefill-queue-timeout-s: Input should be a finite number"),
 ])
 def test_bad_serve_configurations_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str],
                                          monkeypatch: pytest.MonkeyPatch) -> None:
