@@ -390,7 +390,7 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
                 out["prefill_inflight_tokens"] = st.ledger.inflight_tokens(e)
                 out["kv_held_tokens"] = st.ledger.kv_held_tokens(e)
                 out["prefill_budget_tokens"] = st.ledger.budget(e)
-                out["prefill_tokens_per_s"] = st.ledger.rate(e).tokens_per_s(st.ledger.clock())
+                out["prefill_tokens_per_s"] = st.ledger.measured_rate(e)
             return out
 
         body: dict[str, Any] = {"in_flight": st.in_flight, "admission": st.admission.snapshot(),

@@ -349,13 +349,18 @@ class PrefillLedger:
             rate = self._rates[endpoint] = PrefillRate()
         return rate
 
+    def measured_rate(self, endpoint: Endpoint) -> float | None:
+        """``endpoint``'s measured prefill rate now (tokens computed per busy second; None: not measured, or stale:
+        :meth:`PrefillRate.tokens_per_s`).  A read: it creates no entry."""
+        rate = self._rates.get(endpoint)
+        return rate.tokens_per_s(self.clock()) if rate is not None else None
+
     def budget(self, endpoint: Endpoint) -> int:
         """``endpoint``'s prefill budget in tokens to compute (0: none): ``budget_tokens``, or the tokens it computes
         in ``budget_s`` seconds at its measured rate when that is more (module docstring)."""
         budget = self.budget_tokens
         if budget > 0 and self.budget_s > 0:
-            rate = self._rates.get(endpoint)
-            per_s = rate.tokens_per_s(self.clock()) if rate is not None else None
+            per_s = self.measured_rate(endpoint)
             if per_s is not None and per_s * self.budget_s > budget:
                 return int(per_s * self.budget_s)
         return budget
