@@ -291,7 +291,8 @@ async def run_batch(spec: dict[str, Any]) -> dict[str, Any]:
     ``/proc/PID/stat``) is read just before
     the first request and after the last answer, so connection set-up, the ramp and the tail are all paid for.
     RSS is sampled every 100 ms: ``rss_bytes`` is each group's peak, ``rss_idle_bytes`` its value before the
-    run.  Returns ``{"windows": [one window]}``."""
+    run.  ``sched``: each group's :func:`~loadtest.procstat.sched_figures` over the run (is its busiest thread
+    the bottleneck, or the machine's cores).  Returns ``{"windows": [one window]}``."""
     w = Workload(spec)
     arrival = spec["arrival"]
     n, ramp = int(arrival["n"]), float(arrival.get("ramp_s", 0.0))
@@ -320,6 +321,7 @@ async def run_batch(spec: dict[str, Any]) -> dict[str, Any]:
             await w.one(i)
 
     cpu0 = {name: procstat.tree_stat_cpu_seconds(p) for name, p in groups.items()}
+    sched0 = {name: procstat.thread_schedstats(p) for name, p in groups.items()}
     self0, t0, busy0 = _self_cpu(), now(), procstat.machine_busy_seconds()
     sampler, rss_task = asyncio.ensure_future(w.sample()), asyncio.ensure_future(rss_sampler())
     try:
@@ -338,6 +340,8 @@ async def run_batch(spec: dict[str, Any]) -> dict[str, Any]:
     others = max(0.0, procstat.machine_busy_seconds() - busy0 - own)
     window = _window(w.sink, wall, stall, cpu, _self_cpu() - self0, others, peak)
     window["rss_idle_bytes"] = idle
+    window["sched"] = {name: procstat.sched_figures(sched0[name], procstat.thread_schedstats(groups_end[name]), wall)
+                       for name in groups}
     w.pool.close()
     return {"windows": [window]}
 

@@ -87,6 +87,41 @@ def tree_stat_cpu_seconds(pids: Iterable[int]) -> float:
     return sum(stat_cpu_seconds(p) for p in pids)
 
 
+def thread_schedstats(pids: Iterable[int]) -> dict[int, tuple[int, int]]:
+    """Each live thread of ``pids``: thread id → (nanoseconds on a CPU, nanoseconds runnable but waiting for one)
+    so far (``/proc/PID/task/TID/schedstat`` fields 1 and 2; the kernel's run-queue delay).  Threads that vanish
+    while read are left out."""
+    out: dict[int, tuple[int, int]] = {}
+    for pid in pids:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                    on_cpu, waiting = f.read().split()[:2]
+                out[int(tid)] = (int(on_cpu), int(waiting))
+            except (OSError, ValueError):
+                continue
+    return out
+
+
+def sched_figures(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]],
+                  wall_s: float) -> dict[str, float]:
+    """Where a process tree's time went between two :func:`thread_schedstats` reads ``wall_s`` seconds apart:
+    ``busiest_thread_cpu_frac`` — the busiest thread's share of the wall time on a CPU (near 1.0: that thread is
+    the bottleneck, e.g. a saturated event loop); ``run_queue_wait_frac`` — threads' worth of time spent runnable
+    but waiting for a CPU (the machine's cores are the bottleneck).  Threads started meanwhile count from 0."""
+    busiest = waiting = 0
+    for tid, (on_cpu, wait) in after.items():
+        on0, wait0 = before.get(tid, (0, 0))
+        busiest = max(busiest, on_cpu - on0)
+        waiting += wait - wait0
+    wall_ns = max(wall_s, 1e-9) * 1e9
+    return {"busiest_thread_cpu_frac": round(busiest / wall_ns, 3), "run_queue_wait_frac": round(waiting / wall_ns, 3)}
+
+
 def machine_busy_seconds() -> float:
     """CPU seconds all CPUs spent not idle since boot (``/proc/stat``: user+nice+system+irq+softirq+steal)."""
     try:

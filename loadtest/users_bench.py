@@ -348,6 +348,10 @@ def summary(windows: list[dict[str, Any]], streams: int) -> dict[str, Any]:
             rss_per_stream(w))),
         "concurrency_max": max(w["concurrency"]["max"] for w in windows),
         "others_cpu_frac": _median(windows, lambda w: w["others_cpu_frac"]),
+        "busiest_thread_cpu_frac": _median(windows, lambda w: w.get("sched", {}).get("proxy", {}).get(
+            "busiest_thread_cpu_frac")),
+        "run_queue_wait_frac": _median(windows, lambda w: w.get("sched", {}).get("proxy", {}).get(
+            "run_queue_wait_frac")),
     }
 
 
@@ -420,7 +424,9 @@ def figures(data: dict[str, Any], scenarios: tuple[Scenario, ...]) -> dict[str, 
                                  "added_ttft_ms_p99": added(t, "ttft_ms_p99", base99) if t != "client_pd" else None,
                                  "ttft_ms_p50": v["ttft_ms_p50"], "ttft_ms_p99": v["ttft_ms_p99"],
                                  "requests_per_s": v["requests_per_s"], "errors": v["errors"],
-                                 "others_cpu_frac": v["others_cpu_frac"]} for t, v in s.items()}
+                                 "others_cpu_frac": v["others_cpu_frac"],
+                                 "busiest_thread_cpu_frac": v.get("busiest_thread_cpu_frac"),
+                                 "run_queue_wait_frac": v.get("run_queue_wait_frac")} for t, v in s.items()}
         pr = per_request[scen]
         pq, rq = pr.get(p, {}).get("cpu_ms_per_request"), pr.get(r, {}).get("cpu_ms_per_request")
         row(f"CPU ms per request, {scen}, prefix routing on", f"cpu_req_{scen}", pq, rq, "≤ 1.0× router RR",
@@ -455,12 +461,13 @@ def render(doc: dict[str, Any]) -> str:
              "tree, ramp included; median of runs)", ""]
     for scen, per in (doc.get("per_request") or {}).items():
         head = (f"{scen:24} {'CPU ms/req':>10} {'µs/event':>9} {'+TTFT p50':>10} {'+TTFT p99':>10} {'req/s':>8} "
-                f"{'errors':>6} {'others':>6}")
+                f"{'errors':>6} {'others':>6} {'busiest':>7} {'runq':>5}")
         lines += [head, "-" * len(head)]
         for t, v in per.items():
             lines.append(f"{t:24} {fmt(v['cpu_ms_per_request']):>10} {fmt(v['cpu_us_per_event']):>9} "
                          f"{fmt(v['added_ttft_ms_p50']):>10} {fmt(v['added_ttft_ms_p99']):>10} "
-                         f"{fmt(v['requests_per_s']):>8} {fmt(v['errors']):>6} {fmt(v['others_cpu_frac']):>6}")
+                         f"{fmt(v['requests_per_s']):>8} {fmt(v['errors']):>6} {fmt(v['others_cpu_frac']):>6} "
+                         f"{fmt(v.get('busiest_thread_cpu_frac')):>7} {fmt(v.get('run_queue_wait_frac')):>5}")
         lines.append("")
     head = f"{'figure':58} {'pdproxy':>10} {'ref':>10} {'ratio':>7}  {'target':20} met  (ref)"
     lines += [head, "-" * len(head)]

@@ -73,6 +73,21 @@ def test_per_request_rows_against_round_robin_and_cache_aware() -> None:
     assert "cpu_req_short_100" not in rows  # a scenario not run has no rows
     text = render(doc)
     assert "long_16" in text and "vllm-router_cache_aware" in text and "≤ 0.5× cache_aware" in text
+    assert per["pdproxy"]["busiest_thread_cpu_frac"] is None  # windows without ``sched`` (older runs): no figure
+
+
+def test_per_request_rows_carry_the_proxy_s_scheduling_figures() -> None:
+    def sched(busiest: float, runq: float) -> dict[str, Any]:
+        w = per_request_window(0.3, 2000, 60.0)
+        w["sched"] = {"proxy": {"busiest_thread_cpu_frac": busiest, "run_queue_wait_frac": runq}}
+        return w
+
+    data = {"short_100": {"pdproxy": [sched(0.97, 0.01), sched(0.95, 0.02), sched(0.99, 0.0)],
+                          "vllm-router": [sched(0.45, 0.8)] * 3, "client_pd": [per_request_window(None, 2000, 15.0)]}}
+    per = figures(data, FULL)["per_request"]["short_100"]
+    assert (per["pdproxy"]["busiest_thread_cpu_frac"], per["pdproxy"]["run_queue_wait_frac"]) == (0.97, 0.01)
+    assert (per["vllm-router"]["busiest_thread_cpu_frac"], per["vllm-router"]["run_queue_wait_frac"]) == (0.45, 0.8)
+    assert "busiest" in render(figures(data, FULL)) and "0.97" in render(figures(data, FULL))
 
 
 def test_top_frames_counts_a_function_once_per_stack() -> None:
