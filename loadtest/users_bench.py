@@ -38,13 +38,19 @@ Scenarios:
   clients stop reading for 4 s after the first event (64 KiB receive buffers) — peak RSS growth per stream: a
   proxy without back-pressure buffers the whole stream;
 - ``short_100``, ``long_16``, ``agent_16`` — per-request cost, closed loop (each worker sends its next request
-  when its last one ends), a fixed number of requests, engines at full speed: ``short_100`` 2,000 requests by
-  100 workers, 64-token answers, 400-byte completions prompts; ``long_16`` 400 chat requests by 16 workers,
+  when its last one ends), a fixed number of requests, engines at full speed: ``short_100`` 6,000 requests by
+  100 workers, 64-token answers, 400-byte completions prompts; ``long_16`` 1,200 chat requests by 16 workers,
   ~64K-token unique prompts of ordinary words (250,000 characters, a ~250 KB body), 32-token answers;
-  ``agent_16`` 400 chat requests by 16 workers, each an agent conversation (a 24 KB system prompt and 16 tools
+  ``agent_16`` 1,200 chat requests by 16 workers, each an agent conversation (a 24 KB system prompt and 16 tools
   shared by all, then per turn a tool call and a 6 KB tool result appended, 12 turns, so each turn's body
   repeats the earlier turns' bytes; 40–110 KB bodies), 32-token answers — CPU per request and per event, added
-  TTFT p50 / p99 over ``client_pd``, requests per second, errors;
+  TTFT p50 / p99 over ``client_pd``, requests per second, errors, and where each proxy's time went (its busiest
+  thread's on-CPU share and its threads' run-queue wait: a closed loop saturates the machine, and a proxy's
+  added TTFT is where the queue forms — its own loop, or the cores it shares; ``loadtest/RESULTS.md`` §4);
+- ``short_open``, ``long_open`` — the same requests as ``short_100`` and ``long_16`` arriving at a fixed rate
+  (7,200 over 9 s: 800 per second; 1,800 chat requests of ~250 KB over 6 s: 300 per second), whatever the
+  answers' pace: an open loop at a load both proxies serve, so their added TTFT compares at equal offered
+  load (reported, not a target);
 - ``workers_2`` (pdproxy only): ``paced_1000`` through ``pdproxy serve --workers 2`` — events per CPU-second of
   the whole tree and per worker (on 2 cores this shows cost, not scaling).
 
@@ -106,17 +112,24 @@ class Scenario:
 AGENT = {"system_bytes": 24000, "tools": 16, "turn_bytes": 6000, "turns": 12}
 """The agent conversations of ``agent_16`` (``agent`` in loadtest/loadgen.py)."""
 PER_REQUEST = ("short_100", "long_16", "agent_16")
-"""The scenarios whose figure is CPU per request."""
+"""The closed-loop scenarios whose figure is CPU per request (the issue's done-when rows)."""
+OPEN_LOOP = ("short_open", "long_open")
+"""The same requests arriving at a fixed rate both proxies serve (equal offered load): reported beside the closed
+loops, whose added TTFT says where a saturated machine queues (``loadtest/RESULTS.md`` §4)."""
 
 FULL = (Scenario("paced_1000", 1000, 150, 0.1, 3.0), Scenario("full_100", 100, 2000, 0.0, 0.0),
-        Scenario("short_100", 2000, 64, 0.0, 0.0, concurrency=100),
-        Scenario("long_16", 400, 32, 0.0, 0.0, concurrency=16, api="chat", prompt_bytes=250_000),
-        Scenario("agent_16", 400, 32, 0.0, 0.0, concurrency=16, api="chat", agent=True),
+        Scenario("short_100", 6000, 64, 0.0, 0.0, concurrency=100),
+        Scenario("long_16", 1200, 32, 0.0, 0.0, concurrency=16, api="chat", prompt_bytes=250_000),
+        Scenario("agent_16", 1200, 32, 0.0, 0.0, concurrency=16, api="chat", agent=True),
+        Scenario("short_open", 7200, 64, 0.0, 9.0),
+        Scenario("long_open", 1800, 32, 0.0, 6.0, api="chat", prompt_bytes=250_000),
         Scenario("paced_3000", 3000, 150, 0.1, 9.0), Scenario("slow_readers_1000", 1000, 1000, 0.0, 3.0, 4.0))
 QUICK = (Scenario("paced_1000", 100, 20, 0.1, 0.3), Scenario("full_100", 10, 200, 0.0, 0.0),
          Scenario("short_100", 200, 64, 0.0, 0.0, concurrency=20),
          Scenario("long_16", 24, 32, 0.0, 0.0, concurrency=4, api="chat", prompt_bytes=250_000),
          Scenario("agent_16", 40, 32, 0.0, 0.0, concurrency=4, api="chat", agent=True),
+         Scenario("short_open", 100, 64, 0.0, 0.5),
+         Scenario("long_open", 20, 32, 0.0, 0.5, api="chat", prompt_bytes=250_000),
          Scenario("paced_3000", 200, 20, 0.1, 0.6), Scenario("slow_readers_1000", 50, 1000, 0.0, 0.3, 1.0))
 STEP_S = 0.005
 ROUTER_RR = ROUTER + " --policy round_robin"
@@ -130,6 +143,8 @@ def targets(sc: Scenario) -> list[str]:
     """The targets of one scenario, in the order each repetition runs them (``client_pd`` is the generator)."""
     if sc.name in PER_REQUEST:
         return ["pdproxy", "pdproxy_noprefix", "vllm-router", "vllm-router_cache_aware", "client_pd"]
+    if sc.name in OPEN_LOOP:
+        return ["pdproxy", "vllm-router", "client_pd"]
     if sc.name in ("paced_1000", "full_100"):
         return ["pdproxy", "pdproxy_continuation", "vllm-router"] + (["client_pd"] if sc.name == "paced_1000"
                                                                       else [])
@@ -220,7 +235,7 @@ class Run:
         for sc in self.scenarios:
             names = [t for t in targets(sc) if t in self.proxies or t == "client_pd"]
             runs: dict[str, list[dict[str, Any]]] = {t: [] for t in names}
-            reps = (self.reps if sc.name in ("paced_1000", "full_100", *PER_REQUEST)
+            reps = (self.reps if sc.name in ("paced_1000", "full_100", *PER_REQUEST, *OPEN_LOOP)
                     else max(1, min(self.reps, 2)))
             for _ in range(reps):
                 for t in names:
@@ -409,7 +424,7 @@ def figures(data: dict[str, Any], scenarios: tuple[Scenario, ...]) -> dict[str, 
                 "≤ 1.05× off", None if ratio(on, off) is None else ratio(on, off) <= 1.05,  # type: ignore[operator]
                 ref="pdproxy (off)")
     per_request: dict[str, dict[str, Any]] = {}
-    for scen in PER_REQUEST:
+    for scen in (*PER_REQUEST, *OPEN_LOOP):
         if scen not in summ:
             continue
         s = summ[scen]
@@ -429,6 +444,13 @@ def figures(data: dict[str, Any], scenarios: tuple[Scenario, ...]) -> dict[str, 
                                  "run_queue_wait_frac": v.get("run_queue_wait_frac")} for t, v in s.items()}
         pr = per_request[scen]
         pq, rq = pr.get(p, {}).get("cpu_ms_per_request"), pr.get(r, {}).get("cpu_ms_per_request")
+        if scen in OPEN_LOOP:   # reported beside the done-when rows, not one of them
+            pt, rt = pr.get(p, {}).get("added_ttft_ms_p50"), pr.get(r, {}).get("added_ttft_ms_p50")
+            sc_open = next((sc for sc in scenarios if sc.name == scen), None)
+            rate = f"{sc_open.streams / sc_open.ramp_s:,.0f}" if sc_open is not None and sc_open.ramp_s else "?"
+            row(f"added TTFT p50 ms, {scen} (open loop, {rate} req/s to each; reported)", f"ttft_p50_{scen}", pt, rt,
+                "≤ router RR + 5 ms", None if pt is None or rt is None else pt <= rt + 5.0, rat=None)
+            continue
         row(f"CPU ms per request, {scen}, prefix routing on", f"cpu_req_{scen}", pq, rq, "≤ 1.0× router RR",
             None if ratio(pq, rq) is None else ratio(pq, rq) <= 1.0)  # type: ignore[operator]
         pt, rt = pr.get(p, {}).get("added_ttft_ms_p50"), pr.get(r, {}).get("added_ttft_ms_p50")

@@ -90,6 +90,20 @@ def test_per_request_rows_carry_the_proxy_s_scheduling_figures() -> None:
     assert "busiest" in render(figures(data, FULL)) and "0.97" in render(figures(data, FULL))
 
 
+def test_open_loop_rows_are_reported_beside_the_done_when_rows() -> None:
+    data = {"short_open": {"pdproxy": [per_request_window(0.6, 7200, 1.4)] * 3,
+                           "vllm-router": [per_request_window(0.7, 7200, 1.0)] * 3,
+                           "client_pd": [per_request_window(None, 7200, 0.5)] * 3}}
+    doc = figures(data, FULL)
+    rows = {r["key"]: r for r in doc["headline"]}
+    ttft = rows["ttft_p50_short_open"]          # 1.4 − 0.5 against 1.0 − 0.5
+    assert (ttft["pdproxy"], ttft["vllm-router"], ttft["met"]) == (0.9, 0.5, True)
+    assert "800 req/s to each; reported" in ttft["figure"]     # 7,200 requests over 9 s
+    assert "cpu_req_short_open" not in rows                   # the open loop is not a CPU target
+    assert doc["per_request"]["short_open"]["pdproxy"]["cpu_ms_per_request"] == round(0.6 / 7200 * 1e3, 3)
+    assert "short_open" in render(doc)
+
+
 def test_top_frames_counts_a_function_once_per_stack() -> None:
     collapsed = ("main (a/cli.py:1);serve (a/app.py:5);keys (prefix/index.py:10) 6\n"
                  "main (a/cli.py:1);serve (a/app.py:7);serve (a/app.py:9) 3\n"
