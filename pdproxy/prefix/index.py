@@ -35,7 +35,7 @@ import hashlib
 import itertools
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -251,6 +251,11 @@ def rendezvous_order(key: int, endpoints: Iterable[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------- tables
+def _endpoint_names(locations: Mapping[tuple[str, str], object]) -> list[str]:
+    """The endpoints of a ``(endpoint, medium) → location`` table, sorted, each once."""
+    return sorted({e for e, _m in locations})
+
+
 @dataclass(slots=True, eq=False)
 class _Location:
     endpoint: str
@@ -343,7 +348,7 @@ class _MaskTable:
 
     def endpoints(self) -> list[str]:
         """Endpoints that have (or had) a location here."""
-        return sorted({e for e, _m in self._locations})
+        return _endpoint_names(self._locations)
 
     @property
     def distinct_keys(self) -> int:
@@ -709,7 +714,7 @@ class ApproxPrefixIndex:
 
     def endpoints(self) -> list[str]:
         """Endpoints that have (or had) a location here."""
-        return sorted({e for e, _m in self._locations})
+        return _endpoint_names(self._locations)
 
     def entries(self, endpoint: str | None = None) -> int:
         """Keys held (of ``endpoint``, or all)."""

@@ -56,7 +56,7 @@ from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.control import EngineInfo
 from pdproxy.engines.pool import EndpointPool
 from pdproxy.prefix.cache import Prediction, PrefixCache
-from pdproxy.prefix.index import BlockKeys, block_keys, key_bytes, text_keys
+from pdproxy.prefix.index import MESSAGE_MARK, BlockKeys, block_keys, key_bytes, text_keys
 from pdproxy.scheduling import NO_HINTS, PrefixHints
 from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext
@@ -69,6 +69,12 @@ TEXT_KEYS_INLINE_BYTES = 1 << 20
 hop to a worker thread and back); larger ones in the admission's worker threads."""
 
 KeyKind = Literal["tokens", "text"]
+
+
+_MARK = MESSAGE_MARK.decode()
+""":data:`~pdproxy.prefix.index.MESSAGE_MARK` as text: :func:`render_text` writes it before each part."""
+_ROLE_END = "\x1f"
+"""What :func:`render_text` writes between a message's role and its content (ASCII's unit separator)."""
 
 
 def render_text(body: dict[str, Any], chat: bool) -> str:
@@ -86,7 +92,7 @@ def render_text(body: dict[str, Any], chat: bool) -> str:
     parts: list[str] = []
     tools = body.get("tools")
     if tools:
-        parts.append("\x1etools\x1f" + orjson.dumps(tools).decode())
+        parts.append(f"{_MARK}tools{_ROLE_END}" + orjson.dumps(tools).decode())
     messages = body.get("messages")
     for message in messages if isinstance(messages, list) else ():
         if not isinstance(message, dict):
@@ -95,7 +101,7 @@ def render_text(body: dict[str, Any], chat: bool) -> str:
         if isinstance(content, list):
             content = "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict)
                                 and p.get("type") == "text")
-        parts.append(f"\x1e{message.get('role')}\x1f{content if isinstance(content, str) else ''}")
+        parts.append(f"{_MARK}{message.get('role')}{_ROLE_END}{content if isinstance(content, str) else ''}")
         if message.get("tool_calls"):
             parts.append(orjson.dumps(message["tool_calls"]).decode())
     return "".join(parts)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pytest
@@ -56,7 +56,8 @@ def assert_too_long(resp: httpx.Response, *phrases: str, param: str = "input_tok
 
 @pytest.mark.parametrize("source", ["engine", "sim"])
 @pytest.mark.parametrize("api", ["completions", "chat"])
-def test_exact_boundary_with_the_sim_tokenizer(pair_of: Any, source: str, api: str) -> None:
+def test_exact_boundary_with_the_sim_tokenizer(pair_of: Any, source: str,
+                                               api: Literal["chat", "completions"]) -> None:
     pair: Pair = pair_of("sim512")
     tok = load_tokenizer(None)
     proxy = pair.proxy(**({"tokenizer": "sim"} if source == "sim" else {}))
@@ -91,7 +92,8 @@ def test_exact_boundary_with_the_sim_tokenizer(pair_of: Any, source: str, api: s
 
 
 @pytest.mark.parametrize("api", ["completions", "chat"])
-def test_reject_mode_checks_prompt_plus_max_tokens_up_front(pair_of: Any, api: str) -> None:
+def test_reject_mode_checks_prompt_plus_max_tokens_up_front(pair_of: Any,
+                                                            api: Literal["chat", "completions"]) -> None:
     """``max_tokens_overflow=reject`` (engines that refuse rather than clamp, vLLM <= 0.26): the decoder's rule
     prompt + max_tokens <= max_model_len is checked before any engine is touched."""
     pair: Pair = pair_of("sim512")
@@ -110,7 +112,8 @@ def test_reject_mode_checks_prompt_plus_max_tokens_up_front(pair_of: Any, api: s
 
 
 @pytest.mark.parametrize("api", ["completions", "chat"])
-def test_exact_boundary_with_a_local_tokenizer_directory(pair_of: Any, tokenizer_dir: Path, api: str) -> None:
+def test_exact_boundary_with_a_local_tokenizer_directory(pair_of: Any, tokenizer_dir: Path,
+                                                          api: Literal["chat", "completions"]) -> None:
     pair: Pair = pair_of("hf")                                           # engines use the same tokenizer dir
     tok = load_tokenizer(str(tokenizer_dir))
     proxy = pair.proxy(tokenizer=str(tokenizer_dir), token_count="local")

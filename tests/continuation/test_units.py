@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
@@ -37,11 +38,36 @@ def test_greedy_offset_continues_its_own_output_given_as_ids_or_text() -> None:
                 assert (greedy_offset(prompt + tail, table) - base - k) % n == 0
 
 
+def _nothing(name: str) -> None:
+    """A stub leg's default hook: does nothing."""
+
+
+@dataclass(eq=False)
+class _StubLeg:
+    """A continuable leg as ``LiveStreams`` sees it: ``move`` calls ``on_move`` and answers ``movable``;
+    ``check_lost`` calls ``on_check`` (which may raise, as a leg's stall check can)."""
+
+    name: str
+    movable: bool = True
+    on_move: Callable[[str], None] = _nothing
+    on_check: Callable[[str], None] = _nothing
+
+    def move(self) -> bool:
+        self.on_move(self.name)
+        return self.movable
+
+    def check_lost(self, now: float) -> None:
+        self.on_check(self.name)
+
+
 class _Usage:
     trigger = b'"usage"'
     recomputed = False
 
     def feed(self, block: bytes, prev: bytes = b"") -> bytes:
+        return block
+
+    def ending(self, block: bytes, prev: bytes) -> bytes:
         return block
 
 
@@ -72,20 +98,8 @@ async def test_a_drain_counts_only_the_streams_that_move() -> None:
     finishes on the drained decoder and is not counted; the registry forgets a stream whose block ended."""
     live = LiveStreams()
     moved: list[str] = []
-
-    @dataclass(eq=False)
-    class Leg:
-        name: str
-        movable: bool
-
-        def move(self) -> bool:
-            moved.append(self.name)
-            return self.movable
-
-        def check_lost(self, now: float) -> None:
-            """Never lost."""
-
-    with live.track("d0", Leg("a", True)), live.track("d0", Leg("b", False)), live.track("d1", Leg("c", True)):
+    with (live.track("d0", _StubLeg("a", True, moved.append)), live.track("d0", _StubLeg("b", False, moved.append)),
+          live.track("d1", _StubLeg("c", True, moved.append))):
         assert live.count("d0") == 2 and live.count("d0", movable=True) == 1
         assert live.migrate("d0") == 1 and sorted(moved) == ["a", "b"]
     assert live.count("d0") == live.count("d1") == live.migrate("d0") == 0
@@ -100,21 +114,14 @@ async def test_one_sweep_checks_every_tracked_leg_and_stops_when_none_is_left() 
     asked: list[str] = []
     swept = asyncio.Event()
 
-    @dataclass(eq=False)
-    class Leg:
-        name: str
-        movable = True
-
-        def move(self) -> bool:
-            return True
-
-        def check_lost(self, now: float) -> None:
-            asked.append(self.name)
-            if len(asked) >= 9:
-                swept.set()
+    def ask(name: str) -> None:
+        asked.append(name)
+        if len(asked) >= 9:
+            swept.set()
 
     assert not live.sweeping
-    with live.track("d0", Leg("a")), live.track("d0", Leg("b")), live.track("d1", Leg("c")):
+    with (live.track("d0", _StubLeg("a", on_check=ask)), live.track("d0", _StubLeg("b", on_check=ask)),
+          live.track("d1", _StubLeg("c", on_check=ask))):
         assert live.sweeping
         async with asyncio.timeout(5):
             await swept.wait()                               # three sweeps at least
@@ -133,22 +140,14 @@ async def test_a_leg_whose_check_fails_stops_no_other_legs_check(caplog: pytest.
     asked: list[str] = []
     twice = asyncio.Event()
 
-    @dataclass(eq=False)
-    class Leg:
-        name: str
-        movable = True
+    def ask(name: str) -> None:
+        if name == "bad":
+            raise RuntimeError("Event loop is closed")
+        asked.append(name)
+        if len(asked) >= 3:
+            twice.set()
 
-        def move(self) -> bool:
-            return True
-
-        def check_lost(self, now: float) -> None:
-            if self.name == "bad":
-                raise RuntimeError("Event loop is closed")
-            asked.append(self.name)
-            if len(asked) >= 3:
-                twice.set()
-
-    with live.track("d0", Leg("bad")), live.track("d0", Leg("good")):
+    with live.track("d0", _StubLeg("bad", on_check=ask)), live.track("d0", _StubLeg("good", on_check=ask)):
         async with asyncio.timeout(5):
             await twice.wait()                               # three sweeps asked the good leg
         assert live.sweeping
