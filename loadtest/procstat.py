@@ -108,14 +108,21 @@ def thread_schedstats(pids: Iterable[int]) -> dict[int, tuple[int, int]]:
 
 
 def sched_figures(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]],
-                  wall_s: float) -> dict[str, float]:
+                  wall_s: float) -> dict[str, float | None]:
     """Where a process tree's time went between two :func:`thread_schedstats` reads ``wall_s`` seconds apart:
     ``busiest_thread_cpu_frac`` — the busiest thread's share of the wall time on a CPU (near 1.0: that thread is
     the bottleneck, e.g. a saturated event loop); ``run_queue_wait_frac`` — threads' worth of time spent runnable
-    but waiting for a CPU (the machine's cores are the bottleneck).  Threads started meanwhile count from 0."""
+    but waiting for a CPU (the machine's cores are the bottleneck).  Threads started meanwhile count from 0, and so
+    does a thread id the kernel reused (its counters below the earlier ones); threads that ended meanwhile are not
+    in ``after`` and count nothing.  Both None when ``after`` is empty (a kernel without per-thread schedstat, or
+    the tree gone)."""
+    if not after:
+        return {"busiest_thread_cpu_frac": None, "run_queue_wait_frac": None}
     busiest = waiting = 0
     for tid, (on_cpu, wait) in after.items():
         on0, wait0 = before.get(tid, (0, 0))
+        if on_cpu < on0 or wait < wait0:             # another thread under a reused id: its counters from 0
+            on0 = wait0 = 0
         busiest = max(busiest, on_cpu - on0)
         waiting += wait - wait0
     wall_ns = max(wall_s, 1e-9) * 1e9

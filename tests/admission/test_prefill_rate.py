@@ -80,6 +80,7 @@ def test_the_sums_halve_past_the_window_so_the_rate_follows_recent_work() -> Non
 def test_the_budget_is_the_larger_of_the_tokens_and_budget_s_of_the_rate() -> None:
     led, clock = ledger(budget_tokens=1000, budget_s=0.5)
     assert led.budget(P) == 1000 and led.measured_rate(P) is None
+    assert P not in led._rates                                    # a read (the budget, /debug/load) creates no entry
     for _ in range(MIN_PREFILLS):                                 # 4,000 tokens in 0.1 s each: 40,000 tokens/s
         slot = led.hold(P, 4000, 4001)
         clock.now += 0.1

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loadtest.users_bench import FULL, figures, render, top_frames
+from loadtest.users_bench import FULL, OPEN_LOOP, PER_REQUEST, figures, render, targets, top_frames
 
 
 def window(cpu_s: float | None, events: int, ttft_p99: float, *, errors: int = 0, stalls: int = 0,
@@ -63,7 +63,7 @@ def test_per_request_rows_against_round_robin_and_cache_aware() -> None:
     req = rows["cpu_req_long_16"]
     assert (req["pdproxy"], req["vllm-router"], req["met"]) == (1.25, 1.25, True)  # median 0.5 s / 400 requests
     ttft = rows["ttft_p50_long_16"]  # added over client-side PD's p50: 25 − 10 against 22 − 10
-    assert (ttft["pdproxy"], ttft["vllm-router"], ttft["met"]) == (15.0, 12.0, True)
+    assert (ttft["pdproxy"], ttft["vllm-router"], ttft["met"], ttft["ratio"]) == (15.0, 12.0, True, None)
     ca = rows["cpu_req_long_16_cache_aware"]
     assert (ca["vllm-router"], ca["ratio"], ca["met"], ca["reference"]) == (3.0, 0.417, True, "cache_aware")
     cont = rows["continuation_full_100"]
@@ -82,12 +82,15 @@ def test_per_request_rows_carry_the_proxy_s_scheduling_figures() -> None:
         w["sched"] = {"proxy": {"busiest_thread_cpu_frac": busiest, "run_queue_wait_frac": runq}}
         return w
 
-    data = {"short_100": {"pdproxy": [sched(0.97, 0.01), sched(0.95, 0.02), sched(0.99, 0.0)],
+    data = {"short_100": {"pdproxy": [sched(0.95, 0.03), sched(0.97, 0.01), sched(0.99, 0.02)],
                           "vllm-router": [sched(0.45, 0.8)] * 3, "client_pd": [per_request_window(None, 2000, 15.0)]}}
     per = figures(data, FULL)["per_request"]["short_100"]
-    assert (per["pdproxy"]["busiest_thread_cpu_frac"], per["pdproxy"]["run_queue_wait_frac"]) == (0.97, 0.01)
+    assert (per["pdproxy"]["busiest_thread_cpu_frac"], per["pdproxy"]["run_queue_wait_frac"]) == (0.97, 0.02)  # medians
     assert (per["vllm-router"]["busiest_thread_cpu_frac"], per["vllm-router"]["run_queue_wait_frac"]) == (0.45, 0.8)
-    assert "busiest" in render(figures(data, FULL)) and "0.97" in render(figures(data, FULL))
+    lines = render(figures(data, FULL)).splitlines()
+    head = next(line for line in lines if line.startswith("short_100")).split()
+    row = next(line for line in lines if line.startswith("vllm-router ")).split()
+    assert head[-2:] == ["busiest", "runq"] and row[-2:] == ["0.45", "0.80"]
 
 
 def test_open_loop_rows_are_reported_beside_the_done_when_rows() -> None:
@@ -96,12 +99,25 @@ def test_open_loop_rows_are_reported_beside_the_done_when_rows() -> None:
                            "client_pd": [per_request_window(None, 7200, 0.5)] * 3}}
     doc = figures(data, FULL)
     rows = {r["key"]: r for r in doc["headline"]}
-    ttft = rows["ttft_p50_short_open"]          # 1.4 − 0.5 against 1.0 − 0.5
-    assert (ttft["pdproxy"], ttft["vllm-router"], ttft["met"]) == (0.9, 0.5, True)
-    assert "800 req/s to each; reported" in ttft["figure"]     # 7,200 requests over 9 s
+    ttft = rows["ttft_p50_short_open"]          # 1.4 − 0.5 against 1.0 − 0.5: reported, no verdict and no ratio
+    assert (ttft["pdproxy"], ttft["vllm-router"], ttft["met"], ttft["ratio"]) == (0.9, 0.5, None, None)
+    p99 = rows["ttft_p99_short_open"]           # 2.8 − 1.0 against 2.0 − 1.0
+    assert (p99["pdproxy"], p99["vllm-router"], p99["met"]) == (1.8, 1.0, None)
+    assert "(800/s)" in ttft["figure"]          # 7,200 requests over 9 s
     assert "cpu_req_short_open" not in rows                   # the open loop is not a CPU target
     assert doc["per_request"]["short_open"]["pdproxy"]["cpu_ms_per_request"] == round(0.6 / 7200 * 1e3, 3)
     assert "short_open" in render(doc)
+
+
+def test_the_per_request_scenarios_are_the_documented_ones() -> None:
+    sc = {s.name: s for s in FULL}
+    short, long_ = sc["short_open"], sc["long_open"]
+    assert (short.streams, short.ramp_s, short.concurrency, short.tokens, short.api) == (7200, 9.0, 0, 64, "completions")
+    assert (long_.streams, long_.ramp_s, long_.concurrency, long_.api, long_.prompt_bytes) == (1800, 6.0, 0, "chat",
+                                                                                               250_000)
+    assert all(targets(sc[n]) == ["pdproxy", "vllm-router", "client_pd"] for n in OPEN_LOOP)
+    assert [(sc[n].streams, sc[n].concurrency) for n in PER_REQUEST] == [(6000, 100), (1200, 16), (1200, 16)]
+    assert "client_pd" in targets(sc["short_100"]) and sc["agent_16"].agent
 
 
 def test_top_frames_counts_a_function_once_per_stack() -> None:
