@@ -1,7 +1,7 @@
 """``make bench``: pdproxy against vLLM's Rust router, measured the way users run a proxy, printed as ratios.
 
 Run: ``python -m loadtest.users_bench [--quick] [--reps 3] [--out FILE] [--no-workers] [--only SCENARIO ...]
-[--profile DIR]`` (≈ 15 min on a quiet 2-core machine, 22 min with 1.5 CPUs of outside load; ``--quick`` ≈ 2 min,
+[--profile DIR]`` (≈ 14 min on a quiet 2-core machine, more with outside load; ``--quick`` ≈ 1 min,
 shape only).  Prints a table of figures with the pdproxy / vllm-router ratio and whether each target is
 met, then writes the whole JSON document to ``--out`` (default ``loadtest/results/users-latest.json``).
 
