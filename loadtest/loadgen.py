@@ -334,16 +334,13 @@ async def run_batch(spec: dict[str, Any]) -> dict[str, Any]:
         rss_task.cancel()
         await asyncio.gather(sampler, rss_task, return_exceptions=True)
     wall = now() - t0
-    sched1 = {name: procstat.thread_schedstats(p) for name, p in groups.items()}   # read with the wall time
     groups_end = _groups(spec)  # a worker forked meanwhile is counted from 0
+    sched1 = {name: procstat.thread_schedstats(p) for name, p in groups_end.items()}   # read with the wall time
     cpu = {name: round(procstat.tree_stat_cpu_seconds(groups_end[name]) - cpu0[name], 4) for name in groups}
     own = sum(cpu.values()) + _self_cpu() - self0
     others = max(0.0, procstat.machine_busy_seconds() - busy0 - own)
     window = _window(w.sink, wall, stall, cpu, _self_cpu() - self0, others, peak)
     window["rss_idle_bytes"] = idle
-    for name in groups:         # threads of a worker forked meanwhile: read now, counted from 0
-        sched1[name].update({tid: v for tid, v in procstat.thread_schedstats(
-            [p for p in groups_end[name] if p not in groups[name]]).items() if tid not in sched1[name]})
     window["sched"] = {name: procstat.sched_figures(sched0[name], sched1[name], wall) for name in groups}
     w.pool.close()
     return {"windows": [window]}

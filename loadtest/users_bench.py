@@ -444,7 +444,6 @@ def figures(data: dict[str, Any], scenarios: tuple[Scenario, ...]) -> dict[str, 
                                  "busiest_thread_cpu_frac": v.get("busiest_thread_cpu_frac"),
                                  "run_queue_wait_frac": v.get("run_queue_wait_frac")} for t, v in s.items()}
         pr = per_request[scen]
-        pq, rq = pr.get(p, {}).get("cpu_ms_per_request"), pr.get(r, {}).get("cpu_ms_per_request")
         if scen in OPEN_LOOP:   # reported beside the done-when rows, not one of them
             sc_open = next((sc for sc in scenarios if sc.name == scen), None)
             rate = f"{sc_open.streams / sc_open.ramp_s:,.0f}" if sc_open is not None and sc_open.ramp_s else "?"
@@ -453,6 +452,7 @@ def figures(data: dict[str, Any], scenarios: tuple[Scenario, ...]) -> dict[str, 
                 row(f"added TTFT {pct} ms, {scen} ({rate}/s)", f"ttft_{pct}_{scen}", pt, rt, "reported", None,
                     ratio_of=False)
             continue
+        pq, rq = pr.get(p, {}).get("cpu_ms_per_request"), pr.get(r, {}).get("cpu_ms_per_request")
         row(f"CPU ms per request, {scen}, prefix routing on", f"cpu_req_{scen}", pq, rq, "≤ 1.0× router RR",
             None if ratio(pq, rq) is None else ratio(pq, rq) <= 1.0)  # type: ignore[operator]
         pt, rt = pr.get(p, {}).get("added_ttft_ms_p50"), pr.get(r, {}).get("added_ttft_ms_p50")
