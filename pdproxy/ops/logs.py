@@ -1,5 +1,6 @@
 """How ``pdproxy serve`` logs: one root handler on stderr, text or JSON lines (setting ``log_format``), and the
-start-up banner.
+start-up banner.  The handler writes through a :class:`pdproxy.ops.linesink.LineSink`: a stderr nobody reads
+holds lines (up to ``log_buffer_bytes``) and then drops them, counted, instead of stopping the event loop.
 
 - ``text``: ``2025-01-01 12:00:00,000 INFO pdproxy.engines.control engine http://p0:9100 (prefill) up: …``;
 - ``json``: one object per line, ``{"ts": 1735732800.123, "level": "INFO", "logger": "pdproxy.engines.control",
@@ -26,6 +27,7 @@ import orjson
 
 from pdproxy import __version__
 from pdproxy.endpoints import Role
+from pdproxy.ops.linesink import LineSink
 from pdproxy.settings import Settings, is_loopback_host
 
 SHARED_EVENTS = frozenset({"engine_up", "engine_unreachable", "engine_reachable", "engine_limits_changed"})
@@ -62,10 +64,44 @@ class _WorkerFilter(logging.Filter):
         return getattr(record, "event", None) not in SHARED_EVENTS
 
 
+class SinkHandler(logging.Handler):
+    """A handler that writes each formatted record as one line through a :class:`LineSink` on ``fd`` (never
+    blocking the caller on it); its dropped-lines report is a WARNING record (``event: log_lines_dropped``,
+    ``dropped``: how many) formatted like the rest."""
+
+    def __init__(self, fd: int, max_buffer_bytes: int) -> None:
+        super().__init__()
+        self.sink = LineSink(fd, max_buffer_bytes=max_buffer_bytes, dropped_line=self._dropped_line)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.sink.write((self.format(record) + "\n").encode("utf-8", "backslashreplace"))
+        except Exception:
+            self.handleError(record)
+
+    def close(self) -> None:
+        self.sink.close()
+        super().close()
+
+    def _dropped_line(self, n: int) -> bytes:
+        record = logging.LogRecord("pdproxy", logging.WARNING, __file__, 0,
+                                   "%d log lines dropped: the log's reader fell %d bytes behind (log_buffer_bytes)",
+                                   (n, self.sink.max_buffer_bytes), None)
+        record.event = "log_lines_dropped"
+        record.dropped = n
+        return (self.format(record) + "\n").encode("utf-8", "backslashreplace")
+
+
 def configure_logging(settings: Settings, worker: int | None = None) -> None:
     """Install the root handler for ``settings.log_level`` / ``settings.log_format``; ``worker``: this process's
-    worker row with ``--workers N`` (None for a single process or the supervisor).  Replaces earlier handlers."""
-    handler = logging.StreamHandler(sys.stderr)
+    worker row with ``--workers N`` (None for a single process or the supervisor).  Replaces (and closes) earlier
+    handlers."""
+    handler: logging.Handler
+    try:
+        sys.stderr.flush()
+        handler = SinkHandler(sys.stderr.fileno(), settings.log_buffer_bytes)
+    except (AttributeError, OSError, ValueError):   # a stderr with no descriptor (replaced by a test harness)
+        handler = logging.StreamHandler(sys.stderr)
     if settings.log_format == "json":
         handler.setFormatter(JsonFormatter(worker))
     else:
@@ -76,6 +112,8 @@ def configure_logging(settings: Settings, worker: int | None = None) -> None:
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
+        if isinstance(old, SinkHandler):
+            old.close()
     root.addHandler(handler)
     root.setLevel(settings.log_level.upper())
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per health probe otherwise

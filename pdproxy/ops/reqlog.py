@@ -19,7 +19,10 @@ Times are seconds (``ts`` wall clock, the rest durations from :meth:`Timeline.ph
 
 Where lines go (``request_log_path``): unset → the ``pdproxy.requests`` logger at INFO (the message is the
 JSON object); ``-`` → stdout, one bare JSON line each; a path → appended to that file, one line each.
-``request_log: false`` turns the log off.
+``request_log: false`` turns the log off.  A file or stdout is written through a
+:class:`pdproxy.ops.linesink.LineSink` (a reader that fell behind makes lines wait in ``log_buffer_bytes``, then
+drops them with a ``{"event": "log_lines_dropped", "dropped": n, "ts": ...}`` line once it catches up — never
+the event loop), as the logger's handler is (:mod:`pdproxy.ops.logs`).
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ import logging
 import os
 import sys
 import time
-from typing import IO, Any
+from typing import Any
 
 import orjson
 
 from pdproxy.apis.request import ProxyRequest
+from pdproxy.ops.linesink import LineSink
 from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext
 
@@ -73,35 +77,43 @@ class RequestLog:
         self.enabled = settings.request_log
         self.path = settings.request_log_path
         self.log_prompts = settings.log_prompts
+        self.max_buffer_bytes = settings.log_buffer_bytes
         self._logger = logging.getLogger(LOGGER_NAME)
-        self._file: IO[bytes] | None = None
+        self._fd: int | None = None
+        self._sink: LineSink | None = None
         self._failed = False
 
     def __enter__(self) -> RequestLog:
-        if self.enabled and self.path and self.path != "-":
-            self._file = open(self.path, "ab", buffering=0)
+        if self.enabled and self.path:
+            if self.path == "-":
+                sys.stdout.flush()
+                fd = sys.stdout.fileno()
+            else:
+                fd = self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self._sink = LineSink(fd, max_buffer_bytes=self.max_buffer_bytes, dropped_line=_dropped_line)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._sink is not None:
+            self._sink.close()
+            self._sink = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def emit(self, ctx: RequestContext, req: ProxyRequest | None, rejection: tuple[str, str] | None = None) -> None:
-        """Write the line for one finished request."""
-        if not self.enabled or (self._file is None and self.path != "-"
-                                and not self._logger.isEnabledFor(logging.INFO)):
+        """Write the line for one finished request (never waits on the reader: module docstring)."""
+        sink = self._sink
+        if not self.enabled or (sink is None and not self._logger.isEnabledFor(logging.INFO)):
             return
         line = orjson.dumps(request_record(ctx, req, rejection=rejection, log_prompts=self.log_prompts))
-        try:
-            if self._file is not None:
-                self._file.write(line + b"\n")
-            elif self.path == "-":
-                sys.stdout.buffer.write(line + b"\n")
-                sys.stdout.buffer.flush()
-            else:
-                self._logger.info(line.decode(), extra={"raw_json": True})  # JSON log format: as is
-        except (OSError, ValueError) as exc:
-            if not self._failed:
+        if sink is not None:
+            if not sink.write(line + b"\n") and sink.error is not None and not self._failed:
                 self._failed = True
-                logging.getLogger("pdproxy").error("request log %s unusable: %s", self.path, exc)
+                logging.getLogger("pdproxy").error("request log %s unusable: %s", self.path, sink.error)
+        else:
+            self._logger.info(line.decode(), extra={"raw_json": True})  # JSON log format: as is
+
+
+def _dropped_line(n: int) -> bytes:
+    return orjson.dumps({"event": "log_lines_dropped", "ts": round(time.time(), 3), "dropped": n}) + b"\n"
