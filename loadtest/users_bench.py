@@ -17,6 +17,9 @@ Conditions (the same for every target, in one run):
 - **CPU**: ``utime + stime`` (plus reaped children) of the proxy's whole process tree, from just before the
   first request to the last answer: connection set-up, the ramp and the tail are all paid for.  Divided by the
   SSE events the client received;
+- **logging as shipped**: each proxy at its default log level — pdproxy's writes one request line per request
+  (INFO, ``pdproxy/ops/reqlog.py``), vllm-router's none — to a file (``loadtest/fleet.py``); before 2026-12-03
+  both ran at ``--log-level warning``, which spared pdproxy its request lines (≈ 0.05–0.09 ms per short request);
 - **repetitions**: each scenario runs ``--reps`` times per target, interleaved (pdproxy, vllm-router,
   client_pd, then again), and the **median** is reported.
 
@@ -132,10 +135,12 @@ QUICK = (Scenario("paced_1000", 100, 20, 0.1, 0.3), Scenario("full_100", 10, 200
          Scenario("long_open", 20, 32, 0.0, 0.5, api="chat", prompt_bytes=250_000),
          Scenario("paced_3000", 200, 20, 0.1, 0.6), Scenario("slow_readers_1000", 50, 1000, 0.0, 0.3, 1.0))
 STEP_S = 0.005
-ROUTER_RR = ROUTER + " --policy round_robin"
-COMMANDS = {"pdproxy": PDPROXY, "pdproxy_noprefix": PDPROXY + " --prefix-routing off",
-            "pdproxy_continuation": PDPROXY + " --stream-continuation", "vllm-router": ROUTER_RR,
-            "vllm-router_cache_aware": ROUTER + " --policy cache_aware"}
+USERS_PDPROXY = PDPROXY.replace(" --log-level warning", "")   # logging as shipped (module docstring)
+USERS_ROUTER = ROUTER.replace(" --log-level warning", "")
+ROUTER_RR = USERS_ROUTER + " --policy round_robin"
+COMMANDS = {"pdproxy": USERS_PDPROXY, "pdproxy_noprefix": USERS_PDPROXY + " --prefix-routing off",
+            "pdproxy_continuation": USERS_PDPROXY + " --stream-continuation", "vllm-router": ROUTER_RR,
+            "vllm-router_cache_aware": USERS_ROUTER + " --policy cache_aware"}
 """The proxies under test: name → command template (loadtest/fleet.py ``proxy_child``)."""
 
 
@@ -243,7 +248,7 @@ class Run:
             out[sc.name] = runs
         if self.workers and self.scenarios and self.scenarios[0].name == "paced_1000":
             sc = self.scenarios[0]
-            child = fleet.proxy_child("pdproxy-w2", PDPROXY + " --workers 2", self.prefiller.url, self.decoder.url,
+            child = fleet.proxy_child("pdproxy-w2", USERS_PDPROXY + " --workers 2", self.prefiller.url, self.decoder.url,
                                       None)
             with child:
                 time.sleep(1.0)

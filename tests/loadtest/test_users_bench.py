@@ -120,6 +120,13 @@ def test_the_per_request_scenarios_are_the_documented_ones() -> None:
     assert "client_pd" in targets(sc["short_100"]) and sc["agent_16"].agent
 
 
+def test_every_proxy_runs_with_the_logging_it_ships_with() -> None:
+    """Users run pdproxy at its default INFO, one request line per request; the bench must pay for it too."""
+    from loadtest.users_bench import COMMANDS, USERS_PDPROXY
+    assert all("--log-level" not in cmd for cmd in COMMANDS.values())
+    assert COMMANDS["pdproxy"] == USERS_PDPROXY and "--request-log" not in USERS_PDPROXY
+
+
 def test_top_frames_counts_a_function_once_per_stack() -> None:
     collapsed = ("main (a/cli.py:1);serve (a/app.py:5);keys (prefix/index.py:10) 6\n"
                  "main (a/cli.py:1);serve (a/app.py:7);serve (a/app.py:9) 3\n"
