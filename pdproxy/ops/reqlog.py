@@ -86,8 +86,11 @@ class RequestLog:
     def __enter__(self) -> RequestLog:
         if self.enabled and self.path:
             if self.path == "-":
-                sys.stdout.flush()
-                fd = sys.stdout.fileno()
+                try:
+                    sys.stdout.flush()
+                    fd = sys.stdout.fileno()
+                except (AttributeError, OSError, ValueError):  # a stdout with no descriptor (a test harness's)
+                    return self                                 # lines go to the pdproxy.requests logger
             else:
                 fd = self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
             self._sink = LineSink(fd, max_buffer_bytes=self.max_buffer_bytes, dropped_line=_dropped_line)

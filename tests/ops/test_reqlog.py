@@ -100,3 +100,14 @@ def test_disabled_log_writes_nothing(tmp_path: Path) -> None:
     with RequestLog(load_settings(request_log=False, request_log_path=str(path))) as log:
         log.emit(ctx, None)
     assert not path.exists()
+
+
+def test_a_log_that_cannot_be_written_is_said_once_and_never_raises(caplog: pytest.LogCaptureFixture) -> None:
+    ctx = RequestContext(request_id="abc", client_request_id=None, api_label="chat")
+    with caplog.at_level(logging.ERROR, logger="pdproxy"), \
+            RequestLog(load_settings(request_log_path="/dev/full")) as log:   # every write: ENOSPC
+        for _ in range(3):
+            log.emit(ctx, None)
+        assert log._sink is not None and log._sink.dropped == 3
+    errors = [r.getMessage() for r in caplog.records if r.name == "pdproxy"]
+    assert len(errors) == 1 and "request log /dev/full unusable" in errors[0] and "No space left" in errors[0]
