@@ -121,8 +121,9 @@ class Settings(BaseSettings):
                                                           "1 = optional, 2 = required (as vllm serve / uvicorn)")
     log_buffer_bytes: int = Field(4 * 1024 * 1024, ge=4096, le=1 << 30,
                                   description="log lines held for a stderr / stdout / request-log reader that "
-                                              "fell behind; past it lines are dropped and counted, the event loop "
-                                              "never waits on a log (pdproxy/ops/linesink.py)")
+                                              "fell behind; past it lines are dropped and counted: the event loop "
+                                              "never waits on a log's pipe, terminal or socket "
+                                              "(pdproxy/ops/linesink.py)")
     log_prompts: bool = Field(False, description="include the prompt / messages in request log lines")
     request_log: bool = Field(True, description="one JSON line per request at completion (pdproxy/ops/reqlog.py)")
     request_log_path: str | None = Field(None, description="where request lines go: unset = the pdproxy.requests "

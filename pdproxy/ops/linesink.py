@@ -1,23 +1,29 @@
-"""Log lines to a file descriptor without ever blocking the event loop on it.
+"""Log lines to a file descriptor without the event loop ever waiting on the reader.
 
-A ``write()`` to a pipe whose reader has stopped (a terminal paused with Ctrl-S, ``| less`` not scrolled, a
-container log driver that fell behind) blocks once the pipe's buffer (64 KiB on Linux) is full: written from the
-event loop, one log line per request froze every request and stream after ~100 requests.  :class:`LineSink`
-is what the process's log handler (:mod:`pdproxy.ops.logs`) and the request log (:mod:`pdproxy.ops.reqlog`)
-write through:
+A ``write()`` to a pipe, terminal or socket whose reader has stopped (a terminal paused with Ctrl-S, an ssh
+session that hung, ``| less`` not scrolled, a container log driver that fell behind) blocks once the kernel's
+buffer is full: written from the event loop, one log line per request froze every request and stream after ~100
+requests.  :class:`LineSink` is what the process's log handler (:mod:`pdproxy.ops.logs`) and the request log
+(:mod:`pdproxy.ops.reqlog`) write through:
 
-- a line is written at once, by the caller, while nothing is held back and the descriptor takes it without
-  waiting: a regular file always; a pipe or socket when ``poll()`` says it is writable and the line is at most
-  ``PIPE_BUF`` (4,096) bytes — POSIX writes that many bytes to a pipe in one piece, and only when there is room;
-- otherwise the line is held, in order, in a buffer of at most ``max_buffer_bytes`` bytes that one writer thread
-  empties (blocking there, never on the loop), joining held lines into writes of at most ``PIPE_BUF`` bytes so
-  that lines of several processes sharing a pipe (``--workers N``) never interleave;
-- a line that does not fit the buffer is dropped and counted (:attr:`LineSink.dropped`); when the buffer has
-  been emptied again, one line saying how many were dropped (``dropped_line(n)``) is written — as journald and
-  rsyslog report what their rate limits suppressed, and as Docker's ``mode: non-blocking`` log driver drops past
-  its ``max-buffer-size``.
+- to a **regular file** a line is written at once, by the caller (a local file takes it from the page cache; a
+  file system that hangs — a stuck NFS mount — would still hold the caller: not handled);
+- to **anything else** (pipe, terminal, socket, device) the caller only queues the line; one writer thread writes
+  the queue in order, blocking there as long as the reader makes it, joining queued lines into writes of at most
+  ``PIPE_BUF`` (4,096) bytes — POSIX writes that many bytes to a pipe in one piece, so lines up to that size from
+  several processes sharing a pipe (``--workers N``) never interleave (longer ones may, as they always could);
+- the queue holds at most ``max_buffer_bytes`` bytes (a single line larger than that is taken when the queue is
+  empty: it exists in memory anyway); a line that does not fit is dropped and counted (:attr:`LineSink.dropped`),
+  and once the queue has room again one line saying how many were dropped (``dropped_line(n)``) is written — as
+  journald and rsyslog report what their rate limits suppressed, and as Docker's ``mode: non-blocking`` log
+  driver drops past its ``max-buffer-size``; lines lost to a write error (the reader closed the pipe) are counted
+  too, and ``on_error`` is told once.
 
-Cost on the loop per line: one ``poll()`` (pipes only) and one ``write()``, as before; nothing when held.
+Re-entrant writes are safe: a signal handler (SIGTERM's drain logs) or a finalizer run by the garbage collector
+may log from inside :meth:`LineSink.write` on the same thread (the lock is re-entrant and no counter is read
+across a call).
+
+Cost on the caller per line: one ``write()`` (files), or a lock, an append and a wake-up (the rest).
 """
 
 from __future__ import annotations
@@ -34,115 +40,125 @@ PIPE_BUF = 4096  # POSIX: a write of at most this many bytes to a pipe is atomic
 
 class LineSink:
     """Writes whole lines (bytes ending in ``\\n``) to ``fd`` (see module docstring).  ``fd`` stays the caller's
-    (never closed here).  Thread-safe; :meth:`close` writes what is held within ``timeout_s`` seconds."""
+    (never closed here).  Thread-safe and re-entrant; :meth:`close` writes what is queued within ``timeout_s``."""
 
-    def __init__(self, fd: int, *, max_buffer_bytes: int, dropped_line: Callable[[int], bytes]) -> None:
+    def __init__(self, fd: int, *, max_buffer_bytes: int, dropped_line: Callable[[int], bytes],
+                 on_error: Callable[[OSError], None] | None = None) -> None:
         self.fd = fd
         self.max_buffer_bytes = max_buffer_bytes
         self.dropped_line = dropped_line
+        self.on_error = on_error
         self.dropped = 0          # lines dropped since the start (a running total)
+        self.error: OSError | None = None  # the first write error (a closed reader, a full disk), if any
         self._unreported = 0      # dropped lines not yet reported by a dropped_line
-        self.error: OSError | None = None  # the last write error (a closed descriptor, a full disk), if any
         try:
-            self._regular = stat.S_ISREG(os.fstat(fd).st_mode)
+            self._direct = stat.S_ISREG(os.fstat(fd).st_mode)
         except OSError:
-            self._regular = False
-        self._poll = select.poll()
-        self._poll.register(fd, select.POLLOUT)
-        self._lock = threading.Lock()
+            self._direct = False
+        self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self._held: collections.deque[bytes] = collections.deque()
         self._held_bytes = 0
-        self._busy = False        # the writer thread has lines in hand: later lines wait behind them
+        self._busy = False        # the writer thread has lines in hand: later lines queue behind them
         self._closed = False
-        self._thread: threading.Thread | None = None
+        self._thread = threading.Thread(target=self._run, name="pdproxy-log-writer", daemon=True)
+        self._thread.start()
 
     @property
     def held_bytes(self) -> int:
-        """Bytes held for the writer thread now."""
+        """Bytes queued for the writer thread now."""
         return self._held_bytes
 
     def write(self, line: bytes) -> bool:
-        """Write ``line`` now or hold it (module docstring); False when it was dropped (buffer full, or closed)."""
+        """Write ``line`` (a regular file) or queue it (module docstring); False when it was dropped (the queue
+        is full, the sink is closed, or a file write failed)."""
+        size = len(line)
         with self._lock:
             if self._closed:
                 self.dropped += 1
                 return False
-            if not self._held and not self._busy and (
-                    self._regular or (len(line) <= PIPE_BUF and self._poll.poll(0))):
+            if self._direct and not self._held and not self._busy:
                 try:
                     n = os.write(self.fd, line)
-                except BlockingIOError:   # a descriptor someone made non-blocking: hold the line instead
-                    n = 0
-                except OSError as exc:
-                    self.error = exc      # a closed or broken descriptor, a full disk: nothing to wait for
-                    self.dropped += 1
+                except OSError as exc:    # a full disk, a file system gone: nothing to wait for
+                    self._failed(exc, 1)
                     return False
-                if n == len(line):
+                if n == size:
                     return True
-                line = line[n:]           # a short write (a full disk, a non-blocking pipe): the rest is held
-            if self._held_bytes + len(line) > self.max_buffer_bytes:
+                line = line[n:]           # a short write (a full disk): the rest is queued
+                size = len(line)
+            held = self._held_bytes
+            if held and held + size > self.max_buffer_bytes:
                 self.dropped += 1
                 self._unreported += 1
+                self._wake.notify()       # the writer reports it once it has room
                 return False
+            self._held_bytes = held + size   # stored before the next call: a re-entrant write reads it fresh
             self._held.append(line)
-            self._held_bytes += len(line)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="pdproxy-log-writer", daemon=True)
-                self._thread.start()
             self._wake.notify()
             return True
 
-    def close(self, timeout_s: float = 2.0) -> None:
-        """Take no more lines; give the writer thread up to ``timeout_s`` seconds to write what is held (a reader
-        that never comes back loses it)."""
+    def close(self, timeout_s: float = 2.0) -> bool:
+        """Take no more lines; give the writer thread up to ``timeout_s`` seconds to write what is queued (a
+        reader that never comes back loses it).  True when everything was written (the writer thread ended)."""
         with self._lock:
             self._closed = True
             self._wake.notify()
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout_s)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
-    def _take(self) -> bytes:
-        """Held lines from the front, joined up to ``PIPE_BUF`` bytes (one longer line alone); lock held."""
+    def _failed(self, exc: OSError, lines: int) -> None:
+        """``lines`` lines were lost to ``exc``: counted; ``on_error`` told of the first error."""
+        self.dropped += lines
+        first = self.error is None
+        self.error = exc
+        if first and self.on_error is not None:
+            self.on_error(exc)
+
+    def _take(self) -> tuple[bytes, int]:
+        """Queued lines from the front, joined up to ``PIPE_BUF`` bytes (one longer line alone), and how many;
+        the lock is held."""
         first = self._held.popleft()
         size = len(first)
         if size >= PIPE_BUF or not self._held:
             self._held_bytes -= size
-            return first
+            return first, 1
         parts = [first]
         while self._held and size + len(self._held[0]) <= PIPE_BUF:
             nxt = self._held.popleft()
             parts.append(nxt)
             size += len(nxt)
         self._held_bytes -= size
-        return b"".join(parts)
+        return b"".join(parts), len(parts)
 
     def _run(self) -> None:
-        """The writer thread: write held lines in order, blocking here as long as the reader makes it."""
+        """The writer thread: write queued lines in order (blocking here as long as the reader makes it), and
+        the dropped-lines report whenever the queue has emptied after drops (formatted outside the lock, which a
+        logging handler's own lock is taken before)."""
         while True:
             with self._lock:
-                while not self._held and not self._closed:
-                    if self._unreported:
-                        note, self._unreported = self.dropped_line(self._unreported), 0
-                        self._held.append(note)
-                        self._held_bytes += len(note)
-                        break
+                while not self._held and not self._unreported:
                     self._busy = False
+                    if self._closed:
+                        return
                     self._wake.wait()
-                if not self._held:
-                    self._busy = False
-                    return    # closed and empty
-                self._busy = True
-                data = self._take()
+                self._busy = True         # a regular file's callers queue behind what is in hand
+                report = 0
+                if self._held:
+                    data, lines = self._take()
+                else:
+                    report, self._unreported = self._unreported, 0
+            if report:
+                data, lines = self.dropped_line(report), 0
             view = memoryview(data)
             while view:
                 try:
                     n = os.write(self.fd, view)
-                except BlockingIOError:
+                except BlockingIOError:   # a descriptor someone made non-blocking: wait for room here
                     select.select([], [self.fd], [], 1.0)
                     continue
-                except OSError as exc:
-                    self.error = exc  # the descriptor is gone: this piece is lost, as a write failed on the loop
+                except OSError as exc:    # the reader closed its end: this piece is lost, and counted
+                    with self._lock:
+                        self._failed(exc, lines)
                     break
                 view = view[n:]

@@ -1,6 +1,7 @@
 """How ``pdproxy serve`` logs: one root handler on stderr, text or JSON lines (setting ``log_format``), and the
-start-up banner.  The handler writes through a :class:`pdproxy.ops.linesink.LineSink`: a stderr nobody reads
-holds lines (up to ``log_buffer_bytes``) and then drops them, counted, instead of stopping the event loop.
+start-up banner.  The handler writes through a :class:`pdproxy.ops.linesink.LineSink`: to a stderr that is not a
+file (a pipe, a terminal, a socket) by a writer thread, so a reader that falls behind holds lines (up to
+``log_buffer_bytes``) and then drops them, counted and reported, instead of stopping the event loop.
 
 - ``text``: ``2025-01-01 12:00:00,000 INFO pdproxy.engines.control engine http://p0:9100 (prefill) up: …``;
 - ``json``: one object per line, ``{"ts": 1735732800.123, "level": "INFO", "logger": "pdproxy.engines.control",
@@ -65,9 +66,9 @@ class _WorkerFilter(logging.Filter):
 
 
 class SinkHandler(logging.Handler):
-    """A handler that writes each formatted record as one line through a :class:`LineSink` on ``fd`` (never
-    blocking the caller on it); its dropped-lines report is a WARNING record (``event: log_lines_dropped``,
-    ``dropped``: how many) formatted like the rest."""
+    """A handler that writes each formatted record as one line through a :class:`LineSink` on ``fd`` (a pipe,
+    terminal or socket by the sink's writer thread, never by the caller); its dropped-lines report is a WARNING
+    record (``event: log_lines_dropped``, ``dropped``: how many) formatted like the rest."""
 
     def __init__(self, fd: int, max_buffer_bytes: int) -> None:
         super().__init__()
@@ -85,8 +86,8 @@ class SinkHandler(logging.Handler):
 
     def _dropped_line(self, n: int) -> bytes:
         record = logging.LogRecord("pdproxy", logging.WARNING, __file__, 0,
-                                   "%d log lines dropped: the log's reader fell %d bytes behind (log_buffer_bytes)",
-                                   (n, self.sink.max_buffer_bytes), None)
+                                   "%d log lines dropped: the log's reader fell behind by more than "
+                                   "log_buffer_bytes (%d bytes)", (n, self.sink.max_buffer_bytes), None)
         record.event = "log_lines_dropped"
         record.dropped = n
         return (self.format(record) + "\n").encode("utf-8", "backslashreplace")

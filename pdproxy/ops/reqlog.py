@@ -20,9 +20,10 @@ Times are seconds (``ts`` wall clock, the rest durations from :meth:`Timeline.ph
 Where lines go (``request_log_path``): unset → the ``pdproxy.requests`` logger at INFO (the message is the
 JSON object); ``-`` → stdout, one bare JSON line each; a path → appended to that file, one line each.
 ``request_log: false`` turns the log off.  A file or stdout is written through a
-:class:`pdproxy.ops.linesink.LineSink` (a reader that fell behind makes lines wait in ``log_buffer_bytes``, then
-drops them with a ``{"event": "log_lines_dropped", "dropped": n, "ts": ...}`` line once it catches up — never
-the event loop), as the logger's handler is (:mod:`pdproxy.ops.logs`).
+:class:`pdproxy.ops.linesink.LineSink`, as the logger's handler is (:mod:`pdproxy.ops.logs`): a file at once,
+stdout by a writer thread, so a reader that falls behind makes lines wait in ``log_buffer_bytes``, then drops
+them with a ``{"event": "log_lines_dropped", "dropped": n, "ts": ...}`` line once it has room — never the event
+loop; a log that cannot be written (a full disk, a closed pipe) is said once on the ``pdproxy`` logger.
 """
 
 from __future__ import annotations
@@ -81,7 +82,6 @@ class RequestLog:
         self._logger = logging.getLogger(LOGGER_NAME)
         self._fd: int | None = None
         self._sink: LineSink | None = None
-        self._failed = False
 
     def __enter__(self) -> RequestLog:
         if self.enabled and self.path:
@@ -93,16 +93,22 @@ class RequestLog:
                     return self                                 # lines go to the pdproxy.requests logger
             else:
                 fd = self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            self._sink = LineSink(fd, max_buffer_bytes=self.max_buffer_bytes, dropped_line=_dropped_line)
+            self._sink = LineSink(fd, max_buffer_bytes=self.max_buffer_bytes, dropped_line=_dropped_line,
+                                  on_error=self._unusable)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        drained = True
         if self._sink is not None:
-            self._sink.close()
+            drained = self._sink.close()
             self._sink = None
-        if self._fd is not None:
+        if self._fd is not None and drained:   # a writer thread still blocked on it keeps it (process exit frees it)
             os.close(self._fd)
-            self._fd = None
+        self._fd = None
+
+    def _unusable(self, exc: OSError) -> None:
+        """The sink's first write error (its writer thread, or a file write): said once."""
+        logging.getLogger("pdproxy").error("request log %s unusable: %s", self.path, exc)
 
     def emit(self, ctx: RequestContext, req: ProxyRequest | None, rejection: tuple[str, str] | None = None) -> None:
         """Write the line for one finished request (never waits on the reader: module docstring)."""
@@ -111,9 +117,7 @@ class RequestLog:
             return
         line = orjson.dumps(request_record(ctx, req, rejection=rejection, log_prompts=self.log_prompts))
         if sink is not None:
-            if not sink.write(line + b"\n") and sink.error is not None and not self._failed:
-                self._failed = True
-                logging.getLogger("pdproxy").error("request log %s unusable: %s", self.path, sink.error)
+            sink.write(line + b"\n")
         else:
             self._logger.info(line.decode(), extra={"raw_json": True})  # JSON log format: as is
 

@@ -7,10 +7,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import pty
 import select
+import signal
 import subprocess
 import sys
 import threading
+import tty
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,17 +57,17 @@ def _read_all(r: int, until: bytes) -> bytes:
 
 
 def _line(i: int, size: int = 100) -> bytes:
+    """Line ``i``: ``size`` bytes with its newline."""
     head = b"line %06d " % i
     return head + b"x" * (size - len(head) - 1) + b"\n"
 
 
-def test_a_read_pipe_gets_each_line_at_once_from_the_caller() -> None:
+def test_a_pipe_gets_its_lines_from_the_writer_thread_in_order() -> None:
     with _pipe() as (r, w):
         sink = LineSink(w, max_buffer_bytes=1 << 16, dropped_line=_note)
         assert sink.write(b"one\n") and sink.write(b"two\n")
-        assert os.read(r, 100) == b"one\ntwo\n"   # written by the calls themselves: no thread was needed
-        assert sink._thread is None and sink.held_bytes == 0 and sink.dropped == 0
-        sink.close()
+        assert _read_all(r, b"two\n") == b"one\ntwo\n"
+        assert sink.dropped == 0 and sink.close()
 
 
 def test_an_unread_pipe_holds_then_drops_and_counts_and_the_reader_gets_every_kept_line_whole() -> None:
@@ -77,17 +80,20 @@ def test_an_unread_pipe_holds_then_drops_and_counts_and_the_reader_gets_every_ke
         kept = [i for i, ok in enumerate(results) if ok]
         dropped = [i for i, ok in enumerate(results) if not ok]
         assert dropped and sink.dropped == len(dropped) and len(kept) + len(dropped) == n
-        out = _read_all(r, b"dropped ")
-        out += _read_all(r, b"\n") if not out.endswith(b"\n") else b""
+        out = _read_all(r, _note(len(dropped)))
         lines = out.splitlines(keepends=True)
         assert lines[-1] == _note(len(dropped))   # once the reader caught up: how many were lost
         assert lines[:-1] == [_line(i) for i in kept]   # in order, each whole
-        assert sink.write(b"after\n")
-        assert _read_all(r, b"after\n") == b"after\n"
+        # a second episode reports its own drops, not the running total
+        assert sink.write(_line(0)) and _read_all(r, _line(0)) == _line(0)
+        results = [sink.write(_line(i)) for i in range(n)]
+        again = results.count(False)
+        assert again and sink.dropped == len(dropped) + again
+        assert _read_all(r, _note(again)).endswith(_note(again))
         sink.close()
 
 
-def test_a_line_longer_than_pipe_buf_waits_for_the_thread_and_keeps_its_place() -> None:
+def test_a_line_longer_than_pipe_buf_keeps_its_place() -> None:
     with _pipe() as (r, w):
         sink = LineSink(w, max_buffer_bytes=1 << 20, dropped_line=_note)
         big = b"b" * (3 * PIPE_BUF) + b"\n"
@@ -96,20 +102,31 @@ def test_a_line_longer_than_pipe_buf_waits_for_the_thread_and_keeps_its_place() 
         sink.close()
 
 
-def test_a_regular_file_is_written_at_once_whatever_the_size(tmp_path: Path) -> None:
+def test_a_line_larger_than_the_buffer_is_taken_alone_and_dropped_behind_others_with_a_report() -> None:
+    with _pipe() as (r, w):
+        room = _pipe_room(w)
+        sink = LineSink(w, max_buffer_bytes=8192, dropped_line=_note)
+        huge = b"h" * (room + 50_000) + b"\n"   # more than the pipe and the buffer: nothing else is queued
+        assert sink.write(huge)
+        assert not sink.write(b"y" * 9000 + b"\n")   # behind it: past the buffer, dropped
+        # nothing else is ever written: the report still comes once the reader has read the huge line
+        assert _read_all(r, _note(1)) == huge + _note(1)
+        assert sink.close()
+
+
+def test_a_regular_file_is_written_by_the_caller_whatever_the_size(tmp_path: Path) -> None:
     fd = os.open(tmp_path / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     try:
         sink = LineSink(fd, max_buffer_bytes=4096, dropped_line=_note)
         big = b"p" * 100_000 + b"\n"
         assert sink.write(big) and sink.write(b"end\n")
-        assert (tmp_path / "log").read_bytes() == big + b"end\n"
-        assert sink._thread is None
-        sink.close()
+        assert (tmp_path / "log").read_bytes() == big + b"end\n"   # on disk when write() returns
+        assert sink.close()
     finally:
         os.close(fd)
 
 
-def test_close_writes_what_is_held_and_a_closed_sink_takes_nothing() -> None:
+def test_close_writes_what_is_queued_and_a_closed_sink_takes_nothing() -> None:
     with _pipe() as (r, w):
         room = _pipe_room(w)
         sink = LineSink(w, max_buffer_bytes=1 << 20, dropped_line=_note)
@@ -119,22 +136,119 @@ def test_close_writes_what_is_held_and_a_closed_sink_takes_nothing() -> None:
         got = bytearray()
         reader = threading.Thread(target=lambda: got.extend(_read_all(r, _line(n - 1))))
         reader.start()
-        sink.close(timeout_s=10)
+        assert sink.close(timeout_s=10)
         reader.join(10)
         assert bytes(got).splitlines(keepends=True) == [_line(i) for i in range(n)]
         assert not sink.write(b"late\n") and sink.dropped == 1
 
 
-def test_a_broken_descriptor_is_an_error_not_a_wait() -> None:
+def test_lines_lost_to_a_closed_reader_are_counted_and_said_once() -> None:
     r, w = os.pipe()
     os.close(r)
+    errors: list[OSError] = []
     try:
-        sink = LineSink(w, max_buffer_bytes=4096, dropped_line=_note)
-        assert not sink.write(b"x\n")
-        assert isinstance(sink.error, BrokenPipeError) and sink.dropped == 1
-        sink.close()
+        sink = LineSink(w, max_buffer_bytes=1 << 16, dropped_line=_note, on_error=errors.append)
+        assert all(sink.write(_line(i)) for i in range(100))   # queued: the caller never meets the error
+        assert sink.close(timeout_s=10)
+        assert sink.dropped == 100 and isinstance(sink.error, BrokenPipeError)
+        assert len(errors) == 1 and isinstance(errors[0], BrokenPipeError)
     finally:
         os.close(w)
+
+
+def test_a_write_reentered_on_the_same_thread_neither_deadlocks_nor_loses_lines(tmp_path: Path) -> None:
+    """A signal handler (SIGTERM's drain logs) or a finalizer may log from inside ``write`` on the same thread:
+    here a real SIGALRM every 0.2 ms logs through the sink the main thread is writing 20,000 lines to."""
+    path = tmp_path / "log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    sink = LineSink(fd, max_buffer_bytes=1 << 20, dropped_line=_note)
+    fired = [0]
+
+    def on_alarm(signum: int, frame: object) -> None:
+        fired[0] += 1
+        sink.write(b"signal\n")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, 0.0002, 0.0002)
+    try:
+        for i in range(20_000):
+            sink.write(_line(i, 40))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0, 0)
+        signal.signal(signal.SIGALRM, old)
+        sink.close()
+        os.close(fd)
+    lines = path.read_bytes().splitlines(keepends=True)
+    assert fired[0] > 0 and lines.count(b"signal\n") == fired[0]
+    assert [x for x in lines if x != b"signal\n"] == [_line(i, 40) for i in range(20_000)]
+
+
+def test_a_terminal_nobody_reads_never_holds_the_caller() -> None:
+    """``poll()`` says a pty is writable while ``write()`` blocks: lines to a terminal go through the thread."""
+    master, slave = pty.openpty()
+    try:
+        tty.setraw(slave)
+        sink = LineSink(slave, max_buffer_bytes=16_384, dropped_line=_note)
+        results = [sink.write(_line(i)) for i in range(2_000)]   # ~200 KB: far more than a pty buffers
+        kept = [i for i, ok in enumerate(results) if ok]
+        assert results.count(False) == sink.dropped > 0
+        out = _read_all(master, _note(sink.dropped))
+        assert out.splitlines(keepends=True) == [_line(i) for i in kept] + [_note(sink.dropped)]
+        assert sink.close()
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+def test_another_writer_filling_the_same_pipe_never_holds_the_caller() -> None:
+    """Workers and the supervisor share stderr: another process may fill the pipe between any check and a
+    write; the caller never writes to a pipe itself, so it never waits for the reader."""
+    r, w = os.pipe()
+    flood = subprocess.Popen([sys.executable, "-c", f"import os\nwhile True: os.write({w}, b'z' * 3000)"],
+                             pass_fds=(w,))
+    sink = LineSink(w, max_buffer_bytes=1 << 16, dropped_line=_note)
+    try:
+        for i in range(5_000):
+            sink.write(_line(i, 1000))   # a caller held by the full pipe would hang here
+        assert sink.dropped > 0
+    finally:
+        flood.kill()
+        flood.wait(10)
+        os.close(r)                      # the writer thread, blocked on the full pipe, fails at once (EPIPE)...
+        assert sink.close(timeout_s=10)  # ...and ends before `w` is closed: its number is not reused under it
+        os.close(w)
+
+
+_WRITER = """
+import os, sys
+from pdproxy.ops.linesink import LineSink
+sink = LineSink(1, max_buffer_bytes=1 << 24, dropped_line=lambda n: b"dropped %d\\n" % n)
+tag = sys.argv[1].encode()
+for i in range(1500):
+    sink.write(tag + b" %06d " % i + b"x" * 990 + b"\\n")
+assert sink.close(timeout_s=60)
+"""
+
+
+def test_lines_of_two_processes_sharing_a_pipe_never_interleave() -> None:
+    """Writes of at most PIPE_BUF bytes are atomic: each process's queued lines are joined up to that size only."""
+    with _pipe() as (r, w):
+        procs = [subprocess.Popen([sys.executable, "-c", _WRITER, tag], stdout=w, cwd=Path(__file__).parents[2])
+                 for tag in ("A", "B")]
+        out = bytearray()
+        while True:   # a slow reader: small reads keep the pipe full while both write
+            ready, _, _ = select.select([r], [], [], 30.0)
+            assert ready
+            out += os.read(r, 512)
+            if out.count(b"\n") >= 3000:
+                break
+        for p in procs:
+            assert p.wait(30) == 0
+    lines = bytes(out).splitlines()
+    for tag in (b"A", b"B"):
+        mine = [x for x in lines if x.startswith(tag + b" ")]
+        assert mine == [tag + b" %06d " % i + b"x" * 990 for i in range(1500)]
+    assert len(lines) == 3000
 
 
 # --- pdproxy serve whose log nobody reads -------------------------------------------------------------------------
@@ -151,7 +265,8 @@ def test_serve_keeps_answering_while_nobody_reads_its_log(sims: Fleet, where: st
     port = free_port()
     proc = _serve(sims, port, *(["--request-log-path", "-"] if where == "stdout" else []))
     url = f"http://127.0.0.1:{port}"
-    n = 600   # ~300 KB of request lines: more than the pipe (64 KiB) and the buffer (32 KiB) together
+    # request lines (~500 bytes each) for twice the pipe's buffer and the sink's 32 KiB together
+    n = max(600, 4 * (fcntl.fcntl(proc.stderr.fileno(), 1032) + 32768) // 500) if proc.stderr else 600
     try:
         def up() -> bool:
             with contextlib.suppress(httpx.HTTPError):
