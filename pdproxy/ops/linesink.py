@@ -14,7 +14,7 @@ requests.  :class:`LineSink` is what the process's log handler (:mod:`pdproxy.op
   several processes sharing a pipe (``--workers N``) never interleave (longer ones may, as they always could);
 - the queue holds at most ``max_buffer_bytes`` bytes (a single line larger than that is taken when the queue is
   empty: it exists in memory anyway); a line that does not fit is dropped and counted (:attr:`LineSink.dropped`),
-  and once the queue has room again one line saying how many were dropped (``dropped_line(n)``) is written — as
+  and once the queue has emptied one line saying how many were dropped (``dropped_line(n)``) is written — as
   journald and rsyslog report what their rate limits suppressed, and as Docker's ``mode: non-blocking`` log
   driver drops past its ``max-buffer-size``; lines lost to a write error (the reader closed the pipe) are counted
   too, and ``on_error`` is told once.
@@ -55,6 +55,8 @@ class LineSink:
             self._direct = stat.S_ISREG(os.fstat(fd).st_mode)
         except OSError:
             self._direct = False
+        self._room = select.poll()   # the writer thread's wait on a non-blocking descriptor (any fd number)
+        self._room.register(fd, select.POLLOUT)
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self._held: collections.deque[bytes] = collections.deque()
@@ -72,31 +74,37 @@ class LineSink:
     def write(self, line: bytes) -> bool:
         """Write ``line`` (a regular file) or queue it (module docstring); False when it was dropped (the queue
         is full, the sink is closed, or a file write failed)."""
-        size = len(line)
         with self._lock:
             if self._closed:
                 self.dropped += 1
                 return False
-            if self._direct and not self._held and not self._busy:
-                try:
-                    n = os.write(self.fd, line)
-                except OSError as exc:    # a full disk, a file system gone: nothing to wait for
-                    self._failed(exc, 1)
-                    return False
-                if n == size:
+            if not (self._direct and not self._held and not self._busy):
+                return self._queue(line)
+            try:
+                n = os.write(self.fd, line)
+            except OSError as exc:        # a full disk, a file system gone: nothing to wait for
+                error, first = exc, self._failed(exc, 1)
+            else:
+                if n == len(line):
                     return True
-                line = line[n:]           # a short write (a full disk): the rest is queued
-                size = len(line)
-            held = self._held_bytes
-            if held and held + size > self.max_buffer_bytes:
-                self.dropped += 1
-                self._unreported += 1
-                self._wake.notify()       # the writer reports it once it has room
-                return False
-            self._held_bytes = held + size   # stored before the next call: a re-entrant write reads it fresh
-            self._held.append(line)
-            self._wake.notify()
-            return True
+                return self._queue(line[n:])   # a short write (a full disk): the rest is queued
+        if first and self.on_error is not None:
+            self.on_error(error)          # outside the lock: it logs, through a handler of its own
+        return False
+
+    def _queue(self, line: bytes) -> bool:
+        """Queue ``line`` for the writer thread, or drop it past the bound; the lock is held."""
+        size = len(line)
+        held = self._held_bytes
+        if held and held + size > self.max_buffer_bytes:
+            self.dropped += 1
+            self._unreported += 1
+            self._wake.notify()           # the writer reports it once the queue has emptied
+            return False
+        self._held_bytes = held + size    # stored before the next call: a re-entrant write reads it fresh
+        self._held.append(line)
+        self._wake.notify()
+        return True
 
     def close(self, timeout_s: float = 2.0) -> bool:
         """Take no more lines; give the writer thread up to ``timeout_s`` seconds to write what is queued (a
@@ -107,13 +115,13 @@ class LineSink:
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
-    def _failed(self, exc: OSError, lines: int) -> None:
-        """``lines`` lines were lost to ``exc``: counted; ``on_error`` told of the first error."""
+    def _failed(self, exc: OSError, lines: int) -> bool:
+        """``lines`` lines were lost to ``exc``: counted; True for the first error (``on_error`` is told of it,
+        by the caller, outside the lock)."""
         self.dropped += lines
         first = self.error is None
         self.error = exc
-        if first and self.on_error is not None:
-            self.on_error(exc)
+        return first
 
     def _take(self) -> tuple[bytes, int]:
         """Queued lines from the front, joined up to ``PIPE_BUF`` bytes (one longer line alone), and how many;
@@ -149,16 +157,24 @@ class LineSink:
                 else:
                     report, self._unreported = self._unreported, 0
             if report:
-                data, lines = self.dropped_line(report), 0
+                try:
+                    data, lines = self.dropped_line(report), 0
+                except Exception:         # a formatter that failed: the count still goes out
+                    data, lines = b"%d log lines dropped\n" % report, 0
             view = memoryview(data)
             while view:
                 try:
                     n = os.write(self.fd, view)
                 except BlockingIOError:   # a descriptor someone made non-blocking: wait for room here
-                    select.select([], [self.fd], [], 1.0)
+                    self._room.poll(1000)
                     continue
                 except OSError as exc:    # the reader closed its end: this piece is lost, and counted
                     with self._lock:
-                        self._failed(exc, lines)
+                        first = self._failed(exc, lines)
+                    if first and self.on_error is not None:
+                        try:
+                            self.on_error(exc)
+                        except Exception:
+                            pass          # the writer thread outlives a failing error report
                     break
                 view = view[n:]

@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import ssl
 import sys
+import threading
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,11 +70,30 @@ class _WorkerFilter(logging.Filter):
 class SinkHandler(logging.Handler):
     """A handler that writes each formatted record as one line through a :class:`LineSink` on ``fd`` (a pipe,
     terminal or socket by the sink's writer thread, never by the caller); its dropped-lines report is a WARNING
-    record (``event: log_lines_dropped``, ``dropped``: how many) formatted like the rest."""
+    record (``event: log_lines_dropped``, ``dropped``: how many) formatted like the rest.  It takes no handler
+    lock per record: the sink serialises, and a second lock taken in the other order by a finalizer that logs on
+    the sink's writer thread would deadlock the two.  A record that fails to format is reported through the sink too (the
+    base class would write its traceback to ``sys.stderr`` directly, from the caller)."""
 
     def __init__(self, fd: int, max_buffer_bytes: int) -> None:
         super().__init__()
         self.sink = LineSink(fd, max_buffer_bytes=max_buffer_bytes, dropped_line=self._dropped_line)
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        """As ``logging.Handler.handle`` without taking the handler's lock (class docstring)."""
+        rv: object = self.filter(record)
+        if isinstance(rv, logging.LogRecord):  # Python 3.12+: a filter may return a replacement record
+            record = rv
+        if rv:
+            self.emit(record)
+        return bool(rv)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if not logging.raiseExceptions:
+            return
+        text = "".join(traceback.format_exception(*sys.exc_info())) if sys.exc_info()[0] else ""
+        self.sink.write(f"--- logging error in record from {record.name} ({record.pathname}:{record.lineno}): "
+                        f"{record.msg!r}\n{text}".encode("utf-8", "backslashreplace"))
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -117,8 +138,30 @@ def configure_logging(settings: Settings, worker: int | None = None) -> None:
             old.close()
     root.addHandler(handler)
     root.setLevel(settings.log_level.upper())
+    _route_python_reports()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per health probe otherwise
     logging.getLogger("httpcore").setLevel(logging.WARNING)
+
+
+def _route_python_reports() -> None:
+    """What Python itself writes to ``sys.stderr`` — warnings, exceptions ignored in ``__del__`` and callbacks
+    (``sys.unraisablehook``), uncaught exceptions in threads (``threading.excepthook``) — goes through the
+    logging handler instead, so an unread stderr never holds the event loop for them either."""
+    logging.captureWarnings(True)
+    log = logging.getLogger("pdproxy")
+
+    def unraisable(args: Any) -> None:
+        log.error("%s: %r", args.err_msg or "Exception ignored in", args.object,
+                  exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+
+    def thread_exception(args: threading.ExceptHookArgs) -> None:
+        if args.exc_type is SystemExit:
+            return
+        log.error("uncaught exception in thread %s", args.thread.name if args.thread else "?",
+                  exc_info=(args.exc_type, args.exc_value, args.exc_traceback))  # type: ignore[arg-type]
+
+    sys.unraisablehook = unraisable
+    threading.excepthook = thread_exception
 
 
 def listen_urls(addresses: Sequence[tuple[Any, ...]], tls: ssl.SSLContext | bool | None) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import pty
 import select
@@ -22,6 +23,7 @@ import orjson
 import pytest
 
 from pdproxy.ops.linesink import PIPE_BUF, LineSink
+from pdproxy.ops.logs import SinkHandler
 from tests.conftest import Fleet
 from tests.support import free_port, wait_until
 
@@ -108,9 +110,12 @@ def test_a_line_larger_than_the_buffer_is_taken_alone_and_dropped_behind_others_
         sink = LineSink(w, max_buffer_bytes=8192, dropped_line=_note)
         huge = b"h" * (room + 50_000) + b"\n"   # more than the pipe and the buffer: nothing else is queued
         assert sink.write(huge)
+        wait_until(lambda: sink.held_bytes == 0, 10, 0.01, "the writer thread to take the huge line")
+        first = b"f" * 8000 + b"\n"
+        assert sink.write(first)                   # the queue was empty: taken
         assert not sink.write(b"y" * 9000 + b"\n")   # behind it: past the buffer, dropped
-        # nothing else is ever written: the report still comes once the reader has read the huge line
-        assert _read_all(r, _note(1)) == huge + _note(1)
+        # nothing else is ever written: the report still comes once the queue has emptied
+        assert _read_all(r, _note(1)) == huge + first + _note(1)
         assert sink.close()
 
 
@@ -249,6 +254,79 @@ def test_lines_of_two_processes_sharing_a_pipe_never_interleave() -> None:
         mine = [x for x in lines if x.startswith(tag + b" ")]
         assert mine == [tag + b" %06d " % i + b"x" * 990 for i in range(1500)]
     assert len(lines) == 3000
+
+
+def test_the_handler_takes_no_lock_a_finalizer_could_hold_against_its_sink() -> None:
+    """A thread holding the handler's lock (``logging.shutdown``, or a finalizer on the sink's writer thread that
+    logs while the caller waits for the sink) never holds another thread's record."""
+    with _pipe() as (r, w):
+        handler = SinkHandler(w, 1 << 16)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log = logging.getLogger("test_linesink.lock")
+        log.addHandler(handler)
+        log.propagate = False
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            handler.acquire()
+            held.set()
+            release.wait(30)
+            handler.release()
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        try:
+            assert held.wait(10)
+            caller = threading.Thread(target=log.warning, args=("through",))
+            caller.start()
+            caller.join(10)          # the base class's handle() waits here until the holder lets go
+            assert not caller.is_alive()
+            assert _read_all(r, b"through\n") == b"through\n"
+        finally:
+            release.set()
+            holder.join(10)
+            log.removeHandler(handler)
+            handler.close()
+
+
+_PYTHON_REPORTS = """
+import gc, sys, threading, warnings
+from pdproxy.ops.logs import configure_logging
+from pdproxy.settings import load_settings
+configure_logging(load_settings(log_buffer_bytes=65536))
+warnings.simplefilter("always")
+class Bad:
+    def __del__(self):
+        raise RuntimeError("in __del__")
+import logging
+for i in range(1500):
+    warnings.warn(f"warning {i}")
+    Bad()
+    gc.collect(0)
+    t = threading.Thread(target=lambda: 1 / 0)
+    t.start()
+    t.join()
+    logging.getLogger("x").warning("%d", "not a number")   # a record that fails to format
+print("done", flush=True)
+"""
+
+
+def test_python_s_own_reports_go_through_the_sink_and_never_hold_the_caller() -> None:
+    """Warnings, exceptions ignored in ``__del__``, uncaught thread exceptions and records that fail to format
+    are written by the handler's sink too: with nobody reading stderr the program still ends."""
+    proc = subprocess.Popen([sys.executable, "-c", _PYTHON_REPORTS], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=Path(__file__).parents[2])
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert _read_all(proc.stdout.fileno(), b"done\n") == b"done\n"   # stderr never read meanwhile
+        err = _read_all(proc.stderr.fileno(), b" log lines dropped")
+        assert b"py.warnings" in err and b"warning 0" in err
+        assert b"Exception ignored" in err and b"in __del__" in err
+        assert b"uncaught exception in thread" in err and b"ZeroDivisionError" in err
+        assert b"--- logging error in record from x" in err
+    finally:
+        proc.kill()
+        proc.wait(10)
 
 
 # --- pdproxy serve whose log nobody reads -------------------------------------------------------------------------
