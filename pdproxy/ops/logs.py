@@ -72,8 +72,8 @@ class SinkHandler(logging.Handler):
     terminal or socket by the sink's writer thread, never by the caller); its dropped-lines report is a WARNING
     record (``event: log_lines_dropped``, ``dropped``: how many) formatted like the rest.  It takes no handler
     lock per record: the sink serialises, and a second lock taken in the other order by a finalizer that logs on
-    the sink's writer thread would deadlock the two.  A record that fails to format is reported through the sink too (the
-    base class would write its traceback to ``sys.stderr`` directly, from the caller)."""
+    the sink's writer thread would deadlock the two.  A record that fails to format is reported through the sink
+    too (the base class would write its traceback to ``sys.stderr`` directly, from the caller)."""
 
     def __init__(self, fd: int, max_buffer_bytes: int) -> None:
         super().__init__()
@@ -97,7 +97,7 @@ class SinkHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.sink.write((self.format(record) + "\n").encode("utf-8", "backslashreplace"))
+            self.sink.write(self._line(record))
         except Exception:
             self.handleError(record)
 
@@ -111,6 +111,10 @@ class SinkHandler(logging.Handler):
                                    "log_buffer_bytes (%d bytes)", (n, self.sink.max_buffer_bytes), None)
         record.event = "log_lines_dropped"
         record.dropped = n
+        return self._line(record)
+
+    def _line(self, record: logging.LogRecord) -> bytes:
+        """``record`` formatted, as one UTF-8 line ending in ``\\n`` (unencodable characters escaped)."""
         return (self.format(record) + "\n").encode("utf-8", "backslashreplace")
 
 
