@@ -61,7 +61,7 @@ KEY_MASK = (1 << 64) - 1
 TEXT_GROWTH = 8
 """Text keys: past ``TEXT_GROWTH`` chunks, each chunk is 1/TEXT_GROWTH of the bytes before it (:func:`text_keys`)."""
 MESSAGE_MARK = b"\x1e"
-"""Text keys: the byte :func:`~pdproxy.prefix.routing.render_text` writes before each message (ASCII's record
+"""Text keys: the byte :func:`~pdproxy.prefix.routing.render_bytes` writes before each message (ASCII's record
 separator); a chunk ends at one (:func:`text_keys`)."""
 _NO_MARK = 1 << 62
 
@@ -166,18 +166,21 @@ def block_keys(token_ids: Sequence[int], block_size: int, namespace: str = "",
     return BlockKeys(keys, block_size, len(token_ids), namespace, "tokens")
 
 
-def text_keys(text: str, *, chunk_chars: int = DEFAULT_TEXT_CHUNK_CHARS, namespace: str = "",
+def text_keys(text: str | bytes, *, chunk_chars: int = DEFAULT_TEXT_CHUNK_CHARS, namespace: str = "",
               num_tokens: int | None = None, chars_per_token: float = DEFAULT_CHARS_PER_TOKEN,
               tokens_per_byte: float | None = None) -> BlockKeys:
     """Fallback keys when no tokenizer is at hand: chunks of the rendered prompt's UTF-8 encoding, chained with
     XXH3-64 (each chunk hashed with the previous key as its seed; stable across processes and replicas), as
     unsigned 64-bit ints.  Only the approximate index can use them (engines report token blocks).
 
+    ``text``: the rendered prompt, as text or as its UTF-8 encoding (what :func:`render_bytes
+    <pdproxy.prefix.routing.render_bytes>` gives).
+
     Chunks: ``chunk_chars`` bytes each for the first :data:`TEXT_GROWTH` chunks, then each one 1/TEXT_GROWTH of
     the bytes before it, so a prompt of ``n`` bytes with few messages has about ``8 + 8.5 ln(n / 2048)`` keys at
     the default sizes (49 for 250 KB, where fixed chunks had 1,000): hashing, the index's record and query cost that many dict
-    operations.  Two more bounds: a message boundary (:data:`MESSAGE_MARK`, which :func:`render_text
-    <pdproxy.prefix.routing.render_text>` writes before each message) at least half the chunk's length (and
+    operations.  Two more bounds: a message boundary (:data:`MESSAGE_MARK`, which :func:`render_bytes
+    <pdproxy.prefix.routing.render_bytes>` writes before each message) at least half the chunk's length (and
     ``chunk_chars``) into a chunk ends it there — so every chunk is at least half its step and the count stays
     logarithmic, however many marks a client writes (≤ 90 for 250 KB of marks alone) — and the text's end ends
     the last chunk (a text shorter than ``chunk_chars`` has no key, as a
@@ -188,7 +191,8 @@ def text_keys(text: str, *, chunk_chars: int = DEFAULT_TEXT_CHUNK_CHARS, namespa
     half a step into a chunk: its whole prefix is credited but less than ``max(chunk_chars, prefix / 16)``
     bytes.  Elsewhere a chunk boundary is not a block boundary, so a shared prefix is credited to the last
     chunk it covers whole: up to ``chunk_chars`` bytes, or 1/(TEXT_GROWTH + 1) of the prefix, less than the
-    engine's hit.  Cost: ~0.3 µs per chunk (``loadtest/request_cost_bench.py``).
+    engine's hit.  Cost: ~0.3 µs per chunk plus one pass of XXH3 and one of ``memchr`` over the bytes
+    (``loadtest/request_cost_bench.py``).
 
     ``num_tokens``: the prompt's token count if known, else ``bytes / chars_per_token``; ``tokens_per_byte``,
     when given, sets it to ``bytes × tokens_per_byte`` (at least 1) instead (the engine's ratio, learnt from its
@@ -196,7 +200,7 @@ def text_keys(text: str, *, chunk_chars: int = DEFAULT_TEXT_CHUNK_CHARS, namespa
     """
     if chunk_chars < 1:
         raise ValueError(f"chunk_chars must be >= 1, got {chunk_chars}")
-    data = text.encode("utf-8", "surrogatepass")
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
     size = len(data)
     seed = namespace_root(namespace, "text") & KEY_MASK
     keys: list[int] = []

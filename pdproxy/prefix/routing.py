@@ -15,7 +15,7 @@ ids of repeated blocks cached), else the engine's ``/tokenize``; the block keys
 (:func:`~pdproxy.prefix.index.block_keys`, one set per engine block size) are hashed in the same worker thread.
 ``prefix_keys: auto`` asks an engine's ``/tokenize`` only when some engine publishes KV events (precise routing
 needs the engine's own tokens; a round trip per request); otherwise, and with ``prefix_keys: text``, the prompt is
-rendered canonically (:func:`render_text`: tools, then each message's role and content) and hashed in byte
+rendered canonically (:func:`render_bytes`: tools, then each message's role and content) and hashed in byte
 chunks that grow along the prompt (:func:`~pdproxy.prefix.index.text_keys`), which only the approximate index understands; their
 token figures use the engine's tokens per byte as its answers show them (before the first answer:
 admission's estimate).
@@ -72,27 +72,31 @@ KeyKind = Literal["tokens", "text"]
 
 
 _MARK = MESSAGE_MARK.decode()
-""":data:`~pdproxy.prefix.index.MESSAGE_MARK` as text: :func:`render_text` writes it before each part."""
+""":data:`~pdproxy.prefix.index.MESSAGE_MARK` as text: :func:`render_bytes` writes it before each part."""
 _ROLE_END = "\x1f"
-"""What :func:`render_text` writes between a message's role and its content (ASCII's unit separator)."""
+"""What :func:`render_bytes` writes between a message's role and its content (ASCII's unit separator)."""
+_TOOLS_HEAD = f"{_MARK}tools{_ROLE_END}".encode()
 
 
-def render_text(body: dict[str, Any], chat: bool) -> str:
-    """A canonical rendering of a request's prompt for text keys: a completion prompt as it is; a chat as its
-    tools (JSON) then each message's role, text content and tool calls (JSON), each part after
+def render_bytes(body: dict[str, Any], chat: bool) -> bytes:
+    """A canonical rendering of a request's prompt for text keys, as UTF-8: a completion prompt as it is; a chat
+    as its tools (JSON) then each message's role, text content and tool calls (JSON), each part after
     :data:`~pdproxy.prefix.index.MESSAGE_MARK` (``\x1e``; the role and its content apart by ``\x1f``).  A
     conversation's next turn renders as this turn's text plus its new messages, so text keys share its prefix, and
     the mark where its new messages begin ends a chunk there (:func:`~pdproxy.prefix.index.text_keys`).
-    An id prompt renders as ``""`` (it has token keys)."""
+    An id prompt renders as ``b""`` (it has token keys).
+
+    Each part is encoded on its own and the parts joined: a 250 KB message is copied twice (its encoding, the
+    join), where a rendering as text, formatted then encoded, copied it three times; the keys are the same."""
     if not chat:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
-        return prompt if isinstance(prompt, str) else ""
-    parts: list[str] = []
+        return prompt.encode("utf-8", "surrogatepass") if isinstance(prompt, str) else b""
+    parts: list[bytes] = []
     tools = body.get("tools")
     if tools:
-        parts.append(f"{_MARK}tools{_ROLE_END}" + orjson.dumps(tools).decode())
+        parts += (_TOOLS_HEAD, orjson.dumps(tools))
     messages = body.get("messages")
     for message in messages if isinstance(messages, list) else ():
         if not isinstance(message, dict):
@@ -101,10 +105,12 @@ def render_text(body: dict[str, Any], chat: bool) -> str:
         if isinstance(content, list):
             content = "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict)
                                 and p.get("type") == "text")
-        parts.append(f"{_MARK}{message.get('role')}{_ROLE_END}{content if isinstance(content, str) else ''}")
+        parts.append(f"{_MARK}{message.get('role')}{_ROLE_END}".encode("utf-8", "surrogatepass"))
+        if isinstance(content, str) and content:
+            parts.append(content.encode("utf-8", "surrogatepass"))
         if message.get("tool_calls"):
-            parts.append(orjson.dumps(message["tool_calls"]).decode())
-    return "".join(parts)
+            parts.append(orjson.dumps(message["tool_calls"]))
+    return b"".join(parts)
 
 
 def cache_salt(req: ProxyRequest) -> str | None:
@@ -322,7 +328,7 @@ class PrefixRouter:
 
     def _text_keys(self, body: dict[str, Any], chat: bool, namespace: str, tokens: int | None,
                    per_byte: float | None) -> BlockKeys:
-        return text_keys(render_text(body, chat), chunk_chars=self.text_chunk_chars, namespace=namespace,
+        return text_keys(render_bytes(body, chat), chunk_chars=self.text_chunk_chars, namespace=namespace,
                          num_tokens=tokens, tokens_per_byte=per_byte)
 
     def _predict(self, lookup: PrefixLookup, targets: Sequence[tuple[Endpoint, bool, bool]]) -> None:

@@ -13,7 +13,7 @@ from pdproxy.admission.count import IdsCache, LocalCounter
 from pdproxy.endpoints import Role, expand
 from pdproxy.engines.pool import EndpointPool
 from pdproxy.prefix.index import block_keys, text_keys
-from pdproxy.prefix.routing import PrefixLookup, PrefixRouter, render_text
+from pdproxy.prefix.routing import PrefixLookup, PrefixRouter, render_bytes
 from pdproxy.scheduling import PickRequest, PrefixHints, Scheduler
 from pdproxy.tokens import load_tokenizer, prompt_token_ids, sim_prompt
 from pdproxy.tools.tinymodel import write_tokenizer
@@ -73,24 +73,23 @@ def test_the_ids_cache_is_bounded_in_tokens() -> None:
 def test_text_rendering_keeps_a_conversations_prefix() -> None:
     turn1 = bodies()[0][0]
     turn2 = bodies()[1][0]
-    a, b = render_text(turn1, True), render_text(turn2, True)
-    assert b.startswith(a[:-len("Find the bug.")])
-    ka, kb = text_keys(a, chunk_chars=64), text_keys(b, chunk_chars=64)
+    a, b = render_bytes(turn1, True), render_bytes(turn2, True)
+    assert b.startswith(a[:-len(b"Find the bug.")])
     # turn 1's last chunk ends at its text's end; turn 2 ends a chunk at that message mark unless it lies less than
     # half a step (and one chunk) into a chunk: the keys turn 2 shares with turn 1 cover all of turn 1 but less
     # than max(chunk_chars, 1/16 of it)
     for last in ("Find the bug.", "Find it. " * 30, "Find it. " * 60, "x" * 1000, "y" * 20_000):
         one = {**turn1, "messages": [*turn1["messages"][:-1], {"role": "user", "content": last}]}
         two = {**turn2, "messages": [*one["messages"], *turn2["messages"][2:]]}
-        a, b = render_text(one, True), render_text(two, True)
-        assert b.startswith(a) and b[len(a)] == "\x1e"
+        a, b = render_bytes(one, True), render_bytes(two, True)
+        assert b.startswith(a) and b[len(a):len(a) + 1] == b"\x1e"
         ka, kb = text_keys(a, chunk_chars=64), text_keys(b, chunk_chars=64)
         shared = next(i for i, (x, y) in enumerate(zip(ka.keys, kb.keys, strict=False)) if x != y) \
             if kb.keys[:len(ka.keys)] != ka.keys else len(ka.keys)
         assert len(a) - max(64, len(a) // 16) < kb.ends[shared - 1] <= len(a) and len(kb.keys) >= len(ka.keys)
         assert ka.ends[-1] == len(a)                                   # the last chunk ends at the text's end
-    assert render_text({"prompt": ["one prompt"]}, False) == "one prompt"
-    assert render_text({"prompt": [1, 2]}, False) == ""
+    assert render_bytes({"prompt": ["one prompt"]}, False) == b"one prompt"
+    assert render_bytes({"prompt": [1, 2]}, False) == b""
 
 
 P = expand(["http://p0:1", "http://p1:1", "http://p2:1"], Role.PREFILL)
@@ -165,3 +164,25 @@ def test_queues_closer_than_the_resolution_tie_and_in_flight_requests_decide() -
         held.release()
     hints = PrefixHints(cached_tokens={P[2]: 1510})                  # a prefix hit counts to the token
     assert sched.pick(Role.PREFILL, PickRequest("r", prompt_tokens=1575, hints=hints)) == P[2]
+
+
+def test_text_keys_of_a_rendered_chat_are_pinned() -> None:
+    # replicas and versions key a prompt alike (the picker's tie-break key, the approximate index across a
+    # restart): the keys of one chat — tools, a list content with a mark inside, tool calls, a role that is not
+    # a string, non-ASCII text — as the rendering first keyed them (a text, formatted then encoded)
+    body = {"tools": [{"type": "function", "function": {"name": "grep", "description": "search files é"}}],
+            "messages": [{"role": "system", "content": "You are a coding agent. " * 6},
+                         {"role": "user", "content": [{"type": "text", "text": "Fix ☃ in\x1emain.py"},
+                                                      {"type": "image_url"}]},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"id": "c1", "type": "function", "function": {"name": "grep", "arguments": '{"q": "☃"}'}}]},
+                         {"role": None, "content": 17}, {"role": "tool", "content": "main.py:3: x = '☃'"}]}
+    keys = text_keys(render_bytes(body, True), chunk_chars=16, namespace="m")
+    assert keys.num_chars == 395 and keys.ends == [16, 32, 48, 64, 80, 96, 112, 128, 144, 162, 182, 204, 229, 255,
+                                                    286, 321, 361, 395]
+    assert keys.keys == [
+        8256292637354454668, 16019773111651134166, 4299414531826878635, 3489712071052954578, 16019478842703787130,
+        1824734322904574074, 4488672694323462285, 7143787276218162239, 15335403299361016369, 5305698952034529564,
+        2518824593386082122, 5056739300937358290, 12578474548483258503, 10961350380700196707, 4526384372057410479,
+        6473355559937028508, 3814072231123602999, 14589595235104345335]
+    assert keys == text_keys(render_bytes(body, True).decode(), chunk_chars=16, namespace="m")    # text or bytes
