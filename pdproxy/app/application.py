@@ -285,7 +285,8 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
             proxy.state, proxy.director = state, director
             proxy.metrics.follow_releases(director.kv_release)  # pdproxy_kv_release_legs_total
             state.live_streams.observer = proxy.metrics.continuations  # pdproxy_continuation*
-            gc_policy = GcPolicy(proxy.settings.gc_full_interval_s)  # no full-collection pauses mid-ramp (gcpolicy.py)
+            gc_policy = GcPolicy(proxy.settings.gc_full_interval_s,  # no full-collection pauses mid-ramp, young
+                                 proxy.settings.gc_young_threshold)  # collections every few hundred requests
             gc_policy.start()
             stack.callback(gc_policy.stop)
             stack.enter_context(proxy.request_log)

@@ -15,7 +15,16 @@ what only a full collection can free grows slowly.  :class:`GcPolicy` therefore,
    the tokenizer — ~50k objects never scanned again);
 2. keeps the young-generation collections as they are (cheap: they scan only recent objects);
 3. turns the automatic full collection off (its threshold set out of reach) and runs one every
-   ``interval_s`` seconds instead (``gc_full_interval_s``; 0 keeps CPython's policy).
+   ``interval_s`` seconds instead (``gc_full_interval_s``; 0 keeps CPython's policy);
+4. raises the young generation's threshold from CPython's 700 to ``young_threshold`` (``gc_young_threshold``;
+   0 keeps CPython's thresholds): a request allocates tracked objects (dicts, lists, frames' closures) that
+   reference counting frees within milliseconds, and a young collection scans each one still alive — at 700 one
+   runs every few requests and finds most of the in-flight requests' objects alive, ~6 % of the proxy's CPU at
+   100 concurrent short requests; at 10,000, one every few hundred requests, most have died first (~1 %).  The
+   middle generation is then collected at every second young collection (its threshold 1, CPython's 10), so a
+   middle collection scans at most two young collections' worth of objects: pauses of at most ~5 ms (young) and ~15 ms (middle)
+   measured in a ramp to 1,000 streams, against ~2 and ~7 ms at CPython's thresholds, and ~80 ms with only the
+   young threshold raised (``loadtest/RESULTS.md`` §4, "Young collections").
 
 Restored by :meth:`GcPolicy.stop`.  Not thread-safe; one per process (the app's lifespan owns it).
 """
@@ -25,20 +34,28 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import sys
 import time
 
 log = logging.getLogger("pdproxy.gc")
 
 _NEVER = 1 << 30
 """A third threshold no count reaches: gen-1 collections before the automatic full one."""
+_MIDDLE = 1
+"""The second threshold with a raised young one: young collections before a middle one, less one (CPython
+3.11-3.13 and 3.15's generational collector; 3.14's incremental one has no middle generation, and its second
+threshold is left alone)."""
 
 
 class GcPolicy:
-    """See the module docstring.  ``interval_s``: seconds between full collections (≤ 0: leave CPython's
-    policy alone).  ``full_collections``: how many it ran; ``last_pause_s``: the duration of the last one."""
+    """See the module docstring.  ``interval_s``: seconds between full collections (≤ 0: leave CPython's full
+    collections alone); ``young_threshold``: the young generation's threshold (allocations of tracked objects
+    less deallocations; ≤ 0: CPython's).  ``full_collections``: how many it ran; ``last_pause_s``: the duration
+    of the last one."""
 
-    def __init__(self, interval_s: float) -> None:
+    def __init__(self, interval_s: float, young_threshold: int = 0) -> None:
         self.interval_s = interval_s
+        self.young_threshold = young_threshold
         self.full_collections = 0
         self.last_pause_s = 0.0
         self._saved: tuple[int, int, int] | None = None
@@ -47,15 +64,21 @@ class GcPolicy:
 
     def start(self) -> None:
         """Apply the policy (call inside the running loop, after start-up)."""
-        if self.interval_s <= 0 or self._saved is not None:
+        if self._saved is not None or (self.interval_s <= 0 and self.young_threshold <= 0):
             return
-        gc.collect()
-        gc.freeze()
         self._saved = gc.get_threshold()
-        young, middle, _ = self._saved
-        gc.set_threshold(young, middle, _NEVER)
-        self._loop = asyncio.get_running_loop()
-        self._timer = self._loop.call_later(self.interval_s, self._full)
+        young, middle, oldest = self._saved
+        if self.young_threshold > 0:
+            young = self.young_threshold
+            if sys.version_info[:2] != (3, 14):     # 3.14's incremental collector reads it as the old one's scan rate
+                middle = _MIDDLE
+        if self.interval_s > 0:
+            gc.collect()
+            gc.freeze()
+            oldest = _NEVER
+            self._loop = asyncio.get_running_loop()
+            self._timer = self._loop.call_later(self.interval_s, self._full)
+        gc.set_threshold(young, middle, oldest)
 
     def _full(self) -> None:
         started = time.perf_counter()
@@ -75,4 +98,5 @@ class GcPolicy:
         if self._saved is not None:
             gc.set_threshold(*self._saved)
             self._saved = None
-            gc.unfreeze()
+            if self.interval_s > 0:
+                gc.unfreeze()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import sys
 
 import pytest
 
@@ -49,3 +50,47 @@ def test_interval_zero_leaves_cpython_alone() -> None:
         policy.stop()
 
     asyncio.run(main())
+
+
+def test_the_young_threshold_is_raised_and_restored() -> None:
+    # young collections every young_threshold net allocations of tracked objects: counted by gc.callbacks while
+    # 50,000 short-lived tracked objects are made (the number that live at once stays far below both thresholds)
+    def young_collections(policy: GcPolicy) -> int:
+        seen: list[int] = []
+
+        def on_gc(phase: str, info: dict[str, int]) -> None:
+            if phase == "stop":
+                seen.append(info["generation"])
+
+        async def main() -> None:
+            policy.start()
+            gc.callbacks.append(on_gc)
+            try:
+                keep = [[i] for i in range(50_000)]      # net allocations: each list stays until the end
+                del keep
+            finally:
+                gc.callbacks.remove(on_gc)
+                policy.stop()
+
+        asyncio.run(main())
+        return len(seen)
+
+    before = gc.get_threshold()
+    raised = young_collections(GcPolicy(0, young_threshold=10_000))
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    default = young_collections(GcPolicy(0))
+    assert before[0] < 2_000                              # CPython's (700): ~70 collections for 50,000 objects
+    assert 3 <= raised <= 6 and default >= 10 * raised, (raised, default)
+
+    async def check_combined() -> None:
+        policy = GcPolicy(60.0, young_threshold=5_000)
+        policy.start()
+        try:
+            middle = before[1] if sys.version_info[:2] == (3, 14) else 1    # 3.14: no middle generation
+            assert gc.get_threshold()[:2] == (5_000, middle)  # the middle generation every second young one
+            assert gc.get_threshold()[2] > 10**6 and gc.get_freeze_count() > 0
+        finally:
+            policy.stop()
+
+    asyncio.run(check_combined())
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
