@@ -179,8 +179,8 @@ class Settings(BaseSettings):
     gc_young_threshold: int = Field(
         10_000, ge=0, description="CPython's young-generation threshold (allocations less deallocations of tracked "
                                   "objects between young collections; CPython's is 700, at which they took ~6 percent "
-                                  "of the proxy's CPU under load), the middle generation then collected at every "
-                                  "second young collection; 0 keeps CPython's thresholds (pdproxy/ops/gcpolicy.py)")
+                                  "of the proxy's CPU under load), the middle generation then collected after every "
+                                  "two young collections; 0 keeps CPython's thresholds (pdproxy/ops/gcpolicy.py)")
     upstream_max_connections: int = Field(4096, ge=0, description="open connections per engine (0: unlimited); "
                                                                   "one per in-flight request")
     upstream_pool_wait_s: float = Field(10.0, gt=0, description="how long a request waits for a connection to an "

@@ -13,7 +13,7 @@ what only a full collection can free grows slowly.  :class:`GcPolicy` therefore,
 
 1. collects once and freezes everything allocated at start-up (``gc.freeze()``: the app, FastAPI, pydantic,
    the tokenizer — ~50k objects never scanned again);
-2. keeps the young-generation collections as they are (cheap: they scan only recent objects);
+2. keeps young collections (they scan only the objects allocated since the last one), less often (4.);
 3. turns the automatic full collection off (its threshold set out of reach) and runs one every
    ``interval_s`` seconds instead (``gc_full_interval_s``; 0 keeps CPython's policy);
 4. raises the young generation's threshold from CPython's 700 to ``young_threshold`` (``gc_young_threshold``;
@@ -21,10 +21,12 @@ what only a full collection can free grows slowly.  :class:`GcPolicy` therefore,
    reference counting frees within milliseconds, and a young collection scans each one still alive — at 700 one
    runs every few requests and finds most of the in-flight requests' objects alive, ~6 % of the proxy's CPU at
    100 concurrent short requests; at 10,000, one every few hundred requests, most have died first (~1 %).  The
-   middle generation is then collected at every second young collection (its threshold 1, CPython's 10), so a
-   middle collection scans at most two young collections' worth of objects: pauses of at most ~5 ms (young) and ~15 ms (middle)
-   measured in a ramp to 1,000 streams, against ~2 and ~7 ms at CPython's thresholds, and ~80 ms with only the
-   young threshold raised (``loadtest/RESULTS.md`` §4, "Young collections").
+   middle generation is then collected after every two young collections (its threshold 1, CPython's 10: young,
+   young, middle), so a middle collection scans at most three young collections' worth of objects: pauses of at
+   most ~5 ms (young) and ~15 ms (middle) measured in a ramp to 1,000 streams, against ~2 and ~7 ms at CPython's
+   thresholds, and ~80 ms with only the young threshold raised (``loadtest/RESULTS.md`` §4, "Young
+   collections").  The saving needs the threshold above the objects the in-flight requests hold (~100 of them at
+   a time here); far more concurrent requests make a young collection find most of its objects alive again.
 
 Restored by :meth:`GcPolicy.stop`.  Not thread-safe; one per process (the app's lifespan owns it).
 """
@@ -59,6 +61,8 @@ class GcPolicy:
         self.full_collections = 0
         self.last_pause_s = 0.0
         self._saved: tuple[int, int, int] | None = None
+        self._applied: tuple[int, int, int] | None = None
+        self._froze = False
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -75,10 +79,12 @@ class GcPolicy:
         if self.interval_s > 0:
             gc.collect()
             gc.freeze()
+            self._froze = True
             oldest = _NEVER
             self._loop = asyncio.get_running_loop()
             self._timer = self._loop.call_later(self.interval_s, self._full)
         gc.set_threshold(young, middle, oldest)
+        self._applied = gc.get_threshold()
 
     def _full(self) -> None:
         started = time.perf_counter()
@@ -91,12 +97,17 @@ class GcPolicy:
             self._timer = self._loop.call_later(self.interval_s, self._full)
 
     def stop(self) -> None:
-        """Restore CPython's thresholds and unfreeze (a no-op if not started)."""
+        """Restore the thresholds found at :meth:`start` — unless they have changed since, i.e. another policy
+        started after this one is still applied or has restored what it found (two apps of the same settings in one
+        process, as tests run them, stopping in either order leave the thresholds as they were before both) — and
+        unfreeze (a no-op if not started)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         if self._saved is not None:
-            gc.set_threshold(*self._saved)
-            self._saved = None
-            if self.interval_s > 0:
+            if gc.get_threshold() == self._applied:
+                gc.set_threshold(*self._saved)
+            self._saved = self._applied = None
+            if self._froze:
+                self._froze = False
                 gc.unfreeze()
