@@ -44,9 +44,9 @@ log = logging.getLogger("pdproxy.gc")
 _NEVER = 1 << 30
 """A third threshold no count reaches: gen-1 collections before the automatic full one."""
 _MIDDLE = 1
-"""The second threshold with a raised young one: young collections before a middle one, less one (CPython
-3.11-3.13 and 3.15's generational collector; 3.14's incremental one has no middle generation, and its second
-threshold is left alone)."""
+"""The second threshold with a raised young one: a middle collection comes once more than this many young ones
+have run since the last (1: young, young, middle).  CPython 3.11-3.13 and 3.15's generational collector; 3.14's
+incremental one has no middle generation, and its second threshold is left alone."""
 
 
 class GcPolicy:

@@ -89,6 +89,8 @@ class SinkHandler(logging.Handler):
         return bool(rv)
 
     def handleError(self, record: logging.LogRecord) -> None:
+        """A record that failed to format or write: one line naming its logger, source and message, then the
+        traceback, through the sink (nothing when ``logging.raiseExceptions`` is off, as the base class)."""
         if not logging.raiseExceptions:
             return
         text = "".join(traceback.format_exception(*sys.exc_info())) if sys.exc_info()[0] else ""

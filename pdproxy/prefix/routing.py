@@ -76,6 +76,7 @@ _MARK = MESSAGE_MARK.decode()
 _ROLE_END = "\x1f"
 """What :func:`render_bytes` writes between a message's role and its content (ASCII's unit separator)."""
 _TOOLS_HEAD = f"{_MARK}tools{_ROLE_END}".encode()
+"""What :func:`render_bytes` writes before a chat's tools (their JSON follows), as a message's role line."""
 
 
 def render_bytes(body: dict[str, Any], chat: bool) -> bytes:
@@ -86,8 +87,9 @@ def render_bytes(body: dict[str, Any], chat: bool) -> bytes:
     the mark where its new messages begin ends a chunk there (:func:`~pdproxy.prefix.index.text_keys`).
     An id prompt renders as ``b""`` (it has token keys).
 
-    Each part is encoded on its own and the parts joined: a 250 KB message is copied twice (its encoding, the
-    join), where a rendering as text, formatted then encoded, copied it three times; the keys are the same."""
+    Each part is encoded on its own and the parts joined: a 250 KB string content is copied twice (its encoding,
+    the join; a list content once more, joining its text parts), where a rendering as text, formatted then
+    encoded, copied it three times; the keys are the same."""
     if not chat:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
