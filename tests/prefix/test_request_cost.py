@@ -16,7 +16,7 @@ from collections import OrderedDict
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pdproxy.admission.bounds import ToolsBytes, indented_json_bytes, prompt_bounds, utf8_len
@@ -73,17 +73,21 @@ def test_text_keys_do_not_depend_on_the_process() -> None:
 @settings(max_examples=150, deadline=None)
 @given(shared=st.text(min_size=0, max_size=6000), a=st.text(min_size=1, max_size=3000),
        b=st.text(min_size=1, max_size=3000), chunk=st.sampled_from([1, 7, 64, 256]))
+@example(shared="000\x80\x80\x80\x80\x80\U00010000", a="\x1e", b="0", chunk=1)   # a mark right after the shared bytes
 def test_text_keys_share_exactly_the_chunks_of_a_shared_prefix(shared: str, a: str, b: str, chunk: int) -> None:
     if a[0] == b[0]:
         b = chr((ord(a[0]) + 1) % 0xD800) + b[1:]
     ka, kb = text_keys(shared + a, chunk_chars=chunk), text_keys(shared + b, chunk_chars=chunk)
     da, db = ((shared + x).encode("utf-8", "surrogatepass") for x in (a, b))
     common = next((i for i, (x, y) in enumerate(zip(da, db, strict=False)) if x != y), min(len(da), len(db)))
-    inside = sum(1 for end in ka.ends if end <= common)          # chunks wholly inside the shared bytes
+    # chunks ending before the first different byte are the same; one ending at it may not be in the other (a
+    # message mark there ends a chunk: the byte after a chunk decides that, as a conversation's next turn wants)
+    inside = sum(1 for end in ka.ends if end < common)
     assert ka.keys[:inside] == kb.keys[:inside] and ka.ends[:inside] == kb.ends[:inside]
     diverged = min(len(ka.keys), len(kb.keys))
-    if inside < diverged and ka.ends[inside] == kb.ends[inside]:
-        assert ka.keys[inside] != kb.keys[inside]                 # the chunk holding the first different byte
+    holding = next((i for i in range(inside, diverged) if ka.ends[i] > common), diverged)
+    if holding < diverged and ka.ends[:holding + 1] == kb.ends[:holding + 1]:
+        assert ka.keys[holding] != kb.keys[holding]               # the chunk holding the first different byte
     assert text_keys(shared + a, chunk_chars=chunk, namespace="lora").keys[:1] != ka.keys[:1] or not ka.keys
 
 
