@@ -245,7 +245,10 @@ class PromptSizer:
         aiming at the middle without ``/tokenize``.
 
         Tokens grow strictly with the number of paragraphs, so the search keeps the largest paragraph count
-        known to fit and the smallest known not to, and never tries outside them."""
+        known to fit and the smallest known not to, and never tries outside them.  Its guesses follow a line
+        through the last two counts (tokens = a fixed part — BOS, the template — plus a part per paragraph), so
+        a fixed part larger than a paragraph does not slow it down; if its tries run out with nothing seen under
+        ``hi``, it tries the smallest count not yet known to be over (one more ``/tokenize``)."""
         lo, hi = max(1, min(lo, hi)), max(1, hi)
         target = (lo + hi) // 2
         nonce = uuid.uuid4().hex[:12]
@@ -255,13 +258,13 @@ class PromptSizer:
             self.per_paragraph = max(1.0, (n if n else len(sample) / 4) / 32)
         under: tuple[str, int, int] | None = None        # (text, tokens, paragraphs): the largest seen ≤ hi
         over: tuple[str, int, int] | None = None         # the smallest seen > hi
+        last: tuple[int, int] | None = None              # (paragraphs, tokens) of the try before
         paragraphs = max(1, round(target / self.per_paragraph))
-        for _ in range(8):
+        for _ in range(9):
             text = "".join(cold_paragraph(i, nonce) for i in range(paragraphs))
             got = await self.count(text) if self.exact else None
             if got is None:
                 return text, max(1, len(text) // 4)
-            self.per_paragraph = max(1.0, got / paragraphs)  # refine with what the engine counted
             if lo <= got <= hi:
                 return text, got
             if got < lo:
@@ -272,8 +275,19 @@ class PromptSizer:
             ceiling = over[2] - 1 if over is not None else None
             if ceiling is not None and floor > ceiling:
                 break                                     # no paragraph count lands inside [lo, hi]
-            guess = max(1, round(target / self.per_paragraph))
+            if last is not None and last[0] != paragraphs and last[1] != got:
+                self.per_paragraph = max(1.0, (got - last[1]) / (paragraphs - last[0]))
+            else:
+                self.per_paragraph = max(1.0, got / paragraphs)
+            last = (paragraphs, got)
+            guess = paragraphs + round((target - got) / self.per_paragraph)
             paragraphs = max(floor, guess if ceiling is None else min(guess, ceiling))
+        else:
+            if under is None and over is not None and over[2] > 1:    # the smallest prompt may still fit
+                text = "".join(cold_paragraph(i, nonce) for i in range(1))
+                got = await self.count(text)
+                if got is not None and got <= hi:
+                    return text, got
         if under is not None:
             return under[0], under[1]
         assert over is not None
