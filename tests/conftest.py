@@ -10,8 +10,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 from tests.support import ProxyThread, SimProcess, running
+
+hypothesis_settings.register_profile("ci", derandomize=True, database=None)
+"""``make test`` (scripts/test-all.sh: ``--hypothesis-profile=ci``): every property test draws the same examples
+on every run (a seed from the test's own code), so the gate is repeatable; a plain ``pytest`` run (``make
+fast-test``) draws new ones each time, which is how latent edge cases surface."""
 
 
 @pytest.fixture
