@@ -237,6 +237,8 @@ class Admission:
                 raise violation.error(tokens, exact=exact)
         req.prompt_tokens = tokens
         req.prompt_tokens_upper = upper
+        req.prompt_tokens_lower = tokens if exact else min(lower, tokens)
+        req.prompt_tokens_exact = exact
         req.prompt_tokens_estimated = method == "estimate"
         self.stats.admitted_total += 1
         ctx.timeline.admitted_at = time.monotonic()

@@ -61,8 +61,10 @@ class ProxyRequest:
     ``fault``: what pdproxy found (vLLM's wording), answered by pdproxy itself should an engine accept the request
     after all; ``prompt_tokens``: filled in by admission (tokens), None until counted, and replaced by the prefix
     lookup's count in the engine's tokens when it has one (:mod:`pdproxy.prefix.routing`);
-    ``prompt_tokens_upper``: admission's upper bound on them (tokens; what the engines' limits are checked
-    against), ``prompt_tokens_estimated``: admission only estimated them (nothing counted them exactly);
+    ``prompt_tokens_upper`` / ``prompt_tokens_lower``: admission's bounds on them (tokens; the upper one is what
+    the engines' limits are checked against; the lower one 0 when unknown), ``prompt_tokens_exact``: admission
+    counted them exactly (token ids, a tokenizer, the engine's ``/tokenize``: the prefix lookup never replaces
+    them then), ``prompt_tokens_estimated``: admission only estimated them (nothing counted or bounded them);
     ``prefix_lookup``: the prefix lookup of this prompt, written and read only by :mod:`pdproxy.prefix.routing`
     (its ``PrefixLookup``; ``object`` here because ``apis/`` sits below ``prefix/``); ``n``: choices per prompt
     and ``prompts``: prompts of a completion prompt list (their product is the number of sequences,
@@ -79,6 +81,8 @@ class ProxyRequest:
     max_output_tokens: int | None
     prompt_tokens: int | None = None
     prompt_tokens_upper: int | None = None
+    prompt_tokens_lower: int = 0
+    prompt_tokens_exact: bool = False
     prompt_tokens_estimated: bool = False
     prefix_lookup: object | None = None
     min_tokens: int | None = None

@@ -417,6 +417,8 @@ class FanOut:
                 continue
             seq.req.prompt_tokens = first.req.prompt_tokens
             seq.req.prompt_tokens_upper = first.req.prompt_tokens_upper
+            seq.req.prompt_tokens_lower = first.req.prompt_tokens_lower
+            seq.req.prompt_tokens_exact = first.req.prompt_tokens_exact
             seq.req.prompt_tokens_estimated = first.req.prompt_tokens_estimated
             seq.ctx.prompt_tokens = first.ctx.prompt_tokens
             seq.ctx.disaggregated = first.ctx.disaggregated

@@ -380,13 +380,24 @@ class PrefixRouter:
     async def hints(self, req: ProxyRequest, ctx: RequestContext) -> PrefixHints:
         """The scheduler's hints for ``req`` (:data:`~pdproxy.scheduling.NO_HINTS` when ``prefix_routing`` is
         off).  Also sets ``req.prompt_tokens`` and ``ctx.prompt_tokens`` to :attr:`PrefixLookup.token_count` when
-        known, so the scorers' prompt and cached tokens are in the same (the engine's) tokens."""
+        known, so the scorers' prompt and cached tokens are in the same (the engine's) tokens: an exact count
+        (token keys) always; a text estimate (bytes × the engine's learnt tokens per byte, which differs between
+        languages several-fold) only where admission counted nothing exactly, and within admission's bounds —
+        never above ``prompt_tokens_upper``, the size the engines' limits admitted, so the prefill queue never
+        waits for room a prompt that fits would never find."""
         lookup = await self.lookup(req, ctx)
         if lookup is None:
             return NO_HINTS
         req.prefix_lookup = lookup
-        if lookup.token_count is not None and lookup.token_count != req.prompt_tokens:
-            req.prompt_tokens = ctx.prompt_tokens = lookup.token_count
+        count = lookup.token_count
+        if count is not None and lookup.kind == "text":
+            if req.prompt_tokens_exact:
+                count = None
+            else:
+                upper = req.prompt_tokens_upper
+                count = max(req.prompt_tokens_lower, count if upper is None else min(count, upper))
+        if count is not None and count != req.prompt_tokens:
+            req.prompt_tokens = ctx.prompt_tokens = count
         return lookup.hints
 
     @contextlib.contextmanager
