@@ -92,7 +92,7 @@ def new_request_id(client_id: str | None) -> str:
     if client_id:
         client_id = client_id[:CLIENT_REQUEST_ID_MAX]
         safe = client_id if _SAFE_ID.fullmatch(client_id) else "".join(
-            c for c in client_id if c.isalnum() or c in "-_.:")
+            c for c in client_id if c in "-_.:" or (c.isascii() and c.isalnum()))   # ASCII: a header value
         if safe:
             return f"{safe}-{suffix[:16]}"
     return suffix

@@ -58,7 +58,7 @@ from pdproxy.errors import (
     classify_status,
     error_body,
 )
-from pdproxy.http.engine_headers import TRACE_HEADERS, EngineHeaders
+from pdproxy.http.engine_headers import TRACE_HEADERS, EngineHeaders, forwardable
 from pdproxy.http.errors import httpx_error, httpx_errors
 from pdproxy.pd.decode import routing_headers
 from pdproxy.scheduling import PickRequest, Scheduler
@@ -218,8 +218,9 @@ class Passthrough:
     def _engine_headers(self, endpoint: Endpoint, ctx: RequestContext, client: dict[bytes, str]) -> dict[str, str]:
         headers = self.headers.leg(endpoint, ctx.request_id, ctx.authorization)
         for name in (b"content-type", b"accept", *TRACE_HEADERS):  # no pdproxy span here: the client's context
-            if name in client:
-                headers[name.decode().title()] = client[name]
+            value = client.get(name)
+            if value is not None and forwardable(name, value):
+                headers[name.decode().title()] = value
         return headers
 
     async def serve(self, path: str, body: bytes, client: dict[bytes, str], ctx: RequestContext, send: Send,

@@ -23,10 +23,15 @@ carry the current span as W3C ``traceparent`` / ``tracestate``, so that an engin
 ``--otlp-traces-endpoint`` records its spans in the request's trace.  With tracing off, the client's own
 ``traceparent`` / ``tracestate`` pass through unchanged (as Envoy and vllm-router forward them), so the engine's spans
 join the client's trace instead of starting orphan ones.  Control-plane calls carry none.
+
+A client's header value reaches an engine only as visible ASCII (:func:`forwardable`): a ``traceparent`` only in
+W3C's form, any other value with a byte outside 0x20–0x7E (a tab aside) is dropped — HTTP clients refuse to send
+such a value (httpx raises ``UnicodeEncodeError``), and an engine has no use for it.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -38,6 +43,17 @@ if TYPE_CHECKING:
 
 TRACE_HEADERS: tuple[bytes, ...] = (b"traceparent", b"tracestate")
 """The W3C trace-context headers (lower-case), passed through from the client when pdproxy's tracing is off."""
+_VISIBLE_ASCII = re.compile(r"[\x20-\x7e\t]*")
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(-[\x21-\x7e]*)?")
+"""W3C Trace Context's ``traceparent``: version, trace id, parent id, flags (a later version may add fields)."""
+
+
+def forwardable(name: bytes, value: str) -> bool:
+    """True when a client's header ``name`` (lower-case) with ``value`` (its bytes as latin-1 text) may be sent to
+    an engine: visible ASCII (and tabs) only, a ``traceparent`` in W3C's form (module docstring)."""
+    if name == b"traceparent":
+        return _TRACEPARENT.fullmatch(value) is not None
+    return _VISIBLE_ASCII.fullmatch(value) is not None
 
 
 def client_authorization(authorization: str | None, x_api_key: str | None) -> str | None:
@@ -74,7 +90,9 @@ class EngineHeaders:
         """The ``Authorization`` value for a leg of a request whose client sent ``client_authorization``."""
         if self._key is not None:
             return self._key
-        return client_authorization if self.forward_client_authorization else None
+        if client_authorization is None or not self.forward_client_authorization:
+            return None
+        return client_authorization if forwardable(b"authorization", client_authorization) else None
 
     def control(self) -> dict[str, str]:
         """Headers of a control-plane call (``/v1/models``, ``/metrics``, ``/health``): the engine key, if set."""
@@ -96,6 +114,6 @@ class EngineHeaders:
             self._propagate(headers)
         elif client_headers:
             for name, value in client_headers:
-                if name in TRACE_HEADERS:
-                    headers[name.decode()] = value.decode("latin-1")
+                if name in TRACE_HEADERS and forwardable(name, text := value.decode("latin-1")):
+                    headers[name.decode()] = text
         return headers

@@ -815,7 +815,7 @@ class _AsgiCycle:
             if not isinstance(exc, asyncio.CancelledError):
                 log.exception("control-plane request %s %s failed", ex.method, ex.path)
             if not ex.started and not self.gone:
-                self._plain(500, b"Internal Server Error")
+                self._internal_error()
             elif not ex.finished:
                 ex.abort()
             if isinstance(exc, asyncio.CancelledError):
@@ -823,14 +823,16 @@ class _AsgiCycle:
             return
         if not ex.finished and not self.gone:
             if not ex.started:
-                self._plain(500, b"Internal Server Error")
+                self._internal_error()
             else:
                 ex.abort()
 
-    def _plain(self, status: int, body: bytes) -> None:
+    def _internal_error(self) -> None:
+        """The 500 of a control-plane route that failed before answering, in vLLM's JSON error envelope
+        (docs/limits.md); the connection closes after it."""
+        body = orjson.dumps(error_body(500, "internal error in pdproxy while handling the request"))
         self.ex.keep_alive = False
-        self.ex.start(status, [(b"content-type", b"text/plain; charset=utf-8"),
-                               (b"content-length", str(len(body)).encode())])
+        self.ex.start(500, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())])
         self.ex.finish(body)
 
     async def receive(self) -> dict[str, Any]:

@@ -30,6 +30,8 @@ class RecordingEngine:
 
     def __init__(self, hold_path: str | None = None) -> None:
         self.received: list[tuple[str, bytes]] = []
+        self.headers: list[dict[str, str]] = []
+        """Per POST, its headers (lower-case names; values as latin-1 text)."""
         self.release = threading.Event()
         engine = self
 
@@ -58,6 +60,7 @@ class RecordingEngine:
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("content-length") or 0))
                 engine.received.append((self.path, body))
+                engine.headers.append({k.lower(): v for k, v in self.headers.items()})
                 if self.path == hold_path:
                     engine.release.wait(30)
                 self._answer(200, b'{"ok": true}')
@@ -100,6 +103,7 @@ def rig() -> Iterator[tuple[RecordingEngine, ProxyThread]]:
 @pytest.fixture
 def engine(rig: tuple[RecordingEngine, ProxyThread]) -> RecordingEngine:
     rig[0].received.clear()
+    rig[0].headers.clear()
     return rig[0]
 
 
@@ -185,3 +189,40 @@ def test_multipart_forms_naming_a_proxy_owned_field_are_refused(engine: Recordin
         assert client.send(refused).status_code == 400
     assert [p for p, _ in engine.received] == ["/v1/audio/transcriptions"] * 2
     assert engine.received[1][1] == upload.read()
+
+
+def test_client_header_values_reach_an_engine_as_visible_ascii_only(engine: RecordingEngine,
+                                                                   proxy: ProxyThread) -> None:
+    """A non-ASCII ``X-Request-Id``, ``traceparent`` or ``tracestate`` made the passthrough's HTTP client raise
+    (a 500 in text/plain and a traceback per request); now the id keeps its ASCII letters and digits, a trace
+    header that is not visible ASCII (or a ``traceparent`` not in W3C's form) is dropped, a valid one passes."""
+    hostile = [("x-request-id", b"\xffab\xc3\xa9"), ("traceparent", b"00-\xe9-01"), ("tracestate", b"k=\xff")]
+    r = httpx.post(proxy.url + "/tokenize", json={"model": MODEL, "prompt": "hi"}, headers=hostile, timeout=10)
+    assert r.status_code == 200, r.text
+    sent = engine.headers[-1]
+    assert sent["x-request-id"].startswith("ab-") and sent["x-request-id"].isascii()
+    assert "traceparent" not in sent and "tracestate" not in sent
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    r = httpx.post(proxy.url + "/tokenize", json={"model": MODEL, "prompt": "hi"}, timeout=10,
+                   headers={"traceparent": parent, "tracestate": "k=v"})
+    assert r.status_code == 200, r.text
+    assert (engine.headers[-1]["traceparent"], engine.headers[-1]["tracestate"]) == (parent, "k=v")
+    bad = httpx.post(proxy.url + "/tokenize", json={"model": MODEL, "prompt": "hi"}, timeout=10,
+                     headers={"traceparent": "00-not-a-trace-01"})
+    assert bad.status_code == 200 and "traceparent" not in engine.headers[-1]
+
+
+def test_a_control_plane_route_that_fails_answers_a_json_500(engine: RecordingEngine, proxy: ProxyThread,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's last resort for a route that raised before answering is vLLM's JSON error envelope (it was a
+    text/plain "Internal Server Error"), and the connection closes after it."""
+    async def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(proxy.state.passthrough, "serve", broken)
+    r = httpx.post(proxy.url + "/tokenize", json={"model": MODEL, "prompt": "hi"}, timeout=10)
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+    assert r.headers["connection"] == "close"
+    error = r.json()["error"]
+    assert error["code"] == 500 and error["type"] and "internal error" in error["message"]
+    assert "a bug" not in r.text                      # no internals in what the client reads
