@@ -127,6 +127,8 @@ class ProxyRequest:
 # vLLM's field order, validated as FastAPI validates vLLM's models (pydantic's lax mode: ``"5"`` and ``True``
 # are integers, ``"no"`` is a boolean).  Every other field reaches the prefiller unchanged, which judges it.
 _NonNegative = Annotated[int, Field(ge=0)]
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+"""vLLM's bounds of ``seed`` (``_INT64_MIN`` / ``_INT64_MAX`` in ``chat_completion/protocol.py``)."""
 
 
 class _Object(BaseModel):
@@ -170,6 +172,7 @@ class _Leg(BaseModel):
     stream_options: StreamOptions | None = None
     use_beam_search: bool = False
     min_tokens: int = 0
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
 
 
 class _ChatLeg(_Leg):

@@ -8,7 +8,8 @@ on the prefiller until the connector's lease expired (``docs/apis-through-pd.md`
 **Plan** (:func:`plan`): sequence ``i = prompt_index × n + k`` (vLLM's choice index,
 ``openai/completion/serving.py``: ``output.index + prompt_idx * num_choices``) is the client's body with one prompt
 and ``n: 1``; with a ``seed``, child ``k`` of a prompt gets ``seed + k`` as vLLM's parallel sampling gives it
-(``vllm/v1/engine/parallel_sampling.py::ParentRequest``).  A streamed sequence always asks for its usage chunk
+(``vllm/v1/engine/parallel_sampling.py::ParentRequest``), wrapped into vLLM's int64 bounds of ``seed`` (the same
+64 bits: torch seeds a generator with a negative seed's two's complement); a seed outside them is vLLM's 400.  A streamed sequence always asks for its usage chunk
 (``stream_options.include_usage``): the merged usage needs it, and it is dropped from the client's stream.  More than
 ``fan_out_max_sequences`` sequences, and ``n > 1`` with ``temperature`` 0 (vLLM: "n must be 1 when using greedy
 sampling"), are 400s.
@@ -52,7 +53,7 @@ from typing import Any
 
 import orjson
 
-from pdproxy.apis.request import Api, ProxyRequest, parse_request, prompt_list
+from pdproxy.apis.request import INT64_MIN, Api, ProxyRequest, parse_request, prompt_list
 from pdproxy.endpoints import Endpoint
 from pdproxy.errors import BadRequest, ProxyError, UpstreamHTTPError, UpstreamUnavailable
 from pdproxy.http import sse
@@ -113,7 +114,7 @@ def plan(req: ProxyRequest, parent: RequestContext) -> list[Sequence]:
             if prompt is not None:
                 leg["prompt"] = prompt
             if req.n > 1 and isinstance(seed, int) and not isinstance(seed, bool):
-                leg["seed"] = seed + k
+                leg["seed"] = (seed + k - INT64_MIN) % (1 << 64) + INT64_MIN   # within vLLM's int64 bounds
             if req.stream:
                 options = body.get("stream_options")
                 leg["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}

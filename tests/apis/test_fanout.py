@@ -66,6 +66,34 @@ def test_chat_n3_json_is_three_pairs_merged_like_vllm(proxy: ProxyThread, sims: 
     wait_engines_idle(sims)
 
 
+@pytest.mark.parametrize(("seed", "child_seeds"), [
+    ((1 << 63) - 1, [(1 << 63) - 1, -(1 << 63)]),      # the largest seed: the second child's wraps (same 64 bits)
+    (-1, [-1, 0]),
+])
+def test_child_seeds_stay_within_vllms_int64_bounds(proxy: ProxyThread, sims: Fleet, seed: int,
+                                                   child_seeds: list[int]) -> None:
+    r = httpx.post(proxy.url + "/v1/chat/completions", timeout=30, json={
+        "model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 2,
+        "temperature": 1, "seed": seed})
+    assert r.status_code == 200, r.text
+    assert sorted(leg["body"]["seed"] for leg in decode_legs(sims, "/v1/chat/completions")) == sorted(child_seeds)
+    wait_engines_idle(sims)
+
+
+@pytest.mark.parametrize("seed", [1 << 63, 18446744073709551615])       # (JSON integers orjson reads as ints)
+def test_a_seed_outside_int64_is_vllms_400_not_a_500(proxy: ProxyThread, sims: Fleet, seed: int) -> None:
+    """vLLM bounds ``seed`` to int64 (a 400 ``less_than_equal`` / ``greater_than_equal``); with ``n`` > 1 the
+    fan-out's ``seed + k`` made it a 500 (a 2**64 - 1 seed could not even be encoded)."""
+    r = httpx.post(proxy.url + "/v1/chat/completions", timeout=30, json={
+        "model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 2,
+        "temperature": 1, "seed": seed})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "body.seed" and "than or equal to" in error["message"], error
+    assert decode_legs(sims, "/v1/chat/completions") == []
+    wait_engines_idle(sims)
+
+
 def test_chat_n2_stream_interleaves_by_index_with_one_usage_chunk_and_one_done(proxy: ProxyThread,
                                                                               sims: Fleet) -> None:
     r = httpx.post(proxy.url + "/v1/chat/completions", timeout=30, json={
