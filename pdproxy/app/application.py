@@ -349,12 +349,13 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
         prefiller and its decoder (:meth:`pdproxy.engines.models.ServedModels.cards`).  When the engines refuse
         pdproxy's own key (``--api-key`` without ``engine_api_key``) and list nothing to it, the answer is the
         engines' own for the client's key: pdproxy passes client credentials through, so one engine's
-        ``/v1/models`` answers with them (its list, or its 401); otherwise a 503 naming ``engine_api_key``."""
+        ``/v1/models`` answers with them (its list, or its 401); otherwise a 503 naming ``engine_api_key``.  With
+        ``api_keys`` set it needs a client key, as every ``/v1`` route (vLLM's ``--api-key`` guards it too)."""
+        auth = proxy._check_auth(lambda name: request.headers.get(name.decode("latin-1")))
         st = state()
         cards = st.served.cards(st.settings.max_model_len)
         refusing = st.served.refusing() if not cards else []
         if refusing:
-            auth = client_authorization(request.headers.get("authorization"), request.headers.get("x-api-key"))
             if st.settings.engine_api_key or not st.headers.forward_client_authorization:
                 raise NoEndpointAvailable("engine", "the engines refuse pdproxy's calls to /v1/models (HTTP 401/"
                                                     "403): set engine_api_key to the engines' --api-key")

@@ -58,6 +58,26 @@ def test_proxy_keys_never_reach_the_engines(fleet4: Fleet4, engine_key: str | No
         proxy.stop()
 
 
+def test_the_model_list_needs_a_client_key_when_api_keys_are_set(fleet4: Fleet4) -> None:
+    """``GET /v1/models`` is a ``/v1`` route: with ``api_keys`` it needs one of them, as vLLM's ``--api-key``
+    guards it (it answered anyone its models and their ``max_model_len``); ``x-api-key`` serves too."""
+    proxy = fleet4.proxy(api_keys=["sk-proxy"])
+    try:
+        for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"x-api-key": "sk-wrong"}):
+            r = httpx.get(proxy.url + "/v1/models", headers=headers, timeout=10)
+            assert r.status_code == 401 and r.json()["error"]["code"] == 401, (headers, r.text)
+        for headers in ({"Authorization": "Bearer sk-proxy"}, {"x-api-key": "sk-proxy"}):
+            r = httpx.get(proxy.url + "/v1/models", headers=headers, timeout=10)
+            assert r.status_code == 200 and r.json()["data"], (headers, r.text)
+    finally:
+        proxy.stop()
+    open_proxy = fleet4.proxy()                           # no api_keys: open, as before
+    try:
+        assert httpx.get(open_proxy.url + "/v1/models", timeout=10).status_code == 200
+    finally:
+        open_proxy.stop()
+
+
 def test_body_limit_413_before_any_engine(fleet4: Fleet4) -> None:
     proxy = fleet4.proxy(max_body_bytes=4096)
     try:
