@@ -585,6 +585,11 @@ class ServerProtocol(asyncio.Protocol):
             ex.hosts += 1
         elif name == b"transfer-encoding":
             ex.transfer_encoded = True
+            for coding in value.split(b","):          # RFC 9112 §6.1: a coding not understood is a 501
+                coding = coding.strip(b" \t").lower()
+                if coding and coding != b"chunked":
+                    raise _Reject(501, f"transfer coding {coding[:32].decode('latin-1')!r} is not implemented: "
+                                       "send Transfer-Encoding: chunked")
         elif name == b"x-request-id" and len(value) > CLIENT_REQUEST_ID_MAX:
             value = value[:CLIENT_REQUEST_ID_MAX]
         ex.headers.append((name, value))

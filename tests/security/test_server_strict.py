@@ -113,3 +113,28 @@ def test_a_long_x_request_id_is_cut_in_the_answer_the_log_and_the_engine_id(keye
     assert engine["x-request-id"].startswith(rid[:CLIENT_REQUEST_ID_MAX] + "-")
     (line,) = [orjson.loads(x) for x in (tmp_path / "requests.jsonl").read_bytes().splitlines()]
     assert line["client_request_id"] == rid[:CLIENT_REQUEST_ID_MAX]
+
+
+@pytest.mark.parametrize("codings", [b"Transfer-Encoding: gzip, chunked\r\n",
+                                     b"Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n",
+                                     b"Transfer-Encoding: x-custom ,chunked\r\n"],
+                         ids=["gzip-chunked", "two-fields", "unknown"])
+def test_a_transfer_coding_other_than_chunked_is_a_501_and_reaches_no_engine(keyed: ProxyThread, sims: Fleet,
+                                                                          codings: bytes) -> None:
+    """RFC 9112 §6.1: a coding the server does not understand is a 501 (it read a gzip-coded body as plain)."""
+    c = RawConn(keyed.port)
+    c.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-client\r\n"
+           b"Content-Type: application/json\r\n%b\r\n%x\r\n%b\r\n0\r\n\r\n" % (codings, len(JSON), JSON))
+    assert c.wait_closed()
+    assert c.raw.startswith(b"HTTP/1.1 501 "), c.raw[:200]
+    assert orjson.loads(c.raw.split(b"\r\n\r\n", 1)[1])["error"]["code"] == 501
+    assert not decoder_headers(sims)
+
+
+def test_chunked_in_any_case_is_still_read(keyed: ProxyThread, sims: Fleet) -> None:
+    c = RawConn(keyed.port)
+    c.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-client\r\n"
+           b"Content-Type: application/json\r\nTransfer-Encoding: Chunked\r\n\r\n%x\r\n%b\r\n0\r\n\r\n"
+           % (len(JSON), JSON))
+    assert c.read_messages(1)[0].status == 200
+    c.close()
