@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdproxy.apis import fields as api_requests
 from pdproxy.errors import BadRequest
-from pdproxy.settings import MAX_JSON_DEPTH
+from pdproxy.settings import MAX_JSON_DEPTH, MAX_JSON_ITEMS
 
 
 class Api(enum.StrEnum):
@@ -240,6 +240,15 @@ def _vllm_error(message: str, parameter: str | None = None, value: Any = None) -
     return BadRequest(f"{message} ({', '.join(extras)})" if extras else message, param=parameter)
 
 
+def require_json(content_type: str | None) -> None:
+    """vLLM's check of a generation route's ``Content-Type`` (``serve/utils/api_utils.py::validate_json_request``,
+    run before the body is read): its media type, lower-cased and cut at the first ``;``, must be exactly
+    ``application/json``.  Raises :class:`BadRequest` with vLLM's words (a 400, no ``param``) otherwise."""
+    if (content_type or "").lower().split(";", 1)[0] != "application/json":
+        raise BadRequest("1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+                         param=None, error_type="Bad Request")
+
+
 def over_max_model_len(req: ProxyRequest, max_model_len: int) -> BadRequest:
     """vLLM's 400 for asking more output tokens than ``max_model_len`` (``renderers/params.py::TokenizeParams``)."""
     if req.api is Api.RESPONSES:
@@ -307,7 +316,43 @@ def too_deep(limit: int) -> BadRequest:
     return BadRequest(f"1 validation error:\n  {err}", param="body", error_type="Bad Request")
 
 
-def load_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
+_FIND_STEPS = 1_000
+""":func:`json_items` finds this many of one byte with ``bytes.find`` (memchr: nothing between them is touched
+twice), then counts the rest with ``bytes.count`` a chunk at a time."""
+_COUNT_CHUNK = 1 << 20
+
+
+def json_items(raw: bytes, limit: int) -> int:
+    """The ``{``, ``[`` and ``,`` bytes in ``raw`` (in strings too, so an upper bound on the arrays, objects and
+    elements it parses to, less one per container), counted only until the count passes ``limit``: bounded work
+    whatever the body (~1 ms per MB of ``bytes.count`` where those bytes are dense, memchr's speed elsewhere)."""
+    n = 0
+    for byte in (b"{", b"[", b","):
+        at = raw.find(byte)
+        steps = 0
+        while at >= 0 and steps < _FIND_STEPS:
+            steps += 1
+            at = raw.find(byte, at + 1)
+        n += steps
+        if at >= 0:                           # dense: count the rest (from ``at``, not yet counted) in C
+            for start in range(at, len(raw), _COUNT_CHUNK):
+                n += raw.count(byte, start, start + _COUNT_CHUNK)
+                if n > limit:
+                    return n
+        if n > limit:
+            return n
+    return n
+
+
+def too_many_items(limit: int) -> BadRequest:
+    """The 400 for a body of more than ``limit`` JSON items (setting ``max_json_items``), in vLLM's
+    ``json_invalid`` words as :func:`too_deep`."""
+    err = {"type": "json_invalid", "loc": "body", "msg": "JSON decode error", "input": "<dict of 0 items>",
+           "ctx": {"error": f"more than {limit} arrays, objects and elements (pdproxy's max_json_items)"}}
+    return BadRequest(f"1 validation error:\n  {err}", param="body", error_type="Bad Request")
+
+
+def load_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH, max_items: int = MAX_JSON_ITEMS) -> Any:
     """``raw`` parsed as strict JSON (orjson), any top-level value, nested at most ``max_depth`` (< 1024) deep
     (``[[1]]`` is 2 deep).  The one parser of client bodies: every route reads them through it.
 
@@ -318,8 +363,13 @@ def load_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
     level must hold one element, or ``raw`` was not one JSON value): one copy of ``raw`` and ~90 µs of padding and
     unwrapping (a 270 KB chat of 1,200 messages: ~310 µs against orjson's ~220 µs).
     Nothing recurses on the input: orjson stops at its limit, the error fallback (:func:`_body_error`) catches
-    Python's ``RecursionError``.
-    Raises :class:`BadRequest` (vLLM's 400 envelope) for a body that is not JSON or nests too deep."""
+    Python's ``RecursionError``.  A body longer than ``1.5 × max_items`` bytes (the shortest item, ``{},``, is
+    1.5 bytes a piece) is first checked to hold at most ``max_items`` items (:func:`json_items`), before anything
+    is parsed.
+    Raises :class:`BadRequest` (vLLM's 400 envelope) for a body that is not JSON, nests too deep or holds too many
+    items."""
+    if len(raw) * 2 > max_items * 3 and json_items(raw, max_items) > max_items:
+        raise too_many_items(max_items)
     if _brackets_at_most(raw, max_depth):
         try:
             return orjson.loads(raw)
@@ -366,16 +416,17 @@ def _body_error(raw: bytes, max_depth: int = MAX_JSON_DEPTH, orjson_error: str =
     return BadRequest(f"1 validation error:\n  {err}", param=err["loc"], error_type="Bad Request")
 
 
-def load_json_object(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+def load_json_object(raw: bytes, max_depth: int = MAX_JSON_DEPTH, max_items: int = MAX_JSON_ITEMS) -> dict[str, Any]:
     """:func:`load_json` of a body that must be one JSON object (every vLLM route's body); raises
     :class:`BadRequest` otherwise (vLLM's ``model_attributes_type`` 400)."""
-    body = load_json(raw, max_depth)
+    body = load_json(raw, max_depth, max_items)
     if not isinstance(body, dict):
         raise _body_error(raw, max_depth)
     return body
 
 
-def parse_request(raw: bytes, api: Api, max_depth: int = MAX_JSON_DEPTH) -> ProxyRequest:
+def parse_request(raw: bytes, api: Api, max_depth: int = MAX_JSON_DEPTH,
+                  max_items: int = MAX_JSON_ITEMS) -> ProxyRequest:
     """Read a client body with vLLM's types and meaning.
 
     pdproxy answers a 400 itself only for a body that is not one JSON object (vLLM's own envelope for it); ``n`` > 1
@@ -384,10 +435,11 @@ def parse_request(raw: bytes, api: Api, max_depth: int = MAX_JSON_DEPTH) -> Prox
     Everything else reaches an engine, which judges it with vLLM's own rules and order of checks: a valid request as the legs need it; a
     request pdproxy finds invalid (its field types read as vLLM's models type them, its cross-field rules) with
     the client's own values on the prefill leg (:attr:`ProxyRequest.engine_judges`), so the client gets exactly
-    vLLM's 400 before any KV is computed.  ``max_depth``: the nesting limit (setting ``max_json_depth``,
+    vLLM's 400 before any KV is computed.  ``max_depth`` / ``max_items``: the body's limits (settings
+    ``max_json_depth``, ``max_json_items``,
     :func:`load_json`).  Raises :class:`BadRequest` (HTTP 400, vLLM's envelope).
     """
-    body = load_json_object(raw, max_depth)
+    body = load_json_object(raw, max_depth, max_items)
     if api is Api.RESPONSES:
         stream_r, model_r, limit = api_requests.responses_fields(body)
         return ProxyRequest(api=api, body=body, raw=raw, stream=stream_r, include_usage=False, model=model_r,

@@ -169,7 +169,7 @@ def check_endpoint_allowed(settings: Settings, url: str) -> None:
 async def _body(request: Request, settings: Settings) -> EndpointRef:
     raw = await read_body(request, settings.max_body_bytes)
     try:
-        ref = EndpointRef.model_validate(load_json_object(raw, settings.max_json_depth))
+        ref = EndpointRef.model_validate(load_json_object(raw, settings.max_json_depth, settings.max_json_items))
         ref.url = normalize_url(ref.url)
     except (ValidationError, ValueError) as exc:
         raise BadRequest(f"invalid admin request: {exc}", param="body", redact=False) from None

@@ -31,7 +31,7 @@ from fastapi.responses import Response
 from pdproxy import __version__
 from pdproxy.apis import streams as api_streams
 from pdproxy.apis.kv_transfer import client_handle_fault
-from pdproxy.apis.request import Api, ProxyRequest, load_json, parse_request
+from pdproxy.apis.request import Api, ProxyRequest, load_json, parse_request, require_json
 from pdproxy.app import passthrough
 from pdproxy.app.admin import build_admin_router, check_debug_access, read_body
 from pdproxy.app.disconnect import asgi_disconnect, cancel_on_disconnect, exchange_disconnect
@@ -207,7 +207,8 @@ class PDProxyApp:
                 if state is None or director is None or state.shutting_down:
                     raise ShuttingDown()
                 ctx.authorization = self._check_auth(ex.header)
-                req = parse_request(ex.body, api, self.settings.max_json_depth)
+                require_json(ex.header(b"content-type"))
+                req = parse_request(ex.body, api, self.settings.max_json_depth, self.settings.max_json_items)
                 ctx.model = req.model
                 fault = client_handle_fault(req.body)
                 if fault is not None:     # vllm_xargs.kv_transfer_params...: not cut out, refused
@@ -420,7 +421,7 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
         authorization = None if st.settings.api_keys else request.headers.get("authorization")
         if request.method == "POST":
             raw = await read_body(request, st.settings.max_body_bytes)
-            shape = load_json(raw, st.settings.max_json_depth)
+            shape = load_json(raw, st.settings.max_json_depth, st.settings.max_json_items)
             api = Api.CHAT if isinstance(shape, dict) and "messages" in shape else Api.COMPLETIONS
         else:
             prompt = request.query_params.get("prompt")
@@ -429,7 +430,7 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
                                  param="prompt")
             raw = orjson.dumps({"prompt": prompt, "model": request.query_params.get("model")})
             api = Api.COMPLETIONS
-        req = parse_request(raw, api, st.settings.max_json_depth)
+        req = parse_request(raw, api, st.settings.max_json_depth, st.settings.max_json_items)
         ctx = RequestContext(request_id=new_request_id(None), client_request_id=None, api_label=api.label,
                              authorization=authorization, model=req.model)
         return Response(orjson.dumps(await st.prefix.explain(req, ctx)), media_type="application/json")

@@ -62,7 +62,7 @@ from pdproxy.http.engine_headers import TRACE_HEADERS, EngineHeaders, forwardabl
 from pdproxy.http.errors import httpx_error, httpx_errors
 from pdproxy.pd.decode import routing_headers
 from pdproxy.scheduling import PickRequest, Scheduler
-from pdproxy.settings import Settings
+from pdproxy.settings import MAX_JSON_ITEMS, Settings
 from pdproxy.timeline import RequestContext
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -159,12 +159,14 @@ class FormFields:
                 self.model = self._value.decode("utf-8", "replace").strip() or None
 
 
-def engine_body(body: bytes, content_type: str, max_depth: int) -> tuple[bytes, str | None]:
+def engine_body(body: bytes, content_type: str, max_depth: int,
+                max_items: int = MAX_JSON_ITEMS) -> tuple[bytes, str | None]:
     """``(the body to send an engine, the model it names)`` for a passthrough request.
 
     A ``multipart/form-data`` body (:class:`FormFields`) is sent as it came; a form field a client may not set
     (:data:`~pdproxy.apis.kv_transfer.PROXY_OWNED`) is refused.  Any other body is read as the JSON object every
-    vLLM route takes (:func:`~pdproxy.apis.request.load_json_object`: strict JSON, ``max_depth`` levels at most —
+    vLLM route takes (:func:`~pdproxy.apis.request.load_json_object`: strict JSON, ``max_depth`` levels and
+    ``max_items`` items at most —
     a body vLLM might read but pdproxy cannot is refused rather than passed unread) and sent without the
     proxy-owned members (:func:`~pdproxy.apis.kv_transfer.decode_body_bytes`, byte-faithful otherwise), so no
     client names the engine-side memory or host an engine transfers KV with.  The model is the form's or the
@@ -176,7 +178,7 @@ def engine_body(body: bytes, content_type: str, max_depth: int) -> tuple[bytes, 
         if owned:
             raise BadRequest(f"{min(owned)} is set by pdproxy, never by a client", param=min(owned))
         return body, form.model
-    obj = load_json_object(body, max_depth)
+    obj = load_json_object(body, max_depth, max_items)
     fault = client_handle_fault(obj)
     if fault is not None:
         raise BadRequest(f"{fault} is set by pdproxy, never by a client", param=fault.split(".")[0])
@@ -230,9 +232,10 @@ class Passthrough:
         serves, 503 when no engine can take it, the last engine failure)."""
         ctype = client.get(b"content-type", "")
         if len(body) > _OFF_LOOP_BYTES:                  # an upload: parsed (linear, pure Python) off the event loop
-            body, model = await asyncio.to_thread(engine_body, body, ctype, self.settings.max_json_depth)
+            body, model = await asyncio.to_thread(engine_body, body, ctype, self.settings.max_json_depth,
+                                                  self.settings.max_json_items)
         else:
-            body, model = engine_body(body, ctype, self.settings.max_json_depth)
+            body, model = engine_body(body, ctype, self.settings.max_json_depth, self.settings.max_json_items)
         ctx.model = model
         self.served.require(model)
         request = PickRequest(request_id=ctx.request_id, model=model)

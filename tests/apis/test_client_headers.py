@@ -64,3 +64,32 @@ def test_a_passthrough_route_hands_on_the_trace_context(proxy: ProxyThread, sims
     assert r.status_code == 200, r.text
     (leg,) = legs(sims.all, "/inference/v1/generate")
     assert leg["headers"].get("traceparent") == TRACEPARENT
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "application/json-seq", "application/json ; charset=utf-8"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"])
+def test_a_generation_route_takes_application_json_only(proxy: ProxyThread, sims: Fleet, path: str,
+                                                        content_type: str | None) -> None:
+    """vLLM's ``validate_json_request``: any other media type (or none: ``curl -d`` sends a form's) is its 400,
+    in the route's own error shape, before any engine sees the body."""
+    body = {"model": "sim-model", "max_tokens": 2, "prompt": "hi", "input": "hi",
+            "messages": [{"role": "user", "content": "hi"}]}
+    if path == "/v1/completions":
+        body.pop("messages")
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    r = httpx.post(proxy.url + path, content=httpx.Request("POST", "/", json=body).content, headers=headers,
+                   timeout=20)
+    assert r.status_code == 400, r.text
+    if path == "/v1/messages":
+        assert r.json()["type"] == "error" and "application/json" in r.json()["error"]["message"]
+    else:
+        assert r.json()["error"]["message"] == (
+            "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed")
+    assert not [leg for s in sims.all for leg in s.completions_received()]
+
+
+def test_application_json_with_parameters_in_any_case_is_served(proxy: ProxyThread, sims: Fleet) -> None:
+    r = httpx.post(proxy.url + "/v1/chat/completions", content=httpx.Request("POST", "/", json=CHAT).content,
+                   headers={"Content-Type": "Application/JSON; charset=utf-8"}, timeout=20)
+    assert r.status_code == 200, r.text

@@ -43,7 +43,8 @@ def test_the_prefill_leg_asks_one_token_and_the_decoder_gets_the_clients_constra
             "cache_salt": "s3cr3t", "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "client"},
             "ec_transfer_params": {"remote_host": "client"}}
     raw = orjson.dumps(sent)
-    r = httpx.post(proxy.url + "/v1/chat/completions", content=raw, timeout=20)
+    r = httpx.post(proxy.url + "/v1/chat/completions", content=raw, timeout=20,
+                   headers={"content-type": "application/json"})
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
     (p,), (d,) = legs(sims)
     pb, db = p["body"], d["body"]

@@ -186,7 +186,8 @@ def test_prefiller_4xx_is_passed_through_and_decoder_untouched(proxy: ProxyThrea
 ])
 def test_malformed_bodies_get_400_without_reaching_an_engine(proxy: ProxyThread, sims: Fleet, raw: bytes,
                                                              param: str) -> None:
-    r = httpx.post(proxy.url + "/v1/chat/completions", content=raw, timeout=10)
+    r = httpx.post(proxy.url + "/v1/chat/completions", content=raw, timeout=10,
+                   headers={"content-type": "application/json"})
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == param and err["code"] == 400 and err["message"]
@@ -200,7 +201,8 @@ def test_an_invalid_request_reaches_the_prefiller_as_sent_and_its_400_the_client
     """pdproxy finds it invalid for vLLM: the prefiller judges the client's own body (vLLM's 400, in vLLM's
     order of checks; should an engine accept it after all, pdproxy answers vLLM's words itself) and no decoder
     is contacted."""
-    r = httpx.post(proxy.url + "/v1/chat/completions", content=raw, timeout=10)
+    r = httpx.post(proxy.url + "/v1/chat/completions", content=raw, timeout=10,
+                   headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == 400
     (leg,) = [x for s in sims.prefillers for x in s.completions_received()]
     assert leg["body"] == orjson.loads(raw)

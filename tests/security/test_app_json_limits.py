@@ -26,12 +26,18 @@ def nested(depth: int) -> bytes:
             + b"[" * depth + b"]" * depth + b"}")
 
 
-def assert_json_invalid(r: httpx.Response, anthropic: bool = False) -> None:
-    """vLLM's 400 for a body it cannot decode (the Anthropic envelope on ``/v1/messages``)."""
+def many(n: int) -> bytes:
+    """A small chat body whose ``x`` member holds ``n`` empty objects (~2n items: a ``{`` and a ``,`` each)."""
+    return (b'{"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "x": ['
+            + b",".join([b"{}"] * n) + b"]}")
+
+
+def assert_json_invalid(r: httpx.Response, anthropic: bool = False, limit: str = "max_json_depth") -> None:
+    """vLLM's 400 for a body it cannot decode (the Anthropic envelope on ``/v1/messages``), naming ``limit``."""
     assert r.status_code == 400, r.text
     body = r.json()
     error = body["error"]
-    assert "json_invalid" in error["message"] and "max_json_depth" in error["message"], error
+    assert "json_invalid" in error["message"] and limit in error["message"], error
     assert body["type"] == "error" if anthropic else error["param"] == "body"
 
 
@@ -60,13 +66,33 @@ def test_deep_bodies_get_vllms_400_on_every_route(proxy: ProxyThread, sims: Flee
     proxy.wait_idle()
 
 
-def test_the_limit_is_a_setting_and_what_fits_is_served(sims: Fleet) -> None:
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses",
+                                  "/tokenize", "/v1/embeddings", "/inference/v1/generate", "/debug/prefix",
+                                  "/admin/endpoints"])
+def test_bodies_of_too_many_items_get_vllms_400_on_every_route(proxy: ProxyThread, sims: Fleet, path: str) -> None:
+    """1.1M empty objects (3.3 MB, ~2.2M items) would cost ~90 MB and ~0.3 s of event loop parsed (a 60 MB body of
+    them 1.7 GB and 4.6 s): refused before the parse, and no engine hears of it."""
+    headers = {**(ADMIN if path.startswith(("/debug", "/admin")) else {"authorization": "Bearer sk-client"}),
+               "content-type": "application/json"}
+    r = httpx.post(proxy.url + path, content=many(1_100_000), headers=headers, timeout=30)
+    assert_json_invalid(r, anthropic=path == "/v1/messages", limit="max_json_items")
+    assert not any(s.received() for s in sims.all)
+    proxy.wait_idle()
+
+
+def test_the_limits_are_settings_and_what_fits_is_served(sims: Fleet) -> None:
     proxy = ProxyThread(prefill=[s.url for s in sims.prefillers], decode=[s.url for s in sims.decoders],
-                        max_json_depth=40).start()
+                        max_json_depth=40, max_json_items=10_000).start()
+    json_type = {"content-type": "application/json"}
     try:
-        ok = httpx.post(proxy.url + "/v1/chat/completions", content=nested(39), timeout=10)   # 40 levels
-        assert ok.status_code == 200, ok.text
-        assert_json_invalid(httpx.post(proxy.url + "/v1/chat/completions", content=nested(40), timeout=10))
+        ok = httpx.post(proxy.url + "/v1/chat/completions", content=nested(39), headers=json_type, timeout=10)
+        assert ok.status_code == 200, ok.text                                                   # 40 levels
+        assert_json_invalid(httpx.post(proxy.url + "/v1/chat/completions", content=nested(40), headers=json_type,
+                                       timeout=10))
+        ok = httpx.post(proxy.url + "/v1/chat/completions", content=many(4_500), headers=json_type, timeout=10)
+        assert ok.status_code == 200, ok.text                                                   # ~9,000 items
+        assert_json_invalid(httpx.post(proxy.url + "/v1/chat/completions", content=many(5_500), headers=json_type,
+                                       timeout=10), limit="max_json_items")
         proxy.wait_idle()
     finally:
         proxy.stop()
@@ -78,7 +104,7 @@ def test_malformed_bodies_add_no_metric_series(sims: Fleet) -> None:
     try:
         for n in range(3):
             r = httpx.post(proxy.url + "/v1/chat/completions", content=b'{"model": ' + b" " * n + b"nope}",
-                           timeout=10)
+                           headers={"content-type": "application/json"}, timeout=10)
             assert r.status_code == 400 and r.json()["error"]["param"] == f"body.{10 + n}", r.text
         metrics = httpx.get(proxy.url + "/metrics", timeout=10).text
         lines = [line for line in metrics.splitlines() if line.startswith("pdproxy_rejections_total{")]

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdproxy.apis.request import BadRequest, _brackets_at_most, load_json
+from pdproxy.apis.request import BadRequest, _brackets_at_most, json_items, load_json
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -75,3 +75,32 @@ def test_the_bracket_bound_counts_both_openers_and_stops_past_the_limit() -> Non
     assert not _brackets_at_most(b"[" * 10_000, 200)
     chat = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": BIG}], "max_tokens": 32})
     assert len(chat) > 300_000 and _brackets_at_most(chat, 200)
+
+
+# ------------------------------------------------------------------------------------------ max_json_items
+@settings(max_examples=200, deadline=None)
+@given(raw=st.binary(max_size=3000).map(lambda b: bytes(b"{[,a"[x % 4] for x in b)), limit=st.integers(0, 2000))
+def test_json_items_counts_exactly_up_to_the_limit(raw: bytes, limit: int) -> None:
+    true = sum(raw.count(c) for c in (b"{", b"[", b","))
+    got = json_items(raw, limit)
+    assert got == true if true <= limit else limit < got <= true
+
+
+def test_json_items_stops_soon_after_the_limit() -> None:
+    """A dense body is counted a chunk at a time, so the work stops past the limit (bounded whatever the body)."""
+    raw = b"{}," * 3_000_000                                   # 9 MB: 6M items
+    assert 1_000 < json_items(raw, 1_000) < 2_000_000
+
+
+def test_a_body_of_too_many_items_is_a_400_before_any_parse() -> None:
+    limit = 10_000
+    small = b'{"x": [' + b",".join([b"{}"] * (limit // 4)) + b"]}"          # ~limit / 2 items: parsed
+    assert load_json(small, max_items=limit) == orjson.loads(small)
+    many = b'{"x": [' + b",".join([b"{}"] * limit) + b"]}"                  # ~2 × limit items
+    with pytest.raises(BadRequest) as refused:
+        load_json(many, max_items=limit)
+    assert "json_invalid" in refused.value.message and "max_json_items" in refused.value.message
+    text = orjson.dumps({"content": "a, b, " * limit})                       # commas in a string count too
+    assert len(text) * 2 > limit * 3
+    with pytest.raises(BadRequest):
+        load_json(text, max_items=limit)
