@@ -64,7 +64,8 @@ class ProxyRequest:
     ``prompt_tokens_upper`` / ``prompt_tokens_lower``: admission's bounds on them (tokens; the upper one is what
     the engines' limits are checked against; the lower one 0 when unknown), ``prompt_tokens_exact``: admission
     counted them exactly (token ids, a tokenizer, the engine's ``/tokenize``: the prefix lookup never replaces
-    them then), ``prompt_tokens_estimated``: admission only estimated them (nothing counted or bounded them);
+    them then), ``prompt_tokens_estimated``: admission only estimated them (nothing counted them, and the upper
+    "bound" is that estimate); ``seed``: the client's ``seed`` as vLLM reads it (``"5"`` and ``5.0`` are 5);
     ``prefix_lookup``: the prefix lookup of this prompt, written and read only by :mod:`pdproxy.prefix.routing`
     (its ``PrefixLookup``; ``object`` here because ``apis/`` sits below ``prefix/``); ``n``: choices per prompt
     and ``prompts``: prompts of a completion prompt list (their product is the number of sequences,
@@ -92,6 +93,7 @@ class ProxyRequest:
     fault: BadRequest | None = None
     n: int = 1
     prompts: int = 1
+    seed: int | None = None
     _count_view: tuple[dict[str, Any], bool, bool] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -99,6 +101,21 @@ class ProxyRequest:
         """The request field holding the prompt (``"messages"``, ``"prompt"`` or ``"input"``), used as an error's
         ``param``."""
         return _PROMPT_PARAMS[self.api]
+
+    def size_from(self, parent: ProxyRequest, extra: int) -> None:
+        """Size this request — a body pdproxy built from ``parent``'s, its prompt ``parent``'s plus ``extra``
+        tokens (a recompute or text continuation leg) — as ``parent`` plus ``extra``: count, bounds, exactness."""
+        self.prompt_tokens = (parent.prompt_tokens or 0) + extra
+        self.prompt_tokens_lower = parent.prompt_tokens_lower + extra
+        self.prompt_tokens_upper = None if parent.prompt_tokens_upper is None else parent.prompt_tokens_upper + extra
+        self.prompt_tokens_exact = parent.prompt_tokens_exact
+        self.prompt_tokens_estimated = parent.prompt_tokens_estimated
+
+    def size_exactly(self, tokens: int) -> None:
+        """Size this request at exactly ``tokens`` (a token-id prompt pdproxy built)."""
+        self.prompt_tokens = self.prompt_tokens_lower = self.prompt_tokens_upper = tokens
+        self.prompt_tokens_exact = True
+        self.prompt_tokens_estimated = False
 
     @property
     def sequences(self) -> int:
@@ -352,7 +369,7 @@ def too_many_items(limit: int) -> BadRequest:
     return BadRequest(f"1 validation error:\n  {err}", param="body", error_type="Bad Request")
 
 
-def load_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH, max_items: int = MAX_JSON_ITEMS) -> Any:
+def load_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH, max_items: int | None = MAX_JSON_ITEMS) -> Any:
     """``raw`` parsed as strict JSON (orjson), any top-level value, nested at most ``max_depth`` (< 1024) deep
     (``[[1]]`` is 2 deep).  The one parser of client bodies: every route reads them through it.
 
@@ -365,10 +382,10 @@ def load_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH, max_items: int = MAX_
     Nothing recurses on the input: orjson stops at its limit, the error fallback (:func:`_body_error`) catches
     Python's ``RecursionError``.  A body longer than ``1.5 × max_items`` bytes (the shortest item, ``{},``, is
     1.5 bytes a piece) is first checked to hold at most ``max_items`` items (:func:`json_items`), before anything
-    is parsed.
+    is parsed; None: no such check (a body pdproxy built itself from one already checked).
     Raises :class:`BadRequest` (vLLM's 400 envelope) for a body that is not JSON, nests too deep or holds too many
     items."""
-    if len(raw) * 2 > max_items * 3 and json_items(raw, max_items) > max_items:
+    if max_items is not None and len(raw) * 2 > max_items * 3 and json_items(raw, max_items) > max_items:
         raise too_many_items(max_items)
     if _brackets_at_most(raw, max_depth):
         try:
@@ -416,7 +433,8 @@ def _body_error(raw: bytes, max_depth: int = MAX_JSON_DEPTH, orjson_error: str =
     return BadRequest(f"1 validation error:\n  {err}", param=err["loc"], error_type="Bad Request")
 
 
-def load_json_object(raw: bytes, max_depth: int = MAX_JSON_DEPTH, max_items: int = MAX_JSON_ITEMS) -> dict[str, Any]:
+def load_json_object(raw: bytes, max_depth: int = MAX_JSON_DEPTH,
+                     max_items: int | None = MAX_JSON_ITEMS) -> dict[str, Any]:
     """:func:`load_json` of a body that must be one JSON object (every vLLM route's body); raises
     :class:`BadRequest` otherwise (vLLM's ``model_attributes_type`` 400)."""
     body = load_json(raw, max_depth, max_items)
@@ -426,7 +444,7 @@ def load_json_object(raw: bytes, max_depth: int = MAX_JSON_DEPTH, max_items: int
 
 
 def parse_request(raw: bytes, api: Api, max_depth: int = MAX_JSON_DEPTH,
-                  max_items: int = MAX_JSON_ITEMS) -> ProxyRequest:
+                  max_items: int | None = MAX_JSON_ITEMS) -> ProxyRequest:
     """Read a client body with vLLM's types and meaning.
 
     pdproxy answers a 400 itself only for a body that is not one JSON object (vLLM's own envelope for it); ``n`` > 1
@@ -493,7 +511,7 @@ def parse_request(raw: bytes, api: Api, max_depth: int = MAX_JSON_DEPTH,
         model=model if isinstance(model, str) else None, max_output_tokens=None if judges else max_output,
         min_tokens=leg.min_tokens, continuous_usage=bool(stream and options and options.continuous_usage_stats),
         decoder_prefills=not judges and bool(logits or leg.use_beam_search), engine_judges=judges,
-        fault=faults[0] if faults else None, n=max(n, 1), prompts=max(prompts, 1))
+        fault=faults[0] if faults else None, n=max(n, 1), prompts=max(prompts, 1), seed=leg.seed)
 
 
 _COMPLETION_TOKENS_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')

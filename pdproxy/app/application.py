@@ -361,7 +361,7 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
                 raise NoEndpointAvailable("engine", "the engines refuse pdproxy's calls to /v1/models (HTTP 401/"
                                                     "403): set engine_api_key to the engines' --api-key")
             try:
-                status, body = await st.engines.models_as_client(refusing[0], auth)
+                status, body = await st.engines.models_as_client(refusing[0], st.headers.authorization(auth))
             except httpx.HTTPError as exc:
                 raise UpstreamUnavailable(f"GET /v1/models failed: {exc.__class__.__name__}",
                                           endpoint=refusing[0].name) from None
@@ -438,6 +438,13 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
     @app.exception_handler(404)
     async def _not_found(_: Request, __: Exception) -> Response:
         return Response(orjson.dumps(error_body(404, "Not Found")), status_code=404, media_type="application/json")
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, __: Exception) -> Response:
+        """A route that failed unexpectedly: vLLM's JSON envelope (docs/limits.md), then the connection closes
+        (Starlette re-raises the error after this answer; the server logs it)."""
+        return Response(orjson.dumps(error_body(500, "internal error in pdproxy while handling the request")),
+                        status_code=500, media_type="application/json", headers={"connection": "close"})
 
     return app
 

@@ -25,8 +25,9 @@ carry the current span as W3C ``traceparent`` / ``tracestate``, so that an engin
 join the client's trace instead of starting orphan ones.  Control-plane calls carry none.
 
 A client's header value reaches an engine only as visible ASCII (:func:`forwardable`): a ``traceparent`` only in
-W3C's form, any other value with a byte outside 0x20–0x7E (a tab aside) is dropped — HTTP clients refuse to send
-such a value (httpx raises ``UnicodeEncodeError``), and an engine has no use for it.
+W3C's form, any other value with a byte outside 0x20–0x7E (a tab aside), or with a space or tab at its end, is
+dropped — HTTP clients refuse to send such a value (httpx raises ``UnicodeEncodeError`` or h11's
+``LocalProtocolError``), and an engine has no use for it.
 """
 
 from __future__ import annotations
@@ -43,14 +44,16 @@ if TYPE_CHECKING:
 
 TRACE_HEADERS: tuple[bytes, ...] = (b"traceparent", b"tracestate")
 """The W3C trace-context headers (lower-case), passed through from the client when pdproxy's tracing is off."""
-_VISIBLE_ASCII = re.compile(r"[\x20-\x7e\t]*")
+_VISIBLE_ASCII = re.compile(r"(?:[\x21-\x7e](?:[ \t]*[\x21-\x7e])*)?")
+"""An HTTP field value HTTP clients send (h11's rule): visible ASCII, spaces and tabs only between visible bytes."""
 _TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(-[\x21-\x7e]*)?")
 """W3C Trace Context's ``traceparent``: version, trace id, parent id, flags (a later version may add fields)."""
 
 
 def forwardable(name: bytes, value: str) -> bool:
     """True when a client's header ``name`` (lower-case) with ``value`` (its bytes as latin-1 text) may be sent to
-    an engine: visible ASCII (and tabs) only, a ``traceparent`` in W3C's form (module docstring)."""
+    an engine: visible ASCII, spaces and tabs only between visible bytes, a ``traceparent`` in W3C's form (module
+    docstring)."""
     if name == b"traceparent":
         return _TRACEPARENT.fullmatch(value) is not None
     return _VISIBLE_ASCII.fullmatch(value) is not None

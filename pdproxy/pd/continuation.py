@@ -503,16 +503,16 @@ class Resume:
         self.legs += 1
         if self.prompt_ids is not None:
             cont["prompt"] = self.prompt_ids + self.generated
-            leg = parse_request(orjson.dumps(cont), Api.COMPLETIONS)
-            leg.prompt_tokens = len(cont["prompt"])
+            leg = parse_request(orjson.dumps(cont), Api.COMPLETIONS, max_items=None)   # pdproxy's own body
+            leg.size_exactly(len(cont["prompt"]))
             return leg
         chat = fields.responses_chat(body) if self.req.api is Api.RESPONSES else fields.messages_chat(body)
         messages = [*chat["messages"], {"role": "assistant", "content": "".join(self.text)}]
         cont.update({"messages": messages, "continue_final_message": True, "add_generation_prompt": False})
         if chat.get("tools"):
             cont["tools"] = chat["tools"]
-        leg = parse_request(orjson.dumps(cont), Api.CHAT)
-        leg.prompt_tokens = (self.req.prompt_tokens or 0) + sent
+        leg = parse_request(orjson.dumps(cont), Api.CHAT, max_items=None)
+        leg.size_from(self.req, sent)
         return leg
 
     def prompt_tokens(self) -> int:

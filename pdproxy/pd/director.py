@@ -376,7 +376,7 @@ class Director:
         if body is None:
             await recompute.finish_length(out, transcript, stream=req.stream, include_usage=req.include_usage)
             return None
-        leg = parse_request(orjson.dumps(body), req.api)
-        leg.prompt_tokens = (req.prompt_tokens or 0) + sent
+        leg = parse_request(orjson.dumps(body), req.api, max_items=None)     # built from a checked body
+        leg.size_from(req, sent)
         ctx.request_id = new_request_id(ctx.client_request_id)
         return leg

@@ -105,7 +105,7 @@ def plan(req: ProxyRequest, parent: RequestContext) -> list[Sequence]:
     body = req.body
     prompts = prompt_list(body.get("prompt")) if req.api is Api.COMPLETIONS else None
     prompts = prompts or [None]
-    seed = body.get("seed")
+    seed = req.seed
     out: list[Sequence] = []
     for pi, prompt in enumerate(prompts):
         for k in range(req.n):
@@ -113,13 +113,13 @@ def plan(req: ProxyRequest, parent: RequestContext) -> list[Sequence]:
             leg.pop("n", None)
             if prompt is not None:
                 leg["prompt"] = prompt
-            if req.n > 1 and isinstance(seed, int) and not isinstance(seed, bool):
+            if req.n > 1 and seed is not None:
                 leg["seed"] = (seed + k - INT64_MIN) % (1 << 64) + INT64_MIN   # within vLLM's int64 bounds
             if req.stream:
                 options = body.get("stream_options")
                 leg["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
             index = pi * req.n + k
-            seq_req = parse_request(orjson.dumps(leg), req.api)          # read as any one-sequence request
+            seq_req = parse_request(orjson.dumps(leg), req.api, max_items=None)   # as any one-sequence request
             ctx = RequestContext(request_id=f"{parent.request_id}-{index}",
                                  client_request_id=parent.client_request_id, api_label=parent.api_label,
                                  authorization=parent.authorization, model=parent.model)

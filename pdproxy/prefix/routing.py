@@ -382,9 +382,10 @@ class PrefixRouter:
         off).  Also sets ``req.prompt_tokens`` and ``ctx.prompt_tokens`` to :attr:`PrefixLookup.token_count` when
         known, so the scorers' prompt and cached tokens are in the same (the engine's) tokens: an exact count
         (token keys) always; a text estimate (bytes × the engine's learnt tokens per byte, which differs between
-        languages several-fold) only where admission counted nothing exactly, and within admission's bounds —
-        never above ``prompt_tokens_upper``, the size the engines' limits admitted, so the prefill queue never
-        waits for room a prompt that fits would never find."""
+        languages several-fold) only where admission counted nothing exactly, and within admission's bounds when
+        it had some — never above ``prompt_tokens_upper``, the size the engines' limits admitted, so the prefill
+        queue never waits for room a prompt that fits would never find (where admission only estimated too, the
+        engine-calibrated estimate replaces its own)."""
         lookup = await self.lookup(req, ctx)
         if lookup is None:
             return NO_HINTS
@@ -393,7 +394,7 @@ class PrefixRouter:
         if count is not None and lookup.kind == "text":
             if req.prompt_tokens_exact:
                 count = None
-            else:
+            elif not req.prompt_tokens_estimated:       # bounded: within them (an estimate is no bound)
                 upper = req.prompt_tokens_upper
                 count = max(req.prompt_tokens_lower, count if upper is None else min(count, upper))
         if count is not None and count != req.prompt_tokens:

@@ -11,8 +11,12 @@ from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 
+from pdproxy.apis.request import Api, parse_request
+from pdproxy.pd import fanout
+from pdproxy.timeline import RequestContext
 from tests.apis.support import events, legs, wait_engines_idle
 from tests.conftest import SIM_ARGS, Fleet
 from tests.support import ProxyThread, SimProcess, running, wait_until
@@ -69,9 +73,10 @@ def test_chat_n3_json_is_three_pairs_merged_like_vllm(proxy: ProxyThread, sims: 
 @pytest.mark.parametrize(("seed", "child_seeds"), [
     ((1 << 63) - 1, [(1 << 63) - 1, -(1 << 63)]),      # the largest seed: the second child's wraps (same 64 bits)
     (-1, [-1, 0]),
+    ("5", [5, 6]), (5.0, [5, 6]),                       # vLLM reads both as 5 (they were copied: equal samples)
 ])
-def test_child_seeds_stay_within_vllms_int64_bounds(proxy: ProxyThread, sims: Fleet, seed: int,
-                                                   child_seeds: list[int]) -> None:
+def test_child_seeds_are_seed_plus_k_within_vllms_int64_bounds(proxy: ProxyThread, sims: Fleet, seed: object,
+                                                              child_seeds: list[int]) -> None:
     r = httpx.post(proxy.url + "/v1/chat/completions", timeout=30, json={
         "model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 2,
         "temperature": 1, "seed": seed})
@@ -258,3 +263,14 @@ def test_siblings_follow_their_prompts_prefiller_among_several(sims: Fleet) -> N
             proxy.wait_idle()
         finally:
             proxy.stop()
+
+
+def test_sequences_are_read_without_an_item_limit_their_request_already_passed() -> None:
+    """``max_json_items`` set above the default: a 1.1M-id prompt with ``n: 2`` is read, and so are the
+    sequences pdproxy builds from it (they were re-read with the default limit: a 400 naming a limit the
+    client's operator had raised)."""
+    raw = orjson.dumps({"model": "sim-model", "prompt": [1] * 1_100_000, "n": 2, "max_tokens": 2,
+                        "temperature": 1})
+    req = parse_request(raw, Api.COMPLETIONS, max_items=2_000_000)
+    parent = RequestContext(request_id="r", client_request_id=None, api_label="completions")
+    assert [len(s.req.body["prompt"]) for s in fanout.plan(req, parent)] == [1_100_000, 1_100_000]

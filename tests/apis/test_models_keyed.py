@@ -40,7 +40,8 @@ def test_the_engines_answer_for_the_clients_key(keyed: tuple[SimProcess, SimProc
         assert ok.status_code == 200 and [m["id"] for m in ok.json()["data"]] == ["sim-model"], ok.text
         anthropic = httpx.get(proxy.url + "/v1/models", headers={"x-api-key": KEY}, timeout=10)
         assert anthropic.status_code == 200 and anthropic.json()["data"], anthropic.text
-        for headers in ({"Authorization": "Bearer sk-wrong"}, {}):
+        for headers in ({"Authorization": "Bearer sk-wrong"}, {},
+                        {"Authorization": "Bearer sk-\xe9ng".encode("latin-1")}):    # not sendable: not sent (a 500)
             refused = httpx.get(proxy.url + "/v1/models", headers=headers, timeout=10)
             assert refused.status_code == 401 and refused.json()["error"] == "Unauthorized", refused.text
     finally:

@@ -153,11 +153,26 @@ def test_invalid_requests_get_vllms_own_400(engines: Engines, make_proxy: Callab
         body = {**base(api, "The prefiller reads the prompt."), **extra}
         raw = orjson.dumps(body)
         asked = completion_requests(engines.decode_url)
-        via = httpx.post(proxy.url + path(api), content=raw, timeout=30)
+        via = httpx.post(proxy.url + path(api), content=raw, timeout=30, headers={"Content-Type": "application/json"})
         alone = httpx.post(engines.decode_url + path(api), content=raw, timeout=30,
                            headers={"Content-Type": "application/json"})
         assert (via.status_code, via.json()) == (alone.status_code, alone.json()) and via.status_code == 400, extra
         assert completion_requests(engines.decode_url) == asked + 1, extra   # only our direct request
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_not_sent_as_json_gets_vllms_own_400(engines: Engines, make_proxy: Callable[..., ProxyThread],
+                                                   content_type: str | None) -> None:
+    """vLLM's ``validate_json_request``: what ``curl -d`` sends (a form's media type), or none, is its 400 — the
+    same bytes through pdproxy, which answers it itself, before any engine."""
+    proxy = make_proxy(engines)
+    raw = orjson.dumps(base("chat", "The prefiller reads the prompt."))
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    asked = completion_requests(engines.decode_url)
+    via = httpx.post(proxy.url + "/v1/chat/completions", content=raw, timeout=30, headers=headers)
+    alone = httpx.post(engines.decode_url + "/v1/chat/completions", content=raw, timeout=30, headers=headers)
+    assert (via.status_code, via.json()) == (alone.status_code, alone.json()) and via.status_code == 400
+    assert completion_requests(engines.decode_url) == asked + 1          # only our direct request
 
 
 def test_a_client_handle_never_reaches_an_engine(engines: Engines, prompts: Prompts,

@@ -14,6 +14,7 @@ import httpx
 import orjson
 import pytest
 
+from tests.relay.rawclient import RawConn, post
 from tests.support import ProxyThread, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -210,6 +211,14 @@ def test_client_header_values_reach_an_engine_as_visible_ascii_only(engine: Reco
     bad = httpx.post(proxy.url + "/tokenize", json={"model": MODEL, "prompt": "hi"}, timeout=10,
                      headers={"traceparent": "00-not-a-trace-01"})
     assert bad.status_code == 200 and "traceparent" not in engine.headers[-1]
+    body = orjson.dumps({"model": MODEL, "prompt": "hi"})
+    conn = RawConn(proxy.port)    # httpx refuses to send these: a raw socket
+    for i in range(15):           # a trailing space or tab (h11 refuses it): was a 502, and opened the breakers
+        conn.send(post("/tokenize", body, headers="tracestate: k=v \r\nAuthorization: Bearer sk-x\t\r\n"))
+        assert conn.read_messages(i + 1)[i].status == 200
+        assert "tracestate" not in engine.headers[-1] and "authorization" not in engine.headers[-1]
+    conn.close()
+    assert all(proxy.state.health.snapshot(e)["breaker"] == "closed" for e in proxy.state.pool.endpoints())
 
 
 def test_a_control_plane_route_that_fails_answers_a_json_500(engine: RecordingEngine, proxy: ProxyThread,
@@ -226,3 +235,17 @@ def test_a_control_plane_route_that_fails_answers_a_json_500(engine: RecordingEn
     error = r.json()["error"]
     assert error["code"] == 500 and error["type"] and "internal error" in error["message"]
     assert "a bug" not in r.text                      # no internals in what the client reads
+
+
+def test_a_fastapi_route_that_fails_answers_a_json_500_too(engine: RecordingEngine, proxy: ProxyThread,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The routes FastAPI serves (``/v1/models``, ``/debug/*``, the admin API) answered an unexpected error with
+    Starlette's text/plain 500; now vLLM's envelope too, and the connection closes."""
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(proxy.state.served, "cards", broken)
+    r = httpx.get(proxy.url + "/v1/models", timeout=10)
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json", r.text
+    assert r.headers["connection"] == "close"
+    assert r.json()["error"]["code"] == 500 and "a bug" not in r.text
