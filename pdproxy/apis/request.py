@@ -60,7 +60,7 @@ class ProxyRequest:
     carries the client's values and the prefiller answers vLLM's own 400 (``kv_transfer.prefill_body``);
     ``fault``: what pdproxy found (vLLM's wording), answered by pdproxy itself should an engine accept the request
     after all; ``prompt_tokens``: filled in by admission (tokens), None until counted, and replaced by the prefix
-    lookup's count in the engine's tokens when it has one (:mod:`pdproxy.prefix.routing`);
+    lookup's count in the engine's tokens where its rules allow (``PrefixRouter.hints``, :mod:`pdproxy.prefix.routing`);
     ``prompt_tokens_upper`` / ``prompt_tokens_lower``: admission's bounds on them (tokens; the upper one is what
     the engines' limits are checked against; the lower one 0 when unknown), ``prompt_tokens_exact``: admission
     counted them exactly (token ids, a tokenizer, the engine's ``/tokenize``: the prefix lookup never replaces

@@ -9,10 +9,10 @@ on the prefiller until the connector's lease expired (``docs/apis-through-pd.md`
 ``openai/completion/serving.py``: ``output.index + prompt_idx * num_choices``) is the client's body with one prompt
 and ``n: 1``; with a ``seed``, child ``k`` of a prompt gets ``seed + k`` as vLLM's parallel sampling gives it
 (``vllm/v1/engine/parallel_sampling.py::ParentRequest``), wrapped into vLLM's int64 bounds of ``seed`` (the same
-64 bits: torch seeds a generator with a negative seed's two's complement); a seed outside them is vLLM's 400.  A streamed sequence always asks for its usage chunk
-(``stream_options.include_usage``): the merged usage needs it, and it is dropped from the client's stream.  More than
-``fan_out_max_sequences`` sequences, and ``n > 1`` with ``temperature`` 0 (vLLM: "n must be 1 when using greedy
-sampling"), are 400s.
+64 bits: torch seeds a generator with a negative seed's two's complement); a seed outside them is vLLM's 400.
+A streamed sequence always asks for its usage chunk (``stream_options.include_usage``): the merged usage needs it,
+and it is dropped from the client's stream.  More than ``fan_out_max_sequences`` sequences, and ``n > 1`` with
+``temperature`` 0 (vLLM: "n must be 1 when using greedy sampling"), are 400s.
 
 **Order**: each prompt is admitted once (its count serves its ``n`` children).  The first child of each prompt is
 sent at once; its siblings after its prefill answered, bound to that prefiller while it can take them
