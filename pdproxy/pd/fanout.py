@@ -416,11 +416,7 @@ class FanOut:
                 firsts[seq.prompt_index] = seq
                 await self.admit(seq.req, seq.ctx)
                 continue
-            seq.req.prompt_tokens = first.req.prompt_tokens
-            seq.req.prompt_tokens_upper = first.req.prompt_tokens_upper
-            seq.req.prompt_tokens_lower = first.req.prompt_tokens_lower
-            seq.req.prompt_tokens_exact = first.req.prompt_tokens_exact
-            seq.req.prompt_tokens_estimated = first.req.prompt_tokens_estimated
+            seq.req.size_from(first.req, 0)                         # the same prompt: its count and bounds
             seq.ctx.prompt_tokens = first.ctx.prompt_tokens
             seq.ctx.disaggregated = first.ctx.disaggregated
             seq.ctx.timeline.admitted_at = first.ctx.timeline.admitted_at
