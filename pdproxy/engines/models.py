@@ -40,7 +40,9 @@ class ServedModels:
     def __init__(self, infos: Mapping[Endpoint, EngineInfo], pins: Pins | None = None) -> None:
         self.infos = infos
         self.pins: dict[tuple[Role, str], frozenset[str]] = dict(pins or {})
-        self._ids: dict[Endpoint, tuple[int, frozenset[str] | None]] = {}
+        self._ids: dict[Endpoint, tuple[list[dict[str, Any]], frozenset[str] | None]] = {}
+        """Per endpoint: the list of cards its ids were read from (held, so that its address cannot be reused
+        by a later list while it is cached) and those ids."""
 
     def pin(self, role: Role, url: str, models: Iterable[str]) -> None:
         """Pin the endpoints at ``(role, url)`` to ``models`` (empty: unpin); the admin API's ``models``."""
@@ -64,16 +66,15 @@ class ServedModels:
     def ids(self, endpoint: Endpoint) -> frozenset[str] | None:
         """The model ids ``endpoint`` serves (module docstring's rule); None when unknown."""
         cards = self.listed(endpoint)
-        key = id(cards)
         hit = self._ids.get(endpoint)
-        if hit is not None and hit[0] == key:
+        if hit is not None and hit[0] is cards:         # the same list: no refresh since (a refresh makes a new one)
             return hit[1]
         listed = frozenset(c["id"] for c in cards if isinstance(c.get("id"), str)) or None
         pins = self.pinned(endpoint)
         ids = (listed & pins if listed is not None else pins) if pins is not None else listed
         if len(self._ids) > 4096:                       # endpoints come and go (admin API): stay bounded
             self._ids.clear()
-        self._ids[endpoint] = (key, ids)
+        self._ids[endpoint] = (cards, ids)
         return ids
 
     def serves(self, endpoint: Endpoint, model: str | None) -> bool:

@@ -105,3 +105,16 @@ async def test_a_model_whose_prefillers_are_full_does_not_hold_up_another_models
         assert granted == ["a:900:http://pa", "b:800:http://pb"] and queue.depth == 1
         release.set()
     assert granted[-1] == "a:700:http://pa" and queue.idle()
+
+
+def test_served_ids_follow_each_refresh_of_the_listing() -> None:
+    """A refresh replaces the endpoint's list of cards; the ids follow every new list, even one CPython places
+    at the address of a list read before (a cache keyed by ``id()`` answered the old model here)."""
+    info = EngineInfo(models=[card("model-0")])
+    served = ServedModels({DA: info})
+    for k in range(0, 24, 2):
+        info.models = [card(f"model-{k}")]
+        assert served.ids(DA) == {f"model-{k}"} and served.serves(DA, f"model-{k}")
+        info.models = [card(f"model-{k + 1}")]      # two refreshes, no lookup between: the list read last is
+        info.models = [card(f"model-{k + 2}")]      # freed and its address can come back for the next one
+        assert served.ids(DA) == {f"model-{k + 2}"} and not served.serves(DA, f"model-{k}")
