@@ -42,7 +42,7 @@ from typing import Any, Protocol
 import orjson
 
 from pdproxy.apis.request import Api
-from pdproxy.errors import ProxyError, UpstreamHTTPError, error_type_for
+from pdproxy.errors import ProxyError, UpstreamHTTPError, error_body, error_type_for
 from pdproxy.http import sse
 from pdproxy.timeline import RequestContext
 
@@ -107,6 +107,14 @@ def error_json(api: Api, err: ProxyError) -> bytes:
     if api is Api.MESSAGES and not isinstance(err, UpstreamHTTPError):
         return orjson.dumps(anthropic_error(err))
     return err.body_bytes()
+
+
+def refusal_json(api: Api, status: int, message: str) -> bytes:
+    """The JSON body of a refusal pdproxy's HTTP server answers itself (``status`` 400/408/413/431/500, before
+    any handler read the request) on ``api``: :func:`error_json` of an error of that status and ``message``."""
+    if api is Api.MESSAGES:
+        return orjson.dumps({"type": "error", "error": {"type": error_type_for(status), "message": message}})
+    return orjson.dumps(error_body(status, message))
 
 
 def _first_error(block: bytes) -> UpstreamHTTPError | None:

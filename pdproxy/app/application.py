@@ -191,6 +191,11 @@ class PDProxyApp:
                 raise Unauthorized("invalid or missing API key")
         return client_authorization(auth, header(b"x-api-key"))
 
+    def refusal_body(self, route: str, status: int, message: str) -> bytes:
+        """The body of a refusal the HTTP server answers itself on a completion route, in its API's error shape
+        (:func:`pdproxy.apis.streams.refusal_json`)."""
+        return api_streams.refusal_json(Api(route), status, message)
+
     async def handle_completion(self, route: str, ex: Exchange) -> None:
         """A ``POST`` to one of the four generation routes (``route``: an :class:`~pdproxy.apis.request.Api` value)
         on one :class:`pdproxy.http.server.Exchange` (its body already read whole, within ``max_body_bytes``)."""

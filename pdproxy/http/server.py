@@ -85,6 +85,11 @@ class ServedApp(Protocol):
 
     async def handle_completion(self, route: str, ex: Exchange) -> None: ...
 
+    def refusal_body(self, route: str, status: int, message: str) -> bytes:
+        """The JSON body of a refusal the server answers itself (408, 413, 431, 400, 500) to a request on the
+        completion route ``route``: in that API's error shape."""
+        ...
+
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None: ...
 """The generation routes served through PD (chat, completions, Responses, Anthropic Messages), read whole here."""
 MAX_URL_BYTES = 8 * 1024
@@ -710,7 +715,7 @@ class ServerProtocol(asyncio.Protocol):
             self.refused = True
             ex.abort()
         else:
-            self._refuse(500, "internal error while handling the request")
+            self._refuse(500, "internal error while handling the request", ex)
 
     def _spawn(self, coro: Any) -> asyncio.Task[None]:
         task = self.loop.create_task(coro)
@@ -752,9 +757,14 @@ class ServerProtocol(asyncio.Protocol):
             self.transport.resume_reading()
             self._set_timer()
 
-    def _refuse(self, status: int, message: str) -> None:
+    def _refuse(self, status: int, message: str, refused: Exchange | None = None) -> None:
         """Answer a request the server itself refuses (after any response in progress) and close; no later byte
-        from the client is parsed."""
+        from the client is parsed.  ``refused``: the request refused (default: the one being parsed, else the
+        current one); on a completion route the body is in that API's error shape (``ServedApp.refusal_body``),
+        elsewhere vLLM's OpenAI envelope."""
+        if refused is None:
+            refused = self.parsing or self.current
+        route = refused.api if refused is not None else None
         self.closing = True
         self.no_more = True
         self.refused = True
@@ -772,7 +782,8 @@ class ServerProtocol(asyncio.Protocol):
         if ex is not None and ex.on_disconnect is not None:
             cb, ex.on_disconnect = ex.on_disconnect, None
             cb()
-        body = orjson.dumps(error_body(status, message))
+        body = (self.proxy.refusal_body(route, status, message) if route is not None
+                else orjson.dumps(error_body(status, message)))
         self.write(b"".join([_STATUS_LINES[status], b"content-type: application/json\r\ncontent-length: ",
                              str(len(body)).encode(), b"\r\nconnection: close\r\n\r\n", body]))
         self.transport.close()

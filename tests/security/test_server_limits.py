@@ -14,7 +14,7 @@ import pytest
 from pdproxy.http.server import ENGINE_FD_RESERVE, EdgeLimits
 from pdproxy.settings import Settings
 from tests.conftest import Fleet
-from tests.relay.rawclient import RawConn, get, post
+from tests.relay.rawclient import Message, RawConn, get, post
 from tests.support import ProxyThread, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -205,13 +205,58 @@ def test_a_connection_refused_at_the_cap_is_not_left_open(sims: Fleet) -> None:
         held.close()
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
-def test_a_request_whose_handler_raises_is_answered_and_closed(edge: ProxyThread, path: str) -> None:
-    """A body nested 1,100 deep once made the completion handler raise (RecursionError) and the connection was
-    held forever; whatever a handler raises, the server answers in the error shape and closes."""
-    deep = b'{"model": "sim-model", "messages": ' + b"[" * 1100 + b"]" * 1100 + b"}"
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_a_completion_whose_handler_raises_is_answered_500_and_closed(edge: ProxyThread, sims: Fleet,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       path: str) -> None:
+    """A completion handler that raises (a defect: it answers every error itself) once held the connection
+    forever; the server answers 500 in the route's error shape (OpenAI's, Anthropic's on /v1/messages) and
+    closes, and no engine is asked."""
+    async def broken(route: str, ex: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(edge.app, "handle_completion", broken)
+    before = engine_requests(sims)
     c = RawConn(edge.port)
-    c.send(post(path, deep))
-    m = c.read_messages(1, timeout_s=20)[0]
-    assert m.status in (400, 500), m
-    assert orjson.loads(m.body)["error"]["code"] == m.status or m.body.startswith(b"Internal")
+    c.send(post(path, JSON) + post(path, JSON))           # a pipelined second request is never answered
+    assert c.wait_closed(20)
+    assert [m.status for m in c.p.messages] == [500]
+    m = c.p.messages[0]
+    assert m.header("connection") == "close" and m.header("content-type") == "application/json"
+    body = orjson.loads(m.body)
+    if path == "/v1/messages":
+        assert body == {"type": "error", "error": {"type": "InternalServerError",
+                                                   "message": "internal error while handling the request"}}
+    else:
+        assert body["error"]["code"] == 500 and body["error"]["type"] == "InternalServerError"
+    assert engine_requests(sims) == before
+
+
+@pytest.mark.parametrize(("path", "anthropic"), [("/v1/chat/completions", False), ("/v1/messages", True)])
+def test_the_servers_own_refusals_take_the_routes_error_shape(edge: ProxyThread, path: str,
+                                                              anthropic: bool) -> None:
+    """413 (declared and while arriving) and 408 (a stalled body) on a completion route are in that API's error
+    shape: an Anthropic client reads ``{"type": "error", ...}`` on /v1/messages, not OpenAI's envelope."""
+    def check(m: Message, status: int) -> None:
+        assert m.status == status and m.header("connection") == "close"
+        body = orjson.loads(m.body)
+        if anthropic:
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+        else:
+            assert body["error"]["code"] == status and "param" in body["error"]
+
+    c = RawConn(edge.port)                                   # declared over max_body_bytes
+    c.send(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           f"Content-Length: {HEAD + 1}\r\n\r\n".encode())
+    assert c.wait_closed()
+    check(c.p.messages[0], 413)
+    c = RawConn(edge.port)                                   # chunked, passing the limit while it arrives
+    c.send(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           f"Transfer-Encoding: chunked\r\n\r\n".encode() + b"%x\r\n" % (HEAD + 1) + b"a" * (HEAD + 1))
+    assert c.wait_closed()
+    check(c.p.messages[0], 413)
+    c = RawConn(edge.port)                                   # the body stalls past the 0.5 s body timeout
+    c.send(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           f"Content-Length: 100\r\n\r\n{{".encode())
+    assert c.wait_closed()
+    check(c.p.messages[0], 408)
