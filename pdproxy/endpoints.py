@@ -7,7 +7,7 @@ Topologies operators write (all end up as a flat list of :class:`Endpoint`):
   — external DP, one ``vllm serve --data-parallel-rank k --port base+k`` per rank, each its own endpoint;
 - URL lists (``--prefill URL`` / ``--decode URL``) like vllm-router;
 - one decoder URL fronting ``dp_size`` internal DP ranks: expanded to one endpoint per rank, addressed with the
-  ``X-data-parallel-rank`` header (vLLM ``entrypoints/openai/generate/base/serving.py::_get_data_parallel_rank``).
+  ``X-data-parallel-rank`` header (vLLM ``vllm/entrypoints/generate/base/serving.py::_get_data_parallel_rank``).
 """
 
 from __future__ import annotations

@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -46,7 +45,6 @@ from pdproxy.errors import (
     ShuttingDown,
     Unauthorized,
     UpstreamHTTPError,
-    UpstreamUnavailable,
     error_body,
 )
 from pdproxy.http.engine_headers import TRACE_HEADERS, client_authorization
@@ -365,11 +363,7 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
             if st.settings.engine_api_key or not st.headers.forward_client_authorization:
                 raise NoEndpointAvailable("engine", "the engines refuse pdproxy's calls to /v1/models (HTTP 401/"
                                                     "403): set engine_api_key to the engines' --api-key")
-            try:
-                status, body = await st.engines.models_as_client(refusing[0], st.headers.authorization(auth))
-            except httpx.HTTPError as exc:
-                raise UpstreamUnavailable(f"GET /v1/models failed: {exc.__class__.__name__}",
-                                          endpoint=refusing[0].name) from None
+            status, body = await st.engines.models_as_client(refusing[0], st.headers.authorization(auth))
             return Response(body, status_code=status, media_type="application/json")
         if not cards and st.settings.model_name:
             cards = [{"id": st.settings.model_name, "object": "model", "owned_by": "vllm",

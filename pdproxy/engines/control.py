@@ -2,7 +2,7 @@
 
 What each engine declares is cached in :class:`EngineInfo` and refreshed in the background by the app
 (``engine_refresh_interval_s``): served model ids and ``max_model_len`` from ``/v1/models`` (vLLM
-``entrypoints/openai/engine/protocol.py::ModelCard`` has ``max_model_len``), and the KV pool from
+``vllm/entrypoints/serve/engine/protocol.py::ModelCard`` has ``max_model_len``), and the KV pool from
 ``vllm:cache_config_info`` on ``/metrics`` (``num_gpu_blocks × block_size`` tokens, or
 ``kv_cache_size_tokens`` where vLLM ≥ 0.32 exports it; ``vllm/config/cache.py``, ``docs/real-vllm.md``).
 
@@ -141,21 +141,14 @@ class EngineClient:
     async def models_as_client(self, endpoint: Endpoint, authorization: str | None) -> tuple[int, bytes]:
         """``GET /v1/models`` on ``endpoint`` with the client's ``authorization`` instead of pdproxy's headers (the
         engines refuse pdproxy's own calls and pdproxy passes client credentials through): ``(status, body)`` as
-        the engine answered — its list for a key it accepts, its own 401 otherwise.  Raises ``httpx.HTTPError`` on
-        transport errors."""
+        the engine answered — its list for a key it accepts, its own 401 otherwise.  Raises
+        :class:`~pdproxy.errors.ProxyError` on transport errors (:mod:`pdproxy.http.errors`)."""
         headers = dict(endpoint.extra_headers())
         if authorization:
             headers["Authorization"] = authorization
-        r = await self._client.get(endpoint.url + "/v1/models", headers=headers)
+        with httpx_errors(f"{endpoint.role.value} {endpoint.name}", endpoint.name, " on GET /v1/models"):
+            r = await self._client.get(endpoint.url + "/v1/models", headers=headers)
         return r.status_code, r.content
-
-    async def post_json(self, endpoint: Endpoint, path: str, body: dict[str, Any],
-                        headers: dict[str, str] | None = None) -> httpx.Response:
-        """POST a JSON body; returns the response (any status).  Raises :class:`~pdproxy.errors.ProxyError` on
-        transport errors."""
-        with httpx_errors(f"{endpoint.role.value} {endpoint.name}", endpoint.name, f" on POST {path}"):
-            return await self._client.post(endpoint.url + path, json=body,
-                                           headers={**endpoint.extra_headers(), **(headers or {})})
 
     async def metrics_text(self, endpoint: Endpoint) -> str:
         """The engine's ``GET /metrics`` body (Prometheus text exposition).  No DP-rank header:

@@ -14,7 +14,7 @@ deployment.  Facts they rely on:
   filler "passed" 49.4K tokens, unique text only 13.4K) — with ``max_tokens=1``.  Sizes are measured with the
   engine's ``/tokenize`` (vLLM ``vllm/entrypoints/serve/tokenize/protocol.py``: ``{"count", "max_model_len",
   "tokens"}``).  A size that does not finish within its wait has *stalled*: the request is abandoned by closing
-  its connection, which makes vLLM abort it (``vllm/entrypoints/utils.py::with_cancellation``).
+  its connection, which makes vLLM abort it (``vllm/entrypoints/serve/utils/api_utils.py::with_cancellation``).
 
 Two plans (:func:`cold_probe`):
 

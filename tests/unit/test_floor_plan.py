@@ -1,4 +1,4 @@
-"""The package's floor plan (README, "Layout"): every import — top-level, function-level and under
+"""The package's floor plan (docs/architecture.md, "The import levels"): every import — top-level, function-level and under
 ``TYPE_CHECKING`` alike — runs from a folder (or top-level module) to one on a lower level; loops stay inside one
 folder.  A new folder or top-level module must be given a level here, which is the point: it is a decision."""
 
