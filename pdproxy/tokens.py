@@ -252,22 +252,6 @@ def prompt_token_ids(tok: Tokenizer, body: dict[str, Any], api: Literal["chat", 
     raise ValueError("a list of several prompts cannot be counted as one prompt")
 
 
-def prompt_token_count(tok: Tokenizer, body: dict[str, Any], api: Literal["chat", "completions"]) -> int:
-    """``len(prompt_token_ids(tok, body, api))``, using :meth:`SimTokenizer.count` when it applies (admission
-    checks need only the count). Raises ``ValueError`` like :func:`prompt_token_ids`."""
-    if isinstance(tok, SimTokenizer):
-        if api == "completions" and isinstance(body.get("prompt"), str):
-            return tok.count(body["prompt"])
-        if api == "chat" and isinstance(body.get("messages"), list) and all(
-                isinstance(m, dict) and isinstance(m.get("content"), str | None) for m in body["messages"]):
-            tools = body.get("tools") or None
-            text = tok.render_chat(body["messages"], tools=tools,
-                                   add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-                                   continue_final_message=bool(body.get("continue_final_message", False)))
-            return tok.count(text)
-    return len(prompt_token_ids(tok, body, api))
-
-
 def _count_words(text: str) -> int | None:
     """Exact SimTokenizer count for letter words split by single spaces with no trailing space, else None.
 

@@ -28,8 +28,6 @@ from typing import Any
 
 from pdproxy.errors import BadRequest
 
-RESPONSES_PATH = "/v1/responses"
-MESSAGES_PATH = "/v1/messages"
 MESSAGE_ROLES = ("user", "assistant", "system")
 """Roles ``AnthropicMessage.role`` accepts (``anthropic/protocol.py``)."""
 

@@ -36,11 +36,6 @@ class Api(enum.StrEnum):
         """Short name for logs and metrics: ``"chat"``, ``"completions"``, ``"responses"`` or ``"messages"``."""
         return _LABELS[self]
 
-    @property
-    def chat_shaped(self) -> bool:
-        """True when the prompt is a chat (messages rendered by the chat template): all but completions."""
-        return self is not Api.COMPLETIONS
-
 
 _LABELS = {Api.CHAT: "chat", Api.COMPLETIONS: "completions", Api.RESPONSES: "responses", Api.MESSAGES: "messages"}
 _PROMPT_PARAMS = {Api.CHAT: "messages", Api.COMPLETIONS: "prompt", Api.RESPONSES: "input", Api.MESSAGES: "messages"}

@@ -56,7 +56,6 @@ from pdproxy.errors import (
     ProxyError,
     UpstreamHTTPError,
     classify_status,
-    error_body,
 )
 from pdproxy.http.engine_headers import TRACE_HEADERS, EngineHeaders, forwardable
 from pdproxy.http.errors import httpx_error, httpx_errors
@@ -364,8 +363,3 @@ class TrackedSend:
         elif not message.get("more_body", False):
             self.ended = True
         await self.send(message)
-
-
-def not_found_body() -> bytes:
-    """The OpenAI-envelope 404 for a path pdproxy does not serve."""
-    return orjson.dumps(error_body(404, "Not Found"))

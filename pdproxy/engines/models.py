@@ -117,18 +117,6 @@ class ServedModels:
         if known:
             raise ModelNotFound(model, role.value, self.base_ids(role))
 
-    def is_adapter(self, model: str | None) -> bool:
-        """True when some endpoint lists ``model`` as a LoRA adapter (a card with a ``parent``)."""
-        if not model:
-            return False
-        return any(c.get("id") == model and c.get("parent") for e in self.infos for c in self.listed(e))
-
-    def prefix_namespace(self, model: str | None) -> str:
-        """The prefix-index namespace of a request for ``model`` (:func:`pdproxy.prefix.index.block_keys`):
-        the adapter's name for a LoRA adapter (vLLM keys its blocks by ``lora_name``), else ``""`` (the base model;
-        the index is per engine, and one engine runs one base model)."""
-        return model if model and self.is_adapter(model) else ""
-
     def refusing(self) -> list[Endpoint]:
         """The endpoints whose ``/v1/models`` refused pdproxy's key at the last refresh (HTTP 401/403), decoders
         first: what the engines would list is then unknown to pdproxy."""

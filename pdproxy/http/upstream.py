@@ -7,8 +7,7 @@ loadtest/RESULTS.md).  Control-plane calls (health, /metrics, /v1/models, /token
 
 One keep-alive pool per proxy process (at most ``upstream_max_connections`` per engine, a caller past that waits
 ``upstream_pool_wait_s``), created by :meth:`Upstream.start` and closed by :meth:`Upstream.close` (the app's
-lifespan owns both).  :func:`proxy_error` (:func:`pdproxy.http.errors.transport_error`, the one error boundary of
-every engine client) maps the transport's exception tree (``pdproxy/http/client.py``) to
+lifespan owns both).  :func:`pdproxy.http.errors.transport_error` (the one error boundary of every engine client) maps the transport's exception tree (``pdproxy/http/client.py``) to
 :class:`~pdproxy.errors.ProxyError`: every caller (the legs here, the relay, the JSON decode answer) uses it.
 
 Stale keep-alive connections: engines (uvicorn under vLLM) close idle connections after 5 s
@@ -50,8 +49,6 @@ def _retry_after(headers: Any) -> str | None:
     return str(value) if value else None
 
 
-proxy_error = transport_error
-"""The legs' name for :func:`pdproxy.http.errors.transport_error` (the one map of this transport's errors)."""
 
 
 class Upstream:
@@ -142,7 +139,7 @@ class Upstream:
             if isinstance(exc, TimeoutError) and not isinstance(exc, PoolTimeout):
                 raise UpstreamTimeout(f"{endpoint.role.value} {endpoint.name} did not answer within "
                                       f"{timeout_s:.1f} s", endpoint=endpoint.name) from None
-            raise proxy_error(exc, f"{endpoint.role.value} {endpoint.name}", endpoint.name) from None
+            raise transport_error(exc, f"{endpoint.role.value} {endpoint.name}", endpoint.name) from None
         try:
             parsed = orjson.loads(data)
         except orjson.JSONDecodeError:
@@ -175,7 +172,7 @@ class Upstream:
             if isinstance(exc, TimeoutError) and not isinstance(exc, PoolTimeout):
                 raise UpstreamTimeout(f"decoder {endpoint.name} sent no response headers within "
                                       f"{first_byte_timeout_s:.1f} s", endpoint=endpoint.name) from None
-            raise proxy_error(exc, f"decoder {endpoint.name}", endpoint.name) from None
+            raise transport_error(exc, f"decoder {endpoint.name}", endpoint.name) from None
         try:
             if resp.status >= 400:
                 try:

@@ -29,7 +29,8 @@ from pdproxy.engines.pool import EndpointPool
 from pdproxy.errors import DecodeFailed, ProxyError, UpstreamHTTPError, UpstreamTimeout, classify
 from pdproxy.http.client import H1Response, TransportError
 from pdproxy.http.engine_headers import EngineHeaders
-from pdproxy.http.upstream import Upstream, proxy_error
+from pdproxy.http.errors import transport_error
+from pdproxy.http.upstream import Upstream
 from pdproxy.ops.tracing import NO_TRACING, Tracing
 from pdproxy.pd.continuation import LiveStreams, Refusal, Resume, StreamLost, ask_token_ids
 from pdproxy.pd.prefill import PrefillResult
@@ -174,7 +175,7 @@ async def relay_json(resp: H1Response, ctx: RequestContext, cached_tokens: int |
         async with asyncio.timeout(timeout_s):
             data = await resp.read()
     except TransportError as exc:
-        raise proxy_error(exc, f"decoder {endpoint}", endpoint) from None
+        raise transport_error(exc, f"decoder {endpoint}", endpoint) from None
     except TimeoutError:
         raise UpstreamTimeout(f"decoder {endpoint} did not finish within {timeout_s:.1f} s",
                               endpoint=endpoint) from None

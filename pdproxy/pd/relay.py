@@ -66,7 +66,7 @@ from pdproxy.apis.transform import Transform
 from pdproxy.errors import ProxyError, UpstreamTimeout, UpstreamUnavailable
 from pdproxy.http import sse
 from pdproxy.http.client import H1Response, ReadTimeout, TransportError
-from pdproxy.http.upstream import proxy_error
+from pdproxy.http.errors import transport_error
 from pdproxy.pd.continuation import LossCause, RecordIds, Reframe, Resume, StreamLost
 from pdproxy.pd.responder import SSE_HEADERS, Responder
 from pdproxy.timeline import GapCounts, RequestContext
@@ -442,7 +442,7 @@ class StreamRelay:
             raise UpstreamTimeout(f"{who} sent no event within {self.first_event_timeout_s:.1f} s",
                                   endpoint=ctx.decoder or "") from None
         except TransportError as exc:
-            raise proxy_error(exc, who, ctx.decoder or "", " before its first event") from None
+            raise transport_error(exc, who, ctx.decoder or "", " before its first event") from None
         if not block:
             raise UpstreamUnavailable(f"{who} closed the stream before its first event", endpoint=ctx.decoder or "")
         fmt = self.api_stream
@@ -479,7 +479,7 @@ class StreamRelay:
                     failure = UpstreamUnavailable(f"{who} ended the stream without {end}; the response may "
                                                   "be incomplete", endpoint=ctx.decoder or "")
                 else:
-                    failure = proxy_error(exc, who, ctx.decoder or "", " mid-stream")
+                    failure = transport_error(exc, who, ctx.decoder or "", " mid-stream")
                     failure.message += "; the response is incomplete"
                 if self.resume is not None and not out.ended:
                     cause = (LossCause.NO_END if isinstance(exc, _NoDone) else LossCause.STALL

@@ -238,11 +238,6 @@ class BatchDecoder:
         return EventBatch(loose.ts, events, loose.data_parallel_rank, encoding, bad)
 
 
-def decode_batch(payload: bytes) -> EventBatch:
-    """Decode one ``KVEventBatch`` payload of either encoding (see :class:`BatchDecoder`)."""
-    return BatchDecoder().decode(payload)
-
-
 # ---------------------------------------------------------------------------------------------------- encoding
 def stored(block_hashes: list[int | bytes], parent_block_hash: int | bytes | None, token_ids: list[int],
            block_size: int, *, encoding: Encoding = "map", lora_id: int | None = None, medium: str | None = "GPU",

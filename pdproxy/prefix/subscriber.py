@@ -137,25 +137,6 @@ class KVEventSubscriber:
         self._tasks[name] = asyncio.get_running_loop().create_task(self._follow(self._status[name]),
                                                                    name=f"kv-events {name}")
 
-    def add_source(self, source: KVEventSource) -> None:
-        """Start following one more publisher (inside the ``async with``).  Raises ``ValueError`` if its endpoint
-        already has one."""
-        if source.endpoint in self._status:
-            raise ValueError(f"two KV event sources for {source.endpoint}")
-        self._status[source.endpoint] = SourceStatus(source)
-        if self._ctx is not None:
-            self._spawn(source.endpoint)
-
-    async def remove_source(self, endpoint: str) -> None:
-        """Stop following ``endpoint``'s publisher and forget its entries."""
-        task = self._tasks.pop(endpoint, None)
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        if self._status.pop(endpoint, None) is not None:
-            self.index.forget(endpoint)
-
     # ---- state for routing and metrics
     def is_live(self, endpoint: str) -> bool:
         """Whether ``endpoint``'s entries can be trusted: its publisher is connected (or was, less than

@@ -499,10 +499,6 @@ class PrefillQueue:
         w.event.set()
         return True
 
-    def _placeable(self, w: _Waiter) -> bool:
-        """Some prefiller could take ``w`` once capacity frees up (else it must not wait)."""
-        return bool(self.scheduler.eligible(Role.PREFILL, w.request, w.exclude, capacity=False))
-
     def notify(self) -> None:
         """Capacity may have changed: grant waiters in key order.  The first waiter that cannot be granted but
         could be placed later blocks the waiters behind it that could go to the same prefillers (strict order per

@@ -82,9 +82,6 @@ class StopRules:
     ignore_eos: bool = False
 
 
-NO_STOP = StopRules()
-
-
 class OutputPlan:
     """One sequence's output. Token counts are tokens; ``end`` is the natural end (tokens after which it
     finishes ``"stop"``), None when only ``max_tokens`` ends it; ``stop_reason`` is what vLLM reports when it ends

@@ -13,6 +13,7 @@ from pdproxy.engines.limits import Limits
 from pdproxy.engines.models import ServedModels
 from pdproxy.engines.pool import EndpointPool
 from pdproxy.errors import ModelNotFound
+from pdproxy.prefix.routing import PrefixRouter
 from pdproxy.scheduling import PickRequest, Scheduler
 from pdproxy.scheduling.queue import PrefillLedger, PrefillQueue
 
@@ -51,7 +52,9 @@ def test_unknown_model_is_vllms_404_listing_base_models_only() -> None:
     assert e.value.message == "The model `zzz` does not exist. Valid aliases: a, b."
     with pytest.raises(ModelNotFound):
         served.require("a-lora")                                  # only a prefiller lists it: no decoder serves it
-    assert served.prefix_namespace("a-lora") == "a-lora" and served.prefix_namespace("a") == ""
+    router = PrefixRouter.__new__(PrefixRouter)                   # its namespaces: only the listings are read
+    router.infos = two_models()
+    assert router.namespace("a-lora") == "a-lora" and router.namespace("a") == "" and router.namespace(None) == ""
 
 
 def test_models_union_has_each_models_smallest_max_model_len() -> None:

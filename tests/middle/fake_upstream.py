@@ -5,7 +5,7 @@
   takes the next scripted :data:`Outcome` of its request (keyed by the client's ``X-Request-Id``, the prefix of
   the engine request id) and kind, else of its endpoint, else the default (a prefiller answers with a fresh KV
   handle, a decoder streams three chat chunks and ``data: [DONE]``).  Failures raise exactly what ``Upstream``
-  raises for them (:func:`pdproxy.http.upstream.proxy_error` of the transport error it would have met).
+  raises for them (:func:`pdproxy.http.errors.transport_error` of the transport error it would have met).
 - :class:`FakeResponse` is what ``open_stream`` yields: the part of :class:`pdproxy.http.client.H1Response` the relay
   and ``relay_json`` use (``readany``/``read`` with the idle timeout and deadline, ``splice`` into a
   :class:`~pdproxy.http.client.BodySink`, ``pause_reading``/``resume_reading``, ``release``/``close``), fed by a
@@ -44,7 +44,8 @@ from pdproxy.engines.control import EngineInfo
 from pdproxy.errors import UpstreamHTTPError, UpstreamTimeout
 from pdproxy.http import sse
 from pdproxy.http.client import BodySink, ConnectError, Disconnected, ReadTimeout, TransportError
-from pdproxy.http.upstream import Upstream, proxy_error
+from pdproxy.http.errors import transport_error
+from pdproxy.http.upstream import Upstream
 
 MODEL = "sim-model"
 Kind = Literal["prefill", "decode", "release", "tokenize"]
@@ -526,7 +527,7 @@ class FakeUpstream(Upstream):
             await self._step(call, o.connect, "connect")
             if isinstance(o, Refuse):
                 call.result = "refused"
-                raise proxy_error(ConnectError(f"connect to {endpoint.host}:{endpoint.port} failed: refused"),
+                raise transport_error(ConnectError(f"connect to {endpoint.host}:{endpoint.port} failed: refused"),
                                   who, endpoint.name)
             call.received = True
             if kind == "release":
@@ -536,7 +537,7 @@ class FakeUpstream(Upstream):
                 await _forever()
             if isinstance(o, Reset):
                 call.result = "reset"
-                raise proxy_error(Disconnected("engine closed the connection"), who, endpoint.name)
+                raise transport_error(Disconnected("engine closed the connection"), who, endpoint.name)
             if isinstance(o, TimeOut):
                 call.result = "timeout"
                 raise UpstreamTimeout(f"{who} did not answer within {timeout_s:.1f} s", endpoint=endpoint.name)
@@ -567,7 +568,7 @@ class FakeUpstream(Upstream):
             await self._step(call, o.connect, "connect")
             if isinstance(o, Refuse):
                 call.result = "refused"
-                raise proxy_error(ConnectError(f"connect to {endpoint.host}:{endpoint.port} failed: refused"),
+                raise transport_error(ConnectError(f"connect to {endpoint.host}:{endpoint.port} failed: refused"),
                                   f"decoder {endpoint.name}", endpoint.name)
             call.received = True
             await self._step(call, o.gate, "head")
@@ -575,7 +576,7 @@ class FakeUpstream(Upstream):
                 await _forever()
             if isinstance(o, Reset):
                 call.result = "reset"
-                raise proxy_error(Disconnected("engine closed the connection"), f"decoder {endpoint.name}",
+                raise transport_error(Disconnected("engine closed the connection"), f"decoder {endpoint.name}",
                                   endpoint.name)
             if isinstance(o, TimeOut):
                 call.result = "timeout"

@@ -10,7 +10,8 @@ import pytest
 from pdproxy.errors import UpstreamTimeout, UpstreamUnavailable
 from pdproxy.http import client as h1client
 from pdproxy.http.client import H1Pool, PoolTimeout
-from pdproxy.http.upstream import UpstreamRefused, proxy_error
+from pdproxy.http.errors import transport_error
+from pdproxy.http.upstream import UpstreamRefused
 from tests.unit.rawengine import Engine, Peer, answer, once, post, serving
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
@@ -117,11 +118,11 @@ async def test_large_request_body_is_written_under_flow_control() -> None:
 
 def test_the_error_tree_maps_to_proxy_errors() -> None:
     who = "decoder http://d:1"
-    assert isinstance(proxy_error(h1client.ConnectError("refused"), who, "d"), UpstreamRefused)
-    assert isinstance(proxy_error(PoolTimeout("busy"), who, "d"), UpstreamTimeout)
-    assert isinstance(proxy_error(h1client.ReadTimeout("idle"), who, "d"), UpstreamTimeout)
+    assert isinstance(transport_error(h1client.ConnectError("refused"), who, "d"), UpstreamRefused)
+    assert isinstance(transport_error(PoolTimeout("busy"), who, "d"), UpstreamTimeout)
+    assert isinstance(transport_error(h1client.ReadTimeout("idle"), who, "d"), UpstreamTimeout)
     for exc in (h1client.Disconnected("gone"), h1client.ProtocolError("bad")):
-        err = proxy_error(exc, who, "d", " mid-stream")
+        err = transport_error(exc, who, "d", " mid-stream")
         assert type(err) is UpstreamUnavailable and err.endpoint == "d" and "mid-stream" in err.message
     assert issubclass(PoolTimeout, TimeoutError) and issubclass(h1client.ReadTimeout, TimeoutError)
     assert all(issubclass(c, h1client.TransportError) for c in (h1client.ConnectError, PoolTimeout,
