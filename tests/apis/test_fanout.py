@@ -120,6 +120,28 @@ def test_chat_n2_stream_interleaves_by_index_with_one_usage_chunk_and_one_done(p
     assert usage[0]["usage"]["total_tokens"] == prompt + 8
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_stream_whose_prefiller_finished_one_sequence_ends_whole(proxy: ProxyThread, sims: Fleet,
+                                                                   path: str) -> None:
+    """One sequence's prefill stops on its first token (EOS or a stop string: the prefiller answers it whole and
+    hands over no KV) while the other goes on to a decoder: the merged stream has both choices, one ``[DONE]``
+    and no error event (it once ended in a 502 "sequence 0 ended without data: [DONE]")."""
+    sims.prefillers[0].faults({"kind": "no_kv_params", "times": 1})
+    body: dict[str, Any] = {"model": "sim-model", "max_tokens": 4, "stream": True}
+    if path == "/v1/chat/completions":
+        body.update(messages=[{"role": "user", "content": PROMPT}], n=2, temperature=1)
+    else:
+        body.update(prompt=[PROMPT, PROMPT + " again"])
+    r = httpx.post(proxy.url + path, timeout=30, json=body)
+    assert r.status_code == 200 and r.text.count("data: [DONE]") == 1 and r.text.rstrip().endswith("[DONE]")
+    got = [data for _, data in events(r.text) if data != "[DONE]"]
+    assert not [c for c in got if "error" in c], r.text
+    finish = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in got
+              if c.get("choices") and c["choices"][0]["finish_reason"]}
+    assert sorted(finish.values()) == ["length", "stop"]
+    assert len(decode_legs(sims, path)) == 1                     # the finished sequence took no decoder
+
+
 def test_stream_without_include_usage_gets_no_usage_chunk(proxy: ProxyThread, sims: Fleet) -> None:
     chunks = list(oai(proxy).completions.create(model="sim-model", prompt="Hello there", n=2, max_tokens=3,
                                                 stream=True))
