@@ -143,7 +143,8 @@ class ProxyState:
         release-leg runner; ``prefix`` defaults to :attr:`prefix` (the :class:`~pdproxy.prefix.routing.PrefixRouter`)."""
         releaser = KVReleaser(scheduler=self.scheduler, pool=self.pool, health=self.health,
                               upstream=self.upstream, headers=self.headers,
-                              timeout_s=self.settings.kv_release_timeout_s)
+                              timeout_s=self.settings.kv_release_timeout_s,
+                              retry_s=self.settings.kv_release_retry_s)
         return Director(self.settings, admission=self.admission, scheduler=self.scheduler, queue=self.queue,
                         pool=self.pool, health=self.health, upstream=self.upstream, headers=self.headers,
                         releaser=releaser, prefix=prefix or self.prefix, tracing=self.tracing, served=self.served,

@@ -15,7 +15,11 @@ gap or before the decoder answered, the deadline passed there, or the decoder wa
 stalled (it may be gone).  The leg is the decode body with ``max_tokens: 1`` and the prefiller's params, to a
 healthy decoder, in the background, bounded by ``timeout_s`` (the connection is closed on expiry, which aborts it
 on the decoder, which again notifies the prefiller).  If the KV was already pulled or freed, the decoder's pull
-fails — the expected outcome, logged at DEBUG.  Tasks are owned by the releaser and awaited (bounded) by
+fails — the expected outcome, logged at DEBUG.  A leg that finds no decoder it may use (every one refused or
+behind an open breaker: the decoders that just failed the request are often the only ones) or whose decoder
+closed the connection without an answer is tried again after a jittered backoff (0.1 s doubling to 2 s) for up
+to ``retry_s`` seconds (``kv_release_retry_s``): a decoder back in service then frees the KV, which otherwise
+stays pinned until the connector's timeout.  Another try of a KV already freed is only a failed pull.  Tasks are owned by the releaser and awaited (bounded) by
 :meth:`aclose` at shutdown.
 
 A client that leaves while the prefill leg is in flight does not drop the prefiller's answer unread
@@ -45,9 +49,10 @@ from pdproxy.apis.request import Api, ProxyRequest
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.health import HealthMonitor
 from pdproxy.engines.pool import EndpointPool
-from pdproxy.errors import ProxyError
+from pdproxy.errors import ProxyError, UpstreamUnavailable
 from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.upstream import Upstream
+from pdproxy.pd.backoff import Backoff
 from pdproxy.scheduling import PickRequest, Scheduler
 
 log = logging.getLogger("pdproxy.kv_release")
@@ -67,16 +72,18 @@ class KVReleaser:
 
     ``scheduler`` picks the decoder (its decode profile: healthy, breaker, model…), ``pool`` holds a lease on it
     for the leg, ``health`` hears the leg ended without a verdict, ``upstream`` sends it with ``headers``;
-    ``timeout_s`` bounds each leg (seconds)."""
+    ``timeout_s`` bounds each leg, ``retry_s`` the tries of one release (seconds; module docstring)."""
 
     def __init__(self, *, scheduler: Scheduler, pool: EndpointPool, health: HealthMonitor, upstream: Upstream,
-                 headers: EngineHeaders, timeout_s: float = 5.0) -> None:
+                 headers: EngineHeaders, timeout_s: float = 5.0, retry_s: float = 60.0) -> None:
         self.scheduler = scheduler
         self.pool = pool
         self.health = health
         self.upstream = upstream
         self.headers = headers
         self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self.backoff = Backoff(0.1, 2.0)
         self.released = 0
         self.failed = 0
         self.drained = 0
@@ -150,23 +157,45 @@ class KVReleaser:
 
     async def _run(self, req: ProxyRequest, request_id: str, authorization: str | None,
                    params: kv_transfer.KVTransferParams, avoid: Sequence[Endpoint]) -> None:
-        endpoint = self._pick(PickRequest(request_id=request_id, model=req.model), avoid)
-        if endpoint is None:
-            self.failed += 1
-            log.warning("no decoder to release the prefiller's KV of request %s; it stays pinned until the "
-                        "connector's timeout", request_id)
-            return
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + self.retry_s
+        body = release_body(req.body, params, req.api)
+        attempt = 0
+        while True:
+            endpoint = self._pick(PickRequest(request_id=request_id, model=req.model), avoid)
+            if endpoint is not None and await self._leg(endpoint, req, request_id, authorization, body):
+                self.released += 1
+                return
+            if endpoint is not None:
+                avoid = (endpoint,)
+            attempt += 1
+            delay = self.backoff.delay_s(attempt)
+            if loop.time() + delay > give_up_at:
+                self.failed += 1
+                log.warning("no decoder took the release of the prefiller's KV of request %s (%d tries); it stays "
+                            "pinned until the connector's timeout", request_id, attempt)
+                return
+            await asyncio.sleep(delay)
+
+    async def _leg(self, endpoint: Endpoint, req: ProxyRequest, request_id: str, authorization: str | None,
+                   body: bytes) -> bool:
+        """One release leg to ``endpoint``; False when it never reached the decoder's engine (the connection was
+        refused, or closed or reset before any answer): worth another try."""
         headers = self.headers.leg(endpoint, request_id, authorization)
         with self.pool.lease(endpoint, req.prompt_tokens or 0):
             try:
-                await self.upstream.post_json(endpoint, req.api.value, release_body(req.body, params, req.api),
-                                              headers, timeout_s=self.timeout_s)
-            except ProxyError as exc:  # an error answer still means the decoder saw the params and ended: when
-                # the KV is already gone (pulled, or freed by a decoder that ended), the pull fails, as expected
+                await self.upstream.post_json(endpoint, req.api.value, body, headers, timeout_s=self.timeout_s)
+            except UpstreamUnavailable as exc:
+                log.debug("release leg for request %s on %s not answered: %s", request_id, endpoint.name,
+                          exc.message)
+                return False
+            except ProxyError as exc:  # an error answer (or a timeout, whose close aborts the request) still means
+                # the decoder saw the params and ended: when the KV is already gone (pulled, or freed by a decoder
+                # that ended), the pull fails, as expected
                 log.debug("release leg for request %s on %s: %s", request_id, endpoint.name, exc.message)
             finally:
                 self.health.record_neutral(endpoint)
-        self.released += 1
+        return True
 
     async def aclose(self) -> None:
         """Wait (at most ``timeout_s``) for running release legs, then cancel what is left."""
