@@ -104,8 +104,9 @@ OPEN_FILE_TARGET: Final = 65535
 """The soft RLIMIT_NOFILE pdproxy raises itself to at start, within the hard limit (vLLM's ``set_ulimit`` does the
 same for the API server: vllm/utils/system_utils.py)."""
 LINGER_S: Final = 1.0
-"""How long a connection refused at the connection cap stays half-closed, so the client reads the 503 before the
-close (an unread request in the socket would otherwise turn the close into a reset)."""
+"""How long a connection the server refuses (a 503 at the connection cap, a 4xx/500 of its own) stays half-closed,
+its input read and dropped, so the client reads the answer before the close (an unread request in the socket would
+otherwise turn the close into a reset)."""
 
 # What one connection is reading (ServerProtocol.phase) and what its one timer is for (ServerProtocol.timer_kind).
 _WAIT, _HEAD, _BODY = 0, 1, 2
@@ -402,11 +403,7 @@ class ServerProtocol(asyncio.Protocol):
                                        error_type="ServiceUnavailableError"))
         t.write(b"".join([_STATUS_LINES[503], b"content-type: application/json\r\ncontent-length: ",
                           str(len(body)).encode(), b"\r\nretry-after: 1\r\nconnection: close\r\n\r\n", body]))
-        if t.can_write_eof():
-            t.write_eof()
-            self.timer = self.loop.call_later(LINGER_S, t.close)
-        else:
-            t.close()
+        self._linger_close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.server_state is not None:
@@ -786,7 +783,22 @@ class ServerProtocol(asyncio.Protocol):
                 else orjson.dumps(error_body(status, message)))
         self.write(b"".join([_STATUS_LINES[status], b"content-type: application/json\r\ncontent-length: ",
                              str(len(body)).encode(), b"\r\nconnection: close\r\n\r\n", body]))
-        self.transport.close()
+        self._linger_close()
+
+    def _linger_close(self) -> None:
+        """Close after a refusal the way RFC 9112 §9.6 advises: half-close, keep reading (and dropping) what the
+        client still sends, close when it does or after :data:`LINGER_S` — a close with unread bytes in the socket
+        is a reset, which can destroy the answer before the client reads it (a 300 KB head once did)."""
+        t = self.transport
+        assert t is not None
+        if not t.can_write_eof():                      # TLS: no half-close
+            t.close()
+            return
+        t.write_eof()
+        self._resume_reading()
+        self._cancel_timer()
+        self.transport = None       # nothing more is written: a handler still running sees a connection gone
+        self.timer = self.loop.call_later(LINGER_S, t.close)
 
 
 class _AsgiCycle:

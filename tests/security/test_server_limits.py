@@ -76,6 +76,26 @@ def test_a_header_line_that_never_ends_gets_431_once_the_head_limit_is_passed(ed
     assert engine_requests(sims) == before
 
 
+@pytest.mark.parametrize(("head", "status"), [
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 300_000 + b"\r\n\r\n", 431),
+    (b"GET /" + b"a" * 300_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414)])
+def test_a_refusal_ends_in_a_clean_close_not_a_reset(edge: ProxyThread, head: bytes, status: int) -> None:
+    """300 KB of head in one write: the server refuses after ~max_request_head_bytes and closes the way RFC 9112
+    §9.6 advises — half-close, read and drop what follows, then close — so the client reads the 431/414 and then
+    a clean end of stream.  A plain close with the rest unread in the socket sent a reset instead, which makes a
+    client still writing (curl, http.client) fail before it reads any answer."""
+    s = socket.create_connection(("127.0.0.1", edge.port), timeout=10)
+    try:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            s.sendall(head)
+        data = b""
+        while piece := s.recv(65536):                           # a reset raises ConnectionResetError here
+            data += piece
+    finally:
+        s.close()
+    assert data.startswith(b"HTTP/1.1 %d " % status) and b"connection: close" in data
+
+
 def test_an_endless_request_line_gets_414(edge: ProxyThread) -> None:
     c = RawConn(edge.port)
     c.send(b"GET /v1/models?q=")
