@@ -102,11 +102,26 @@ def anthropic_error(err: ProxyError) -> dict[str, Any]:
 
 
 def error_json(api: Api, err: ProxyError) -> bytes:
-    """The JSON body of an error pdproxy answers itself on ``api`` before the response started: the Anthropic
-    envelope on Messages, vLLM's OpenAI envelope elsewhere; an engine's own error body passes through."""
-    if api is Api.MESSAGES and not isinstance(err, UpstreamHTTPError):
+    """The JSON body of an error answered on ``api`` before the response started: the Anthropic envelope on
+    Messages, vLLM's OpenAI envelope elsewhere.  An engine's own error body passes through, except that on Messages
+    one in the OpenAI envelope (vLLM answers its request validation errors so on every route,
+    ``vllm/entrypoints/serve/exception_handling/handlers/validation.py``) is put in the Anthropic envelope with its
+    ``type`` and ``message``, as vLLM's own Messages route does for the errors it raises
+    (``vllm/entrypoints/anthropic/api_router.py::translate_error_response``)."""
+    if api is not Api.MESSAGES:
+        return err.body_bytes()
+    if not isinstance(err, UpstreamHTTPError):
         return orjson.dumps(anthropic_error(err))
-    return err.body_bytes()
+    body = err.body_bytes()
+    try:
+        inner = orjson.loads(body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return body
+    if not isinstance(inner, dict) or not isinstance(inner.get("message"), str):
+        return body
+    kind = inner.get("type")
+    return orjson.dumps({"type": "error", "error": {
+        "type": kind if isinstance(kind, str) else error_type_for(err.status_code), "message": inner["message"]}})
 
 
 def refusal_json(api: Api, status: int, message: str) -> bytes:

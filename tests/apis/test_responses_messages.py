@@ -228,6 +228,26 @@ def test_messages_errors_pdproxy_raises_are_in_the_anthropic_shape(proxy: ProxyT
     assert not [x for s in sims.all for x in s.received()]              # no engine was contacted
 
 
+def test_an_engines_openai_shaped_error_on_messages_reaches_the_client_in_the_anthropic_shape(
+        proxy: ProxyThread, sims: Fleet) -> None:
+    """vLLM answers a request validation error in the OpenAI envelope on every route, /v1/messages included; an
+    Anthropic client reads it as ``{"type": "error", "error": {"type", "message"}}`` with vLLM's status, type and
+    words.  A body that is not that envelope passes through as the engine sent it."""
+    vllm_400 = {"error": {"message": "1 validation error: temperature: Input should be a valid number",
+                          "type": "BadRequestError", "param": None, "code": 400}}
+    for p in sims.prefillers:
+        p.faults({"kind": "status", "status": 400, "body": vllm_400, "path": "/v1/messages", "times": 1})
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        claude(proxy).messages.create(model="sim-model", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+    assert bad.value.body == {"type": "error", "error": {"type": "BadRequestError",
+                                                         "message": vllm_400["error"]["message"]}}
+    for p in sims.prefillers:
+        p.faults({"kind": "status", "status": 400, "body": "not json", "path": "/v1/messages", "times": 1})
+    r = httpx.post(proxy.url + "/v1/messages", json={"model": "sim-model", "max_tokens": 4,
+                                                     "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 400 and r.text == "not json"
+
+
 def test_messages_count_tokens_passes_through(sims: Fleet) -> None:
     proxy = ProxyThread(prefill=[s.url for s in sims.prefillers], decode=[s.url for s in sims.decoders],
                         expose_routing_headers=True).start()
