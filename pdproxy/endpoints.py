@@ -17,7 +17,7 @@ import ipaddress
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 DP_RANK_HEADER = "X-data-parallel-rank"
 
@@ -89,7 +89,8 @@ def normalize_url(url: str) -> str:
     Accepts ``http(s)://host[:port][/path]`` (a trailing ``/`` or ``/v1`` is dropped) or ``host:port``; the host
     is a DNS name or an IP address (IPv6 in brackets).  Anything else is refused at start with a readable
     ``ValueError`` rather than accepted and answered 503 later: a bare word (``notaurl``: no scheme and no
-    port), an unknown scheme, credentials, a query or fragment, a port outside 1-65535.
+    port), an unknown scheme, credentials, a query or fragment, a ``.`` or ``..`` path segment (also
+    percent-encoded) or a backslash, a port outside 1-65535.
     """
     raw = url.strip()
     shown = f"bad engine URL {url!r}"
@@ -111,6 +112,8 @@ def normalize_url(url: str) -> str:
         raise ValueError(f"{shown}: credentials do not belong in the URL (use engine_api_key)")
     if parts.query or parts.fragment:
         raise ValueError(f"{shown}: no query or fragment allowed")
+    if any(unquote(seg) in (".", "..") for seg in parts.path.split("/")) or "\\" in parts.path:
+        raise ValueError(f"{shown}: no dot segments or backslashes in the path (they name another path)")
     host = parts.hostname
     if not host:
         raise ValueError(f"{shown}: no host")
