@@ -138,6 +138,8 @@ class EngineStats:
     num_preemptions: int = 0
     kv_expired_reqs: int = 0
     kv_failed_transfers: int = 0
+    kv_capacity_waits: int = 0
+    """Requests a step could not place for want of free KV blocks (each counted once; ``/sim/state``)."""
     success: dict[str, int] = field(default_factory=dict)
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))

@@ -74,6 +74,8 @@ class EngineRequest:
     """Indices of blocks cached when this step allocated them, whose ``BlockStored`` goes out when it completes."""
     kv_ready: bool = False
     kv_failed: bool = False
+    kv_blocked: bool = False
+    """A step could not place it for want of free KV blocks (counted once in ``EngineStats.kv_capacity_waits``)."""
     scheduled_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -297,6 +299,7 @@ class EngineCore:
             if req.remote_prefill is not None and not req.blocks:
                 need = blocks_for(req.num_prompt_tokens, cfg.block_size)
                 if not self.pool.can_allocate(need):
+                    self._kv_blocked(req)
                     if cfg.hol_blocking:
                         break
                     skipped.append(self.waiting.popleft())
@@ -314,6 +317,7 @@ class EngineCore:
                 cached = self.pool.cached_prefix(req.hashes, req.num_tokens - 1)
             need = blocks_for(req.num_tokens, cfg.block_size) - len(cached) - len(req.blocks)
             if not self.pool.can_allocate(max(need, 0), cached):
+                self._kv_blocked(req)
                 if cfg.hol_blocking:
                     break
                 skipped.append(self.waiting.popleft())
@@ -345,6 +349,11 @@ class EngineCore:
         if skipped:
             self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _kv_blocked(self, req: EngineRequest) -> None:
+        if not req.kv_blocked:
+            req.kv_blocked = True
+            self.stats.kv_capacity_waits += 1
 
     def _cache_scheduled(self, req: EngineRequest, n: int) -> None:
         """Cache the prompt blocks ``req`` fills in this step (``n`` tokens) now, as vLLM does when it allocates

@@ -397,7 +397,8 @@ class SimServer:
                 "kv_blocks_used": rank.core.pool.num_used, "pinned_blocks": g.pinned_blocks,
                 "pinned_requests": g.pinned_requests, "active_streams": rank.active_streams,
                 "aborted": rank.core.num_aborted, "finished": rank.core.num_finished,
-                "steps": rank.core.num_steps, "preemptions": rank.core.stats.num_preemptions}
+                "steps": rank.core.num_steps, "preemptions": rank.core.stats.num_preemptions,
+                "kv_capacity_waits": rank.core.stats.kv_capacity_waits}
 
     async def _state(self, listener: Listener) -> web.Response:
         states = [self._rank_state(rk) for rk in self.ranks]

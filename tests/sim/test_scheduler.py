@@ -50,6 +50,23 @@ def test_seed_000_hol_blocking_a_10k_request_waits_forever_and_blocks_a_2_token_
     assert core.num_steps == 200  # the engine keeps stepping and nothing moves
 
 
+def test_requests_kept_waiting_for_kv_blocks_are_counted_once_each() -> None:
+    """``kv_capacity_waits`` (``/sim/state``) counts the requests a step could not place for want of free blocks,
+    once each however many steps they wait; a request that fits is never counted."""
+    core = EngineCore(SimConfig(max_model_len=2048, block_size=128, num_gpu_blocks_override=18))
+    first, second = req("a", 2000, 2), req("b", 2000, 2, tokens=list(range(5000, 7000)))   # no shared prefix
+    small = req("c", 2, 2, tokens=[9000, 9001])
+    for r in (first, second):
+        core.add_request(r)
+    Clock(core).run(3)
+    assert core.stats.kv_capacity_waits == 1 and second.kv_blocked and not first.kv_blocked
+    Clock(core).run(200)
+    assert second.finished and core.stats.kv_capacity_waits == 1
+    core.add_request(small)
+    Clock(core).run(50)
+    assert small.finished and core.stats.kv_capacity_waits == 1
+
+
 def test_seed_000_without_hol_blocking_the_small_request_goes_ahead() -> None:
     core = EngineCore(SEED_000.replace(hol_blocking=False))
     big, small = req("big", 10_000), req("small", 2)
