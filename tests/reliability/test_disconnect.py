@@ -1,6 +1,8 @@
-"""Client disconnects in each phase: within 2 s of the client leaving, every upstream connection is
-closed, every lease released and the prefiller's pinned KV freed (the prefills take ~8 s: a release that waited
-for them would miss it by far; 1 s was missed once with other test runs loading both cores).
+"""Client disconnects in each phase: soon after the client left, every upstream connection is closed, every lease
+released and the prefiller's pinned KV freed.  "Soon" is measured against what a release that did not happen
+would wait for: within 4 s where the engines' work would end in 6–8 s (the slow pair's prefills, streams and
+queue; 1 s was missed once with other test runs loading both cores), within 15 s where it would never end (a hung
+decoder) or only at the engine's pin timeout (480 s).
 
 Each test starts 16 concurrent streaming requests, waits until all of them are in the phase under test (observed
 on the engines and the proxy, never by sleeping), drops every client connection, and then polls — with a 2 s
@@ -25,7 +27,10 @@ from tests.support import ProxyThread, SimProcess, wait_until
 pytestmark = pytest.mark.timeout(40)
 
 N = 16
-LEAVE_WITHIN_S = 2.0
+BEFORE_THE_WORK_ENDS_S = 4.0
+"""The release bound where the engines' own work would end 6–8 s after the clients left (the slow pair)."""
+LONG_BEFORE_S = 15.0
+"""The release bound where nothing else would free the engines before the pin timeout (480 s) or ever."""
 
 
 def chat(prompt_tokens: int, max_tokens: int, seed: int) -> dict[str, Any]:
@@ -63,8 +68,8 @@ def engine(sim: SimProcess) -> dict[str, Any]:
     return sim.state()
 
 
-def assert_released(proxy: ProxyThread, sims: list[SimProcess], left_at: float) -> None:
-    """Within LEAVE_WITHIN_S of ``left_at``: no engine request or stream left, no pinned KV, proxy idle."""
+def assert_released(proxy: ProxyThread, sims: list[SimProcess], left_at: float, within_s: float) -> None:
+    """Within ``within_s`` of ``left_at``: no engine request or stream left, no pinned KV, proxy idle."""
     def clean() -> bool:
         for s in sims:
             st = s.state()
@@ -72,7 +77,7 @@ def assert_released(proxy: ProxyThread, sims: list[SimProcess], left_at: float) 
                 return False
         st = proxy.state
         return st is not None and st.pool.idle() and st.in_flight == 0
-    remaining = LEAVE_WITHIN_S - (time.monotonic() - left_at)
+    remaining = within_s - (time.monotonic() - left_at)
     wait_until(clean, max(remaining, 0.05), 0.02, "engines and proxy released after the clients left "
                                                   f"({[s.state() for s in sims]}, load={proxy.load()})")
 
@@ -92,7 +97,7 @@ def test_disconnect_during_prefill(slow_pair: tuple[SimProcess, SimProcess]) -> 
         bodies = [chat(2000, 8, seed) for seed in range(N)]  # 16 × 2000 tokens at 4000 tokens/s: ~8 s of prefill
         left = leave_when(proxy.url, bodies, lambda _ev: proxy.state.in_flight == N
                           and engine(prefiller)["running"] > 0)
-        assert_released(proxy, [prefiller, decoder], left)
+        assert_released(proxy, [prefiller, decoder], left, BEFORE_THE_WORK_ENDS_S)
         st = engine(prefiller)
         # every prefill was aborted, or — finished within prefill_cancel_grace_s — released by a release leg
         releases = decoder.completions_received()
@@ -128,7 +133,7 @@ def test_disconnect_in_the_gap_between_prefill_and_decode(fleet4: Fleet4) -> Non
 
         left = leave_when(proxy.url, [chat(300, 8, s) for s in range(N)], all_paused)
         assert pinned_while_paused[-1] > 0  # every prefill answered and pinned its KV
-        assert_released(proxy, fleet4.all, left)
+        assert_released(proxy, fleet4.all, left, LONG_BEFORE_S)
         legs = [r["body"] for s in fleet4.decoders for r in s.completions_received()]
         assert len(legs) == N and all(b["max_tokens"] == 1 and b["stream"] is False for b in legs)
         assert all(b["kv_transfer_params"]["do_remote_prefill"] for b in legs)
@@ -145,7 +150,7 @@ def test_disconnect_while_decoder_has_not_answered(fleet4: Fleet4) -> None:
         decoder.faults({"kind": "hang", "times": N})
         left = leave_when(proxy.url, [chat(300, 8, s) for s in range(N)],
                           lambda _ev: len(decoder.completions_received()) == N)
-        assert_released(proxy, fleet4.all, left)
+        assert_released(proxy, fleet4.all, left, LONG_BEFORE_S)
     finally:
         proxy.stop()
 
@@ -157,7 +162,7 @@ def test_disconnect_mid_stream(slow_pair: tuple[SimProcess, SimProcess]) -> None
     try:
         bodies = [chat(100, 400, seed) for seed in range(N)]  # 400 tokens at 50 tokens/s: ~8 s streams
         left = leave_when(proxy.url, bodies, lambda ev: all(n >= 3 for n in ev))
-        assert_released(proxy, [prefiller, decoder], left)
+        assert_released(proxy, [prefiller, decoder], left, BEFORE_THE_WORK_ENDS_S)
         assert engine(decoder)["aborted"] - aborted_before == N
     finally:
         proxy.stop()
@@ -173,7 +178,7 @@ def test_disconnect_while_waiting_in_the_prefill_queue(slow_pair: tuple[SimProce
         bodies = [chat(1500, 8, seed) for seed in range(N)]  # one fits the budget at a time: 15 wait
         left = leave_when(proxy.url, bodies, lambda _ev: queue.depth >= N - 2
                           and engine(prefiller)["running"] > 0)
-        assert_released(proxy, [prefiller, decoder], left)
+        assert_released(proxy, [prefiller, decoder], left, BEFORE_THE_WORK_ENDS_S)
         assert queue.depth == 0
         # Nobody waiting was dispatched after leaving.  The clients' closes reach pdproxy one by one: the running
         # prefill's cancel frees its budget, and a waiter whose close is still unread in its socket may be granted
