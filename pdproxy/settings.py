@@ -280,6 +280,15 @@ class Settings(BaseSettings):
     metrics_key: str | None = Field(None, description="when set, GET /metrics needs Authorization: Bearer <key> "
                                                       "(Prometheus: authorization.credentials); unset = open")
 
+    # --- browsers (CORS): vLLM's flags and defaults (vllm/entrypoints/launchers/cli_args.py)
+    allowed_origins: StrList = Field([], description="origins whose browser pages may call pdproxy (CORS), e.g. "
+                                                     "'[\"https://app.example\"]' or '[\"*\"]'; empty = cross-origin "
+                                                     "browser access disabled (vLLM's --allowed-origins)")
+    allow_credentials: bool = Field(False, description="CORS: allow credentials (vLLM's --allow-credentials)")
+    allowed_methods: StrList = Field(["*"], description="CORS: methods a preflight allows (vLLM's --allowed-methods)")
+    allowed_headers: StrList = Field(["*"], description="CORS: request headers a preflight allows (vLLM's "
+                                                        "--allowed-headers)")
+
     # --- admission
     max_model_len: int | None = Field(None, ge=1, description="override the engines' max_model_len")
     max_tokens_overflow: Literal["clamp", "reject"] = Field(
@@ -389,6 +398,14 @@ class Settings(BaseSettings):
         "prefill", "decode", "prefiller_hosts", "prefiller_ports", "decoder_hosts", "decoder_ports", "api_keys",
         "model_tokenizers", "kv_events", "kv_events_replay",
         mode="before")(_split_list)
+
+    @field_validator("allowed_origins", "allowed_methods", "allowed_headers", mode="before")
+    @classmethod
+    def _cors_list(cls, v: Any) -> Any:
+        """vLLM reads these as one JSON list (``--allowed-origins '["*"]'``); a list of words is accepted too."""
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str) and v[0].strip().startswith("["):
+            v = v[0]
+        return _split_list(v)
 
     @field_validator("kv_events", "kv_events_replay")
     @classmethod

@@ -18,14 +18,15 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import Response
+from starlette.middleware.cors import CORSMiddleware
 
 from pdproxy import __version__
 from pdproxy.apis import streams as api_streams
@@ -60,6 +61,8 @@ from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext, new_request_id
 
 if TYPE_CHECKING:
+    from starlette.types import ASGIApp
+
     from pdproxy.workers.share import WorkerShare
 
 log = logging.getLogger("pdproxy")
@@ -78,6 +81,13 @@ class PDProxyApp:
     def __init__(self, settings: Settings, *, share: WorkerShare | None = None) -> None:
         self.settings = settings
         self.completion_routes: dict[str, str] = {api.value: api for api in Api}
+        s = settings
+        self._entry: Callable[..., Awaitable[None]] = self._dispatch if not s.allowed_origins else CORSMiddleware(
+            cast("ASGIApp", self._dispatch), allow_origins=s.allowed_origins, allow_credentials=s.allow_credentials,
+            allow_methods=s.allowed_methods, allow_headers=s.allowed_headers)
+        """Every ASGI request (all but a generation route's POST, which pdproxy.http.server answers with the same
+        headers: pdproxy/http/cors.py) goes through Starlette's CORS middleware when ``allowed_origins`` is set,
+        as vLLM's routes do; it answers preflights."""
         self.state: ProxyState | None = None
         self.director: Director | None = None
         self.unready = False  # /health answers 503 (shutdown_delay_s: draining soon, still serving)
@@ -91,6 +101,9 @@ class PDProxyApp:
         self.control = build_control_app(self)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await self._entry(scope, receive, send)
+
+    async def _dispatch(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             path = scope["path"].rstrip("/")
             if path in self.completion_routes:

@@ -64,6 +64,7 @@ import httptools
 import orjson
 
 from pdproxy.errors import error_body
+from pdproxy.http.cors import CorsPolicy
 from pdproxy.timeline import CLIENT_REQUEST_ID_MAX
 
 if TYPE_CHECKING:
@@ -135,6 +136,8 @@ class EdgeLimits:
     max_head: int
     max_body: int
     max_connections: int
+    cors: CorsPolicy | None = None
+    """The CORS headers of the generation routes' answers (None: ``allowed_origins`` empty)."""
 
     @classmethod
     def of(cls, s: Settings, open_files: int | None = None) -> EdgeLimits:
@@ -147,7 +150,7 @@ class EdgeLimits:
             cap = max(16, (open_files - ENGINE_FD_RESERVE) // 2)
         return cls(keep_alive_s=s.timeout_keep_alive_s, head_timeout_s=s.request_headers_timeout_s,
                    body_timeout_s=s.request_body_timeout_s, max_head=s.max_request_head_bytes,
-                   max_body=s.max_body_bytes, max_connections=cap)
+                   max_body=s.max_body_bytes, max_connections=cap, cors=CorsPolicy.of(s))
 
 
 
@@ -201,9 +204,10 @@ class Exchange:
     writer; ``on_disconnect`` (a callable) is called once if the client goes away before :meth:`finish`.
     """
 
-    __slots__ = ("_parts", "_proto", "api", "body", "chunked", "complete", "continue_expected", "declared",
-                 "finished", "flow", "head_only", "headers", "hosts", "keep_alive", "method", "on_disconnect",
-                 "path", "query", "raw_path", "size", "started", "transfer_encoded", "version")
+    __slots__ = ("_parts", "_proto", "api", "body", "chunked", "complete", "continue_expected", "cookie",
+                 "declared", "finished", "flow", "head_only", "headers", "hosts", "keep_alive", "method",
+                 "on_disconnect", "origin", "path", "query", "raw_path", "size", "started", "transfer_encoded",
+                 "version")
 
     def __init__(self, proto: ServerProtocol) -> None:
         self._proto = proto
@@ -227,6 +231,8 @@ class Exchange:
         self.chunked = False
         self.hosts = 0  # Host header fields received
         self.transfer_encoded = False  # a Transfer-Encoding header field was received
+        self.origin: bytes | None = None  # the Origin header's value (a browser's request: CORS)
+        self.cookie = False  # a Cookie header field was received (CORS then names the origin, not *)
         self.flow: Any = None
         self.on_disconnect: Callable[[], None] | None = None
 
@@ -263,6 +269,9 @@ class Exchange:
                 self.keep_alive = False
                 continue
             parts += (name, b": ", value, b"\r\n")
+        if self.origin is not None and self.api is not None and self._proto.limits.cors is not None:
+            for name, value in self._proto.limits.cors.headers(self.origin, self.cookie):
+                parts += (name, b": ", value, b"\r\n")
         bodyless = self.head_only or status in (204, 304) or status < 200
         if not sized and not bodyless:
             if self.version == "1.1":
@@ -594,6 +603,10 @@ class ServerProtocol(asyncio.Protocol):
                                        "send Transfer-Encoding: chunked")
         elif name == b"x-request-id" and len(value) > CLIENT_REQUEST_ID_MAX:
             value = value[:CLIENT_REQUEST_ID_MAX]
+        elif name == b"origin":
+            ex.origin = value
+        elif name == b"cookie":
+            ex.cookie = True
         ex.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
