@@ -213,7 +213,7 @@ def describe(state: ProxyState, endpoint: Endpoint) -> dict[str, Any]:
     return {"name": endpoint.name, "url": endpoint.url, "role": endpoint.role.value, "dp_rank": endpoint.dp_rank,
             "state": endpoint_state(state, endpoint), "healthy": load.healthy, "draining": load.draining,
             "leaving": endpoint in state.health.leaving, "requests": load.requests, "tokens": load.tokens,
-            **state.health.snapshot(endpoint), "max_model_len": info.max_model_len,
+            **state.health.snapshot(endpoint).fields(), "max_model_len": info.max_model_len,
             "kv_pool_tokens": info.kv_pool_tokens, "models": sorted(state.served.ids(endpoint) or ())}
 
 

@@ -32,6 +32,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from pdproxy.endpoints import Endpoint
@@ -54,6 +55,22 @@ class BreakerFactory(Protocol):
 def _local_breaker(endpoint: Endpoint, *, failure_threshold: int, open_s: float, max_open_s: float,
                    clock: Clock) -> CircuitBreaker:
     return CircuitBreaker(failure_threshold=failure_threshold, open_s=open_s, max_open_s=max_open_s, clock=clock)
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerSnapshot:
+    """One endpoint's circuit breaker: its ``breaker`` state, the ``consecutive_failures`` counted, how many times
+    it ``opened_total``, and ``retry_in_s`` (seconds until an open breaker admits a trial; 0 otherwise)."""
+
+    breaker: BreakerState
+    consecutive_failures: int
+    opened_total: int
+    retry_in_s: float
+
+    def fields(self) -> dict[str, object]:
+        """The ``/admin/endpoints`` row's members (``breaker`` as its string value)."""
+        return {"breaker": self.breaker.value, "consecutive_failures": self.consecutive_failures,
+                "opened_total": self.opened_total, "retry_in_s": self.retry_in_s}
 
 
 class HealthMonitor:
@@ -191,15 +208,12 @@ class HealthMonitor:
         if task is not None:
             task.cancel()
 
-    def snapshot(self, endpoint: Endpoint) -> dict[str, object]:
-        """Breaker state for ``/admin/endpoints`` and metrics: ``{"breaker", "consecutive_failures",
-        "opened_total", "retry_in_s"}``."""
+    def snapshot(self, endpoint: Endpoint) -> BreakerSnapshot:
+        """``endpoint``'s breaker now, for ``/admin/endpoints`` and the metrics (closed when it has none)."""
         b = self.breakers.get(endpoint)
         if b is None:
-            return {"breaker": BreakerState.CLOSED.value, "consecutive_failures": 0, "opened_total": 0,
-                    "retry_in_s": 0.0}
-        return {"breaker": b.state.value, "consecutive_failures": b.consecutive_failures,
-                "opened_total": b.opened_total, "retry_in_s": round(b.seconds_until_retry(), 3)}
+            return BreakerSnapshot(BreakerState.CLOSED, 0, 0, 0.0)
+        return BreakerSnapshot(b.state, b.consecutive_failures, b.opened_total, round(b.seconds_until_retry(), 3))
 
     # --- membership (admin API) ------------------------------------------------------------------------------
     def leave_when_idle(self, endpoint: Endpoint) -> None:

@@ -23,6 +23,7 @@ from typing import Protocol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pdproxy.endpoints import Endpoint, Role
+from pdproxy.engines.breaker import BreakerState
 from pdproxy.engines.control import EngineInfo
 from pdproxy.engines.health import HealthMonitor
 from pdproxy.engines.pool import EndpointPool
@@ -123,11 +124,9 @@ class StateCollector:
             healthy.add_metric(lab, 1.0 if load.healthy else 0.0)
             draining.add_metric(lab, 1.0 if load.draining else 0.0)
             snap = snapshot(e)
-            current = str(snap.get("breaker", "closed"))
-            for s in ("closed", "open", "half_open"):
-                breaker.add_metric([*lab, s], 1.0 if s == current else 0.0)
-            opened_total = snap.get("opened_total", 0)
-            opened.add_metric(lab, float(opened_total) if isinstance(opened_total, int | float) else 0.0)
+            for s in BreakerState:
+                breaker.add_metric([*lab, s.value], 1.0 if s is snap.breaker else 0.0)
+            opened.add_metric(lab, float(snap.opened_total))
             if e.role is Role.PREFILL:
                 budget.add_metric(lab, st.prefill_budget_tokens(e))
         yield from (reqs, toks, healthy, draining, breaker, opened, budget)

@@ -49,7 +49,7 @@ def test_drain_with_migrate_moves_live_streams(fleet5: Fleet4) -> None:
         assert len(continued) >= answer["migrated"]
         assert not [r for r in victim.received() if isinstance(r["body"].get("prompt"), list)]
         snap = proxy.state.health.snapshot(next(e for e in proxy.state.pool.endpoints() if e.url == victim.url))
-        assert snap["breaker"] == "closed"           # planned: no verdict against the decoder
+        assert snap.breaker == "closed"           # planned: no verdict against the decoder
         fleet5.assert_clean(proxy)
     finally:
         proxy.stop()

@@ -56,7 +56,7 @@ def test_non_streamed_answer_survives_a_lost_decoder(fleet5: Fleet4, api: str, p
             else:
                 pytest.fail(f"{kind}: the victim decoder was never picked")
             snap = proxy.state.health.snapshot(endpoint)
-            assert snap["consecutive_failures"] == 1, (kind, snap)       # the lost decoder's breaker was told
+            assert snap.consecutive_failures == 1, (kind, snap)       # the lost decoder's breaker was told
             again = [r["path"] for s in others for r in s.received()]
             assert len(again) == 1, (kind, again)                          # generated again on another decoder
             # the victim wins again and its failure count returns to zero before the next kind

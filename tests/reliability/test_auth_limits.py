@@ -36,7 +36,7 @@ def test_engine_401_passes_through_after_one_attempt(fleet4: Fleet4) -> None:
         r = post(proxy.url, {**CHAT, "stream": False, "stream_options": None}, "sk-wrong")
         assert r.status_code == 401 and r.json() == UNAUTHORIZED
         assert auths(fleet4) == ["Bearer sk-wrong"]  # one prefill attempt, no decoder
-        assert all(proxy.state.health.snapshot(e)["breaker"] == "closed" for e in proxy.state.pool.endpoints())
+        assert all(proxy.state.health.snapshot(e).breaker == "closed" for e in proxy.state.pool.endpoints())
         proxy.wait_idle()
     finally:
         proxy.stop()

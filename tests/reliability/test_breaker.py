@@ -123,4 +123,4 @@ def test_monitor_filters_open_endpoints_and_reports_retry_after() -> None:
         sched.pick(Role.PREFILL, PickRequest())
     assert "circuit breaker" in refused.value.message and refused.value.headers["retry-after"] == "3"
     assert health.retry_after_s(eps) == 3
-    assert health.snapshot(eps[1])["breaker"] == "open"
+    assert health.snapshot(eps[1]).breaker == "open"

@@ -98,7 +98,7 @@ def test_fault_cell(fleet4: Fleet4, cell: str, where: str, fault: dict[str, Any]
             assert statuses == {400: N}
             assert all(r.json() == BAD_REQUEST for r in results)
             assert received(fleet4.prefillers) == N and received(fleet4.decoders) == 0
-            assert all(proxy.state.health.snapshot(e)["breaker"] == "closed" for e in proxy.state.pool.endpoints())
+            assert all(proxy.state.health.snapshot(e).breaker == "closed" for e in proxy.state.pool.endpoints())
         elif cell == "decoder-400":
             # requests that met D0 get its 400 (no failover on a 4xx); the others complete on D1
             assert set(statuses) <= {200, 400}
@@ -131,7 +131,7 @@ def test_fault_cell(fleet4: Fleet4, cell: str, where: str, fault: dict[str, Any]
             assert attempts <= 16, attempts
             name = faulty[0].url
             snap = proxy.state.health.snapshot(next(e for e in proxy.state.pool.endpoints() if e.url == name))
-            assert snap["opened_total"] >= 1
+            assert snap.opened_total >= 1
         fleet4.assert_clean(proxy)
     finally:
         proxy.stop()
@@ -177,7 +177,7 @@ def test_engine_process_gone_connection_refused(fleet4: Fleet4, role: str) -> No
         results = run(proxy.url, n=N, concurrency=16)
         assert all(complete_stream(r) for r in results)
         dead = next(e for e in proxy.state.pool.endpoints() if e.url == extra.url)
-        assert proxy.state.health.snapshot(dead)["breaker"] == "open"
+        assert proxy.state.health.snapshot(dead).breaker == "open"
         if role == "decode":
             assert received(fleet4.prefillers) == N  # refused before the decoder saw it: KV handle reused
         fleet4.assert_clean(proxy)

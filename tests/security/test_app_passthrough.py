@@ -218,7 +218,7 @@ def test_client_header_values_reach_an_engine_as_visible_ascii_only(engine: Reco
         assert conn.read_messages(i + 1)[i].status == 200
         assert "tracestate" not in engine.headers[-1] and "authorization" not in engine.headers[-1]
     conn.close()
-    assert all(proxy.state.health.snapshot(e)["breaker"] == "closed" for e in proxy.state.pool.endpoints())
+    assert all(proxy.state.health.snapshot(e).breaker == "closed" for e in proxy.state.pool.endpoints())
 
 
 def test_a_control_plane_route_that_fails_answers_a_json_500(engine: RecordingEngine, proxy: ProxyThread,

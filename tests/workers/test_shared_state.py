@@ -214,7 +214,7 @@ def test_breaker_opened_by_one_worker_is_open_for_both_and_admits_one_trial(boar
     wb.health.record_neutral(P)                              # worker 1's trial ended without a verdict
     assert wa.scheduler.pick(Role.PREFILL, only_p) == P       # worker 0 takes the trial now
     wa.health.record_success(P)
-    assert bb.state is BreakerState.CLOSED and bb.opened_total == 1 and wb.health.snapshot(P)["breaker"] == "closed"
+    assert bb.state is BreakerState.CLOSED and bb.opened_total == 1 and wb.health.snapshot(P).breaker == "closed"
 
 
 def test_a_dead_workers_row_gives_back_its_reservations_and_trials(board_files) -> None:  # type: ignore[no-untyped-def]
