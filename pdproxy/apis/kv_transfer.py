@@ -231,6 +231,14 @@ def decode_body(original: Mapping[str, Any], params: KVTransferParams | None) ->
     return body
 
 
+def release_body(original: dict[str, object], params: KVTransferParams, api: Api = Api.CHAT) -> bytes:
+    """The release leg's body: the prefill overrides of ``api`` (``stream: false``, a one-token limit, no stream
+    options, ``min_tokens: 1`` on chat and completions) with the prefiller's ``params`` as the decoder's
+    ``kv_transfer_params`` — the leg that frees a prefiller's pinned KV no decoder will read
+    (``pdproxy/pd/kv_release.py``; docs/pd-protocol.md)."""
+    return orjson.dumps(decode_body(prefill_body(original, api), params))
+
+
 def decode_body_bytes(raw: bytes, params: KVTransferParams | None,
                       parsed: Mapping[str, Any] | None = None) -> bytes:
     """The decode-leg body built from the client's raw JSON object bytes, byte-faithful outside what changes.

@@ -42,10 +42,8 @@ from collections.abc import Coroutine, Sequence
 from contextlib import ExitStack
 from typing import Any
 
-import orjson
-
 from pdproxy.apis import kv_transfer
-from pdproxy.apis.request import Api, ProxyRequest
+from pdproxy.apis.request import ProxyRequest
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.health import HealthMonitor
 from pdproxy.engines.pool import EndpointPool
@@ -56,13 +54,6 @@ from pdproxy.pd.backoff import Backoff
 from pdproxy.scheduling import PickRequest, Scheduler
 
 log = logging.getLogger("pdproxy.kv_release")
-
-
-def release_body(original: dict[str, object], params: kv_transfer.KVTransferParams, api: Api = Api.CHAT) -> bytes:
-    """The release leg's body: the prefill overrides of ``api`` (``stream: false``, a one-token limit, no stream
-    options, ``min_tokens: 1`` on chat and completions) with the prefiller's ``params`` as the decoder's
-    ``kv_transfer_params``."""
-    return orjson.dumps(kv_transfer.decode_body(kv_transfer.prefill_body(original, api), params))
 
 
 class KVReleaser:
@@ -159,7 +150,7 @@ class KVReleaser:
                    params: kv_transfer.KVTransferParams, avoid: Sequence[Endpoint]) -> None:
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + self.retry_s
-        body = release_body(req.body, params, req.api)
+        body = kv_transfer.release_body(req.body, params, req.api)
         attempt = 0
         while True:
             endpoint = self._pick(PickRequest(request_id=request_id, model=req.model), avoid)

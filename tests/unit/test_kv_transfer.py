@@ -8,6 +8,7 @@ import orjson
 import pytest
 
 from pdproxy.apis import kv_transfer
+from pdproxy.apis.request import Api
 
 
 def test_prefill_body_rules_and_no_mutation() -> None:
@@ -71,3 +72,20 @@ def test_extract_params_and_cached_tokens() -> None:
     assert kv_transfer.extract_params({"kv_transfer_params": None}) is None
     assert kv_transfer.extract_params({}) is None
     assert kv_transfer.prefill_cached_tokens({"usage": {"prompt_tokens_details": None}}) is None
+
+
+def test_the_release_leg_is_the_prefill_overrides_with_the_prefillers_handle() -> None:
+    """The release leg (pdproxy/pd/kv_release.py): the client's body with the one-token limits, not streamed,
+    no stream options, the client's own handle gone and the prefiller's in its place."""
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e1",
+              "remote_block_ids": [1, 2], "remote_request_id": "r1"}
+    original = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 300,
+                "stream_options": {"include_usage": True}, "kv_transfer_params": {"remote_host": "10.9.9.9"},
+                "temperature": 0.5}
+    body = orjson.loads(kv_transfer.release_body(original, params))   # type: ignore[arg-type]
+    assert body == {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": False,
+                    "max_tokens": 1, "min_tokens": 1, "temperature": 0.5, "kv_transfer_params": params}
+    completions = orjson.loads(kv_transfer.release_body({"model": "m", "prompt": "x", "max_tokens": 9}, params,
+                                                        Api.COMPLETIONS))   # type: ignore[arg-type]
+    assert completions["max_tokens"] == 1 and completions["stream"] is False
+    assert completions["kv_transfer_params"] == params
