@@ -141,7 +141,7 @@ class ProxyState:
     def director(self, prefix: PrefixSource | None = None) -> Director:
         """A :class:`~pdproxy.pd.director.Director` on these components (the app lifespan's wiring), with its own
         release-leg runner; ``prefix`` defaults to :attr:`prefix` (the :class:`~pdproxy.prefix.routing.PrefixRouter`)."""
-        releaser = KVReleaser(scheduler=self.scheduler, pool=self.pool, health=self.health,
+        releaser = KVReleaser(scheduler=self.scheduler, pool=self.pool,
                               upstream=self.upstream, headers=self.headers,
                               timeout_s=self.settings.kv_release_timeout_s,
                               retry_s=self.settings.kv_release_retry_s)

@@ -204,7 +204,7 @@ class Exchange:
     writer; ``on_disconnect`` (a callable) is called once if the client goes away before :meth:`finish`.
     """
 
-    __slots__ = ("_parts", "_proto", "api", "body", "chunked", "complete", "continue_expected", "cookie",
+    __slots__ = ("_parts", "_proto", "api", "body", "chunked", "complete", "continue_expected",
                  "declared", "finished", "flow", "head_only", "headers", "hosts", "keep_alive", "method",
                  "on_disconnect", "origin", "path", "query", "raw_path", "size", "started", "transfer_encoded",
                  "version")
@@ -231,8 +231,7 @@ class Exchange:
         self.chunked = False
         self.hosts = 0  # Host header fields received
         self.transfer_encoded = False  # a Transfer-Encoding header field was received
-        self.origin: bytes | None = None  # the Origin header's value (a browser's request: CORS)
-        self.cookie = False  # a Cookie header field was received (CORS then names the origin, not *)
+        self.origin: bytes | None = None  # the first Origin header's value (a browser's request: CORS)
         self.flow: Any = None
         self.on_disconnect: Callable[[], None] | None = None
 
@@ -269,8 +268,8 @@ class Exchange:
                 self.keep_alive = False
                 continue
             parts += (name, b": ", value, b"\r\n")
-        if self.origin is not None and self.api is not None and self._proto.limits.cors is not None:
-            for name, value in self._proto.limits.cors.headers(self.origin, self.cookie):
+        if self.api is not None and self._proto.limits.cors is not None:
+            for name, value in self._proto.limits.cors.headers(self.origin):
                 parts += (name, b": ", value, b"\r\n")
         bodyless = self.head_only or status in (204, 304) or status < 200
         if not sized and not bodyless:
@@ -373,6 +372,8 @@ class ServerProtocol(asyncio.Protocol):
         self.chunk_open = False  # a chunk-size line was the last thing parsed: the trailer section may follow
         self.chunks = 0
         self.refused = False  # the server refused this connection's input: later bytes are dropped unparsed
+        self.pending: tuple[int, str, str | None, bytes | None] | None = None  # a refusal (status, message,
+        # route, origin) written once the response in progress before it has ended
         # the connection's one timer: what it is for and when the body was last read (a lazily checked idle gap)
         self.timer: asyncio.TimerHandle | None = None
         self.timer_kind = _NO_TIMER
@@ -603,10 +604,8 @@ class ServerProtocol(asyncio.Protocol):
                                        "send Transfer-Encoding: chunked")
         elif name == b"x-request-id" and len(value) > CLIENT_REQUEST_ID_MAX:
             value = value[:CLIENT_REQUEST_ID_MAX]
-        elif name == b"origin":
+        elif name == b"origin" and ex.origin is None:      # the first, as Starlette reads it
             ex.origin = value
-        elif name == b"cookie":
-            ex.cookie = True
         ex.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -744,7 +743,13 @@ class ServerProtocol(asyncio.Protocol):
             return
         if not ex.keep_alive or not ex.complete or self.closing:
             # an unread request body (or HTTP/1.0 without keep-alive) leaves no reliable next message start
-            self.transport.close()
+            if self.pending is not None:
+                self._write_refusal(*self.pending)
+                self.pending = None
+            if self.refused or not ex.complete:       # bytes may be left unread: a plain close would reset
+                self._linger_close()
+            else:
+                self.transport.close()
             return
         if self.server_state is not None:
             self.server_state.total_requests += 1
@@ -768,13 +773,15 @@ class ServerProtocol(asyncio.Protocol):
             self._set_timer()
 
     def _refuse(self, status: int, message: str, refused: Exchange | None = None) -> None:
-        """Answer a request the server itself refuses (after any response in progress) and close; no later byte
-        from the client is parsed.  ``refused``: the request refused (default: the one being parsed, else the
-        current one); on a completion route the body is in that API's error shape (``ServedApp.refusal_body``),
-        elsewhere vLLM's OpenAI envelope."""
+        """Answer a request the server itself refuses and close; no later byte from the client is parsed.
+        ``refused``: the request refused (default: the one being parsed, else the current one); on a completion
+        route the body is in that API's error shape (``ServedApp.refusal_body``), elsewhere vLLM's OpenAI envelope.
+        A request answered before it (pipelined) keeps its answer: the refusal follows once that response ended
+        (:meth:`response_done`); a refusal of the request whose response is under way only ends it there."""
         if refused is None:
             refused = self.parsing or self.current
         route = refused.api if refused is not None else None
+        origin = refused.origin if refused is not None else None
         self.closing = True
         self.no_more = True
         self.refused = True
@@ -784,19 +791,27 @@ class ServerProtocol(asyncio.Protocol):
         if self.transport is None:
             return
         ex = self.current
-        if ex is not None and ex.started and not ex.finished:
-            ex.keep_alive = False  # the bad bytes come after a response in progress: it ends, then we close
+        if ex is not None and not ex.finished and (ex.started or ex is not refused):
+            if ex is refused:      # its response is under way: it ends there, then the connection closes
+                ex.keep_alive = False
+            else:                  # the answer before it ends (not saying "close": a response follows), then this
+                self.pending = (status, message, route, origin)
             self._pause_reading()
             return
         self.current = None
         if ex is not None and ex.on_disconnect is not None:
             cb, ex.on_disconnect = ex.on_disconnect, None
             cb()
+        self._write_refusal(status, message, route, origin)
+        self._linger_close()
+
+    def _write_refusal(self, status: int, message: str, route: str | None, origin: bytes | None) -> None:
         body = (self.proxy.refusal_body(route, status, message) if route is not None
                 else orjson.dumps(error_body(status, message)))
+        cors = self.limits.cors.headers(origin) if route is not None and self.limits.cors is not None else ()
         self.write(b"".join([_STATUS_LINES[status], b"content-type: application/json\r\ncontent-length: ",
-                             str(len(body)).encode(), b"\r\nconnection: close\r\n\r\n", body]))
-        self._linger_close()
+                             str(len(body)).encode(), b"\r\nconnection: close\r\n",
+                             *(b"%s: %s\r\n" % pair for pair in cors), b"\r\n", body]))
 
     def _linger_close(self) -> None:
         """Close after a refusal the way RFC 9112 §9.6 advises: half-close, keep reading (and dropping) what the
@@ -804,8 +819,9 @@ class ServerProtocol(asyncio.Protocol):
         is a reset, which can destroy the answer before the client reads it (a 300 KB head once did)."""
         t = self.transport
         assert t is not None
-        if not t.can_write_eof():                      # TLS: no half-close
+        if not t.can_write_eof():                      # TLS: no half-close (a client still writing may see a reset)
             t.close()
+            self.transport = None
             return
         t.write_eof()
         self._resume_reading()

@@ -45,7 +45,6 @@ from typing import Any
 from pdproxy.apis import kv_transfer
 from pdproxy.apis.request import ProxyRequest
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.engines.health import HealthMonitor
 from pdproxy.engines.pool import EndpointPool
 from pdproxy.errors import ProxyError, UpstreamUnavailable
 from pdproxy.http.engine_headers import EngineHeaders
@@ -62,14 +61,14 @@ class KVReleaser:
     not answered within the grace, connection closed).
 
     ``scheduler`` picks the decoder (its decode profile: healthy, breaker, model…), ``pool`` holds a lease on it
-    for the leg, ``health`` hears the leg ended without a verdict, ``upstream`` sends it with ``headers``;
+    for the leg (no breaker trial: a leg's outcome is no verdict on the decoder), ``upstream`` sends it with
+    ``headers``;
     ``timeout_s`` bounds each leg, ``retry_s`` the tries of one release (seconds; module docstring)."""
 
-    def __init__(self, *, scheduler: Scheduler, pool: EndpointPool, health: HealthMonitor, upstream: Upstream,
+    def __init__(self, *, scheduler: Scheduler, pool: EndpointPool, upstream: Upstream,
                  headers: EngineHeaders, timeout_s: float = 5.0, retry_s: float = 60.0) -> None:
         self.scheduler = scheduler
         self.pool = pool
-        self.health = health
         self.upstream = upstream
         self.headers = headers
         self.timeout_s = timeout_s
@@ -139,11 +138,12 @@ class KVReleaser:
         await self._run(req, request_id, authorization, params, ())
 
     def _pick(self, request: PickRequest, avoid: Sequence[Endpoint]) -> Endpoint | None:
+        """A decoder for a release leg, one of ``avoid`` only when no other will do; no breaker trial is taken (a
+        release leg says nothing of the decoder's health, and a half-open decoder's one trial is for a request)."""
         for exclude in (avoid, ()):
-            try:
-                return self.scheduler.pick(Role.DECODE, request, exclude)
-            except ProxyError:
-                continue
+            endpoint = self.scheduler.try_pick(Role.DECODE, request, exclude, trial=False)
+            if endpoint is not None:
+                return endpoint
         return None
 
     async def _run(self, req: ProxyRequest, request_id: str, authorization: str | None,
@@ -184,8 +184,6 @@ class KVReleaser:
                 # the decoder saw the params and ended: when the KV is already gone (pulled, or freed by a decoder
                 # that ended), the pull fails, as expected
                 log.debug("release leg for request %s on %s: %s", request_id, endpoint.name, exc.message)
-            finally:
-                self.health.record_neutral(endpoint)
         return True
 
     async def aclose(self) -> None:

@@ -215,10 +215,12 @@ class Scheduler:
                                else NoEndpointAvailable(role.value, f.BreakerClosed.reason))
         return endpoint
 
-    def try_pick(self, role: Role, request: PickRequest, exclude: Sequence[Endpoint] = ()) -> Endpoint | None:
-        """:meth:`pick` (every filter, a breaker trial taken), or None where it would raise: no error is built
-        (the prefill queue's grant attempts, most of which find the prefillers full)."""
-        return self._choose(role, request, exclude, True, True)[0]
+    def try_pick(self, role: Role, request: PickRequest, exclude: Sequence[Endpoint] = (), *,
+                 trial: bool = True) -> Endpoint | None:
+        """:meth:`pick` (every filter, a breaker trial taken unless ``trial`` is False), or None where it would
+        raise: no error is built (the prefill queue's grant attempts, most of which find the prefillers full; the
+        release legs' retries)."""
+        return self._choose(role, request, exclude, True, trial)[0]
 
     def _choose(self, role: Role, request: PickRequest, exclude: Sequence[Endpoint], capacity: bool,
                 trial: bool) -> tuple[Endpoint | None, Callable[[], ProxyError] | None]:

@@ -23,24 +23,29 @@ def pair() -> Iterator[tuple[SimProcess, SimProcess]]:
 
 def test_kv_pinned_by_a_request_whose_decoder_refused_is_freed_once_it_answers(
         pair: tuple[SimProcess, SimProcess]) -> None:
-    """The only decoder closes its first five connections unanswered: the request fails over to new prefills and
-    ends in a 502, and the release legs of the KV each prefill pinned meet the same refusals (then the decoder's
-    open breaker).  They are tried again until the decoder answers: nothing stays pinned, every lease is back."""
+    """The only decoder closes its first five connections unanswered.  The request's decode legs and the release
+    legs of the KV each failed attempt's prefill pinned (sent in the background, as the director moves on) meet
+    those refusals in whatever order the loop runs them: the request ends in a 502 or, when releases took enough
+    of them, a later decode leg answers (200).  Either way some release leg was refused, and without another try
+    its KV would stay pinned until the connector's timeout: every one is tried again until the decoder answers."""
     p, d = pair
     proxy = ProxyThread(prefill=[p.url], decode=[d.url]).start()
     try:
         d.faults({"kind": "refuse", "times": 5})
         r = httpx.post(proxy.url + "/v1/chat/completions", timeout=30, json={
             "model": "sim-model", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4})
-        assert r.status_code == 502 and r.json()["error"]["code"] == 502
+        assert r.status_code in (200, 502), r.text
         prefills = [x for x in p.received() if x["path"] == "/v1/chat/completions"]
         assert len(prefills) >= 2                                  # failovers: each new prefill pinned new KV
         wait_until(lambda: pinned(p) == 0, 30, 0.05, "the prefiller's pinned KV freed by release legs")
-        releases = [x for x in d.received() if x["body"].get("max_tokens") == 1]
-        assert len(releases) > len(prefills)                       # some release legs were tried again
-        assert all(x["body"]["kv_transfer_params"]["do_remote_prefill"] for x in releases)
         releaser = proxy.app.director.kv_release if proxy.app.director else None
-        assert releaser is not None and releaser.released == len(prefills) and releaser.failed == 0
+        assert releaser is not None
+        expected = len(prefills) - (r.status_code == 200)            # a 200's own KV was pulled by its decoder
+        wait_until(lambda: releaser.released + releaser.failed >= expected, 10, 0.02, "release legs ended")
+        assert (releaser.released, releaser.failed) == (expected, 0)
+        releases = [x for x in d.received() if x["body"].get("max_tokens") == 1]
+        assert len(releases) > releaser.released                   # some release legs were refused, then retried
+        assert all(x["body"]["kv_transfer_params"]["do_remote_prefill"] for x in releases)
         proxy.wait_idle()
     finally:
         proxy.stop()

@@ -5,6 +5,7 @@ the same headers as the routes Starlette's middleware serves, and preflights are
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 
 import httpx
@@ -99,3 +100,57 @@ def test_vllms_flag_spelling_is_read(argv: list[str], origins: list[str]) -> Non
     add_serve_arguments(p)
     s = settings_from_args(p.parse_args(["--prefill", "http://p:1", "--decode", "http://d:2", *argv]))
     assert s.allowed_origins == origins and s.allowed_methods == ["*"] and s.allowed_headers == ["*"]
+
+
+@pytest.mark.parametrize(("settings", "headers", "want"), [
+    ({"allowed_origins": ["*"], "allow_credentials": True}, {"Origin": APP},
+     {"access-control-allow-origin": APP, "access-control-allow-credentials": "true", "vary": "Origin"}),
+    ({"allowed_origins": ["*"]}, {"Origin": APP, "Cookie": "a=1"},
+     {"access-control-allow-origin": "*", "vary": "Origin"}),
+    ({"allowed_origins": [APP]}, {"Origin": "https://evil.example"}, {"vary": "Origin"}),
+    ({"allowed_origins": [APP]}, {}, {"vary": "Origin"}),
+])
+def test_generation_answers_follow_starlettes_rule_like_every_other_route(
+        fleet: Fleet, sims: Fleet, settings: dict[str, object], headers: dict[str, str],
+        want: dict[str, str]) -> None:
+    """The generation routes (pdproxy's own server) add exactly what Starlette's middleware adds on the other
+    routes (``/v1/models`` here) — ``*`` with credentials is a browser's refusal, so the origin is named."""
+    p = proxy_of(fleet, **settings)
+    try:
+        gen = httpx.post(p.url + "/v1/completions", json={"model": "sim-model", "prompt": "hi", "max_tokens": 2},
+                         headers=headers, timeout=30)
+        ctl = httpx.get(p.url + "/v1/models", headers=headers, timeout=30)
+    finally:
+        p.stop()
+    assert gen.status_code == ctl.status_code == 200
+
+    def cors(r: httpx.Response) -> dict[str, str]:
+        return {k: v for k, v in r.headers.items() if k.startswith("access-control-") or k == "vary"}
+
+    assert cors(gen) == want and cors(ctl) == want
+
+
+def head_of(port: int, request: bytes) -> bytes:
+    """The lower-cased response head the proxy answers ``request`` with (raw socket, one request)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=20)
+    try:
+        s.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data and (piece := s.recv(65536)):
+            data += piece
+    finally:
+        s.close()
+    return data.split(b"\r\n\r\n")[0].lower()
+
+
+def test_the_first_origin_counts_and_refusals_carry_the_headers(listed: ProxyThread, sims: Fleet) -> None:
+    """Two ``Origin`` fields: the first decides, as Starlette reads it; the server's own 413 on a generation route
+    carries the CORS headers, so a browser page can read why."""
+    body = b'{"model": "sim-model", "prompt": "hi", "max_tokens": 2}'
+    head = head_of(listed.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nOrigin: https://evil.example\r\n"
+                   b"Origin: " + APP.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
+                   + str(len(body)).encode() + b"\r\n\r\n" + body)
+    assert head.startswith(b"http/1.1 200") and b"access-control-allow-origin" not in head
+    head = head_of(listed.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nOrigin: " + APP.encode()
+                   + b"\r\nContent-Type: application/json\r\nContent-Length: 67108865\r\n\r\n")
+    assert head.startswith(b"http/1.1 413") and b"access-control-allow-origin: " + APP.encode() in head

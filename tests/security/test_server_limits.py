@@ -280,3 +280,48 @@ def test_the_servers_own_refusals_take_the_routes_error_shape(edge: ProxyThread,
            f"Content-Length: 100\r\n\r\n{{".encode())
     assert c.wait_closed()
     check(c.p.messages[0], 408)
+
+
+def read_to_eof(s: socket.socket) -> bytes:
+    """Everything the proxy sends until it closes (a reset raises ConnectionResetError)."""
+    data = b""
+    while piece := s.recv(65536):
+        data += piece
+    return data
+
+
+def test_a_refused_pipelined_request_never_takes_the_answer_of_the_one_before(edge: ProxyThread,
+                                                                              sims: Fleet) -> None:
+    """A Messages request and, in the same write, a chat request over max_body_bytes: the Messages request gets
+    its own answer (Anthropic's shape, from the engines), then the chat request its 413 (OpenAI's shape), then a
+    clean close — the refusal once replaced the first answer, in the second request's shape."""
+    messages = orjson.dumps({"model": "sim-model", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
+    big = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" \
+          f"Content-Length: {HEAD * 50}\r\n\r\n".encode() + b"a" * (HEAD * 50)
+    s = socket.create_connection(("127.0.0.1", edge.port), timeout=20)
+    try:
+        s.sendall(post("/v1/messages", messages) + big)
+        data = read_to_eof(s)
+    finally:
+        s.close()
+    first, _, rest = data.partition(b"HTTP/1.1 413 ")
+    assert first.startswith(b"HTTP/1.1 200 ") and b'"type":"message"' in first, data[:600]
+    assert b"connection: close" not in first              # a response follows it on this connection
+    assert b"connection: close" in rest and b'"code":413' in rest
+
+
+def test_garbage_after_a_request_ends_its_stream_then_closes_cleanly(edge: ProxyThread, sims: Fleet) -> None:
+    """A streamed chat request followed in the same connection by 2 MB that is not HTTP: the stream ends whole
+    (``[DONE]``), then the connection closes after reading what is left — not with a reset that could destroy
+    the tail of the stream."""
+    chat = orjson.dumps({"model": "sim-model", "max_tokens": 50, "stream": True,
+                         "messages": [{"role": "user", "content": "hi"}]})
+    s = socket.create_connection(("127.0.0.1", edge.port), timeout=20)
+    try:
+        s.sendall(post("/v1/chat/completions", chat))
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            s.sendall(b"\x00garbage" * 250_000)
+        data = read_to_eof(s)
+    finally:
+        s.close()
+    assert data.startswith(b"HTTP/1.1 200 ") and b"data: [DONE]" in data
