@@ -88,9 +88,10 @@ def test_two_workers_share_one_load_view(tmp_path: Path) -> None:
                 load = httpx.get(url + "/debug/load", timeout=5).json()
                 return {e["name"]: e["requests"] for e in load["endpoints"] if e["role"] == "decode"}
 
-            # Open long streams one at a time, each on a new connection (the kernel hands connections to either
-            # worker), until both workers hold some; the all-worker view keeps the decoders within one.
-            for i in range(24):
+            def held() -> dict[int, float]:
+                return {int(lab["worker"]): v for lab, v in scrape(url).find("pdproxy_worker_inflight_requests")}
+
+            def open_stream(i: int) -> None:
                 client = httpx.Client(timeout=30)
                 cm = client.stream("POST", url + "/v1/completions",
                                    json={"model": "sim-model", "prompt": f"w {i}", "max_tokens": 400, "stream": True})
@@ -99,14 +100,32 @@ def test_two_workers_share_one_load_view(tmp_path: Path) -> None:
                 chunks = resp.iter_raw()
                 next(chunks)  # first event relayed: the decode lease is on the board
                 streams.append((client, cm, chunks))
-                wait_until(lambda n=i + 1: sum(decode_load().values()) == n, 10, 0.02, f"{i + 1} streams on board")
+                wait_until(lambda: sum(decode_load().values()) == len(streams), 10, 0.02,
+                           f"{len(streams)} streams on board")
                 counts = decode_load()
                 assert max(counts.values()) - min(counts.values()) <= 1, counts
-                rows = [v for _, v in scrape(url).find("pdproxy_worker_inflight_requests")]
-                if i >= 5 and all(r > 0 for r in rows):
+
+            # Open long streams one at a time, each on a new connection (the kernel hands connections to either
+            # worker), until both workers hold some; the all-worker view keeps the decoders within one.
+            for i in range(12):
+                open_stream(i)
+                if i >= 5 and all(r > 0 for r in held().values()):
                     break
-            rows = [v for _, v in scrape(url).find("pdproxy_worker_inflight_requests")]
-            assert all(r > 0 for r in rows), f"one worker took every connection: {rows}"
+            if not all(r > 0 for r in held().values()):
+                # The kernel gave every connection to one worker (a loaded machine does): stop that one, so the
+                # next connection can only be accepted by the other, then let it run again.
+                rows_now = held()
+                workers = httpx.get(url + "/debug/load", timeout=5).json()["workers"]
+                busy = [w["pid"] for w in workers if rows_now.get(w["row"], 0) > 0]
+                for pid in busy:
+                    os.kill(pid, signal.SIGSTOP)
+                try:
+                    open_stream(len(streams))
+                finally:
+                    for pid in busy:
+                        os.kill(pid, signal.SIGCONT)
+            rows = list(held().values())
+            assert len(rows) == 2 and all(r > 0 for r in rows), f"one worker took every connection: {rows}"
             total = len(streams)
             # the engines agree with the proxy's view
             running = {d.url: d.state()["running"] for d in sims[1:]}
