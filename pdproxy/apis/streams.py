@@ -98,7 +98,12 @@ def anthropic_error(err: ProxyError) -> dict[str, Any]:
     """An error pdproxy raises on ``/v1/messages``, in vLLM's Anthropic envelope
     (``anthropic/api_router.py::translate_error_response``: ``{"type": "error", "error": {"type": <vLLM's error
     type>, "message"}}``)."""
-    return {"type": "error", "error": {"type": err.error_type, "message": public_message(err)}}
+    return anthropic_envelope(err.error_type, public_message(err))
+
+
+def anthropic_envelope(kind: str, message: str) -> dict[str, Any]:
+    """``{"type": "error", "error": {"type": kind, "message": message}}``: the one shape of an error on Messages."""
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_json(api: Api, err: ProxyError) -> bytes:
@@ -120,15 +125,16 @@ def error_json(api: Api, err: ProxyError) -> bytes:
     if not isinstance(inner, dict) or not isinstance(inner.get("message"), str):
         return body
     kind = inner.get("type")
-    return orjson.dumps({"type": "error", "error": {
-        "type": kind if isinstance(kind, str) else error_type_for(err.status_code), "message": inner["message"]}})
+    return orjson.dumps(anthropic_envelope(kind if isinstance(kind, str) else error_type_for(err.status_code),
+                                           inner["message"]))
 
 
 def refusal_json(api: Api, status: int, message: str) -> bytes:
     """The JSON body of a refusal pdproxy's HTTP server answers itself (``status`` 400/408/413/431/500, before
-    any handler read the request) on ``api``: :func:`error_json` of an error of that status and ``message``."""
+    any handler read the request) on ``api``: :func:`anthropic_envelope` on Messages, vLLM's OpenAI envelope
+    elsewhere, with ``message`` as given and the ``type`` of ``status``."""
     if api is Api.MESSAGES:
-        return orjson.dumps({"type": "error", "error": {"type": error_type_for(status), "message": message}})
+        return orjson.dumps(anthropic_envelope(error_type_for(status), message))
     return orjson.dumps(error_body(status, message))
 
 

@@ -806,6 +806,8 @@ class ServerProtocol(asyncio.Protocol):
         self._linger_close()
 
     def _write_refusal(self, status: int, message: str, route: str | None, origin: bytes | None) -> None:
+        """Write the refusal ``status`` (its JSON body, ``connection: close``) of a request on ``route`` (None: not a
+        completion route, vLLM's OpenAI envelope) from ``origin`` (its CORS headers on a completion route)."""
         body = (self.proxy.refusal_body(route, status, message) if route is not None
                 else orjson.dumps(error_body(status, message)))
         cors = self.limits.cors.headers(origin) if route is not None and self.limits.cors is not None else ()
