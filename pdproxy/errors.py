@@ -78,14 +78,18 @@ def error_type_for(status: int) -> str:
     return _TYPE_BY_STATUS.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
 
 
-# What an engine's address looks like inside pdproxy's own messages and the transport's exception texts.
+# What an engine's address looks like inside pdproxy's own messages and the transport's exception texts.  The
+# messages hold client text too (a model name, a field's value): every branch is linear in the message's length —
+# a URL or a host starts only where a run of its characters starts (the lookbehinds), and a bracketed IPv6
+# address's first colon is found without backtracking — so a 64 MB model name costs one pass, not its square
+# (tests/security/test_error_redaction.py).
 _ADDRESS = re.compile(
-    r"[A-Za-z][A-Za-z0-9+.-]*://(?:\[[^\]\s]*\])?[^\s'\",)\]]*"        # a URL (with #dpN, paths...)
+    r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://(?:\[[^\]\s]*\])?[^\s'\",)\]]*"   # a URL (#dpN, paths...)
     r"|\(\s*'[^']*'\s*,\s*\d+\s*\)"                                  # ('10.0.0.5', 8100)
-    r"|\[[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*\](?::\d+)?"                     # [fd00::5]:8100
+    r"|\[[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*\](?::\d+)?"                      # [fd00::5]:8100
     r"|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b"                          # 10.0.0.5, 10.0.0.5:8100
-    r"|\b[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9-]+)*:\d{2,5}\b")  # d0.internal:9100
-_EMPTY_BRACKETS = re.compile(r"\s*(?:\(\s*\)|\[\s*\])")
+    r"|(?<![A-Za-z0-9.-])[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9-]+)*:\d{2,5}\b")  # d0.internal:9100
+_EMPTY_BRACKETS = re.compile(r"(?<!\s)\s*(?:\(\s*\)|\[\s*\])")
 _SPACES = re.compile(r"[ \t]{2,}")
 
 

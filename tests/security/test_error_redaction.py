@@ -1,0 +1,63 @@
+"""Engine addresses are taken out of client-facing errors (``pdproxy.errors.public_message``) in one pass over the
+message, whatever client text it holds: a model name of 100,000 characters is answered at once, not after the
+minutes a backtracking pattern would spend (one did: ``"a-" * 20000`` froze the event loop for 20 s)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from pdproxy.errors import ModelNotFound, public_message
+from tests.conftest import Fleet
+from tests.support import ProxyThread
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.mark.parametrize(("message", "public"), [
+    ("Cannot connect to host d0.internal:9100 ssl:default [Connection refused]",
+     "Cannot connect to host ssl:default [Connection refused]"),
+    ("[Errno 111] Connect call failed ('10.0.0.5', 8100)", "[Errno 111] Connect call failed"),
+    ("decoder http://10.0.0.5:8200#dp1 failed", "decoder failed"),
+    ("prefiller https://[::1]:8100/v1 (boom)", "prefiller (boom)"),
+    ("cut at [fd00::5]:8100 mid-stream", "cut at mid-stream"),
+    ("prefiller 10.0.0.5:8100.", "prefiller."),
+    ("no address in these words: a-b.c d:e", "no address in these words: a-b.c d:e"),
+])
+def test_addresses_leave_and_the_words_stay(message: str, public: str) -> None:
+    assert public_message(message) == public
+
+
+@pytest.mark.parametrize("text", [
+    "a-" * 200_000,                       # a URL's scheme or a host at every letter, for a backtracking pattern
+    "a" * 400_000,
+    "a." * 200_000 + ":",
+    "a.-" * 130_000 + ":1",
+    "[" + ":" * 400_000,                  # a bracketed IPv6 address that never closes
+    " " * 400_000 + "x() at http://d0:1",  # an address, so empty brackets are looked for after the spaces
+    "(" + " " * 400_000 + "'",
+], ids=["dashes", "letters", "dots", "mixed", "colons", "spaces", "tuple"])
+def test_a_long_message_is_read_once(text: str) -> None:
+    """Each of these took minutes where the cost grew with the square of the length (the pytest timeout fails it
+    then); linear, each is milliseconds."""
+    out = public_message(f"The model `{text}` does not exist.")
+    assert out.startswith("The model `") and out.endswith("does not exist.") and "d0:1" not in out
+
+
+def test_a_model_name_of_100k_characters_gets_its_404_at_once(sims: Fleet) -> None:
+    """End to end: vLLM's 404 naming the model, in the time of a request; other clients are answered meanwhile."""
+    proxy = ProxyThread(prefill=[s.url for s in sims.prefillers], decode=[s.url for s in sims.decoders]).start()
+    try:
+        model = "a-" * 50_000
+        with httpx.Client(timeout=10) as client:
+            r = client.post(proxy.url + "/v1/chat/completions", json={
+                "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+            assert r.status_code == 404, r.text[:300]
+            assert r.json()["error"]["message"] == ModelNotFound(model, "decode", ["sim-model"]).message
+            assert client.get(proxy.url + "/health").status_code == 200
+            r = client.post(proxy.url + "/v1/messages", json={
+                "model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 404 and r.json()["type"] == "error", r.text[:300]
+        proxy.wait_idle()
+    finally:
+        proxy.stop()
