@@ -19,7 +19,10 @@ What a connection does (RFC 9112):
   8 KiB: 414) — counted as the bytes arrive, so a header line that never ends is refused once the bytes read for
   the head pass the limit + 4 KiB (as Go's ``MaxHeaderBytes``), never buffered whole; the same bound holds for
   the trailer section of a chunked body.  A completion body over ``max_body_bytes`` gets 413 (at once when
-  ``Content-Length`` says so); a malformed request gets 400; each of these closes the connection;
+  ``Content-Length`` says so); a control-plane body is read as its app takes it (at most
+  :data:`CONTROL_BODY_HIGH_WATER` bytes wait, then reading pauses); a malformed request gets 400; each of these
+  closes the connection, lingering (RFC 9112 §9.6: what the client still sends is dropped unparsed, for at most
+  :data:`LINGER_S`), as does an answer given before its request's body was read;
 - **timeouts**: a head must arrive whole within ``request_headers_timeout_s`` of its first byte, and a body may
   not pause longer than ``request_body_timeout_s`` between reads (408 and close; a response in progress is cut);
   one timer per connection, re-armed only when the phase changes (the body's idle gap is checked lazily);
@@ -104,6 +107,10 @@ like; what remains is split in half between clients and engine connections (one 
 OPEN_FILE_TARGET: Final = 65535
 """The soft RLIMIT_NOFILE pdproxy raises itself to at start, within the hard limit (vLLM's ``set_ulimit`` does the
 same for the API server: vllm/utils/system_utils.py)."""
+CONTROL_BODY_HIGH_WATER: Final = 65536
+"""Bytes of a control-plane request's body held for its ASGI app before the connection stops reading (resumed when
+the app's ``receive()`` takes them): uvicorn's ``HIGH_WATER_LIMIT``.  A handler that never reads its body (``GET
+/health`` with one) so holds at most this much (and a read's worth) of it."""
 LINGER_S: Final = 1.0
 """How long a connection the server refuses (a 503 at the connection cap, a 4xx/500 of its own) stays half-closed,
 its input read and dropped, so the client reads the answer before the close (an unread request in the socket would
@@ -205,7 +212,7 @@ class Exchange:
     """
 
     __slots__ = ("_parts", "_proto", "api", "body", "chunked", "complete", "continue_expected",
-                 "declared", "finished", "flow", "head_only", "headers", "hosts", "keep_alive", "method",
+                 "declared", "finished", "flow", "head_only", "headers", "held", "hosts", "keep_alive", "method",
                  "on_disconnect", "origin", "path", "query", "raw_path", "size", "started", "transfer_encoded",
                  "version")
 
@@ -219,6 +226,7 @@ class Exchange:
         self.headers: list[tuple[bytes, bytes]] = []
         self.api: str | None = None  # the completion route key, when the request is one (ServedApp)
         self._parts: list[bytes] = []
+        self.held = 0  # bytes in _parts (a control-plane body not yet taken by its app)
         self.body = b""
         self.size = 0
         self.declared: int | None = None
@@ -470,7 +478,10 @@ class ServerProtocol(asyncio.Protocol):
     # --- the connection's timer: keep-alive idle, head deadline, body idle gap ---------------------------------
     def _set_timer(self) -> None:
         """Arm the timer the connection's state calls for, unless it is already armed for it (a head's deadline
-        runs from its first read; the body's idle gap is re-checked when the timer fires)."""
+        runs from its first read; the body's idle gap is re-checked when the timer fires).  A refused connection
+        keeps the one timer it has: its lingering close's (:meth:`_linger_close`)."""
+        if self.refused:
+            return
         phase = self.phase
         if phase == _HEAD:
             kind = _HEAD_TIMER
@@ -667,8 +678,12 @@ class ServerProtocol(asyncio.Protocol):
         if ex.api is not None and ex.size > self.max_body:
             raise _Reject(413, f"request body exceeds the limit of {self.max_body} bytes")
         ex._parts.append(body)
-        if ex.api is None and ex is self.current and ex.flow is not None:
-            ex.flow.body_arrived()
+        if ex.api is None:
+            ex.held += len(body)
+            if ex.held > CONTROL_BODY_HIGH_WATER:
+                self._pause_reading()            # the app reads it at its pace (_AsgiCycle.receive resumes)
+            if ex is self.current and ex.flow is not None:
+                ex.flow.body_arrived()
 
     def on_message_complete(self) -> None:
         self.phase = _WAIT
@@ -826,6 +841,7 @@ class ServerProtocol(asyncio.Protocol):
             self.transport = None
             return
         t.write_eof()
+        self.refused = True         # what the client still sends is dropped unparsed (and arms no other timer)
         self._resume_reading()
         self._cancel_timer()
         self.transport = None       # nothing more is written: a handler still running sees a connection gone
@@ -900,7 +916,10 @@ class _AsgiCycle:
             if self.gone or ex.finished:
                 return {"type": "http.disconnect"}
             if ex._parts or (ex.complete and not self.done):
-                parts, ex._parts = ex._parts, []
+                parts, ex._parts, ex.held = ex._parts, [], 0
+                proto = self.proto
+                if proto.reading_paused and not proto.queue and not ex.complete:
+                    proto._resume_reading()
                 self.done = ex.complete
                 return {"type": "http.request", "body": b"".join(parts), "more_body": not ex.complete}
             self.event.clear()

@@ -4,14 +4,19 @@ open client connections (503 and close), and that nothing refused ever reaches a
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import select
 import socket
+import threading
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import orjson
 import pytest
 
-from pdproxy.http.server import ENGINE_FD_RESERVE, EdgeLimits
+from pdproxy.http.server import CONTROL_BODY_HIGH_WATER, ENGINE_FD_RESERVE, EdgeLimits
 from pdproxy.settings import Settings
 from tests.conftest import Fleet
 from tests.relay.rawclient import Message, RawConn, get, post
@@ -325,3 +330,87 @@ def test_garbage_after_a_request_ends_its_stream_then_closes_cleanly(edge: Proxy
     finally:
         s.close()
     assert data.startswith(b"HTTP/1.1 200 ") and b"data: [DONE]" in data
+
+
+def test_a_body_sent_after_an_early_answer_is_dropped_and_the_connection_closed(edge: ProxyThread) -> None:
+    """``GET /health`` answers before its chunked body arrives; the client keeps sending (up to 64 MB, as fast as
+    the server reads).  The server drops what follows unparsed and closes after its linger (1 s) — the body's bytes
+    once re-armed a body timer that cancelled the close, were buffered without bound (4 such clients took 2 GB)
+    and the connection stayed open for good."""
+    s = socket.create_connection(("127.0.0.1", edge.port), timeout=10)
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+    piece = b"%x\r\n%b\r\n" % (65536, b"a" * 65536)
+    budget = 1024                                    # pieces of 64 KiB, then a byte at a time
+    data = b""
+    closed = False                                   # wholly: a write meets the reset (its half-close is the EOF)
+    s.setblocking(False)
+    deadline = time.monotonic() + 10
+    try:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(BlockingIOError):
+                s.send(piece if budget else b"a")
+                budget = max(budget - 1, 0)
+            ready, _, _ = select.select([s], [], [], 0.01)
+            if ready:
+                data += s.recv(65536)
+    except (BrokenPipeError, ConnectionResetError):
+        closed = True
+    finally:
+        s.close()
+    assert data.startswith(b"HTTP/1.1 200 ") and closed
+
+
+def test_a_control_route_that_has_not_read_its_body_holds_its_high_water_mark(sims: Fleet) -> None:
+    """A control-plane handler that is not reading its body yet: the connection stops reading once
+    ``CONTROL_BODY_HIGH_WATER`` bytes wait for it (the client's writes then block), and reads on when the handler
+    asks — the whole body arrives."""
+    size = 16 << 20
+    with edge_proxy(sims) as proxy:
+        loop = proxy.loop
+        assert loop is not None
+        opened = asyncio.Event()
+
+        async def slow_reader(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            await opened.wait()
+            got, more = 0, True
+            while more:
+                message = await receive()
+                got += len(message.get("body", b""))
+                more = message.get("more_body", False)
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(
+                str(got)))]})
+            await send({"type": "http.response.body", "body": str(got).encode()})
+
+        proxy.app.control = slow_reader
+        s = socket.create_connection(("127.0.0.1", proxy.port), timeout=30)
+        sent = 0
+
+        def send_body() -> None:
+            nonlocal sent
+            s.sendall(b"POST /admin/anything HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size)
+            block = b"b" * 65536
+            for _ in range(size // len(block)):
+                s.sendall(block)
+                sent += len(block)
+
+        writer = threading.Thread(target=send_body, daemon=True)
+        writer.start()
+
+        def held() -> int:
+            return sum(c.current.held for c in proxy.server.server_state.connections if c.current is not None)
+
+        def paused() -> bool:
+            return any(c.reading_paused for c in proxy.server.server_state.connections)
+
+        wait_until(paused, 10, 0.01, "reading paused")
+        assert CONTROL_BODY_HIGH_WATER < held() <= CONTROL_BODY_HIGH_WATER + (1 << 20)
+        assert sent < size
+        loop.call_soon_threadsafe(opened.set)
+        writer.join(30)
+        data = b""
+        while not data.endswith(str(size).encode()):
+            piece = s.recv(65536)
+            assert piece, data
+            data += piece
+        s.close()
+        assert data.startswith(b"HTTP/1.1 200 ")
