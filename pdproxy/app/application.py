@@ -106,13 +106,16 @@ class PDProxyApp:
     async def _dispatch(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             path = scope["path"].rstrip("/")
-            if path in self.completion_routes:
+            route = self.completion_routes.get(path)
+            if route is not None:                 # answered in the route's error shape (Anthropic's on Messages)
                 if scope["method"] == "POST":  # only under a server other than pdproxy.http.server
-                    body = orjson.dumps(error_body(500, "the completion routes need pdproxy's own HTTP protocol: "
-                                                   "serve the app with pdproxy.http.server.uvicorn_config()"))
+                    body = self.refusal_body(route, 500, "the completion routes need pdproxy's own HTTP protocol: "
+                                                         "serve the app with pdproxy.http.server.uvicorn_config()")
                     status, extra = 500, []
                 else:
-                    body = orjson.dumps(error_body(405, "Method Not Allowed", error_type="MethodNotAllowed"))
+                    body = (orjson.dumps(api_streams.anthropic_envelope("MethodNotAllowed", "Method Not Allowed"))
+                            if Api(route) is Api.MESSAGES else
+                            orjson.dumps(error_body(405, "Method Not Allowed", error_type="MethodNotAllowed")))
                     status, extra = 405, [(b"allow", b"POST")]
                 await send({"type": "http.response.start", "status": status,
                             "headers": [(b"content-type", b"application/json"), *extra,
@@ -309,8 +312,10 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
             stack.enter_context(proxy.request_log)
             yield
 
+    # openapi: served below, with the access of the debug routes; no redirect of "/path/" to "/path" (Starlette's
+    # redirect names the client's Host: a shared cache would keep a redirect to a host of the client's choosing)
     app = FastAPI(title="pdproxy", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)       # served below, with the access of the debug routes
+                  openapi_url=None, redirect_slashes=False)
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(request: Request) -> Response:

@@ -212,6 +212,17 @@ def test_an_invalid_request_reaches_the_prefiller_as_sent_and_its_400_the_client
 def test_wrong_method_on_a_completion_route_is_405(proxy: ProxyThread) -> None:
     r = httpx.get(proxy.url + "/v1/completions")
     assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["code"] == 405
+    r = httpx.get(proxy.url + "/v1/messages")            # Anthropic's shape on its route
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json() == {"type": "error", "error": {"type": "MethodNotAllowed", "message": "Method Not Allowed"}}
+
+
+def test_a_trailing_slash_is_not_redirected_to_the_clients_host(proxy: ProxyThread) -> None:
+    """Starlette redirects ``/v1/models/`` to ``http://<the client's Host>/v1/models``; a shared cache would keep
+    that redirect for everyone.  pdproxy answers 404 instead (vLLM's routes have no trailing slash either)."""
+    r = httpx.get(proxy.url + "/v1/models/", headers={"host": "evil.example"}, follow_redirects=False)
+    assert r.status_code == 404 and "location" not in r.headers
+    assert httpx.get(proxy.url + "/v1/models").status_code == 200
 
 
 def test_models_health_version(proxy: ProxyThread) -> None:
