@@ -244,16 +244,6 @@ def key_bytes(key: int) -> bytes:
     return (key & KEY_MASK).to_bytes(8, "big")
 
 
-def rendezvous_order(key: int, endpoints: Iterable[str]) -> list[str]:
-    """``endpoints`` ordered by rendezvous (highest-random-weight) hashing of ``key`` (e.g. a request's first
-    block key): every replica computes the same order without talking, and removing an endpoint only moves the
-    keys it had.  Use it to break ties between equally good endpoints."""
-    def weight(name: str) -> bytes:
-        return hashlib.blake2b(f"{key}\0{name}".encode(), digest_size=8).digest()
-
-    return sorted(endpoints, key=weight, reverse=True)
-
-
 # ---------------------------------------------------------------------------------------------------- tables
 def _endpoint_names(locations: Mapping[tuple[str, str], object]) -> list[str]:
     """The endpoints of a ``(endpoint, medium) → location`` table, sorted, each once."""
@@ -558,18 +548,6 @@ class PrefixIndex(_MaskTable):
             return dict.fromkeys(endpoints or (), 0)
         candidates = [loc for loc in self._locations.values() if loc.block_size == keys.block_size]
         return self._per_endpoint(keys, candidates, endpoints)
-
-    def match_tokens(self, token_ids: Sequence[int], namespace: str = "",
-                     endpoints: Iterable[str] | None = None) -> dict[str, int]:
-        """:meth:`match` from token ids: keys are computed once per block size in use."""
-        sizes = {loc.block_size for loc in self._locations.values() if loc.block_size}
-        out: dict[str, int] = dict.fromkeys(endpoints or (), 0) if endpoints is not None else {}
-        wanted = None if endpoints is None else list(endpoints)
-        for bs in sorted(sizes):
-            for e, tokens in self.match(block_keys(token_ids, bs, namespace), wanted).items():
-                if tokens >= out.get(e, 0):
-                    out[e] = max(tokens, out.get(e, 0))
-        return out
 
     def entries(self, endpoint: str | None = None) -> int:
         """Block entries held (of ``endpoint``, or all), orphans included."""

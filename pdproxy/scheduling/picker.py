@@ -54,8 +54,13 @@ def mix64(x: int) -> int:
 
 def rendezvous_weight(key: bytes, endpoint: Endpoint) -> int:
     """The highest-random-weight hash of ``key`` and ``endpoint.name``: ``mix64(stable_hash(key) ^
-    stable_hash(name))``, a 64-bit integer identical in every process."""
-    return mix64(stable_hash(key) ^ stable_hash(endpoint.name.encode()))
+    stable_hash(name))``, a 64-bit integer identical in every process (:class:`LeastCost` keeps the names'
+    hashes: :func:`_weight` of the two hashes)."""
+    return _weight(stable_hash(key), stable_hash(endpoint.name.encode()))
+
+
+def _weight(key_hash: int, name_hash: int) -> int:
+    return mix64(key_hash ^ name_hash)
 
 
 class LeastCost:
@@ -82,7 +87,7 @@ class LeastCost:
         if len(tied) == 1:
             return tied[0]
         key = stable_hash(request.routing_key)
-        return max(tied, key=lambda e: mix64(key ^ self._endpoint_hash(e)))
+        return max(tied, key=lambda e: _weight(key, self._endpoint_hash(e)))
 
 
 class PowerOfTwo:

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from pdproxy.prefix.index import ApproxPrefixIndex, PrefixIndex, block_keys, rendezvous_order, text_keys
+from pdproxy.prefix.index import ApproxPrefixIndex, PrefixIndex, block_keys, text_keys
 from pdproxy.prefix.kv_events import cleared, removed, stored
 
 E, F = "http://e:1", "http://f:1"
@@ -85,13 +85,6 @@ def test_memory_bound_drops_the_oldest_entries_of_the_largest_engine() -> None:
     assert index.match(block_keys(TOKS, 4))[F] == 16
 
 
-def test_match_tokens_uses_each_engines_block_size() -> None:
-    index = PrefixIndex()
-    feed(index, E, TOKS[:16], 100)
-    index.apply(F, [stored([1, 2], None, TOKS[:16], 8)])
-    assert index.match_tokens(TOKS) == {E: 16, F: 16}
-
-
 class Clock:
     def __init__(self) -> None:
         self.now = 1000.0
@@ -136,8 +129,3 @@ def test_approximate_index_with_text_keys() -> None:
     assert 0 < got <= 310 and approx.match(block_keys(TOKS, 4)) == {}   # token keys never meet text keys
 
 
-def test_rendezvous_order_is_stable_and_minimal() -> None:
-    names = [f"http://p{i}:1" for i in range(5)]
-    order = rendezvous_order(42, names)
-    assert order == rendezvous_order(42, list(reversed(names)))
-    assert [n for n in order if n != order[0]] == rendezvous_order(42, order[1:])

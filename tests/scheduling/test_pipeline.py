@@ -256,6 +256,7 @@ def test_two_independent_schedulers_break_ties_the_same_way_and_keys_spread() ->
     picks_a = [a.pick(Role.PREFILL, PickRequest("ra", hints=PrefixHints(routing_key=k))) for k in keys]
     picks_b = [b.pick(Role.PREFILL, PickRequest("rb", hints=PrefixHints(routing_key=k))) for k in keys]
     assert picks_a == picks_b
+    assert picks_a == [max(P, key=lambda e: rendezvous_weight(k, e)) for k in keys]   # the highest weight wins
     assert min(Counter(picks_a).values()) > 60                    # ~100 each of 3
     by_id = [a.pick(Role.DECODE, PickRequest(f"req-{i}")) for i in range(400)]   # no key: the request id
     assert by_id == [b.pick(Role.DECODE, PickRequest(f"req-{i}")) for i in range(400)]
