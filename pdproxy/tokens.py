@@ -314,7 +314,7 @@ def _as_vllm_renders(message: dict[str, Any]) -> dict[str, Any]:
 
 def _tools_as_vllm_renders(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     """Tools as vLLM hands them to a chat template: the pydantic dump ``{"type", "function": {"name",
-    "description" (null if absent), "parameters"}}`` (seen in ``tests/real_vllm/captures/tokenize_chat_tools``)."""
+    "description" (null if absent), "parameters"}}`` (seen in ``tests/real_vllm/captures/tokenize_chat_tools.json``)."""
     if not tools:
         return tools
     out = []

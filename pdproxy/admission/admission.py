@@ -61,9 +61,12 @@ chats of up to 64 messages are bounded on the event loop."""
 
 @dataclass(slots=True)
 class AdmissionStats:
-    """Plain counters (for ``pdproxy/ops/metrics.py``).  Keys: ``rejected_total["<role>:<limit_kind>"]`` (limit kind
-    ``max_model_len`` | ``kv_pool``), ``counted_total[method]`` (``ids`` | ``bound`` | ``local`` | ``engine`` |
-    ``estimate``), ``decode_only_total[reason]`` (``short_prompt`` | ``prefillers_busy``)."""
+    """Plain counters.  ``pdproxy/ops/metrics.py`` exports ``counted_total[method]`` (``ids`` | ``bound`` |
+    ``local`` | ``engine`` | ``estimate``), ``count_errors_total``, ``count_seconds_total`` and
+    ``decode_only_total[reason]`` (``short_prompt`` | ``prefillers_busy``); ``admitted_total``,
+    ``disaggregated_total`` and ``rejected_total["<role>:<limit_kind>"]`` (``max_model_len`` | ``kv_pool``) are
+    read by ``GET /debug/load`` (:meth:`Admission.snapshot`) — the rejections' metric is
+    ``pdproxy_rejections_total{reason,detail}``, counted per answer."""
 
     admitted_total: int = 0
     disaggregated_total: int = 0

@@ -277,7 +277,7 @@ class Merger:
             self.ctx.timeline.first_token_at = now
             keep = [h for h in headers if h[0] not in (b"x-request-id", b"content-type", b"cache-control",
                                                        b"x-accel-buffering")]
-            out.start_nowait(200, SSE_HEADERS + keep)
+            out.start_nowait(200, [*SSE_HEADERS, *keep])
         elif self.gaps is not None:
             gap = now - self.last_write
             self.gaps.counts[bisect_left(self.gaps.bounds, gap)] += 1
@@ -327,7 +327,7 @@ class Merger:
                 tail = sse.data_event(orjson.dumps(chunk))
             self._account(usage)
             if not out.started:
-                out.start_nowait(200, SSE_HEADERS)
+                out.start_nowait(200, list(SSE_HEADERS))
             out.done_sent = True
             self.ctx.timeline.last_token_at = time.monotonic()
             out.end_nowait(tail + sse.DONE_EVENT)

@@ -114,6 +114,6 @@ async def send(req: ProxyRequest, ctx: RequestContext, out: Responder, reply: di
         return
     build = chat_events if req.api is Api.CHAT else completion_events
     events = build(reply, req.include_usage, req.continuous_usage)
-    await out.start(200, SSE_HEADERS + headers)
+    await out.start(200, [*SSE_HEADERS, *headers])
     out.done_sent = True                    # the events end with [DONE] (a fan-out merge checks for it)
     await out.end(b"".join(events))

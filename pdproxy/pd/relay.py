@@ -458,7 +458,7 @@ class StreamRelay:
         leg_start = time.monotonic()   # a later leg's (continuation, recompute) silence counts from its own start
         if not out.started:
             ctx.timeline.first_token_at = leg_start
-            out.start_nowait(200, SSE_HEADERS + self.headers)
+            out.start_nowait(200, [*SSE_HEADERS, *self.headers])
         transform = self.transforms()
         base = ctx.events if self.resume is not None and self.resume.legs > 1 else 0  # a continued stream's count
         splice = self.splice = _Splice(self, transform, b"", leg_start)

@@ -19,8 +19,8 @@ from pdproxy.errors import ProxyError, UpstreamHTTPError, sse_error_event
 from pdproxy.http import sse
 from pdproxy.timeline import RequestContext
 
-SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-               (b"x-accel-buffering", b"no")]
+SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no"))
 
 
 class ClientConnection(Protocol):

@@ -363,13 +363,13 @@ async def test_set_idle_timeout_on_a_live_response() -> None:
     async def script(peer: Peer) -> None:
         await peer.request()
         await peer.send(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        await asyncio.sleep(0.4)  # a gap longer than the first idle timeout
+        await asyncio.sleep(1.5)  # a gap longer than the first idle timeout
         await peer.send(b"9\r\ndata: 1\n\n\r\n")
         sent_second.set()
         await peer.wait_gone()
 
     async with serving(script) as (engine, pool):
-        resp = await post(pool, engine.key, idle_s=0.1)
+        resp = await post(pool, engine.key, idle_s=1.0)    # (a loaded machine may take 0.1 s to resume the read)
         resp.set_idle_timeout(5.0)
         assert await resp.readany() == b"data: 1\n\n"
         assert sent_second.is_set()
