@@ -265,8 +265,8 @@ class PDProxyApp:
             dropped = await cancel_on_disconnect(director.serve(req, ctx, out), exchange_disconnect(ex),
                                                  lambda: out.ended)  # after the last byte it is only "complete"
         except asyncio.CancelledError:                                # cancelled from outside
-            ctx.outcome = "cancelled"  # the server is stopping now (forced shutdown): say so, briefly
-            if out.started and not out.ended:
+            ctx.outcome = "cancelled"  # the server is stopping now (forced shutdown): say so, briefly — a 503
+            if not out.ended:          # with Retry-After when nothing was sent yet, else the stream's error event
                 with contextlib.suppress(Exception):
                     out.error_nowait(ShuttingDown())
             raise

@@ -12,8 +12,10 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 
 from tests.reliability.harness import CHAT, parse_sse
@@ -84,3 +86,62 @@ def test_sigterm_refuses_new_work_and_lets_streams_finish(slow_pair: tuple[SimPr
             proc.wait()
         if proc.stderr:
             proc.stderr.close()
+
+
+def test_requests_still_running_when_the_grace_ends_get_a_503_or_the_error_event(
+        slow_pair: tuple[SimProcess, SimProcess], tmp_path: Path) -> None:
+    """``shutdown_grace_s`` (1 s here) ends with two answers still generating (6 s each): the stream gets the typed
+    error event and ``[DONE]``; the non-streamed request, of which nothing was sent yet, a 503 with ``Retry-After``
+    in the API's shape (it was a bare close); both log lines say so."""
+    prefiller, decoder = slow_pair
+    for s in slow_pair:
+        s.reset()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "requests.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "pdproxy", "serve", "--host", "127.0.0.1", "--port", str(port),
+                             "--prefill", prefiller.url, "--decode", decoder.url, "--shutdown-grace-s", "1",
+                             "--request-log-path", str(log), "--log-level", "warning"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        def healthy() -> bool:
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+        wait_until(healthy, 20, 0.1, "pdproxy serve healthy")
+
+        async def scenario() -> tuple[httpx.Response, bytes]:
+            async with httpx.AsyncClient(timeout=30) as client:
+                whole = asyncio.create_task(client.post(url + "/v1/chat/completions",
+                                                        json={"model": CHAT["model"], "messages": CHAT["messages"],
+                                                              "max_tokens": 300}))
+                async with client.stream("POST", url + "/v1/chat/completions",
+                                         json={**CHAT, "max_tokens": 300, "stream": True}) as r:
+                    chunks = r.aiter_raw()
+                    data = await anext(chunks)
+                    while decoder.state()["running"] < 2:           # both generating
+                        assert not whole.done(), whole.result().text
+                        await asyncio.sleep(0.02)
+                    os.kill(proc.pid, signal.SIGTERM)
+                    async for chunk in chunks:
+                        data += chunk
+                return await whole, data
+
+        whole, streamed = asyncio.run(scenario())
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if proc.stderr:
+            proc.stderr.close()
+    assert whole.status_code == 503 and int(whole.headers["retry-after"]) >= 1, whole.text
+    assert "shutting down" in whole.json()["error"]["message"]
+    events, done, errors = parse_sse(streamed)
+    assert events                                            # it had started
+    assert done == 1 and errors and "shutting down" in errors[0]["error"]["message"]
+    lines = [orjson.loads(line) for line in log.read_bytes().splitlines()]
+    assert sorted(line["status"] for line in lines) == [200, 503]
+    assert all("shutting down" in line["error"] for line in lines)
