@@ -13,13 +13,14 @@ A decoder that sent its first event has the KV, and one that answered an error s
 it; the director sends a *release leg* (:meth:`KVReleaser.release`) only otherwise — the client left in the P→D
 gap or before the decoder answered, the deadline passed there, or the decoder was refused, reset, timed out or
 stalled (it may be gone).  The leg is the decode body with ``max_tokens: 1`` and the prefiller's params, to a
-healthy decoder, in the background, bounded by ``timeout_s`` (the connection is closed on expiry, which aborts it
-on the decoder, which again notifies the prefiller).  If the KV was already pulled or freed, the decoder's pull
-fails — the expected outcome, logged at DEBUG.  A leg that finds no decoder it may use (every one refused or
-behind an open breaker: the decoders that just failed the request are often the only ones) or whose decoder
-closed the connection without an answer is tried again after a jittered backoff (0.1 s doubling to 2 s) for up
-to ``retry_s`` seconds (``kv_release_retry_s``): a decoder back in service then frees the KV, which otherwise
-stays pinned until the connector's timeout.  Another try of a KV already freed is only a failed pull.  Tasks are owned by the releaser and awaited (bounded) by
+healthy decoder, in the background, bounded by ``timeout_s`` (the connection is closed on expiry).  If the KV was
+already pulled or freed, the decoder's pull fails — the expected outcome, logged at DEBUG.  A leg that finds no
+decoder it may use (every one refused or behind an open breaker: the decoders that just failed the request are
+often the only ones), whose decoder closed the connection without an answer, or which got no answer within
+``timeout_s`` (a hung API server never hands it to its engine, and closing the wait frees nothing) is tried again
+after a jittered backoff (0.1 s doubling to 2 s) for up to ``retry_s`` seconds (``kv_release_retry_s``): a decoder
+back in service then frees the KV, which otherwise stays pinned until the connector's timeout.  Another try of a KV
+already freed is only a failed pull.  Tasks are owned by the releaser and awaited (bounded) by
 :meth:`aclose` at shutdown.
 
 A client that leaves while the prefill leg is in flight does not drop the prefiller's answer unread
@@ -46,7 +47,7 @@ from pdproxy.apis import kv_transfer
 from pdproxy.apis.request import ProxyRequest
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.pool import EndpointPool
-from pdproxy.errors import ProxyError, UpstreamUnavailable
+from pdproxy.errors import ProxyError, UpstreamTimeout, UpstreamUnavailable
 from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.upstream import Upstream
 from pdproxy.pd.backoff import Backoff
@@ -170,19 +171,21 @@ class KVReleaser:
 
     async def _leg(self, endpoint: Endpoint, req: ProxyRequest, request_id: str, authorization: str | None,
                    body: bytes) -> bool:
-        """One release leg to ``endpoint``; False when it never reached the decoder's engine (the connection was
-        refused, or closed or reset before any answer): worth another try."""
+        """One release leg to ``endpoint``; False when it may never have reached the decoder's engine (the
+        connection was refused, closed or reset before any answer, or nothing answered within ``timeout_s``: a
+        hung API server never hands the request on, and the close that ends the wait frees nothing on the
+        prefiller): worth another try.  A try after a leg that did reach an engine only repeats a pull whose KV is
+        gone, which fails or reads stale blocks for a one-token answer nobody reads."""
         headers = self.headers.leg(endpoint, request_id, authorization)
         with self.pool.lease(endpoint, req.prompt_tokens or 0):
             try:
                 await self.upstream.post_json(endpoint, req.api.value, body, headers, timeout_s=self.timeout_s)
-            except UpstreamUnavailable as exc:
+            except (UpstreamUnavailable, UpstreamTimeout) as exc:
                 log.debug("release leg for request %s on %s not answered: %s", request_id, endpoint.name,
                           exc.message)
                 return False
-            except ProxyError as exc:  # an error answer (or a timeout, whose close aborts the request) still means
-                # the decoder saw the params and ended: when the KV is already gone (pulled, or freed by a decoder
-                # that ended), the pull fails, as expected
+            except ProxyError as exc:  # an error answer still means the decoder saw the params and ended: when the
+                # KV is already gone (pulled, or freed by a decoder that ended), the pull fails, as expected
                 log.debug("release leg for request %s on %s: %s", request_id, endpoint.name, exc.message)
         return True
 

@@ -49,3 +49,29 @@ def test_kv_pinned_by_a_request_whose_decoder_refused_is_freed_once_it_answers(
         proxy.wait_idle()
     finally:
         proxy.stop()
+
+
+def test_a_release_leg_that_times_out_is_tried_again() -> None:
+    """Both decoders hang once (a hung API server: the request is never handed to the engine).  The request fails
+    over and is answered; the release leg of the first attempt's KV meets the other hang and times out — which
+    frees nothing on the prefiller — so it is tried again and the KV is freed at once, not after 480 s."""
+    with running(SimProcess("prefill", *SIM_ARGS), SimProcess("decode", *SIM_ARGS),
+                 SimProcess("decode", *SIM_ARGS)) as (p, d0, d1):
+        proxy = ProxyThread(prefill=[p.url], decode=[d0.url, d1.url], decode_first_byte_timeout_s=1.0,
+                            kv_release_timeout_s=1.0).start()
+        try:
+            for d in (d0, d1):
+                d.faults({"kind": "hang", "times": 1})
+            r = httpx.post(proxy.url + "/v1/chat/completions", timeout=30, json={
+                "model": "sim-model", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4,
+                "stream": True})
+            assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+            releaser = proxy.app.director.kv_release if proxy.app.director else None
+            assert releaser is not None
+            wait_until(lambda: pinned(p) == 0, 30, 0.05, "the prefiller's pinned KV freed by a retried release")
+            wait_until(lambda: releaser.released >= 1, 10, 0.02, "release leg ended")
+            releases = [x for d in (d0, d1) for x in d.received() if x["body"].get("max_tokens") == 1]
+            assert len(releases) >= 2 and releaser.failed == 0      # the hung one, then the one that freed it
+            proxy.wait_idle()
+        finally:
+            proxy.stop()
