@@ -81,6 +81,16 @@ def _same(block: bytes, prev: bytes) -> bytes:
     return block
 
 
+_ERROR_EVENT_LINES = (b'data: {"error"', b"event: error\n")
+
+
+def carries_error_event(blocks: bytes) -> bool:
+    """True when ``blocks`` (whole SSE events) hold an error event: a chat / completions ``data: {"error": ...}``
+    (vLLM's in-band error) or a Responses / Messages ``event: error``.  Looked for at line starts only (a JSON
+    string never holds a raw newline, so no content can fake one)."""
+    return any(blocks.startswith(line) or b"\n" + line in blocks for line in _ERROR_EVENT_LINES)
+
+
 class _NoDone(Exception):
     """The decoder's body ended without the stream's end event."""
 
@@ -95,8 +105,8 @@ class _Splice:
     client's part ended with ``recomputed``), False (the stream ended and the response is finished), or raises
     :class:`TransportError` / :class:`_NoDone`."""
 
-    __slots__ = ("bounds", "conn", "counts", "ctx", "done", "done_event", "done_len", "done_mark", "feed", "first",
-                 "gaps", "idle_s", "idle_timer", "last", "loop", "lost_when", "out", "prev", "resp",
+    __slots__ = ("bounds", "conn", "counts", "ctx", "done", "done_event", "done_len", "done_mark", "ending", "feed",
+                 "first", "gaps", "idle_s", "idle_timer", "last", "loop", "lost_when", "out", "prev", "resp",
                  "stall_timer", "tail", "transform", "trigger", "write", "writes")
 
     def __init__(self, relay: StreamRelay, transform: Transform | None, tail: bytes, last_write: float) -> None:
@@ -113,6 +123,7 @@ class _Splice:
         self.done_len = len(relay.done_event) if relay.done_event else 1 << 62
         self.done_mark = self.done_event[-3]  # the byte before the blank line: a cheap pre-test
         self.prev = b""
+        self.ending = b""  # the decoder's last two blocks as it sent them, once its end event came (_end)
         self.tail = tail
         self.writes = 0
         self.last = last_write
@@ -171,6 +182,7 @@ class _Splice:
         then written as the last piece of the client's response."""
         out = self.out
         transform = self.transform
+        self.ending = self.prev + chunk
         if transform is not None:
             chunk = transform.ending(chunk, self.prev)
             # detected only now (a ``recomputed`` chunk, a decoder's error event): the relay ends the response with
@@ -449,6 +461,7 @@ class StreamRelay:
         err = first_event_error(block) if fmt is None else fmt.first_error(block)
         if err is not None:
             err.endpoint = ctx.decoder or ""
+            err.message = f"{who} answered an error event ({err.status_code}) as its first event"
             raise err
         if fmt is not None:
             fmt.responder = out                 # the stream's end event marks the response done
@@ -493,6 +506,9 @@ class StreamRelay:
             splice.stop()
             self.splice = None
         ctx.events = base + splice.writes
+        if not self.recomputed and carries_error_event(splice.ending):   # relayed as sent, but not a success
+            ctx.outcome = "upstream_error"
+            ctx.error = f"{who} sent an error event mid-stream; the response is incomplete"
         if self.recomputed and self.resume is not None:
             raise StreamLost(UpstreamUnavailable(f"{who} sent an error event mid-stream; the response is incomplete",
                                                  endpoint=ctx.decoder or ""),
