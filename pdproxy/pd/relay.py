@@ -482,7 +482,6 @@ class StreamRelay:
             try:
                 self.recomputed = await splice.done
             except (TransportError, _NoDone, _Moved) as exc:
-                ctx.events = base + splice.writes
                 failure: ProxyError
                 if isinstance(exc, _Moved):
                     failure = UpstreamUnavailable(f"{who} was drained mid-stream; the response is incomplete",
@@ -502,10 +501,10 @@ class StreamRelay:
                 ctx.outcome = "upstream_error"
                 out.error_nowait(failure)
                 return False
-        finally:
+        finally:                                # also when cancelled (shutdown, a deadline): what the client got
+            ctx.events = base + splice.writes
             splice.stop()
             self.splice = None
-        ctx.events = base + splice.writes
         if not self.recomputed and carries_error_event(splice.ending):   # relayed as sent, but not a success
             ctx.outcome = "upstream_error"
             ctx.error = f"{who} sent an error event mid-stream; the response is incomplete"

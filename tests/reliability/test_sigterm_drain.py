@@ -145,3 +145,5 @@ def test_requests_still_running_when_the_grace_ends_get_a_503_or_the_error_event
     lines = [orjson.loads(line) for line in log.read_bytes().splitlines()]
     assert sorted(line["status"] for line in lines) == [200, 503]
     assert all("shutting down" in line["error"] for line in lines)
+    (cut,) = [line for line in lines if line["stream"]]
+    assert cut["events"] > 0                                      # what the client got (it read 0 once)
