@@ -181,3 +181,40 @@ def test_client_that_asked_for_token_ids_keeps_them(fleet5: Fleet4) -> None:
         fleet5.assert_clean(proxy)
     finally:
         proxy.stop()
+
+
+def test_each_sequence_of_an_n_2_stream_continues_on_its_own(fleet5: Fleet4) -> None:
+    """``n: 2`` is fanned out into two one-sequence requests (pdproxy/pd/fanout.py); each decoder cuts its first
+    stream: each sequence continues on its own (as docs/stream-continuation.md says) and the client gets both
+    whole — every token, both finishing chunks, one ``[DONE]``.  (Sampled, as ``n > 1`` must be: a continued
+    sequence's later tokens are drawn anew, so the texts are not compared with the uninterrupted run's.)"""
+    body = {**CHAT, "n": 2, "temperature": 0.8, "seed": 7}
+
+    def texts(r: Result) -> dict[int, str]:
+        out: dict[int, str] = {}
+        for e in r.events:
+            for c in e.get("choices") or []:
+                out[c["index"]] = out.get(c["index"], "") + ((c.get("delta") or {}).get("content") or "")
+        return out
+
+    def finishes(r: Result) -> list[tuple[int, str]]:
+        return sorted((c["index"], c["finish_reason"]) for e in r.events for c in e.get("choices") or []
+                      if c.get("finish_reason"))
+
+    proxy = fleet5.proxy(**ON)
+    try:
+        base = one(proxy.url, body, "/v1/chat/completions")
+        assert base.status == 200 and not base.errors and base.done == 1
+        for sim in fleet5.decoders:
+            sim.faults({"kind": "reset_after_events", "events": 5, "times": 1})
+        cut = one(proxy.url, body, "/v1/chat/completions")
+        assert cut.status == 200 and not cut.errors and cut.done == 1, cut.body[-400:]
+        assert len(texts(cut)) == len(texts(base)) == 2 and all(texts(cut).values())
+        assert finishes(cut) == finishes(base) == [(0, "length"), (1, "length")]
+        assert usage(cut)["completion_tokens"] == 2 * MAX
+        legs = [r["body"] for s in fleet5.decoders for r in s.received()
+                if r["path"] == "/v1/completions" and isinstance(r["body"].get("prompt"), list)]
+        assert legs and all(b["max_tokens"] < MAX for b in legs)   # continuation legs (token ids), not restarts
+        fleet5.assert_clean(proxy)
+    finally:
+        proxy.stop()
