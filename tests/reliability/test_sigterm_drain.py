@@ -7,11 +7,13 @@ their ``data: [DONE]``, and the process exits with status 0 once they are done â
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -27,16 +29,17 @@ STREAMS = 4
 MAX_TOKENS = 60  # at 50 tokens/s: ~1.2 s per stream
 
 
-def test_sigterm_refuses_new_work_and_lets_streams_finish(slow_pair: tuple[SimProcess, SimProcess]) -> None:
-    prefiller, decoder = slow_pair
-    for s in slow_pair:
+@contextlib.contextmanager
+def serving(pair: tuple[SimProcess, SimProcess], *args: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """``pdproxy serve`` in front of ``pair`` (with ``args``), healthy; killed at the end if still running."""
+    prefiller, decoder = pair
+    for s in pair:
         s.reset()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "pdproxy", "serve", "--host", "127.0.0.1", "--port", str(port),
-                             "--prefill", prefiller.url, "--decode", decoder.url, "--shutdown-grace-s", "20",
-                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+                             "--prefill", prefiller.url, "--decode", decoder.url, "--log-level", "warning", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         def healthy() -> bool:
             assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
@@ -45,7 +48,18 @@ def test_sigterm_refuses_new_work_and_lets_streams_finish(slow_pair: tuple[SimPr
             except httpx.HTTPError:
                 return False
         wait_until(healthy, 20, 0.1, "pdproxy serve healthy")
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if proc.stderr:
+            proc.stderr.close()
 
+
+def test_sigterm_refuses_new_work_and_lets_streams_finish(slow_pair: tuple[SimProcess, SimProcess]) -> None:
+    prefiller, decoder = slow_pair
+    with serving(slow_pair, "--shutdown-grace-s", "20") as (proc, url):
         async def scenario() -> tuple[list[bytes], httpx.Response, int, float]:
             started = [0] * STREAMS
             async with httpx.AsyncClient(timeout=30) as client:
@@ -80,12 +94,6 @@ def test_sigterm_refuses_new_work_and_lets_streams_finish(slow_pair: tuple[SimPr
         assert proc.wait(timeout=10) == 0
         assert time.monotonic() - signalled < 10
         assert decoder.state()["active_streams"] == 0 and prefiller.state()["pinned_blocks"] == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        if proc.stderr:
-            proc.stderr.close()
 
 
 def test_requests_still_running_when_the_grace_ends_get_a_503_or_the_error_event(
@@ -93,25 +101,9 @@ def test_requests_still_running_when_the_grace_ends_get_a_503_or_the_error_event
     """``shutdown_grace_s`` (1 s here) ends with two answers still generating (6 s each): the stream gets the typed
     error event and ``[DONE]``; the non-streamed request, of which nothing was sent yet, a 503 with ``Retry-After``
     in the API's shape (it was a bare close); both log lines say so."""
-    prefiller, decoder = slow_pair
-    for s in slow_pair:
-        s.reset()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    decoder = slow_pair[1]
     log = tmp_path / "requests.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "pdproxy", "serve", "--host", "127.0.0.1", "--port", str(port),
-                             "--prefill", prefiller.url, "--decode", decoder.url, "--shutdown-grace-s", "1",
-                             "--request-log-path", str(log), "--log-level", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        def healthy() -> bool:
-            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-        wait_until(healthy, 20, 0.1, "pdproxy serve healthy")
-
+    with serving(slow_pair, "--shutdown-grace-s", "1", "--request-log-path", str(log)) as (proc, url):
         async def scenario() -> tuple[httpx.Response, bytes]:
             async with httpx.AsyncClient(timeout=30) as client:
                 whole = asyncio.create_task(client.post(url + "/v1/chat/completions",
@@ -131,12 +123,6 @@ def test_requests_still_running_when_the_grace_ends_get_a_503_or_the_error_event
 
         whole, streamed = asyncio.run(scenario())
         assert proc.wait(timeout=15) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        if proc.stderr:
-            proc.stderr.close()
     assert whole.status_code == 503 and int(whole.headers["retry-after"]) >= 1, whole.text
     assert "shutting down" in whole.json()["error"]["message"]
     events, done, errors = parse_sse(streamed)
