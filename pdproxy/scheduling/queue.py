@@ -60,7 +60,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -70,9 +69,8 @@ from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.limits import EngineLimits, Limits
 from pdproxy.engines.pool import EndpointPool
 from pdproxy.errors import Overloaded, QueueTimeout
+from pdproxy.scheduling import PickRequest, Scheduler
 from pdproxy.scheduling.prefill_rate import PrefillRate, computed_tokens
-from pdproxy.scheduling.request import PickRequest
-from pdproxy.scheduling.scheduler import Scheduler
 
 POLL_S = 0.25
 """The queue re-checks its waiters at least this often (seconds, default of ``poll_s``; once per interval however
@@ -303,23 +301,19 @@ class PrefillLedger:
         all) are not cached there and count against its budget; ``decode_tokens`` reserved on the decoders."""
         return PrefillSlot(self, endpoint, tokens, decode_tokens, compute_tokens)
 
-    def try_hold(self, endpoint: Endpoint, tokens: int, decode_tokens: int, checked_at: int | None = None,
-                 compute_tokens: int | None = None,
-                 decoders: Callable[[], Sequence[Endpoint]] | None = None) -> PrefillSlot | None:
-        """Grant a slot the caller found room for (the scheduler's :meth:`has_room` filter, :meth:`decode_room` of
-        ``decoders``: the request's eligible decoders, None: every available one), reading the counts after
-        :meth:`LedgerCounts.epoch` returned ``checked_at``.  When other workers grant against the same counts, the
-        slot is published inside the counts' exclusive section — after checking the room again if any grant
-        happened since ``checked_at`` (None: always) — so no two grants overshoot together; None when the room is
-        gone."""
+    def try_hold(self, endpoint: Endpoint, tokens: int, decode_tokens: int,
+                 checked_at: int | None = None, compute_tokens: int | None = None) -> PrefillSlot | None:
+        """Grant a slot the caller found room for (the scheduler's :meth:`has_room` filter, :meth:`decode_room`),
+        reading the counts after :meth:`LedgerCounts.epoch` returned ``checked_at``.  When other workers grant
+        against the same counts, the slot is published inside the counts' exclusive section — after checking the
+        room again if any grant happened since ``checked_at`` (None: always) — so no two grants overshoot
+        together; None when the room is gone."""
         counts = self.counts
         if not counts.concurrent:
             return self.hold(endpoint, tokens, decode_tokens, compute_tokens)
         with counts.exclusive():
-            if counts.epoch() != checked_at and not (
-                    self.has_room(endpoint, tokens, compute_tokens)
-                    and self.decode_room(decode_tokens, decoders or functools.partial(self.pool.available,
-                                                                                      Role.DECODE))):
+            if counts.epoch() != checked_at and not (self.has_room(endpoint, tokens, compute_tokens)
+                                                      and self.decode_room(decode_tokens)):
                 return None
             slot = self.hold(endpoint, tokens, decode_tokens, compute_tokens)
             counts.granted()
@@ -387,22 +381,20 @@ class PrefillLedger:
         need = -(-tokens // lim.block_size) * lim.block_size if lim.block_size else tokens
         return pinned == 0 or pinned + need <= lim.kv_pool_tokens
 
-    def decode_room(self, need: int, decoders: Callable[[], Sequence[Endpoint]]) -> bool:
-        """True when the free KV of ``decoders()`` — the decoders that could take the request: the scheduler's
-        decode filters, capacity aside (healthy, not draining, breaker closed, serving its model, its DP rank) —
-        has room for ``need`` more tokens (and a request slot when ``decoder_max_requests`` is set); always True
-        without ``decoder_capacity`` (``decoders`` is then not called), without decoders (the decode leg answers 503
-        itself) or when a decoder's KV pool is unknown."""
+    def decode_room(self, need: int) -> bool:
+        """True when the decoders' free KV has room for ``need`` more tokens (and a request slot when
+        ``decoder_max_requests`` is set); always True without ``decoder_capacity``, without decoders (the decode
+        leg answers 503 itself) or when a decoder's KV pool is unknown."""
         if not self.decoder_capacity:
             return True
-        eligible = decoders()
-        if not eligible:
+        decoders = self.pool.available(Role.DECODE)
+        if not decoders:
             return True
         pending = self.counts.pending_decode()       # before the leases: decode_started() follows the lease
         free_total = 0
         free_best = 0
         load_of, limits_of = self.pool.load, self.limits.of
-        for d in eligible:
+        for d in decoders:
             load = load_of(d)
             if self.decoder_max_requests and load.requests >= self.decoder_max_requests:
                 continue
@@ -492,14 +484,13 @@ class PrefillQueue:
         if counts.ahead_elsewhere(self._base(w)):   # another worker's first blocked waiter goes first
             return False
         epoch = counts.epoch()                       # before the room is read (try_hold re-checks if it moved)
-        decoders = functools.partial(self.scheduler.eligible, Role.DECODE, w.request, capacity=False)
-        if not self.ledger.decode_room(w.decode_tokens, decoders):
+        if not self.ledger.decode_room(w.decode_tokens):
             return False
         endpoint = self.scheduler.try_pick(Role.PREFILL, w.request, w.exclude)
         if endpoint is None:         # no room now (or no longer placeable: its own wait loop will say so)
             return False
         compute = max(0, w.tokens - w.request.hints.cached(endpoint))
-        slot = self.ledger.try_hold(endpoint, w.tokens, w.decode_tokens, epoch, compute, decoders)
+        slot = self.ledger.try_hold(endpoint, w.tokens, w.decode_tokens, epoch, compute)
         if slot is None:             # another worker took the room since the filters read it
             self.scheduler.unpick(endpoint)
             return False

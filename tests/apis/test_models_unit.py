@@ -4,7 +4,6 @@ the ``/v1/models`` union."""
 from __future__ import annotations
 
 import asyncio
-from contextlib import AsyncExitStack
 
 import pytest
 
@@ -122,34 +121,3 @@ def test_served_ids_follow_each_refresh_of_the_listing() -> None:
         info.models = [card(f"model-{k + 1}")]      # two refreshes, no lookup between: the list read last is
         info.models = [card(f"model-{k + 2}")]      # freed and its address can come back for the next one
         assert served.ids(DA) == {f"model-{k + 2}"} and not served.serves(DA, f"model-{k}")
-
-
-@pytest.mark.anyio
-@pytest.mark.timeout(10)
-async def test_a_prefill_waits_for_room_on_the_decoders_of_its_own_model() -> None:
-    """Decoder room is the room of the decoders that could take the request (the scheduler's decode filters):
-    model b's decoder, nearly empty, is no room for model a's prompts, whose decoder is full (it once was)."""
-    infos = two_models()
-    infos[DA] = EngineInfo(models=[card("a", 100_000)], max_model_len=100_000, kv_pool_tokens=3000)
-    infos[DB] = EngineInfo(models=[card("b", 100_000)], max_model_len=100_000, kv_pool_tokens=100_000)
-    infos[PA] = EngineInfo(models=[card("a", 100_000)], max_model_len=100_000)
-    pool = EndpointPool(list(infos))
-    served = ServedModels(infos)
-    limits = Limits(pool, infos, served=served)
-    ledger = PrefillLedger(pool, limits, budget_tokens=100_000)
-    queue = PrefillQueue(ledger, Scheduler.standard(pool, ledger=ledger, infos=infos, limits=limits, served=served),
-                         max_waiting=10, timeout_s=5, aging_tokens_per_s=0.0, busy_tokens=100_000)
-
-    def a(tokens: int) -> PickRequest:
-        return PickRequest(request_id=f"a{tokens}", model="a", prompt_tokens=tokens)
-
-    async with AsyncExitStack() as stack:
-        first = await stack.enter_async_context(queue.slot(2000, 2001, request=a(2000)))
-        first.prefill_done()                                     # 2,001 tokens reserved on the decoders of a
-        waiter = asyncio.ensure_future(stack.enter_async_context(queue.slot(1500, 1501, request=a(1500))))
-        while queue.depth < 1:
-            await asyncio.sleep(0.005)
-        assert not waiter.done()                                 # DA: 2,001 + 1,501 > 3,000; DB is not a's
-        first.decode_started()
-        assert (await waiter).endpoint == PA
-    assert queue.idle()

@@ -33,12 +33,6 @@ pytestmark = pytest.mark.timeout(30)
 P = Endpoint("http://p0:9100", Role.PREFILL)
 P1 = Endpoint("http://p1:9100", Role.PREFILL)
 D = Endpoint("http://d0:9100", Role.DECODE)
-
-
-def all_decoders() -> list[Endpoint]:
-    return [D]
-
-
 ENDPOINTS = [P, P1, D]
 NEVER_POLL = 60.0  # the queues' safety-net poll: far beyond every wait here, so a grant seen came from a wake-up
 
@@ -162,9 +156,9 @@ async def test_kv_pool_and_decoder_reservation_are_one_for_both(board_files) -> 
         slot.prefill_done()                      # answered, KV pinned by worker 0's lease
         assert wb.ledger.kv_held_tokens(P) == 2000 + 127
         assert not wb.ledger.has_room(P, 2000) and wb.ledger.has_room(P, 100)   # 16 + 16 blocks > 18; 16 + 1 fit
-        assert wb.ledger.pending_decode == 2001 and not wb.ledger.decode_room(3000, all_decoders)   # 5000 − 2001 < 3000
+        assert wb.ledger.pending_decode == 2001 and not wb.ledger.decode_room(3000)   # 5000 − 2001 < 3000
         slot.decode_started()
-    assert wb.ledger.has_room(P, 2000) and wb.ledger.decode_room(3000, all_decoders) and wa.ledger.idle()
+    assert wb.ledger.has_room(P, 2000) and wb.ledger.decode_room(3000) and wa.ledger.idle()
 
 
 @pytest.mark.anyio
