@@ -69,8 +69,9 @@ from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.limits import EngineLimits, Limits
 from pdproxy.engines.pool import EndpointPool
 from pdproxy.errors import Overloaded, QueueTimeout
-from pdproxy.scheduling import PickRequest, Scheduler
 from pdproxy.scheduling.prefill_rate import PrefillRate, computed_tokens
+from pdproxy.scheduling.request import PickRequest
+from pdproxy.scheduling.scheduler import Scheduler
 
 POLL_S = 0.25
 """The queue re-checks its waiters at least this often (seconds, default of ``poll_s``; once per interval however
