@@ -231,8 +231,9 @@ class Settings(BaseSettings):
                                "between prefill and decode (seconds)")
     kv_release_retry_s: float = Field(
         60.0, ge=0, description="how long a release leg keeps trying when no decoder can take it (all refused, "
-                                "breakers open) or the one it reached closed the connection unanswered, before the "
-                                "KV is left pinned until the connector's timeout (seconds; 0: one try)")
+                                "breakers open) or the one it reached closed the connection unanswered (one that "
+                                "timed out: once more, on another decoder), before the KV is left pinned until the "
+                                "connector's timeout (seconds; 0: one try)")
     recompute_continuation: bool = Field(
         True, description="continue vLLM-Ascend 'stop_reason: recomputed' streams on a new P/D pair (forces "
                           "stream_options.include_usage upstream and strips it for clients that did not ask)")

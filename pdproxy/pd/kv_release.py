@@ -16,11 +16,12 @@ stalled (it may be gone).  The leg is the decode body with ``max_tokens: 1`` and
 healthy decoder, in the background, bounded by ``timeout_s`` (the connection is closed on expiry).  If the KV was
 already pulled or freed, the decoder's pull fails — the expected outcome, logged at DEBUG.  A leg that finds no
 decoder it may use (every one refused or behind an open breaker: the decoders that just failed the request are
-often the only ones), whose decoder closed the connection without an answer, or which got no answer within
-``timeout_s`` (a hung API server never hands it to its engine, and closing the wait frees nothing) is tried again
-after a jittered backoff (0.1 s doubling to 2 s) for up to ``retry_s`` seconds (``kv_release_retry_s``): a decoder
-back in service then frees the KV, which otherwise stays pinned until the connector's timeout.  Another try of a KV
-already freed is only a failed pull.  Tasks are owned by the releaser and awaited (bounded) by
+often the only ones) or whose decoder closed the connection without an answer is tried again after a jittered
+backoff (0.1 s doubling to 2 s) for up to ``retry_s`` seconds (``kv_release_retry_s``): a decoder
+back in service then frees the KV, which otherwise stays pinned until the connector's timeout.  A leg that got no
+answer within ``timeout_s`` is tried once more, on another decoder: a hung API server never hands it to its engine
+(and closing the wait frees nothing), a slow decoder's pull frees the KV anyway.  Another try of a KV already freed
+is only a failed pull.  Tasks are owned by the releaser and awaited (bounded) by
 :meth:`aclose` at shutdown.
 
 A client that leaves while the prefill leg is in flight does not drop the prefiller's answer unread
@@ -153,11 +154,14 @@ class KVReleaser:
         give_up_at = loop.time() + self.retry_s
         body = kv_transfer.release_body(req.body, params, req.api)
         attempt = 0
+        timed_out = False
         while True:
             endpoint = self._pick(PickRequest(request_id=request_id, model=req.model), avoid)
-            if endpoint is not None and await self._leg(endpoint, req, request_id, authorization, body):
-                self.released += 1
+            reached = None if endpoint is None else await self._leg(endpoint, req, request_id, authorization, body)
+            if reached is True or (reached is None and timed_out and endpoint is not None):
+                self.released += 1      # answered — or a second leg timed out too: slow decoders, not hung ones
                 return
+            timed_out = timed_out or (reached is None and endpoint is not None)
             if endpoint is not None:
                 avoid = (endpoint,)
             attempt += 1
@@ -170,17 +174,21 @@ class KVReleaser:
             await asyncio.sleep(delay)
 
     async def _leg(self, endpoint: Endpoint, req: ProxyRequest, request_id: str, authorization: str | None,
-                   body: bytes) -> bool:
-        """One release leg to ``endpoint``; False when it may never have reached the decoder's engine (the
-        connection was refused, closed or reset before any answer, or nothing answered within ``timeout_s``: a
-        hung API server never hands the request on, and the close that ends the wait frees nothing on the
-        prefiller): worth another try.  A try after a leg that did reach an engine only repeats a pull whose KV is
-        gone, which fails or reads stale blocks for a one-token answer nobody reads."""
+                   body: bytes) -> bool | None:
+        """One release leg to ``endpoint``: True when the decoder answered; False when it never reached the
+        decoder's engine (the connection was refused, closed or reset before any answer): worth another try; None
+        when nothing answered within ``timeout_s`` — a hung API server, which never hands the request on (the
+        close that ends the wait frees nothing on the prefiller), or a slow decoder whose pull frees the KV: one
+        more try, on another decoder (:meth:`_run`), tells them apart at the cost of at most one pull of KV that
+        may be gone (it fails, or reads stale blocks for a one-token answer nobody reads)."""
         headers = self.headers.leg(endpoint, request_id, authorization)
         with self.pool.lease(endpoint, req.prompt_tokens or 0):
             try:
                 await self.upstream.post_json(endpoint, req.api.value, body, headers, timeout_s=self.timeout_s)
-            except (UpstreamUnavailable, UpstreamTimeout) as exc:
+            except UpstreamTimeout as exc:
+                log.debug("release leg for request %s on %s: %s", request_id, endpoint.name, exc.message)
+                return None
+            except UpstreamUnavailable as exc:
                 log.debug("release leg for request %s on %s not answered: %s", request_id, endpoint.name,
                           exc.message)
                 return False

@@ -75,3 +75,29 @@ def test_a_release_leg_that_times_out_is_tried_again() -> None:
             proxy.wait_idle()
         finally:
             proxy.stop()
+
+
+def test_a_release_leg_that_times_out_twice_is_not_tried_again() -> None:
+    """A leg that times out may have met a slow decoder, whose pull frees the KV anyway: it is tried once more (on
+    the other decoder), and a second timeout ends it — never a full pull of KV that may be gone every 2 s for a
+    minute, on decoders already too busy to answer."""
+    with running(SimProcess("prefill", *SIM_ARGS), SimProcess("decode", *SIM_ARGS),
+                 SimProcess("decode", *SIM_ARGS)) as (p, d0, d1):
+        proxy = ProxyThread(prefill=[p.url], decode=[d0.url, d1.url], decode_first_byte_timeout_s=0.5,
+                            kv_release_timeout_s=0.5, decode_attempts=1).start()
+        try:
+            for d in (d0, d1):
+                d.faults({"kind": "hang", "times": 20})
+            r = httpx.post(proxy.url + "/v1/chat/completions", timeout=30, json={
+                "model": "sim-model", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4,
+                "stream": True})
+            assert r.status_code == 504, r.text
+            releaser = proxy.app.director.kv_release if proxy.app.director else None
+            assert releaser is not None
+            wait_until(lambda: releaser.released + releaser.failed >= 1, 20, 0.02, "the release ended")
+            releases = [(d.url, x) for d in (d0, d1) for x in d.received() if x["body"].get("max_tokens") == 1]
+            assert len(releases) == 2 and len({url for url, _ in releases}) == 2, releases   # one more, elsewhere
+            assert (releaser.released, releaser.failed) == (1, 0)
+            proxy.wait_idle()
+        finally:
+            proxy.stop()
