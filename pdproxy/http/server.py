@@ -680,8 +680,10 @@ class ServerProtocol(asyncio.Protocol):
         ex._parts.append(body)
         if ex.api is None:
             ex.held += len(body)
-            if ex.held > CONTROL_BODY_HIGH_WATER:
-                self._pause_reading()            # the app reads it at its pace (_AsgiCycle.receive resumes)
+            if ex.held > CONTROL_BODY_HIGH_WATER:    # the app reads it at its pace (_AsgiCycle.receive resumes):
+                if self.timer_kind == _BODY_TIMER:   # the body timer is off meanwhile (re-armed on resuming)
+                    self._cancel_timer()
+                self._pause_reading()
             if ex is self.current and ex.flow is not None:
                 ex.flow.body_arrived()
 

@@ -364,8 +364,8 @@ def test_a_control_route_that_has_not_read_its_body_holds_its_high_water_mark(si
     """A control-plane handler that is not reading its body yet: the connection stops reading once
     ``CONTROL_BODY_HIGH_WATER`` bytes wait for it (the client's writes then block), and reads on when the handler
     asks — the whole body arrives."""
-    size = 16 << 20
-    with edge_proxy(sims) as proxy:
+    size = 64 << 20                    # more than loopback's socket buffers hold
+    with edge_proxy(sims, request_body_timeout_s=0.5) as proxy:
         loop = proxy.loop
         assert loop is not None
         opened = asyncio.Event()
@@ -405,6 +405,8 @@ def test_a_control_route_that_has_not_read_its_body_holds_its_high_water_mark(si
         wait_until(paused, 10, 0.01, "reading paused")
         assert CONTROL_BODY_HIGH_WATER < held() <= CONTROL_BODY_HIGH_WATER + (1 << 20)
         assert sent < size
+        # the client sent all it could: the body's idle timer (0.5 s) is off while the app is not reading
+        assert all(c.timer is None for c in proxy.server.server_state.connections if c.reading_paused)
         loop.call_soon_threadsafe(opened.set)
         writer.join(30)
         data = b""
