@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from pdproxy.pd.kv_release import KVReleaser
 from tests.apis.support import pinned
 from tests.conftest import SIM_ARGS
 from tests.support import ProxyThread, SimProcess, running, wait_until
@@ -51,53 +52,62 @@ def test_kv_pinned_by_a_request_whose_decoder_refused_is_freed_once_it_answers(
         proxy.stop()
 
 
-def test_a_release_leg_that_times_out_is_tried_again() -> None:
+@pytest.fixture
+def trio() -> Iterator[tuple[SimProcess, SimProcess, SimProcess]]:
+    """A prefiller and two decoders."""
+    with running(SimProcess("prefill", *SIM_ARGS), SimProcess("decode", *SIM_ARGS),
+                 SimProcess("decode", *SIM_ARGS)) as (p, d0, d1):
+        yield p, d0, d1
+
+
+def stream_while_decoders_hang(proxy: ProxyThread, decoders: tuple[SimProcess, ...], hangs: int) -> tuple[
+        httpx.Response, KVReleaser]:
+    """Each of ``decoders`` hangs its next ``hangs`` requests; one streamed chat through ``proxy``: its response
+    and the proxy's releaser."""
+    for d in decoders:
+        d.faults({"kind": "hang", "times": hangs})
+    r = httpx.post(proxy.url + "/v1/chat/completions", timeout=30, json={
+        "model": "sim-model", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4,
+        "stream": True})
+    releaser = proxy.app.director.kv_release if proxy.app.director else None
+    assert releaser is not None
+    return r, releaser
+
+
+def test_a_release_leg_that_times_out_is_tried_again(trio: tuple[SimProcess, SimProcess, SimProcess]) -> None:
     """Both decoders hang once (a hung API server: the request is never handed to the engine).  The request fails
     over and is answered; the release leg of the first attempt's KV meets the other hang and times out — which
     frees nothing on the prefiller — so it is tried again and the KV is freed at once, not after 480 s."""
-    with running(SimProcess("prefill", *SIM_ARGS), SimProcess("decode", *SIM_ARGS),
-                 SimProcess("decode", *SIM_ARGS)) as (p, d0, d1):
-        proxy = ProxyThread(prefill=[p.url], decode=[d0.url, d1.url], decode_first_byte_timeout_s=1.0,
-                            kv_release_timeout_s=1.0).start()
-        try:
-            for d in (d0, d1):
-                d.faults({"kind": "hang", "times": 1})
-            r = httpx.post(proxy.url + "/v1/chat/completions", timeout=30, json={
-                "model": "sim-model", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4,
-                "stream": True})
-            assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
-            releaser = proxy.app.director.kv_release if proxy.app.director else None
-            assert releaser is not None
-            wait_until(lambda: pinned(p) == 0, 30, 0.05, "the prefiller's pinned KV freed by a retried release")
-            wait_until(lambda: releaser.released >= 1, 10, 0.02, "release leg ended")
-            releases = [x for d in (d0, d1) for x in d.received() if x["body"].get("max_tokens") == 1]
-            assert len(releases) >= 2 and releaser.failed == 0      # the hung one, then the one that freed it
-            proxy.wait_idle()
-        finally:
-            proxy.stop()
+    p, d0, d1 = trio
+    proxy = ProxyThread(prefill=[p.url], decode=[d0.url, d1.url], decode_first_byte_timeout_s=1.0,
+                        kv_release_timeout_s=1.0).start()
+    try:
+        r, releaser = stream_while_decoders_hang(proxy, (d0, d1), 1)
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+        wait_until(lambda: pinned(p) == 0, 30, 0.05, "the prefiller's pinned KV freed by a retried release")
+        wait_until(lambda: releaser.released >= 1, 10, 0.02, "release leg ended")
+        releases = [x for d in (d0, d1) for x in d.received() if x["body"].get("max_tokens") == 1]
+        assert len(releases) >= 2 and releaser.failed == 0      # the hung one, then the one that freed it
+        proxy.wait_idle()
+    finally:
+        proxy.stop()
 
 
-def test_a_release_leg_that_times_out_twice_is_not_tried_again() -> None:
+def test_a_release_leg_that_times_out_twice_is_not_tried_again(
+        trio: tuple[SimProcess, SimProcess, SimProcess]) -> None:
     """A leg that times out may have met a slow decoder, whose pull frees the KV anyway: it is tried once more (on
     the other decoder), and a second timeout ends it — never a full pull of KV that may be gone every 2 s for a
     minute, on decoders already too busy to answer."""
-    with running(SimProcess("prefill", *SIM_ARGS), SimProcess("decode", *SIM_ARGS),
-                 SimProcess("decode", *SIM_ARGS)) as (p, d0, d1):
-        proxy = ProxyThread(prefill=[p.url], decode=[d0.url, d1.url], decode_first_byte_timeout_s=0.5,
-                            kv_release_timeout_s=0.5, decode_attempts=1).start()
-        try:
-            for d in (d0, d1):
-                d.faults({"kind": "hang", "times": 20})
-            r = httpx.post(proxy.url + "/v1/chat/completions", timeout=30, json={
-                "model": "sim-model", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4,
-                "stream": True})
-            assert r.status_code == 504, r.text
-            releaser = proxy.app.director.kv_release if proxy.app.director else None
-            assert releaser is not None
-            wait_until(lambda: releaser.released + releaser.failed >= 1, 20, 0.02, "the release ended")
-            releases = [(d.url, x) for d in (d0, d1) for x in d.received() if x["body"].get("max_tokens") == 1]
-            assert len(releases) == 2 and len({url for url, _ in releases}) == 2, releases   # one more, elsewhere
-            assert (releaser.released, releaser.failed) == (1, 0)
-            proxy.wait_idle()
-        finally:
-            proxy.stop()
+    p, d0, d1 = trio
+    proxy = ProxyThread(prefill=[p.url], decode=[d0.url, d1.url], decode_first_byte_timeout_s=0.5,
+                        kv_release_timeout_s=0.5, decode_attempts=1).start()
+    try:
+        r, releaser = stream_while_decoders_hang(proxy, (d0, d1), 20)
+        assert r.status_code == 504, r.text
+        wait_until(lambda: releaser.released + releaser.failed >= 1, 20, 0.02, "the release ended")
+        releases = [(d.url, x) for d in (d0, d1) for x in d.received() if x["body"].get("max_tokens") == 1]
+        assert len(releases) == 2 and len({url for url, _ in releases}) == 2, releases   # one more, elsewhere
+        assert (releaser.released, releaser.failed) == (1, 0)
+        proxy.wait_idle()
+    finally:
+        proxy.stop()
