@@ -44,13 +44,22 @@ def _patch_block(block: bytes, cached_tokens: int | None, strip_usage: bool = Fa
     """Rewrite ``usage.prompt_tokens_details.cached_tokens`` in every event of ``block`` that has a usage; with
     ``strip_usage`` drop the usage-only chunk (``choices: []``) the proxy asked for but the client did not.
 
-    Only the events from the first one mentioning ``"usage"`` on are split and parsed (vLLM sends usage in the
-    last chunk before ``[DONE]``: ``vllm/entrypoints/openai/chat_completion/serving.py``), so a large full-speed
-    block costs one scan, not one parse per event."""
-    first = block.find(b'"usage"')
-    if first < 0:
+    Only the events with usage are split and parsed.  vLLM sends usage in the last chunk before ``[DONE]``, or in
+    every chunk with ``continuous_usage_stats`` (``vllm/entrypoints/openai/chat_completion/serving.py``): the
+    usage events are found from the end, walking back while the event before holds usage too, so a large
+    full-speed block costs a few events' bytes (a forward ``bytes.find`` of ``"usage"`` crawls through JSON,
+    where ``"`` is everywhere).  ``block``: whole events, ``\n`` line endings (the relay's framing)."""
+    last = block.rfind(b'"usage"')
+    if last < 0:
         return block
-    start = sse.last_boundary(block[:first])
+    boundary = block.rfind(b"\n\n", 0, last)
+    start = boundary + 2 if boundary >= 0 else 0
+    while start > 0:                           # continuous usage: every event before holds it too
+        boundary = block.rfind(b"\n\n", 0, start - 2)
+        before = boundary + 2 if boundary >= 0 else 0
+        if block.find(b'"usage"', before, start) < 0:
+            break
+        start = before
     out = [block[:start]]
     for event in sse.split_events(block[start:]):
         if b'"usage"' in event:

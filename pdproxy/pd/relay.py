@@ -27,7 +27,7 @@ re-armed once per timeout period, never per event.
 **Transforms** (chosen once, when the stream starts; :meth:`StreamRelay.transforms`).  A transform
 (:class:`pdproxy.apis.transform.Transform`) has
 
-- ``trigger`` (bytes): the splice calls ``feed`` only for blocks that contain it (one ``bytes.find`` per
+- ``trigger`` (bytes): the splice calls ``feed`` only for blocks that contain it (one ``bytes.rfind`` per
   block; ``b""``: every block), so a plain token event costs no Python call of the transform;
 - ``feed(block, prev) -> bytes``: a block of complete SSE events from the decoder in (``prev``: the block
   written before it), the bytes for the client out (may be empty);
@@ -84,11 +84,25 @@ def _same(block: bytes, prev: bytes) -> bytes:
 _ERROR_EVENT_LINES = (b'data: {"error"', b"event: error\n")
 
 
+ERROR_EVENT_TAIL = 4
+"""How many of a stream's last events :func:`carries_error_event` looks at: vLLM ends a failed stream with its
+error event and ``[DONE]`` (``vllm/entrypoints/openai/chat_completion/serving.py``); a usage chunk and a finish
+chunk may sit between."""
+
+
 def carries_error_event(blocks: bytes) -> bool:
-    """True when ``blocks`` (whole SSE events) hold an error event: a chat / completions ``data: {"error": ...}``
-    (vLLM's in-band error) or a Responses / Messages ``event: error``.  Looked for at line starts only (a JSON
-    string never holds a raw newline, so no content can fake one)."""
-    return any(blocks.startswith(line) or b"\n" + line in blocks for line in _ERROR_EVENT_LINES)
+    """True when one of the last :data:`ERROR_EVENT_TAIL` events of ``blocks`` (whole SSE events, ``\n`` line
+    endings as the relay frames them) is an error event: a chat / completions ``data: {"error": ...}`` (vLLM's
+    in-band error) or a Responses / Messages ``event: error``.  Looked for at line starts only (a JSON string
+    never holds a raw newline, so no content can fake one).  Cost: the tail events' bytes, not the block's — a
+    full-speed stream's ending is its whole answer, and ``bytes.find`` of a needle ending in ``"`` crawls JSON."""
+    start = len(blocks)
+    for _ in range(ERROR_EVENT_TAIL):       # back to the start of the tail's first event
+        if start <= 0:
+            break
+        boundary = blocks.rfind(b"\n\n", 0, start - 2)
+        start = boundary + 2 if boundary >= 0 else 0
+    return any(blocks.startswith(line, start) or blocks.find(b"\n" + line, start) >= 0 for line in _ERROR_EVENT_LINES)
 
 
 class _NoDone(Exception):
@@ -157,7 +171,9 @@ class _Splice:
             if not chunk:
                 return
         trigger = self.trigger
-        if not trigger or chunk.find(trigger) >= 0:  # b"": every block (a continuable stream's record)
+        # b"": every block (a continuable stream's record); searched from the end, where the triggers' chunks are
+        # (usage is the last before [DONE]): a full-speed answer's one block costs a few bytes, not a crawl
+        if not trigger or chunk.rfind(trigger) >= 0:
             chunk = self.feed(chunk, self.prev)
             if not chunk:
                 return
