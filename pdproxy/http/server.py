@@ -11,7 +11,8 @@ What a connection does (RFC 9112):
   ``Connection: keep-alive``, then answered with it).  Responses say ``HTTP/1.1``; a response without a length
   is chunked for 1.1 and delimited by closing the connection for 1.0 (§6.3, §7.1);
 - **pipelining** (§9.3.2): requests are parsed as they arrive and answered strictly in order, one at a time;
-  while one is queued, reading pauses;
+  while one is queued, reading pauses; the next starts only once the client has taken the last answer down to
+  the transport's low-water mark, so a client that sends and never reads holds one answer, not all of them;
 - **keep-alive**: an idle connection is closed after ``timeout_keep_alive_s`` (default 75 s: longer than the
   clients' own pools keep idle connections — httpx 5 s, aiohttp 15 s — so the client always drops first and never
   sends a request on a connection the proxy is closing);
@@ -25,7 +26,10 @@ What a connection does (RFC 9112):
   :data:`LINGER_S`), as does an answer given before its request's body was read;
 - **timeouts**: a head must arrive whole within ``request_headers_timeout_s`` of its first byte, and a body may
   not pause longer than ``request_body_timeout_s`` between reads (408 and close; a response in progress is cut);
-  one timer per connection, re-armed only when the phase changes (the body's idle gap is checked lazily);
+  one timer per connection, re-armed only when the phase changes (the body's idle gap is checked lazily).
+  Bytes written to a client must move: a connection that closes, or waits for its client to take an answer
+  before the next request, is aborted when none is taken for ``client_send_timeout_s`` (nginx's
+  ``send_timeout``; a close alone would wait forever for a client that never reads);
 - **connections**: past ``max_client_connections`` open connections a new one is answered 503 (OpenAI error
   body, ``Connection: close``) and closed;
 - **strictness** (RFC 9112): trailer fields of a chunked request are read and dropped (never headers); an HTTP/1.0
@@ -118,7 +122,7 @@ otherwise turn the close into a reset)."""
 
 # What one connection is reading (ServerProtocol.phase) and what its one timer is for (ServerProtocol.timer_kind).
 _WAIT, _HEAD, _BODY = 0, 1, 2
-_NO_TIMER, _IDLE_TIMER, _HEAD_TIMER, _BODY_TIMER = 0, 1, 2, 3
+_NO_TIMER, _IDLE_TIMER, _HEAD_TIMER, _BODY_TIMER, _SEND_TIMER = 0, 1, 2, 3, 4
 
 
 def raise_open_file_limit(target: int = OPEN_FILE_TARGET) -> int:
@@ -140,6 +144,7 @@ class EdgeLimits:
     keep_alive_s: float
     head_timeout_s: float
     body_timeout_s: float
+    send_timeout_s: float
     max_head: int
     max_body: int
     max_connections: int
@@ -156,7 +161,8 @@ class EdgeLimits:
                 open_files = int(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
             cap = max(16, (open_files - ENGINE_FD_RESERVE) // 2)
         return cls(keep_alive_s=s.timeout_keep_alive_s, head_timeout_s=s.request_headers_timeout_s,
-                   body_timeout_s=s.request_body_timeout_s, max_head=s.max_request_head_bytes,
+                   body_timeout_s=s.request_body_timeout_s, send_timeout_s=s.client_send_timeout_s,
+                   max_head=s.max_request_head_bytes,
                    max_body=s.max_body_bytes, max_connections=cap, cors=CorsPolicy.of(s))
 
 
@@ -341,6 +347,26 @@ class Exchange:
             t.abort()
 
 
+
+def close_draining(transport: asyncio.Transport, loop: asyncio.AbstractEventLoop, send_timeout_s: float) -> None:
+    """Close ``transport`` once the bytes it holds are sent.  A close waits for its client to take them — forever
+    for a client that never reads, holding the connection, its place under ``max_client_connections`` and the
+    bytes — so they must move: when none is taken for ``send_timeout_s`` seconds the connection is aborted."""
+    transport.close()
+    unsent = transport.get_write_buffer_size()
+    if unsent:
+        loop.call_later(send_timeout_s, _send_check, transport, unsent, loop, send_timeout_s)
+
+
+def _send_check(transport: asyncio.Transport, before: int, loop: asyncio.AbstractEventLoop,
+                send_timeout_s: float) -> None:
+    unsent = transport.get_write_buffer_size()         # 0 once the connection is lost
+    if unsent >= before:
+        transport.abort()
+    elif unsent:
+        loop.call_later(send_timeout_s, _send_check, transport, unsent, loop, send_timeout_s)
+
+
 class ServerProtocol(asyncio.Protocol):
     """One client connection.  Built by uvicorn's ``Server`` with ``config``, ``server_state`` and
     ``app_state`` (keywords, see :func:`protocol_factory`); ``proxy`` is the :class:`ServedApp`, ``limits`` its
@@ -386,6 +412,7 @@ class ServerProtocol(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.timer_kind = _NO_TIMER
         self.read_at = 0.0
+        self.unsent = 0  # the transport's unsent bytes when the send timer was armed (_SEND_TIMER)
         self.reading_paused = False
         self.closing = False
         self.scheme = "http"
@@ -460,6 +487,9 @@ class ServerProtocol(asyncio.Protocol):
             ex = self.current
             if ex is not None and ex.flow is not None:
                 ex.flow.client_resumed()
+            elif ex is None and self.timer_kind == _SEND_TIMER and self.transport is not None:
+                self._cancel_timer()           # the client took the last answer: on to the next request
+                self._next()
 
     def write(self, data: bytes) -> None:
         """Write to the client (dropped once the connection is gone)."""
@@ -471,7 +501,7 @@ class ServerProtocol(asyncio.Protocol):
         """Graceful shutdown (uvicorn calls it): idle connections close now, busy ones after their response."""
         self.closing = True
         if self.current is None and self.transport is not None:
-            self.transport.close()
+            self._close()
         elif self.current is not None:
             self.current.keep_alive = False
 
@@ -480,7 +510,7 @@ class ServerProtocol(asyncio.Protocol):
         """Arm the timer the connection's state calls for, unless it is already armed for it (a head's deadline
         runs from its first read; the body's idle gap is re-checked when the timer fires).  A refused connection
         keeps the one timer it has: its lingering close's (:meth:`_linger_close`)."""
-        if self.refused:
+        if self.refused or self.timer_kind == _SEND_TIMER:
             return
         phase = self.phase
         if phase == _HEAD:
@@ -515,7 +545,7 @@ class ServerProtocol(asyncio.Protocol):
             return
         if kind == _IDLE_TIMER:
             if self.current is None and self.phase == _WAIT:
-                self.transport.close()
+                self._close()
         elif kind == _HEAD_TIMER:
             self._timed_out(f"request head not received within {self.limits.head_timeout_s:g} s")
         elif kind == _BODY_TIMER:
@@ -525,6 +555,14 @@ class ServerProtocol(asyncio.Protocol):
                 self.timer = self.loop.call_later(left, self._timer_fired)
             else:
                 self._timed_out(f"request body stalled for {self.limits.body_timeout_s:g} s", body=True)
+        elif kind == _SEND_TIMER:
+            unsent = self.transport.get_write_buffer_size()
+            if unsent >= self.unsent:          # nothing taken in send_timeout_s: a client that does not read
+                self.transport.abort()
+            else:
+                self.unsent = unsent
+                self.timer_kind = _SEND_TIMER
+                self.timer = self.loop.call_later(self.limits.send_timeout_s, self._timer_fired)
 
     def _timed_out(self, message: str, body: bool = False) -> None:
         """408 and close.  A stalled head after a response in progress lets that response end first; a stalled
@@ -533,7 +571,7 @@ class ServerProtocol(asyncio.Protocol):
         ex = self.current
         if body and ex is not None and ex.started and not ex.finished and self.transport is not None:
             self.refused = True
-            self.transport.close()
+            self._close()
             return
         self._refuse(408, message)
 
@@ -766,10 +804,21 @@ class ServerProtocol(asyncio.Protocol):
             if self.refused or not ex.complete:       # bytes may be left unread: a plain close would reset
                 self._linger_close()
             else:
-                self.transport.close()
+                self._close()
             return
         if self.server_state is not None:
             self.server_state.total_requests += 1
+        if self.write_paused is not None:         # the client has not taken this answer: the next one waits
+            self._pause_reading()
+            self._cancel_timer()
+            self.timer_kind = _SEND_TIMER
+            self.unsent = self.transport.get_write_buffer_size()
+            self.timer = self.loop.call_later(self.limits.send_timeout_s, self._timer_fired)
+            return
+        self._next()
+
+    def _next(self) -> None:
+        """Between requests on a kept-alive connection: start the next pipelined request, or wait idle."""
         if self.queue:
             self._begin(self.queue.popleft())
             if not self.queue:
@@ -832,6 +881,11 @@ class ServerProtocol(asyncio.Protocol):
                              str(len(body)).encode(), b"\r\nconnection: close\r\n",
                              *(b"%s: %s\r\n" % pair for pair in cors), b"\r\n", body]))
 
+    def _close(self) -> None:
+        """Close the connection once what it holds is sent (:func:`close_draining`)."""
+        assert self.transport is not None
+        close_draining(self.transport, self.loop, self.limits.send_timeout_s)
+
     def _linger_close(self) -> None:
         """Close after a refusal the way RFC 9112 §9.6 advises: half-close, keep reading (and dropping) what the
         client still sends, close when it does or after :data:`LINGER_S` — a close with unread bytes in the socket
@@ -839,7 +893,7 @@ class ServerProtocol(asyncio.Protocol):
         t = self.transport
         assert t is not None
         if not t.can_write_eof():                      # TLS: no half-close (a client still writing may see a reset)
-            t.close()
+            self._close()
             self.transport = None
             return
         t.write_eof()
@@ -847,7 +901,7 @@ class ServerProtocol(asyncio.Protocol):
         self._resume_reading()
         self._cancel_timer()
         self.transport = None       # nothing more is written: a handler still running sees a connection gone
-        self.timer = self.loop.call_later(LINGER_S, t.close)
+        self.timer = self.loop.call_later(LINGER_S, close_draining, t, self.loop, self.limits.send_timeout_s)
 
 
 class _AsgiCycle:
