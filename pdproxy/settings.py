@@ -177,9 +177,10 @@ class Settings(BaseSettings):
                                 "client_body_timeout; Envoy stream_idle_timeout)")
     client_send_timeout_s: float = Field(
         60.0, gt=0, description="longest time bytes written to a client may wait without any of them being taken, "
-                                "else the connection is aborted (nginx send_timeout): a connection that closes "
-                                "or waits for its client to take an answer before the next (keep-alive, "
-                                "pipelining); a stream's client is cut after decode_idle_timeout_s")
+                                "else the connection is aborted (nginx send_timeout): a connection that closes, "
+                                "waits for its client to take an answer before the next (keep-alive, "
+                                "pipelining) or to take a part of a response sent in parts (passthrough and "
+                                "control-plane streams); a PD stream's client is cut after decode_idle_timeout_s")
     max_client_connections: int | None = Field(
         None, ge=1, description="open client connections; one more is answered 503 and closed.  Unset: half of "
                                 "the open-file limit left after 64 (the other half is for engine connections); "

@@ -27,9 +27,10 @@ What a connection does (RFC 9112):
 - **timeouts**: a head must arrive whole within ``request_headers_timeout_s`` of its first byte, and a body may
   not pause longer than ``request_body_timeout_s`` between reads (408 and close; a response in progress is cut);
   one timer per connection, re-armed only when the phase changes (the body's idle gap is checked lazily).
-  Bytes written to a client must move: a connection that closes, or waits for its client to take an answer
-  before the next request, is aborted when none is taken for ``client_send_timeout_s`` (nginx's
-  ``send_timeout``; a close alone would wait forever for a client that never reads);
+  Bytes written to a client must move: a connection that closes, waits for its client to take an answer before
+  the next request, or waits in :meth:`Exchange.drain` (a response sent in parts) is aborted when none is taken
+  for ``client_send_timeout_s`` (nginx's ``send_timeout``; a close alone would wait forever for a client that
+  never reads);
 - **connections**: past ``max_client_connections`` open connections a new one is answered 503 (OpenAI error
   body, ``Connection: close``) and closed;
 - **strictness** (RFC 9112): trailer fields of a chunked request are read and dropped (never headers); an HTTP/1.0
@@ -335,17 +336,24 @@ class Exchange:
         self._proto.response_done(self)
 
     async def drain(self) -> None:
-        """Wait until the client's transport is below its low-water mark (or the connection is gone)."""
-        waiter = self._proto.write_paused
-        if waiter is not None:
-            await asyncio.shield(waiter)
+        """Wait until the client's transport is below its low-water mark (or the connection is gone).  The bytes
+        must move: a client that takes none of them for ``client_send_timeout_s`` has its connection aborted
+        (which ends its request: ``on_disconnect``), and this returns."""
+        proto = self._proto
+        waiter = proto.write_paused
+        while waiter is not None and not waiter.done() and proto.transport is not None:
+            unsent = proto.transport.get_write_buffer_size()
+            await asyncio.wait((waiter,), timeout=proto.limits.send_timeout_s)   # never cancels the waiter
+            t = proto.transport
+            if not waiter.done() and t is not None and t.get_write_buffer_size() >= unsent:
+                t.abort()
+                return
 
     def abort(self) -> None:
         """Drop the client connection at once (RST): a client that stopped reading."""
         t = self._proto.transport
         if t is not None:
             t.abort()
-
 
 
 def close_draining(transport: asyncio.Transport, loop: asyncio.AbstractEventLoop, send_timeout_s: float) -> None:

@@ -99,3 +99,23 @@ def test_a_client_that_reads_slowly_gets_every_answer(sims: Fleet) -> None:
             got += piece
         assert got.count(b"HTTP/1.1 200 ") == 60
         s.close()
+
+
+def test_a_passthrough_stream_whose_client_never_reads_is_cut(sims: Fleet) -> None:
+    """A control-plane response sent in parts (here vLLM's token-in generate route, passed through) waits for
+    its client between parts: that wait is bounded too, and cutting it ends the engine's request."""
+    with proxy_for(sims) as p:
+        body = orjson.dumps({"model": "sim-model", "token_ids": [1, 2, 3], "stream": True,
+                             "sampling_params": {"max_tokens": 3000, "logprobs": 5, "ignore_eos": True}})
+        s = non_reader(p.port)
+        s.sendall(b"POST /inference/v1/generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: %d\r\n\r\n" % len(body) + body)
+        wait_until(lambda: p.app.state is not None and p.app.state.in_flight, 20, 0.02, "the stream under way")
+        wait_until(lambda: not p.server.server_state.connections, 20, 0.05, "the non-reading client's connection gone")
+        p.wait_idle()
+        got = b""
+        with contextlib.suppress(ConnectionResetError):
+            while piece := s.recv(65536):
+                got += piece
+        assert got.startswith(b"HTTP/1.1 200 ") and len(got) < 3000 * 100, len(got)   # cut, not the whole answer
+        s.close()
