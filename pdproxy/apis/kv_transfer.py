@@ -167,6 +167,16 @@ def has_relaxable_constraints(original: Mapping[str, Any], api: Api) -> bool:
     return relax_constraints(dict(original), api)
 
 
+def _inert(value: Any) -> Any:
+    """A client's proxy-owned value with nothing in it an engine could use: ``{}`` for an object, as many nulls
+    for an array, a scalar as it is."""
+    if isinstance(value, dict):
+        return {}
+    if isinstance(value, list):
+        return [None] * len(value)
+    return value
+
+
 def prefill_body(original: Mapping[str, Any], api: Api = Api.CHAT, *, engine_judges: bool = False,
                  request_id: str | None = None, relax: bool = False) -> dict[str, Any]:
     """Return a new dict: the prefill-leg body for ``original`` (a parsed client body of ``api``; the one-token
@@ -178,11 +188,12 @@ def prefill_body(original: Mapping[str, Any], api: Api = Api.CHAT, *, engine_jud
     ``engine_judges`` (``ProxyRequest.engine_judges``: pdproxy found the request invalid for vLLM): the client's
     body as sent — its own values, so the prefiller rejects it with vLLM's own 400 and in vLLM's own order of
     checks, before any KV is computed — except that a proxy-owned object becomes ``{}`` (vLLM ignores an empty
-    handle, and the member count vLLM may quote stays the client's); one that is not an object stays, for vLLM
-    to refuse while validating, before any handle could be used.
+    handle, and the member count vLLM may quote stays the client's) and a proxy-owned array one of as many nulls
+    (vLLM quotes it as ``<list of N items>`` either way); a scalar stays, for vLLM to refuse while validating:
+    nothing a client sends there reaches an engine as a handle, whatever vLLM's validation accepts.
     """
-    if engine_judges:       # a client's handle becomes {} (inert: vLLM acts on a non-empty one), an invalid one stays
-        return {k: {} if k in PROXY_OWNED and isinstance(v, dict) else v for k, v in original.items()}
+    if engine_judges:       # a client's handle becomes inert, an invalid one keeps its type for vLLM's own refusal
+        return {k: _inert(v) if k in PROXY_OWNED else v for k, v in original.items()}
     body = {k: v for k, v in original.items() if k not in PROXY_OWNED}
     body["stream"] = False
     if api is Api.RESPONSES:

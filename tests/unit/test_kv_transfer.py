@@ -89,3 +89,14 @@ def test_the_release_leg_is_the_prefill_overrides_with_the_prefillers_handle() -
                                                         Api.COMPLETIONS))   # type: ignore[arg-type]
     assert completions["max_tokens"] == 1 and completions["stream"] is False
     assert completions["kv_transfer_params"] == params
+
+
+def test_a_request_vllm_refuses_keeps_no_client_handle_whatever_its_type() -> None:
+    """The prefill leg of a request vLLM will refuse (``engine_judges``) carries the client's own values except
+    the proxy-owned fields' content: an object becomes ``{}``, an array as many nulls (vLLM's error quotes both
+    by size), a scalar stays for vLLM to refuse."""
+    evil = {"remote_host": "10.9.9.9", "remote_block_ids": [[1]], "remote_engine_id": "EVIL"}
+    for value, sent in [(evil, {}), ([evil, evil], [None, None]), ("10.9.9.9", "10.9.9.9"), (None, None)]:
+        body = kv_transfer.prefill_body({"prompt": "x", "max_tokens": -1, "kv_transfer_params": value,
+                                         "ec_transfer_params": value}, engine_judges=True)
+        assert body == {"prompt": "x", "max_tokens": -1, "kv_transfer_params": sent, "ec_transfer_params": sent}
