@@ -423,6 +423,11 @@ class EngineCore:
         victim.blocks = []
         victim.num_computed_tokens = 0
         victim.external_tokens = 0
+        # vLLM pulls a prompt's KV once per request (``do_remote_prefill`` is cleared once its blocks are allocated:
+        # vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py, "Only trigger 1 KV transfer per
+        # request"): a preempted request recomputes its prompt here; a second pull would find the prefiller's
+        # blocks freed and fail the request
+        victim.remote_prefill = None
         victim.status = Status.PREEMPTED
         self.waiting.appendleft(victim)
 

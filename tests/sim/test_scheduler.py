@@ -237,3 +237,27 @@ def test_failed_pull_finishes_with_error_and_frees_blocks() -> None:
     core.step(0.0)
     core.finish_remote_kv(r, False, 0.0)
     assert r.finish_reason == "error" and r.kv_failed and core.pool.num_used == 0 and not core.has_work()
+
+
+def test_a_preempted_remote_prefill_request_recomputes_its_prompt_instead_of_pulling_again() -> None:
+    """vLLM pulls a request's KV once (``do_remote_prefill`` cleared after the first allocation): when decode runs
+    out of blocks and preempts it, it recomputes locally and finishes — no second pull that would find the
+    prefiller's blocks freed."""
+    core = EngineCore(SimConfig(block_size=4, num_gpu_blocks_override=5, max_model_len=64))
+    a, b = req("a", 8, 8), req("b", 4, 8, remote_prefill={"remote_request_id": "x"}, tokens=list(range(100, 104)))
+    core.add_request(a)
+    core.add_request(b)
+    pulls: list[EngineRequest] = []
+    now = 0.0
+    for _ in range(200):
+        if not core.has_work():
+            break
+        plan, _ = core.step(now)
+        now += plan.duration_s
+        for r in plan.pulls:
+            pulls.append(r)
+            core.finish_remote_kv(r, True, now)
+    assert core.stats.num_preemptions >= 1
+    assert pulls == [b]
+    assert a.finish_reason == b.finish_reason == "length" and not b.kv_failed
+    assert a.num_output_tokens == b.num_output_tokens == 8 and core.pool.num_used == 0
