@@ -495,7 +495,7 @@ class ServerProtocol(asyncio.Protocol):
             ex = self.current
             if ex is not None and ex.flow is not None:
                 ex.flow.client_resumed()
-            elif ex is None and self.timer_kind == _SEND_TIMER and self.transport is not None:
+            elif ex is None and self.timer_kind == _SEND_TIMER and self.transport is not None and not self.closing:
                 self._cancel_timer()           # the client took the last answer: on to the next request
                 self._next()
 

@@ -4,13 +4,19 @@ and a connection closing with bytes its client never takes is aborted, not kept 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
+import types
 from collections.abc import Iterator
+from typing import Any
 
+import anyio
 import orjson
 import pytest
 
+from pdproxy.http.server import _SEND_TIMER, EdgeLimits, ServerProtocol
+from pdproxy.settings import Settings
 from tests.conftest import Fleet
 from tests.support import ProxyThread, wait_until
 
@@ -21,9 +27,9 @@ KERNEL_SNDBUF = 16 * 1024
 
 
 @contextlib.contextmanager
-def proxy_for(sims: Fleet) -> Iterator[ProxyThread]:
+def proxy_for(sims: Fleet, send_timeout_s: float = SEND_TIMEOUT_S) -> Iterator[ProxyThread]:
     p = ProxyThread(prefill=[s.url for s in sims.prefillers], decode=[s.url for s in sims.decoders],
-                    client_send_timeout_s=SEND_TIMEOUT_S, timeout_keep_alive_s=1)
+                    client_send_timeout_s=send_timeout_s, timeout_keep_alive_s=1)
     # accepted sockets inherit the listener's send buffer: a fixed one (no autotuning up to tcp_wmem's 4 MB)
     # makes "more than the kernel holds for a client that does not read" ~100 KB
     p.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, KERNEL_SNDBUF)
@@ -86,7 +92,7 @@ def test_a_closing_connection_whose_client_never_reads_is_aborted(sims: Fleet) -
 
 
 def test_a_client_that_reads_slowly_gets_every_answer(sims: Fleet) -> None:
-    with proxy_for(sims) as p:
+    with proxy_for(sims, send_timeout_s=10) as p:           # the wait is bounded, not a race with this thread
         s = non_reader(p.port)
         s.sendall(request(400) * 60)              # ~190 KB of answers: past the high-water mark
         # read nothing until the proxy holds an answer its client has not taken and waits before the next
@@ -110,7 +116,7 @@ def test_a_passthrough_stream_whose_client_never_reads_is_cut(sims: Fleet) -> No
         s = non_reader(p.port)
         s.sendall(b"POST /inference/v1/generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                   b"content-length: %d\r\n\r\n" % len(body) + body)
-        wait_until(lambda: p.app.state is not None and p.app.state.in_flight, 20, 0.02, "the stream under way")
+        wait_until(lambda: decoded(sims), 20, 0.02, "the stream under way")
         wait_until(lambda: not p.server.server_state.connections, 20, 0.05, "the non-reading client's connection gone")
         p.wait_idle()
         got = b""
@@ -119,3 +125,64 @@ def test_a_passthrough_stream_whose_client_never_reads_is_cut(sims: Fleet) -> No
                 got += piece
         assert got.startswith(b"HTTP/1.1 200 ") and len(got) < 3000 * 100, len(got)   # cut, not the whole answer
         s.close()
+
+
+class _BigAnswers:
+    """A served app whose completion route answers ``size`` bytes (and counts its calls): no engines."""
+
+    def __init__(self, size: int) -> None:
+        self.completion_routes = {"/v1/completions": "completions"}
+        self.size = size
+        self.calls = 0
+        self.settings = Settings()
+
+    async def handle_completion(self, api: str, ex: Any) -> None:
+        self.calls += 1
+        body = b"a" * self.size
+        ex.start(200, [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())])
+        ex.finish(body)
+
+    def refusal_body(self, route: str, status: int, message: str) -> bytes:
+        return orjson.dumps({"error": {"message": message}})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("no control-plane route here")
+
+
+@pytest.mark.anyio
+async def test_shutdown_while_an_answer_waits_for_its_client_starts_no_queued_request() -> None:
+    """uvicorn's shutdown closes a kept-alive connection whose client has not taken its answer: the requests it
+    pipelined behind that answer are dropped when the client catches up, never started on the closing
+    connection (pdproxy/http/server.py ``resume_writing``)."""
+    loop = asyncio.get_running_loop()
+    app = _BigAnswers(300_000)
+    protos: list[ServerProtocol] = []
+    lim = EdgeLimits(keep_alive_s=30, head_timeout_s=30, body_timeout_s=30, send_timeout_s=30, max_head=8192,
+                     max_body=1 << 20, max_connections=10)
+    state = types.SimpleNamespace(connections=set(), tasks=set(), total_requests=0)
+
+    def factory() -> ServerProtocol:
+        protos.append(ServerProtocol(None, state, {}, loop, proxy=app, limits=lim))
+        return protos[-1]
+
+    server = await loop.create_server(factory, "127.0.0.1", 0)
+    server.sockets[0].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, KERNEL_SNDBUF)
+    c = socket.socket()
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    c.setblocking(False)
+    try:
+        await loop.sock_connect(c, server.sockets[0].getsockname())
+        await loop.sock_sendall(c, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}" * 3)
+        with anyio.fail_after(10):
+            while not protos or protos[0].timer_kind != _SEND_TIMER:   # the first answer waits for its client
+                await asyncio.sleep(0.01)
+        protos[0].shutdown()
+        got = b""
+        with anyio.fail_after(10):
+            while piece := await loop.sock_recv(c, 1 << 20):
+                got += piece
+        assert app.calls == 1
+        assert got.count(b"HTTP/1.1 200 ") == 1 and got.endswith(b"a" * 1000) and len(got) < 2 * app.size
+    finally:
+        c.close()
+        server.close()
