@@ -52,11 +52,9 @@ def _patch_block(block: bytes, cached_tokens: int | None, strip_usage: bool = Fa
     last = block.rfind(b'"usage"')
     if last < 0:
         return block
-    boundary = block.rfind(b"\n\n", 0, last)
-    start = boundary + 2 if boundary >= 0 else 0
+    start = sse.event_start(block, last)
     while start > 0:                           # continuous usage: every event before holds it too
-        boundary = block.rfind(b"\n\n", 0, start - 2)
-        before = boundary + 2 if boundary >= 0 else 0
+        before = sse.event_start(block, start - 2)
         if block.find(b'"usage"', before, start) < 0:
             break
         start = before

@@ -37,6 +37,15 @@ def last_boundary(data: bytes, start: int = 0) -> int:
     return end
 
 
+def event_start(block: bytes, end: int) -> int:
+    """Index where the event holding ``block[end - 1]`` starts: just past the last ``\n\n`` boundary that ends at
+    or before ``end`` (0 if none).  ``block``: whole events framed with ``\n`` line endings (:func:`frame`'s
+    output); ``end`` a byte index.  One ``rfind`` from ``end`` back: walking a block's last events from its end
+    costs those events' bytes, not the block's."""
+    i = block.rfind(b"\n\n", 0, end)
+    return i + 2 if i >= 0 else 0
+
+
 def normalize(block: bytes) -> bytes:
     """``block`` with every line ending (``\r\n``, ``\r``) written as ``\n``; the same object when it has no
     ``\r``."""

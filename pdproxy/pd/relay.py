@@ -100,8 +100,7 @@ def carries_error_event(blocks: bytes) -> bool:
     for _ in range(ERROR_EVENT_TAIL):       # back to the start of the tail's first event
         if start <= 0:
             break
-        boundary = blocks.rfind(b"\n\n", 0, start - 2)
-        start = boundary + 2 if boundary >= 0 else 0
+        start = sse.event_start(blocks, start - 2)
     return any(blocks.startswith(line, start) or blocks.find(b"\n" + line, start) >= 0 for line in _ERROR_EVENT_LINES)
 
 
