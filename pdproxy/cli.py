@@ -282,6 +282,7 @@ def serve(settings: Settings) -> int:
     from pdproxy.app.application import create_app
     from pdproxy.http.server import uvicorn_config
     from pdproxy.http.tls import apply_to_uvicorn, server_ssl_context
+    from pdproxy.ops.heap import apply_heap_policy
     from pdproxy.ops.logs import configure_logging, listen_urls, log_banner
 
     problem = check_listen(settings.host, settings.port)
@@ -289,6 +290,7 @@ def serve(settings: Settings) -> int:
         print(f"pdproxy: {problem}", file=sys.stderr)
         return 1
     configure_logging(settings)
+    apply_heap_policy(settings.malloc_trim_threshold_mib)  # process-wide (--workers: each worker's own too)
     tls = server_ssl_context(settings)  # a bad certificate / key / CA file stops here (ValueError → exit 2)
     roles = {e.role for e in settings.all_endpoints()}
     if len(roles) < 2 and not settings.admin_key:

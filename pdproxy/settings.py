@@ -194,6 +194,12 @@ class Settings(BaseSettings):
                                   "objects between young collections; CPython's is 700, at which they took ~6 percent "
                                   "of the proxy's CPU under load), the middle generation then collected after every "
                                   "two young collections; 0 keeps CPython's thresholds (pdproxy/ops/gcpolicy.py)")
+    malloc_trim_threshold_mib: int = Field(
+        64, ge=0, le=1023, description="glibc malloc: MiB of freed memory kept at the top of the heap instead of "
+                                       "given back to the kernel, and blocks under half of it taken from the heap, not "
+                                       "mmap (long prompts' bodies, faulted in again on every request otherwise); "
+                                       "0, another C library, or MALLOC_TRIM_THRESHOLD_ and the like in the "
+                                       "environment leave malloc's policy alone (pdproxy/ops/heap.py)")
     upstream_max_connections: int = Field(4096, ge=0, description="open connections per engine (0: unlimited); "
                                                                   "one per in-flight request")
     upstream_pool_wait_s: float = Field(10.0, gt=0, description="how long a request waits for a connection to an "

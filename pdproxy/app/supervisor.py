@@ -110,10 +110,12 @@ def worker_main(settings: Settings, sock: socket.socket, board_path: str, row: i
     from pdproxy.app.shutdown import DrainingServer
     from pdproxy.http.server import uvicorn_config
     from pdproxy.http.tls import apply_to_uvicorn, server_ssl_context
+    from pdproxy.ops.heap import apply_heap_policy
     from pdproxy.ops.logs import configure_logging
 
     os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor only; it sends each worker one SIGTERM (drain)
     configure_logging(settings, worker=row)
+    apply_heap_policy(settings.malloc_trim_threshold_mib)
     parent = os.getppid()
     with LoadBoard.attach(Path(board_path), settings.all_endpoints(), settings.workers) as board:
         wake = WakeChannels(Path(board_path).parent, settings.workers, row)

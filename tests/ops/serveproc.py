@@ -22,19 +22,23 @@ from tests.support import free_port, wait_until
 class ServeProcess:
     """``python -m pdproxy serve --host 127.0.0.1 --port PORT ARGS...``; ``log`` collects its stdout + stderr."""
 
-    def __init__(self, log: Path, *args: str, port: int | None = None, scheme: str = "http") -> None:
+    def __init__(self, log: Path, *args: str, port: int | None = None, scheme: str = "http",
+                 env: dict[str, str] | None = None) -> None:
         self.port = port or free_port()
         self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.log = log
         self.args = [sys.executable, "-m", "pdproxy", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                      "--health-interval-s", "0.2", *args]
+        self.env = env
+        """The process's environment (None: this one's)."""
         self.proc: subprocess.Popen[bytes] | None = None
         self._out: Any = None
 
     def start(self, *, verify: Any = True, timeout_s: float = 30.0) -> ServeProcess:
         """Start it and wait until ``GET /health`` answers 200 (over TLS: ``verify`` is an ``ssl.SSLContext``)."""
         self._out = open(self.log, "wb")  # noqa: SIM115 - closed by stop(); the process writes to it
-        self.proc = subprocess.Popen(self.args, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(self.args, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=self.env)
 
         def healthy() -> bool:
             if self.proc is not None and self.proc.poll() is not None:
@@ -87,3 +91,16 @@ class ServeProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def worker_pids(supervisor: int) -> set[int]:
+    """Worker processes of the supervisor (its spawned children, not multiprocessing's resource tracker)."""
+    out = set()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError):
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == supervisor and b"spawn_main" in (d / "cmdline").read_bytes():
+                out.add(int(d.name))
+    return out

@@ -18,24 +18,12 @@ import httpx
 import pytest
 
 from tests.ops.promtext import scrape
+from tests.ops.serveproc import worker_pids
 from tests.support import SimProcess, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
 SLOW = ("--served-model-name", "sim-model", "--max-model-len", "4096", "--decode-tokens-per-s", "4")
-
-
-def _worker_pids(supervisor: int) -> set[int]:
-    """Worker processes of the supervisor (its spawned children, not multiprocessing's resource tracker)."""
-    out = set()
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError):
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == supervisor and b"spawn_main" in (d / "cmdline").read_bytes():
-                out.add(int(d.name))
-    return out
 
 
 @contextlib.contextmanager
@@ -70,7 +58,7 @@ def test_two_workers_share_one_load_view(tmp_path: Path) -> None:
                     m = scrape(url)
                 except httpx.HTTPError:
                     return False
-                return len(m.find("pdproxy_worker_inflight_requests")) == 2 and len(_worker_pids(proc.pid)) == 2
+                return len(m.find("pdproxy_worker_inflight_requests")) == 2 and len(worker_pids(proc.pid)) == 2
 
             wait_until(ready, 20, 0.1, f"2 workers ready ({log.read_text()[-500:] if log.exists() else ''})")
             assert httpx.get(url + "/health").status_code == 200
@@ -135,9 +123,9 @@ def test_two_workers_share_one_load_view(tmp_path: Path) -> None:
             assert m.total("pdproxy_requests_in_progress") == total  # livesum over both workers
 
             # A worker dies: the supervisor replaces it and zeroes its row (its leases died with it).
-            victim = min(_worker_pids(proc.pid))
+            victim = min(worker_pids(proc.pid))
             os.kill(victim, signal.SIGKILL)
-            wait_until(lambda: len(_worker_pids(proc.pid)) == 2 and victim not in _worker_pids(proc.pid), 20, 0.1,
+            wait_until(lambda: len(worker_pids(proc.pid)) == 2 and victim not in worker_pids(proc.pid), 20, 0.1,
                        "replacement worker")
             wait_until(lambda: sum(decode_load().values()) < total
                        and sum(decode_load().values()) == sum(d.state()["running"] for d in sims[1:]), 15, 0.05,
@@ -165,7 +153,7 @@ def test_two_workers_share_one_load_view(tmp_path: Path) -> None:
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=20) == 0
             assert not run_dir.exists()
-            assert not _worker_pids(proc.pid)
+            assert not worker_pids(proc.pid)
     finally:
         for client, cm, _ in streams:
             with contextlib.suppress(Exception):
