@@ -195,7 +195,7 @@ class Settings(BaseSettings):
                                   "of the proxy's CPU under load), the middle generation then collected after every "
                                   "two young collections; 0 keeps CPython's thresholds (pdproxy/ops/gcpolicy.py)")
     malloc_trim_threshold_mib: int = Field(
-        64, ge=0, le=1023, description="glibc malloc: MiB of freed memory kept at the top of the heap instead of "
+        64, ge=0, le=2047, description="glibc malloc: MiB of freed memory kept at the top of the heap instead of "
                                        "given back to the kernel, and blocks under half of it taken from the heap, not "
                                        "mmap (long prompts' bodies, faulted in again on every request otherwise); "
                                        "0, another C library, or MALLOC_TRIM_THRESHOLD_ and the like in the "

@@ -5,15 +5,26 @@ page faults the kernel counts for the process (``/proc/PID/stat`` ``minflt``), w
 
 from __future__ import annotations
 
+import logging
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
+from pydantic import ValidationError
 
-from pdproxy.ops.heap import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, MMAP_THRESHOLD_MAX, tune_malloc
+from pdproxy.ops.heap import (
+    M_MMAP_THRESHOLD,
+    M_TRIM_THRESHOLD,
+    MMAP_THRESHOLD_MAX,
+    HeapOutcome,
+    apply_heap_policy,
+    tune_malloc,
+)
 from pdproxy.settings import Settings
 from tests.conftest import SIM_ARGS
 from tests.ops.serveproc import ServeProcess, worker_pids
@@ -38,20 +49,21 @@ class FakeMallopt:
 
 def test_default_keeps_64_mib_and_takes_blocks_under_32_mib_from_the_heap() -> None:
     fake = FakeMallopt()
-    assert tune_malloc(Settings().malloc_trim_threshold_mib, environ={}, mallopt=fake) is None
-    assert fake.calls == [(M_TRIM_THRESHOLD, 64 << 20), (M_MMAP_THRESHOLD, 32 << 20)]
+    assert tune_malloc(Settings().malloc_trim_threshold_mib, environ={}, mallopt=fake) == HeapOutcome(True)
+    assert fake.calls == [(M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 64 << 20)]   # mmap first (docstring)
 
 
 def test_the_mmap_threshold_is_half_the_trim_threshold_within_glibcs_ceiling() -> None:
     small, large = FakeMallopt(), FakeMallopt()
-    assert tune_malloc(8, environ={}, mallopt=small) is None
-    assert small.calls == [(M_TRIM_THRESHOLD, 8 << 20), (M_MMAP_THRESHOLD, 4 << 20)]
-    assert tune_malloc(1023, environ={}, mallopt=large) is None
-    assert large.calls == [(M_TRIM_THRESHOLD, 1023 << 20), (M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)]
+    assert tune_malloc(8, environ={}, mallopt=small).applied
+    assert small.calls == [(M_MMAP_THRESHOLD, 4 << 20), (M_TRIM_THRESHOLD, 8 << 20)]
+    assert tune_malloc(2047, environ={}, mallopt=large).applied
+    assert large.calls == [(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX), (M_TRIM_THRESHOLD, 2047 << 20)]
 
 
 @pytest.mark.parametrize("environ, named", [
     ({"MALLOC_TRIM_THRESHOLD_": "131072"}, "MALLOC_TRIM_THRESHOLD_"),
+    ({"MALLOC_TRIM_THRESHOLD_": ""}, "MALLOC_TRIM_THRESHOLD_"),          # glibc reads an empty one as set, too
     ({"MALLOC_MMAP_THRESHOLD_": "65536"}, "MALLOC_MMAP_THRESHOLD_"),
     ({"MALLOC_TOP_PAD_": "0"}, "MALLOC_TOP_PAD_"),
     ({"MALLOC_MMAP_MAX_": "0"}, "MALLOC_MMAP_MAX_"),
@@ -59,30 +71,59 @@ def test_the_mmap_threshold_is_half_the_trim_threshold_within_glibcs_ceiling() -
 ])
 def test_an_operators_own_thresholds_are_left_alone(environ: dict[str, str], named: str) -> None:
     fake = FakeMallopt()
-    why = tune_malloc(64, environ=environ, mallopt=fake)
-    assert why is not None and named in why
+    outcome = tune_malloc(64, environ=environ, mallopt=fake)
+    assert not outcome.applied and not outcome.refused and named in outcome.why
     assert fake.calls == []
 
 
-@pytest.mark.parametrize("environ", [{"MALLOC_ARENA_MAX": "2"}, {"GLIBC_TUNABLES": "glibc.pthread.rseq=0"},
-                                     {"MALLOC_TRIM_THRESHOLD_": ""}])
+@pytest.mark.parametrize("environ", [{"MALLOC_ARENA_MAX": "2"}, {"GLIBC_TUNABLES": "glibc.pthread.rseq=0"}])
 def test_other_malloc_choices_do_not_stop_the_thresholds(environ: dict[str, str]) -> None:
     fake = FakeMallopt()
-    assert tune_malloc(64, environ=environ, mallopt=fake) is None
+    assert tune_malloc(64, environ=environ, mallopt=fake).applied
     assert len(fake.calls) == 2
 
 
-def test_zero_leaves_glibcs_policy_and_a_refusal_is_reported() -> None:
+def test_zero_leaves_glibcs_policy() -> None:
     fake = FakeMallopt()
-    assert tune_malloc(0, environ={}, mallopt=fake) is not None
+    outcome = tune_malloc(0, environ={}, mallopt=fake)
+    assert not outcome.applied and not outcome.refused
     assert fake.calls == []
+
+
+def test_a_refused_mmap_threshold_leaves_the_trim_threshold_alone() -> None:
     refused = FakeMallopt(result=0)
-    assert tune_malloc(64, environ={}, mallopt=refused) == "mallopt refused the thresholds"
+    outcome = tune_malloc(64, environ={}, mallopt=refused)
+    assert outcome.refused and not outcome.applied and "M_MMAP_THRESHOLD" in outcome.why
+    assert refused.calls == [(M_MMAP_THRESHOLD, 32 << 20)]
+
+
+def test_a_threshold_over_mallopts_int_is_refused_before_any_call() -> None:
+    fake = FakeMallopt()
+    outcome = tune_malloc(2048, environ={}, mallopt=fake)
+    assert outcome.refused and "int" in outcome.why
+    assert fake.calls == []
+    with pytest.raises(ValidationError):
+        Settings(malloc_trim_threshold_mib=2048)
+
+
+def test_a_refusal_is_a_warning_and_a_choice_is_not(caplog: pytest.LogCaptureFixture,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    caplog.set_level(logging.DEBUG, logger="pdproxy.heap")
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+    assert not apply_heap_policy(64).applied
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+    caplog.clear()
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    assert apply_heap_policy(4096).refused
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
 def test_the_real_mallopt_takes_the_default() -> None:
-    assert tune_malloc(Settings().malloc_trim_threshold_mib, environ={}) is None
+    code = ("from pdproxy.ops.heap import tune_malloc; "
+            "print(tune_malloc(64, environ={}))")   # in a child: the thresholds are process-wide
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True)
+    assert out.stdout.strip() == "HeapOutcome(applied=True, why='', refused=False)"
 
 
 # ------------------------------------------------------------------ through pdproxy serve, a real process
@@ -134,15 +175,15 @@ def _faults_per_request(engines: tuple[SimProcess, SimProcess], tmp_path: Path, 
 @pytest.mark.parametrize("workers", [(), ("--workers", "2")], ids=["one-process", "workers-2"])
 def test_long_bodies_are_not_faulted_in_again_per_request(engines: tuple[SimProcess, SimProcess],
                                                           tmp_path: Path, workers: tuple[str, ...]) -> None:
+    """A 1 MB body is 256 pages.  Kept heap: 14-45 faults per request counted here, on a quiet machine and a
+    loaded one.  The reference is an operator's own fixed 128 KiB thresholds (``MALLOC_TRIM_THRESHOLD_``, which
+    the setting leaves alone): every such body ``mmap``-ed, ~2,000 faults per request whatever the load.  (glibc's
+    default dynamic policy faulted 60-370 per request here, depending on how many requests overlapped — too
+    load-dependent to assert on; ``loadtest/RESULTS.md`` §4 "The heap kept".)"""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     processes = 2 if workers else 1
     kept = _faults_per_request(engines, tmp_path, *workers, env=env, processes=processes)
-    glibcs = _faults_per_request(engines, tmp_path, *workers, "--malloc-trim-threshold-mib", "0", env=env,
+    theirs = _faults_per_request(engines, tmp_path, *workers, env={**env, "MALLOC_TRIM_THRESHOLD_": "131072"},
                                  processes=processes)
-    # a 1 MB body is 256 pages: with glibc's own policy 95-370 page faults per request were counted here (fewer
-    # on a loaded machine: fewer requests overlap), with the kept heap 14-45
-    assert kept < 64, (kept, glibcs)
-    assert kept < glibcs / 2, (kept, glibcs)
-    if not workers:     # an operator's own MALLOC_TRIM_THRESHOLD_ wins over the setting
-        theirs = _faults_per_request(engines, tmp_path, env={**env, "MALLOC_TRIM_THRESHOLD_": "131072"})
-        assert theirs > 2 * kept, (theirs, kept)
+    assert kept < 64, (kept, theirs)
+    assert theirs > 4 * kept, (kept, theirs)
