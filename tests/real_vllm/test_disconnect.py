@@ -6,7 +6,9 @@ What "aborted" means here, without timing: the request ended (``vllm:num_request
 generated fewer than the ``max_tokens`` it was given with ``ignore_eos`` (so it could only end early by being
 aborted), it is counted under neither ``length`` nor ``stop`` (vLLM 0.32 counts a client abort under no
 finished_reason), and pdproxy logged the request as ``client_disconnected``.  How many tokens it got out before
-the abort depends on the machine's speed and is not asserted.
+the abort depends on the machine's speed and is not asserted.  On a machine starved of CPU the decoder's engine
+core can finish all its tokens before its API server reads the closed connection (vLLM aborts only when its
+server notices): then the hang-up is tried again, up to ``ATTEMPTS`` times.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from tests.support import ProxyThread, wait_until
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(90)]
 PROMPT_TOKENS = 30
+ATTEMPTS = 3
+"""Whether the decoder aborts races its own engine core on a loaded machine (see the test): the test fails only if
+every one of this many hang-ups ran to the end."""
 # As many tokens as fit (vLLM clamps to max_model_len - prompt): seconds of decoding on the tiny CPU model, so the
 # request is still running when the client leaves after a few events. /metrics can take over a second to answer
 # while the engine decodes, so the test does not poll it before hanging up.
@@ -35,42 +40,50 @@ def test_client_disconnect_mid_stream_frees_the_decoder(engines: Engines, prompt
     log = tmp_path / "requests.jsonl"
     proxy = make_proxy(engines, tokenizer=str(engines.model_dir), request_log_path=str(log))
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    # a request of an earlier test may still be ending on the decoder (running, or waiting for its KV): its
-    # finish would count here, so start from an idle decoder
-    d0 = wait_until(lambda: _idle(scrape(engines.decode_url)), 30, 0.1, "the decoder to be idle")
-    prompt = prompts.unique(PROMPT_TOKENS, seed=900 + len(api))
     max_tokens = engines.max_model_len - 64
-    if api == "chat":
-        stream = client.chat.completions.create(model=engines.served_model, max_tokens=max_tokens, stream=True,
-                                                messages=[{"role": "user", "content": prompt}],
-                                                extra_body={"ignore_eos": True})
-    else:
-        stream = client.completions.create(model=engines.served_model, prompt=prompt, max_tokens=max_tokens,
-                                           stream=True, extra_body={"ignore_eos": True})
-    events = 0
-    for chunk in stream:
-        events += bool(chunk.choices)
-        if events >= 4:
-            break
+    outran: list[str] = []
+    for attempt in range(ATTEMPTS):
+        # a request of an earlier test (or attempt) may still be ending on the decoder (running, or waiting for its
+        # KV): its finish would count here, so start from an idle decoder
+        d0 = wait_until(lambda: _idle(scrape(engines.decode_url)), 30, 0.1, "the decoder to be idle")
+        prompt = prompts.unique(PROMPT_TOKENS, seed=900 + len(api) + 10 * attempt)
+        if api == "chat":
+            stream = client.chat.completions.create(model=engines.served_model, max_tokens=max_tokens, stream=True,
+                                                    messages=[{"role": "user", "content": prompt}],
+                                                    extra_body={"ignore_eos": True})
+        else:
+            stream = client.completions.create(model=engines.served_model, prompt=prompt, max_tokens=max_tokens,
+                                               stream=True, extra_body={"ignore_eos": True})
+        events = 0
+        for chunk in stream:
+            events += bool(chunk.choices)
+            if events >= 4:
+                break
 
-    stream.close()                                    # the client hangs up mid-stream
+        stream.close()                                    # the client hangs up mid-stream
 
-    def ended() -> str | None:
-        text = scrape(engines.decode_url)
-        started = metric(text, "vllm:generation_tokens_total") > metric(d0, "vllm:generation_tokens_total")
-        return text if started and metric(text, "vllm:num_requests_running") == 0 else None
+        def ended(d0: str = d0) -> str | None:
+            text = scrape(engines.decode_url)
+            started = metric(text, "vllm:generation_tokens_total") > metric(d0, "vllm:generation_tokens_total")
+            return text if started and metric(text, "vllm:num_requests_running") == 0 else None
 
-    d1 = wait_until(ended, 30, 0.1, "the decoder to end the request")
-    generated = metric(d1, "vllm:generation_tokens_total") - metric(d0, "vllm:generation_tokens_total")
-    # vLLM counts an aborted request in no finished_reason; it just stops generating for it
-    finished = sum(metric(d1, "vllm:request_success_total", finished_reason=r) for r in ("length", "stop"))
-    before = sum(metric(d0, "vllm:request_success_total", finished_reason=r) for r in ("length", "stop"))
-    assert finished == before, (f"the decoder finished {finished - before:g} request(s) normally after "
-                                f"{generated:g} generated tokens; pdproxy logged {log.read_text()!r}")
-    assert 1 <= generated < max_tokens, f"the decoder generated {generated:g} of {max_tokens} tokens"
-    proxy.wait_idle(10)
-    (line,) = [orjson.loads(x) for x in log.read_bytes().splitlines()]
-    assert line["outcome"] == "client_disconnected" and line["decoder"] == engines.decode_url
+        d1 = wait_until(ended, 30, 0.1, "the decoder to end the request")
+        generated = metric(d1, "vllm:generation_tokens_total") - metric(d0, "vllm:generation_tokens_total")
+        # vLLM counts an aborted request in no finished_reason; it just stops generating for it
+        finished = sum(metric(d1, "vllm:request_success_total", finished_reason=r) for r in ("length", "stop"))
+        before = sum(metric(d0, "vllm:request_success_total", finished_reason=r) for r in ("length", "stop"))
+        proxy.wait_idle(10)
+        lines = [orjson.loads(x) for x in log.read_bytes().splitlines()]
+        assert lines[-1]["outcome"] == "client_disconnected" and lines[-1]["decoder"] == engines.decode_url
+        if finished == before:
+            assert 1 <= generated < max_tokens, f"the decoder generated {generated:g} of {max_tokens} tokens"
+            return
+        # the whole request ran although pdproxy logged the hang-up after 4 events — seen once in a CI run (1,984
+        # of 1,984 tokens); the likeliest reading: the decoder's engine core finished before its API server, starved
+        # of CPU on a loaded machine (both engines spin a core each), read pdproxy's close
+        assert generated == max_tokens and finished == before + 1, (generated, finished - before)
+        outran.append(f"attempt {attempt + 1}: {generated:g} tokens, pdproxy logged {lines[-1]!r}")
+    raise AssertionError(f"the decoder finished every request normally after the client left: {outran}")
 
 
 def _idle(text: str) -> str | None:
