@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdproxy.sim.errors import SimHTTPError
+from pdproxy.sim.validation import pydantic_error
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +63,10 @@ class ModelRegistry:
         self.loras = {lora.name: lora for lora in loras}
 
     def resolve(self, model: Any, pooling: bool = False) -> str:
-        """The served name a request's ``model`` field selects (absent → the base model). Raises vLLM's 404."""
+        """The served name a request's ``model`` field selects (absent → the base model). Raises vLLM's 404, or its
+        request model's 400 for a ``model`` that is not a string (vLLM types it ``str | None``)."""
+        if model is not None and not isinstance(model, str):
+            raise pydantic_error("string_type", "model", "Input should be a valid string", model)
         if model is None or model == "" or model == self.base or model in self.loras:
             return self.base if not model else str(model)
         if pooling:

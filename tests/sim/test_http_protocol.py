@@ -151,6 +151,12 @@ async def test_reject_mode_refuses_prompt_plus_max_tokens_over_the_limit(http: a
     ("/v1/completions", {"model": "sim-model"}, "Either prompt or prompt_embeds must be provided and non-empty. "
      "(parameter=prompt)", "BadRequestError"),
     ("/v1/chat/completions", {"model": "sim-model"}, "messages", "Bad Request"),
+    # vLLM types ``model`` ``str | None``: its 400 (old sim: a TypeError, a plain-text 500 that opened breakers)
+    ("/v1/chat/completions", {"model": ["sim-model"], "messages": [{"role": "user", "content": "x"}]},
+     "'type': 'string_type', 'loc': 'body.model', 'msg': 'Input should be a valid string', 'input': '<list of 1 "
+     "items>'", "Bad Request"),
+    ("/v1/completions", {"model": 5, "prompt": "x"}, "'loc': 'body.model', 'msg': 'Input should be a valid string', "
+     "'input': '5'", "Bad Request"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": -1},
      "temperature must be non-negative, got -1.0. (parameter=temperature, value=-1.0)", "BadRequestError"),
 ])
