@@ -304,6 +304,11 @@ class UpstreamTimeout(ProxyError):
         self.endpoint = endpoint
 
 
+ENGINE_TEXT_CHARS = 200
+"""Characters of an engine's non-JSON error body quoted in the envelope pdproxy answers instead
+(:meth:`UpstreamHTTPError.body_bytes`)."""
+
+
 class UpstreamHTTPError(ProxyError):
     """An engine answered an error status; its status and body reach the client verbatim."""
 
@@ -315,7 +320,10 @@ class UpstreamHTTPError(ProxyError):
         self.status_code = status
         self.raw_body = body
         self.endpoint = endpoint
-        self.content_type = content_type
+        # vLLM answers every error as a JSON object; anything else (a server's plain-text 500 from a crashed
+        # handler, an HTML page from a gateway) is put in the envelope (body_bytes): a client gets the API's shape
+        self.enveloped = bool(body) and body.lstrip()[:1] != b"{"
+        self.content_type = "application/json" if self.enveloped else content_type
         self.retry_after = retry_after
         if retry_after:
             self.headers["retry-after"] = retry_after
@@ -323,10 +331,16 @@ class UpstreamHTTPError(ProxyError):
             self.outcome = "upstream_rejected"
 
     def body_bytes(self) -> bytes:
-        """The engine's own error body (bytes) passed through verbatim; a generated JSON envelope if it sent none."""
-        if self.raw_body:
+        """The engine's own error body (bytes, a JSON object) passed through verbatim; a generated JSON envelope if
+        it sent none, or one with the start of its text (at most :data:`ENGINE_TEXT_CHARS` characters, engine
+        addresses removed) if it sent something else."""
+        if self.raw_body and not self.enveloped:
             return self.raw_body
-        return orjson.dumps(error_body(self.status_code, f"engine answered HTTP {self.status_code}"))
+        message = f"engine answered HTTP {self.status_code}"
+        if self.enveloped:
+            text = " ".join(self.raw_body[:ENGINE_TEXT_CHARS].decode("utf-8", "replace").split())
+            message = public_message(f"{message}: {text}")
+        return orjson.dumps(error_body(self.status_code, message))
 
 
 class DecodeFailed(Exception):

@@ -232,7 +232,8 @@ def test_an_engines_openai_shaped_error_on_messages_reaches_the_client_in_the_an
         proxy: ProxyThread, sims: Fleet) -> None:
     """vLLM answers a request validation error in the OpenAI envelope on every route, /v1/messages included; an
     Anthropic client reads it as ``{"type": "error", "error": {"type", "message"}}`` with vLLM's status, type and
-    words.  A body that is not that envelope passes through as the engine sent it."""
+    words.  A body that is not a JSON object (a server's plain-text error page) is put in the route's envelope with
+    the engine's status and its words — on the OpenAI routes too (old code: passed through as plain text)."""
     vllm_400 = {"error": {"message": "1 validation error: temperature: Input should be a valid number",
                           "type": "BadRequestError", "param": None, "code": 400}}
     for p in sims.prefillers:
@@ -245,7 +246,17 @@ def test_an_engines_openai_shaped_error_on_messages_reaches_the_client_in_the_an
         p.faults({"kind": "status", "status": 400, "body": "not json", "path": "/v1/messages", "times": 1})
     r = httpx.post(proxy.url + "/v1/messages", json={"model": "sim-model", "max_tokens": 4,
                                                      "messages": [{"role": "user", "content": "Hi"}]})
-    assert r.status_code == 400 and r.text == "not json"
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json"
+    assert r.json() == {"type": "error", "error": {"type": "BadRequestError",
+                                                   "message": "engine answered HTTP 400: not json"}}
+    for p in sims.prefillers:
+        p.faults({"kind": "status", "status": 500, "body": "500 Internal Server Error\n\nServer got itself in trouble",
+                  "path": "/v1/chat/completions", "times": 1})
+    r = httpx.post(proxy.url + "/v1/chat/completions", json={"model": "sim-model", "max_tokens": 4,
+                                                             "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+    assert r.json() == {"error": {"message": "engine answered HTTP 500: 500 Internal Server Error Server got itself "
+                                             "in trouble", "type": "InternalServerError", "param": None, "code": 500}}
 
 
 def test_messages_count_tokens_passes_through(sims: Fleet) -> None:
