@@ -112,6 +112,20 @@ like; what remains is split in half between clients and engine connections (one 
 OPEN_FILE_TARGET: Final = 65535
 """The soft RLIMIT_NOFILE pdproxy raises itself to at start, within the hard limit (vLLM's ``set_ulimit`` does the
 same for the API server: vllm/utils/system_utils.py)."""
+MAX_HEADER_FIELDS: Final = 100
+"""Header fields one request head may carry; one more is refused with 431 (Apache's ``LimitRequestFields`` and
+Envoy's ``max_headers_count`` default to the same 100).  The head's byte limit alone would let 12,000 empty fields
+of a 48 KB head cost ~1.2 MB each as Python objects, on every open connection."""
+SMALL_BODY_PIECE: Final = 4096
+"""A body piece shorter than this (a small chunk of a chunked body) is appended to the bytearray ending the body's
+pieces rather than kept as a ``bytes`` object of its own (~33 bytes of header and a list slot each): a body costs
+about its size however it is chunked (before: a 20 MB body of 1-byte chunks peaked at 2 GB of RSS)."""
+FREE_CHUNKS: Final = 1024
+"""Chunks a chunked body may have whatever their sizes; past them the chunks must average at least
+:data:`MIN_MEAN_CHUNK_BYTES` of data, or the request is refused (400).  The parser calls back into Python once per
+chunk: a 20 MB body of 1-byte chunks (120 MB on the wire) cost ~14 s of the event loop and kept other clients'
+requests waiting up to 3.4 s, where an SDK's or a proxy's chunks (kilobytes each) cost microseconds a body."""
+MIN_MEAN_CHUNK_BYTES: Final = 256
 CONTROL_BODY_HIGH_WATER: Final = 65536
 """Bytes of a control-plane request's body held for its ASGI app before the connection stops reading (resumed when
 the app's ``receive()`` takes them): uvicorn's ``HIGH_WATER_LIMIT``.  A handler that never reads its body (``GET
@@ -138,6 +152,19 @@ def raise_open_file_limit(target: int = OPEN_FILE_TARGET) -> int:
     return int(soft) if soft != resource.RLIM_INFINITY else target
 
 
+class PendingBodies:
+    """The bytes of generation-route request bodies still arriving on one server's connections, all together
+    (``held``), against ``limit`` (setting ``max_pending_body_bytes``, at least ``max_body_bytes``): each
+    connection adds what it reads of a body and takes it back once the body is whole or the request ends
+    (:meth:`ServerProtocol._release_body`)."""
+
+    __slots__ = ("held", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.held = 0
+        self.limit = limit
+
+
 @dataclass(frozen=True, slots=True)
 class EdgeLimits:
     """The client edge's limits, read once from the settings (docs/limits.md): seconds, bytes, connections."""
@@ -151,6 +178,8 @@ class EdgeLimits:
     max_connections: int
     cors: CorsPolicy | None = None
     """The CORS headers of the generation routes' answers (None: ``allowed_origins`` empty)."""
+    pending: PendingBodies | None = None
+    """The server's budget of bodies still arriving (None: no budget)."""
 
     @classmethod
     def of(cls, s: Settings, open_files: int | None = None) -> EdgeLimits:
@@ -164,7 +193,8 @@ class EdgeLimits:
         return cls(keep_alive_s=s.timeout_keep_alive_s, head_timeout_s=s.request_headers_timeout_s,
                    body_timeout_s=s.request_body_timeout_s, send_timeout_s=s.client_send_timeout_s,
                    max_head=s.max_request_head_bytes,
-                   max_body=s.max_body_bytes, max_connections=cap, cors=CorsPolicy.of(s))
+                   max_body=s.max_body_bytes, max_connections=cap, cors=CorsPolicy.of(s),
+                   pending=PendingBodies(max(s.max_pending_body_bytes, s.max_body_bytes)))
 
 
 
@@ -232,7 +262,7 @@ class Exchange:
         self.version = "1.1"
         self.headers: list[tuple[bytes, bytes]] = []
         self.api: str | None = None  # the completion route key, when the request is one (ServedApp)
-        self._parts: list[bytes] = []
+        self._parts: list[bytes | bytearray] = []  # bytearray: small pieces joined (SMALL_BODY_PIECE)
         self.held = 0  # bytes in _parts (a control-plane body not yet taken by its app)
         self.body = b""
         self.size = 0
@@ -413,6 +443,9 @@ class ServerProtocol(asyncio.Protocol):
         self.tail_fed = 0
         self.chunk_open = False  # a chunk-size line was the last thing parsed: the trailer section may follow
         self.chunks = 0
+        self.body_chunks = 0  # chunks of the message being read (FREE_CHUNKS)
+        self.bodies = lim.pending
+        self.body_held = 0  # bytes of the body being read counted in ``bodies``
         self.refused = False  # the server refused this connection's input: later bytes are dropped unparsed
         self.pending: tuple[int, str, str | None, bytes | None] | None = None  # a refusal (status, message,
         # route, origin) written once the response in progress before it has ended
@@ -462,6 +495,7 @@ class ServerProtocol(asyncio.Protocol):
         if self.server_state is not None:
             self.server_state.connections.discard(self)
         self._cancel_timer()
+        self._release_body()
         self.closing = True
         w = self.write_paused
         self.write_paused = None
@@ -625,6 +659,7 @@ class ServerProtocol(asyncio.Protocol):
             self._set_timer()
 
     def on_message_begin(self) -> None:
+        self.body_chunks = 0
         self.parsing = None if self.no_more else Exchange(self)
         self.phase = _HEAD
         self.head_fed = 0
@@ -645,6 +680,8 @@ class ServerProtocol(asyncio.Protocol):
         self.head_bytes += len(name) + len(value) + 4
         if self.head_bytes + len(self.url) > self.max_head:
             raise _Reject(431, f"request header fields larger than {self.max_head} bytes")
+        if len(ex.headers) >= MAX_HEADER_FIELDS:
+            raise _Reject(431, f"more than {MAX_HEADER_FIELDS} request header fields")
         name = name.lower()
         if name == b"expect" and value.lower() == b"100-continue":
             ex.continue_expected = True
@@ -710,6 +747,12 @@ class ServerProtocol(asyncio.Protocol):
     def on_chunk_header(self) -> None:
         self.chunk_open = True
         self.chunks += 1
+        self.body_chunks += 1
+        if self.body_chunks > FREE_CHUNKS + 1:      # (the last-chunk, size 0, is not counted)
+            ex = self.parsing
+            if ex is not None and ex.size < self.body_chunks * MIN_MEAN_CHUNK_BYTES:
+                raise _Reject(400, f"a chunked request body of more than {FREE_CHUNKS} chunks averaging under "
+                                   f"{MIN_MEAN_CHUNK_BYTES} bytes: send larger chunks, or a Content-Length body")
         self.tail_fed = 0
 
     def on_chunk_complete(self) -> None:
@@ -721,9 +764,23 @@ class ServerProtocol(asyncio.Protocol):
         if ex is None:
             return
         ex.size += len(body)
-        if ex.api is not None and ex.size > self.max_body:
-            raise _Reject(413, f"request body exceeds the limit of {self.max_body} bytes")
-        ex._parts.append(body)
+        if ex.api is not None:
+            if ex.size > self.max_body:
+                raise _Reject(413, f"request body exceeds the limit of {self.max_body} bytes")
+            bodies = self.bodies
+            if bodies is not None:
+                if bodies.held + len(body) > bodies.limit:
+                    raise _Reject(503, "the server is receiving too many request bodies at once "
+                                       f"(max_pending_body_bytes {bodies.limit}); retry later")
+                bodies.held += len(body)
+                self.body_held += len(body)
+        parts = ex._parts
+        if len(body) >= SMALL_BODY_PIECE:
+            parts.append(body)
+        elif parts and type(parts[-1]) is bytearray:
+            parts[-1] += body
+        else:
+            parts.append(bytearray(body))
         if ex.api is None:
             ex.held += len(body)
             if ex.held > CONTROL_BODY_HIGH_WATER:    # the app reads it at its pace (_AsgiCycle.receive resumes):
@@ -734,6 +791,8 @@ class ServerProtocol(asyncio.Protocol):
                 ex.flow.body_arrived()
 
     def on_message_complete(self) -> None:
+        if self.body_held:
+            self._release_body()
         self.phase = _WAIT
         self.chunk_open = False
         if self.timer_kind == _BODY_TIMER:
@@ -744,7 +803,7 @@ class ServerProtocol(asyncio.Protocol):
         self.parsing = None
         parts = ex._parts
         if ex.api is not None:
-            ex.body = parts[0] if len(parts) == 1 else b"".join(parts)
+            ex.body = parts[0] if len(parts) == 1 and type(parts[0]) is bytes else b"".join(parts)
             ex._parts = []
         ex.complete = True
         if ex is self.current:
@@ -855,12 +914,15 @@ class ServerProtocol(asyncio.Protocol):
         if refused is None:
             refused = self.parsing or self.current
         route = refused.api if refused is not None else None
+        if route is None and refused is not None and refused is self.parsing and self.phase == _HEAD:
+            route = self._route_of_head()      # refused before its head ended: the request line names the route
         origin = refused.origin if refused is not None else None
         self.closing = True
         self.no_more = True
         self.refused = True
         self.queue.clear()
         self.parsing = None
+        self._release_body()
         self._cancel_timer()
         if self.transport is None:
             return
@@ -879,6 +941,24 @@ class ServerProtocol(asyncio.Protocol):
         self._write_refusal(status, message, route, origin)
         self._linger_close()
 
+    def _release_body(self) -> None:
+        """Give back to the server's :class:`PendingBodies` what the body being read holds there (it is whole,
+        refused, or its connection is gone)."""
+        if self.body_held and self.bodies is not None:
+            self.bodies.held -= self.body_held
+        self.body_held = 0
+
+    def _route_of_head(self) -> str | None:
+        """The completion route (a ``routes`` value) of the request whose head is being read, from its request line
+        (a ``POST`` to a completion path), or None."""
+        try:
+            if self.parser is None or self.parser.get_method() != b"POST":
+                return None
+            path = (httptools.parse_url(self.url).path or b"/").decode("latin-1")
+        except (httptools.HttpParserError, httptools.HttpParserInvalidURLError):
+            return None
+        return self.routes.get((urllib.parse.unquote(path) if "%" in path else path).rstrip("/"))
+
     def _write_refusal(self, status: int, message: str, route: str | None, origin: bytes | None) -> None:
         """Write the refusal ``status`` (its JSON body, ``connection: close``) of a request on ``route`` (None: not a
         completion route, vLLM's OpenAI envelope) from ``origin`` (its CORS headers on a completion route)."""
@@ -886,7 +966,8 @@ class ServerProtocol(asyncio.Protocol):
                 else orjson.dumps(error_body(status, message)))
         cors = self.limits.cors.headers(origin) if route is not None and self.limits.cors is not None else ()
         self.write(b"".join([_STATUS_LINES[status], b"content-type: application/json\r\ncontent-length: ",
-                             str(len(body)).encode(), b"\r\nconnection: close\r\n",
+                             str(len(body)).encode(), b"\r\nretry-after: 1" if status == 503 else b"",
+                             b"\r\nconnection: close\r\n",
                              *(b"%s: %s\r\n" % pair for pair in cors), b"\r\n", body]))
 
     def _close(self) -> None:

@@ -16,7 +16,14 @@ from typing import Any
 import orjson
 import pytest
 
-from pdproxy.http.server import CONTROL_BODY_HIGH_WATER, ENGINE_FD_RESERVE, EdgeLimits
+from pdproxy.http.server import (
+    CONTROL_BODY_HIGH_WATER,
+    ENGINE_FD_RESERVE,
+    FREE_CHUNKS,
+    MAX_HEADER_FIELDS,
+    MIN_MEAN_CHUNK_BYTES,
+    EdgeLimits,
+)
 from pdproxy.settings import Settings
 from tests.conftest import Fleet
 from tests.relay.rawclient import Message, RawConn, get, post
@@ -260,8 +267,10 @@ def test_a_completion_whose_handler_raises_is_answered_500_and_closed(edge: Prox
 @pytest.mark.parametrize(("path", "anthropic"), [("/v1/chat/completions", False), ("/v1/messages", True)])
 def test_the_servers_own_refusals_take_the_routes_error_shape(edge: ProxyThread, path: str,
                                                               anthropic: bool) -> None:
-    """413 (declared and while arriving) and 408 (a stalled body) on a completion route are in that API's error
-    shape: an Anthropic client reads ``{"type": "error", ...}`` on /v1/messages, not OpenAI's envelope."""
+    """413 (declared and while arriving), 408 (a stalled body), and the refusals of a head still arriving (431 for
+    one header field too many, 501 for an unknown transfer coding: the request line names the route; old code
+    answered those in OpenAI's envelope everywhere) on a completion route are in that API's error shape: an
+    Anthropic client reads ``{"type": "error", ...}`` on /v1/messages, not OpenAI's envelope."""
     def check(m: Message, status: int) -> None:
         assert m.status == status and m.header("connection") == "close"
         body = orjson.loads(m.body)
@@ -285,6 +294,57 @@ def test_the_servers_own_refusals_take_the_routes_error_shape(edge: ProxyThread,
            f"Content-Length: 100\r\n\r\n{{".encode())
     assert c.wait_closed()
     check(c.p.messages[0], 408)
+    # with Host, one field too many and one more (a field is complete once the parser sees the next line begin)
+    fields = b"".join(b"x-f%d: 1\r\n" % i for i in range(MAX_HEADER_FIELDS + 1))
+    c = RawConn(edge.port)
+    c.send(f"POST {path} HTTP/1.1\r\nHost: x\r\n".encode() + fields)
+    assert c.wait_closed()
+    check(c.p.messages[0], 431)
+    c = RawConn(edge.port)
+    c.send(f"POST {path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\nAccept: */*\r\n".encode())
+    assert c.wait_closed()
+    check(c.p.messages[0], 501)
+
+
+def test_a_head_of_the_most_header_fields_allowed_is_served(edge: ProxyThread) -> None:
+    """:data:`MAX_HEADER_FIELDS` fields in all (Host and Content-Length included) are served; one more is the 431
+    of the test above."""
+    fields = b"".join(b"x-f%d: 1\r\n" % i for i in range(MAX_HEADER_FIELDS - 3))
+    c = RawConn(edge.port)
+    c.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + fields
+           + b"Content-Length: %d\r\n\r\n" % len(JSON) + JSON)
+    assert c.read_messages(1)[0].status == 200
+
+
+def chunked_post(port: int, pieces: list[bytes]) -> RawConn:
+    """A completion request whose body is sent as one chunk per piece, all in one write."""
+    c = RawConn(port)
+    c.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Transfer-Encoding: chunked\r\n\r\n" + b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in pieces)
+           + b"0\r\n\r\n")
+    return c
+
+
+def test_a_chunked_body_of_tiny_chunks_is_refused_and_one_of_ordinary_chunks_is_served(edge: ProxyThread,
+                                                                                        sims: Fleet) -> None:
+    """Past :data:`FREE_CHUNKS` chunks, a chunked body must average :data:`MIN_MEAN_CHUNK_BYTES` a chunk: 1-byte
+    chunks are refused (400, no engine contacted) as soon as they pass the count — old code read them all, one
+    Python call and one 34-byte object each (a 20 MB body held the event loop for seconds and 2 GB of memory).
+    Up to the count, any chunks are read, and the small ones joined into the same body."""
+    before = engine_requests(sims)
+    c = chunked_post(edge.port, [b" "] * (FREE_CHUNKS + 100) + [JSON])
+    assert c.wait_closed()
+    m = c.p.messages[0]
+    assert m.status == 400 and m.header("connection") == "close"
+    assert f"more than {FREE_CHUNKS} chunks averaging under {MIN_MEAN_CHUNK_BYTES} bytes" in (
+        orjson.loads(m.body)["error"]["message"])
+    assert engine_requests(sims) == before
+    body = JSON + b" " * (FREE_CHUNKS - len(JSON))
+    c = chunked_post(edge.port, [body[i:i + 1] for i in range(len(body))])      # FREE_CHUNKS 1-byte chunks
+    m = c.read_messages(1)[0]
+    assert m.status == 200 and orjson.loads(m.body)["choices"][0]["text"]
+    prompts = [r["body"]["prompt"] for s in sims.all for r in s.completions_received()[-2:]]
+    assert "hello edge" in prompts
 
 
 def read_to_eof(s: socket.socket) -> bytes:
@@ -416,3 +476,42 @@ def test_a_control_route_that_has_not_read_its_body_holds_its_high_water_mark(si
             data += piece
         s.close()
         assert data.startswith(b"HTTP/1.1 200 ")
+
+
+def test_bodies_still_arriving_are_bounded_across_connections(sims: Fleet) -> None:
+    """Each connection's body is bounded by ``max_body_bytes``; all of them together by ``max_pending_body_bytes``
+    (old code: none — 30 connections each holding back the last byte of a 60 MB body held 1.65 GB).  The body
+    that would pass the budget gets 503 with Retry-After in its route's shape, nothing reaches an engine, and the
+    budget comes back as bodies end: a closed connection's bytes are released and the next request is served."""
+    before = engine_requests(sims)
+    with edge_proxy(sims, max_pending_body_bytes=3 * HEAD) as p:
+        held = []
+        for _ in range(3):                       # three bodies of HEAD bytes, each missing its last 100 bytes
+            c = RawConn(p.port)
+            c.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n" % HEAD + b" " * (HEAD - 100))
+            held.append(c)
+        protos = p.server.server_state.connections
+        wait_until(lambda: len(protos) == 3 and sum(x.body_held for x in protos) == 3 * (HEAD - 100), 10, 0.02,
+                   "the three bodies read")
+        bodies = next(iter(protos)).bodies
+        assert bodies is not None and bodies.held == 3 * (HEAD - 100) and bodies.limit == 3 * HEAD
+        c = RawConn(p.port)
+        c.send(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: 1000\r\n\r\n" + b" " * 1000)
+        assert c.wait_closed()
+        m = c.p.messages[0]
+        assert m.status == 503 and m.header("retry-after") == "1"
+        assert orjson.loads(m.body)["type"] == "error"                  # Anthropic's shape on /v1/messages
+        assert bodies.held == 3 * (HEAD - 100)                          # the refused body's bytes given back
+        held.pop().sock.close()
+        wait_until(lambda: bodies.held == 2 * (HEAD - 100), 10, 0.02, "a closed connection's body released")
+        c = RawConn(p.port)
+        c.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(JSON) + JSON)
+        assert c.read_messages(1)[0].status == 200
+        assert bodies.held == 2 * (HEAD - 100)                          # a whole body no longer counts
+        for c in held:
+            c.sock.close()
+        wait_until(lambda: bodies.held == 0, 10, 0.02, "every body released")
+    assert engine_requests(sims) == before + 2                          # only the served request's two legs
