@@ -65,7 +65,7 @@ from pdproxy.apis.chat import Chain, ChatUsage, ContinueTranscript, RecordTransc
 from pdproxy.apis.transform import Transform
 from pdproxy.errors import ProxyError, UpstreamTimeout, UpstreamUnavailable
 from pdproxy.http import sse
-from pdproxy.http.client import H1Response, ReadTimeout, TransportError
+from pdproxy.http.client import H1Response, ProtocolError, ReadTimeout, TransportError
 from pdproxy.http.errors import transport_error
 from pdproxy.pd.continuation import LossCause, RecordIds, Reframe, Resume, StreamLost
 from pdproxy.pd.responder import SSE_HEADERS, Responder
@@ -137,7 +137,7 @@ class _Splice:
         self.done_mark = self.done_event[-3]  # the byte before the blank line: a cheap pre-test
         self.prev = b""
         self.ending = b""  # the decoder's last two blocks as it sent them, once its end event came (_end)
-        self.tail = tail
+        self.tail: bytes | bytearray = tail   # an incomplete event held for its rest (sse.reassemble)
         self.writes = 0
         self.last = last_write
         self.first = time.monotonic()  # this leg's start: its own inter-token time, not the stream's history
@@ -179,6 +179,9 @@ class _Splice:
         out = self.out
         if out.ended:
             return  # after the stream's end event: nothing more is for the client
+        if chunk[0] == 58 and sse.only_comments(chunk):   # ":": keep-alive comments only (vLLM sends none)
+            self.write(chunk)        # passed on, but not a token: the decoder's silence (idle_s) goes on counting
+            return
         now = time.monotonic()
         if self.writes:
             gap = now - self.last
@@ -216,15 +219,15 @@ class _Splice:
     def _reframe(self, chunk: bytes) -> bytes:
         """``chunk`` after any held tail, cut after its last complete event (the rest is held), with ``\\n`` line
         endings (:func:`pdproxy.http.sse.frame`); may be empty."""
-        if self.tail:
-            chunk, self.tail = sse.frame(self.tail + chunk, len(self.tail))
-        else:
-            chunk, self.tail = sse.frame(chunk)
+        try:
+            chunk, self.tail = sse.reassemble(self.tail, chunk)
+        except sse.EventTooLarge as exc:      # the decoder's connection breaks: the client gets the error event
+            raise ProtocolError(f"{exc}; the stream is cut") from None
         return chunk
 
     # --- end of the decoder's body -------------------------------------------------------------------------
     def eof(self) -> None:
-        tail, self.tail = self.tail, b""
+        tail, self.tail = bytes(self.tail), b""
         if tail.strip():
             self.data(sse.normalize(tail).rstrip(b"\n") + b"\n\n")  # the engine's last event lacked its blank line
         if self.done.done():
@@ -424,7 +427,12 @@ class StreamRelay:
                 chunk = await resp.readany()
                 if not chunk:
                     return b""
-                block = framer.feed(chunk)
+                try:
+                    block = framer.feed(chunk)
+                except sse.EventTooLarge as exc:
+                    raise ProtocolError(str(exc)) from None
+                if block and block[0] == 58 and sse.only_comments(block):
+                    continue      # keep-alive comments are not a first event: its timeout goes on counting
                 if block:
                     if opening and api_streams.only_opening(block, opening):
                         held += block

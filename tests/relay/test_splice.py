@@ -12,6 +12,8 @@ from contextlib import asynccontextmanager
 import orjson
 import pytest
 
+from pdproxy.errors import UpstreamTimeout
+from pdproxy.http import sse
 from pdproxy.http.client import H1Pool, H1Response
 from pdproxy.pd.relay import StreamRelay
 from pdproxy.pd.responder import Responder
@@ -293,3 +295,87 @@ async def test_a_read_mixing_line_endings_reaches_the_client_with_newline_ending
         script.send(chunk(TOKEN.replace(b"\n", b"\r\n")) + chunk(TOKEN) + chunk(DONE) + b"0\r\n\r\n")
         assert await task is False
     assert client.text == TOKEN * 3 + DONE and client.finished
+
+
+async def test_a_long_event_over_many_reads_is_held_without_copying_and_forwarded_whole() -> None:
+    """An event arriving in many reads is held as one growing buffer (sse.reassemble): the held tail is the same
+    object read after read (old code re-joined it every read: a 100 MB event cost O(n²) of the event loop, 17 s,
+    and held every other client up to 7 s), and the client gets the event whole, byte for byte."""
+    big = event({"id": "c1", "choices": [{"index": 0, "text": "x" * 300_000, "finish_reason": None}]})
+    pieces = [big[i:min(i + 16_384, len(big) - 2)] for i in range(0, len(big) - 2, 16_384)]   # all but its end
+    script = Script()
+    async with relaying(script) as (task, client, _ctx, resp):
+        held: list[int] = []
+        for piece in pieces:
+            script.send(chunk(piece))
+            want = sum(map(len, pieces[:len(held) + 1]))
+            await until(lambda want=want: resp.sink is not None and len(resp.sink.tail) == want,  # type: ignore[misc]
+                        "the piece held")
+            held.append(id(resp.sink.tail))
+        assert len(held) > 10 and len(set(held[1:])) == 1            # one buffer, grown in place
+        assert len(client.body) == 1                                 # nothing of the event sent before its end
+        script.send(chunk(big[-2:]) + chunk(DONE) + b"0\r\n\r\n")
+        await task
+    assert client.text == TOKEN + big + DONE and client.finished
+
+
+async def test_an_event_that_never_ends_is_cut_at_the_limit_with_an_error_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoder writing an event without its end (``data: `` and bytes, no blank line) is cut once the event
+    passes :data:`pdproxy.http.sse.MAX_EVENT_BYTES`: the client gets the SSE error event and ``[DONE]`` (old code:
+    held it all, without bound, until the decoder closed)."""
+    monkeypatch.setattr(sse, "MAX_EVENT_BYTES", 100_000)
+    script = Script()
+    async with relaying(script) as (task, client, ctx, _resp):
+        script.send(chunk(b"data: " + b"y" * 50_000))
+        for _ in range(4):
+            script.send(chunk(b"y" * 20_000))
+        assert await task is False
+    assert client.finished and client.text.startswith(TOKEN) and client.text.endswith(DONE)
+    error = orjson.loads(client.text[len(TOKEN):-len(DONE)].removeprefix(b"data: "))["error"]
+    assert "more than 100000 bytes without its end" in error["message"]
+    assert ctx.outcome == "upstream_error" and b"yyy" not in client.text
+
+
+async def test_keep_alive_comments_do_not_keep_a_silent_decoder_alive() -> None:
+    """A decoder (or something in front of it) that sends only SSE comments after its first event is a decoder
+    generating nothing: the comments are passed on, but ``idle_timeout_s`` goes on counting and the stream ends
+    with the error event (old code: every comment reset the silence, and the request never ended)."""
+    script = Script()
+    async with relaying(script, idle_timeout_s=0.3) as (task, client, ctx, _resp):
+        for _ in range(60):                     # 3 s of comments, 10× the idle timeout
+            if task.done():
+                break
+            script.send(chunk(b": keep-alive\n\n"))
+            await asyncio.sleep(0.05)
+        assert task.done(), "the comments kept the stream open"
+        assert await task is False
+    events = [e for e in client.text.split(b"\n\n") if e]
+    assert events[0] + b"\n\n" == TOKEN and events[1] == b": keep-alive" and events[-1] + b"\n\n" == DONE
+    assert b'"error"' in events[-2] and ctx.outcome == "upstream_error"
+
+
+async def test_keep_alive_comments_are_not_a_first_event() -> None:
+    """Comments before the first event neither start the client's response nor stop the first-event timeout:
+    the decoder that sends only comments is a decoder that sent no event (old code: the 200 went out with the
+    first comment and the request never ended)."""
+    script = Script()
+    async with Engine(script) as engine:
+        pool = H1Pool(connect_timeout_s=1.0, keepalive_s=30.0)
+        script.send(HEAD + chunk(b": keep-alive\n\n"))
+        resp = await post(pool, engine.key)
+        ctx = RequestContext(request_id="r", client_request_id=None, api_label="completions", decoder="d")
+        client = Client()
+        relay = StreamRelay(resp, Responder(client, ctx, []), ctx, cached_tokens=None,  # type: ignore[arg-type]
+                            first_event_timeout_s=0.3, idle_timeout_s=5.0)
+        task = asyncio.ensure_future(relay.run())
+        for _ in range(60):
+            if task.done():
+                break
+            script.send(chunk(b": keep-alive\n\n"))
+            await asyncio.sleep(0.05)
+        with pytest.raises(UpstreamTimeout, match=r"no event within 0\.3 s"):
+            await task
+        assert client.status == 0 and not client.body
+        resp.close()
+        pool.close()
+        script.send(None)  # type: ignore[arg-type]
