@@ -748,9 +748,10 @@ class ServerProtocol(asyncio.Protocol):
         self.chunk_open = True
         self.chunks += 1
         self.body_chunks += 1
-        if self.body_chunks > FREE_CHUNKS + 1:      # (the last-chunk, size 0, is not counted)
+        read = self.body_chunks - 1                 # chunks whose data is in: not this one, whose size line just ended
+        if read > FREE_CHUNKS:
             ex = self.parsing
-            if ex is not None and ex.size < self.body_chunks * MIN_MEAN_CHUNK_BYTES:
+            if ex is not None and ex.size < read * MIN_MEAN_CHUNK_BYTES:
                 raise _Reject(400, f"a chunked request body of more than {FREE_CHUNKS} chunks averaging under "
                                    f"{MIN_MEAN_CHUNK_BYTES} bytes: send larger chunks, or a Content-Length body")
         self.tail_fed = 0

@@ -347,6 +347,19 @@ def test_a_chunked_body_of_tiny_chunks_is_refused_and_one_of_ordinary_chunks_is_
     assert "hello edge" in prompts
 
 
+@pytest.mark.parametrize(("size", "status"), [(MIN_MEAN_CHUNK_BYTES, 200), (MIN_MEAN_CHUNK_BYTES - 1, 400)])
+def test_chunks_of_exactly_the_mean_are_served(sims: Fleet, size: int, status: int) -> None:
+    """Chunks of :data:`MIN_MEAN_CHUNK_BYTES` each, past :data:`FREE_CHUNKS`, meet the rule; a byte less does not
+    (a chunk is counted once its data is in, not when its size line ends)."""
+    p = ProxyThread(prefill=[s.url for s in sims.prefillers], decode=[s.url for s in sims.decoders]).start()
+    try:
+        c = chunked_post(p.port, [JSON.ljust(size)] + [b" " * size] * (FREE_CHUNKS + 4))
+        assert c.read_messages(1)[0].status == status
+        p.wait_idle()
+    finally:
+        p.stop()
+
+
 def read_to_eof(s: socket.socket) -> bytes:
     """Everything the proxy sends until it closes (a reset raises ConnectionResetError)."""
     data = b""
