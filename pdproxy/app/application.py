@@ -26,6 +26,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from pdproxy import __version__
@@ -452,9 +453,15 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
                              authorization=authorization, model=req.model)
         return Response(orjson.dumps(await st.prefix.explain(req, ctx)), media_type="application/json")
 
-    @app.exception_handler(404)
-    async def _not_found(_: Request, __: Exception) -> Response:
-        return Response(orjson.dumps(error_body(404, "Not Found")), status_code=404, media_type="application/json")
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: Exception) -> Response:
+        """Starlette's own refusals (404 for an unknown path, 405 with ``Allow`` for a known path's other methods)
+        in vLLM's JSON envelope, not FastAPI's ``{"detail": ...}``."""
+        assert isinstance(exc, StarletteHTTPException)
+        status = exc.status_code
+        kind = "MethodNotAllowed" if status == 405 else None
+        return Response(orjson.dumps(error_body(status, str(exc.detail), error_type=kind)), status_code=status,
+                        media_type="application/json", headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, __: Exception) -> Response:

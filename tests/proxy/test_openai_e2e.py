@@ -217,6 +217,17 @@ def test_wrong_method_on_a_completion_route_is_405(proxy: ProxyThread) -> None:
     assert r.json() == {"type": "error", "error": {"type": "MethodNotAllowed", "message": "Method Not Allowed"}}
 
 
+@pytest.mark.parametrize(("method", "path", "allow"), [("POST", "/v1/models", "GET"), ("DELETE", "/health", "GET")])
+def test_wrong_method_on_a_control_route_is_405_in_vllms_envelope(proxy: ProxyThread, method: str, path: str,
+                                                                   allow: str) -> None:
+    """The routes served through the ASGI app answer a wrong method as the completion routes do (old code:
+    FastAPI's ``{"detail": "Method Not Allowed"}``), with their ``Allow`` header."""
+    r = httpx.request(method, proxy.url + path)
+    assert r.status_code == 405 and allow in r.headers["allow"]
+    assert r.json() == {"error": {"message": "Method Not Allowed", "type": "MethodNotAllowed", "param": None,
+                                  "code": 405}}
+
+
 def test_a_trailing_slash_is_not_redirected_to_the_clients_host(proxy: ProxyThread) -> None:
     """Starlette redirects ``/v1/models/`` to ``http://<the client's Host>/v1/models``; a shared cache would keep
     that redirect for everyone.  pdproxy answers 404 instead (vLLM's routes have no trailing slash either)."""
