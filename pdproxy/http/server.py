@@ -178,8 +178,9 @@ class EdgeLimits:
     max_connections: int
     cors: CorsPolicy | None = None
     """The CORS headers of the generation routes' answers (None: ``allowed_origins`` empty)."""
-    pending: PendingBodies | None = None
-    """The server's budget of bodies still arriving (None: no budget)."""
+    max_pending_body: int | None = None
+    """The limit of a server's :class:`PendingBodies` (setting ``max_pending_body_bytes``, at least ``max_body``;
+    None: no budget)."""
 
     @classmethod
     def of(cls, s: Settings, open_files: int | None = None) -> EdgeLimits:
@@ -194,7 +195,7 @@ class EdgeLimits:
                    body_timeout_s=s.request_body_timeout_s, send_timeout_s=s.client_send_timeout_s,
                    max_head=s.max_request_head_bytes,
                    max_body=s.max_body_bytes, max_connections=cap, cors=CorsPolicy.of(s),
-                   pending=PendingBodies(max(s.max_pending_body_bytes, s.max_body_bytes)))
+                   max_pending_body=max(s.max_pending_body_bytes, s.max_body_bytes))
 
 
 
@@ -208,6 +209,13 @@ def _status_line(code: int) -> bytes:
 
 
 _STATUS_LINES = {code: _status_line(code) for code in range(100, 600)}
+
+
+def _decoded_path(raw_path: bytes) -> str:
+    """A request target's path (bytes as sent) as a ``str``: latin-1, percent-escapes decoded (UTF-8), as
+    Starlette's ``scope["path"]``."""
+    path = raw_path.decode("latin-1")
+    return urllib.parse.unquote(path) if "%" in path else path
 
 
 def _ignore(data: bytes) -> None:
@@ -408,11 +416,12 @@ def _send_check(transport: asyncio.Transport, before: int, loop: asyncio.Abstrac
 class ServerProtocol(asyncio.Protocol):
     """One client connection.  Built by uvicorn's ``Server`` with ``config``, ``server_state`` and
     ``app_state`` (keywords, see :func:`protocol_factory`); ``proxy`` is the :class:`ServedApp`, ``limits`` its
-    :class:`EdgeLimits` (read from its settings when not given)."""
+    :class:`EdgeLimits` (read from its settings when not given), ``bodies`` the server's :class:`PendingBodies`,
+    shared by all its connections (None: bodies still arriving are not budgeted together)."""
 
     def __init__(self, config: Any = None, server_state: Any = None, app_state: dict[str, Any] | None = None,
                  _loop: asyncio.AbstractEventLoop | None = None, *, proxy: ServedApp,
-                 limits: EdgeLimits | None = None) -> None:
+                 limits: EdgeLimits | None = None, bodies: PendingBodies | None = None) -> None:
         self.proxy = proxy
         self.asgi = config.loaded_app if config is not None and getattr(config, "loaded", False) else proxy
         self.limits = lim = limits or EdgeLimits.of(proxy.settings)
@@ -444,7 +453,7 @@ class ServerProtocol(asyncio.Protocol):
         self.chunk_open = False  # a chunk-size line was the last thing parsed: the trailer section may follow
         self.chunks = 0
         self.body_chunks = 0  # chunks of the message being read (FREE_CHUNKS)
-        self.bodies = lim.pending
+        self.bodies = bodies
         self.body_held = 0  # bytes of the body being read counted in ``bodies``
         self.refused = False  # the server refused this connection's input: later bytes are dropped unparsed
         self.pending: tuple[int, str, str | None, bytes | None] | None = None  # a refusal (status, message,
@@ -732,10 +741,8 @@ class ServerProtocol(asyncio.Protocol):
             raise _Reject(400, "invalid request target") from None
         ex.raw_path = parsed.path or b"/"
         ex.query = parsed.query or b""
-        path = ex.raw_path.decode("latin-1")
-        ex.path = urllib.parse.unquote(path) if "%" in path else path
-        if ex.method == "POST":
-            ex.api = self.routes.get(ex.path.rstrip("/"))
+        ex.path = _decoded_path(ex.raw_path)
+        ex.api = self._api_of(ex.method, ex.path)
         if ex.api is not None and ex.declared is not None and ex.declared > self.max_body:
             raise _Reject(413, f"request body of {ex.declared} bytes exceeds the limit of {self.max_body} bytes")
         if self.current is None:
@@ -949,16 +956,21 @@ class ServerProtocol(asyncio.Protocol):
             self.bodies.held -= self.body_held
         self.body_held = 0
 
+    def _api_of(self, method: str, path: str) -> str | None:
+        """The completion route key (a ``routes`` value) of a ``method`` request to the decoded ``path``: a ``POST``
+        to a completion path (a trailing slash ignored), else None."""
+        return self.routes.get(path.rstrip("/")) if method == "POST" else None
+
     def _route_of_head(self) -> str | None:
-        """The completion route (a ``routes`` value) of the request whose head is being read, from its request line
-        (a ``POST`` to a completion path), or None."""
+        """:meth:`_api_of` the request whose head is being read, from its request line alone (it was refused
+        before its head ended), or None when the request line is not whole or not valid."""
         try:
-            if self.parser is None or self.parser.get_method() != b"POST":
+            if self.parser is None:
                 return None
-            path = (httptools.parse_url(self.url).path or b"/").decode("latin-1")
+            method = self.parser.get_method().decode("ascii", "replace")
+            return self._api_of(method, _decoded_path(httptools.parse_url(self.url).path or b"/"))
         except (httptools.HttpParserError, httptools.HttpParserInvalidURLError):
             return None
-        return self.routes.get((urllib.parse.unquote(path) if "%" in path else path).rstrip("/"))
 
     def _write_refusal(self, status: int, message: str, route: str | None, origin: bytes | None) -> None:
         """Write the refusal ``status`` (its JSON body, ``connection: close``) of a request on ``route`` (None: not a
@@ -1096,9 +1108,11 @@ class _AsgiCycle:
 
 
 def protocol_factory(proxy: ServedApp) -> Callable[..., ServerProtocol]:
-    """The ``http`` argument of ``uvicorn.Config`` that serves ``proxy`` with :class:`ServerProtocol` (its
-    :class:`EdgeLimits` read once, here)."""
-    return functools.partial(ServerProtocol, proxy=proxy, limits=EdgeLimits.of(proxy.settings))
+    """The ``http`` argument of ``uvicorn.Config`` that serves ``proxy`` with :class:`ServerProtocol`: its
+    :class:`EdgeLimits` read once, here, and one :class:`PendingBodies` for all the server's connections."""
+    limits = EdgeLimits.of(proxy.settings)
+    bodies = PendingBodies(limits.max_pending_body) if limits.max_pending_body is not None else None
+    return functools.partial(ServerProtocol, proxy=proxy, limits=limits, bodies=bodies)
 
 
 def uvicorn_config(proxy: ServedApp, **kwargs: Any) -> Any:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import re
 from typing import Final
 
+from pdproxy.http.client import ProtocolError
+
 DONE_EVENT = b"data: [DONE]\n\n"
 MAX_EVENT_BYTES: Final = 128 << 20
 """The longest incomplete event held while its rest arrives (bytes): past it the stream is broken
@@ -25,8 +27,10 @@ MAX_EVENT_BYTES: Final = 128 << 20
 logprobs: tens of MB at the extreme); a stream that never ends an event would otherwise grow without bound."""
 
 
-class EventTooLarge(ValueError):
-    """An upstream event grew past :data:`MAX_EVENT_BYTES` without ending."""
+class EventTooLarge(ProtocolError):
+    """An upstream event grew past :data:`MAX_EVENT_BYTES` without ending: the engine's stream is not acceptable
+    (a :class:`~pdproxy.http.client.ProtocolError`, so the relay breaks the engine's connection and the client
+    gets the stream's error event)."""
 _BLANK_LINE = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r|\n)")
 """A line ending followed by another: an event's end.  A first ``\r`` followed by ``\n`` is one ``\r\n``."""
 _LINE_ENDS = b"\r\n"

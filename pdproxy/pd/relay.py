@@ -65,7 +65,7 @@ from pdproxy.apis.chat import Chain, ChatUsage, ContinueTranscript, RecordTransc
 from pdproxy.apis.transform import Transform
 from pdproxy.errors import ProxyError, UpstreamTimeout, UpstreamUnavailable
 from pdproxy.http import sse
-from pdproxy.http.client import H1Response, ProtocolError, ReadTimeout, TransportError
+from pdproxy.http.client import H1Response, ReadTimeout, TransportError
 from pdproxy.http.errors import transport_error
 from pdproxy.pd.continuation import LossCause, RecordIds, Reframe, Resume, StreamLost
 from pdproxy.pd.responder import SSE_HEADERS, Responder
@@ -219,10 +219,7 @@ class _Splice:
     def _reframe(self, chunk: bytes) -> bytes:
         """``chunk`` after any held tail, cut after its last complete event (the rest is held), with ``\\n`` line
         endings (:func:`pdproxy.http.sse.frame`); may be empty."""
-        try:
-            chunk, self.tail = sse.reassemble(self.tail, chunk)
-        except sse.EventTooLarge as exc:      # the decoder's connection breaks: the client gets the error event
-            raise ProtocolError(f"{exc}; the stream is cut") from None
+        chunk, self.tail = sse.reassemble(self.tail, chunk)   # sse.EventTooLarge: a ProtocolError
         return chunk
 
     # --- end of the decoder's body -------------------------------------------------------------------------
@@ -427,10 +424,7 @@ class StreamRelay:
                 chunk = await resp.readany()
                 if not chunk:
                     return b""
-                try:
-                    block = framer.feed(chunk)
-                except sse.EventTooLarge as exc:
-                    raise ProtocolError(str(exc)) from None
+                block = framer.feed(chunk)      # sse.EventTooLarge: a ProtocolError
                 if block and block[0] == 58 and sse.only_comments(block):
                     continue      # keep-alive comments are not a first event: its timeout goes on counting
                 if block:

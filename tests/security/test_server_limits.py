@@ -509,6 +509,7 @@ def test_bodies_still_arriving_are_bounded_across_connections(sims: Fleet) -> No
                    "the three bodies read")
         bodies = next(iter(protos)).bodies
         assert bodies is not None and bodies.held == 3 * (HEAD - 100) and bodies.limit == 3 * HEAD
+        assert all(x.bodies is bodies for x in protos)                  # one budget for the server
         c = RawConn(p.port)
         c.send(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                b"Content-Length: 1000\r\n\r\n" + b" " * 1000)
