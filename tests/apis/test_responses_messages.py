@@ -257,6 +257,14 @@ def test_an_engines_openai_shaped_error_on_messages_reaches_the_client_in_the_an
     assert r.status_code == 500 and r.headers["content-type"] == "application/json"
     assert r.json() == {"error": {"message": "engine answered HTTP 500: 500 Internal Server Error Server got itself "
                                              "in trouble", "type": "InternalServerError", "param": None, "code": 500}}
+    for d in sims.decoders:                                   # the decode leg's error: the same envelope
+        d.faults({"kind": "status", "status": 400, "body": "<html><body>Bad Request</body></html>",
+                  "path": "/v1/chat/completions", "times": 1})
+    r = httpx.post(proxy.url + "/v1/chat/completions", json={"model": "sim-model", "max_tokens": 4, "stream": True,
+                                                             "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json"
+    assert r.json() == {"error": {"message": "engine answered HTTP 400: <html><body>Bad Request</body></html>",
+                                  "type": "BadRequestError", "param": None, "code": 400}}
 
 
 def test_messages_count_tokens_passes_through(sims: Fleet) -> None:
