@@ -28,7 +28,11 @@ routing ``auto``, which with these engines — no KV events, no tokenizer — is
 chunks of the rendered prompt), ``pdproxy_noprefix`` (``--prefix-routing off``), ``pdproxy_continuation``
 (``--stream-continuation``; ``paced_1000`` and ``full_100`` only), ``vllm-router`` (``--policy round_robin``:
 the reference of every ratio; before this target was explicit the router ran its default ``cache_aware``),
-``vllm-router_cache_aware`` (``--policy cache_aware``; the per-request scenarios only) and ``client_pd``.
+``vllm-router_cache_aware`` (``--policy cache_aware``; the per-request scenarios only), ``bare_relay``
+(``loadtest/bare_relay.py``: a PD relay in Python with no feature at all — uvloop + httptools both sides, one
+JSON parse, the two legs, the decoder's pieces relayed as they arrive; the per-request scenarios only: the floor
+of any Python relay on the same machine, which tells Python's part of a figure from pdproxy's features') and
+``client_pd``.
 
 Scenarios:
 
@@ -140,14 +144,15 @@ USERS_ROUTER = ROUTER.replace(" --log-level warning", "")
 ROUTER_RR = USERS_ROUTER + " --policy round_robin"
 COMMANDS = {"pdproxy": USERS_PDPROXY, "pdproxy_noprefix": USERS_PDPROXY + " --prefix-routing off",
             "pdproxy_continuation": USERS_PDPROXY + " --stream-continuation", "vllm-router": ROUTER_RR,
-            "vllm-router_cache_aware": USERS_ROUTER + " --policy cache_aware"}
+            "vllm-router_cache_aware": USERS_ROUTER + " --policy cache_aware",
+            "bare_relay": "{python} -m loadtest.bare_relay --port {port} --prefill {prefill} --decode {decode}"}
 """The proxies under test: name → command template (loadtest/fleet.py ``proxy_child``)."""
 
 
 def targets(sc: Scenario) -> list[str]:
     """The targets of one scenario, in the order each repetition runs them (``client_pd`` is the generator)."""
     if sc.name in PER_REQUEST:
-        return ["pdproxy", "pdproxy_noprefix", "vllm-router", "vllm-router_cache_aware", "client_pd"]
+        return ["pdproxy", "pdproxy_noprefix", "vllm-router", "vllm-router_cache_aware", "bare_relay", "client_pd"]
     if sc.name in OPEN_LOOP:
         return ["pdproxy", "vllm-router", "client_pd"]
     if sc.name in ("paced_1000", "full_100"):
