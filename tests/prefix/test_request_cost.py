@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from pdproxy.admission.bounds import ToolsBytes, indented_json_bytes, prompt_bounds, utf8_len
+from pdproxy.admission.bounds import LAYOUT_WALK_CONTAINERS, ToolsBytes, indented_json_bytes, prompt_bounds, utf8_len
 from pdproxy.apis.request import completion_tokens_in
 from pdproxy.prefix.index import TEXT_GROWTH, ApproxPrefixIndex, BlockKeys, key_bytes, text_keys
 from pdproxy.prefix.routing import InflightPrefixes
@@ -247,6 +247,37 @@ def test_tools_size_is_pythons_indented_json(value: Any) -> None:
     assert indented_json_bytes(value) == utf8_len(json.dumps(value, indent=4, ensure_ascii=False))
 
 
+@settings(max_examples=100, deadline=None)
+@given(value=st.recursive(st.integers() | st.text(max_size=4),
+                          lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner,
+                                                                                     max_size=3), max_leaves=12))
+def test_tools_size_beyond_64_bit_integers_is_pythons_too(value: Any) -> None:
+    """Integers orjson does not encode are measured from Python's compact JSON, with the same layout count."""
+    assert indented_json_bytes(value) == utf8_len(json.dumps(value, indent=4, ensure_ascii=False))
+
+
+def test_tools_size_is_counted_without_rendering_the_layout() -> None:
+    """A schema nested deep over a long list: rendering it indented grows with depth × members (the old code: a
+    1.8 MB list 195 levels deep rendered to 712 MB, 1 s of the event loop); counted, the same figure as Python's
+    rendering in a small fraction of its memory.  Past LAYOUT_WALK_CONTAINERS containers the figure is a bound
+    above the exact one, still without rendering."""
+    import tracemalloc
+
+    value = json.loads('{"a":' * 150 + "[" + ",".join(["12"] * 20_000) + "]" + "}" * 150)
+    exact = utf8_len(json.dumps(value, indent=4, ensure_ascii=False))         # ~12 MB rendered
+    tracemalloc.start()
+    try:
+        assert indented_json_bytes(value) == exact
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < exact // 2                # old code: 23.6 MB (the rendering and its lines); now 4 MB (orjson's)
+    many = [{"k": [i]} for i in range(LAYOUT_WALK_CONTAINERS)]                 # 2 × the walk's containers
+    assert indented_json_bytes(many) >= utf8_len(json.dumps(many, indent=4, ensure_ascii=False))
+    few = many[: LAYOUT_WALK_CONTAINERS // 2 - 1]                               # 9,999 containers: counted exactly
+    assert indented_json_bytes(few) == utf8_len(json.dumps(few, indent=4, ensure_ascii=False))
+
+
 @settings(max_examples=50, deadline=None)
 @given(value=st.lists(st.floats(allow_nan=False, allow_infinity=False), max_size=6))
 def test_tools_size_with_floats_is_an_upper_bound(value: list[float]) -> None:
@@ -269,9 +300,9 @@ def test_an_agents_tools_are_measured_once_per_list(monkeypatch: pytest.MonkeyPa
              for i in range(16)]
     measured: list[int] = []
 
-    def counted(value: Any) -> int:
+    def counted(value: Any, compact: bytes | None = None) -> int:
         measured.append(1)
-        return indented_json_bytes(value)
+        return indented_json_bytes(value, compact)
 
     monkeypatch.setattr("pdproxy.admission.bounds.indented_json_bytes", counted)   # what ToolsBytes measures with
     sizes = ToolsBytes()
