@@ -53,8 +53,13 @@ parses up to 1024 levels but writes at most 254, and engine legs are re-encoded 
 MAX_JSON_ITEMS: Final = 1_000_000
 """Default ``max_json_items``: arrays, objects and element separators (``{``, ``[``, ``,``) a client's JSON body may
 hold.  Parsed, an empty object costs ~85 bytes of memory for its 3 bytes of JSON and ~0.2 µs of event loop, so a
-64 MiB body of them was 1.7 GB and 4 s; at this bound a body costs at most ~100 MB and ~0.1 s.  A 1M-token id
+64 MiB body of them was 1.7 GB and 4 s; at this bound a body costs at most ~100 MB and ~0.1–0.25 s.  A 1M-token id
 prompt (1M elements) fits; no chat of real messages comes near."""
+
+
+FAN_OUT_CEILING: Final = 1024
+"""The most sequences ``fan_out_max_sequences`` may allow: a completions ``prompt`` listing more prompts is refused
+before any of them is read (``pdproxy/apis/request.py``)."""
 
 
 def is_loopback_host(host: str) -> bool:
@@ -209,7 +214,7 @@ class Settings(BaseSettings):
     upstream_pool_wait_s: float = Field(10.0, gt=0, description="how long a request waits for a connection to an "
                                                                 "engine at upstream_max_connections (seconds)")
     fan_out_max_sequences: int = Field(
-        16, ge=1, le=1024, description="most sequences one request may fan out to (n x prompts of a completion "
+        16, ge=1, le=FAN_OUT_CEILING, description="most sequences one request may fan out to (n x prompts of a completion "
                                        "prompt list), each served by its own prefill/decode pair; more is a 400")
     model_name: str | None = Field(None, description="served model name to advertise if engines cannot be asked")
 

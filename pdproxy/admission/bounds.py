@@ -151,7 +151,9 @@ def prompt_bounds(body: dict[str, Any], chat: bool, *, template_overhead: int, l
     words = 0
     size = 0
     media = 0
-    messages = body.get("messages") or []
+    messages = body.get("messages")
+    if not isinstance(messages, list):                    # not vLLM's shape: the engine judges it, any count does
+        messages = []
     for message in messages:
         if not isinstance(message, dict):
             continue

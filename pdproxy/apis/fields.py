@@ -31,6 +31,8 @@ from pdproxy.errors import BadRequest
 MESSAGE_ROLES = ("user", "assistant", "system")
 """Roles ``AnthropicMessage.role`` accepts (``anthropic/protocol.py``)."""
 
+_MISSING = object()
+_OBJECT = frozenset({dict})
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _MEDIA_PARTS = ("input_image", "input_file", "input_audio", "image")
 
@@ -97,7 +99,8 @@ def messages_fields(body: dict[str, Any]) -> tuple[bool, str | None, int]:
     """``(stream, model, max_tokens)`` of an Anthropic Messages body.
 
     Raises :class:`BadRequest` (sent in the Anthropic error shape on that route) for a missing ``model``,
-    ``messages`` that are not a non-empty list of objects with a role in :data:`MESSAGE_ROLES` and a ``content``,
+    ``messages`` that are not a non-empty list of objects with a role in :data:`MESSAGE_ROLES` and a ``content``
+    that is a string or a list of blocks (objects: ``AnthropicMessage.content``),
     a missing or non-positive ``max_tokens``, a ``system`` that is neither a string nor a list of blocks, a
     non-boolean ``stream``, bad ``tools``."""
     model = _model(body, True)
@@ -110,8 +113,12 @@ def messages_fields(body: dict[str, Any]) -> tuple[bool, str | None, int]:
         if message.get("role") not in MESSAGE_ROLES:
             raise BadRequest(f"messages.{i}.role must be 'user', 'assistant' or 'system', got "
                              f"{message.get('role')!r}", param=f"messages.{i}.role")
-        if "content" not in message:
+        content = message.get("content", _MISSING)
+        if content is _MISSING:
             raise BadRequest(f"messages.{i}.content is required", param=f"messages.{i}.content")
+        if not (isinstance(content, str) or (isinstance(content, list) and set(map(type, content)) <= _OBJECT)):
+            raise BadRequest(f"messages.{i}.content must be a string or a list of content blocks",
+                             param=f"messages.{i}.content")
     if body.get("max_tokens") is None:
         raise BadRequest("'max_tokens' is required", param="max_tokens")
     max_tokens = _int(body, "max_tokens")
@@ -225,7 +232,8 @@ def messages_chat(body: dict[str, Any]) -> dict[str, Any]:
             elif kind == "tool_result":
                 result = block.get("content")
                 text = result if isinstance(result, str) else "\n".join(
-                    str(b.get("text", "")) for b in result or [] if isinstance(b, dict) and b.get("type") == "text")
+                    str(b.get("text", "")) for b in (result if isinstance(result, list) else ())
+                    if isinstance(b, dict) and b.get("type") == "text")
                 if role == "user":
                     messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id") or "",
                                      "content": text})

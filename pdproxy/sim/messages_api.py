@@ -72,7 +72,26 @@ def _check_messages(body: dict[str, Any], key: str = "messages") -> list[dict[st
                                    {"expected": expected})
         if "content" not in message:
             raise v.missing(f"{key}.{i}.content", message)
+        _check_content(message["content"], f"{key}.{i}.content")
     return messages
+
+
+def _check_content(content: Any, loc: str) -> None:
+    """``AnthropicMessage.content`` (``str | list[AnthropicContentBlock]``) and each block's ``content``
+    (``str | list[dict] | None``), as pydantic refuses them (its first error only)."""
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise v.pydantic_error("string_type", f"{loc}.str", "Input should be a valid string", content)
+    for j, block in enumerate(content):
+        where = f"{loc}.list[AnthropicContentBlock].{j}"
+        if not isinstance(block, dict):
+            raise v.pydantic_error("model_type", where, "Input should be a valid dictionary or instance of "
+                                   "AnthropicContentBlock", block)
+        inner = block.get("content")
+        if inner is not None and not isinstance(inner, str) and not (
+                isinstance(inner, list) and all(isinstance(x, dict) for x in inner)):
+            raise v.pydantic_error("string_type", f"{where}.content.str", "Input should be a valid string", inner)
 
 
 def _blocks_text(blocks: Any) -> str:

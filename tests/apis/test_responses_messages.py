@@ -217,7 +217,11 @@ def test_messages_errors_pdproxy_raises_are_in_the_anthropic_shape(proxy: ProxyT
                           "max_tokens"),
                          ({"model": "sim-model", "max_tokens": 3, "messages": [{"role": "wizard", "content": "x"}]},
                           "role"),
-                         ({"max_tokens": 3, "messages": [{"role": "user", "content": "x"}]}, "model")):
+                         ({"max_tokens": 3, "messages": [{"role": "user", "content": "x"}]}, "model"),
+                         ({"model": "sim-model", "max_tokens": 3, "messages": [{"role": "user", "content": 5}]},
+                          "messages.0.content must be a string or a list"),       # old code: the sim's 500
+                         ({"model": "sim-model", "max_tokens": 3,
+                           "messages": [{"role": "user", "content": ["text"]}]}, "messages.0.content")):
         r = httpx.post(proxy.url + "/v1/messages", json=body)
         assert r.status_code == 400, body
         err = r.json()
@@ -226,6 +230,21 @@ def test_messages_errors_pdproxy_raises_are_in_the_anthropic_shape(proxy: ProxyT
     r = httpx.post(proxy.url + "/v1/messages", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["type"] == "error"
     assert not [x for s in sims.all for x in s.received()]              # no engine was contacted
+
+
+@pytest.mark.parametrize("result", [5, True, 1.5, {"type": "text", "text": "x"}])
+def test_a_tool_result_whose_content_is_not_text_or_blocks_is_the_engines_to_judge(
+        proxy: ProxyThread, sims: Fleet, result: object) -> None:
+    """A ``tool_result`` block's ``content`` that is neither a string nor a list (vLLM's ``AnthropicContentBlock``:
+    ``str | list[dict] | None``) is counted as no text and the prefiller answers it: vLLM's 400 in the Anthropic
+    shape (old code: pdproxy's own TypeError, a 500 with a traceback logged per request)."""
+    body = {"model": "sim-model", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": result}]}]}
+    r = httpx.post(proxy.url + "/v1/messages", json=body)
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    assert "content" in r.json()["error"]["message"]
+    assert [leg["body"]["messages"] for leg in legs(sims.prefillers, "/v1/messages")] == [body["messages"]]
+    assert not legs(sims.decoders, "/v1/messages")
 
 
 def test_an_engines_openai_shaped_error_on_messages_reaches_the_client_in_the_anthropic_shape(
