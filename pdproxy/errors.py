@@ -322,7 +322,7 @@ class UpstreamHTTPError(ProxyError):
         self.endpoint = endpoint
         # vLLM answers every error as a JSON object; anything else (a server's plain-text 500 from a crashed
         # handler, an HTML page from a gateway) is put in the envelope (body_bytes): a client gets the API's shape
-        self.enveloped = bool(body) and body.lstrip()[:1] != b"{"
+        self.enveloped = not _json_object(body)
         self.content_type = "application/json" if self.enveloped else content_type
         self.retry_after = retry_after
         if retry_after:
@@ -332,15 +332,25 @@ class UpstreamHTTPError(ProxyError):
 
     def body_bytes(self) -> bytes:
         """The engine's own error body (bytes, a JSON object) passed through verbatim; a generated JSON envelope if
-        it sent none, or one with the start of its text (at most :data:`ENGINE_TEXT_CHARS` characters, engine
+        it sent none (or an empty one), or one with the start of its text (at most :data:`ENGINE_TEXT_CHARS` characters, engine
         addresses removed) if it sent something else."""
-        if self.raw_body and not self.enveloped:
+        if not self.enveloped:
             return self.raw_body
         message = f"engine answered HTTP {self.status_code}"
-        if self.enveloped:
-            text = " ".join(self.raw_body[:ENGINE_TEXT_CHARS].decode("utf-8", "replace").split())
+        text = " ".join(self.raw_body[:ENGINE_TEXT_CHARS].decode("utf-8", "replace").split())
+        if text:
             message = public_message(f"{message}: {text}")
         return orjson.dumps(error_body(self.status_code, message))
+
+
+def _json_object(body: bytes) -> bool:
+    """True when ``body`` is one JSON object (how vLLM answers every error)."""
+    if body.lstrip()[:1] != b"{":
+        return False
+    try:
+        return isinstance(orjson.loads(body), dict)
+    except orjson.JSONDecodeError:
+        return False
 
 
 class DecodeFailed(Exception):

@@ -284,6 +284,15 @@ def test_an_engines_openai_shaped_error_on_messages_reaches_the_client_in_the_an
     assert r.status_code == 400 and r.headers["content-type"] == "application/json"
     assert r.json() == {"error": {"message": "engine answered HTTP 400: <html><body>Bad Request</body></html>",
                                   "type": "BadRequestError", "param": None, "code": 400}}
+    for body, message in ((b"", "engine answered HTTP 400"),                # no body, or JSON-looking text
+                          (b"{oops not json", "engine answered HTTP 400: {oops not json")):
+        for p in sims.prefillers:
+            p.faults({"kind": "status", "status": 400, "body": body.decode(), "path": "/v1/chat/completions",
+                      "times": 1})
+        r = httpx.post(proxy.url + "/v1/chat/completions", json={"model": "sim-model", "max_tokens": 4,
+                                                                 "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.headers
+        assert r.json()["error"]["message"] == message
 
 
 def test_messages_count_tokens_passes_through(sims: Fleet) -> None:

@@ -195,7 +195,10 @@ def test_malformed_bodies_get_400_without_reaching_an_engine(proxy: ProxyThread,
 
 
 @pytest.mark.parametrize("raw", [b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}',
-                                 b'{"model": "sim-model"}'])
+                                 b'{"model": "sim-model"}',
+                                 b'{"model": "sim-model", "messages": 5}',          # old code: pdproxy's 500
+                                 b'{"model": "sim-model", "messages": [{"role": "user", "content": "x"}], '
+                                 b'"tools": {"type": "function"}}'])
 def test_an_invalid_request_reaches_the_prefiller_as_sent_and_its_400_the_client(proxy: ProxyThread, sims: Fleet,
                                                                                  raw: bytes) -> None:
     """pdproxy finds it invalid for vLLM: the prefiller judges the client's own body (vLLM's 400, in vLLM's
