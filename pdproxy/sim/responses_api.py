@@ -66,9 +66,13 @@ def _text_of(content: Any) -> tuple[str, int]:
     return "\n".join(texts), media
 
 
+_MESSAGE_ROLES = ("user", "assistant", "system", "developer")
+
+
 def chat_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
     """The chat messages a Responses request renders (``instructions`` first) and its media part count.
-    Raises pydantic's 400 for an ``input`` that is neither a string nor a list."""
+    Raises pydantic's 400 for an ``input`` that is neither a string nor a list, and for a message item whose role
+    is not a message role or whose content is neither a string nor a list of parts."""
     messages: list[dict[str, Any]] = []
     media = 0
     if isinstance(body.get("instructions"), str) and body["instructions"]:
@@ -79,7 +83,7 @@ def chat_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
         return messages, 0
     if not isinstance(items, list):
         raise v.pydantic_error("string_type", "input", "Input should be a valid string", items)
-    for item in items:
+    for i, item in enumerate(items):
         if not isinstance(item, dict):
             continue
         kind = item.get("type", "message")
@@ -91,9 +95,16 @@ def chat_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
             messages.append({"role": "tool", "tool_call_id": item.get("call_id", ""),
                              "content": str(item.get("output", ""))})
         elif kind == "message" or "role" in item:
-            text, parts = _text_of(item.get("content"))
+            role, content = item.get("role", "user"), item.get("content")
+            if role not in _MESSAGE_ROLES:    # openai's EasyInputMessageParam / ResponseInputItem message roles
+                raise v.pydantic_error("literal_error", f"input.{i}.role",
+                                       "Input should be 'user', 'assistant', 'system' or 'developer'", role)
+            if not isinstance(content, str | list):
+                raise v.pydantic_error("string_type", f"input.{i}.content", "Input should be a valid string",
+                                       content)
+            text, parts = _text_of(content)
             media += parts
-            messages.append({"role": str(item.get("role", "user")), "content": text})
+            messages.append({"role": role, "content": text})
     return messages, media
 
 

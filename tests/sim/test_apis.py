@@ -95,6 +95,17 @@ def test_responses_errors_are_vllms(oai: openai.OpenAI) -> None:
     assert missing.value.body["type"] == "invalid_request_error"  # type: ignore[index]
 
 
+
+@pytest.mark.parametrize(("item", "param"), [({"role": 5, "content": "x"}, "body.input.0.role"),   # old: a 500
+                                             ({"role": "user", "content": 5}, "body.input.0.content")])
+def test_responses_message_items_of_the_wrong_shape_are_a_400(sims: dict[str, SimProcess], item: dict[str, Any],
+                                                              param: str) -> None:
+    """A message item's role and content as openai's input-item types refuse them: pydantic's 400, never the
+    sim's own 500 (which a proxy counts against the engine's health)."""
+    resp = httpx.post(sims["both"].url + "/v1/responses", json={"model": "sim-model", "input": [item]})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param
+
+
 # ---------------------------------------------------------------------------------------------------- Messages
 def test_messages_json_with_the_anthropic_client(claude: anthropic.Anthropic) -> None:
     msg = claude.messages.create(model="sim-model", max_tokens=6, system="Be brief.",
@@ -147,6 +158,12 @@ def test_messages_errors_have_the_shapes_vllm_gives(claude: anthropic.Anthropic,
     resp = httpx.post(sims["both"].url + "/v1/messages", json={"model": "sim-model", "messages": [
         {"role": "wizard", "content": "x"}], "max_tokens": 5})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "body.messages.0.role"  # pydantic's shape
+    for content, param in ((5, "body.messages.0.content.str"),                          # old: a 500
+                           ([{"type": "tool_result", "tool_use_id": "t", "content": 5}],
+                            "body.messages.0.content.list[AnthropicContentBlock].0.content.str")):
+        resp = httpx.post(sims["both"].url + "/v1/messages", json={"model": "sim-model", "max_tokens": 5,
+                                                                   "messages": [{"role": "user", "content": content}]})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param
     resp = httpx.post(sims["both"].url + "/v1/messages", json={"model": "sim-model", "messages": []})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "body.max_tokens"
 
