@@ -89,3 +89,44 @@ async def test_short_prompts_skip_a_prefiller_busy_with_long_work(state: ProxySt
     assert ctx.disaggregated                                          # the prefiller is free again
     assert state.admission.stats.decode_only_total == {"prefillers_busy": 1}
     assert queue.idle() and state.pool.available(Role.PREFILL)
+
+
+async def test_large_responses_and_messages_views_are_built_in_a_worker_thread(state: ProxyState,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chat a Responses or Messages request renders is built in Python item by item (300,000 items held the
+    event loop 0.25 s): a long list of items, or a large body, is converted in the tokenizer threads; a short
+    one inline.  ``messages_fields`` reads 50,000 plain messages without its per-message loop."""
+    from pdproxy.apis import fields
+
+    threads: dict[str, str] = {}
+    original = ProxyRequest.count_view
+
+    def spy(self: ProxyRequest) -> Any:
+        if self._count_view is None:                                # the call that builds it
+            threads[self.api.label] = threading.current_thread().name
+        return original(self)
+
+    def no_loop(messages: Any) -> None:
+        raise AssertionError("plain messages went through the per-message loop")
+
+    monkeypatch.setattr(ProxyRequest, "count_view", spy)
+    monkeypatch.setattr(fields, "_message_fault", no_loop)
+    big_input = [{"role": "user", "content": "hi"}] * 5_000
+    tool_input = {"a": [1.5] * 20_000}                              # one message, a large tool input
+    for api, body in ((Api.RESPONSES, {"model": "m", "input": big_input}),
+                      (Api.MESSAGES, {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}] *
+                                      50_000}),
+                      (Api.MESSAGES, {"model": "m", "max_tokens": 4, "messages": [
+                          {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                                             "input": tool_input}]},
+                          {"role": "user", "content": "go on"}]}),
+                      (Api.RESPONSES, {"model": "m", "input": [{"role": "user", "content": "hi"}]})):
+        req = parse_request(orjson.dumps(body), api)
+        threads.clear()
+        try:
+            await state.admission.admit(req, RequestContext("r", None, api.label))
+        except PromptTooLong:                                       # counted, after the view was built
+            pass
+        (name,) = threads.values()
+        large = len(req.raw) > 100_000 or len(body.get("input", ())) > 100
+        assert name.startswith("pdproxy-tokens") == large, (api, name)

@@ -164,3 +164,40 @@ def test_long_lists_are_read_without_the_models(monkeypatch: pytest.MonkeyPatch)
     assert many.value.param == "prompt" and f"at most {FAN_OUT_CEILING} per request" in many.value.message
     fan = parse_request(orjson.dumps({"model": "m", "prompt": ["a"] * FAN_OUT_CEILING}), Api.COMPLETIONS)
     assert fan.prompts == FAN_OUT_CEILING and fan.fault is None
+
+
+_MESSAGE_VALUES = st.one_of(
+    _SHAPE_VALUES,
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", 5, ["user"]])},
+                          optional={"content": st.one_of(_SHAPE_VALUES, st.text(max_size=3),
+                                                         st.lists(st.one_of(
+                                                             st.dictionaries(st.sampled_from(["type", "text"]),
+                                                                             _SCALARS, max_size=2), _SCALARS),
+                                                             max_size=3))}))
+
+
+@settings(max_examples=400, deadline=None)
+@given(messages=st.lists(_MESSAGE_VALUES, min_size=1, max_size=5))
+def test_the_messages_fast_check_agrees_with_the_per_message_loop(messages: list[object]) -> None:
+    """Anthropic messages pass the C-speed check exactly when the per-message loop finds nothing to refuse."""
+    from pdproxy.apis.fields import _message_fault, _plain_messages
+
+    try:
+        _message_fault(messages)
+        refused = False
+    except BadRequest:
+        refused = True
+    assert _plain_messages(messages) is not refused, messages
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=st.recursive(st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 63) - 1)
+                          | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=6),
+                          lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                     max_size=4), max_leaves=20))
+def test_a_fields_bytes_from_its_json_bound_its_strings_and_numbers(value: object) -> None:
+    """The size admission gives a message's other fields and ``chat_template_kwargs`` (their compact JSON, in C)
+    is never below what the Python walk it replaced counted: every string and number as ``str()`` writes it."""
+    from pdproxy.admission.bounds import _strings_bytes, _walked_bytes
+
+    assert _strings_bytes(value) >= _walked_bytes(value)
