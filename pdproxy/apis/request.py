@@ -318,7 +318,9 @@ SHAPE_MODEL_ITEMS = 10_000
 """The most list members a body failing :func:`_shape_problem` may hold and still be given to pydantic for
 vLLM's words: the model costs 1–6 µs a member (a 150,000-tool chat: 0.85 s of the event loop, a 480,000-prompt
 list 1.4 s)."""
-_SHAPE_WORDS = {"messages": "'messages' must be a list of message objects",
+_SHAPE_WORDS = {"kv_transfer_params": "'kv_transfer_params' must be an object",
+                "ec_transfer_params": "'ec_transfer_params' must be an object",
+                "messages": "'messages' must be a list of message objects",
                 "tools": "'tools' must be a list of tool objects",
                 "prompt": "'prompt' must be a string, a list of token ids (integers ≥ 0), a list of strings or a "
                           "list of token-id lists"}
@@ -343,7 +345,7 @@ def _shape_fault(body: dict[str, Any], chat: bool) -> BadRequest | None:
         size = _members(prompt)
         if isinstance(prompt, list) and size <= SHAPE_MODEL_ITEMS:
             size += sum(len(p) for p in prompt if type(p) is list)
-    if size > SHAPE_MODEL_ITEMS and problem in _SHAPE_WORDS:
+    if size > SHAPE_MODEL_ITEMS:
         return BadRequest(_SHAPE_WORDS[problem], param=problem)
     try:
         (_ChatShape if chat else _CompletionShape).model_validate(body, from_attributes=True)

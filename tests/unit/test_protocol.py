@@ -157,6 +157,9 @@ def test_long_lists_are_read_without_the_models(monkeypatch: pytest.MonkeyPatch)
                         Api.CHAT)
     assert bad.engine_judges and bad.fault is not None and bad.fault.param == "messages"
     assert "'messages' must be a list of message objects" in bad.fault.message
+    handle = parse_request(orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}] * 20_000,
+                                         "kv_transfer_params": 5}), Api.CHAT)
+    assert handle.engine_judges and handle.fault is not None and handle.fault.param == "kv_transfer_params"
     bad_ids = parse_request(orjson.dumps({"model": "m", "prompt": [1] * 20_000 + [-1]}), Api.COMPLETIONS)
     assert bad_ids.engine_judges and bad_ids.fault is not None and bad_ids.fault.param == "prompt"
     with pytest.raises(BadRequest) as many:
