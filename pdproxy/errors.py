@@ -331,9 +331,9 @@ class UpstreamHTTPError(ProxyError):
             self.outcome = "upstream_rejected"
 
     def body_bytes(self) -> bytes:
-        """The engine's own error body (bytes, a JSON object) passed through verbatim; a generated JSON envelope if
-        it sent none (or an empty one), or one with the start of its text (at most :data:`ENGINE_TEXT_CHARS` characters, engine
-        addresses removed) if it sent something else."""
+        """The engine's own error body (bytes, a JSON object) passed through verbatim; else a generated JSON
+        envelope: with the start of the engine's text (at most :data:`ENGINE_TEXT_CHARS` characters, engine
+        addresses removed) when it sent any."""
         if not self.enveloped:
             return self.raw_body
         message = f"engine answered HTTP {self.status_code}"

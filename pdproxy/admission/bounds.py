@@ -234,13 +234,13 @@ def indented_json_bytes(value: Any, compact: bytes | None = None) -> int:
     of ``value`` when the caller has them) plus what the layout adds — per non-empty container of ``k`` members at
     depth ``d`` (the value itself at 0), ``k`` line breaks indented ``4(d+1)`` spaces, its closing line indented
     ``4d``, and for an object the space after each ``:``.  Rendering grows with depth × members (a 1.8 MB tools
-    list 195 levels deep rendered to 712 MB: 1 s of the event loop); this visits each container once, a depth at a time, and
-    scans long runs of scalars in C: ~10 ms for that list, ~50 µs for 16 tools (rendering them: ~30 µs).  Exact but for float exponents (Python writes
-    ``1e+16`` / ``1e-07`` where orjson writes ``1e16`` / ``1e-7``: up to two bytes each, which
-    ``chat_template_max_overhead_tokens`` covers many times over).  A value of more than
-    :data:`LAYOUT_WALK_CONTAINERS` containers gets :func:`_loose_layout`'s bound instead (no agent's tools have
-    that many: the bound is for hostile bodies).  What orjson does not encode (integers beyond 64 bits) is
-    measured from Python's compact ``json``."""
+    list 195 levels deep rendered to 712 MB: 1 s of the event loop); this visits each container once, a depth at
+    a time, and scans long runs of scalars in C: ~10 ms for that list, ~50 µs for 16 tools (rendering them:
+    ~30 µs).  Exact but for float exponents (Python writes ``1e+16`` / ``1e-07`` where orjson writes ``1e16`` /
+    ``1e-7``: up to two bytes each, which ``chat_template_max_overhead_tokens`` covers many times over).  A value
+    of more than :data:`LAYOUT_WALK_CONTAINERS` containers gets :func:`_loose_layout`'s bound instead (no agent's
+    tools have that many: the bound is for hostile bodies).  What orjson does not encode (integers beyond 64
+    bits) is measured from Python's compact ``json``."""
     if compact is None:
         try:
             compact = orjson.dumps(value)
