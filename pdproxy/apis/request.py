@@ -355,11 +355,16 @@ def _shape_fault(body: dict[str, Any], chat: bool) -> BadRequest | None:
 
 
 def _prompt_count(prompt: Any) -> int:
-    """How many sequences a (validated) completions ``prompt`` asks for: a str or a flat list of token ids is
-    one, a list of either is one each."""
-    if prompt is None or isinstance(prompt, str) or (_is_token_ids(prompt) and prompt):
-        return 1
-    return len(prompt)
+    """How many sequences a (validated) completions ``prompt`` asks for: a list of strings or of token-id lists
+    is one each; anything else valid is one — a string, or a flat list of token ids, which pydantic's lax mode
+    also reads from floats, booleans and digit strings beside integers (``[1.0, 2.0]``, ``["5", 6]``)."""
+    return len(prompt) if type(prompt) is list and _several_prompts(prompt) else 1
+
+
+def _several_prompts(prompt: list[Any]) -> bool:
+    """A non-empty list whose members are all strings or all lists (C speed: the set of their types)."""
+    kinds = set(map(type, prompt))
+    return kinds in (_STR, _LIST)
 
 
 def prompt_list(prompt: Any) -> list[Any] | None:
@@ -546,7 +551,7 @@ def parse_request(raw: bytes, api: Api, max_depth: int = MAX_JSON_DEPTH,
             faults.append(_vllm_error("Either prompt or prompt_embeds must be provided and non-empty.", "prompt"))
     if not chat:                                          # pdproxy's own ceiling, before a member is read
         prompt = body.get("prompt")
-        if type(prompt) is list and len(prompt) > FAN_OUT_CEILING and type(prompt[0]) in (str, list):
+        if type(prompt) is list and len(prompt) > FAN_OUT_CEILING and _several_prompts(prompt):
             raise BadRequest(f"{len(prompt)} prompts ask for as many sequences; pdproxy serves at most "
                              f"{FAN_OUT_CEILING} per request (one prefill/decode pair each; setting "
                              "fan_out_max_sequences)", param="prompt")

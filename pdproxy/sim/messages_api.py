@@ -76,6 +76,24 @@ def _check_messages(body: dict[str, Any], key: str = "messages") -> list[dict[st
     return messages
 
 
+def _check_tools(tools: Any) -> None:
+    """``AnthropicTool``: ``name`` a string and ``input_schema`` an object (pydantic's first error only)."""
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise v.pydantic_error("list_type", "tools", "Input should be a valid list", tools)
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise v.pydantic_error("model_type", f"tools.{i}", "Input should be a valid dictionary or instance of "
+                                   "AnthropicTool", tool)
+        if not isinstance(tool.get("name"), str):
+            raise v.missing(f"tools.{i}.name", tool) if "name" not in tool else v.pydantic_error(
+                "string_type", f"tools.{i}.name", "Input should be a valid string", tool["name"])
+        if not isinstance(tool.get("input_schema"), dict):
+            raise v.missing(f"tools.{i}.input_schema", tool) if "input_schema" not in tool else v.pydantic_error(
+                "dict_type", f"tools.{i}.input_schema", "Input should be a valid dictionary", tool["input_schema"])
+
+
 def _check_content(content: Any, loc: str) -> None:
     """``AnthropicMessage.content`` (``str | list[AnthropicContentBlock]``) and each block's ``content``
     (``str | list[dict] | None``), as pydantic refuses them (its first error only)."""
@@ -175,6 +193,7 @@ def parse_messages(raw: Any, headers: Any, config: SimConfig, tokenizer: Tokeniz
     if body.get("model") is None:
         raise v.missing("model", body)
     _check_messages(body)
+    _check_tools(body.get("tools"))
     if "max_tokens" not in body:
         raise v.missing("max_tokens", body)
     max_tokens = v.get_int(body, "max_tokens")

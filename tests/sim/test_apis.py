@@ -164,6 +164,11 @@ def test_messages_errors_have_the_shapes_vllm_gives(claude: anthropic.Anthropic,
         resp = httpx.post(sims["both"].url + "/v1/messages", json={"model": "sim-model", "max_tokens": 5,
                                                                    "messages": [{"role": "user", "content": content}]})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param
+    for schema in ([], "x", None):                                 # AnthropicTool.input_schema: an object
+        resp = httpx.post(sims["both"].url + "/v1/messages", json={
+            "model": "sim-model", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"name": "f", "input_schema": schema}]})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "body.tools.0.input_schema", schema
     resp = httpx.post(sims["both"].url + "/v1/messages", json={"model": "sim-model", "messages": []})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "body.max_tokens"
 

@@ -35,6 +35,10 @@ def test_not_a_json_object(raw: bytes, param: str) -> None:
     ({"prompt": "x", "n": 2}, 2, 1),
     ({"prompt": "x", "n": "3"}, 3, 1),
     ({"prompt": [1, 2, 3]}, 1, 1),
+    ({"prompt": [1.0] * 20}, 1, 1),                 # lax token ids: one prompt (old code: 20, refused at 16)
+    ({"prompt": ["5", 6, 7]}, 1, 1),
+    ({"prompt": [True, False]}, 1, 1),
+    ({"prompt": [[1.0], [2]]}, 1, 2),
 ])
 def test_several_sequences_are_read_for_fan_out(body: dict, n: int, prompts: int) -> None:
     """One P/D pair per sequence (pdproxy/pd/fanout.py): n and the prompt count are read as vLLM reads them."""
