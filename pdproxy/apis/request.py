@@ -274,7 +274,10 @@ def over_max_model_len(req: ProxyRequest, max_model_len: int) -> BadRequest:
                        "fewer output tokens.", name, value)
 
 
-_INT, _STR, _LIST, _DICT = frozenset({int}), frozenset({str}), frozenset({list}), frozenset({dict})
+_INT: frozenset[type] = frozenset({int})
+_STR: frozenset[type] = frozenset({str})
+_LIST: frozenset[type] = frozenset({list})
+_DICT: frozenset[type] = frozenset({dict})
 
 
 def _is_token_ids(value: Any) -> bool:
