@@ -33,6 +33,7 @@ from typing import Any
 import orjson
 from xxhash import xxh3_64_intdigest
 
+from pdproxy.settings import MAX_JSON_DEPTH
 from pdproxy.tokens import MEDIA_PART_TOKENS
 
 PER_MESSAGE_OVERHEAD_TOKENS = 32
@@ -224,8 +225,6 @@ LAYOUT_WALK_CONTAINERS = 10_000
 """Containers :func:`indented_json_bytes` visits one by one at most (~0.5 µs each; an agent's tools hold hundreds);
 a value with more is bounded from its bytes alone (:func:`_loose_layout`)."""
 _CONTAINERS = frozenset((dict, list))
-_LAYOUT_DEPTH = 200
-"""The deepest a client's JSON nests (``pdproxy.settings.MAX_JSON_DEPTH``, the ``max_json_depth`` ceiling)."""
 
 
 def indented_json_bytes(value: Any, compact: bytes | None = None) -> int:
@@ -273,6 +272,6 @@ def indented_json_bytes(value: Any, compact: bytes | None = None) -> int:
 def _loose_layout(compact: bytes) -> int:
     """At least what indentation adds to the compact JSON ``compact``, from its bytes alone: no more members than
     ``,`` ``[`` ``{`` bytes (each member but a container's first follows a ``,``), none deeper than
-    :data:`_LAYOUT_DEPTH` (~0.3 ms per MB; an upper bound far above the exact figure)."""
+    :data:`MAX_JSON_DEPTH` (~0.3 ms per MB; an upper bound far above the exact figure)."""
     members = compact.count(b",") + compact.count(b"[") + compact.count(b"{")
-    return members * (8 * _LAYOUT_DEPTH + 7)
+    return members * (8 * MAX_JSON_DEPTH + 7)
