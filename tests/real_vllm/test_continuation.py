@@ -123,6 +123,11 @@ def _ready_to_stop(streams: list[Stream], running: list[Future[Stream]]) -> bool
                                or any(events >= MAX_TOKENS // 2 for events, _, _ in snapshots))
 
 
+def _ready_or_ended(streams: list[Stream], running: list[Future[Stream]]) -> bool:
+    """``_ready_to_stop``, or every stream has ended."""
+    return _ready_to_stop(streams, running) or all(r.done() for r in running)
+
+
 def _first_difference(api: str, text: str, reference: str, cut: int) -> str:
     """Where ``text`` first differs from ``reference`` (character index, and ``cut``: characters delivered before
     the kill), with the context on both sides."""
@@ -208,8 +213,16 @@ def test_sigkill_of_a_decoder_process_mid_stream_continues(
                 # stream not started by then fails over before its first byte, one already ended is simply
                 # complete; both must still equal their uninterrupted run.  Never before one stream is live to
                 # the client (token events in, not finished)
-                wait_until(partial(_ready_to_stop, streams, running), 120, 0.005,
+                # or once every stream has ended unseen: seen in CI (2026-12-05) — six streams of 400 tokens ended
+                # with no poll finding one live, so that round is run again like one that found none live at pdproxy
+                wait_until(partial(_ready_or_ended, streams, running), 120, 0.005,
                            "a live stream and the streams' first token events on the extra decoder")
+                if not _live(streams):
+                    movable, at_kill = 0, [s.snapshot() for s in streams]
+                    print(f"\nround {round_}: every stream ended before one was seen live; token events: "
+                          f"{[e for e, _, _ in at_kill]}")
+                    assert [r.result().text() for r in running] == references
+                    continue
                 # the client's view lags pdproxy's and pdproxy's the engine's (seen in CI: five streams at 1 token
                 # event, one at 281, and every stream had in fact been sent whole, so the kill ended none): the
                 # decoder is stopped, pdproxy reads what it had sent, and it is killed only with a stream still
