@@ -18,8 +18,10 @@ prompt text is never logged unless ``log_prompts`` is set (then ``prompt`` or ``
 Times are seconds (``ts`` wall clock, the rest durations from :meth:`Timeline.phases`).
 
 Where lines go (``request_log_path``): unset → the ``pdproxy.requests`` logger at INFO (the message is the
-JSON object); ``-`` → stdout, one bare JSON line each; a path → appended to that file, one line each.
-``request_log: false`` turns the log off.  A file or stdout is written through a
+JSON object; when the process's own stderr handler is all that would see the record — no handler or filter added
+by an embedding program — the line goes straight to that handler, formatted as it formats records:
+:func:`pdproxy.ops.logs.sole_sink`); ``-`` → stdout, one bare JSON line each; a path → appended to that file,
+one line each.  ``request_log: false`` turns the log off.  A file or stdout is written through a
 :class:`pdproxy.ops.linesink.LineSink`, as the logger's handler is (:mod:`pdproxy.ops.logs`): a file at once,
 stdout by a writer thread, so a reader that falls behind makes lines wait in ``log_buffer_bytes``, then drops
 them with a ``{"event": "log_lines_dropped", "dropped": n, "ts": ...}`` line once it has room — never the event
@@ -38,6 +40,7 @@ import orjson
 
 from pdproxy.apis.request import ProxyRequest
 from pdproxy.ops.linesink import LineSink
+from pdproxy.ops.logs import sole_sink
 from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext
 
@@ -118,7 +121,9 @@ class RequestLog:
         line = orjson.dumps(request_record(ctx, req, rejection=rejection, log_prompts=self.log_prompts))
         if sink is not None:
             sink.write(line + b"\n")
-        else:
+            return
+        handler = sole_sink(self._logger)   # the line as the root handler writes it, without a LogRecord
+        if handler is None or not handler.write_json_line(LOGGER_NAME, logging.INFO, line):
             self._logger.info(line.decode(), extra={"raw_json": True})  # JSON log format: as is
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +115,111 @@ def test_a_log_that_cannot_be_written_is_said_once_and_never_raises(caplog: pyte
     assert sink is not None and sink.dropped == 3   # written (and lost) by the writer thread before close
     errors = [r.getMessage() for r in caplog.records if r.name == "pdproxy"]
     assert len(errors) == 1 and "request log /dev/full unusable" in errors[0] and "No space left" in errors[0]
+
+
+@pytest.fixture
+def root_sink(tmp_path: Path) -> Any:
+    """Installs ``pdproxy serve``'s root handler (``configure_logging``) writing to a file in ``tmp_path``, alone
+    on the root logger as in the server (pytest's own capture handlers set aside); yields a reader of its lines."""
+    from pdproxy.ops import logs
+
+    root = logging.getLogger()
+    saved, level = list(root.handlers), root.level
+    path = tmp_path / "stderr.log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def install(log_format: str) -> Callable[[], list[str]]:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        handler = logs.SinkHandler(fd, 1 << 20)
+        handler.setFormatter(logs.JsonFormatter() if log_format == "json" else logs.TextFormatter())
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        return lambda: path.read_text().splitlines()
+
+    try:
+        yield install
+    finally:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+            h.close()
+        for h in saved:
+            root.addHandler(h)
+        root.setLevel(level)
+        os.close(fd)
+
+
+def test_text_formatter_line_is_what_format_gives() -> None:
+    from pdproxy.ops.logs import TextFormatter
+
+    for tag in ("", "[w1]"):
+        fmt = TextFormatter(tag)
+        for created in (1764942000.0, 1764942000.0005, 1764942000.9999999, 1764942001.123456, 1764942001.999):
+            record = logging.LogRecord(LOGGER_NAME, logging.INFO, __file__, 1, '{"event": "request"}', None, None)
+            record.created, record.msecs = created, int((created - int(created)) * 1000) + 0.0   # as Python 3.11 sets
+            assert fmt.line(LOGGER_NAME, "INFO", '{"event": "request"}', created) == fmt.format(record)
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_default_line_written_straight_through_the_root_handler(root_sink: Any, log_format: str) -> None:
+    """With pdproxy's handler alone on the root, the line skips the LogRecord and is what a record would make;
+    a filter or a handler an embedding program adds gets records again (and the line is the same)."""
+    read = root_sink(log_format)
+    ctx = RequestContext(request_id="abc", client_request_id=None, api_label="completions", status=200)
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            seen.append(record)
+            return True
+
+    logger = logging.getLogger(LOGGER_NAME)
+    made: list[str] = []
+    factory = logging.getLogRecordFactory()
+
+    def counting(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = factory(*args, **kwargs)
+        made.append(record.name)
+        return record
+
+    logging.setLogRecordFactory(counting)
+    try:
+        with RequestLog(load_settings()) as log:
+            log.emit(ctx, None)                              # straight through: no LogRecord
+            assert made == []
+            logger.addFilter(keep := Keep())
+            try:
+                log.emit(ctx, None)                          # through a LogRecord
+            finally:
+                logger.removeFilter(keep)
+    finally:
+        logging.setLogRecordFactory(factory)
+    assert made == [LOGGER_NAME] and len(seen) == 1
+    lines = read()
+    assert len(lines) == 2
+    if log_format == "json":
+        fast, slow = (orjson.loads(x) for x in lines)
+    else:
+        pattern = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO pdproxy\.requests (\{.*\})")
+        matches = [pattern.fullmatch(x) for x in lines]
+        assert all(matches), lines
+        fast, slow = (orjson.loads(m.group(1)) for m in matches if m)
+    assert fast == {**request_record(ctx, None), "ts": fast["ts"]} and slow == {**fast, "ts": slow["ts"]}
+
+
+def test_a_handler_on_the_requests_logger_gets_every_line(root_sink: Any) -> None:
+    root_sink("text")
+    got: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            got.append(record.getMessage())
+
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.addHandler(collect := Collect())
+    try:
+        with RequestLog(load_settings()) as log:
+            log.emit(RequestContext(request_id="abc", client_request_id=None, api_label="chat"), None)
+    finally:
+        logger.removeHandler(collect)
+    assert [orjson.loads(x)["request_id"] for x in got] == ["abc"]
