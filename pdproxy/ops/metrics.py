@@ -333,7 +333,8 @@ class ProxyMetrics:
     def sync(self) -> None:
         """Copy the admission and prefill-queue counters (plain ints in ``pdproxy/admission/admission.py`` and
         ``pdproxy/scheduling/queue.py``) into prometheus series, as increments since the last sync; multiprocess-safe
-        because each worker adds only its own increments.  Runs when a request ends and before each scrape."""
+        because each worker adds only its own increments.  Runs before each scrape, and in multiprocess mode also when a
+        request ends (another worker's scrape reads this one's files)."""
         self._sync_releases()
         st = self._state()
         if st is None:
@@ -370,6 +371,15 @@ class ProxyMetrics:
             child = self._children[(family, values)] = family.labels(*values)
         return child
 
+    def _count(self, family: Any, *values: str) -> Any:
+        """The value cell of one labelled ``Counter`` child, resolved once: its ``inc(n)`` (n ≥ 0) stores what
+        ``Counter.inc(n)`` would, without that method's checks on every call (a request counts several)."""
+        key = (family, values, "cell")
+        cell = self._children.get(key)
+        if cell is None:
+            cell = self._children[key] = family.labels(*values)._value
+        return cell
+
     def started(self, api: str) -> GapCounts:
         """A completion request arrived (``pdproxy_requests_in_progress`` + 1).  Returns the request's
         :class:`GapCounts` for the ITL histogram of this API (the relay fills it; :meth:`observe` adds it)."""
@@ -379,24 +389,25 @@ class ProxyMetrics:
 
     def observe(self, ctx: RequestContext, rejection: tuple[str, str] | None = None) -> None:
         """Record one finished request (call exactly once per :meth:`started`)."""
-        self.sync()
+        if self.multiprocess_dir is not None:   # another worker's scrape reads this one's files: keep them current
+            self.sync()
         api = ctx.api_label
         in_progress, ttft_h, itl_h, tpot_h, phase_hs = self._per_api(api)
         in_progress.dec()
         if ctx.gaps is not None:
             _add_gaps(itl_h, ctx.gaps)
-        self._labelled(self.requests, api, str(ctx.status or 0), ctx.outcome).inc()
+        self._count(self.requests, api, str(ctx.status or 0), ctx.outcome).inc(1)
         if rejection is not None:
-            self._labelled(self.rejections, *rejection).inc()
+            self._count(self.rejections, *rejection).inc(1)
         for leg, reason, failover in ctx.retries:
-            self._labelled(self.retries, leg, reason).inc()
+            self._count(self.retries, leg, reason).inc(1)
             if failover:
-                self._labelled(self.failovers, leg, reason).inc()
+                self._count(self.failovers, leg, reason).inc(1)
         prompt = ctx.engine_prompt_tokens or ctx.prompt_tokens
-        if prompt and (ctx.prefiller is not None or ctx.decoder is not None):
-            self._labelled(self.prompt_tokens, api).inc(prompt)
-        if ctx.completion_tokens:
-            self._labelled(self.generation_tokens, api).inc(ctx.completion_tokens)
+        if prompt and prompt > 0 and (ctx.prefiller is not None or ctx.decoder is not None):
+            self._count(self.prompt_tokens, api).inc(prompt)
+        if ctx.completion_tokens and ctx.completion_tokens > 0:     # the engine's usage: a count, never taken back
+            self._count(self.generation_tokens, api).inc(ctx.completion_tokens)
         if ctx.prefix_mode is not None and ctx.predicted_cached_tokens is not None:
             self._observe_prefix(ctx.prefix_mode, ctx.predicted_cached_tokens, ctx.cached_tokens)
         tl = ctx.timeline
@@ -417,14 +428,15 @@ class ProxyMetrics:
                 _observe(tpot_h, span / (ctx.completion_tokens - 1))  # streamed only: JSON has one instant
 
     def _observe_prefix(self, source: str, predicted: int, actual: int | None) -> None:
-        """One prefill's predicted cached tokens against what the prefiller reported (None: not reported)."""
-        self._labelled(self.prefix_predicted, source).inc(predicted)
-        if actual is None:
+        """One prefill's predicted cached tokens against what the prefiller reported (None — or a negative
+        figure, which is no count — : not reported)."""
+        self._count(self.prefix_predicted, source).inc(predicted)
+        if actual is None or actual < 0:
             outcome = "unreported"
         else:
-            self._labelled(self.prefix_actual, source).inc(actual)
+            self._count(self.prefix_actual, source).inc(actual)
             outcome = "exact" if actual == predicted else ("over" if predicted > actual else "under")
-        self._labelled(self.prefix_predictions, source, outcome).inc()
+        self._count(self.prefix_predictions, source, outcome).inc(1)
 
     def render(self) -> bytes:
         """The exposition text (Prometheus text format 0.0.4)."""

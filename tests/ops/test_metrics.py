@@ -180,6 +180,27 @@ def test_observe_computes_ttft_itl_tpot_and_phases() -> None:
     assert other.value("pdproxy_requests_total", api="chat", status="200", outcome="ok") == 0
 
 
+def test_observe_counts_an_engines_figures_only_when_they_are_counts() -> None:
+    """An engine's usage is read as it comes: a negative ``completion_tokens`` or ``cached_tokens`` (a broken or
+    hostile engine) counts nothing and takes nothing back; the rest of the request is recorded as usual."""
+    metrics = ProxyMetrics(lambda: None)
+    for completion, cached in ((5, 3), (-7, -2)):
+        ctx = RequestContext(request_id="r", client_request_id=None, api_label="chat", status=200,
+                             prefiller="http://p", prompt_tokens=10, completion_tokens=completion, prefix_mode="text",
+                             predicted_cached_tokens=3, cached_tokens=cached,
+                             timeline=Timeline(arrived_at=1.0, first_token_at=1.5, finished_at=2.0))
+        ctx.gaps = metrics.started("chat")
+        metrics.observe(ctx, None)
+    m = Samples(metrics.render().decode())
+    assert m.value("pdproxy_requests_total", api="chat", status="200", outcome="ok") == 2
+    assert m.value("pdproxy_prompt_tokens_total", api="chat") == 20
+    assert m.value("pdproxy_generation_tokens_total", api="chat") == 5
+    assert m.value("pdproxy_time_to_first_token_seconds_count", api="chat") == 2
+    assert m.value("pdproxy_prefix_predictions_total", source="text", outcome="exact") == 1
+    assert m.value("pdproxy_prefix_predictions_total", source="text", outcome="unreported") == 1
+    assert m.value("pdproxy_requests_in_progress", api="chat") == 0
+
+
 @settings(max_examples=200, deadline=None)
 @given(values=st.lists(st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([0.005, 0.25, 1.0, 10.0]),
                        max_size=20))
