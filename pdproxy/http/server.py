@@ -312,6 +312,8 @@ class Exchange:
         if self.started:
             raise RuntimeError("response already started")
         self.started = True
+        if not self.complete:    # answered before its body is in (a 404, 401, 405): the connection ends after this
+            self.keep_alive = False   # answer (response_done), and the answer says so
         sized = False
         parts = [_STATUS_LINES.get(status) or _status_line(status)]
         for name, value in headers:

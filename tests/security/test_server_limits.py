@@ -433,6 +433,26 @@ def test_a_body_sent_after_an_early_answer_is_dropped_and_the_connection_closed(
     assert data.startswith(b"HTTP/1.1 200 ") and closed
 
 
+@pytest.mark.parametrize(("path", "status"), [("/nope", 404), ("/v1/models", 405)])
+def test_an_answer_before_its_body_is_in_says_connection_close(edge: ProxyThread, path: str, status: int) -> None:
+    """A route that answers before the request's body is in (an unknown path, a POST to a GET route) ends the
+    connection after that answer, and the answer says so (``connection: close``): a client or a pooling proxy in
+    front never sends its next request into it (seen: Python's ``http.client``, which sends a body in a write of
+    its own, met a closed connection on its next request).  With the body in, the same answer keeps it open."""
+    c = RawConn(edge.port)
+    c.send(post(path, JSON)[:-len(JSON)])
+    (m,) = c.read_messages(1)
+    assert m.status == status and m.header("connection") == "close"
+    with contextlib.suppress(OSError):
+        c.send(JSON)
+    assert c.wait_closed()
+    c = RawConn(edge.port)
+    c.send(post(path, JSON) + get("/health"))
+    first, second = c.read_messages(2)
+    assert (first.status, first.header("connection"), second.status) == (status, None, 200)
+    c.close()
+
+
 def test_a_control_route_that_has_not_read_its_body_holds_its_high_water_mark(sims: Fleet) -> None:
     """A control-plane handler that is not reading its body yet: the connection stops reading once
     ``CONTROL_BODY_HIGH_WATER`` bytes wait for it (the client's writes then block), and reads on when the handler
