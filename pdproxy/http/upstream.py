@@ -149,6 +149,34 @@ class Upstream:
                                       "body that is not a JSON object", endpoint=endpoint.name)
         return parsed
 
+    async def judge(self, endpoint: Endpoint, path: str, body: bytes, headers: dict[str, str], *,
+                    timeout_s: float) -> dict[str, Any]:
+        """POST a body pdproxy found invalid for the engine (``ProxyRequest.engine_judges``) for the engine to
+        judge: returns ``{}`` once its status line says it accepted the body (below 400) — the answer unread, the
+        connection closed at once, which makes vLLM abort a streamed answer (a JSON answer comes only once
+        generated, within ``timeout_s``) — and raises :class:`UpstreamHTTPError` with the engine's refusal.
+        Transport failures and ``timeout_s`` raise as in :meth:`post_json`; an answer of any shape is the engine's
+        verdict, never its failure."""
+        url = endpoint.url + path
+        deadline = self.pool.loop.time() + timeout_s
+        try:
+            resp = await self._post(url, body, headers, None, headers_by=deadline, deadline_at=deadline)
+            if resp.status < 400:
+                resp.close()
+                return {}
+            try:
+                data = await resp.read()
+            finally:
+                resp.release()
+        except (TransportError, TimeoutError) as exc:
+            if isinstance(exc, TimeoutError) and not isinstance(exc, PoolTimeout):
+                raise UpstreamTimeout(f"{endpoint.role.value} {endpoint.name} did not answer within "
+                                      f"{timeout_s:.1f} s", endpoint=endpoint.name) from None
+            raise transport_error(exc, f"{endpoint.role.value} {endpoint.name}", endpoint.name) from None
+        raise UpstreamHTTPError(resp.status, data[:_MAX_ERROR_BODY_BYTES], endpoint=endpoint.name,
+                                content_type=resp.content_type or "application/json",
+                                retry_after=_retry_after(resp.headers))
+
     @asynccontextmanager
     async def open_stream(self, endpoint: Endpoint, path: str, body: bytes, headers: dict[str, str], *,
                           first_byte_timeout_s: float) -> AsyncIterator[H1Response]:

@@ -127,7 +127,7 @@ class PrefillLeg:
                     raise last from None
                 raise
             endpoint = slot.endpoint
-            leg, fault = body, req.fault
+            leg, fault = body, req.fault          # a fault: the leg is the client's body, for the engine to judge
             max_model_len = self.queue.ledger.limits.of(endpoint).max_model_len
             if max_model_len is not None and kv_transfer.engine_must_judge(req.max_output_tokens, max_model_len):
                 if not req.engine_judges:
@@ -144,7 +144,8 @@ class PrefillLeg:
             try:
                 with (self.tracing.prefill(ctx, endpoint),                 # the span is the leg's traceparent
                       (prefix or _NO_PREFIX).prefilling(req, ctx, endpoint)):  # in flight there; answered/failed
-                    reply = await self.answer(req, ctx, endpoint, self.upstream.post_json(
+                    reply = await self.answer(req, ctx, endpoint, (
+                        self.upstream.post_json if fault is None else self.upstream.judge)(
                         endpoint, req.api.value, leg,
                         self.headers.leg(endpoint, ctx.request_id, ctx.authorization, ctx.client_headers),
                         timeout_s=timeout_s))

@@ -165,3 +165,27 @@ def generation_requests(sims: Fleet) -> list[dict[str, Any]]:
     """What the engines received on the four generation routes."""
     routes = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
     return [x for s in sims.all for x in s.received() if x["path"] in routes]
+
+
+def test_a_stream_the_engine_accepts_though_vllm_refuses_is_pdproxys_400_never_the_engines_fault(
+        proxy: ProxyThread, sims: Fleet) -> None:
+    """A body pdproxy finds invalid for vLLM goes to the prefiller as sent, for vLLM's own 400.  An engine more
+    lenient (here the simulator, which takes ``include_usage: "maybe"``) accepts it and starts streaming: its status
+    line is the verdict — pdproxy answers its own 400 and stops the engine's stream there (the connection closed,
+    vLLM aborts).  Never a failure of the engine: more of them than the breaker's threshold (3), each tried on one
+    prefiller once, and the next request is served (one client's bodies once opened the breaker for everyone)."""
+    body = {"model": "sim-model", "messages": MESSAGES, "max_tokens": 2000, "stream": True,
+            "stream_options": {"include_usage": "maybe"}}
+    (prefiller,) = sims.prefillers
+    before = prefiller.state()
+    for _ in range(5):
+        r = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=20)
+        err = r.json()["error"]
+        assert (r.status_code, err["param"]) == (400, "body.stream_options.include_usage"), r.text  # vLLM's words
+    p, d = legs(sims)
+    assert len(p) == 5 and not d and all(x["body"]["stream_options"] == {"include_usage": "maybe"} for x in p)
+    assert not [e for e, b in proxy.state.health.breakers.items() if b.state != "closed"]
+    ok = client(proxy).chat.completions.create(model="sim-model", messages=MESSAGES, max_tokens=4)
+    assert ok.choices[0].message.content
+    after = prefiller.state()
+    assert after["aborted"] - before["aborted"] == 5 and after["active_streams"] == 0
