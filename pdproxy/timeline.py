@@ -77,6 +77,23 @@ CLIENT_REQUEST_ID_MAX: Final = 96
 read (pdproxy/http/server.py cuts the header field as it arrives) and in the engine-side id."""
 
 
+MODEL_SHOWN_MAX: Final = 256
+"""The longest client ``model`` name written into a log line or a span as it is, in characters (:func:`clip`):
+the body may hold one of megabytes, which the 404 answering it quotes whole, as vLLM's does."""
+TEXT_SHOWN_MAX: Final = 2048
+"""The longest other text carrying client input (an error message quoting a field) written into a log line or a
+span attribute, in characters (:func:`clip`; spans: the SDK's ``SpanLimits``, pdproxy/ops/tracing_otel.py)."""
+
+
+def clip(text: str | None, limit: int) -> str | None:
+    """``text`` as it is when it has at most ``limit`` characters, else its first ``limit`` and how many were cut
+    (``"…[+N chars]"``); None stays None.  For client input written to logs and spans: their size is bounded
+    whatever the client sends."""
+    if text is None or len(text) <= limit:
+        return text
+    return f"{text[:limit]}…[+{len(text) - limit} chars]"
+
+
 _SAFE_ID: Final = re.compile(r"[A-Za-z0-9_.:-]+")
 """A client id kept as it is (the common case, one C-level match); any other is filtered character by character."""
 

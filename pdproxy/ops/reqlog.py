@@ -15,6 +15,9 @@ Fields (snake_case, stable; absent values are ``null``)::
 there and ``prefix_mode`` from where (``precise``: the engine's KV events, ``approximate``: pdproxy's record of
 token keys, ``text``: of text keys; both null when prefix routing is off or the request skipped the prefiller).  The
 prompt text is never logged unless ``log_prompts`` is set (then ``prompt`` or ``messages`` is added as sent).
+``model`` and ``error`` carry client input (an unknown model's name, a field vLLM refused): cut to
+:data:`~pdproxy.timeline.MODEL_SHOWN_MAX` and :data:`~pdproxy.timeline.TEXT_SHOWN_MAX` characters
+(:func:`~pdproxy.timeline.clip`), so a line stays kilobytes whatever the client sends.
 Times are seconds (``ts`` wall clock, the rest durations from :meth:`Timeline.phases`).
 
 Where lines go (``request_log_path``): unset → the ``pdproxy.requests`` logger at INFO (the message is the
@@ -42,7 +45,7 @@ from pdproxy.apis.request import ProxyRequest
 from pdproxy.ops.linesink import LineSink
 from pdproxy.ops.logs import sole_sink
 from pdproxy.settings import Settings
-from pdproxy.timeline import RequestContext
+from pdproxy.timeline import MODEL_SHOWN_MAX, TEXT_SHOWN_MAX, RequestContext, clip
 
 LOGGER_NAME = "pdproxy.requests"
 
@@ -52,7 +55,7 @@ def request_record(ctx: RequestContext, req: ProxyRequest | None, *, rejection: 
     """The log record of one finished request as a dict (see module docstring)."""
     record: dict[str, Any] = {
         "event": "request", "ts": round(time.time(), 3), "request_id": ctx.request_id,
-        "client_request_id": ctx.client_request_id, "api": ctx.api_label, "model": ctx.model,
+        "client_request_id": ctx.client_request_id, "api": ctx.api_label, "model": clip(ctx.model, MODEL_SHOWN_MAX),
         "stream": req.stream if req is not None else None, "status": ctx.status, "outcome": ctx.outcome,
         "rejection": ":".join(x for x in rejection if x) if rejection else None,
         "prefiller": ctx.prefiller, "decoder": ctx.decoder, "dp_rank": ctx.decoder_dp_rank,
@@ -62,7 +65,7 @@ def request_record(ctx: RequestContext, req: ProxyRequest | None, *, rejection: 
     }
     for key, value in ctx.timeline.phases().items():
         record[key] = None if value is None else round(value, 6)
-    record["error"] = ctx.error
+    record["error"] = clip(ctx.error, TEXT_SHOWN_MAX)
     record["pid"] = os.getpid()
     if log_prompts and req is not None:
         key = req.prompt_param

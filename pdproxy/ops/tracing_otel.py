@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -44,6 +44,7 @@ from pdproxy.apis.request import Api
 from pdproxy.errors import DecodeFailed, ProxyError
 from pdproxy.ops.tracing import NO_SPAN, Attr, Tracing
 from pdproxy.settings import PROTOCOL_ENV, traces_protocol
+from pdproxy.timeline import MODEL_SHOWN_MAX, TEXT_SHOWN_MAX, clip
 
 if TYPE_CHECKING:
     from pdproxy.apis.request import ProxyRequest
@@ -99,8 +100,8 @@ def _record_error(span: Span, exc: BaseException, attrs: dict[str, Any]) -> None
         message = exc.message
     else:
         message = f"{exc.__class__.__name__}: {exc}"
-    span.record_exception(exc, escaped=True)
-    span.set_status(Status(StatusCode.ERROR, message))
+    span.record_exception(exc, escaped=True)      # its attributes cut by the provider's SpanLimits
+    span.set_status(Status(StatusCode.ERROR, clip(message, TEXT_SHOWN_MAX)))
 
 
 def _record_outcome(span: Span, ctx: RequestContext, attrs: dict[str, Any]) -> None:
@@ -199,7 +200,8 @@ class OtelTracing(Tracing):
         name = os.environ.get("OTEL_SERVICE_NAME") or "pdproxy"
         resource = Resource.create({"service.name": name, "service.version": __version__,
                                     "process.pid": os.getpid()})
-        provider = TracerProvider(resource=resource, shutdown_on_exit=False)  # stopped by the proxy's lifespan
+        provider = TracerProvider(resource=resource, shutdown_on_exit=False,   # stopped by the proxy's lifespan
+                                  span_limits=SpanLimits(max_attribute_length=TEXT_SHOWN_MAX))  # client text, cut
         if exporter is not None:
             provider.add_span_processor(SimpleSpanProcessor(exporter))
         if settings.otlp_traces_endpoint:
@@ -229,11 +231,12 @@ class OtelTracing(Tracing):
         attributes: dict[str, Any] = {Attr.OPERATION: operation, Attr.HTTP_METHOD: "POST",
                                       Attr.HTTP_ROUTE: req.api.value, Attr.STREAM: req.stream,
                                       Attr.REQUEST_ID: ctx.request_id}
-        if req.model:
-            attributes[Attr.REQUEST_MODEL] = req.model
+        model = clip(req.model, MODEL_SHOWN_MAX)
+        if model:
+            attributes[Attr.REQUEST_MODEL] = model
         if req.max_output_tokens is not None:
             attributes[Attr.REQUEST_MAX_TOKENS] = req.max_output_tokens
-        span = self._tracer.start_span(f"{operation} {req.model}" if req.model else operation, context=parent,
+        span = self._tracer.start_span(f"{operation} {model}" if model else operation, context=parent,
                                        kind=SpanKind.SERVER, attributes=attributes,
                                        start_time=_wall_ns(ctx.timeline.arrived_at))
         return OtelScope(span, ctx, _end_request)

@@ -223,3 +223,24 @@ def test_a_handler_on_the_requests_logger_gets_every_line(root_sink: Any) -> Non
     finally:
         logger.removeHandler(collect)
     assert [orjson.loads(x)["request_id"] for x in got] == ["abc"]
+
+
+def test_a_clients_megabytes_of_model_name_are_cut_in_the_line(sims: Fleet, tmp_path: Path) -> None:
+    """A 2 MB ``model`` (no engine serves it: 404, whose message quotes it whole, as vLLM's does) makes a request
+    line of kilobytes: ``model`` and ``error`` are cut (timeline.clip) — a line once held the name twice, 40 MB for
+    a 20 MB name."""
+    from pdproxy.timeline import MODEL_SHOWN_MAX, TEXT_SHOWN_MAX
+
+    path = tmp_path / "requests.jsonl"
+    proxy = _proxy(sims, request_log_path=str(path))
+    try:
+        wait_until(lambda: httpx.get(proxy.url + "/v1/models").json()["data"], 10, 0.05, "models listed")
+        r = httpx.post(proxy.url + "/v1/chat/completions", timeout=20, json={
+            "model": "m" * 2_000_000, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 404 and len(r.content) > 2_000_000      # the answer quotes it, as vLLM's
+        (line,) = _lines(path, 1)
+    finally:
+        proxy.stop()
+    assert line["model"].startswith("m" * MODEL_SHOWN_MAX) and line["model"].endswith("…[+1999744 chars]")
+    assert line["error"].startswith("The model `mmm") and len(line["error"]) < TEXT_SHOWN_MAX + 40
+    assert len(path.read_bytes()) < 4 * TEXT_SHOWN_MAX

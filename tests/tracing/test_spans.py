@@ -156,6 +156,31 @@ def test_errors_are_recorded_with_status_type_and_exception_event(
     assert got["admission"].status.status_code is StatusCode.ERROR
 
 
+def test_a_clients_megabytes_of_model_name_are_cut_in_the_span(traced: tuple[Tracing, InMemorySpanExporter]) -> None:
+    """The client's ``model`` names the SERVER span and its ``gen_ai.request.model``, and the 404 quoting it is the
+    span's status and exception event: each is cut (timeline.clip), so one request's span stays kilobytes however
+    long the name (seen: a 3 MB name made a 15 MB OTLP export, over a collector's 4 MB message limit)."""
+    from pdproxy.errors import ModelNotFound
+    from pdproxy.timeline import MODEL_SHOWN_MAX, TEXT_SHOWN_MAX
+
+    tracing, exporter = traced
+    model = "M" * 3_000_000
+    req = parse_request(orjson.dumps({**BODY, "model": model}), Api.CHAT)
+    err = ModelNotFound(model, "prefill", [])
+    with pytest.raises(ModelNotFound), tracing.request(req, context(traceparent=None)):
+        raise err
+    (span,) = exporter.get_finished_spans()
+    attrs = span.attributes or {}
+    assert span.name.startswith("chat " + "M" * MODEL_SHOWN_MAX) and len(span.name) < MODEL_SHOWN_MAX + 40
+    assert str(attrs[Attr.REQUEST_MODEL]).startswith("M" * MODEL_SHOWN_MAX)
+    assert len(str(attrs[Attr.REQUEST_MODEL])) < MODEL_SHOWN_MAX + 40
+    assert len(span.status.description or "") < TEXT_SHOWN_MAX + 40
+    assert span.status.description.startswith("The model `MMM")  # type: ignore[union-attr]
+    (event,) = span.events
+    assert all(len(str(v)) <= TEXT_SHOWN_MAX for v in (event.attributes or {}).values())
+    assert len(span.to_json()) < 20_000
+
+
 def test_cancellation_and_a_failed_stream_are_errors_without_an_exception_leaving(
         traced: tuple[Tracing, InMemorySpanExporter]) -> None:
     tracing, exporter = traced
