@@ -24,9 +24,9 @@ carry the current span as W3C ``traceparent`` / ``tracestate``, so that an engin
 ``traceparent`` / ``tracestate`` pass through unchanged (as Envoy and vllm-router forward them), so the engine's spans
 join the client's trace instead of starting orphan ones.  Control-plane calls carry none.
 
-A client's header value reaches an engine only as visible ASCII (:func:`forwardable`): a ``traceparent`` only in
-W3C's form, any other value with a byte outside 0x20–0x7E (a tab aside), or with a space or tab at its end, is
-dropped — HTTP clients refuse to send such a value (httpx raises ``UnicodeEncodeError`` or h11's
+A client's header value reaches an engine only as visible ASCII (:func:`forwardable`): trace context only within
+W3C's sizes, a ``traceparent`` only in W3C's form, any other value with a byte outside 0x20–0x7E (a tab aside), or
+with a space or tab at its end, is dropped — HTTP clients refuse to send such a value (httpx raises ``UnicodeEncodeError`` or h11's
 ``LocalProtocolError``), and an engine has no use for it.
 """
 
@@ -50,12 +50,25 @@ _TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(-[
 """W3C Trace Context's ``traceparent``: version, trace id, parent id, flags (a later version may add fields)."""
 
 
+TRACEPARENT_MAX_CHARS = 256
+"""The longest ``traceparent`` passed on: version 00's is 55 characters; a later version may add fields."""
+TRACESTATE_MAX_CHARS = 512
+"""The longest ``tracestate`` passed on: what W3C Trace Context asks a vendor to propagate at least (a longer one
+may be cut by whole entries; pdproxy drops it)."""
+TRACESTATE_MAX_MEMBERS = 32
+"""W3C Trace Context's most ``tracestate`` list-members."""
+
+
 def forwardable(name: bytes, value: str) -> bool:
     """True when a client's header ``name`` (lower-case) with ``value`` (its bytes as latin-1 text) may be sent to
     an engine: visible ASCII, spaces and tabs only between visible bytes, a ``traceparent`` in W3C's form (module
-    docstring)."""
+    docstring) of at most :data:`TRACEPARENT_MAX_CHARS`, a ``tracestate`` within W3C's bounds (at most
+    :data:`TRACESTATE_MAX_CHARS` characters and :data:`TRACESTATE_MAX_MEMBERS` members): a client's kilobytes of
+    trace context once made the engine refuse the request (its header limit, 8,190 bytes in vLLM's server)."""
     if name == b"traceparent":
-        return _TRACEPARENT.fullmatch(value) is not None
+        return len(value) <= TRACEPARENT_MAX_CHARS and _TRACEPARENT.fullmatch(value) is not None
+    if name == b"tracestate" and (len(value) > TRACESTATE_MAX_CHARS or value.count(",") >= TRACESTATE_MAX_MEMBERS):
+        return False
     return _VISIBLE_ASCII.fullmatch(value) is not None
 
 

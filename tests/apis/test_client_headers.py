@@ -53,6 +53,24 @@ def test_the_clients_trace_context_reaches_both_legs_with_tracing_off(proxy: Pro
         (TRACEPARENT, TRACESTATE)] * 2
 
 
+@pytest.mark.parametrize(("traceparent", "tracestate", "kept"), [
+    (TRACEPARENT, "v=" + "x" * 510, (True, True)),                          # 512 characters: W3C's floor
+    (TRACEPARENT, "v=" + "x" * 9000, (True, False)),                        # kilobytes: the engine's header limit
+    (TRACEPARENT, ",".join(f"k{i}=v" for i in range(33)), (True, False)),   # over 32 members
+    (TRACEPARENT + "-" + "f" * 300, TRACESTATE, (False, True)),             # a "later version" of kilobytes
+])
+def test_trace_context_past_w3cs_bounds_is_not_handed_on(proxy: ProxyThread, sims: Fleet, traceparent: str,
+                                                         tracestate: str, kept: tuple[bool, bool]) -> None:
+    """A ``traceparent`` or ``tracestate`` outside W3C Trace Context's bounds stays at pdproxy (the other one
+    goes on); the request is served — 9 KB of ``tracestate`` once made the engine refuse it (400)."""
+    r = httpx.post(proxy.url + "/v1/chat/completions", json=CHAT, timeout=20,
+                   headers={"traceparent": traceparent, "tracestate": tracestate})
+    assert r.status_code == 200, r.text
+    for leg in legs(sims.all, "/v1/chat/completions"):
+        got = (leg["headers"].get("traceparent"), leg["headers"].get("tracestate"))
+        assert got == (traceparent if kept[0] else None, tracestate if kept[1] else None)
+
+
 def test_no_trace_context_is_made_up(proxy: ProxyThread, sims: Fleet) -> None:
     assert httpx.post(proxy.url + "/v1/chat/completions", json=CHAT, timeout=20).status_code == 200
     assert all("traceparent" not in leg["headers"] for leg in legs(sims.all, "/v1/chat/completions"))
