@@ -44,6 +44,8 @@ def test_bad_engine_lists_fail_at_start(argv: list[str], message: str, capsys: p
     ("https://vllm-decode-0.vllm-decode:9100", "https://vllm-decode-0.vllm-decode:9100"),
     ("http://[fd00::5]:9100", "http://[fd00::5]:9100"),
     ("http://engine", "http://engine"),
+    ("http://127.0.0.1.:9100", "http://127.0.0.1:9100"),            # the DNS root dot: one engine, one name
+    ("http://Decode-0.Example.:9100/v1", "http://decode-0.example:9100"),
 ])
 def test_good_urls_are_normalised(url: str, normal: str) -> None:
     assert normalize_url(url) == normal

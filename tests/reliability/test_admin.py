@@ -55,6 +55,8 @@ def test_add_drain_and_remove_at_runtime(fleet4: Fleet4) -> None:
     proxy = fleet4.proxy(admin_key="admin-secret", decode=[d0.url])
     try:
         assert admin(proxy.url, "POST", {"url": d0.url, "role": "decode"}).status_code == 409
+        host, port = d0.url.removeprefix("http://").rsplit(":", 1)     # the same engine by its root-dot name
+        assert admin(proxy.url, "POST", {"url": f"http://{host}.:{port}", "role": "decode"}).status_code == 409
         assert admin(proxy.url, "POST", {"url": d1.url, "role": "sideways"}).status_code == 400
         r = admin(proxy.url, "POST", {"url": d1.url, "role": "decode"})
         assert r.status_code == 201 and r.json()["added"][0]["healthy"] is True
