@@ -76,11 +76,18 @@ class ServeProcess:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=timeout_s)
 
-    def stop(self) -> None:
-        """Kill whatever is left of the process group and close the log."""
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the server as an operator does — SIGTERM, so a ``--workers`` supervisor removes its run directory
+        in ``/dev/shm`` (SIGKILL left one behind per test) — then, after ``timeout_s`` seconds, kill whatever is
+        left of the process group; close the log."""
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=timeout_s)
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)       # workers a supervisor left, or the supervisor
             self.proc.wait()
         if self._out is not None:
             self._out.close()
