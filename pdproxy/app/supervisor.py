@@ -19,7 +19,8 @@ prefill budget and find a dead engine on its own (the vLLM-Ascend example proxy 
    failure, which stops everything (exit code 1) instead of restarting in a loop;
 5. on SIGTERM / SIGINT sends one SIGTERM to every worker (each drains for ``shutdown_grace_s``:
    :mod:`pdproxy.app.shutdown`), waits, then kills stragglers and removes the run directory.  Workers run in their
-   own process group, so a terminal's Ctrl-C reaches only the supervisor.
+   own process group, so a terminal's Ctrl-C reaches only the supervisor.  A supervisor that died without that
+   (SIGKILL, the OOM killer) leaves its run directory; the next one started removes it (:func:`run_directory`).
 
 Workers exit on their own if the supervisor disappears (they watch their parent pid).
 
@@ -43,12 +44,14 @@ worker CPU-second of one worker and spend ≈ 100 µs more CPU per PD request, a
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import multiprocessing
 import os
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import threading
@@ -70,15 +73,62 @@ STARTUP_FAILURE = 3
 BOARD_FILE = "load.board"
 
 
+RUN_DIR_PREFIX = "pdproxy-"
+OWNER_LOCK = "owner.lock"
+"""The file in a run directory its supervisor holds an ``flock`` on for its whole life (:func:`run_directory`)."""
+
+
 @contextlib.contextmanager
 def run_directory() -> Iterator[Path]:
-    """A private directory for the board and metrics files, in shared memory when possible; removed on exit."""
+    """A private directory (``pdproxy-*``) for the board and metrics files, in shared memory when possible; removed
+    on exit.  Its supervisor holds an exclusive ``flock`` on its :data:`OWNER_LOCK` from before the directory has
+    its name until it is removed; first, the run directories a supervisor left when it died without its cleanup
+    (SIGKILL, the OOM killer: ``/dev/shm`` is memory) are removed (:func:`remove_orphaned_run_dirs`)."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    path = Path(tempfile.mkdtemp(prefix="pdproxy-", dir=base))
+    parent = Path(base or tempfile.gettempdir())
+    removed = remove_orphaned_run_dirs(parent)
+    if removed:
+        log.info("pdproxy: removed %d run director%s left by supervisors that died: %s", len(removed),
+                 "y" if len(removed) == 1 else "ies", ", ".join(map(str, removed)))
+    staging = Path(tempfile.mkdtemp(prefix="." + RUN_DIR_PREFIX, dir=parent))   # no scan looks at it yet
+    lock_fd = os.open(staging / OWNER_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)  # workers never hold it
     try:
-        yield path
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        path = parent / staging.name[1:]
+        os.rename(staging, path)                  # named only once locked: a scan never finds it unlocked
+        try:
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        os.close(lock_fd)
+
+
+def remove_orphaned_run_dirs(parent: Path) -> list[Path]:
+    """Remove the run directories in ``parent`` whose supervisor is gone — those of this user whose
+    :data:`OWNER_LOCK` this process can lock (the kernel drops a dead process's locks, whatever its PID
+    namespace: a live supervisor in another container sharing ``/dev/shm`` keeps its own) — and return them.  A
+    directory without the lock file (an older pdproxy's, or not pdproxy's) is left alone."""
+    removed: list[Path] = []
+    for path in sorted(parent.glob(RUN_DIR_PREFIX + "*")):
+        try:
+            st = path.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            fd = os.open(path / OWNER_LOCK, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:                           # held: its supervisor lives
+            continue
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
 
 
 @contextlib.contextmanager
