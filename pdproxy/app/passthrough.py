@@ -50,6 +50,7 @@ from pdproxy.engines.health import HealthMonitor
 from pdproxy.engines.models import ServedModels
 from pdproxy.engines.pool import EndpointPool
 from pdproxy.errors import (
+    ENGINE_TEXT_CHARS,
     Action,
     BadRequest,
     NotFound,
@@ -156,6 +157,17 @@ class FormFields:
             self.names.append(self._name)
             if self._name == "model" and self.model is None:
                 self.model = self._value.decode("utf-8", "replace").strip() or None
+
+
+async def _read_start(resp: httpx.Response, limit: int) -> bytes:
+    """At most the first ``limit`` bytes of ``resp``'s body (decoded as httpx decodes it); the rest is never read
+    (the caller closes the response)."""
+    data = b""
+    async for chunk in resp.aiter_bytes():
+        data += chunk
+        if len(data) >= limit:
+            break
+    return data[:limit]
 
 
 def engine_body(body: bytes, content_type: str, max_depth: int,
@@ -290,7 +302,14 @@ class Passthrough:
                 await self._relay_whole(resp.status_code, resp.headers, data, ctx, send)
                 self.health.record_neutral(endpoint)
                 return "done"
-            await self._relay_stream(resp, ctx, send)
+            if resp.status_code >= 400 and "json" not in resp.headers.get("content-type", "").lower():
+                # not vLLM's JSON error (its server's plain-text refusal of a head too large, a gateway's page):
+                # the API's envelope, with the start of the engine's text
+                with httpx_errors(who, endpoint.name, f" on {path}"):
+                    data = await _read_start(resp, ENGINE_TEXT_CHARS)
+                await self._relay_error(UpstreamHTTPError(resp.status_code, data, endpoint=endpoint.name), ctx, send)
+            else:
+                await self._relay_stream(resp, ctx, send)
         finally:
             await resp.aclose()
         if resp.status_code < 500:
@@ -315,6 +334,17 @@ class Passthrough:
         ctx.timeline.first_token_at = ctx.timeline.last_token_at = time.monotonic()
         await send({"type": "http.response.start", "status": status,
                     "headers": self._headers_out(headers, ctx) + [(b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})
+
+    async def _relay_error(self, err: UpstreamHTTPError, ctx: RequestContext, send: Send) -> None:
+        """``err`` as the client's answer: its status and :meth:`~pdproxy.errors.UpstreamHTTPError.body_bytes`."""
+        data = err.body_bytes()
+        ctx.status, ctx.outcome = err.status_code, err.outcome
+        ctx.timeline.first_token_at = ctx.timeline.last_token_at = time.monotonic()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+        if self.settings.expose_routing_headers:
+            headers.extend(routing_headers(ctx))
+        await send({"type": "http.response.start", "status": err.status_code, "headers": headers})
         await send({"type": "http.response.body", "body": data})
 
     async def _relay_stream(self, resp: httpx.Response, ctx: RequestContext, send: Send) -> None:

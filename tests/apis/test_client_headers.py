@@ -111,3 +111,16 @@ def test_application_json_with_parameters_in_any_case_is_served(proxy: ProxyThre
     r = httpx.post(proxy.url + "/v1/chat/completions", content=httpx.Request("POST", "/", json=CHAT).content,
                    headers={"Content-Type": "Application/JSON; charset=utf-8"}, timeout=20)
     assert r.status_code == 200, r.text
+
+
+def test_an_engines_plain_text_refusal_on_a_passthrough_route_takes_the_json_envelope(proxy: ProxyThread) -> None:
+    """An engine's error that is not vLLM's JSON — here its HTTP server's plain-text 400 for a client's
+    ``Authorization`` over its 8,190-byte field limit — reaches the client in the API's envelope with the engine's
+    status, not as the engine's text."""
+    r = httpx.post(proxy.url + "/tokenize", json={"model": "sim-model", "prompt": "hi"}, timeout=20,
+                   headers={"authorization": "Bearer " + "k" * 9000})
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
+    err = r.json()["error"]
+    assert err["code"] == 400 and err["message"].startswith("engine answered HTTP 400: ") and err["type"]
+    ok = httpx.post(proxy.url + "/tokenize", json={"model": "sim-model", "prompt": "hi"}, timeout=20)
+    assert ok.status_code == 200 and ok.json()["tokens"]
