@@ -87,8 +87,7 @@ def normalize_url(url: str) -> str:
     """Validate and normalise an engine base URL.
 
     Accepts ``http(s)://host[:port][/path]`` (a trailing ``/`` or ``/v1`` is dropped) or ``host:port``; the host
-    is a DNS name (its root dot dropped: ``h.`` is ``h``, one engine under one name) or an IP address (IPv6 in
-    brackets).  Anything else is refused at start with a readable
+    is a DNS name or an IP address (IPv6 in brackets).  Anything else is refused at start with a readable
     ``ValueError`` rather than accepted and answered 503 later: a bare word (``notaurl``: no scheme and no
     port), an unknown scheme, credentials, a query or fragment, a ``.`` or ``..`` path segment (also
     percent-encoded) or a backslash, a port outside 1-65535.
@@ -116,8 +115,6 @@ def normalize_url(url: str) -> str:
     if any(unquote(seg) in (".", "..") for seg in parts.path.split("/")) or "\\" in parts.path:
         raise ValueError(f"{shown}: no dot segments or backslashes in the path (they name another path)")
     host = parts.hostname
-    if host and host.endswith(".") and ":" not in host:   # the DNS root: ``h.`` and ``h`` are one host (one name)
-        host = host[:-1]
     if not host:
         raise ValueError(f"{shown}: no host")
     try:
@@ -137,6 +134,17 @@ def normalize_url(url: str) -> str:
     host = host if ":" not in host else f"[{host}]"
     netloc = f"{host}:{port}" if port else host
     return f"{parts.scheme}://{netloc}{path}"
+
+
+def engine_identity(url: str) -> str:
+    """``url`` (normalised: :func:`normalize_url`) with its host's DNS root dot dropped, for telling whether two
+    URLs name one engine (``http://h.:9100`` and ``http://h:9100``); URLs keep the dot for connecting, as the
+    operator wrote it (a fully qualified name skips the resolver's search list)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if not host.endswith(".") or ":" in host:
+        return url
+    return parts._replace(netloc=f"{host[:-1]}:{parts.port}" if parts.port else host[:-1]).geturl()
 
 
 def from_host_port_lists(hosts: list[str], ports: list[int], role: Role) -> list[str]:

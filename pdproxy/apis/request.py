@@ -597,7 +597,8 @@ def parse_request(raw: bytes, api: Api, max_depth: int = MAX_JSON_DEPTH,
         fault=faults[0] if faults else None, n=max(n, 1), prompts=max(prompts, 1), seed=leg.seed)
 
 
-_COMPLETION_TOKENS_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_COMPLETION_TOKENS_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,15})(?!\d)')
+"""At most 15 digits, as pdproxy/apis/streams.py's figures: a longer one is no count and is not read."""
 
 
 def completion_tokens_in(data: bytes) -> int | None:

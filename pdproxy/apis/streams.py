@@ -53,8 +53,10 @@ class Ends(Protocol):
     done_sent: bool
 
 
-_SEQ_RE = re.compile(rb'"sequence_number"\s*:\s*(\d+)')
-_OUTPUT_TOKENS_RE = re.compile(rb'"output_tokens"\s*:\s*(\d+)')
+_SEQ_RE = re.compile(rb'"sequence_number"\s*:\s*(\d{1,15})(?!\d)')
+_OUTPUT_TOKENS_RE = re.compile(rb'"output_tokens"\s*:\s*(\d{1,15})(?!\d)')
+"""An engine's figures read in place: at most 15 digits (a float holds them exactly; a longer one is no count
+and is not read: ``int()`` of thousands of digits raises, a metric of such a figure overflows)."""
 ERROR_EVENT = b"event: error"
 
 

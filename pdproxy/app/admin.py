@@ -53,7 +53,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from pdproxy.apis.request import load_json_object
 from pdproxy.app.state import ProxyState
-from pdproxy.endpoints import Endpoint, Role, expand, normalize_url
+from pdproxy.endpoints import Endpoint, Role, engine_identity, expand, normalize_url
 from pdproxy.engines.control import EngineInfo
 from pdproxy.errors import BadRequest, Conflict, Forbidden, NotFound, PayloadTooLarge
 from pdproxy.settings import Settings, is_loopback_host
@@ -237,7 +237,7 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
         ref = await _body(request, state.settings)
         check_endpoint_allowed(state.settings, ref.url)     # before anything (the engine key) is sent to it
         new = expand([ref.url], ref.role, ref.dp_size)
-        if any(e.url == ref.url for e in state.pool.endpoints(ref.role)):
+        if any(engine_identity(e.url) == engine_identity(ref.url) for e in state.pool.endpoints(ref.role)):
             raise Conflict(f"{ref.role.value} endpoint {ref.url} already exists", redact=False)
         state.served.pin(ref.role, ref.url, ref.models)   # empty clears a pin a removed namesake left
         for e in new:

@@ -281,7 +281,8 @@ class Passthrough:
     async def _attempt(self, endpoint: Endpoint, path: str, body: bytes, client: dict[bytes, str],
                        ctx: RequestContext, send: Send) -> str:
         """One engine: ``"done"`` when its answer was relayed, ``"not_served"`` when it does not serve the route.
-        Raises :class:`ProxyError` for a failure worth another engine (nothing was sent)."""
+        Raises :class:`ProxyError` for a failure worth another engine, and :class:`UpstreamHTTPError` for an error
+        answer that is not JSON, for the route to answer in its envelope (nothing was sent either way)."""
         who = f"{endpoint.role.value} {endpoint.name}"
         request = self.client.build_request("POST", endpoint.url + path, content=body,
                                             headers=self._engine_headers(endpoint, ctx, client))
@@ -304,12 +305,13 @@ class Passthrough:
                 return "done"
             if resp.status_code >= 400 and "json" not in resp.headers.get("content-type", "").lower():
                 # not vLLM's JSON error (its server's plain-text refusal of a head too large, a gateway's page):
-                # the API's envelope, with the start of the engine's text
+                # raised, so the route answers it in its API's envelope (OpenAI's, or Anthropic's on
+                # /v1/messages/count_tokens) with the start of the engine's text and its Retry-After
                 with httpx_errors(who, endpoint.name, f" on {path}"):
                     data = await _read_start(resp, ENGINE_TEXT_CHARS)
-                await self._relay_error(UpstreamHTTPError(resp.status_code, data, endpoint=endpoint.name), ctx, send)
-            else:
-                await self._relay_stream(resp, ctx, send)
+                raise UpstreamHTTPError(resp.status_code, data, endpoint=endpoint.name,
+                                        retry_after=resp.headers.get("retry-after"))
+            await self._relay_stream(resp, ctx, send)
         finally:
             await resp.aclose()
         if resp.status_code < 500:
@@ -334,17 +336,6 @@ class Passthrough:
         ctx.timeline.first_token_at = ctx.timeline.last_token_at = time.monotonic()
         await send({"type": "http.response.start", "status": status,
                     "headers": self._headers_out(headers, ctx) + [(b"content-length", str(len(data)).encode())]})
-        await send({"type": "http.response.body", "body": data})
-
-    async def _relay_error(self, err: UpstreamHTTPError, ctx: RequestContext, send: Send) -> None:
-        """``err`` as the client's answer: its status and :meth:`~pdproxy.errors.UpstreamHTTPError.body_bytes`."""
-        data = err.body_bytes()
-        ctx.status, ctx.outcome = err.status_code, err.outcome
-        ctx.timeline.first_token_at = ctx.timeline.last_token_at = time.monotonic()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-        if self.settings.expose_routing_headers:
-            headers.extend(routing_headers(ctx))
-        await send({"type": "http.response.start", "status": err.status_code, "headers": headers})
         await send({"type": "http.response.body", "body": data})
 
     async def _relay_stream(self, resp: httpx.Response, ctx: RequestContext, send: Send) -> None:

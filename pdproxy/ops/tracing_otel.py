@@ -42,6 +42,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from pdproxy import __version__
 from pdproxy.apis.request import Api
 from pdproxy.errors import DecodeFailed, ProxyError
+from pdproxy.http.engine_headers import forwardable
 from pdproxy.ops.tracing import NO_SPAN, Attr, Tracing
 from pdproxy.settings import PROTOCOL_ENV, traces_protocol
 from pdproxy.timeline import MODEL_SHOWN_MAX, TEXT_SHOWN_MAX, clip
@@ -77,6 +78,16 @@ def span_exporter(endpoint: str, protocol: str) -> SpanExporter:
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 
     return HttpExporter(endpoint=endpoint)
+
+
+ATTRIBUTE_LENGTH_ENV = ("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT")
+"""The SDK's own settings of the longest attribute value: an operator's wins over pdproxy's default."""
+
+
+def attribute_length_limit() -> int | None:
+    """The tracer provider's longest attribute value: :data:`~pdproxy.timeline.TEXT_SHOWN_MAX` characters (client
+    text in error messages, cut), or None — the SDK then reads the operator's :data:`ATTRIBUTE_LENGTH_ENV`."""
+    return None if any(os.environ.get(name) for name in ATTRIBUTE_LENGTH_ENV) else TEXT_SHOWN_MAX
 
 
 def _wall_ns(monotonic_s: float) -> int:
@@ -201,7 +212,7 @@ class OtelTracing(Tracing):
         resource = Resource.create({"service.name": name, "service.version": __version__,
                                     "process.pid": os.getpid()})
         provider = TracerProvider(resource=resource, shutdown_on_exit=False,   # stopped by the proxy's lifespan
-                                  span_limits=SpanLimits(max_attribute_length=TEXT_SHOWN_MAX))  # client text, cut
+                                  span_limits=SpanLimits(max_attribute_length=attribute_length_limit()))
         if exporter is not None:
             provider.add_span_processor(SimpleSpanProcessor(exporter))
         if settings.otlp_traces_endpoint:
@@ -225,7 +236,8 @@ class OtelTracing(Tracing):
     # --- the hooks -----------------------------------------------------------------------------------------------
     def request(self, req: ProxyRequest, ctx: RequestContext) -> AbstractContextManager[None]:
         """The request's SERVER span, started at the request's arrival, child of the client's trace context."""
-        carrier = {k.decode(): v.decode("latin-1") for k, v in ctx.client_headers if k in _TRACE_HEADERS}
+        carrier = {k.decode(): text for k, v in ctx.client_headers      # within W3C's sizes, as with tracing off
+                   if k in _TRACE_HEADERS and forwardable(k, text := v.decode("latin-1"))}
         parent = self._propagator.extract(carrier) if carrier else otel_context.Context()
         operation = _OPERATION[req.api]
         attributes: dict[str, Any] = {Attr.OPERATION: operation, Attr.HTTP_METHOD: "POST",

@@ -124,3 +124,9 @@ def test_an_engines_plain_text_refusal_on_a_passthrough_route_takes_the_json_env
     assert err["code"] == 400 and err["message"].startswith("engine answered HTTP 400: ") and err["type"]
     ok = httpx.post(proxy.url + "/tokenize", json={"model": "sim-model", "prompt": "hi"}, timeout=20)
     assert ok.status_code == 200 and ok.json()["tokens"]
+    r = httpx.post(proxy.url + "/v1/messages/count_tokens", timeout=20,              # Anthropic's envelope there
+                   json={"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]},
+                   headers={"authorization": "Bearer " + "k" * 9000})
+    body = r.json()
+    assert r.status_code == 400 and body["type"] == "error", r.text
+    assert body["error"]["message"].startswith("engine answered HTTP 400: ")

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from pdproxy.cli import main
-from pdproxy.endpoints import Role, from_host_port_lists, normalize_url
+from pdproxy.endpoints import Role, engine_identity, from_host_port_lists, normalize_url
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -44,11 +44,22 @@ def test_bad_engine_lists_fail_at_start(argv: list[str], message: str, capsys: p
     ("https://vllm-decode-0.vllm-decode:9100", "https://vllm-decode-0.vllm-decode:9100"),
     ("http://[fd00::5]:9100", "http://[fd00::5]:9100"),
     ("http://engine", "http://engine"),
-    ("http://127.0.0.1.:9100", "http://127.0.0.1:9100"),            # the DNS root dot: one engine, one name
-    ("http://Decode-0.Example.:9100/v1", "http://decode-0.example:9100"),
+    ("http://Decode-0.Example.:9100/v1", "http://decode-0.example.:9100"),   # a root dot kept: no search list
 ])
 def test_good_urls_are_normalised(url: str, normal: str) -> None:
     assert normalize_url(url) == normal
+
+
+@pytest.mark.parametrize(("a", "b", "same"), [
+    ("http://127.0.0.1.:9100", "http://127.0.0.1:9100", True),
+    ("http://decode.ns.svc.:9100", "http://decode.ns.svc:9100", True),
+    ("https://h.:9100/base", "https://h:9100/base", True),
+    ("http://h.", "http://h", True),
+    ("http://h:9100", "http://h:9101", False),
+    ("http://h.:9100", "https://h:9100", False),
+])
+def test_engine_identity_tells_one_engine_by_two_names(a: str, b: str, same: bool) -> None:
+    assert (engine_identity(normalize_url(a)) == engine_identity(normalize_url(b))) is same
 
 
 def test_hosts_and_ports_pair_one_to_one() -> None:

@@ -85,10 +85,10 @@ class ServeProcess:
                 self.proc.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=timeout_s)
-        if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)       # workers a supervisor left, or the supervisor
-            self.proc.wait()
+            if self.proc.poll() is None:           # not reaped yet: its process group is still its own
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
         if self._out is not None:
             self._out.close()
             self._out = None

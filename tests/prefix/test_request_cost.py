@@ -331,12 +331,24 @@ def test_the_upper_bound_needs_no_word_count() -> None:
 # ----------------------------------------------------------------------- usage figure, searched from the end
 usage_piece = st.sampled_from([b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n', b'"completion_tokens": 7',
                                b'"completion_tokens":12}', b'"completion_tokens": null', b'"completion_tokens"',
-                               b'"completion_tokens" :  345', b'data: [DONE]\n\n', b':', b' ', b'9'])
+                               b'"completion_tokens" :  345', b'data: [DONE]\n\n', b':', b' ', b'9', b'9' * 14])
 
 
 @settings(max_examples=300, deadline=None)
 @given(pieces=st.lists(usage_piece, max_size=10))
 def test_completion_tokens_from_the_end_equal_the_last_of_a_whole_scan(pieces: list[bytes]) -> None:
+    """The figure searched from the end is the last a whole scan finds; a figure of more than 15 digits is none
+    (an engine's: ``int()`` of thousands of digits raises, a metric of it overflows)."""
     data = b"".join(pieces)
-    found = re.findall(rb'"completion_tokens"\s*:\s*(\d+)', data)
+    found = re.findall(rb'"completion_tokens"\s*:\s*(\d{1,15})(?!\d)', data)
     assert completion_tokens_in(data) == (int(found[-1]) if found else None)
+
+
+def test_an_engines_figure_of_thousands_of_digits_is_no_count() -> None:
+    from pdproxy.apis.streams import output_tokens_in
+
+    huge = b"9" * 5000
+    assert completion_tokens_in(b'{"usage": {"completion_tokens": 3}} {"usage": {"completion_tokens": ' + huge + b"}}") == 3
+    assert completion_tokens_in(b'"completion_tokens": ' + b"1" * 16) is None
+    assert completion_tokens_in(b'"completion_tokens": ' + b"1" * 15) == int(b"1" * 15)
+    assert output_tokens_in(b'"output_tokens": ' + huge) is None and output_tokens_in(b'"output_tokens": 4') == 4

@@ -181,6 +181,20 @@ def test_a_clients_megabytes_of_model_name_are_cut_in_the_span(traced: tuple[Tra
     assert len(span.to_json()) < 20_000
 
 
+def test_a_client_tracestate_past_w3cs_size_is_not_taken_into_the_trace(
+        traced: tuple[Tracing, InMemorySpanExporter]) -> None:
+    """With tracing on, the client's trace context is extracted within the same W3C sizes as it is forwarded with
+    tracing off (pdproxy/http/engine_headers.py ``forwardable``): an 8 KB ``tracestate`` (the propagator's own
+    limit) is left at pdproxy, never sent on either leg; the client's ``traceparent`` still parents the trace."""
+    tracing, _ = traced
+    big = ",".join(f"k{i}=" + "v" * 240 for i in range(32))           # 32 members, ~7.9 KB: W3C's size is 512
+    headers = [(b"traceparent", f"00-{TRACE}-{CLIENT_SPAN}-01".encode()), (b"tracestate", big.encode())]
+    ctx = RequestContext(request_id="rid-1", client_request_id=None, api_label="chat", client_headers=headers)
+    with tracing.request(req := parse_request(orjson.dumps(BODY), Api.CHAT), ctx), tracing.prefill(ctx, PREFILLER):
+        leg = EngineHeaders(propagate=tracing.propagate).leg(PREFILLER, ctx.request_id)
+    assert req.model == "m" and "tracestate" not in leg and leg["traceparent"].split("-")[1] == TRACE
+
+
 def test_cancellation_and_a_failed_stream_are_errors_without_an_exception_leaving(
         traced: tuple[Tracing, InMemorySpanExporter]) -> None:
     tracing, exporter = traced
