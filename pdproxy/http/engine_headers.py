@@ -26,8 +26,8 @@ join the client's trace instead of starting orphan ones.  Control-plane calls ca
 
 A client's header value reaches an engine only as visible ASCII (:func:`forwardable`): trace context only within
 W3C's sizes, a ``traceparent`` only in W3C's form, any other value with a byte outside 0x20–0x7E (a tab aside), or
-with a space or tab at its end, is dropped — HTTP clients refuse to send such a value (httpx raises ``UnicodeEncodeError`` or h11's
-``LocalProtocolError``), and an engine has no use for it.
+with a space or tab at its end, is dropped — HTTP clients refuse to send such a value (httpx raises
+``UnicodeEncodeError`` or h11's ``LocalProtocolError``), and an engine has no use for it.
 """
 
 from __future__ import annotations

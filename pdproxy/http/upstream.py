@@ -30,6 +30,7 @@ import orjson
 
 from pdproxy.endpoints import Endpoint
 from pdproxy.errors import (  # noqa: F401  (UpstreamRefused, retry_after_seconds: re-exported for the legs)
+    ProxyError,
     UpstreamHTTPError,
     UpstreamRefused,
     UpstreamTimeout,
@@ -49,6 +50,16 @@ def _retry_after(headers: Any) -> str | None:
     return str(value) if value else None
 
 
+
+
+def _answer_failure(exc: TransportError | TimeoutError, endpoint: Endpoint, timeout_s: float) -> ProxyError:
+    """The error for a POST answered in full (:meth:`Upstream.post_json`, :meth:`Upstream.judge`) that failed with
+    ``exc``: :class:`UpstreamTimeout` when its ``timeout_s`` seconds ran out, else the transport's
+    (:func:`~pdproxy.http.errors.transport_error`: refused, reset, no pool slot in time)."""
+    if isinstance(exc, TimeoutError) and not isinstance(exc, PoolTimeout):
+        return UpstreamTimeout(f"{endpoint.role.value} {endpoint.name} did not answer within {timeout_s:.1f} s",
+                               endpoint=endpoint.name)
+    return transport_error(exc, f"{endpoint.role.value} {endpoint.name}", endpoint.name)
 
 
 class Upstream:
@@ -136,10 +147,7 @@ class Upstream:
                                         content_type=resp.content_type or "application/json",
                                         retry_after=_retry_after(resp.headers))
         except (TransportError, TimeoutError) as exc:
-            if isinstance(exc, TimeoutError) and not isinstance(exc, PoolTimeout):
-                raise UpstreamTimeout(f"{endpoint.role.value} {endpoint.name} did not answer within "
-                                      f"{timeout_s:.1f} s", endpoint=endpoint.name) from None
-            raise transport_error(exc, f"{endpoint.role.value} {endpoint.name}", endpoint.name) from None
+            raise _answer_failure(exc, endpoint, timeout_s) from None
         try:
             parsed = orjson.loads(data)
         except orjson.JSONDecodeError:
@@ -169,10 +177,7 @@ class Upstream:
             finally:
                 resp.release()
         except (TransportError, TimeoutError) as exc:
-            if isinstance(exc, TimeoutError) and not isinstance(exc, PoolTimeout):
-                raise UpstreamTimeout(f"{endpoint.role.value} {endpoint.name} did not answer within "
-                                      f"{timeout_s:.1f} s", endpoint=endpoint.name) from None
-            raise transport_error(exc, f"{endpoint.role.value} {endpoint.name}", endpoint.name) from None
+            raise _answer_failure(exc, endpoint, timeout_s) from None
         raise UpstreamHTTPError(resp.status, data[:_MAX_ERROR_BODY_BYTES], endpoint=endpoint.name,
                                 content_type=resp.content_type or "application/json",
                                 retry_after=_retry_after(resp.headers))

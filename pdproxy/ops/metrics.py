@@ -404,9 +404,9 @@ class ProxyMetrics:
             if failover:
                 self._count(self.failovers, leg, reason).inc(1)
         prompt = ctx.engine_prompt_tokens or ctx.prompt_tokens
-        if prompt and prompt > 0 and (ctx.prefiller is not None or ctx.decoder is not None):
+        if (prompt or 0) > 0 and (ctx.prefiller is not None or ctx.decoder is not None):
             self._count(self.prompt_tokens, api).inc(prompt)
-        if ctx.completion_tokens and ctx.completion_tokens > 0:     # the engine's usage: a count, never taken back
+        if (ctx.completion_tokens or 0) > 0:       # the engine's usage: a count, never taken back
             self._count(self.generation_tokens, api).inc(ctx.completion_tokens)
         if ctx.prefix_mode is not None and ctx.predicted_cached_tokens is not None:
             self._observe_prefix(ctx.prefix_mode, ctx.predicted_cached_tokens, ctx.cached_tokens)
