@@ -187,14 +187,19 @@ def check(api: str, body: dict[str, Any], judge: Judge) -> None:
 def check_fan_out(api: str, body: dict[str, Any], req: ProxyRequest, status: int, verdict: dict[str, Any],
                   judge: Judge) -> None:
     """The rule for a request of several sequences (one P/D pair each, ``pdproxy/pd/fanout.py``): vLLM refuses it →
-    the first sequence's first leg gets that same 400; vLLM accepts it → pdproxy read it as vLLM did, and every
+    the first sequence's first leg that refuses it gets that same 400 (its decode leg when the refusal needs the
+    client's output constraints, e.g. ``min_tokens`` over the room ``max_model_len`` leaves, which the prefill leg's
+    one token does not ask); vLLM accepts it → pdproxy read it as vLLM did, and every
     sequence's legs are accepted (prefill: one token, not streamed; decode: the client's meaning, usage asked for
     when streaming, which the merge needs)."""
     seqs = fanout.plan(req, RequestContext(request_id="r", client_request_id=None, api_label=api))
     assert len(seqs) == req.sequences
     if status != 200:
-        _, leg = first_leg(seqs[0].req)
-        assert judge(api, leg) == (status, verdict), f"{body}: vLLM says {status} {verdict}"
+        who, leg = first_leg(seqs[0].req)
+        got = judge(api, leg)
+        if got[0] == 200 and who == "prefill":     # the decoder is the one that refuses it, as for one sequence
+            got = judge(api, kv_transfer.decode_body_bytes(seqs[0].req.raw, HANDLE, seqs[0].req.body))
+        assert got == (status, verdict), f"{body}: vLLM says {status} {verdict}; the first sequence's legs {got}"
         return
     assert understood(req, verdict) == meaning(verdict), (
         f"{body}: vLLM {meaning(verdict)}, pdproxy {understood(req, verdict)}")
