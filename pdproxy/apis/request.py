@@ -578,6 +578,8 @@ def parse_request(raw: bytes, api: Api, max_depth: int = MAX_JSON_DEPTH,
         max_output = 16 if leg.max_tokens is None else leg.max_tokens
     if max_output is not None and max_output < 1:         # SamplingParams._verify_args, in its order
         faults.append(_vllm_error(f"max_tokens must be at least 1, got {max_output}.", "max_tokens", max_output))
+    elif leg.use_beam_search:                             # BeamSearchParams: no min_tokens, none of these checks
+        pass
     elif leg.min_tokens < 0:
         faults.append(_vllm_error(f"min_tokens must be greater than or equal to 0, got {leg.min_tokens}."))
     elif max_output is not None and leg.min_tokens > max_output:
