@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 
 from tests.edges.request_rules import check, requests
 from tests.real_vllm.vllm_oracle import Oracle
@@ -29,6 +29,11 @@ def oracle() -> Iterator[Oracle]:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(requests())
+# cases earlier runs drew and that once failed (2026-12-05): a refusal only the decode leg can see, in a fan-out;
+# beam search, which verifies no min_tokens
+@example(("chat", {"messages": [{"role": "user", "content": "Hello there"}], "min_tokens": 3000, "n": 2}))
+@example(("completions", {"prompt": "The prefiller reads the whole prompt.", "min_tokens": 3000,
+                          "use_beam_search": True}))
 def test_pdproxy_reads_requests_as_vllm_does(oracle: Oracle, case: tuple[str, dict[str, Any]]) -> None:
     api, body = case
     check(api, body, oracle.judge)
