@@ -221,8 +221,9 @@ def prompt_token_ids(tok: Tokenizer, body: dict[str, Any], api: Literal["chat", 
     with ``--exclude-tools-when-tool-choice-none`` (real vLLM 0.32 counted them with ``tool_choice: "none"``,
     ``tests/real_vllm/captures/chat_tools_none.json``). Media parts add :data:`MEDIA_PART_TOKENS` ids each.
     completions: a ``str`` prompt is encoded (with special tokens for HF tokenizers); a flat ``list[int]``
-    is used as is. Raises ``ValueError`` for a body it cannot count as *one* prompt: a missing
-    prompt/messages, a list of prompts, or a malformed message.
+    is used as is (``[]`` too: an empty prompt is the caller's to refuse). Raises ``ValueError`` for a body it
+    cannot count as *one* prompt: a missing prompt/messages, a prompt of another type, a list of prompts, or a
+    malformed message.
     """
     if api == "chat":
         messages = body.get("messages")
@@ -243,12 +244,15 @@ def prompt_token_ids(tok: Tokenizer, body: dict[str, Any], api: Literal["chat", 
         if isinstance(tok, HFTokenizer):
             return tok.encode(prompt, add_special_tokens=True)
         return tok.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return list(prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)                                 # [] too: an empty prompt, the caller's to refuse
     if isinstance(prompt, list) and len(prompt) == 1:
         return prompt_token_ids(tok, {"prompt": prompt[0]}, "completions")
     if prompt is None:
         raise ValueError("'prompt' is required")
+    if not isinstance(prompt, list):
+        raise ValueError("'prompt' must be a string, a list of token ids, a list of strings or a list of token-id "
+                         f"lists, got {type(prompt).__name__}")
     raise ValueError("a list of several prompts cannot be counted as one prompt")
 
 

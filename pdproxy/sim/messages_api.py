@@ -94,6 +94,13 @@ def _check_tools(tools: Any) -> None:
                 "dict_type", f"tools.{i}.input_schema", "Input should be a valid dictionary", tool["input_schema"])
 
 
+BLOCK_TYPES = ("text", "image", "tool_use", "tool_result", "tool_reference", "thinking", "redacted_thinking",
+               "tool_addition", "tool_removal")
+"""``AnthropicContentBlock.type``'s literal (vLLM 0.32 ``vllm/entrypoints/anthropic/protocol.py``)."""
+_BLOCK_WORDS = ", ".join(f"'{t}'" for t in BLOCK_TYPES[:-1]) + f" or '{BLOCK_TYPES[-1]}'"
+_MISSING: Any = object()
+
+
 def _check_content(content: Any, loc: str) -> None:
     """``AnthropicMessage.content`` (``str | list[AnthropicContentBlock]``) and each block's ``content``
     (``str | list[dict] | None``), as pydantic refuses them (its first error only)."""
@@ -106,6 +113,12 @@ def _check_content(content: Any, loc: str) -> None:
         if not isinstance(block, dict):
             raise v.pydantic_error("model_type", where, "Input should be a valid dictionary or instance of "
                                    "AnthropicContentBlock", block)
+        kind = block.get("type", _MISSING)
+        if kind is _MISSING:
+            raise v.missing(f"{where}.type", block)
+        if not isinstance(kind, str) or kind not in BLOCK_TYPES:
+            raise v.pydantic_error("literal_error", f"{where}.type", f"Input should be {_BLOCK_WORDS}", kind,
+                                   {"expected": _BLOCK_WORDS})
         inner = block.get("content")
         if inner is not None and not isinstance(inner, str) and not (
                 isinstance(inner, list) and all(isinstance(x, dict) for x in inner)):
@@ -193,6 +206,8 @@ def parse_messages(raw: Any, headers: Any, config: SimConfig, tokenizer: Tokeniz
     if body.get("model") is None:
         raise v.missing("model", body)
     _check_messages(body)
+    if body.get("system") is not None:                     # str | list[AnthropicContentBlock] | None
+        _check_content(body["system"], "system")
     _check_tools(body.get("tools"))
     if "max_tokens" not in body:
         raise v.missing("max_tokens", body)

@@ -213,6 +213,8 @@ def parse_request(body: Any, api: Api, headers: Any, config: SimConfig, tokenize
         prompts = [prompt_token_ids(tokenizer, body, "chat")] if chat else completion_prompts(tokenizer, body["prompt"])
     except ValueError as exc:
         raise SimHTTPError(400, str(exc), param=key) from None
+    if not all(prompts):                     # vllm/v1/engine/input_processor.py (a decoder-only model)
+        raise v.vllm_error("The decoder prompt cannot be empty")
     clamp = config.max_tokens_overflow == "clamp"
     limits = [check_length(len(ids), max_tokens, config.max_model_len, clamp=clamp) for ids in prompts]
     spec = fields.verify(limits[0] if limits[0] is not None else None)

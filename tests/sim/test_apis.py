@@ -160,10 +160,20 @@ def test_messages_errors_have_the_shapes_vllm_gives(claude: anthropic.Anthropic,
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "body.messages.0.role"  # pydantic's shape
     for content, param in ((5, "body.messages.0.content.str"),                          # old: a 500
                            ([{"type": "tool_result", "tool_use_id": "t", "content": 5}],
-                            "body.messages.0.content.list[AnthropicContentBlock].0.content.str")):
+                            "body.messages.0.content.list[AnthropicContentBlock].0.content.str"),
+                           ([{"type": "weird"}], "body.messages.0.content.list[AnthropicContentBlock].0.type"),
+                           ([{"text": "x"}], "body.messages.0.content.list[AnthropicContentBlock].0.type")):
         resp = httpx.post(sims["both"].url + "/v1/messages", json={"model": "sim-model", "max_tokens": 5,
                                                                    "messages": [{"role": "user", "content": content}]})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param
+    resp = httpx.post(sims["both"].url + "/v1/messages", json={      # a bad block after a good message: the same
+        "model": "sim-model", "max_tokens": 5, "system": [{"type": "text", "text": "s"}],
+        "messages": [{"role": "user", "content": "x"}, {"role": "user", "content": [{"type": "weird"}]}]})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "body.messages.1.content.list[AnthropicContentBlock].0.type"
+    resp = httpx.post(sims["both"].url + "/v1/messages", json={"model": "sim-model", "max_tokens": 5, "system": [
+        {"type": "weird"}], "messages": [{"role": "user", "content": "x"}]})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "body.system.list[AnthropicContentBlock].0.type"
     for schema in ([], "x", None):                                 # AnthropicTool.input_schema: an object
         resp = httpx.post(sims["both"].url + "/v1/messages", json={
             "model": "sim-model", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
@@ -240,3 +250,11 @@ def test_kv_pull_failures_end_each_stream_as_vllm_does(sims: dict[str, SimProces
                                                     "messages": [{"role": "user", "content": PROMPT}],
                                                     "kv_transfer_params": bogus}, timeout=10)
     assert resp.status_code == 500 and resp.json()["type"] == "error"
+
+
+@pytest.mark.parametrize("prompt", [[], [[]], [""]])
+def test_an_empty_completions_prompt_gets_vllms_400(sims: dict[str, SimProcess], prompt: list[Any]) -> None:
+    resp = httpx.post(sims["both"].url + "/v1/completions", json={"model": "sim-model", "prompt": prompt,
+                                                                  "max_tokens": 2}, timeout=10)
+    assert resp.status_code == 400  # vllm/v1/engine/input_processor.py: an empty decoder prompt
+    assert resp.json()["error"]["message"] == "The decoder prompt cannot be empty"

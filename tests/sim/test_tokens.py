@@ -90,7 +90,8 @@ def test_tools_are_part_of_the_chat_prompt_even_with_tool_choice_none() -> None:
     assert prompt_token_ids(tok, {**base, "tools": tools, "tool_choice": "none"}, "chat") == with_tools
 
 
-@pytest.mark.parametrize(("body", "expected"), [({"prompt": [5, 6, 7]}, [5, 6, 7]), ({"prompt": ["x"]}, None)])
+@pytest.mark.parametrize(("body", "expected"), [({"prompt": [5, 6, 7]}, [5, 6, 7]), ({"prompt": ["x"]}, None),
+                                               ({"prompt": []}, []), ({"prompt": [[]]}, [])])
 def test_completion_prompts(body: dict, expected: list[int] | None) -> None:
     tok = SimTokenizer()
     ids = prompt_token_ids(tok, body, "completions")
@@ -101,6 +102,11 @@ def test_completion_prompts(body: dict, expected: list[int] | None) -> None:
 def test_uncountable_completion_bodies_raise(body: dict) -> None:
     with pytest.raises(ValueError, match="prompt"):
         prompt_token_ids(SimTokenizer(), body, "completions")
+
+
+def test_a_prompt_of_another_type_is_named() -> None:
+    with pytest.raises(ValueError, match=r"'prompt' must be a string, .* got dict"):
+        prompt_token_ids(SimTokenizer(), {"prompt": {"a": 1}}, "completions")
 
 
 @pytest.mark.parametrize("body", [{}, {"messages": []}, {"messages": ["x"]}, {"messages": [{"role": "User!"}]}])
