@@ -644,9 +644,9 @@ class H1Pool:
         except BaseException as exc:
             self._release_place(key)
             if isinstance(exc, TimeoutError):
-                raise ConnectError(f"connect to {key[0]}:{key[1]} timed out after {limit:.1f} s") from None
+                raise ConnectError(f"connect ({key[0]}:{key[1]}) timed out after {limit:.1f} s") from None
             if isinstance(exc, OSError):
-                raise ConnectError(f"connect to {key[0]}:{key[1]} failed: {exc}") from None
+                raise ConnectError(f"connect ({key[0]}:{key[1]}) failed: {exc}") from None
             raise
         return conn
 

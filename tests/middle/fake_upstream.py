@@ -527,7 +527,7 @@ class FakeUpstream(Upstream):
             await self._step(call, o.connect, "connect")
             if isinstance(o, Refuse):
                 call.result = "refused"
-                raise transport_error(ConnectError(f"connect to {endpoint.host}:{endpoint.port} failed: refused"),
+                raise transport_error(ConnectError(f"connect ({endpoint.host}:{endpoint.port}) failed: refused"),
                                   who, endpoint.name)
             call.received = True
             if kind == "release":
@@ -568,7 +568,7 @@ class FakeUpstream(Upstream):
             await self._step(call, o.connect, "connect")
             if isinstance(o, Refuse):
                 call.result = "refused"
-                raise transport_error(ConnectError(f"connect to {endpoint.host}:{endpoint.port} failed: refused"),
+                raise transport_error(ConnectError(f"connect ({endpoint.host}:{endpoint.port}) failed: refused"),
                                   f"decoder {endpoint.name}", endpoint.name)
             call.received = True
             await self._step(call, o.gate, "head")

@@ -61,3 +61,22 @@ def test_a_model_name_of_100k_characters_gets_its_404_at_once(sims: Fleet) -> No
         proxy.wait_idle()
     finally:
         proxy.stop()
+
+
+@pytest.mark.anyio
+async def test_a_refused_engine_connection_reads_whole_without_its_address() -> None:
+    """The client's connect error names the engine for the log and reads as a sentence once the address is taken
+    out (it read "connect to failed" before)."""
+    import socket
+
+    from pdproxy.http.client import ConnectError, H1Pool
+
+    with socket.socket() as held:                      # bound, never listening: connects are refused, and no
+        held.bind(("127.0.0.1", 0))                    # other process can take the port while it is held
+        port = held.getsockname()[1]
+        pool = H1Pool(connect_timeout_s=2.0, keepalive_s=1.0)
+        with pytest.raises(ConnectError) as refused:
+            await pool.connect(("127.0.0.1", port))
+    full = str(refused.value)
+    assert f"127.0.0.1:{port}" in full
+    assert public_message(full).startswith("connect failed: [Errno 111]"), public_message(full)
