@@ -128,7 +128,9 @@ class RequestContext:
     - ``request_id``, ``client_request_id``, ``api_label``, ``client_headers`` (the client's request headers as
       (lower-case name, value) byte pairs, read only when needed: the trace context, pdproxy/ops/tracing.py),
       ``authorization``, ``model``, ``gaps``: the route handler (``pdproxy/app/application.py``) when the
-      request arrives; ``request_id`` is renewed by the director for a continuation (``pdproxy/pd/director.py``);
+      request arrives; ``request_id`` is renewed by the director for a continuation (``pdproxy/pd/director.py``,
+      :meth:`renew_request_id`, which keeps the earlier ids and the lost decoders in ``replaced_ids`` and
+      ``lost_decoders``);
     - ``prompt_tokens``, ``disaggregated``, ``timeline.admitted_at``: admission
       (``pdproxy/admission/admission.py``); the prefix lookup replaces ``prompt_tokens`` by the engine's count
       (``pdproxy/prefix/routing.py``), which also owns ``predicted_cached_tokens`` and ``prefix_mode``;
@@ -170,6 +172,22 @@ class RequestContext:
     timeline: Timeline = field(default_factory=Timeline)
     client_headers: Sequence[tuple[bytes, bytes]] = ()
     retries: tuple[tuple[str, str, bool], ...] = ()  # (leg, reason, failover) per retried leg attempt (metrics.py)
+    replaced_ids: tuple[str, ...] = ()  # a continued stream's earlier engine-side ids, oldest (the client's) first
+    lost_decoders: tuple[str, ...] = ()  # the decoders a continued stream lost or was preempted by, in order (names)
+
+    @property
+    def client_visible_id(self) -> str:
+        """The id the client saw (its ``X-Request-Id`` answer header, the stream's ``id``): ``request_id``, or for a
+        continued stream the first leg's (a continuation renews ``request_id`` for the engines)."""
+        return self.replaced_ids[0] if self.replaced_ids else self.request_id
+
+    def renew_request_id(self, lost_decoder: str) -> None:
+        """A continuation leg starts: the engines get a new ``request_id`` (the old one stays in ``replaced_ids``);
+        ``lost_decoder``: the endpoint name of the decoder lost (or that preempted the request: vLLM-Ascend's
+        ``stop_reason "recomputed"``)."""
+        self.replaced_ids += (self.request_id,)
+        self.lost_decoders += (lost_decoder,)
+        self.request_id = new_request_id(self.client_request_id)
 
     def retried(self, leg: str, reason: str, *, failover: bool = False) -> None:
         """A failed ``leg`` attempt (``"prefill"`` | ``"decode"``) is being tried again on another endpoint;

@@ -5,12 +5,17 @@ Fields (snake_case, stable; absent values are ``null``)::
     {"event": "request", "ts": 1755000000.123, "request_id": "<engine-side id>", "client_request_id": "<X-Request-Id>",
      "api": "chat", "model": "m", "stream": true, "status": 200, "outcome": "ok", "rejection": null,
      "prefiller": "http://p0:9100", "decoder": "http://d0:9101", "dp_rank": 1,
-     "prompt_tokens": 5120, "completion_tokens": 256, "cached_tokens": 4096, "predicted_cached_tokens": 4096,
+     "prompt_tokens": 5120, "engine_prompt_tokens": 5120, "completion_tokens": 256, "cached_tokens": 4096, "predicted_cached_tokens": 4096,
      "prefix_mode": "precise", "events": 258,
      "admission_wait_s": 0.0001, "prefill_s": 0.41, "pd_gap_s": 0.0002, "decode_first_token_s": 0.05,
      "decode_s": 5.1, "ttft_s": 0.46, "e2e_s": 5.56, "error": null, "pid": 4242}
 
-``prompt_tokens`` is the proxy's count (admission; exact when prefix routing had the token ids);
+``request_id`` is the id the client saw (its ``X-Request-Id`` answer header, the response's ``id``); a stream
+continued after its decoder was lost (docs/stream-continuation.md) adds ``continued_as`` (the engine-side ids of
+its later legs, in order: those the engines' own logs name) and ``lost_decoders`` (lost, or preempted with
+vLLM-Ascend's ``stop_reason "recomputed"``), and its ``decoder`` is the last one.  ``prompt_tokens`` is the proxy's count (admission; exact when prefix routing had the token ids, else possibly an
+estimate: docs/limits.md), ``engine_prompt_tokens`` the prefiller's (its ``usage.prompt_tokens``; null without a
+prefill leg);
 ``cached_tokens`` the prefiller's prefix-cache hits; ``predicted_cached_tokens`` what prefix routing expected
 there and ``prefix_mode`` from where (``precise``: the engine's KV events, ``approximate``: pdproxy's record of
 token keys, ``text``: of text keys; both null when prefix routing is off or the request skipped the prefiller).  The
@@ -54,15 +59,19 @@ def request_record(ctx: RequestContext, req: ProxyRequest | None, *, rejection: 
                    log_prompts: bool = False) -> dict[str, Any]:
     """The log record of one finished request as a dict (see module docstring)."""
     record: dict[str, Any] = {
-        "event": "request", "ts": round(time.time(), 3), "request_id": ctx.request_id,
+        "event": "request", "ts": round(time.time(), 3), "request_id": ctx.client_visible_id,
         "client_request_id": ctx.client_request_id, "api": ctx.api_label, "model": clip(ctx.model, MODEL_SHOWN_MAX),
         "stream": req.stream if req is not None else None, "status": ctx.status, "outcome": ctx.outcome,
         "rejection": ":".join(x for x in rejection if x) if rejection else None,
         "prefiller": ctx.prefiller, "decoder": ctx.decoder, "dp_rank": ctx.decoder_dp_rank,
-        "prompt_tokens": ctx.prompt_tokens, "completion_tokens": ctx.completion_tokens,
+        "prompt_tokens": ctx.prompt_tokens, "engine_prompt_tokens": ctx.engine_prompt_tokens,
+        "completion_tokens": ctx.completion_tokens,
         "cached_tokens": ctx.cached_tokens, "predicted_cached_tokens": ctx.predicted_cached_tokens,
         "prefix_mode": ctx.prefix_mode, "events": ctx.events,
     }
+    if ctx.replaced_ids:       # a continued stream: the engine-side ids of its later legs, the decoders it lost
+        record["continued_as"] = [*ctx.replaced_ids[1:], ctx.request_id]
+        record["lost_decoders"] = list(ctx.lost_decoders)
     for key, value in ctx.timeline.phases().items():
         record[key] = None if value is None else round(value, 6)
     record["error"] = clip(ctx.error, TEXT_SHOWN_MAX)

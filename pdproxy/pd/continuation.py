@@ -243,16 +243,36 @@ def eligible(req: ProxyRequest, enabled: bool) -> bool:
         return False
     if req.decoder_prefills or req.engine_judges or req.continuous_usage:
         return False
+    if req.api is Api.RESPONSES or req.api is Api.MESSAGES:
+        return ineligible_reason(req) is None
+    if _INELIGIBLE_SET.isdisjoint(req.body):
+        return True
+    return ineligible_reason(req) is None
+
+
+def ineligible_reason(req: ProxyRequest) -> str | None:
+    """Why a stream of ``req`` is not :func:`eligible` with ``stream_continuation`` on, in a few words for the
+    client's error event (``"n > 1"``, ``"logprobs"``, ``"text.format"`` …), or None when it is eligible.  Off
+    the hot path: called once a stream is lost."""
+    if not req.stream:
+        return "not streamed"
+    if req.sequences != 1:
+        return f"{req.sequences} sequences"
+    if req.decoder_prefills:
+        return "prefilled by its decoder"
+    if req.engine_judges:
+        return "the engine judges its fields"
+    if req.continuous_usage:
+        return "continuous_usage_stats"
     body = req.body
     if req.api is Api.RESPONSES:
         fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
-        return (not any(_present(body.get(k)) for k in _INELIGIBLE_RESPONSES)
-                and (fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text")))
-    if req.api is Api.MESSAGES:
-        return not any(_present(body.get(k)) for k in _INELIGIBLE_MESSAGES)
-    if _INELIGIBLE_SET.isdisjoint(body):
-        return True
-    return not any(_present(body.get(k)) for k in _INELIGIBLE)
+        found = next((k for k in _INELIGIBLE_RESPONSES if _present(body.get(k))), None)
+        if found is None and not (fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text")):
+            found = "text.format"
+        return found
+    fields = _INELIGIBLE_MESSAGES if req.api is Api.MESSAGES else _INELIGIBLE
+    return next((k for k in fields if _present(body.get(k))), None)
 
 
 def _present(value: Any) -> bool:

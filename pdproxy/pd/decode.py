@@ -32,7 +32,7 @@ from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.errors import transport_error
 from pdproxy.http.upstream import Upstream
 from pdproxy.ops.tracing import NO_TRACING, Tracing
-from pdproxy.pd.continuation import LiveStreams, Refusal, Resume, StreamLost, ask_token_ids
+from pdproxy.pd.continuation import LiveStreams, Refusal, Resume, StreamLost, ask_token_ids, ineligible_reason
 from pdproxy.pd.prefill import PrefillResult
 from pdproxy.pd.relay import StreamRelay
 from pdproxy.pd.responder import Responder
@@ -130,7 +130,9 @@ class DecodeLeg:
                             if s.recompute_continuation else None,
                             api_stream=api_streams.stream_for(req.api, ctx, prefill.cached_tokens),
                             resume=resume, lost_when=(s.stream_continuation_stall_factor,
-                                                      s.stream_continuation_stall_min_s))
+                                                      s.stream_continuation_stall_min_s),
+                            not_continued=ineligible_reason(req)
+                            if resume is None and s.stream_continuation else None)
                         if resume is None:
                             recomputed = await relay.run()
                             if s.stream_continuation and ctx.outcome == "upstream_error":  # cut, not continuable

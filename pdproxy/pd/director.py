@@ -61,7 +61,7 @@ from pdproxy.scheduling import PickRequest, Scheduler
 from pdproxy.scheduling.decider import PDDecision
 from pdproxy.scheduling.queue import PrefillQueue
 from pdproxy.settings import Settings
-from pdproxy.timeline import RequestContext, new_request_id
+from pdproxy.timeline import RequestContext
 
 
 class Director:
@@ -251,7 +251,7 @@ class Director:
             out.end_nowait(tail)
             return None
         resume.observer.reprefilled(api, leg.prompt_tokens or 0)
-        ctx.request_id = new_request_id(ctx.client_request_id)
+        ctx.renew_request_id(resume.lost[-1].name if resume.lost else "")
         return leg
 
     async def detokenize(self, ctx: RequestContext, model: str | None, avoid: list[Endpoint],
@@ -378,5 +378,5 @@ class Director:
             return None
         leg = parse_request(orjson.dumps(body), req.api, max_items=None)     # built from a checked body
         leg.size_from(req, sent)
-        ctx.request_id = new_request_id(ctx.client_request_id)
+        ctx.renew_request_id(ctx.decoder or "")    # the decoder that preempted it
         return leg

@@ -358,7 +358,8 @@ class StreamRelay:
     continuation leg is re-framed into the client's stream, and a mid-stream loss raises
     :class:`~pdproxy.pd.continuation.StreamLost` instead of sending the error event (None: today's rule).
     ``lost_when``: ``(factor, min_s)``: a silence of ``factor`` × the stream's mean inter-event gap (at least
-    ``min_s`` seconds) is a lost decoder (None: only ``idle_timeout_s``).
+    ``min_s`` seconds) is a lost decoder (None: only ``idle_timeout_s``).  ``not_continued``: why a stream that
+    is not continued (no ``resume``) with ``stream_continuation`` on is not, added to its mid-stream error event.
     """
 
     def __init__(self, resp: H1Response, out: Responder, ctx: RequestContext, *,
@@ -369,8 +370,9 @@ class StreamRelay:
                  idle_timeout_s: float | None = None, on_recomputed: Callable[[], None] | None = None,
                  done_event: bytes | None = sse.DONE_EVENT,
                  api_stream: api_streams.ApiStream | None = None, resume: Resume | None = None,
-                 lost_when: tuple[float, float] | None = None) -> None:
+                 lost_when: tuple[float, float] | None = None, not_continued: str | None = None) -> None:
         self.api_stream = api_stream
+        self.not_continued = not_continued
         self.resume = resume
         self.lost_when = lost_when if resume is not None else None
         self.splice: _Splice | None = None
@@ -515,6 +517,8 @@ class StreamRelay:
                              if isinstance(exc, ReadTimeout) else LossCause.RESET)
                     raise StreamLost(failure, planned=isinstance(exc, _Moved), cause=cause,
                                      last_write=splice.last) from None
+                if self.not_continued:
+                    failure.message += f" (not continued: {self.not_continued})"
                 ctx.outcome = "upstream_error"
                 out.error_nowait(failure)
                 return False

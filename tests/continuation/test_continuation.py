@@ -5,6 +5,8 @@ uninterrupted one — same text, one role chunk, one id, usage of the original p
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -41,10 +43,14 @@ def usage(r: Result) -> dict[str, Any]:
     ("/v1/chat/completions", CHAT, "error_after_events"), ("/v1/chat/completions", CHAT, "stall_after_events"),
     ("/v1/completions", COMPLETIONS, "reset_after_events"), ("/v1/completions", COMPLETIONS, "stall_after_events"),
 ], ids=["chat-reset", "chat-eof", "chat-error-event", "chat-stall", "completions-reset", "completions-stall"])
-def test_cut_stream_continues_token_exact(fleet5: Fleet4, kind: str, path: str, body: dict[str, Any]) -> None:
+def test_cut_stream_continues_token_exact(fleet5: Fleet4, kind: str, path: str, body: dict[str, Any],
+                                          tmp_path: Path) -> None:
     """Every decoder cuts its first stream after 5 events; the client's stream still equals the uninterrupted
-    run (text, finish, usage), with one id and one role chunk, and the continuation legs carry the token ids."""
-    proxy = fleet5.proxy(**ON)
+    run (text, finish, usage), with one id and one role chunk, and the continuation legs carry the token ids.
+    The request log's line is the client's id (``X-Request-Id``, the stream's ``id``) and names the continuation's
+    engine-side id and the decoder lost."""
+    log_path = tmp_path / "requests.jsonl"
+    proxy = fleet5.proxy(**ON, request_log_path=str(log_path))
     try:
         base = one(proxy.url, body, path)
         assert base.status == 200 and not base.errors and base.done == 1
@@ -66,14 +72,24 @@ def test_cut_stream_continues_token_exact(fleet5: Fleet4, kind: str, path: str, 
         assert legs, "no continuation leg reached a decoder"
         assert all(b["return_token_ids"] is True and b["max_tokens"] < MAX for b in legs)
         fleet5.assert_clean(proxy)
+        client_id = cut.headers["x-request-id"]
+        assert client_id in cut.events[0]["id"]
+        line = [json.loads(x) for x in log_path.read_text().splitlines()][-1]
+        assert line["request_id"] == client_id and line["outcome"] == "ok", line
+        assert len(line["continued_as"]) >= 1 and client_id not in line["continued_as"], line
+        assert line["lost_decoders"][0] in {s.url for s in fleet5.decoders} and line["decoder"], line
+        received_ids = {r["headers"].get("x-request-id") for s in fleet5.decoders for r in s.received()}
+        assert set(line["continued_as"]) <= received_ids, "the engines know the continuation by those ids"
     finally:
         proxy.stop()
 
 
 def test_off_or_ineligible_gets_the_error_event(fleet5: Fleet4) -> None:
-    """With continuation off, and for an ineligible stream (stop strings) with it on, a cut stream ends with the
-    typed error event + [DONE] as before, and no continuation leg is sent."""
-    for settings, body in (({}, CHAT), (ON, {**CHAT, "stop": ["never-said"]})):
+    """With continuation off, and for an ineligible stream (stop strings, logprobs) with it on, a cut stream ends
+    with the typed error event + [DONE] as before, and no continuation leg is sent; with it on, the event's message
+    says why the stream was not continued (docs/stream-continuation.md)."""
+    for settings, body, why in (({}, CHAT, None), (ON, {**CHAT, "stop": ["never-said"]}, "stop"),
+                                (ON, {**CHAT, "logprobs": True}, "logprobs")):
         proxy = fleet5.proxy(**settings)
         try:
             fleet5.reset()
@@ -81,6 +97,8 @@ def test_off_or_ineligible_gets_the_error_event(fleet5: Fleet4) -> None:
                 sim.faults({"kind": "reset_after_events", "events": 5, "times": 1})
             cut = one(proxy.url, body, "/v1/chat/completions")
             assert cut.status == 200 and len(cut.errors) == 1 and cut.done == 1
+            message = cut.errors[0]["error"]["message"]
+            assert message.endswith(f"(not continued: {why})") if why else "not continued" not in message, message
             assert not any(isinstance(r["body"].get("prompt"), list) for s in fleet5.decoders for r in s.received())
             fleet5.assert_clean(proxy)
         finally:

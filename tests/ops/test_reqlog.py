@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -48,7 +49,9 @@ def test_one_line_per_request_without_prompt_text(sims: Fleet, tmp_path: Path) -
         with httpx.stream("POST", p.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "log-1"},
                           timeout=10) as r:
             assert r.status_code == 200
-            r.read()
+            streamed = r.read()
+        usage = [json.loads(x[6:])["usage"] for x in streamed.decode().splitlines()
+                 if x.startswith("data: {") and '"usage":{' in x.replace(" ", "")][-1]
         bad = httpx.post(p.url + "/v1/completions", json={"model": "sim-model", "prompt": "x", "n": 99}, timeout=10)
         assert bad.status_code == 400
         p.wait_idle()
@@ -63,6 +66,8 @@ def test_one_line_per_request_without_prompt_text(sims: Fleet, tmp_path: Path) -
     assert ok["prefiller"] == sims.prefillers[0].url
     assert ok["decoder"] in {d.url for d in sims.decoders}
     assert "dp_rank" in ok and ok["prompt_tokens"] > 0 and ok["cached_tokens"] is not None
+    assert ok["engine_prompt_tokens"] == usage["prompt_tokens"]    # the engine's count, as the client's usage
+    assert "continued_as" not in ok and "lost_decoders" not in ok  # only a continued stream has them
     assert ok["events"] >= 1  # relayed writes (a zero-cost decoder may deliver the whole stream in one)
     phases = ("admission_wait_s", "prefill_s", "pd_gap_s", "decode_first_token_s")
     assert all(ok[phase] is not None for phase in (*phases, "decode_s", "ttft_s")), ok

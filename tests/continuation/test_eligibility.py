@@ -1,0 +1,45 @@
+"""Which streams are continued (``pdproxy.pd.continuation.eligible``) and the words a refused one's error event
+gives (``ineligible_reason``): the two agree on every request shape, and the words name the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from pdproxy.apis.request import Api, parse_request
+from pdproxy.pd.continuation import eligible, ineligible_reason
+
+pytestmark = pytest.mark.timeout(10)
+
+CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                        "max_tokens": 8}
+RESPONSES: dict[str, Any] = {"model": "m", "input": "hi", "stream": True, "max_output_tokens": 8}
+MESSAGES: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                            "max_tokens": 8}
+
+
+@pytest.mark.parametrize(("api", "body", "why"), [
+    (Api.CHAT, CHAT, None),
+    (Api.CHAT, {**CHAT, "logprobs": True}, "logprobs"),
+    (Api.CHAT, {**CHAT, "logprobs": False}, None),
+    (Api.CHAT, {**CHAT, "stop": ["x"]}, "stop"),
+    (Api.CHAT, {**CHAT, "stop": []}, None),
+    (Api.CHAT, {**CHAT, "n": 2, "temperature": 1}, "2 sequences"),
+    (Api.CHAT, {**CHAT, "stream": False}, "not streamed"),
+    (Api.CHAT, {**CHAT, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "continuous_usage_stats"),
+    (Api.COMPLETIONS, {"model": "m", "prompt": "hi", "stream": True, "echo": True}, "echo"),
+    (Api.RESPONSES, RESPONSES, None),
+    (Api.RESPONSES, {**RESPONSES, "previous_response_id": "resp_1"}, "previous_response_id"),
+    (Api.RESPONSES, {**RESPONSES, "text": {"format": {"type": "json_object"}}}, "text.format"),
+    (Api.RESPONSES, {**RESPONSES, "text": {"format": {"type": "text"}}}, None),
+    (Api.MESSAGES, MESSAGES, None),
+    (Api.MESSAGES, {**MESSAGES, "stop_sequences": ["x"]}, "stop_sequences"),
+])
+def test_the_reason_names_what_makes_a_stream_ineligible(api: Api, body: dict[str, Any], why: str | None) -> None:
+    req = parse_request(orjson.dumps(body), api)
+    assert ineligible_reason(req) == why
+    assert eligible(req, True) is (why is None)
+    assert eligible(req, False) is False
