@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from pdproxy import __version__
 from pdproxy.endpoints import Role
-from pdproxy.settings import Settings, config_line, load_settings
+from pdproxy.settings import Settings, config_line, load_settings, unknown_environment
 
 # Settings that get a CLI flag of the same name (dashes for underscores); list/bool types are derived.
 _SKIP = {"endpoints"}
@@ -290,6 +290,8 @@ def serve(settings: Settings) -> int:
         print(f"pdproxy: {problem}", file=sys.stderr)
         return 1
     configure_logging(settings)
+    for line in unknown_environment(os.environ):       # a typo pydantic-settings ignores: said, as vLLM says it
+        logging.getLogger("pdproxy").warning(line)
     apply_heap_policy(settings.malloc_trim_threshold_mib)  # process-wide (--workers: each worker's own too)
     tls = server_ssl_context(settings)  # a bad certificate / key / CA file stops here (ValueError → exit 2)
     roles = {e.role for e in settings.all_endpoints()}

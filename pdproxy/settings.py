@@ -8,12 +8,14 @@ Units are in the names: ``*_s`` seconds, ``*_bytes`` bytes, ``*_tokens`` tokens.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import ipaddress
 import json
 import os
 import re
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
 
@@ -550,6 +552,31 @@ def config_line(path: str | os.PathLike[str], setting: str, value: str | None = 
     spellings = "|".join(re.escape(s) for s in {setting, setting.replace("_", "-")})
     key = re.compile(rf'^\s*["\']?(?:{spellings})["\']?\s*[:=]')
     return next((i for i, line in enumerate(lines, 1) if key.match(line)), None)
+
+
+NON_SETTING_VARIABLES = frozenset({"CONFIG", "SKIP_REAL_VLLM", "NO_EXTENSIONS", "FUZZ_EXAMPLES"})
+"""``PDPROXY_*`` variables that are not settings: ``PDPROXY_CONFIG`` (the config file) and the test suite's own
+(``scripts/test-all.sh``, ``pdproxy/pd/record.py``, ``tests/security/test_server_fuzz.py``); with
+``PDPROXY_LOCUST_*`` (``loadtest/locustfile.py``)."""
+
+
+def unknown_environment(environ: Mapping[str, str]) -> list[str]:
+    """One line per ``PDPROXY_*`` variable of ``environ`` that names no setting (a typo pydantic-settings would
+    ignore), with the closest setting's variable when there is one; ``cli.serve`` logs them as warnings, as vLLM
+    warns of an unknown ``VLLM_*`` variable (``vllm/envs.py``)."""
+    names = list(Settings.model_fields)
+    lines = []
+    for key in sorted(environ):
+        if not key.upper().startswith("PDPROXY_"):
+            continue
+        name = key[len("PDPROXY_"):]
+        if name.lower() in Settings.model_fields or name.upper() in NON_SETTING_VARIABLES or (
+                name.upper().startswith("LOCUST_")):
+            continue
+        close = difflib.get_close_matches(name.lower(), names, n=1)
+        hint = f" (did you mean PDPROXY_{close[0].upper()}?)" if close else ""
+        lines.append(f"environment {key[:100]}: unknown setting, ignored{hint}")
+    return lines
 
 
 def load_settings(config: str | None = None, **overrides: Any) -> Settings:

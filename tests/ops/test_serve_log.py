@@ -5,6 +5,7 @@ JSON object, request lines included as they are) and in the text format."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -97,12 +98,19 @@ def test_json_log_says_each_change_once(sims: Fleet, tmp_path: Path) -> None:
 
 
 def test_text_log_banner_engines_and_shutdown(sims: Fleet, tmp_path: Path) -> None:
+    """The banner, each engine once, the shutdown; and a mistyped ``PDPROXY_*`` variable (which pydantic-settings
+    ignores) is named with the setting it resembles, as vLLM names an unknown ``VLLM_*`` variable."""
+    env = {**os.environ, "PDPROXY_STREAM_CONTINUATON": "true", "PDPROXY_CONFIG_DIR_X": "1"}
     proxy = ServeProcess(tmp_path / "serve.log", "--prefill", sims.prefillers[0].url, "--decode",
-                         *(s.url for s in sims.decoders), "--no-request-log")
+                         *(s.url for s in sims.decoders), "--no-request-log", env=env)
     try:
         proxy.start()
         wait_until(lambda: "listening on" in proxy.text(), 10, what="banner")
         text = proxy.text()
+        assert ("WARNING pdproxy environment PDPROXY_STREAM_CONTINUATON: unknown setting, ignored (did you mean "
+                "PDPROXY_STREAM_CONTINUATION?)") in text, text
+        assert "environment PDPROXY_CONFIG_DIR_X: unknown setting, ignored" in text
+        assert "environment PDPROXY_CONFIG:" not in text and "PDPROXY_SKIP" not in text
         assert re.search(rf"INFO pdproxy pdproxy {re.escape(__version__)} listening on {re.escape(proxy.url)}: "
                          r"1 prefiller\(s\), 2 decoder\(s\); TLS off; 1 worker\(s\)", text), text
         for s in sims.all:
