@@ -140,6 +140,8 @@ class Director:
         if resume is not None:
             resume.observer = self.decode.live.observer
         first_prefill = (ctx.engine_prompt_tokens, ctx.cached_tokens)
+        tl = ctx.timeline
+        first_marks = (tl.prefill_start_at, tl.prefill_end_at, tl.decode_start_at)
         leg: ProxyRequest | None = req
         resumed = False
         try:
@@ -155,12 +157,15 @@ class Director:
                     assert resume is not None
                     if not resumed:
                         first_prefill = (ctx.engine_prompt_tokens, ctx.cached_tokens)
+                        first_marks = (tl.prefill_start_at, tl.prefill_end_at, tl.decode_start_at)
                     leg, resumed = await self.resume_leg(resume, ctx, out, lost), True
                     continue
                 leg = await self.continuation(req, ctx, out, transcript) if recomputed else None  # 5. Ascend
         finally:
-            if resumed:   # the re-prefills are counted apart (pdproxy_continuation_prefill_tokens_total)
+            if resumed:   # the re-prefills are counted apart (pdproxy_continuation_prefill_tokens_total); the
+                # phases (log, histograms) are the first leg's, up to the first token the client saw
                 ctx.engine_prompt_tokens, ctx.cached_tokens = first_prefill
+                tl.prefill_start_at, tl.prefill_end_at, tl.decode_start_at = first_marks
 
     async def run_resumed(self, leg: ProxyRequest, ctx: RequestContext, out: Responder,
                           resume: continuation.Resume) -> None:

@@ -78,6 +78,8 @@ def test_cut_stream_continues_token_exact(fleet5: Fleet4, kind: str, path: str, 
         assert line["request_id"] == client_id and line["outcome"] == "ok", line
         assert len(line["continued_as"]) >= 1 and client_id not in line["continued_as"], line
         assert line["lost_decoders"][0] in {s.url for s in fleet5.decoders} and line["decoder"], line
+        phases = ("admission_wait_s", "prefill_s", "pd_gap_s", "decode_first_token_s")   # the first leg's
+        assert line["decode_first_token_s"] > 0 and sum(line[p] for p in phases) <= line["ttft_s"] + 1e-5, line
         received_ids = {r["headers"].get("x-request-id") for s in fleet5.decoders for r in s.received()}
         assert set(line["continued_as"]) <= received_ids, "the engines know the continuation by those ids"
     finally:
