@@ -129,8 +129,8 @@ class RequestContext:
       (lower-case name, value) byte pairs, read only when needed: the trace context, pdproxy/ops/tracing.py),
       ``authorization``, ``model``, ``gaps``: the route handler (``pdproxy/app/application.py``) when the
       request arrives; ``request_id`` is renewed by the director for a continuation (``pdproxy/pd/director.py``,
-      :meth:`renew_request_id`, which keeps the earlier ids and the lost decoders in ``replaced_ids`` and
-      ``lost_decoders``);
+      :meth:`renew_request_id`, which keeps the first id, the later ones and the lost decoders in
+      ``first_request_id``, ``continued_as`` and ``lost_decoders``; fan-out sums its sequences' into the client's);
     - ``prompt_tokens``, ``disaggregated``, ``timeline.admitted_at``: admission
       (``pdproxy/admission/admission.py``); the prefix lookup replaces ``prompt_tokens`` by the engine's count
       (``pdproxy/prefix/routing.py``), which also owns ``predicted_cached_tokens`` and ``prefix_mode``;
@@ -172,22 +172,26 @@ class RequestContext:
     timeline: Timeline = field(default_factory=Timeline)
     client_headers: Sequence[tuple[bytes, bytes]] = ()
     retries: tuple[tuple[str, str, bool], ...] = ()  # (leg, reason, failover) per retried leg attempt (metrics.py)
-    replaced_ids: tuple[str, ...] = ()  # a continued stream's earlier engine-side ids, oldest (the client's) first
+    first_request_id: str | None = None  # a continued stream's first engine-side id (the one the client saw)
+    continued_as: tuple[str, ...] = ()  # a continued stream's later engine-side ids, in order (fan-out: all sequences')
     lost_decoders: tuple[str, ...] = ()  # the decoders a continued stream lost or was preempted by, in order (names)
 
     @property
     def client_visible_id(self) -> str:
-        """The id the client saw (its ``X-Request-Id`` answer header, the stream's ``id``): ``request_id``, or for a
-        continued stream the first leg's (a continuation renews ``request_id`` for the engines)."""
-        return self.replaced_ids[0] if self.replaced_ids else self.request_id
+        """The id the client saw (the response's ``id`` embeds it, and the ``X-Request-Id`` answer header is it
+        when the client sent none): ``request_id``, or for a continued stream the first leg's (a continuation
+        renews ``request_id`` for the engines)."""
+        return self.first_request_id or self.request_id
 
     def renew_request_id(self, lost_decoder: str) -> None:
-        """A continuation leg starts: the engines get a new ``request_id`` (the old one stays in ``replaced_ids``);
-        ``lost_decoder``: the endpoint name of the decoder lost (or that preempted the request: vLLM-Ascend's
-        ``stop_reason "recomputed"``)."""
-        self.replaced_ids += (self.request_id,)
-        self.lost_decoders += (lost_decoder,)
+        """A continuation leg starts: the engines get a new ``request_id`` (kept in ``continued_as``; the first in
+        ``first_request_id``); ``lost_decoder``: the endpoint name of the decoder lost (or that preempted the
+        request: vLLM-Ascend's ``stop_reason "recomputed"``)."""
+        if self.first_request_id is None:
+            self.first_request_id = self.request_id
         self.request_id = new_request_id(self.client_request_id)
+        self.continued_as += (self.request_id,)
+        self.lost_decoders += (lost_decoder,)
 
     def retried(self, leg: str, reason: str, *, failover: bool = False) -> None:
         """A failed ``leg`` attempt (``"prefill"`` | ``"decode"``) is being tried again on another endpoint;

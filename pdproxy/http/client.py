@@ -643,10 +643,11 @@ class H1Pool:
                                                        ssl=True if tls else None)
         except BaseException as exc:
             self._release_place(key)
+            where = f"[{key[0]}]:{key[1]}" if ":" in key[0] else f"{key[0]}:{key[1]}"   # an IPv6 host bracketed
             if isinstance(exc, TimeoutError):
-                raise ConnectError(f"connect ({key[0]}:{key[1]}) timed out after {limit:.1f} s") from None
+                raise ConnectError(f"connect ({where}) timed out after {limit:.1f} s") from None
             if isinstance(exc, OSError):
-                raise ConnectError(f"connect ({key[0]}:{key[1]}) failed: {exc}") from None
+                raise ConnectError(f"connect ({where}) failed: {exc}") from None
             raise
         return conn
 

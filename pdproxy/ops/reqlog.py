@@ -2,7 +2,7 @@
 
 Fields (snake_case, stable; absent values are ``null``)::
 
-    {"event": "request", "ts": 1755000000.123, "request_id": "<engine-side id>", "client_request_id": "<X-Request-Id>",
+    {"event": "request", "ts": 1755000000.123, "request_id": "<the id the client saw>", "client_request_id": "<X-Request-Id>",
      "api": "chat", "model": "m", "stream": true, "status": 200, "outcome": "ok", "rejection": null,
      "prefiller": "http://p0:9100", "decoder": "http://d0:9101", "dp_rank": 1,
      "prompt_tokens": 5120, "engine_prompt_tokens": 5120, "completion_tokens": 256, "cached_tokens": 4096, "predicted_cached_tokens": 4096,
@@ -10,7 +10,8 @@ Fields (snake_case, stable; absent values are ``null``)::
      "admission_wait_s": 0.0001, "prefill_s": 0.41, "pd_gap_s": 0.0002, "decode_first_token_s": 0.05,
      "decode_s": 5.1, "ttft_s": 0.46, "e2e_s": 5.56, "error": null, "pid": 4242}
 
-``request_id`` is the id the client saw (its ``X-Request-Id`` answer header, the response's ``id``); a stream
+``request_id`` is the id the client saw (the response's ``id`` embeds it, ``chatcmpl-<request_id>``; it is the
+``X-Request-Id`` answer header when the client sent none, else ``<client's id>-<16 hex digits>``); a stream
 continued after its decoder was lost (docs/stream-continuation.md) adds ``continued_as`` (the engine-side ids of
 its later legs, in order: those the engines' own logs name) and ``lost_decoders`` (lost, or preempted with
 vLLM-Ascend's ``stop_reason "recomputed"``), and its ``decoder`` is the last one.  ``prompt_tokens`` is the proxy's count (admission; exact when prefix routing had the token ids, else possibly an
@@ -69,8 +70,8 @@ def request_record(ctx: RequestContext, req: ProxyRequest | None, *, rejection: 
         "cached_tokens": ctx.cached_tokens, "predicted_cached_tokens": ctx.predicted_cached_tokens,
         "prefix_mode": ctx.prefix_mode, "events": ctx.events,
     }
-    if ctx.replaced_ids:       # a continued stream: the engine-side ids of its later legs, the decoders it lost
-        record["continued_as"] = [*ctx.replaced_ids[1:], ctx.request_id]
+    if ctx.continued_as:       # a continued stream: the engine-side ids of its later legs, the decoders it lost
+        record["continued_as"] = list(ctx.continued_as)
         record["lost_decoders"] = list(ctx.lost_decoders)
     for key, value in ctx.timeline.phases().items():
         record[key] = None if value is None else round(value, 6)

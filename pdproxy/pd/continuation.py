@@ -252,8 +252,8 @@ def eligible(req: ProxyRequest, enabled: bool) -> bool:
 
 def ineligible_reason(req: ProxyRequest) -> str | None:
     """Why a stream of ``req`` is not :func:`eligible` with ``stream_continuation`` on, in a few words for the
-    client's error event (``"n > 1"``, ``"logprobs"``, ``"text.format"`` …), or None when it is eligible.  Off
-    the hot path: called once a stream is lost."""
+    client's error event (``"2 sequences"``, ``"logprobs"``, ``"text.format"`` …), or None when it is eligible.
+    Off the hot path: called once a stream is lost (``pdproxy/pd/relay.py``, ``pdproxy/pd/decode.py``)."""
     if not req.stream:
         return "not streamed"
     if req.sequences != 1:

@@ -131,11 +131,11 @@ class DecodeLeg:
                             api_stream=api_streams.stream_for(req.api, ctx, prefill.cached_tokens),
                             resume=resume, lost_when=(s.stream_continuation_stall_factor,
                                                       s.stream_continuation_stall_min_s),
-                            not_continued=ineligible_reason(req)
-                            if resume is None and s.stream_continuation else None)
+                            not_continued=req if resume is None and s.stream_continuation else None)
                         if resume is None:
                             recomputed = await relay.run()
-                            if s.stream_continuation and ctx.outcome == "upstream_error":  # cut, not continuable
+                            if s.stream_continuation and ctx.outcome == "upstream_error" and (
+                                    ineligible_reason(req) is not None):     # cut, and of a shape not continued
                                 self.live.observer.refused(Refusal.INELIGIBLE, ctx.api_label)
                         else:
                             with self.live.track(endpoint.name, relay):

@@ -144,6 +144,7 @@ class Director:
         first_marks = (tl.prefill_start_at, tl.prefill_end_at, tl.decode_start_at)
         leg: ProxyRequest | None = req
         resumed = False
+        later_legs = False      # a continuation (a lost decoder's or vLLM-Ascend's "recomputed") ran
         try:
             while leg is not None:
                 try:
@@ -155,14 +156,19 @@ class Director:
                                                        resume)
                 except continuation.StreamLost as lost:             # the decoder was lost mid-stream
                     assert resume is not None
-                    if not resumed:
+                    if not later_legs:
                         first_prefill = (ctx.engine_prompt_tokens, ctx.cached_tokens)
                         first_marks = (tl.prefill_start_at, tl.prefill_end_at, tl.decode_start_at)
+                    later_legs = True
                     leg, resumed = await self.resume_leg(resume, ctx, out, lost), True
                     continue
+                if recomputed and not later_legs:
+                    first_prefill = (ctx.engine_prompt_tokens, ctx.cached_tokens)
+                    first_marks = (tl.prefill_start_at, tl.prefill_end_at, tl.decode_start_at)
+                later_legs = later_legs or recomputed
                 leg = await self.continuation(req, ctx, out, transcript) if recomputed else None  # 5. Ascend
         finally:
-            if resumed:   # the re-prefills are counted apart (pdproxy_continuation_prefill_tokens_total); the
+            if later_legs:   # the re-prefills are counted apart (pdproxy_continuation_prefill_tokens_total); the
                 # phases (log, histograms) are the first leg's, up to the first token the client saw
                 ctx.engine_prompt_tokens, ctx.cached_tokens = first_prefill
                 tl.prefill_start_at, tl.prefill_end_at, tl.decode_start_at = first_marks

@@ -456,7 +456,8 @@ class FanOut:
 
     @staticmethod
     def _summarise(ctx: RequestContext, seqs: list[Sequence]) -> None:
-        """The parent context from its sequences: the first one's endpoints, summed events, the phase marks."""
+        """The parent context from its sequences: the first one's endpoints, summed events, the phase marks, the
+        engine's prompt count (each prompt's once), the continued sequences' later ids and lost decoders."""
         first = seqs[0].ctx
         ctx.prefiller, ctx.decoder, ctx.decoder_dp_rank = first.prefiller, first.decoder, first.decoder_dp_rank
         tl = ctx.timeline
@@ -473,3 +474,11 @@ class FanOut:
         for s in seqs:
             if s.ctx.outcome != "ok" and ctx.outcome == "ok":
                 ctx.outcome = s.ctx.outcome
+        prompts: dict[int, int] = {}     # the engine's count of each prompt, from its first sequence that has one
+        for s in seqs:
+            if s.ctx.engine_prompt_tokens is not None:
+                prompts.setdefault(s.prompt_index, s.ctx.engine_prompt_tokens)
+        ctx.engine_prompt_tokens = sum(prompts.values()) if prompts else None
+        for s in seqs:                   # a continued sequence: its later legs' ids and lost decoders, in order
+            ctx.continued_as += s.ctx.continued_as
+            ctx.lost_decoders += s.ctx.lost_decoders

@@ -62,12 +62,13 @@ from collections.abc import Callable
 from pdproxy.apis import recompute
 from pdproxy.apis import streams as api_streams
 from pdproxy.apis.chat import Chain, ChatUsage, ContinueTranscript, RecordTranscript, first_event_error
+from pdproxy.apis.request import ProxyRequest
 from pdproxy.apis.transform import Transform
 from pdproxy.errors import ProxyError, UpstreamTimeout, UpstreamUnavailable
 from pdproxy.http import sse
 from pdproxy.http.client import H1Response, ReadTimeout, TransportError
 from pdproxy.http.errors import transport_error
-from pdproxy.pd.continuation import LossCause, RecordIds, Reframe, Resume, StreamLost
+from pdproxy.pd.continuation import LossCause, RecordIds, Reframe, Resume, StreamLost, ineligible_reason
 from pdproxy.pd.responder import SSE_HEADERS, Responder
 from pdproxy.timeline import GapCounts, RequestContext
 
@@ -358,8 +359,9 @@ class StreamRelay:
     continuation leg is re-framed into the client's stream, and a mid-stream loss raises
     :class:`~pdproxy.pd.continuation.StreamLost` instead of sending the error event (None: today's rule).
     ``lost_when``: ``(factor, min_s)``: a silence of ``factor`` × the stream's mean inter-event gap (at least
-    ``min_s`` seconds) is a lost decoder (None: only ``idle_timeout_s``).  ``not_continued``: why a stream that
-    is not continued (no ``resume``) with ``stream_continuation`` on is not, added to its mid-stream error event.
+    ``min_s`` seconds) is a lost decoder (None: only ``idle_timeout_s``).  ``not_continued``: the request of a
+    stream not continued (no ``resume``) with ``stream_continuation`` on: a mid-stream loss's error event then says
+    why (:func:`~pdproxy.pd.continuation.ineligible_reason`, worked out only then).
     """
 
     def __init__(self, resp: H1Response, out: Responder, ctx: RequestContext, *,
@@ -370,7 +372,7 @@ class StreamRelay:
                  idle_timeout_s: float | None = None, on_recomputed: Callable[[], None] | None = None,
                  done_event: bytes | None = sse.DONE_EVENT,
                  api_stream: api_streams.ApiStream | None = None, resume: Resume | None = None,
-                 lost_when: tuple[float, float] | None = None, not_continued: str | None = None) -> None:
+                 lost_when: tuple[float, float] | None = None, not_continued: ProxyRequest | None = None) -> None:
         self.api_stream = api_stream
         self.not_continued = not_continued
         self.resume = resume
@@ -517,8 +519,9 @@ class StreamRelay:
                              if isinstance(exc, ReadTimeout) else LossCause.RESET)
                     raise StreamLost(failure, planned=isinstance(exc, _Moved), cause=cause,
                                      last_write=splice.last) from None
-                if self.not_continued:
-                    failure.message += f" (not continued: {self.not_continued})"
+                why = ineligible_reason(self.not_continued) if self.not_continued is not None else None
+                if why is not None:           # its shape, not a failed continuation (those are the director's)
+                    failure.message += f" (not continued: {why})"
                 ctx.outcome = "upstream_error"
                 out.error_nowait(failure)
                 return False

@@ -203,7 +203,7 @@ def test_client_that_asked_for_token_ids_keeps_them(fleet5: Fleet4) -> None:
         proxy.stop()
 
 
-def test_each_sequence_of_an_n_2_stream_continues_on_its_own(fleet5: Fleet4) -> None:
+def test_each_sequence_of_an_n_2_stream_continues_on_its_own(fleet5: Fleet4, tmp_path: Path) -> None:
     """``n: 2`` is fanned out into two one-sequence requests (pdproxy/pd/fanout.py); each decoder cuts its first
     stream: each sequence continues on its own (as docs/stream-continuation.md says) and the client gets both
     whole — every token, both finishing chunks, one ``[DONE]``.  (Sampled, as ``n > 1`` must be: a continued
@@ -221,7 +221,8 @@ def test_each_sequence_of_an_n_2_stream_continues_on_its_own(fleet5: Fleet4) -> 
         return sorted((c["index"], c["finish_reason"]) for e in r.events for c in e.get("choices") or []
                       if c.get("finish_reason"))
 
-    proxy = fleet5.proxy(**ON)
+    log_path = tmp_path / "requests.jsonl"
+    proxy = fleet5.proxy(**ON, request_log_path=str(log_path))
     try:
         base = one(proxy.url, body, "/v1/chat/completions")
         assert base.status == 200 and not base.errors and base.done == 1
@@ -229,6 +230,12 @@ def test_each_sequence_of_an_n_2_stream_continues_on_its_own(fleet5: Fleet4) -> 
             sim.faults({"kind": "reset_after_events", "events": 5, "times": 1})
         cut = one(proxy.url, body, "/v1/chat/completions")
         assert cut.status == 200 and not cut.errors and cut.done == 1, cut.body[-400:]
+        proxy.wait_idle()
+        first, line = [json.loads(x) for x in log_path.read_text().splitlines()][-2:]
+        assert "continued_as" not in first and first["engine_prompt_tokens"] == usage(base)["prompt_tokens"]
+        assert line["request_id"] == cut.headers["x-request-id"] and line["request_id"] in cut.events[0]["id"]
+        assert len(line["continued_as"]) == len(line["lost_decoders"]) >= 2, line   # each sequence's continuation
+        assert line["engine_prompt_tokens"] == usage(cut)["prompt_tokens"], line    # one prompt, counted once
         assert len(texts(cut)) == len(texts(base)) == 2 and all(texts(cut).values())
         assert finishes(cut) == finishes(base) == [(0, "length"), (1, "length")]
         assert usage(cut)["completion_tokens"] == 2 * MAX

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.timeout(30)
     ("Cannot connect to host d0.internal:9100 ssl:default [Connection refused]",
      "Cannot connect to host ssl:default [Connection refused]"),
     ("[Errno 111] Connect call failed ('10.0.0.5', 8100)", "[Errno 111] Connect call failed"),
+    ("[Errno 111] Connect call failed ('fd00::5', 8100, 0, 0)", "[Errno 111] Connect call failed"),
     ("decoder http://10.0.0.5:8200#dp1 failed", "decoder failed"),
     ("prefiller https://[::1]:8100/v1 (boom)", "prefiller (boom)"),
     ("cut at [fd00::5]:8100 mid-stream", "cut at mid-stream"),
@@ -80,3 +81,14 @@ async def test_a_refused_engine_connection_reads_whole_without_its_address() -> 
     full = str(refused.value)
     assert f"127.0.0.1:{port}" in full
     assert public_message(full).startswith("connect failed: [Errno 111]"), public_message(full)
+    if socket.has_ipv6:                                # an IPv6 engine's address leaves whole, too
+        with socket.socket(socket.AF_INET6) as held6:
+            try:
+                held6.bind(("::1", 0))
+            except OSError:
+                return                                 # no IPv6 loopback here
+            port6 = held6.getsockname()[1]
+            with pytest.raises(ConnectError) as refused6:
+                await pool.connect(("::1", port6))
+        assert public_message(str(refused6.value)).startswith("connect failed: "), str(refused6.value)
+        assert "::1" not in public_message(str(refused6.value))
