@@ -564,7 +564,7 @@ def unknown_environment(environ: Mapping[str, str]) -> list[str]:
     """One line per ``PDPROXY_*`` variable of ``environ`` that names no setting (a typo pydantic-settings would
     ignore), with the closest setting's variable when there is one; ``cli.serve`` logs them as warnings, as vLLM
     warns of an unknown ``VLLM_*`` variable (``vllm/envs.py``)."""
-    names = list(Settings.model_fields)
+    names = [*Settings.model_fields, *(n.lower() for n in NON_SETTING_VARIABLES)]
     lines = []
     for key in sorted(environ):
         if not key.upper().startswith("PDPROXY_"):

@@ -222,6 +222,7 @@ class PDProxyApp:
         out = Responder(ex, ctx, [(b"x-request-id", (client_id or ctx.request_id).encode("latin-1"))], api)
         req: ProxyRequest | None = None
         ctx.gaps = self.metrics.started(ctx.api_label)
+        recorded = False
         try:
             try:
                 if state is None or director is None or state.shutting_down:
@@ -241,10 +242,13 @@ class PDProxyApp:
             state.in_flight += 1
             try:
                 await self._serve_until_disconnect(director, req, ctx, out, ex)
-            finally:
+            finally:     # recorded before it leaves the in-flight count: an idle proxy has logged all it served
+                recorded = True
+                self._finished(ctx, req)
                 state.in_flight -= 1
         finally:
-            self._finished(ctx, req)
+            if not recorded:                       # refused before it was in flight
+                self._finished(ctx, req)
 
     def _finished(self, ctx: RequestContext, req: ProxyRequest | None) -> None:
         """Per-request metrics and the request-log line (pdproxy/ops/metrics.py, pdproxy/ops/reqlog.py); never raises."""

@@ -12,10 +12,11 @@ Fields (snake_case, stable; absent values are ``null``)::
 
 ``request_id`` is the id the client saw (the response's ``id`` embeds it, ``chatcmpl-<request_id>``; it is the
 ``X-Request-Id`` answer header when the client sent none, else ``<client's id>-<16 hex digits>``); a stream
-continued after its decoder was lost (docs/stream-continuation.md) adds ``continued_as`` (the engine-side ids of
-its later legs, in order: those the engines' own logs name) and ``lost_decoders`` (lost, or preempted with
-vLLM-Ascend's ``stop_reason "recomputed"``), and its ``decoder`` is the last one.  ``prompt_tokens`` is the proxy's count (admission; exact when prefix routing had the token ids, else possibly an
-estimate: docs/limits.md), ``engine_prompt_tokens`` the prefiller's (its ``usage.prompt_tokens``; null without a
+whose decoder was lost with ``stream_continuation`` on (docs/stream-continuation.md) adds ``continued_as`` (the
+engine-side ids of its later legs, in order: those the engines' own logs name; empty when the loss was not
+continued) and ``lost_decoders`` (lost, or preempted with vLLM-Ascend's ``stop_reason "recomputed"``), and its
+``decoder`` is the last one.  ``prompt_tokens`` is the proxy's count (admission; exact when prefix routing had the
+token ids, else possibly an estimate: docs/limits.md), ``engine_prompt_tokens`` the prefiller's (its ``usage.prompt_tokens``; null without a
 prefill leg);
 ``cached_tokens`` the prefiller's prefix-cache hits; ``predicted_cached_tokens`` what prefix routing expected
 there and ``prefix_mode`` from where (``precise``: the engine's KV events, ``approximate``: pdproxy's record of
@@ -70,7 +71,7 @@ def request_record(ctx: RequestContext, req: ProxyRequest | None, *, rejection: 
         "cached_tokens": ctx.cached_tokens, "predicted_cached_tokens": ctx.predicted_cached_tokens,
         "prefix_mode": ctx.prefix_mode, "events": ctx.events,
     }
-    if ctx.continued_as:       # a continued stream: the engine-side ids of its later legs, the decoders it lost
+    if ctx.lost_decoders:      # a stream that lost a decoder: the engine-side ids of its later legs, the decoders
         record["continued_as"] = list(ctx.continued_as)
         record["lost_decoders"] = list(ctx.lost_decoders)
     for key, value in ctx.timeline.phases().items():

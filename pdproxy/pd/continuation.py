@@ -112,7 +112,8 @@ class ContinuationObserver(Protocol):
     label)."""
 
     def continued(self, cause: LossCause, api: str) -> None:
-        """A lost stream is being continued (one per continuation leg)."""
+        """A lost stream went on: its continuation's first event reached the client, or nothing was left to
+        generate and the stream was ended whole (one per loss)."""
 
     def refused(self, reason: Refusal, api: str) -> None:
         """A started stream lost its decoder and was not continued."""
@@ -330,7 +331,8 @@ class Resume:
     ``waiting``: the time budget of the continuation in flight (``stream_continuation_timeout_s``), met at its
     first event; ``deadline``: the event loop's time by which the current loss's continuation must send its first
     event (its detection + ``stream_continuation_timeout_s``); ``usage_sent``: the first leg's usage chunk reached
-    the client (the decoder was lost between it and ``[DONE]``: the end then adds only ``[DONE]``)."""
+    the client (the decoder was lost between it and ``[DONE]``: the end then adds only ``[DONE]``); ``cause``: the
+    current loss's, counted as continued (``pdproxy_continuations_total``) once the stream goes on (:meth:`resumed`)."""
 
     req: ProxyRequest
     keep_ids: bool
@@ -356,6 +358,7 @@ class Resume:
     waiting: asyncio.Timeout | None = None
     deadline: float | None = None
     usage_sent: bool = False
+    cause: LossCause | None = None
 
     @classmethod
     def of(cls, req: ProxyRequest, enabled: bool) -> Resume | None:
@@ -487,8 +490,12 @@ class Resume:
         return None
 
     def resumed(self, api: str) -> None:
-        """The continuation's first event is in (or the stream is being ended here): its time budget is met, and
-        the client-visible gap since the last write before the loss is counted (once per loss)."""
+        """The continuation's first event is in (or the stream is being ended here): its time budget is met, the
+        loss is counted as continued, and the client-visible gap since the last write before the loss is counted
+        (once per loss)."""
+        if self.cause is not None:
+            self.observer.continued(self.cause, api)
+            self.cause = None
         waiting, self.waiting = self.waiting, None
         if waiting is not None and not waiting.expired():
             waiting.reschedule(None)
@@ -693,7 +700,8 @@ class Reframe:
 
     def feed(self, block: bytes, prev: bytes = b"") -> bytes:
         """The client's events for ``block``."""
-        if self.resume.waiting is not None or self.resume.last_write is not None:
+        resume = self.resume
+        if resume.waiting is not None or resume.last_write is not None or resume.cause is not None:
             self.resume.resumed(self.ctx.api_label)   # the continuation's first event: budget met, gap counted
         out: list[bytes] = []
         for event in sse.split_events(block):

@@ -46,7 +46,14 @@ from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.health import HealthMonitor
 from pdproxy.engines.models import ServedModels
 from pdproxy.engines.pool import EndpointPool
-from pdproxy.errors import DecodeFailed, NoEndpointAvailable, ProxyError, UpstreamTimeout, UpstreamUnavailable
+from pdproxy.errors import (
+    DecodeFailed,
+    NoEndpointAvailable,
+    ProxyError,
+    UpstreamHTTPError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.upstream import Upstream
 from pdproxy.ops.tracing import NO_TRACING, Tracing
@@ -202,6 +209,7 @@ class Director:
         except TimeoutError:
             if not timer.expired():             # not the budget's
                 raise
+            resume.cause = None
             resume.observer.refused(continuation.Refusal.TIMEOUT, api)
             ctx.outcome = "upstream_error"
             why = f" (meanwhile: {unavailable.message})" if unavailable is not None else ""
@@ -209,9 +217,16 @@ class Director:
                 f"decoder {resume.lost[-1].name if resume.lost else ''} was lost mid-stream and no continuation "
                 f"answered within stream_continuation_timeout_s ({budget:g} s){why}; the response is incomplete",
                 endpoint=ctx.decoder or ""))
-        except ProxyError:
+        except ProxyError as exc:
+            resume.cause = None
             resume.observer.refused(continuation.Refusal.FAILED, api)
-            raise
+            said = exc.message
+            if isinstance(exc, UpstreamHTTPError):       # the engine's own words (its body is not the client's here)
+                with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
+                    said = f"{said}: {orjson.loads(exc.body_bytes())['error']['message']}"
+            raise UpstreamUnavailable(
+                f"decoder {resume.lost[-1].name if resume.lost else ''} was lost mid-stream and its continuation "
+                f"failed: {said}; the response is incomplete", endpoint=getattr(exc, "endpoint", "")) from None
         finally:
             resume.waiting = None
 
@@ -242,11 +257,13 @@ class Director:
         why = resume.refusal(self.settings.stream_continuation_max)
         if why is not None:
             resume.observer.refused(why[0], api)
+            if resume.lost:                     # this loss's decoder (a continued one's: renew_request_id)
+                ctx.lost_decoders += (resume.lost[-1].name,)
             lost.error.message += f" (not continued: {why[1]})"
             ctx.outcome = "upstream_error"
             out.error_nowait(lost.error)
             return None
-        resume.observer.continued(lost.cause, api)
+        resume.cause = lost.cause               # counted as continued once the stream goes on (resume.resumed)
         resume.last_write = lost.last_write
         budget = self.settings.stream_continuation_timeout_s
         resume.deadline = asyncio.get_running_loop().time() + budget       # the budget runs from the detection

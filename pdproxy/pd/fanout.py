@@ -302,7 +302,11 @@ class Merger:
             if not isinstance(obj, dict):
                 continue
             if "error" in obj:
-                self.fail(UpstreamHTTPError(500, orjson.dumps(obj), endpoint=seq.ctx.decoder or ""))
+                err = UpstreamHTTPError(500, orjson.dumps(obj), endpoint=seq.ctx.decoder or "")
+                said = obj["error"].get("message") if isinstance(obj["error"], dict) else None
+                if isinstance(said, str):    # the log's error: what the sequence's event says, not a made-up 500
+                    err.message = f"sequence {seq.index}: {said}"
+                self.fail(err)
                 break
             if obj.get("choices") == [] and isinstance(obj.get("usage"), dict):
                 self.usages.append((seq, obj["usage"]))

@@ -12,7 +12,9 @@ from typing import Any
 import orjson
 import pytest
 
+from tests.ops.promtext import scrape
 from tests.reliability.harness import Fleet4, Result, run
+from tests.support import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,6 +28,16 @@ ON = {"stream_continuation": True, "stream_continuation_max": 3, "stream_continu
 
 def one(url: str, body: dict[str, Any], path: str) -> Result:
     return run(url, body, n=1, concurrency=1, path=path)[0]
+
+
+def logged(path: Path, n: int) -> list[dict[str, Any]]:
+    """The request log's lines once it has ``n`` (a line is written just after the request leaves the in-flight
+    count ``wait_idle`` watches)."""
+    def read() -> list[dict[str, Any]] | None:
+        rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        return rows if len(rows) >= n else None
+
+    return list(wait_until(read, 5, 0.02, f"{n} request-log lines"))
 
 
 def roles(r: Result) -> int:
@@ -74,7 +86,7 @@ def test_cut_stream_continues_token_exact(fleet5: Fleet4, kind: str, path: str, 
         fleet5.assert_clean(proxy)
         client_id = cut.headers["x-request-id"]
         assert client_id in cut.events[0]["id"]
-        line = [json.loads(x) for x in log_path.read_text().splitlines()][-1]
+        line = logged(log_path, 2)[-1]
         assert line["request_id"] == client_id and line["outcome"] == "ok", line
         assert len(line["continued_as"]) >= 1 and client_id not in line["continued_as"], line
         assert line["lost_decoders"][0] in {s.url for s in fleet5.decoders} and line["decoder"], line
@@ -82,6 +94,50 @@ def test_cut_stream_continues_token_exact(fleet5: Fleet4, kind: str, path: str, 
         assert line["decode_first_token_s"] > 0 and sum(line[p] for p in phases) <= line["ttft_s"] + 1e-5, line
         received_ids = {r["headers"].get("x-request-id") for s in fleet5.decoders for r in s.received()}
         assert set(line["continued_as"]) <= received_ids, "the engines know the continuation by those ids"
+    finally:
+        proxy.stop()
+
+
+def test_past_the_continuation_cap_every_lost_decoder_is_in_the_log(fleet5: Fleet4, tmp_path: Path) -> None:
+    """Every leg is cut after 5 events: the stream is continued ``stream_continuation_max`` (3) times, then its
+    fourth loss is refused with the reason; the log line lists all four lost decoders and the three legs' ids,
+    and the loss counters say 3 continued, 1 refused."""
+    log_path = tmp_path / "requests.jsonl"
+    proxy = fleet5.proxy(**ON, request_log_path=str(log_path))
+    try:
+        for sim in fleet5.decoders:
+            sim.faults({"kind": "reset_after_events", "events": 5, "times": 10})
+        cut = one(proxy.url, {**CHAT, "max_tokens": 60}, "/v1/chat/completions")
+        assert cut.status == 200 and cut.done == 1 and len(cut.errors) == 1, cut.body[-400:]
+        message = cut.errors[0]["error"]["message"]
+        assert "(not continued: it was already continued 3 times)" in message, message
+        proxy.wait_idle()
+        line = logged(log_path, 1)[-1]
+        assert line["request_id"] in cut.events[0]["id"]
+        assert len(line["lost_decoders"]) == 4 and len(line["continued_as"]) == 3, line
+        assert line["lost_decoders"][-1] == line["decoder"], line
+        m = scrape(proxy.url)
+        assert m.total("pdproxy_continuations_total") == 3 and m.total("pdproxy_continuations_refused_total") == 1
+        fleet5.assert_clean(proxy)
+    finally:
+        proxy.stop()
+
+
+def test_a_fanned_out_sequence_not_continued_logs_its_own_error(fleet5: Fleet4, tmp_path: Path) -> None:
+    """``n: 2`` with logprobs (never continued): a cut sequence fails the response; the client's error event and
+    the log line's ``error`` both say what happened to it, not an engine's made-up HTTP 500."""
+    log_path = tmp_path / "requests.jsonl"
+    proxy = fleet5.proxy(**ON, request_log_path=str(log_path))
+    try:
+        for sim in fleet5.decoders:
+            sim.faults({"kind": "reset_after_events", "events": 5, "times": 1})
+        cut = one(proxy.url, {**CHAT, "n": 2, "temperature": 0.7, "logprobs": True}, "/v1/chat/completions")
+        assert cut.status == 200 and cut.done == 1 and len(cut.errors) == 1, cut.body[-400:]
+        assert "(not continued: logprobs)" in cut.errors[0]["error"]["message"]
+        proxy.wait_idle()
+        line = logged(log_path, 1)[-1]
+        assert "(not continued: logprobs)" in line["error"] and "answered HTTP 500" not in line["error"], line
+        fleet5.assert_clean(proxy)
     finally:
         proxy.stop()
 
@@ -231,7 +287,7 @@ def test_each_sequence_of_an_n_2_stream_continues_on_its_own(fleet5: Fleet4, tmp
         cut = one(proxy.url, body, "/v1/chat/completions")
         assert cut.status == 200 and not cut.errors and cut.done == 1, cut.body[-400:]
         proxy.wait_idle()
-        first, line = [json.loads(x) for x in log_path.read_text().splitlines()][-2:]
+        first, line = logged(log_path, 2)[-2:]
         assert "continued_as" not in first and first["engine_prompt_tokens"] == usage(base)["prompt_tokens"]
         assert line["request_id"] == cut.headers["x-request-id"] and line["request_id"] in cut.events[0]["id"]
         assert len(line["continued_as"]) == len(line["lost_decoders"]) >= 2, line   # each sequence's continuation

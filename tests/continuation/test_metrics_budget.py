@@ -7,11 +7,12 @@ reason; a continuation whose decoders never answer ends in the typed error event
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.continuation.test_continuation import CHAT, MAX, ON, one, usage
+from tests.continuation.test_continuation import CHAT, MAX, ON, logged, one, usage
 from tests.ops.promtext import Samples, scrape
 from tests.reliability.harness import Fleet4, parse_sse
 
@@ -91,7 +92,7 @@ def test_a_continuation_that_never_answers_ends_within_the_budget(fleet5: Fleet4
         proxy.wait_idle()
         m: Samples = scrape(proxy.url)
         assert m.value("pdproxy_continuations_refused_total", reason="timeout", api="chat") == 1
-        assert m.value("pdproxy_continuations_total", cause="reset", api="chat") == 1
+        assert m.total("pdproxy_continuations_total") == 0       # it never went on: refused, not continued too
         fleet5.assert_clean(proxy)
     finally:
         proxy.stop()
@@ -141,6 +142,34 @@ def test_a_continuation_no_decoder_takes_within_the_budget_ends_with_the_reason(
         proxy.wait_idle()
         m = scrape(proxy.url)
         assert m.value("pdproxy_continuations_refused_total", reason="timeout", api="chat") == 1
+        assert m.total("pdproxy_continuations_total") == 0
+        fleet5.assert_clean(proxy)
+    finally:
+        proxy.stop()
+
+
+def test_a_continuation_whose_legs_fail_says_so_and_is_counted_once(fleet5: Fleet4, tmp_path: Path) -> None:
+    """The stream's decoder resets it after 5 events and every continuation leg's prefill is refused (the prefiller
+    answers 503): the client's error event says the decoder was lost and its continuation failed, the loss is
+    counted once (``failed``) and not as continued, and the log line names the lost decoder."""
+    log_path = tmp_path / "requests.jsonl"
+    proxy = fleet5.proxy(**ON, prefill_attempts=1, request_log_path=str(log_path))
+    try:
+        for sim in fleet5.decoders:
+            sim.faults({"kind": "reset_after_events", "events": 5, "times": 1, "path": "/v1/chat/completions"})
+        for sim in fleet5.prefillers:                       # the continuation's prefill is a /v1/completions
+            sim.faults({"kind": "status", "status": 400, "path": "/v1/completions"})
+        cut = one(proxy.url, CHAT, "/v1/chat/completions")
+        assert cut.status == 200 and cut.done == 1 and len(cut.errors) == 1, cut.body[-400:]
+        message = cut.errors[0]["error"]["message"]
+        assert "was lost mid-stream and its continuation failed: " in message, message
+        assert message.endswith("Service Unavailable (sim fault); the response is incomplete"), message
+        proxy.wait_idle()
+        line = logged(log_path, 1)[-1]
+        assert line["lost_decoders"] == [line["decoder"]] and len(line["continued_as"]) == 1, line
+        m = scrape(proxy.url)
+        assert m.value("pdproxy_continuations_refused_total", reason="failed", api="chat") == 1, m.text
+        assert m.total("pdproxy_continuations_total") == 0
         fleet5.assert_clean(proxy)
     finally:
         proxy.stop()

@@ -42,3 +42,17 @@ def test_doctor_never_prints_a_nonzero_kv_usage_as_zero() -> None:
 
     assert _percent(0.000122) == "0.012%"     # one pinned block of a large pool
     assert _percent(0) == "0.0%" and _percent(0.5) == "50.0%"
+
+
+@pytest.mark.parametrize(("environ", "lines"), [
+    ({"PDPROXY_STREAM_CONTINUATON": "1"},
+     ["environment PDPROXY_STREAM_CONTINUATON: unknown setting, ignored (did you mean PDPROXY_STREAM_CONTINUATION?)"]),
+    ({"PDPROXY_CONFG": "x.yaml"}, ["environment PDPROXY_CONFG: unknown setting, ignored (did you mean PDPROXY_CONFIG?)"]),
+    ({"pdproxy_port": "1", "PDPROXY_CONFIG": "x", "PDPROXY_SKIP_REAL_VLLM": "1", "PDPROXY_LOCUST_MODEL": "m",
+      "PDPROXY_NO_EXTENSIONS": "1", "PDPROXY_FUZZ_EXAMPLES": "9", "HOME": "/root"}, []),
+    ({"PDPROXY_ZZZZZZZZ": "1"}, ["environment PDPROXY_ZZZZZZZZ: unknown setting, ignored"]),
+])
+def test_unknown_pdproxy_variables_are_named(environ: dict[str, str], lines: list[str]) -> None:
+    from pdproxy.settings import unknown_environment
+
+    assert unknown_environment(environ) == lines
