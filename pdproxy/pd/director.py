@@ -222,7 +222,7 @@ class Director:
             resume.observer.refused(continuation.Refusal.FAILED, api)
             said = exc.message
             if isinstance(exc, UpstreamHTTPError):       # the engine's own words (its body is not the client's here)
-                with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
+                with contextlib.suppress(orjson.JSONDecodeError, KeyError, AttributeError, TypeError):
                     said = f"{said}: {orjson.loads(exc.body_bytes())['error']['message']}"
             raise UpstreamUnavailable(
                 f"decoder {resume.lost[-1].name if resume.lost else ''} was lost mid-stream and its continuation "
