@@ -173,7 +173,7 @@ class RequestContext:
     client_headers: Sequence[tuple[bytes, bytes]] = ()
     retries: tuple[tuple[str, str, bool], ...] = ()  # (leg, reason, failover) per retried leg attempt (metrics.py)
     first_request_id: str | None = None  # a continued stream's first engine-side id (the one the client saw)
-    continued_as: tuple[str, ...] = ()  # a continued stream's later engine-side ids, in order (fan-out: all sequences')
+    continued_as: tuple[str, ...] = ()  # a continued stream's later engine-side ids, in order (fan-out: all)
     lost_decoders: tuple[str, ...] = ()  # the decoders a continued stream lost or was preempted by, in order (names)
 
     @property

@@ -2,11 +2,11 @@
 
 Fields (snake_case, stable; absent values are ``null``)::
 
-    {"event": "request", "ts": 1755000000.123, "request_id": "<the id the client saw>", "client_request_id": "<X-Request-Id>",
-     "api": "chat", "model": "m", "stream": true, "status": 200, "outcome": "ok", "rejection": null,
-     "prefiller": "http://p0:9100", "decoder": "http://d0:9101", "dp_rank": 1,
-     "prompt_tokens": 5120, "engine_prompt_tokens": 5120, "completion_tokens": 256, "cached_tokens": 4096, "predicted_cached_tokens": 4096,
-     "prefix_mode": "precise", "events": 258,
+    {"event": "request", "ts": 1755000000.123, "request_id": "<the id the client saw>",
+     "client_request_id": "<X-Request-Id>", "api": "chat", "model": "m", "stream": true, "status": 200,
+     "outcome": "ok", "rejection": null, "prefiller": "http://p0:9100", "decoder": "http://d0:9101", "dp_rank": 1,
+     "prompt_tokens": 5120, "engine_prompt_tokens": 5120, "completion_tokens": 256, "cached_tokens": 4096,
+     "predicted_cached_tokens": 4096, "prefix_mode": "precise", "events": 258,
      "admission_wait_s": 0.0001, "prefill_s": 0.41, "pd_gap_s": 0.0002, "decode_first_token_s": 0.05,
      "decode_s": 5.1, "ttft_s": 0.46, "e2e_s": 5.56, "error": null, "pid": 4242}
 
@@ -16,8 +16,8 @@ whose decoder was lost with ``stream_continuation`` on (docs/stream-continuation
 engine-side ids of its later legs, in order: those the engines' own logs name; empty when the loss was not
 continued) and ``lost_decoders`` (lost, or preempted with vLLM-Ascend's ``stop_reason "recomputed"``), and its
 ``decoder`` is the last one.  ``prompt_tokens`` is the proxy's count (admission; exact when prefix routing had the
-token ids, else possibly an estimate: docs/limits.md), ``engine_prompt_tokens`` the prefiller's (its ``usage.prompt_tokens``; null without a
-prefill leg);
+token ids, else possibly an estimate: docs/limits.md), ``engine_prompt_tokens`` the prefiller's (its
+``usage.prompt_tokens``; null without a prefill leg);
 ``cached_tokens`` the prefiller's prefix-cache hits; ``predicted_cached_tokens`` what prefix routing expected
 there and ``prefix_mode`` from where (``precise``: the engine's KV events, ``approximate``: pdproxy's record of
 token keys, ``text``: of text keys; both null when prefix routing is off or the request skipped the prefiller).  The
@@ -71,7 +71,7 @@ def request_record(ctx: RequestContext, req: ProxyRequest | None, *, rejection: 
         "cached_tokens": ctx.cached_tokens, "predicted_cached_tokens": ctx.predicted_cached_tokens,
         "prefix_mode": ctx.prefix_mode, "events": ctx.events,
     }
-    if ctx.lost_decoders:      # a stream that lost a decoder: the engine-side ids of its later legs, the decoders
+    if ctx.lost_decoders:      # a stream that lost (or was preempted by) a decoder: its later legs' ids, the decoders
         record["continued_as"] = list(ctx.continued_as)
         record["lost_decoders"] = list(ctx.lost_decoders)
     for key, value in ctx.timeline.phases().items():

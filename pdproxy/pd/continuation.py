@@ -244,10 +244,8 @@ def eligible(req: ProxyRequest, enabled: bool) -> bool:
         return False
     if req.decoder_prefills or req.engine_judges or req.continuous_usage:
         return False
-    if req.api is Api.RESPONSES or req.api is Api.MESSAGES:
-        return ineligible_reason(req) is None
-    if _INELIGIBLE_SET.isdisjoint(req.body):
-        return True
+    if req.api is not Api.RESPONSES and req.api is not Api.MESSAGES and _INELIGIBLE_SET.isdisjoint(req.body):
+        return True                             # chat / completions with none of the fields: one set test
     return ineligible_reason(req) is None
 
 
@@ -332,7 +330,8 @@ class Resume:
     first event; ``deadline``: the event loop's time by which the current loss's continuation must send its first
     event (its detection + ``stream_continuation_timeout_s``); ``usage_sent``: the first leg's usage chunk reached
     the client (the decoder was lost between it and ``[DONE]``: the end then adds only ``[DONE]``); ``cause``: the
-    current loss's, counted as continued (``pdproxy_continuations_total``) once the stream goes on (:meth:`resumed`)."""
+    current loss's, counted as continued (``pdproxy_continuations_total``) once the stream goes on
+    (:meth:`resumed`)."""
 
     req: ProxyRequest
     keep_ids: bool

@@ -146,9 +146,15 @@ class Director:
         resume = continuation.Resume.of(req, self.settings.stream_continuation)
         if resume is not None:
             resume.observer = self.decode.live.observer
-        first_prefill = (ctx.engine_prompt_tokens, ctx.cached_tokens)
         tl = ctx.timeline
-        first_marks = (tl.prefill_start_at, tl.prefill_end_at, tl.decode_start_at)
+
+        def first_leg() -> tuple[int | None, int | None, float | None, float | None, float | None]:
+            """What the first leg set and a later one overwrites: the prefiller's prompt count and cache hits,
+            the prefill and decode marks (restored at the end: the client's usage and TTFT are the first leg's)."""
+            return (ctx.engine_prompt_tokens, ctx.cached_tokens, tl.prefill_start_at, tl.prefill_end_at,
+                    tl.decode_start_at)
+
+        first = first_leg()
         leg: ProxyRequest | None = req
         resumed = False
         later_legs = False      # a continuation (a lost decoder's or vLLM-Ascend's "recomputed") ran
@@ -164,21 +170,19 @@ class Director:
                 except continuation.StreamLost as lost:             # the decoder was lost mid-stream
                     assert resume is not None
                     if not later_legs:
-                        first_prefill = (ctx.engine_prompt_tokens, ctx.cached_tokens)
-                        first_marks = (tl.prefill_start_at, tl.prefill_end_at, tl.decode_start_at)
+                        first = first_leg()
                     later_legs = True
                     leg, resumed = await self.resume_leg(resume, ctx, out, lost), True
                     continue
                 if recomputed and not later_legs:
-                    first_prefill = (ctx.engine_prompt_tokens, ctx.cached_tokens)
-                    first_marks = (tl.prefill_start_at, tl.prefill_end_at, tl.decode_start_at)
+                    first = first_leg()
                 later_legs = later_legs or recomputed
                 leg = await self.continuation(req, ctx, out, transcript) if recomputed else None  # 5. Ascend
         finally:
             if later_legs:   # the re-prefills are counted apart (pdproxy_continuation_prefill_tokens_total); the
                 # phases (log, histograms) are the first leg's, up to the first token the client saw
-                ctx.engine_prompt_tokens, ctx.cached_tokens = first_prefill
-                tl.prefill_start_at, tl.prefill_end_at, tl.decode_start_at = first_marks
+                (ctx.engine_prompt_tokens, ctx.cached_tokens, tl.prefill_start_at, tl.prefill_end_at,
+                 tl.decode_start_at) = first
 
     async def run_resumed(self, leg: ProxyRequest, ctx: RequestContext, out: Responder,
                           resume: continuation.Resume) -> None:
