@@ -329,7 +329,9 @@ class PrefillLedger:
         """An upper bound on the KV (tokens, whole blocks) that prompts in flight or pinned hold on ``endpoint``:
         the pool's leases on it (the director's prefill leases, held until the decoder starts answering) plus
         slots granted and not yet leased — or the unanswered prefills alone if more (a holder that takes no
-        lease; those count their uncached tokens).  ``lim``: the endpoint's limits when the caller has them."""
+        lease; those count their uncached tokens).  ``lim``: the endpoint's limits when the caller has them.
+        With ``--workers N`` a read racing another worker's :meth:`PrefillSlot.handed_over` may count that prompt
+        twice (in its lease and still unleased), never in neither: the bound errs on the safe side."""
         lim = lim or self.limits.of(endpoint)
         pad = lim.block_size - 1 if lim.block_size else 0
         counts = self.counts
