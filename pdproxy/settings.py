@@ -169,7 +169,7 @@ class Settings(BaseSettings):
                                "tie-break decide (prefix hits count exactly; 0 = exact)")
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     max_pending_body_bytes: int = Field(
-        1 << 30, ge=1024, description="bytes of generation-route request bodies still arriving, all connections "
+        1 << 30, ge=1024, description="bytes of request bodies (every route's) still arriving, all connections "
                                       "together: a body that would pass it is refused with 503 (at least "
                                       "max_body_bytes is always allowed)")
     max_request_head_bytes: int = Field(64 * 1024, ge=1024, description="largest request line + header fields a "

@@ -153,7 +153,7 @@ def raise_open_file_limit(target: int = OPEN_FILE_TARGET) -> int:
 
 
 class PendingBodies:
-    """The bytes of generation-route request bodies still arriving on one server's connections, all together
+    """The bytes of request bodies (every route's) still arriving on one server's connections, all together
     (``held``), against ``limit`` (setting ``max_pending_body_bytes``, at least ``max_body_bytes``): each
     connection adds what it reads of a body and takes it back once the body is whole or the request ends
     (:meth:`ServerProtocol._release_body`)."""
@@ -774,16 +774,15 @@ class ServerProtocol(asyncio.Protocol):
         if ex is None:
             return
         ex.size += len(body)
-        if ex.api is not None:
-            if ex.size > self.max_body:
-                raise _Reject(413, f"request body exceeds the limit of {self.max_body} bytes")
-            bodies = self.bodies
-            if bodies is not None:
-                if bodies.held + len(body) > bodies.limit:
-                    raise _Reject(503, "the server is receiving too many request bodies at once "
-                                       f"(max_pending_body_bytes {bodies.limit}); retry later")
-                bodies.held += len(body)
-                self.body_held += len(body)
+        if ex.api is not None and ex.size > self.max_body:
+            raise _Reject(413, f"request body exceeds the limit of {self.max_body} bytes")
+        bodies = self.bodies
+        if bodies is not None:                  # every route's body: a control route's app buffers it whole too
+            if bodies.held + len(body) > bodies.limit:
+                raise _Reject(503, "the server is receiving too many request bodies at once "
+                                   f"(max_pending_body_bytes {bodies.limit}); retry later")
+            bodies.held += len(body)
+            self.body_held += len(body)
         parts = ex._parts
         if len(body) >= SMALL_BODY_PIECE:
             parts.append(body)

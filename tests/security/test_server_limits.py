@@ -549,3 +549,43 @@ def test_bodies_still_arriving_are_bounded_across_connections(sims: Fleet) -> No
             c.sock.close()
         wait_until(lambda: bodies.held == 0, 10, 0.02, "every body released")
     assert engine_requests(sims) == before + 2                          # only the served request's two legs
+
+
+def test_passthrough_bodies_count_against_the_same_budget(sims: Fleet) -> None:
+    """A passthrough route's app buffers its body whole, so its bytes still arriving count against
+    ``max_pending_body_bytes`` like a generation route's (old code: uncounted — twelve ``/tokenize`` bodies of
+    19 MB each held back by their last byte grew the proxy by 228 MB against a 40 MB budget).  The body that would
+    pass it gets 503 with Retry-After in vLLM's OpenAI envelope, reaches no engine, and the budget comes back."""
+    before = engine_requests(sims)
+    with edge_proxy(sims, max_pending_body_bytes=3 * HEAD) as p:
+        held = []
+        for _ in range(3):                       # three /tokenize bodies of HEAD bytes, each missing its last 100
+            c = RawConn(p.port)
+            c.send(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n" % HEAD + b" " * (HEAD - 100))
+            held.append(c)
+        protos = p.server.server_state.connections
+        wait_until(lambda: len(protos) == 3 and sum(x.body_held for x in protos) == 3 * (HEAD - 100), 10, 0.02,
+                   "the three bodies read")
+        bodies = next(iter(protos)).bodies
+        assert bodies is not None and bodies.held == 3 * (HEAD - 100)
+        c = RawConn(p.port)
+        c.send(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: 1000\r\n\r\n" + b" " * 1000)
+        assert c.wait_closed()
+        m = c.p.messages[0]
+        assert m.status == 503 and m.header("retry-after") == "1"
+        error = orjson.loads(m.body)["error"]
+        assert "max_pending_body_bytes" in error["message"] and error["code"] == 503
+        assert bodies.held == 3 * (HEAD - 100)
+        for c in held:
+            c.sock.close()
+        wait_until(lambda: bodies.held == 0, 10, 0.02, "every body released")
+        body = orjson.dumps({"model": "sim-model", "prompt": "hello edge"})
+        c = RawConn(p.port)
+        c.send(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        m = c.read_messages(1)[0]
+        assert m.status == 200 and orjson.loads(m.body)["count"] == 2   # served (by the engine) once it is back
+        assert bodies.held == 0
+    assert engine_requests(sims) == before                              # no generation request reached one
