@@ -217,13 +217,16 @@ class NotFound(ProxyError):
 class ModelNotFound(NotFound):
     """No endpoint of a role serves the request's ``model`` per its ``/v1/models`` (HTTP 404, ``param: model``), in
     vLLM's words (``vllm/entrypoints/serve/engine/serving.py::_check_model``).  ``served``: the model ids the
-    endpoints do serve."""
+    endpoints do serve; ``other_role``: the other role, when its endpoints serve ``model`` (a deployment whose
+    prefillers and decoders serve different names: said after vLLM's words)."""
 
     outcome = "model_not_found"
 
-    def __init__(self, model: str, role: str, served: list[str]) -> None:
+    def __init__(self, model: str, role: str, served: list[str], other_role: str | None = None) -> None:
         aliases = f" Valid aliases: {', '.join(served)}." if served else ""
-        super().__init__(f"The model `{model}` does not exist.{aliases}", param="model")
+        split = (f" (`{model}` is served by {other_role} engines but by no {role} engine, and every request needs "
+                 "both: check each engine's --served-model-name)") if other_role else ""
+        super().__init__(f"The model `{model}` does not exist.{aliases}{split}", param="model")
         self.model = model
         self.rejection = ("model_not_found", role)
 

@@ -13,6 +13,9 @@ logs (logger ``pdproxy.engines``) only when that changes:
 ``engine_limits_changed``  WARNING  ``max_model_len`` or the KV pool differ from the last figures
 ``breaker_opened``         WARNING  the endpoint's circuit breaker opened (consecutive failures, or refused)
 ``breaker_closed``         INFO     it closed again (a request succeeded)
+``models_disjoint``        WARNING  the prefillers and the decoders list no model in common (every request
+                                    would get 404): each role's models
+``models_agree``           INFO     they list one in common again
 =========================  =======  ===================================================================
 
 Every record carries ``event``, ``endpoint`` and ``role`` (and the figures) in ``extra``, so the JSON log format
@@ -25,7 +28,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pdproxy.endpoints import Endpoint
+from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.breaker import BreakerState
 from pdproxy.engines.control import EngineInfo
 
@@ -60,6 +63,28 @@ class EngineEvents:
 
     def __init__(self) -> None:
         self._said: dict[Endpoint, _Said] = {}
+        self._disjoint = False
+
+    def served_models(self, infos: Mapping[Endpoint, EngineInfo]) -> None:
+        """After a refresh: warn once when the prefillers and the decoders that listed their models have none in
+        common (a ``--served-model-name`` that differs between them: every request would get 404), and say once
+        when they agree again."""
+        ids: dict[Role, set[str]] = {Role.PREFILL: set(), Role.DECODE: set()}
+        for e, info in infos.items():
+            ids[e.role].update(m["id"] for m in info.models if isinstance(m.get("id"), str))
+        prefill, decode = sorted(ids[Role.PREFILL]), sorted(ids[Role.DECODE])
+        disjoint = bool(prefill and decode and not ids[Role.PREFILL] & ids[Role.DECODE])
+        if disjoint == self._disjoint:
+            return
+        self._disjoint = disjoint
+        if disjoint:
+            log.warning("no model is served by both a prefiller and a decoder (prefillers: %s; decoders: %s): every "
+                        "request gets 404 until the engines' --served-model-name agree", ", ".join(prefill),
+                        ", ".join(decode), extra={"event": "models_disjoint", "prefill_models": prefill,
+                                                  "decode_models": decode})
+        else:
+            log.info("the prefillers and the decoders serve a model in common again",
+                     extra={"event": "models_agree"})
 
     def observe(self, endpoint: Endpoint, info: EngineInfo | None, up: bool) -> None:
         """A probe of ``endpoint`` ended: ``up`` (``/health`` 200 and ``/v1/models`` answered), ``info`` (what the

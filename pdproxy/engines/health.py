@@ -306,6 +306,7 @@ class HealthMonitor:
         await self.engines.refresh(endpoint, info)
         for listener in self._refresh_listeners:
             listener(endpoint, info)
+        self.events.served_models(self.infos)
         if info.auth_failed and not refused:
             log.warning("%s %s refuses pdproxy's control-plane calls (%s): it was started with --api-key; set "
                         "engine_api_key to that key", endpoint.role.value, endpoint.name, info.error)

@@ -115,7 +115,14 @@ class ServedModels:
                     return
                 known = True
         if known:
-            raise ModelNotFound(model, role.value, self.base_ids(role))
+            raise self.not_found(model, role)
+
+    def not_found(self, model: str, role: Role) -> ModelNotFound:
+        """The 404 of ``model``, served by no endpoint of ``role``: vLLM's words, and whether the other role's
+        endpoints serve it (a prefill/decode name mismatch)."""
+        other = Role.DECODE if role is Role.PREFILL else Role.PREFILL
+        elsewhere = any(e.role is other and self.ids(e) is not None and self.serves(e, model) for e in self.infos)
+        return ModelNotFound(model, role.value, self.base_ids(role), other.value if elsewhere else None)
 
     def refusing(self) -> list[Endpoint]:
         """The endpoints whose ``/v1/models`` refused pdproxy's key at the last refresh (HTTP 401/403), decoders

@@ -34,7 +34,7 @@ from pdproxy.engines.control import EngineInfo
 from pdproxy.engines.health import HealthMonitor
 from pdproxy.engines.limits import Limits
 from pdproxy.engines.pool import EndpointPool
-from pdproxy.errors import ModelNotFound, NoEndpointAvailable, ProxyError
+from pdproxy.errors import NoEndpointAvailable, ProxyError
 from pdproxy.scheduling.request import PickRequest
 
 if TYPE_CHECKING:
@@ -146,7 +146,7 @@ class ServesModel(_Rule):
 
     def refusal(self, role: Role, request: PickRequest) -> ProxyError:
         """404 in vLLM's words, listing the base models the endpoints of ``role`` serve."""
-        return ModelNotFound(request.model or "", role.value, self.served_models.base_ids(role))
+        return self.served_models.not_found(request.model or "", role)
 
 
 class FitsLimits(_Rule):

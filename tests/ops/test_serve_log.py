@@ -117,9 +117,34 @@ def test_text_log_banner_engines_and_shutdown(sims: Fleet, tmp_path: Path) -> No
             assert len(re.findall(rf"INFO pdproxy\.engines engine {re.escape(s.url)} \(\w+\) up: model sim-model, "
                                   r"max_model_len 4,096", text)) == 1, text
         assert chat(proxy.url) == 200
+        assert "no model is served by both" not in text                  # they agree: nothing said
         assert proxy.terminate() == 0
         text = proxy.text()
         # "shutting down (nothing in flight)", or "draining" if the last request was still being recorded
         assert re.search(r"SIGTERM: (shutting down|draining)", text) and "shutdown complete" in text
     finally:
         proxy.stop()
+
+
+def test_prefillers_and_decoders_serving_different_names_are_named_at_start(sims: Fleet, tmp_path: Path) -> None:
+    """A decoder started with another ``--served-model-name`` than the prefiller: ``serve`` says so once at start
+    (``models_disjoint``, each role's models), and the 404 a request then gets says which role lacks the model
+    (old code: "engine … up" lines only, and 404s whose "Valid aliases" sent the user back and forth)."""
+    other = SimProcess("decode", "--served-model-name", "other-model", "--decode-tokens-per-s", "0").start()
+    proxy = ServeProcess(tmp_path / "serve.log", "--prefill", sims.prefillers[0].url, "--decode", other.url,
+                         "--log-format", "json", "--engine-refresh-interval-s", "0.2")
+    try:
+        proxy.start()
+        wait_until(lambda: proxy.events("serve_started"), 10, what="banner")
+        wait_until(lambda: len(proxy.events("engine_up")) == 2, 10, what="both engines up")
+        (said,) = proxy.events("models_disjoint")
+        assert said["level"] == "WARNING" and (said["prefill_models"], said["decode_models"]) == (
+            ["sim-model"], ["other-model"]), said
+        r = httpx.post(proxy.url + "/v1/chat/completions", timeout=20, json={
+            "model": "sim-model", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 404 and "served by prefill engines but by no decode engine" in \
+            r.json()["error"]["message"], r.text
+        assert len(proxy.events("models_disjoint")) == 1                 # said once, however many refreshes
+    finally:
+        proxy.stop()
+        other.stop()

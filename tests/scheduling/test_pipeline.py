@@ -99,8 +99,13 @@ def test_served_model_filter_keeps_servers_and_unknown_lists_and_404s_otherwise(
         sched.require(Role.DECODE, PickRequest("r", model="qwen"))
     err = missing.value
     assert err.status_code == 404 and err.param == "model" and err.rejection == ("model_not_found", "decode")
-    assert err.body()["error"] == {"message": "The model `qwen` does not exist. Valid aliases: llama.",
-                                   "type": "NotFoundError", "param": "model", "code": 404}
+    assert err.body()["error"] == {   # P[1] serves it: a prefill/decode name mismatch, said after vLLM's words
+        "message": "The model `qwen` does not exist. Valid aliases: llama. (`qwen` is served by prefill engines but "
+                   "by no decode engine, and every request needs both: check each engine's --served-model-name)",
+        "type": "NotFoundError", "param": "model", "code": 404}
+    with pytest.raises(ModelNotFound) as nowhere:                     # served by no engine: vLLM's words alone
+        sched.require(Role.DECODE, PickRequest("r", model="mistral"))
+    assert nowhere.value.body()["error"]["message"] == "The model `mistral` does not exist. Valid aliases: llama."
 
 
 def test_a_model_whose_engines_are_all_down_is_a_503_not_a_404() -> None:
