@@ -256,6 +256,9 @@ def explain(exc: ValidationError, config: str | None, flags: dict[str, Any]) -> 
         return f"environment PDPROXY_{name.upper()}: {msg}{more}"
     if config:
         line = config_line(config, name)
+        given = err.get("input")
+        if line and len(loc) > 1 and isinstance(given, str | int | float) and not isinstance(given, bool):
+            line = config_line(config, "", str(given), after=line) or line     # a nested value: its own line
         return f"{config}{f':{line}' if line else ''}: setting {where}: {msg}{more}"
     return f"setting {where}: {msg}{more}"
 

@@ -261,9 +261,9 @@ class Settings(BaseSettings):
         True, description="continue vLLM-Ascend 'stop_reason: recomputed' streams on a new P/D pair (forces "
                           "stream_options.include_usage upstream and strips it for clients that did not ask)")
     stream_continuation: bool = Field(
-        False, description="continue a chat / completions stream whose decoder is lost after the first byte on "
-                           "another P/D pair, token-exact (asks decoders for return_token_ids; "
-                           "docs/stream-continuation.md)")
+        False, description="continue a chat / completions / Responses / Messages stream whose decoder is lost "
+                           "after the first byte on another P/D pair, token-exact (asks decoders for "
+                           "return_token_ids; docs/stream-continuation.md)")
     stream_continuation_max: int = Field(2, ge=0, le=20, description="continuations per stream")
     stream_continuation_stall_factor: float = Field(
         20.0, gt=1, description="a continuable stream's decoder silent for this many times the stream's own mean "
@@ -539,16 +539,18 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
-def config_line(path: str | os.PathLike[str], setting: str, value: str | None = None) -> int | None:
+def config_line(path: str | os.PathLike[str], setting: str, value: str | None = None, after: int = 0) -> int | None:
     """The 1-based line of ``path`` where ``setting`` (either spelling, ``_`` or ``-``) is written as a top-level
-    key — or, with ``value``, the first line holding that text (a list item such as a bad engine URL).  None when
-    not found or the file cannot be read.  For error messages only."""
+    key — or, with ``value``, the first line past line ``after`` holding that text as a whole word (a list item
+    such as a bad engine URL, a nested value).  None when not found or the file cannot be read.  For error
+    messages only."""
     try:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError):
         return None
     if value is not None:
-        return next((i for i, line in enumerate(lines, 1) if value in line), None)
+        whole = re.compile(rf"(?<![\w.-]){re.escape(value)}(?![\w.-])")      # "decod" is not in "decode"
+        return next((i for i, line in enumerate(lines, 1) if i > after and whole.search(line)), None)
     spellings = "|".join(re.escape(s) for s in {setting, setting.replace("_", "-")})
     key = re.compile(rf'^\s*["\']?(?:{spellings})["\']?\s*[:=]')
     return next((i for i, line in enumerate(lines, 1) if key.match(line)), None)

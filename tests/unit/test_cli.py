@@ -56,3 +56,19 @@ def test_unknown_pdproxy_variables_are_named(environ: dict[str, str], lines: lis
     from pdproxy.settings import unknown_environment
 
     assert unknown_environment(environ) == lines
+
+
+def test_a_bad_nested_value_in_a_config_file_is_named_on_its_own_line(tmp_path: os.PathLike[str],
+                                                                     capsys: pytest.CaptureFixture[str],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``endpoints.1.role`` is wrong on line 4, not on line 1 where ``endpoints:`` is written (old code: line 1)."""
+    for key in [k for k in os.environ if k.startswith("PDPROXY_")]:
+        monkeypatch.delenv(key)
+    config = os.path.join(tmp_path, "bad.yaml")
+    with open(config, "w") as f:
+        f.write("endpoints:\n  - {url: http://p:1, role: prefill}\n  - {url: http://d:2, role: decode}\n"
+                "  - {url: http://d:3, role: decod}\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--config", config])
+    assert exit_.value.code == 2
+    assert f"{config}:4: setting endpoints.2.role: Input should be 'prefill' or 'decode'" in capsys.readouterr().err
