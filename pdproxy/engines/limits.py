@@ -217,6 +217,19 @@ class Limits:
                 best, best_ep = allowed, e
         return best, best_ep
 
+    def context_len(self, role: Role, model: str | None = None) -> int | None:
+        """The largest ``max_model_len`` (tokens) among the endpoints of ``role`` serving ``model`` (None: any);
+        None when one of them does not declare it or there are none."""
+        best: int | None = None
+        serves = self.served.serves
+        for e, lim in self._snapshot()[role]:
+            if model and not serves(e, model):
+                continue
+            if lim.max_model_len is None:
+                return None
+            best = lim.max_model_len if best is None else max(best, lim.max_model_len)
+        return best
+
     def max_prompt_tokens(self, max_output: int | None, *, roles: tuple[Role, ...] = (Role.PREFILL, Role.DECODE),
                           model: str | None = None) -> int | None:
         """M: the largest prompt some endpoint of every role in ``roles`` serving ``model`` (None: any) accepts

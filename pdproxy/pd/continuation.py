@@ -502,10 +502,14 @@ class Resume:
             self.observer.gap(api, max(0.0, time.monotonic() - self.last_write))
             self.last_write = None
 
-    def next_leg(self) -> ProxyRequest | None:
+    def next_leg(self, context_len: int | None = None) -> ProxyRequest | None:
         """The continuation request, or None when nothing is left to generate (the budget is spent or a finish
         reason was delivered: the stream only needs its end).  With the prompt's ids known it is
-        ``/v1/completions`` with the token-id ``prompt`` = prompt ids + delivered ids; for a Responses / Messages
+        ``/v1/completions`` with the token-id ``prompt`` = prompt ids + delivered ids, and — when the client set
+        no output limit — ``max_tokens`` the room ``context_len`` (the decoders' ``max_model_len``, tokens; None:
+        unknown) leaves after that prompt, as the client's chat would have had: vLLM reads a completion's absent
+        or null ``max_tokens`` as 16 (``CompletionRequest.normalize_null_max_tokens``,
+        ``vllm/entrypoints/openai/completion/protocol.py``); for a Responses / Messages
         first leg (vLLM sends no ids there) it is ``/v1/chat/completions`` on the chat the request renders
         (:mod:`pdproxy.apis.fields`) with the delivered text as the final assistant message
         (``continue_final_message``), asking ``return_token_ids`` so that later legs are token-exact."""
@@ -519,6 +523,11 @@ class Resume:
         limit = self.req.max_output_tokens
         if self.finish or (limit is not None and limit - sent < 1):
             return None
+        room = None                            # a completion's room left in the context, without a client limit
+        if self.prompt_ids is not None and limit is None and context_len is not None:
+            room = context_len - len(self.prompt_ids) - len(self.generated)
+            if room < 1:                       # the context is full: the original would have ended there
+                return None
         cont: dict[str, Any] = {k: body[k] for k in _SAMPLING if k in body}
         cont.update({"model": body.get("model") or self.head.get("model"),
                      "max_tokens": None if limit is None else limit - sent, "stream": True,
@@ -529,6 +538,8 @@ class Resume:
         self.legs += 1
         if self.prompt_ids is not None:
             cont["prompt"] = self.prompt_ids + self.generated
+            if room is not None:
+                cont["max_tokens"] = room
             leg = parse_request(orjson.dumps(cont), Api.COMPLETIONS, max_items=None)   # pdproxy's own body
             leg.size_exactly(len(cont["prompt"]))
             return leg

@@ -275,7 +275,7 @@ class Director:
             async with asyncio.timeout(min(self.settings.tokenize_timeout_s, budget / 4)):
                 await continuation.held_in_text(resume, functools.partial(self.detokenize, ctx, resume.req.model,
                                                                           resume.lost[-1:]))
-        leg = resume.next_leg()
+        leg = resume.next_leg(self.admission.limits.context_len(Role.DECODE, resume.req.model))
         if leg is None:
             resume.resumed(api)
             tail = continuation.closing(resume, out)

@@ -18,7 +18,8 @@ Length rule (vLLM 0.32 as observed; its 0.26 rejection of prompt + max_tokens > 
 * ``prompt_tokens > max_model_len`` → 400 "... your prompt contains at least {L+1} input tokens, which
   exceeds this limit even without any output tokens ... (parameter=input_tokens, value={L+1})" (the tokenizer
   truncates at limit+1, hence "at least" and a value capped at L+1);
-* otherwise ``max_tokens`` (chat: ``max_completion_tokens`` wins; absent = the server default) is *clamped* to
+* otherwise ``max_tokens`` (chat: ``max_completion_tokens`` wins, absent = to the end of the answer; completions:
+  absent or null = 16, :data:`COMPLETION_DEFAULT_MAX_TOKENS`) is *clamped* to
   ``max_model_len - prompt_tokens``: 2000 prompt tokens with ``max_tokens`` 100 under 2048 generate 48 tokens;
 * so a prompt of exactly ``max_model_len`` tokens → 400 "max_tokens must be at least 1, got 0.
   (parameter=max_tokens, value=0)", ``param: "max_tokens"``. ``min_tokens`` is checked against the clamped value.
@@ -42,6 +43,10 @@ if TYPE_CHECKING:
 
 Api = Literal["chat", "completions", "responses", "messages", "generate"]
 ToolMode = Literal["auto", "required", "named"]
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+"""A completion's ``max_tokens`` when absent or null (vLLM ``CompletionRequest``, ``vllm/entrypoints/openai/
+completion/protocol.py``: the field's default, and ``normalize_null_max_tokens``)."""
 
 __all__ = ["Api", "ParsedRequest", "SimHTTPError", "check_length", "error_body", "kv_load_failed_body",
            "parse_request", "request_base_id"]
@@ -184,8 +189,8 @@ def parse_request(body: Any, api: Api, headers: Any, config: SimConfig, tokenize
     if chat:
         max_completion = v.get_int(body, "max_completion_tokens")
         max_tokens = max_completion if max_completion is not None else max_tokens
-    elif "max_tokens" not in body:
-        max_tokens = None
+    elif max_tokens is None:       # CompletionRequest.max_tokens: absent or null is 16 (normalize_null_max_tokens)
+        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
     stream = v.get_bool(body, "stream")
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):

@@ -301,3 +301,26 @@ def test_each_sequence_of_an_n_2_stream_continues_on_its_own(fleet5: Fleet4, tmp
         fleet5.assert_clean(proxy)
     finally:
         proxy.stop()
+
+
+def test_a_chat_without_an_output_limit_is_not_cut_to_16_tokens_after_a_loss(fleet5: Fleet4) -> None:
+    """A chat stream that set no ``max_tokens``, cut after 5 events: its continuation (a completion on the token
+    ids) asks for the room ``max_model_len`` leaves (here the proxy's ``max_model_len`` 80), not null — vLLM reads
+    a completion's null ``max_tokens`` as 16, and the simulator does too, so the answer would have ended 16 tokens
+    after the loss (old code: 21 tokens, "length").  The client gets prompt + answer = 80 tokens, one stream."""
+    proxy = fleet5.proxy(**ON, max_model_len=80)
+    body = {k: v for k, v in CHAT.items() if k != "max_tokens"}
+    try:
+        for sim in fleet5.decoders:
+            sim.faults({"kind": "reset_after_events", "events": 5, "times": 1})
+        cut = one(proxy.url, body, "/v1/chat/completions")
+        assert cut.status == 200 and not cut.errors and cut.done == 1, cut.body[-400:]
+        legs = [r["body"] for s in fleet5.decoders for r in s.received()
+                if r["path"] == "/v1/completions" and isinstance(r["body"].get("prompt"), list)]
+        assert legs and all(b["max_tokens"] == 80 - len(b["prompt"]) for b in legs), legs  # each decoder cuts once
+        used = usage(cut)
+        assert used["completion_tokens"] > 5 + 16 and used["prompt_tokens"] + used["completion_tokens"] == 80
+        assert [c["finish_reason"] for e in cut.events for c in e["choices"] if c.get("finish_reason")] == ["length"]
+        fleet5.assert_clean(proxy)
+    finally:
+        proxy.stop()

@@ -264,3 +264,31 @@ def test_no_question_for_one_id_events_a_finish_or_an_engine_that_does_not_answe
     assert mute.asked == [[10, 901]] and silent.held == 0        # the continuation starts at the cut, as before
     leg = silent.next_leg()
     assert leg is not None and leg.body["prompt"] == [5, 6, 10, 901]
+
+
+def test_a_chat_without_an_output_limit_continues_to_the_end_of_the_context() -> None:
+    """A chat that set no ``max_tokens`` continues as a completion whose ``max_tokens`` is the room the decoders'
+    ``max_model_len`` leaves after prompt + delivered ids — not null, which vLLM reads as 16 on a completion (the
+    answer would end 16 tokens after the loss, "length"); with the room gone it ends where it is."""
+    req = parse_request(orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                      "stream": True}), Api.CHAT)
+    assert req.max_output_tokens is None
+
+    def lost() -> Resume:
+        resume = Resume.of(req, True)
+        assert resume is not None
+        t = RecordIds(resume, _Usage())
+        t.feed(b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+               b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
+               b'"prompt_token_ids":[5,6,7],"prompt_text":null}\n\n')
+        t.feed(b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+               b'"delta":{"content":" a b"},"logprobs":null,"finish_reason":null,"token_ids":[42,43]}]}\n\n')
+        resume.read_transcript()
+        return resume
+
+    leg = lost().next_leg(4096)
+    assert leg is not None and leg.api is Api.COMPLETIONS
+    assert leg.body["prompt"] == [5, 6, 7, 42, 43] and leg.body["max_tokens"] == 4096 - 5
+    assert lost().next_leg(6) is not None and lost().next_leg(5) is None      # one token of room, then none
+    unknown = lost().next_leg(None)
+    assert unknown is not None and unknown.body["max_tokens"] is None          # no known limit: as the client sent

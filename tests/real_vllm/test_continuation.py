@@ -377,3 +377,52 @@ def test_a_held_back_token_at_the_end_of_an_event_of_several_is_found_and_contin
                                                      "stream": False, "max_tokens": 6}, timeout=60).json()
     text = cont["choices"][0]["text"]
     assert text and text == full[len(delivered):len(delivered) + len(text)], (text, full[len(delivered):][:40])
+
+
+def _stream_events(url: str, path: str, body: dict[str, Any], stop_after: int) -> tuple[list[bytes], int, str | None]:
+    """A stream straight from an engine, read until ``stop_after`` token events or its end (the connection is then
+    closed: vLLM aborts the rest): its data events (whole), the token events read and the finish reason seen."""
+    raw: list[bytes] = []
+    tokens, finish = 0, None
+    with httpx.stream("POST", url + path, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            raw.append(line.encode() + b"\n\n")
+            for choice in orjson.loads(line[6:]).get("choices") or []:
+                finish = choice.get("finish_reason") or finish
+                tokens += len(choice.get("token_ids") or []) if "token_ids" in choice else int(
+                    bool(choice.get("text") or (choice.get("delta") or {}).get("content")))
+            if tokens >= stop_after or finish:
+                break
+    return raw, tokens, finish
+
+
+def test_a_chat_without_an_output_limit_continues_past_vllms_completion_default(
+        engines: Engines, prompts: Prompts) -> None:
+    """A chat stream that set no ``max_tokens``, read for a few events as pdproxy's record reads it: the
+    continuation pdproxy builds (``/v1/completions`` on the token ids) asks for the room ``max_model_len`` leaves,
+    which the real engine accepts and generates past 16 tokens — where the same leg with a null ``max_tokens``
+    (old code) ends after 16 tokens with "length" (vLLM's ``CompletionRequest`` default)."""
+    url, model = engines.decode_url, engines.served_model
+    body = {"model": model, "messages": [{"role": "user", "content": prompts.unique(24, seed=SEED + 50)}],
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    req = parse_request(orjson.dumps(body), Api.CHAT)
+    assert req.max_output_tokens is None
+    resume = Resume.of(req, True)
+    assert resume is not None
+    record = RecordIds(resume, _Plain())
+    raw, _, _ = _stream_events(url, "/v1/chat/completions", {**body, "return_token_ids": True}, 6)
+    for block in raw:
+        record.feed(block)
+    resume.read_transcript()
+    max_model_len = int(httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["max_model_len"])
+    leg = resume.next_leg(max_model_len)
+    assert leg is not None and resume.prompt_ids is not None
+    assert leg.body["max_tokens"] == max_model_len - len(leg.body["prompt"]) > 1000
+    cont = {k: v for k, v in leg.body.items() if k != "stream_options"} | {"ignore_eos": True}
+    _, tokens, finish = _stream_events(url, "/v1/completions", cont, 40)
+    assert tokens >= 40 and finish is None                  # runs on: the room, not 16
+    _, tokens, finish = _stream_events(url, "/v1/completions", {**cont, "max_tokens": None}, 40)
+    assert (tokens, finish) == (16, "length")               # what the old leg asked for
