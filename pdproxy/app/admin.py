@@ -34,8 +34,11 @@ cloud metadata address, a loopback port of another service (``docs/threat-model.
 
 **Bodies** are read up to ``max_body_bytes`` (413 beyond) and parsed with the limits of every route.
 
-Membership changes live in this process only: they are lost on restart (the configuration is read again), and
-with ``--workers N`` each worker has its own membership, so an admin call reaches one worker.
+Membership changes live in this process only: they are lost on restart (the configuration is read again).  With
+``--workers N`` (N > 1) each worker has its own membership and an admin call reaches one worker, so the routes
+that change it (add, drain, undrain, remove) answer 409 and change nothing — a drain that one worker of N obeyed
+would be answered as done while the others kept sending the endpoint new work; ``GET`` still lists (one worker's
+view: the configured endpoints, the load of all).
 """
 
 from __future__ import annotations
@@ -226,6 +229,16 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
         check_admin_key(state.settings, request)
         return state
 
+    def may_change(request: Request) -> ProxyState:
+        """:func:`authorized`, and one process serving: a change reaches every worker (module docstring)."""
+        state = authorized(request)
+        workers = state.settings.workers
+        if workers > 1:
+            raise Conflict(f"with --workers {workers} each worker keeps its own endpoint list and this call would "
+                           "change one worker's only: change the configuration and restart, or run --workers 1 to "
+                           "change endpoints at runtime", redact=False)
+        return state
+
     @router.get("/endpoints")
     async def list_endpoints(request: Request) -> Response:
         state = authorized(request)
@@ -233,7 +246,7 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
 
     @router.post("/endpoints")
     async def add_endpoint(request: Request) -> Response:
-        state = authorized(request)
+        state = may_change(request)
         ref = await _body(request, state.settings)
         check_endpoint_allowed(state.settings, ref.url)     # before anything (the engine key) is sent to it
         new = expand([ref.url], ref.role, ref.dp_size)
@@ -250,7 +263,7 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
 
     @router.post("/endpoints/drain")
     async def drain_endpoint(request: Request) -> Response:
-        state = authorized(request)
+        state = may_change(request)
         ref = await _body(request, state.settings)
         found = _drain(state, ref)
         moved = sum(state.live_streams.migrate(e.name) for e in found) if ref.migrate else 0
@@ -258,7 +271,7 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
 
     @router.post("/endpoints/undrain")
     async def undrain_endpoint(request: Request) -> Response:
-        state = authorized(request)
+        state = may_change(request)
         ref = await _body(request, state.settings)
         found = _matching(state, ref)
         for e in found:
@@ -268,7 +281,7 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
 
     @router.delete("/endpoints")
     async def remove_endpoint(request: Request) -> Response:
-        state = authorized(request)
+        state = may_change(request)
         ref = await _body(request, state.settings)
         found = _matching(state, ref)
         if not ref.force and not _others_remain(state, ref):

@@ -192,6 +192,22 @@ def test_breaker_state_holds_across_workers(tmp_path: Path) -> None:
             status, body = reply
             return status == 503 and "circuit breaker" in body["error"]["message"]
 
+        # 0. An admin change would reach one worker of two: every worker refuses it and changes nothing (a drain
+        #    answered 202 by one worker while the other kept sending the endpoint work: an attacker round's find).
+        for row in (0, 1):
+            for method, path in (("POST", "/admin/endpoints/drain"), ("POST", "/admin/endpoints/undrain"),
+                                 ("DELETE", "/admin/endpoints"), ("POST", "/admin/endpoints")):
+                conn = conn_on(port, row)
+                status, body = conn.request(method, path, {"url": decoder.url, "role": "decode"}, headers=admin)
+                conn.close()
+                assert status == 409 and "with --workers 2 each worker keeps its own endpoint list" in \
+                    body["error"]["message"], (row, method, path, body)
+        for row in (0, 1):
+            conn = conn_on(port, row)
+            status, body = conn.request("GET", "/admin/endpoints", headers=admin)
+            conn.close()
+            assert status == 200 and [e["state"] for e in body["endpoints"]] == ["active", "active"], body
+
         # 1. Worker 0 meets the failure: the shared breaker opens at once, for 1 s (the engine's Retry-After).
         status, _ = ask(0, 1)
         assert status == 503 and len(prefiller.completions_received()) == 1
