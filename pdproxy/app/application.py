@@ -160,9 +160,15 @@ class PDProxyApp:
                 state.in_flight -= 1
         except asyncio.CancelledError:
             ctx.outcome = "client_disconnected"
-        except ProxyError as err:
-            ctx.outcome = err.outcome
-            ctx.rejection = rejection_of(err)
+        except Exception as exc:
+            if isinstance(exc, ProxyError):
+                err = exc
+                ctx.outcome = err.outcome
+                ctx.rejection = rejection_of(err)
+            else:               # a bug, not an upstream condition: counted as one, answered in the API's shape
+                log.exception("request %s failed", ctx.request_id)
+                err = ProxyError(f"internal error in pdproxy: {exc.__class__.__name__}")
+                ctx.outcome = "internal_error"
             ctx.error = err.message
             if not out.started:
                 body = api_streams.error_json(Api.MESSAGES if anthropic else Api.CHAT, err)

@@ -40,7 +40,7 @@ from typing import Any
 
 import httpx
 import orjson
-from python_multipart.exceptions import MultipartParseError
+from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from pdproxy.apis.kv_transfer import PROXY_OWNED, client_handle_fault, decode_body_bytes
@@ -103,10 +103,13 @@ def _route_not_found(data: bytes) -> bool:
 
 class FormFields:
     """What pdproxy reads of a ``multipart/form-data`` body (speech-to-text uploads): the ``model`` field's value
-    (its first :data:`_MODEL_FIELD_MAX` bytes) and the name of every field.  Parsed by python-multipart — the parser
+    (its first :data:`_MODEL_FIELD_MAX` bytes; of the last ``model`` field, the one FastAPI's ``Form`` reads) and
+    the name of every field.  Parsed by python-multipart — the parser
     vLLM's own FastAPI server reads the form with — in one pass, in linear time whatever the body holds (its state
     machine never backtracks; a part's data is skipped with ``bytes.find`` for the boundary).  Raises
-    :class:`BadRequest` for a body that is not a multipart form of the boundary its ``Content-Type`` names."""
+    :class:`BadRequest` for a body that is not a multipart form of the boundary its ``Content-Type`` names, a
+    boundary python-multipart refuses (over 256 bytes), or a ``charset`` other than UTF-8 (vLLM's parser would read
+    the field names in it, where pdproxy checks them as UTF-8)."""
 
     def __init__(self, body: bytes, content_type: str) -> None:
         self.names: list[str] = []
@@ -115,18 +118,22 @@ class FormFields:
         boundary = options.get(b"boundary")
         if not boundary:
             raise BadRequest("multipart/form-data without a boundary parameter", param="body")
+        charset = options.get(b"charset", b"utf-8").lower()
+        if charset not in (b"utf-8", b"utf8", b"us-ascii"):   # vLLM's form parser would read the names in it
+            raise BadRequest("multipart/form-data is read as UTF-8: a charset parameter other than utf-8 is not "
+                             "served", param="body")
         self._header = b""
         self._disposition = b""
         self._value = b""
         self._name: str | None = None
-        parser = MultipartParser(boundary, {
-            "on_part_begin": self._part_begin, "on_header_field": self._header_field,
-            "on_header_value": self._header_value, "on_header_end": self._header_end,
-            "on_part_data": self._part_data, "on_part_end": self._part_end})
         try:
+            parser = MultipartParser(boundary, {
+                "on_part_begin": self._part_begin, "on_header_field": self._header_field,
+                "on_header_value": self._header_value, "on_header_end": self._header_end,
+                "on_part_data": self._part_data, "on_part_end": self._part_end})
             parser.write(body)
             parser.finalize()
-        except MultipartParseError:
+        except FormParserError:                           # the parser's errors, a boundary it refuses included
             raise BadRequest("There was an error parsing the body: not a multipart/form-data body of the boundary "
                              "its Content-Type names", param="body") from None
 
@@ -155,7 +162,7 @@ class FormFields:
     def _part_end(self) -> None:
         if self._name is not None:
             self.names.append(self._name)
-            if self._name == "model" and self.model is None:
+            if self._name == "model":                     # the last one, as FastAPI's Form(...) reads it
                 self.model = self._value.decode("utf-8", "replace").strip() or None
 
 

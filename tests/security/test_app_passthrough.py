@@ -14,6 +14,7 @@ import httpx
 import orjson
 import pytest
 
+from tests.ops.promtext import scrape
 from tests.relay.rawclient import RawConn, post
 from tests.support import ProxyThread, wait_until
 
@@ -223,18 +224,60 @@ def test_client_header_values_reach_an_engine_as_visible_ascii_only(engine: Reco
 
 def test_a_control_plane_route_that_fails_answers_a_json_500(engine: RecordingEngine, proxy: ProxyThread,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """The server's last resort for a route that raised before answering is vLLM's JSON error envelope (it was a
-    text/plain "Internal Server Error"), and the connection closes after it."""
+    """A passthrough route that raised before answering answers vLLM's JSON error envelope (it was a text/plain
+    "Internal Server Error") and is counted as what it was: ``internal_error``, 500 (it was counted "ok", status
+    0 — an attacker's 500s showed up as successes)."""
     async def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(proxy.state.passthrough, "serve", broken)
     r = httpx.post(proxy.url + "/tokenize", json={"model": MODEL, "prompt": "hi"}, timeout=10)
     assert r.status_code == 500 and r.headers["content-type"] == "application/json"
-    assert r.headers["connection"] == "close"
     error = r.json()["error"]
     assert error["code"] == 500 and error["type"] and "internal error" in error["message"]
     assert "a bug" not in r.text                      # no internals in what the client reads
+    m = scrape(proxy.url)
+    assert m.value("pdproxy_requests_total", api="tokenize", outcome="internal_error", status="500") >= 1
+    assert m.value("pdproxy_requests_total", api="tokenize", outcome="ok", status="0") == 0
+
+
+@pytest.mark.parametrize(("content_type", "body", "said"), [
+    ("multipart/form-data; boundary=" + "b" * 257,             # python-multipart's limit is 256: was a 500
+     b"--" + b"b" * 257 + b'\r\nContent-Disposition: form-data; name="file"; filename="a"\r\n\r\nRIFF\r\n--'
+     + b"b" * 257 + b"--\r\n", "There was an error parsing the body"),
+    ("multipart/form-data; boundary=bnd; charset=utf-16",      # vLLM's parser would read the names as UTF-16
+     "--bnd\r\nContent-Disposition: form-data; name=\"kv_transfer_params\"\r\n\r\n{}\r\n--bnd--\r\n"
+     .encode("utf-16-le"), "charset"),
+], ids=["long-boundary", "utf-16"])
+def test_multipart_forms_pdproxy_cannot_read_as_vllm_does_are_400s(engine: RecordingEngine, proxy: ProxyThread,
+                                                                  content_type: str, body: bytes, said: str) -> None:
+    before = len(engine.received)
+    refused = scrape(proxy.url).value("pdproxy_requests_total", api="audio", outcome="bad_request", status="400")
+    for path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
+        r = httpx.post(proxy.url + path, content=body, headers={"content-type": content_type}, timeout=10)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "body" and error["type"] == "BadRequestError" and said in error["message"]
+    assert len(engine.received) == before                               # nothing reached the engine
+    assert scrape(proxy.url).value("pdproxy_requests_total", api="audio", outcome="bad_request",
+                                   status="400") == refused + 2
+
+
+def test_a_form_with_two_model_fields_is_routed_by_the_last_as_vllm_reads_it(engine: RecordingEngine,
+                                                                            proxy: ProxyThread) -> None:
+    """FastAPI's ``Form(...)`` keeps a repeated field's last value: pdproxy routes by that one too (it took the
+    first: a form could be checked as one model and served as another)."""
+    form = (b"--bnd\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nnot-served\r\n"
+            b"--bnd\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\n" + MODEL.encode() + b"\r\n"
+            b"--bnd\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF\r\n--bnd--\r\n")
+    r = httpx.post(proxy.url + "/v1/audio/transcriptions", content=form,
+                   headers={"content-type": "multipart/form-data; boundary=bnd"}, timeout=10)
+    assert r.status_code == 200, r.text
+    reversed_form = form.replace(b"not-served", b"@@").replace(MODEL.encode(), b"not-served").replace(b"@@",
+                                                                                                      MODEL.encode())
+    r = httpx.post(proxy.url + "/v1/audio/transcriptions", content=reversed_form,
+                   headers={"content-type": "multipart/form-data; boundary=bnd"}, timeout=10)
+    assert r.status_code == 404 and "not-served" in r.json()["error"]["message"], r.text
 
 
 def test_a_fastapi_route_that_fails_answers_a_json_500_too(engine: RecordingEngine, proxy: ProxyThread,
