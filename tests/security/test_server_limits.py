@@ -23,6 +23,7 @@ from pdproxy.http.server import (
     MAX_HEADER_FIELDS,
     MIN_MEAN_CHUNK_BYTES,
     EdgeLimits,
+    PendingBodies,
 )
 from pdproxy.settings import Settings
 from tests.conftest import Fleet
@@ -511,6 +512,35 @@ def test_a_control_route_that_has_not_read_its_body_holds_its_high_water_mark(si
         assert data.startswith(b"HTTP/1.1 200 ")
 
 
+def hold_bodies(p: ProxyThread, path: bytes) -> tuple[list[RawConn], PendingBodies]:
+    """Three connections to ``path``, each sending a body of ``HEAD`` bytes but its last 100, all read; and the
+    server's one budget that counts them."""
+    held = []
+    for _ in range(3):
+        c = RawConn(p.port)
+        c.send(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" % path
+               + b"Content-Length: %d\r\n\r\n" % HEAD + b" " * (HEAD - 100))
+        held.append(c)
+    protos = p.server.server_state.connections
+    wait_until(lambda: len(protos) == 3 and sum(x.body_held for x in protos) == 3 * (HEAD - 100), 10, 0.02,
+               "the three bodies read")
+    bodies = next(iter(protos)).bodies
+    assert bodies is not None and all(x.bodies is bodies for x in protos)       # one budget for the server
+    assert bodies.held == 3 * (HEAD - 100)
+    return held, bodies
+
+
+def refused_past_budget(p: ProxyThread, path: bytes) -> Message:
+    """A 1,000-byte body to ``path`` once the budget is spent: answered 503 with ``Retry-After: 1``, and closed."""
+    c = RawConn(p.port)
+    c.send(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" % path
+           + b"Content-Length: 1000\r\n\r\n" + b" " * 1000)
+    assert c.wait_closed()
+    m = c.p.messages[0]
+    assert m.status == 503 and m.header("retry-after") == "1"
+    return m
+
+
 def test_bodies_still_arriving_are_bounded_across_connections(sims: Fleet) -> None:
     """Each connection's body is bounded by ``max_body_bytes``; all of them together by ``max_pending_body_bytes``
     (old code: none — 30 connections each holding back the last byte of a 60 MB body held 1.65 GB).  The body
@@ -518,24 +548,9 @@ def test_bodies_still_arriving_are_bounded_across_connections(sims: Fleet) -> No
     budget comes back as bodies end: a closed connection's bytes are released and the next request is served."""
     before = engine_requests(sims)
     with edge_proxy(sims, max_pending_body_bytes=3 * HEAD) as p:
-        held = []
-        for _ in range(3):                       # three bodies of HEAD bytes, each missing its last 100 bytes
-            c = RawConn(p.port)
-            c.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                   b"Content-Length: %d\r\n\r\n" % HEAD + b" " * (HEAD - 100))
-            held.append(c)
-        protos = p.server.server_state.connections
-        wait_until(lambda: len(protos) == 3 and sum(x.body_held for x in protos) == 3 * (HEAD - 100), 10, 0.02,
-                   "the three bodies read")
-        bodies = next(iter(protos)).bodies
-        assert bodies is not None and bodies.held == 3 * (HEAD - 100) and bodies.limit == 3 * HEAD
-        assert all(x.bodies is bodies for x in protos)                  # one budget for the server
-        c = RawConn(p.port)
-        c.send(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-               b"Content-Length: 1000\r\n\r\n" + b" " * 1000)
-        assert c.wait_closed()
-        m = c.p.messages[0]
-        assert m.status == 503 and m.header("retry-after") == "1"
+        held, bodies = hold_bodies(p, b"/v1/completions")
+        assert bodies.limit == 3 * HEAD
+        m = refused_past_budget(p, b"/v1/messages")
         assert orjson.loads(m.body)["type"] == "error"                  # Anthropic's shape on /v1/messages
         assert bodies.held == 3 * (HEAD - 100)                          # the refused body's bytes given back
         held.pop().sock.close()
@@ -558,24 +573,8 @@ def test_passthrough_bodies_count_against_the_same_budget(sims: Fleet) -> None:
     pass it gets 503 with Retry-After in vLLM's OpenAI envelope, reaches no engine, and the budget comes back."""
     before = engine_requests(sims)
     with edge_proxy(sims, max_pending_body_bytes=3 * HEAD) as p:
-        held = []
-        for _ in range(3):                       # three /tokenize bodies of HEAD bytes, each missing its last 100
-            c = RawConn(p.port)
-            c.send(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                   b"Content-Length: %d\r\n\r\n" % HEAD + b" " * (HEAD - 100))
-            held.append(c)
-        protos = p.server.server_state.connections
-        wait_until(lambda: len(protos) == 3 and sum(x.body_held for x in protos) == 3 * (HEAD - 100), 10, 0.02,
-                   "the three bodies read")
-        bodies = next(iter(protos)).bodies
-        assert bodies is not None and bodies.held == 3 * (HEAD - 100)
-        c = RawConn(p.port)
-        c.send(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-               b"Content-Length: 1000\r\n\r\n" + b" " * 1000)
-        assert c.wait_closed()
-        m = c.p.messages[0]
-        assert m.status == 503 and m.header("retry-after") == "1"
-        error = orjson.loads(m.body)["error"]
+        held, bodies = hold_bodies(p, b"/tokenize")
+        error = orjson.loads(refused_past_budget(p, b"/v1/embeddings").body)["error"]
         assert "max_pending_body_bytes" in error["message"] and error["code"] == 503
         assert bodies.held == 3 * (HEAD - 100)
         for c in held:
