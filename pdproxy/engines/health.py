@@ -253,6 +253,8 @@ class HealthMonitor:
         if ok and due:
             await self._refresh(endpoint, info)
             ok = info.reachable
+        elif not ok:           # /health failed: the engine is not up now (pdproxy_engine_up), refreshed once back
+            info.reachable = False
         try:
             load = self.pool.load(endpoint)
         except KeyError:

@@ -142,8 +142,8 @@ class StateCollector:
 
     def _engine_gauges(self, st: MetricsState) -> Iterator[Metric]:
         labels = self.ENDPOINT_LABELS
-        up = GaugeMetricFamily("pdproxy_engine_up", "1 if the engine answered /v1/models at the last refresh.",
-                               labels=labels)
+        up = GaugeMetricFamily("pdproxy_engine_up", "1 if the engine answered /v1/models at the last refresh and "
+                               "/health since (0 once a probe fails).", labels=labels)
         mml = GaugeMetricFamily("pdproxy_engine_max_model_len", "The engine's max_model_len (tokens), /v1/models.",
                                 labels=labels)
         pool = GaugeMetricFamily("pdproxy_engine_kv_pool_tokens", "The engine's KV pool in tokens "
@@ -169,7 +169,7 @@ class StateCollector:
                 pool.add_metric(lab, info.kv_pool_tokens)
             if info.refreshed_at is not None:
                 age.add_metric(lab, max(0.0, now - info.refreshed_at))
-            g = info.gauges
+            g = info.gauges if info.reachable else {}      # a down engine's last figures are not its state
             for key, fam in (("vllm:num_requests_running", running), ("vllm:num_requests_waiting", waiting),
                              ("vllm:kv_cache_usage_perc", usage)):
                 if key in g:

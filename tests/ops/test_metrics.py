@@ -21,7 +21,7 @@ from pdproxy.ops.metrics import PHASES, ProxyMetrics, _observe, rejection_of
 from pdproxy.timeline import RequestContext, Timeline
 from tests.conftest import Fleet
 from tests.ops.promtext import Samples, scrape
-from tests.support import ProxyThread, wait_until
+from tests.support import ProxyThread, SimProcess, wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -86,6 +86,32 @@ def test_metrics_count_known_traffic(proxy: ProxyThread, sims: Fleet) -> None:
         assert m.value("pdproxy_engine_num_requests_running", endpoint=s.url) == 0
         assert {lab["reason"] for lab, _ in m.find("pdproxy_engine_num_requests_waiting_by_reason",
                                                     endpoint=s.url)} == {"capacity", "deferred"}
+
+
+def test_an_engine_that_dies_is_down_in_its_gauges(sims: Fleet) -> None:
+    """``pdproxy_engine_up`` goes to 0 once a probe of a stopped engine fails, and its last running / waiting /
+    KV figures are no longer exported as its state (old code: up stayed 1 and the figures froze, so the alert
+    ``pdproxy_engine_up == 0`` never fired)."""
+    extra = SimProcess("decode", "--served-model-name", "sim-model", "--max-model-len", "4096").start()
+    proxy = ProxyThread(prefill=[sims.prefillers[0].url], decode=[sims.decoders[0].url, extra.url],
+                        health_interval_s=0.2).start()
+    try:
+        def up(url: str) -> float:
+            return scrape(proxy.url).value("pdproxy_engine_up", endpoint=url, role="decode")
+
+        wait_until(lambda: up(extra.url) == 1, 10, 0.05, "the extra decoder up")
+        assert scrape(proxy.url).find("pdproxy_engine_num_requests_running", endpoint=extra.url)
+        extra.stop()
+        wait_until(lambda: up(extra.url) == 0, 10, 0.05, "the stopped decoder down")
+        m = scrape(proxy.url)
+        for name in ("pdproxy_engine_num_requests_running", "pdproxy_engine_num_requests_waiting",
+                     "pdproxy_engine_kv_cache_usage_perc", "pdproxy_engine_num_requests_waiting_by_reason"):
+            assert not m.find(name, endpoint=extra.url), name
+        assert m.value("pdproxy_engine_max_model_len", endpoint=extra.url) == 4096      # what it declared
+        assert up(sims.decoders[0].url) == 1
+    finally:
+        proxy.stop()
+        extra.stop()
 
 
 def _raw_request(port: int, body: dict[str, object]) -> socket.socket:
