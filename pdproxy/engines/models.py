@@ -132,21 +132,26 @@ class ServedModels:
 
     def cards(self, max_model_len_override: int | None = None) -> list[dict[str, Any]]:
         """The union of the served cards, one per id, in first-seen order, each with the smallest ``max_model_len``
-        of the endpoints that serve it (a request must fit its prefiller and its decoder); adapters keep the
-        ``null`` vLLM gives them.  ``max_model_len_override`` (the ``max_model_len`` setting) replaces every
-        figure.  Pinned endpoints contribute only their pinned models."""
+        of the endpoints that serve it — an endpoint's own capped by its KV pool (tokens) when that is smaller,
+        the context it can really hold (seed 000: 133,120 declared, 4,584 allocated) — since a request must fit
+        its prefiller and its decoder; adapters keep the ``null`` vLLM gives them.  ``max_model_len_override``
+        (the ``max_model_len`` setting) replaces every figure.  Pinned endpoints contribute only their pinned
+        models."""
         merged: dict[str, dict[str, Any]] = {}
-        for e in self.infos:
+        for e, info in self.infos.items():
             ids = self.ids(e)
             cards = self.listed(e)
             if not cards and ids:
                 cards = [{"id": m, "object": "model", "owned_by": "vllm"} for m in sorted(ids)]
+            pool = info.kv_pool_tokens
             for card in cards:
                 mid = card.get("id")
                 if not isinstance(mid, str) or (ids is not None and mid not in ids):
                     continue
                 entry = merged.setdefault(mid, dict(card))
                 mml = card.get("max_model_len")
+                if isinstance(mml, int) and pool is not None and pool < mml:
+                    mml = pool
                 if isinstance(mml, int) and (not isinstance(entry.get("max_model_len"), int)
                                              or mml < entry["max_model_len"]):
                     entry["max_model_len"] = mml

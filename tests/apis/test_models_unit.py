@@ -64,6 +64,16 @@ def test_models_union_has_each_models_smallest_max_model_len() -> None:
     assert ServedModels(two_models()).cards(max_model_len_override=512)[0]["max_model_len"] == 512
 
 
+def test_models_advertise_the_context_the_kv_pool_holds() -> None:
+    """Seed 000: a decoder declaring 133,120 tokens with a KV pool of 4,584 is listed at 4,584, the context every
+    longer prompt is refused at (it was listed at 133,120: clients sizing prompts from /v1/models got 400s)."""
+    infos = two_models()
+    infos[DB] = EngineInfo(models=[card("b", 133_120)], max_model_len=133_120, kv_pool_tokens=4584)
+    infos[PB] = EngineInfo(models=[card("b", 133_120)], max_model_len=133_120, kv_pool_tokens=200_000)
+    cards = {c["id"]: c for c in ServedModels(infos).cards()}
+    assert cards["b"]["max_model_len"] == 4584 and cards["a"]["max_model_len"] == 1024
+
+
 def test_limits_are_per_model() -> None:
     infos = two_models()
     pool = EndpointPool(list(infos))
