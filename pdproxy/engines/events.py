@@ -46,15 +46,19 @@ def _num(n: int | None) -> str:
     return "unknown" if n is None else f"{n:,}"
 
 
-def describe(info: EngineInfo) -> str:
-    """``model m, max_model_len 4,096, KV pool 16,384 tokens (4,096 blocks × 4)`` from an engine's info."""
+def describe(info: EngineInfo, role: Role = Role.PREFILL) -> str:
+    """``model m, max_model_len 4,096, KV pool 16,384 tokens (4,096 blocks × 4)`` from the info of an engine of
+    ``role`` — and, when its pool is below ``max_model_len``, the largest prompt it takes: the pool on a
+    prefiller, one token less on a decoder (the answer's first token must fit too; pdproxy/engines/limits.py)."""
     models = ", ".join(str(m.get("id")) for m in info.models) or "none"
     blocks = (f" ({info.num_gpu_blocks:,} blocks × {info.block_size})"
               if info.num_gpu_blocks and info.block_size else "")
     text = f"model {models}, max_model_len {_num(info.max_model_len)}, KV pool {_num(info.kv_pool_tokens)} tokens{blocks}"
-    if info.kv_pool_tokens is not None and info.max_model_len is not None and info.kv_pool_tokens < info.max_model_len:
-        text += (f" — below max_model_len: prompts over {info.kv_pool_tokens:,} tokens are refused with a 400 (the "
-                 "engine would queue them forever)")
+    pool = info.kv_pool_tokens
+    if pool is not None and info.max_model_len is not None and pool < info.max_model_len:
+        largest = pool - (1 if role is Role.DECODE else 0)
+        text += (f" — below max_model_len: prompts over {largest:,} tokens are refused with a 400 (the engine would "
+                 "queue them forever)")
     return text
 
 
@@ -105,7 +109,7 @@ class EngineEvents:
         if before is None or not before.up:
             event = "engine_up" if before is None or before.max_model_len is None else "engine_reachable"
             log.info("engine %s (%s) %s: %s", endpoint.name, endpoint.role.value,
-                     "up" if event == "engine_up" else "reachable again", describe(info),
+                     "up" if event == "engine_up" else "reachable again", describe(info, endpoint.role),
                      extra={"event": event, **limits})
             if before is not None and before.max_model_len is not None and \
                     (before.max_model_len, before.kv_pool_tokens) != (now.max_model_len, now.kv_pool_tokens):

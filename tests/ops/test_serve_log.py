@@ -148,3 +148,18 @@ def test_prefillers_and_decoders_serving_different_names_are_named_at_start(sims
     finally:
         proxy.stop()
         other.stop()
+
+
+def test_an_engine_line_names_the_largest_prompt_its_role_takes() -> None:
+    """Seed 000's pool of 4,584 tokens: a prefiller takes a prompt of 4,584, a decoder one of 4,583 (the answer's
+    first token must fit too); the line said "over 4,584" for both, and a 4,584-token prompt was refused."""
+    from pdproxy.endpoints import Role
+    from pdproxy.engines.control import EngineInfo
+    from pdproxy.engines.events import describe
+
+    info = EngineInfo(models=[{"id": "glm"}], max_model_len=133_120, kv_pool_tokens=4584, num_gpu_blocks=1146,
+                      block_size=4)
+    assert describe(info, Role.PREFILL).endswith("prompts over 4,584 tokens are refused with a 400 (the engine "
+                                                 "would queue them forever)")
+    assert "prompts over 4,583 tokens are refused" in describe(info, Role.DECODE)
+    assert "KV pool 4,584 tokens (1,146 blocks × 4)" in describe(info, Role.DECODE)
