@@ -29,6 +29,12 @@ class ScriptedHealth(EngineClient):
     async def health(self, endpoint: Endpoint) -> bool:
         return self.answers.pop(0)
 
+    async def refresh(self, endpoint: Endpoint, info: EngineInfo) -> EngineInfo:
+        """``/v1/models`` answers (a probe after a failed one refreshes the engine's info first)."""
+        info.reachable = True
+        info.refreshed_at = time.monotonic()
+        return info
+
 
 @pytest.mark.parametrize(("unhealthy", "healthy", "answers", "verdicts"), [
     (1, 2, [True, False, True, True, False, True, False, True, True],
