@@ -13,10 +13,12 @@ status :class:`~pdproxy.errors.UpstreamHTTPError`, anything else :class:`~pdprox
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import httpx
 
@@ -24,6 +26,10 @@ from pdproxy.endpoints import Endpoint
 from pdproxy.errors import ProxyError, UpstreamHTTPError
 from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.errors import httpx_errors
+
+MAX_CONTROL_BODY_BYTES: Final = 16 << 20
+"""The longest answer to a control-plane call (``/health``, ``/v1/models``, ``/metrics``) pdproxy reads: a vLLM
+``/metrics`` is tens to hundreds of KiB; an engine sending more is failing, not informing (the call fails)."""
 
 _LABELS_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -110,11 +116,29 @@ class EngineClient:
     the engine key when one is set (``engine_api_key``; vLLM guards ``/v1/models``)."""
 
     def __init__(self, *, timeout_s: float, api_key: str | None = None) -> None:
-        """``timeout_s``: per call (seconds); ``api_key``: the engines' ``--api-key``, sent on every call
-        (:class:`~pdproxy.http.engine_headers.EngineHeaders`)."""
+        """``timeout_s``: per call (seconds), the whole call — httpx's own timeout bounds each read, so an engine
+        trickling its answer would hold a call (and the health round waiting for it) for ever; ``api_key``: the
+        engines' ``--api-key``, sent on every call (:class:`~pdproxy.http.engine_headers.EngineHeaders`)."""
         headers = EngineHeaders(engine_api_key=api_key).control()
+        self._timeout_s = timeout_s
         self._client = httpx.AsyncClient(timeout=timeout_s, headers=headers,
                                          limits=httpx.Limits(max_connections=64, max_keepalive_connections=16))
+
+    async def _get(self, url: str, headers: Mapping[str, str] | None = None) -> httpx.Response:
+        """``GET url``, its body read whole within ``timeout_s`` seconds for the whole call and at most
+        :data:`MAX_CONTROL_BODY_BYTES` long.  Raises ``httpx.TimeoutException`` when the deadline passes (also
+        mid-body), ``httpx.DecodingError`` for a longer body, any other ``httpx.HTTPError`` as httpx does."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                async with self._client.stream("GET", url, headers=headers) as r:
+                    body = bytearray()
+                    async for chunk in r.aiter_bytes():
+                        body += chunk
+                        if len(body) > MAX_CONTROL_BODY_BYTES:
+                            raise httpx.DecodingError(f"answer longer than {MAX_CONTROL_BODY_BYTES} bytes")
+                    return httpx.Response(r.status_code, headers=r.headers, content=bytes(body), request=r.request)
+        except TimeoutError:
+            raise httpx.ReadTimeout(f"no whole answer within {self._timeout_s:g} s") from None
 
     async def aclose(self) -> None:
         """Close the underlying httpx client and its connections."""
@@ -124,7 +148,7 @@ class EngineClient:
         """True if ``GET /health`` answers 200 (vLLM answers 503 when the engine is dead)."""
         try:
             with httpx_errors(f"{endpoint.role.value} {endpoint.name}", endpoint.name, " on GET /health"):
-                r = await self._client.get(endpoint.url + "/health", headers=endpoint.extra_headers())
+                r = await self._get(endpoint.url + "/health", headers=endpoint.extra_headers())
             return r.status_code == 200
         except ProxyError:
             return False
@@ -134,7 +158,7 @@ class EngineClient:
         (:mod:`pdproxy.http.errors`), :class:`~pdproxy.errors.UpstreamHTTPError` on an error status, ``ValueError``
         when the body is not JSON."""
         with httpx_errors(f"{endpoint.role.value} {endpoint.name}", endpoint.name, f" on GET {path}"):
-            r = await self._client.get(endpoint.url + path, headers=endpoint.extra_headers())
+            r = await self._get(endpoint.url + path, headers=endpoint.extra_headers())
             r.raise_for_status()
         return r.json()
 
@@ -147,7 +171,7 @@ class EngineClient:
         if authorization:
             headers["Authorization"] = authorization
         with httpx_errors(f"{endpoint.role.value} {endpoint.name}", endpoint.name, " on GET /v1/models"):
-            r = await self._client.get(endpoint.url + "/v1/models", headers=headers)
+            r = await self._get(endpoint.url + "/v1/models", headers=headers)
         return r.status_code, r.content
 
     async def metrics_text(self, endpoint: Endpoint) -> str:
@@ -155,7 +179,7 @@ class EngineClient:
         one ``/metrics`` per API server covers every internal-DP rank (``engine`` label).  Raises
         :class:`~pdproxy.errors.ProxyError` on transport errors or error statuses (as :meth:`get_json`)."""
         with httpx_errors(f"{endpoint.role.value} {endpoint.name}", endpoint.name, " on GET /metrics"):
-            r = await self._client.get(endpoint.url + "/metrics")
+            r = await self._get(endpoint.url + "/metrics")
             r.raise_for_status()
         return r.text
 

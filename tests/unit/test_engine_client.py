@@ -35,3 +35,51 @@ def test_models_as_client_raises_pdproxys_error_when_the_engine_refuses() -> Non
             asyncio.run(call())
     assert isinstance(caught.value, UpstreamRefused) and not isinstance(caught.value, httpx.HTTPError)
     assert caught.value.status_code == 502 and "127.0.0.1" not in caught.value.body()["error"]["message"]
+
+
+async def _misbehaving_engine(mode: str) -> tuple[asyncio.AbstractServer, Endpoint]:
+    """An engine on loopback whose every answer is 200 with a chunked body that either trickles (one byte every
+    0.1 s, never ending) or floods (1 MiB chunks, never ending)."""
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n")
+        piece = b"1\r\nx\r\n" if mode == "trickle" else b"100000\r\n" + b"x" * (1 << 20) + b"\r\n"
+        try:
+            while True:
+                writer.write(piece)
+                await writer.drain()
+                if mode == "trickle":
+                    await asyncio.sleep(0.1)
+        except (ConnectionError, asyncio.CancelledError):
+            writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, Endpoint(f"http://127.0.0.1:{port}", Role.DECODE)
+
+
+@pytest.mark.parametrize("mode", ["trickle", "flood"])
+def test_an_engine_that_never_ends_its_answer_fails_the_call_in_time(mode: str) -> None:
+    """httpx's timeout bounds each read, so an engine trickling ``/health`` held the probe — and the health round
+    gathering every engine's probe, start-up and SIGTERM with it — for as long as it trickled (an attacker round
+    saw 357 s); a flood of ``/metrics`` grew pdproxy by GBs.  Now each call ends within ``timeout_s`` and
+    :data:`MAX_CONTROL_BODY_BYTES`: the probe says down, the refresh records why."""
+    from pdproxy.engines.control import EngineInfo
+
+    async def call() -> tuple[bool, EngineInfo, float]:
+        server, endpoint = await _misbehaving_engine(mode)
+        client = EngineClient(timeout_s=1.0)
+        try:
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            healthy = await client.health(endpoint)
+            info = await client.refresh(endpoint, EngineInfo())
+            return healthy, info, loop.time() - began
+        finally:
+            await client.aclose()
+            server.close()
+
+    healthy, info, took = asyncio.run(call())
+    assert not healthy and not info.reachable and info.error
+    assert took < 5.0                                      # two calls of at most 1 s each, with slack for load
+    assert ("did not answer in time" in info.error) if mode == "trickle" else ("failed" in info.error), info.error
