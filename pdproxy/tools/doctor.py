@@ -182,14 +182,19 @@ def check_consistency(report: Report, infos: dict[Endpoint, EngineInfo]) -> None
     if not p_infos or not d_infos:
         report.add("pd_models", "P/D", "fail", "need at least one reachable prefiller and one reachable decoder")
         return
-    p_models = set.intersection(*({str(m.get("id")) for m in i.models} for i in p_infos))
-    d_models = set.intersection(*({str(m.get("id")) for m in i.models} for i in d_infos))
+    p_models = set().union(*(_served(i) for i in p_infos))      # a model needs some prefiller and some decoder
+    d_models = set().union(*(_served(i) for i in d_infos))      # (several models: each on its own engines)
     common = p_models & d_models
     if not common:
-        report.add("pd_models", "P/D", "fail", f"no model served by every engine: prefillers {sorted(p_models)}, "
-                   f"decoders {sorted(d_models)}")
+        report.add("pd_models", "P/D", "fail", f"no model is served by both a prefiller and a decoder (every "
+                   f"request would get 404): prefillers serve {sorted(p_models)}, decoders {sorted(d_models)}; "
+                   "check each engine's --served-model-name")
+    elif p_models != d_models:
+        alone = sorted(p_models ^ d_models)
+        report.add("pd_models", "P/D", "warn", f"served by prefillers and decoders: {', '.join(sorted(common))}; "
+                   f"by one role only (their requests get 404): {', '.join(alone)}", models=sorted(common))
     else:
-        report.add("pd_models", "P/D", "ok", f"every engine serves {', '.join(sorted(common))}",
+        report.add("pd_models", "P/D", "ok", f"prefillers and decoders serve {', '.join(sorted(common))}",
                    models=sorted(common))
     p_len = {i.max_model_len for i in p_infos if i.max_model_len is not None}
     d_len = {i.max_model_len for i in d_infos if i.max_model_len is not None}
@@ -283,12 +288,44 @@ def check_cold(report: Report, probe: ColdProbe, max_model_len: int) -> None:
                    f"{max(took.values(), default=0.0):.2f} s)", **data)
 
 
-def pairs(prefillers: list[Endpoint], decoders: list[Endpoint]) -> list[tuple[Endpoint, Endpoint]]:
-    """The P→D pairs the round trip covers: every prefiller and every decoder at least once."""
+def _served(info: EngineInfo) -> set[str]:
+    """The model ids an engine listed (``/v1/models``)."""
+    return {str(m["id"]) for m in info.models if "id" in m}
+
+
+def probe_model(wanted: str | None, *infos: EngineInfo) -> str | None:
+    """The model to probe engines with: ``wanted`` (the ``model_name`` setting) when every one of ``infos``
+    serves it, else the first model they all serve (in the first one's order), else None."""
+    common = set.intersection(*(_served(i) for i in infos)) if infos else set()
+    if wanted and wanted in common:
+        return wanted
+    return next((str(m["id"]) for m in infos[0].models if m.get("id") in common), None) if infos else None
+
+
+def pairs(prefillers: list[Endpoint], decoders: list[Endpoint],
+          infos: dict[Endpoint, EngineInfo] | None = None) -> list[tuple[Endpoint, Endpoint]]:
+    """The P→D pairs the round trip covers: every prefiller and every decoder at least once, each paired with one
+    that serves a model it serves when ``infos`` says which (several models: each on its own engines)."""
     if not prefillers or not decoders:
         return []
-    return [(prefillers[i % len(prefillers)], decoders[i % len(decoders)])
-            for i in range(max(len(prefillers), len(decoders)))]
+    if infos is None:
+        return [(prefillers[i % len(prefillers)], decoders[i % len(decoders)])
+                for i in range(max(len(prefillers), len(decoders)))]
+
+    def shares(p: Endpoint, d: Endpoint) -> bool:
+        return bool(_served(infos[p]) & _served(infos[d]))
+
+    out: list[tuple[Endpoint, Endpoint]] = []
+    for i in range(max(len(prefillers), len(decoders))):
+        p, d = prefillers[i % len(prefillers)], decoders[i % len(decoders)]
+        if not shares(p, d):                   # the round-robin partner serves another model: one that shares
+            if i < len(prefillers):
+                d = next((x for x in decoders if shares(p, x)), d)
+            else:
+                p = next((x for x in prefillers if shares(x, d)), p)
+        if (p, d) not in out:
+            out.append((p, d))
+    return out
 
 
 async def _as_completed(aws: dict[Any, Coroutine[Any, Any, T]], deadline: float
@@ -349,12 +386,13 @@ async def run_doctor(settings: Settings, options: DoctorOptions, console: Consol
                 usable.append(e)
         usable.sort(key=endpoints.index)
         check_consistency(report, infos)
-        model = settings.model_name or next((str(m["id"]) for e in usable for m in infos[e].models if "id" in m), "")
+        wanted = settings.model_name
         async with httpx.AsyncClient() as client:
             prefillers = [e for e in usable if e.role is Role.PREFILL]
             decoders = [e for e in usable if e.role is Role.DECODE]
             if options.round_trip and prefillers and decoders:
                 async def trip(p: Endpoint, d: Endpoint) -> tuple[RoundTrip, str | None]:
+                    model = probe_model(wanted, infos[p], infos[d]) or wanted or ""
                     rt = await pd_round_trip(client, p, d, model, timeout_s=options.probe_timeout_s, api_key=key)
                     refused = rt.error if rt.error and rt.error.startswith("prefill leg: HTTP 400") else None
                     if refused:  # e.g. vLLM without --enable-auto-tool-choice: check the PD path without tools
@@ -362,7 +400,12 @@ async def run_doctor(settings: Settings, options: DoctorOptions, console: Consol
                                                  api_key=key, tools=False)
                     return rt, refused
 
-                trips = {pd: trip(*pd) for pd in pairs(prefillers, decoders)}
+                trips = {}
+                for p, d in pairs(prefillers, decoders, infos):
+                    if probe_model(wanted, infos[p], infos[d]) is None and not wanted:
+                        report.add("kv_connector", f"{p.name} → {d.name}", "skip", "no model served by both")
+                    else:
+                        trips[(p, d)] = trip(p, d)
                 trip_deadline = min(deadline, time.monotonic() + 4 * options.probe_timeout_s + 1.0)
                 async for (p, d), found in _as_completed(trips, trip_deadline):
                     if found is None:
@@ -378,7 +421,8 @@ async def run_doctor(settings: Settings, options: DoctorOptions, console: Consol
                 for e in usable:
                     if infos[e].max_model_len is None:
                         report.add("cold_context", e.name, "skip", "max_model_len unknown")
-                probes = {e: cold_probe(client, e, model, infos[e].max_model_len or 0,
+                probes = {e: cold_probe(client, e, probe_model(wanted, infos[e]) or wanted or "",
+                                        infos[e].max_model_len or 0,
                                         kv_pool_tokens=infos[e].kv_pool_tokens, plan=plan, api_key=key,
                                         progress=console) for e in usable if infos[e].max_model_len is not None}
                 ticking = console.ticking() if console is not None else contextlib.nullcontext()

@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from tests.conftest import Fleet
-from tests.support import SimProcess
+from tests.support import SimProcess, running
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -198,3 +198,26 @@ def test_engine_refusing_tools_still_gets_the_kv_check(sims: Fleet) -> None:
     (tool,) = rows(report, "tool_call")
     assert kv["status"] == "ok"
     assert tool["status"] == "warn" and "enable-auto-tool-choice" in tool["detail"]
+
+
+def test_a_fleet_of_two_models_passes_and_a_split_name_is_named(sims: Fleet) -> None:
+    """Two models, each on its own prefiller and decoder (the README's "Several models"): every P→D pair and
+    engine is probed with a model it serves and the fleet passes (old code: one model for all — four false
+    failures and "no model served by every engine: prefillers [], decoders []").  A prefiller and a decoder that
+    serve different names: one failure that names both roles' models, no false failure on the engines."""
+    other = ("--served-model-name", "other-model", "--max-model-len", "4096")
+    with running(SimProcess("prefill", *other), SimProcess("decode", *other)) as (op, od):
+        p, d = sims.prefillers[0].url, sims.decoders[0].url
+        code, report = doctor([p, op.url], [d, od.url], "--cold-timeout-s", "10")
+        assert code == 0 and report["ok"], [c for c in report["checks"] if c["status"] != "ok"]
+        assert sorted(c["target"] for c in rows(report, "kv_connector")) == sorted(
+            [f"{p} → {d}", f"{op.url} → {od.url}"])
+        assert rows(report, "pd_models")[0]["data"]["models"] == ["other-model", "sim-model"]
+        assert [c["status"] for c in rows(report, "cold_context")] == ["ok"] * 4
+        code, report = doctor([p], [od.url], "--no-cold-probe")
+        assert code == 1
+        (models,) = rows(report, "pd_models")
+        assert models["status"] == "fail" and "prefillers serve ['sim-model'], decoders ['other-model']" in \
+            models["detail"], models
+        assert [c["status"] for c in rows(report, "kv_connector")] == ["skip"]
+        assert report["counts"]["fail"] == 1
