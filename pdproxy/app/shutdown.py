@@ -90,6 +90,11 @@ class DrainingServer(uvicorn.Server):
         """Signal handler (uvicorn's hook).  The first SIGTERM / SIGINT starts the drain (up to ``grace_s``
         seconds); a second signal, or any other signal, makes uvicorn exit now (forced if already draining)."""
         if self.draining or self._loop is None or sig not in (signal.SIGTERM, signal.SIGINT):
+            if self.draining:
+                state = self.proxy.state
+                log.warning("pdproxy: %s again: cutting %d request(s) in flight now", signal.Signals(sig).name,
+                            state.in_flight if state is not None else 0,
+                            extra={"event": "shutdown_forced", "signal": signal.Signals(sig).name})
             self.force_exit = self.draining
             self.should_exit = True
             return
@@ -101,9 +106,9 @@ class DrainingServer(uvicorn.Server):
                  "grace_s": self.grace_s, "delay_s": self.delay_s}
         if self.delay_s > 0:
             log.info("pdproxy: %s: /health answers 503 now; new requests are still served for %.1f s "
-                     "(shutdown_delay_s) so that load balancers stop sending first", signal.Signals(sig).name,
-                     self.delay_s)
-        if in_flight:
+                     "(shutdown_delay_s) so that load balancers stop sending first, then the drain (up to %.0f s)",
+                     signal.Signals(sig).name, self.delay_s, self.grace_s, extra=extra)
+        elif in_flight:
             log.warning("pdproxy: %s: draining: waiting up to %.0f s for %d request(s) in flight; a second signal "
                         "(Ctrl-C again) cuts them now", signal.Signals(sig).name, self.grace_s, in_flight, extra=extra)
         else:
@@ -142,4 +147,6 @@ class DrainingServer(uvicorn.Server):
             if left:
                 log.warning("pdproxy: shutdown_grace_s (%.0f s) is over: cutting %d request(s) still in flight",
                             self.grace_s, left, extra={"event": "shutdown_grace_over", "in_flight": left})
+                for task in list(getattr(self.server_state, "tasks", ())):   # now, each ending its response
+                    task.cancel("shutdown_grace_s is over")                   # (not uvicorn's ERROR a second later)
         self.should_exit = True
