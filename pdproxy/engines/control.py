@@ -121,6 +121,7 @@ class EngineClient:
         engines' ``--api-key``, sent on every call (:class:`~pdproxy.http.engine_headers.EngineHeaders`)."""
         headers = EngineHeaders(engine_api_key=api_key).control()
         self._timeout_s = timeout_s
+        self._health_failures: dict[Endpoint, str] = {}
         self._client = httpx.AsyncClient(timeout=timeout_s, headers=headers,
                                          limits=httpx.Limits(max_connections=64, max_keepalive_connections=16))
 
@@ -145,13 +146,25 @@ class EngineClient:
         await self._client.aclose()
 
     async def health(self, endpoint: Endpoint) -> bool:
-        """True if ``GET /health`` answers 200 (vLLM answers 503 when the engine is dead)."""
+        """True if ``GET /health`` answers 200 (vLLM answers 503 when the engine is dead); when not, why is
+        :meth:`health_failure`'s until the next call."""
         try:
             with httpx_errors(f"{endpoint.role.value} {endpoint.name}", endpoint.name, " on GET /health"):
                 r = await self._get(endpoint.url + "/health", headers=endpoint.extra_headers())
-            return r.status_code == 200
-        except ProxyError:
-            return False
+            if r.status_code == 200:
+                self._health_failures.pop(endpoint, None)
+                return True
+            self._health_failures[endpoint] = f"GET /health answered HTTP {r.status_code}"
+        except ProxyError as exc:
+            if len(self._health_failures) > 4096:       # endpoints come and go (admin API): stay bounded
+                self._health_failures.clear()
+            self._health_failures[endpoint] = exc.message
+        return False
+
+    def health_failure(self, endpoint: Endpoint) -> str | None:
+        """Why the last :meth:`health` of ``endpoint`` was not 200 (the transport's words or the status); None
+        after a 200 or before any call."""
+        return self._health_failures.get(endpoint)
 
     async def get_json(self, endpoint: Endpoint, path: str) -> Any:
         """GET ``path`` and parse JSON.  Raises :class:`~pdproxy.errors.ProxyError` on transport errors

@@ -255,6 +255,7 @@ class HealthMonitor:
             ok = info.reachable
         elif not ok:           # /health failed: the engine is not up now (pdproxy_engine_up), refreshed once back
             info.reachable = False
+            info.error = self.engines.health_failure(endpoint) or info.error
         try:
             load = self.pool.load(endpoint)
         except KeyError:

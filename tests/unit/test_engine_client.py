@@ -37,6 +37,24 @@ def test_models_as_client_raises_pdproxys_error_when_the_engine_refuses() -> Non
     assert caught.value.status_code == 502 and "127.0.0.1" not in caught.value.body()["error"]["message"]
 
 
+def test_a_failed_health_probe_says_why() -> None:
+    """The log's "engine … unreachable: <why>" names the transport's failure (it said "/health did not answer
+    200" for a refused connection too); a 200 forgets it."""
+    with socket.socket() as held:                 # bound, never listening: a connection to it is refused
+        held.bind(("127.0.0.1", 0))
+        endpoint = Endpoint(f"http://127.0.0.1:{held.getsockname()[1]}", Role.DECODE)
+
+        async def call() -> tuple[bool, str | None]:
+            client = EngineClient(timeout_s=5)
+            try:
+                return await client.health(endpoint), client.health_failure(endpoint)
+            finally:
+                await client.aclose()
+
+        healthy, why = asyncio.run(call())
+    assert not healthy and why is not None and "refused the connection" in why, why
+
+
 async def _misbehaving_engine(mode: str) -> tuple[asyncio.AbstractServer, Endpoint]:
     """An engine on loopback whose every answer is 200 with a chunked body that either trickles (one byte every
     0.1 s, never ending) or floods (1 MiB chunks, never ending)."""
