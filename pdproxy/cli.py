@@ -318,6 +318,7 @@ def serve(settings: Settings) -> int:
                             log_config=None)  # pdproxy's own HTTP protocol (pdproxy/http/server.py)
     apply_to_uvicorn(config, tls)
     server = DrainingServer(config, app, grace_s=settings.shutdown_grace_s, delay_s=settings.shutdown_delay_s,
+                            handshake_timeout_s=settings.request_headers_timeout_s,
                             on_started=lambda addresses: log_banner(settings, listen_urls(addresses, tls)))
     server.run()
     if not server.started:  # e.g. the port is taken (uvicorn logged why)

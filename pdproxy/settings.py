@@ -182,7 +182,7 @@ class Settings(BaseSettings):
     request_headers_timeout_s: float = Field(
         30.0, gt=0, description="a request head (request line + header fields) must arrive whole within this "
                                 "many seconds of its first byte, else 408 and close (Envoy request_headers_timeout, "
-                                "Go ReadHeaderTimeout, nginx client_header_timeout)")
+                                "Go ReadHeaderTimeout, nginx client_header_timeout); with TLS, the handshake too")
     request_body_timeout_s: float = Field(
         60.0, gt=0, description="longest gap between two reads of a request body, else 408 and close (nginx "
                                 "client_body_timeout; Envoy stream_idle_timeout)")

@@ -21,6 +21,7 @@ calls ``on_started`` with the bound socket addresses once it listens (``pdproxy 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import time
@@ -57,8 +58,10 @@ class DrainingServer(uvicorn.Server):
     ``grace_s``: seconds in-flight requests get after the signal; ``poll_s``: how often in-flight is checked."""
 
     def __init__(self, config: uvicorn.Config, proxy: Drainable, *, grace_s: float, delay_s: float = 0.0,
-                 poll_s: float = 0.05, on_started: Callable[[list[tuple[Any, ...]]], None] | None = None) -> None:
+                 poll_s: float = 0.05, on_started: Callable[[list[tuple[Any, ...]]], None] | None = None,
+                 handshake_timeout_s: float = 30.0) -> None:
         super().__init__(config)
+        self.handshake_timeout_s = handshake_timeout_s
         self.proxy = proxy
         self.grace_s = grace_s
         self.delay_s = delay_s
@@ -80,8 +83,19 @@ class DrainingServer(uvicorn.Server):
                      extra={"event": "shutdown_done", "seconds": round(took, 3), "forced": self.force_exit})
 
     async def startup(self, sockets: Any = None) -> None:
-        """uvicorn's start-up (lifespan, listeners), then ``on_started`` with the bound addresses."""
-        await super().startup(sockets=sockets)
+        """uvicorn's start-up (lifespan, listeners), then ``on_started`` with the bound addresses.  With TLS the
+        listeners bound a handshake by ``handshake_timeout_s`` (the setting ``request_headers_timeout_s``: a
+        handshake is the start of the request's head; asyncio's default is 60 s, and a connection still in its
+        handshake is not yet counted against ``max_client_connections``); uvicorn has no option for it, so its
+        ``loop.create_server`` call gets it for the start-up's duration."""
+        loop = asyncio.get_running_loop()
+        if self.config.ssl is not None:
+            loop.create_server = functools.partial(  # type: ignore[method-assign]
+                loop.create_server, ssl_handshake_timeout=self.handshake_timeout_s)
+        try:
+            await super().startup(sockets=sockets)
+        finally:
+            vars(loop).pop("create_server", None)
         if self.on_started is not None and self.started:
             addresses = [sock.getsockname() for server in getattr(self, "servers", []) for sock in server.sockets]
             self.on_started(addresses)

@@ -172,7 +172,8 @@ def worker_main(settings: Settings, sock: socket.socket, board_path: str, row: i
         app = PDProxyApp(settings, share=WorkerShare(board, row, wake))
         config = uvicorn_config(app, timeout_graceful_shutdown=1, log_config=None)  # own HTTP protocol (server.py)
         apply_to_uvicorn(config, server_ssl_context(settings))  # each worker builds its own (contexts don't pickle)
-        server = DrainingServer(config, app, grace_s=settings.shutdown_grace_s, delay_s=settings.shutdown_delay_s)  # SIGTERM drains (shutdown.py)
+        server = DrainingServer(config, app, grace_s=settings.shutdown_grace_s, delay_s=settings.shutdown_delay_s,
+                                handshake_timeout_s=settings.request_headers_timeout_s)  # SIGTERM drains (shutdown.py)
 
         def watch() -> None:  # mark the row ready once serving; leave if the supervisor is gone
             while not server.should_exit:

@@ -6,9 +6,11 @@ Bad TLS settings stop start-up with a message naming the flag."""
 
 from __future__ import annotations
 
+import socket
 import ssl
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,3 +146,21 @@ def test_bad_tls_settings_stop_start_up(certs: Certs, flags: list[str], message:
                            "--decode", "http://127.0.0.1:10", *(paths.get(f, f) for f in flags)],
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_a_client_silent_in_its_tls_handshake_is_closed_at_the_head_timeout(  # type: ignore[no-untyped-def]
+        serve, certs: Certs) -> None:
+    """A connection still in its TLS handshake is not yet one of ``max_client_connections``, so asyncio's 60 s
+    handshake timeout let silent clients hold descriptors a minute each (an attacker ran the process out of them);
+    the handshake now has ``request_headers_timeout_s`` (2 s here), as a request head does."""
+    p = serve("--request-headers-timeout-s", "2")
+    port = int(p.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as silent:
+        began = time.monotonic()
+        try:
+            closed = silent.recv(1) == b""
+        except ConnectionResetError:
+            closed = True
+        took = time.monotonic() - began
+    assert closed and took < 15, took                      # the server ended it (asyncio's default: 60 s)
+    assert httpx.get(p.url + "/health", verify=trusting(certs)).status_code == 200
