@@ -521,12 +521,16 @@ class Resume:
             self.held = 0
         sent = self.tokens
         limit = self.req.max_output_tokens
-        if self.finish or (limit is not None and limit - sent < 1):
+        if self.finish:
+            return None
+        if limit is not None and limit - sent < 1:
+            self.finish_reason = "length"      # the client's limit met: the stream ends as vLLM's would
             return None
         room = None                            # a completion's room left in the context, without a client limit
         if self.prompt_ids is not None and limit is None and context_len is not None:
             room = context_len - len(self.prompt_ids) - len(self.generated)
             if room < 1:                       # the context is full: the original would have ended there
+                self.finish_reason = "length"
                 return None
         cont: dict[str, Any] = {k: body[k] for k in _SAMPLING if k in body}
         cont.update({"model": body.get("model") or self.head.get("model"),
@@ -571,12 +575,19 @@ class Resume:
         return usage
 
     def ending(self, include_usage: bool) -> bytes:
-        """The end of a chat / completions stream whose last content was delivered before the loss: usage (if
-        asked and not already sent) and ``[DONE]``."""
+        """The end of a chat / completions stream whose last content was delivered before the loss: the finish
+        chunk (``finish_reason: "length"``) when :meth:`next_leg` found the limit met and none was delivered, usage
+        (if asked and not already sent) and ``[DONE]``."""
         tail = b""
+        kind = "chat.completion.chunk" if self.req.api is Api.CHAT else "text_completion"
+        if not self.finish and self.finish_reason is not None:
+            choice: dict[str, Any] = ({"index": 0, "delta": {}, "logprobs": None, "finish_reason": self.finish_reason}
+                                      if self.req.api is Api.CHAT else
+                                      {"index": 0, "text": "", "logprobs": None, "finish_reason": self.finish_reason})
+            tail = sse.data_event(orjson.dumps({**self.head, "object": kind, "choices": [choice]}))
+            self.finish = True
         if include_usage and not self.usage_sent:
-            kind = "chat.completion.chunk" if self.req.api is Api.CHAT else "text_completion"
-            tail = sse.data_event(orjson.dumps({**self.head, "object": kind, "choices": [], "usage": self.usage()}))
+            tail += sse.data_event(orjson.dumps({**self.head, "object": kind, "choices": [], "usage": self.usage()}))
         return tail + sse.DONE_EVENT
 
 

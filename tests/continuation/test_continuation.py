@@ -324,3 +324,28 @@ def test_a_chat_without_an_output_limit_is_not_cut_to_16_tokens_after_a_loss(fle
         fleet5.assert_clean(proxy)
     finally:
         proxy.stop()
+
+
+def test_a_cut_stream_whose_context_is_full_ends_with_length(fleet5: Fleet4, tmp_path: Path) -> None:
+    """Cut when the prompt and the delivered tokens fill ``max_model_len`` (the proxy's, here): nothing is left to
+    generate, and the client's stream ends as vLLM's would — ``finish_reason: "length"``, usage, ``[DONE]`` —
+    not with ``[DONE]`` after chunks that never said why (old code: a silently cut answer, logged "ok")."""
+    body = {k: v for k, v in CHAT.items() if k != "max_tokens"}
+    probe = fleet5.proxy(**ON)
+    try:
+        prompt = usage(one(probe.url, {**body, "max_tokens": 1}, "/v1/chat/completions"))["prompt_tokens"]
+    finally:
+        probe.stop()
+    proxy = fleet5.proxy(**ON, max_model_len=prompt + 4)     # the cut after 5 events (role + 4 tokens) fills it
+    try:
+        for sim in fleet5.decoders:
+            sim.faults({"kind": "reset_after_events", "events": 5, "times": 1})
+        cut = one(proxy.url, body, "/v1/chat/completions")
+        assert cut.status == 200 and not cut.errors and cut.done == 1, cut.body[-400:]
+        assert [c["finish_reason"] for e in cut.events for c in e["choices"] if c.get("finish_reason")] == ["length"]
+        assert usage(cut)["completion_tokens"] == 4              # prompt + 4 tokens: max_model_len
+        legs = [r for s in fleet5.decoders for r in s.received() if r["path"] == "/v1/completions"]
+        assert legs == []                                        # nothing left to generate: no continuation leg
+        fleet5.assert_clean(proxy)
+    finally:
+        proxy.stop()

@@ -289,6 +289,12 @@ def test_a_chat_without_an_output_limit_continues_to_the_end_of_the_context() ->
     leg = lost().next_leg(4096)
     assert leg is not None and leg.api is Api.COMPLETIONS
     assert leg.body["prompt"] == [5, 6, 7, 42, 43] and leg.body["max_tokens"] == 4096 - 5
-    assert lost().next_leg(6) is not None and lost().next_leg(5) is None      # one token of room, then none
+    assert lost().next_leg(6) is not None                                      # one token of room
+    full = lost()
+    assert full.next_leg(5) is None and full.finish_reason == "length"         # none: it ends as vLLM's would,
+    end = full.ending(include_usage=True).split(b"\n\n")                      # with the finish chunk it lacked
+    chunks = [orjson.loads(e[6:]) for e in end if e.startswith(b"data: {")]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]] == ["length"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 2 and end[-2] == b"data: [DONE]"
     unknown = lost().next_leg(None)
     assert unknown is not None and unknown.body["max_tokens"] is None          # no known limit: as the client sent
