@@ -661,6 +661,10 @@ class FakeEngines:
         info.error = None
         return info
 
+    def health_failure(self, endpoint: Endpoint) -> str | None:
+        """Why the last ``/health`` was not 200 (``EngineClient.health_failure``)."""
+        return "refused the connection" if endpoint.url in self.down else None
+
     async def aclose(self) -> None:
         return None
 
