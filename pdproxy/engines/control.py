@@ -54,6 +54,10 @@ class EngineInfo:
     error: str | None = None
     auth_failed: bool = False
 
+    def model_ids(self) -> frozenset[str]:
+        """The ids of the models the engine listed (``/v1/models`` cards' ``id``; empty while unknown)."""
+        return frozenset(m["id"] for m in self.models if isinstance(m.get("id"), str))
+
 
 def parse_cache_config(metrics_text: str) -> dict[str, str] | None:
     """Labels of the first ``vllm:cache_config_info`` sample in Prometheus text, or None if absent."""

@@ -75,7 +75,7 @@ class EngineEvents:
         when they agree again."""
         ids: dict[Role, set[str]] = {Role.PREFILL: set(), Role.DECODE: set()}
         for e, info in infos.items():
-            ids[e.role].update(m["id"] for m in info.models if isinstance(m.get("id"), str))
+            ids[e.role].update(info.model_ids())
         prefill, decode = sorted(ids[Role.PREFILL]), sorted(ids[Role.DECODE])
         disjoint = bool(prefill and decode and not ids[Role.PREFILL] & ids[Role.DECODE])
         if disjoint == self._disjoint:

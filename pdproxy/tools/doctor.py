@@ -182,8 +182,8 @@ def check_consistency(report: Report, infos: dict[Endpoint, EngineInfo]) -> None
     if not p_infos or not d_infos:
         report.add("pd_models", "P/D", "fail", "need at least one reachable prefiller and one reachable decoder")
         return
-    p_models = set().union(*(_served(i) for i in p_infos))      # a model needs some prefiller and some decoder
-    d_models = set().union(*(_served(i) for i in d_infos))      # (several models: each on its own engines)
+    p_models = set().union(*(i.model_ids() for i in p_infos))      # a model needs some prefiller and some decoder
+    d_models = set().union(*(i.model_ids() for i in d_infos))      # (several models: each on its own engines)
     common = p_models & d_models
     if not common:
         report.add("pd_models", "P/D", "fail", f"no model is served by both a prefiller and a decoder (every "
@@ -288,15 +288,10 @@ def check_cold(report: Report, probe: ColdProbe, max_model_len: int) -> None:
                    f"{max(took.values(), default=0.0):.2f} s)", **data)
 
 
-def _served(info: EngineInfo) -> set[str]:
-    """The model ids an engine listed (``/v1/models``)."""
-    return {str(m["id"]) for m in info.models if "id" in m}
-
-
 def probe_model(wanted: str | None, *infos: EngineInfo) -> str | None:
     """The model to probe engines with: ``wanted`` (the ``model_name`` setting) when every one of ``infos``
     serves it, else the first model they all serve (in the first one's order), else None."""
-    common = set.intersection(*(_served(i) for i in infos)) if infos else set()
+    common = frozenset.intersection(*(i.model_ids() for i in infos)) if infos else frozenset()
     if wanted and wanted in common:
         return wanted
     return next((str(m["id"]) for m in infos[0].models if m.get("id") in common), None) if infos else None
@@ -304,8 +299,10 @@ def probe_model(wanted: str | None, *infos: EngineInfo) -> str | None:
 
 def pairs(prefillers: list[Endpoint], decoders: list[Endpoint],
           infos: dict[Endpoint, EngineInfo] | None = None) -> list[tuple[Endpoint, Endpoint]]:
-    """The P→D pairs the round trip covers: every prefiller and every decoder at least once, each paired with one
-    that serves a model it serves when ``infos`` says which (several models: each on its own engines)."""
+    """The P→D pairs the round trip covers: every prefiller and every decoder at least once (round robin), each
+    paired with one that serves a model it serves when its round-robin partner does not (``infos``: what each
+    listed; several models run each on their own engines; None before the engines answered: round robin, the
+    console's first list of rows).  Empty when a role has no endpoint."""
     if not prefillers or not decoders:
         return []
     if infos is None:
@@ -313,7 +310,7 @@ def pairs(prefillers: list[Endpoint], decoders: list[Endpoint],
                 for i in range(max(len(prefillers), len(decoders)))]
 
     def shares(p: Endpoint, d: Endpoint) -> bool:
-        return bool(_served(infos[p]) & _served(infos[d]))
+        return bool(infos[p].model_ids() & infos[d].model_ids())
 
     out: list[tuple[Endpoint, Endpoint]] = []
     for i in range(max(len(prefillers), len(decoders))):
