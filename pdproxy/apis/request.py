@@ -576,6 +576,9 @@ def parse_request(raw: bytes, api: Api, max_depth: int = MAX_JSON_DEPTH,
         max_output = leg.max_completion_tokens if leg.max_completion_tokens is not None else leg.max_tokens
     else:                                                 # completion/protocol.py::normalize_null_max_tokens
         max_output = 16 if leg.max_tokens is None else leg.max_tokens
+    echo_only = not chat and bool(leg.echo) and max_output == 0
+    if echo_only:         # echo without generation: vLLM runs it with max_tokens 1 (to_sampling_params)
+        max_output = 1
     if max_output is not None and max_output < 1:         # SamplingParams._verify_args, in its order
         faults.append(_vllm_error(f"max_tokens must be at least 1, got {max_output}.", "max_tokens", max_output))
     elif leg.use_beam_search:                             # BeamSearchParams: no min_tokens, none of these checks
@@ -588,7 +591,7 @@ def parse_request(raw: bytes, api: Api, max_depth: int = MAX_JSON_DEPTH,
     judges = bool(faults)
     options = leg.stream_options
     stream = bool(leg.stream)
-    logits = (_number(body.get("prompt_logprobs")) or (chat and leg.echo is True)
+    logits = (echo_only or _number(body.get("prompt_logprobs")) or (chat and leg.echo is True)
               or (not chat and bool(leg.echo) and _number(body.get("logprobs"))))
     model = body.get("model")
     return ProxyRequest(

@@ -208,3 +208,12 @@ def test_a_fields_bytes_from_its_json_bound_its_strings_and_numbers(value: objec
     from pdproxy.admission.bounds import _strings_bytes, _walked_bytes
 
     assert _strings_bytes(value) >= _walked_bytes(value)
+
+
+def test_echo_without_generation_is_valid_and_goes_to_a_decoder_alone() -> None:
+    """vLLM runs a completion with ``echo`` and ``max_tokens: 0`` (the prompt echoed, nothing generated) with
+    ``max_tokens`` 1 (``CompletionRequest.to_sampling_params``): valid, not left to the engine to refuse (found by
+    the real-vLLM oracle test), and served by a decoder alone as the other echo requests are."""
+    req = parse({"prompt": "x", "echo": True, "max_tokens": 0}, Api.COMPLETIONS)
+    assert not req.engine_judges and req.decoder_prefills  # type: ignore[attr-defined]
+    assert parse({"prompt": "x", "max_tokens": 0}, Api.COMPLETIONS).engine_judges  # type: ignore[attr-defined]
