@@ -333,8 +333,22 @@ class _Headers(dict[str, str]):
         self[name] = value if old is None else f"{old}, {value}"
 
 
-def _discard(body: bytes) -> None:
-    """The body sink of a connection with no response in progress (its bytes are refused before parsing)."""
+class _Callbacks:
+    """What the connection's parser calls (httptools looks the callbacks up once, when the parser is made): the
+    connection's own methods, except ``on_body``, which is the connection's ``held.append`` itself — a chunked
+    body's segments (one per SSE event from vLLM) cost the parser no Python frame; :meth:`H1Connection.data_received`
+    gives them to the sink as one piece per read."""
+
+    __slots__ = ("on_body", "on_header", "on_headers_complete", "on_message_begin", "on_message_complete",
+                 "on_status")
+
+    def __init__(self, conn: H1Connection) -> None:
+        self.on_body = conn.held.append
+        self.on_header = conn.on_header
+        self.on_headers_complete = conn.on_headers_complete
+        self.on_message_begin = conn.on_message_begin
+        self.on_message_complete = conn.on_message_complete
+        self.on_status = conn.on_status
 
 
 class H1Connection(asyncio.Protocol):
@@ -345,11 +359,11 @@ class H1Connection(asyncio.Protocol):
         self.loop = pool.loop
         self.key = key
         self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
+        self.held: list[bytes] = []  # the body segments of the current read (see data_received)
+        self.callbacks: _Callbacks | None = _Callbacks(self)
+        self.parser = httptools.HttpResponseParser(self.callbacks)
         self.resp: H1Response | None = None
-        self.body_sink: Callable[[bytes], None] = _discard
-        self.held: list[bytes] = []  # a spliced body's segments of the current read (see data_received)
-        self.sink_data: Callable[[bytes], None] | None = None
+        self.sink_data: Callable[[bytes], None] | None = None   # the current read's body goes there (None: dropped)
         self.headers_in: asyncio.Future[None] | None = None
         self.closed = False
         self.counted = True  # holds one of the pool's per-endpoint places until closed
@@ -386,9 +400,10 @@ class H1Connection(asyncio.Protocol):
         self._unlink()
 
     def _unlink(self) -> None:
-        """Drop the parser (it holds bound methods of this protocol: a reference cycle) once the connection is
-        gone, so the connection is freed by reference counting."""
+        """Drop the parser and its callbacks (they hold bound methods of this protocol: a reference cycle) once the
+        connection is gone, so the connection is freed by reference counting."""
         self.parser = _GONE
+        self.callbacks = None
 
     def pause_writing(self) -> None:
         if self.write_paused is None or self.write_paused.done():
@@ -407,7 +422,7 @@ class H1Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
             held = self.held
-            if held:  # a spliced body's segments of this read: one piece to the sink (inline: once per read)
+            if held:  # the body segments of this read: one piece to the sink (inline: once per read)
                 data = held[0] if len(held) == 1 else b"".join(held)
                 held.clear()
                 sink = self.sink_data
@@ -453,9 +468,6 @@ class H1Connection(asyncio.Protocol):
         if self.headers_in is not None and not self.headers_in.done():
             self.headers_in.set_result(None)
 
-    def on_body(self, body: bytes) -> None:
-        self.body_sink(body)
-
     def on_message_complete(self) -> None:
         if self.interim:
             self.interim = False
@@ -467,14 +479,12 @@ class H1Connection(asyncio.Protocol):
             self.resp.feed_eof()
 
     def splice_to(self, data: Callable[[bytes], None]) -> None:
-        """Hand the response's later body to ``data`` (a :class:`BodySink`'s ``data``): the segments of each read
-        are held and given as one piece when the read's parsing ends (:meth:`data_received`), before the
-        message's end or a failure is told."""
+        """Hand the response's later body to ``data`` (a :class:`BodySink`'s ``data``) instead of the response's
+        read buffer: one piece per read, as :meth:`data_received` gives every body."""
         self.sink_data = data
-        self.body_sink = self.held.append
 
     def _flush(self) -> None:
-        """Give the held segments of this read to the sink as one piece."""
+        """Give the held segments of this read to the sink as one piece (dropped when there is none)."""
         held = self.held
         data = held[0] if len(held) == 1 else b"".join(held)
         held.clear()
@@ -509,10 +519,10 @@ class H1Connection(asyncio.Protocol):
             raise Disconnected("engine closed the connection")
         loop = self.loop
         self.requests += 1
-        self.parser = httptools.HttpResponseParser(self)
+        assert self.callbacks is not None   # not closed (above): not unlinked
+        self.parser = httptools.HttpResponseParser(self.callbacks)
         self.resp = resp = H1Response(self, idle_timeout_s, deadline_at)
-        self.body_sink = resp.feed
-        self.sink_data = None
+        self.sink_data = resp.feed
         self.headers_in = waiter = loop.create_future()
         timer = loop.call_at(headers_by, self._headers_late, waiter) if headers_by is not None else None
         try:
@@ -555,7 +565,6 @@ class H1Connection(asyncio.Protocol):
         if self.resp is not resp:
             return
         self.resp = None
-        self.body_sink = _discard
         self.sink_data = None
         self.held.clear()
         if reusable and self.complete and not self.closed:

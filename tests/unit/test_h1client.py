@@ -9,8 +9,10 @@ deadline, never on a sleep.
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import socket
+import weakref
 from contextlib import suppress
 
 import pytest
@@ -109,6 +111,26 @@ async def test_close_delimited_body_ends_at_eof() -> None:
 
 
 # --- keep-alive and the pool -------------------------------------------------------------------------------------
+async def test_a_read_of_many_chunks_is_one_piece_and_a_closed_connection_is_freed_by_refcount() -> None:
+    """A chunked body's segments of one read reach the response as one piece (the parser appends them to the
+    connection's list, no Python call per chunk); the parser and its callbacks hold the connection's bound methods,
+    a cycle broken once the connection is gone, so it is freed without the cycle collector (pdproxy/ops/gcpolicy.py
+    runs full collections rarely)."""
+    async with serving(once(chunked(*SSE))) as (engine, pool):
+        resp = await post(pool, engine.key)
+        await until(lambda r=resp: r._eof, "whole body in")
+        assert resp._buf == [b"".join(SSE)]          # one write of the engine: one read, one piece
+        assert await resp.read() == b"".join(SSE)
+        conn = weakref.ref(resp._conn)
+        gc.disable()
+        try:
+            resp.close()
+            del resp
+            await until(lambda: conn() is None, "the closed connection freed by reference counting")
+        finally:
+            gc.enable()
+
+
 async def test_keep_alive_connection_serves_the_next_requests() -> None:
     async def script(peer: Peer) -> None:
         while True:
