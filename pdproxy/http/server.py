@@ -13,6 +13,8 @@ What a connection does (RFC 9112):
 - **pipelining** (§9.3.2): requests are parsed as they arrive and answered strictly in order, one at a time;
   while one is queued, reading pauses; the next starts only once the client has taken the last answer down to
   the transport's low-water mark, so a client that sends and never reads holds one answer, not all of them;
+  meanwhile the socket is polled for the client's hang-up (:data:`HANGUP_CHECK_S`), which a paused read would
+  not see: a client that pipelines and leaves has its running request cancelled as one that just leaves;
 - **keep-alive**: an idle connection is closed after ``timeout_keep_alive_s`` (default 75 s: longer than the
   clients' own pools keep idle connections — httpx 5 s, aiohttp 15 s — so the client always drops first and never
   sends a request on a connection the proxy is closing);
@@ -62,6 +64,7 @@ import functools
 import http
 import logging
 import resource
+import select
 import urllib.parse
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -130,6 +133,27 @@ CONTROL_BODY_HIGH_WATER: Final = 65536
 """Bytes of a control-plane request's body held for its ASGI app before the connection stops reading (resumed when
 the app's ``receive()`` takes them): uvicorn's ``HIGH_WATER_LIMIT``.  A handler that never reads its body (``GET
 /health`` with one) so holds at most this much (and a read's worth) of it."""
+HANGUP_CHECK_S: Final = 1.0
+"""While reading is paused behind a pipelined request (the one before it still running), how often the connection's
+socket is polled for the client's hang-up: ``POLLRDHUP`` says the client's FIN came, even behind request bytes not
+read yet, which a paused transport cannot see.  The connection is then aborted, which cancels the running request
+(its engine legs closed, vLLM aborts them) — a client that sends a pipelined request and leaves is treated as one
+that just leaves.  Linux only (``select.POLLRDHUP``); elsewhere the running request's own timeouts bound it."""
+_POLLRDHUP: Final = getattr(select, "POLLRDHUP", 0)
+
+
+def peer_hung_up(transport: asyncio.BaseTransport) -> bool:
+    """Whether the peer of ``transport``'s socket has closed or shut down its side (``POLLRDHUP``, ``POLLHUP`` or
+    ``POLLERR`` now), without reading; False where that cannot be told (no socket, not Linux)."""
+    sock = transport.get_extra_info("socket")
+    fd = sock.fileno() if sock is not None else -1
+    if fd < 0 or not _POLLRDHUP:
+        return False
+    poller = select.poll()
+    poller.register(fd, _POLLRDHUP)
+    return any(events & (_POLLRDHUP | select.POLLHUP | select.POLLERR) for _, events in poller.poll(0))
+
+
 LINGER_S: Final = 1.0
 """How long a connection the server refuses (a 503 at the connection cap, a 4xx/500 of its own) stays half-closed,
 its input read and dropped, so the client reads the answer before the close (an unread request in the socket would
@@ -466,6 +490,7 @@ class ServerProtocol(asyncio.Protocol):
         self.read_at = 0.0
         self.unsent = 0  # the transport's unsent bytes when the send timer was armed (_SEND_TIMER)
         self.reading_paused = False
+        self.hangup_timer: asyncio.TimerHandle | None = None   # the hang-up watch behind a pipelined request
         self.closing = False
         self.scheme = "http"
         self.client: tuple[str, int] | None = None
@@ -506,6 +531,9 @@ class ServerProtocol(asyncio.Protocol):
         if self.server_state is not None:
             self.server_state.connections.discard(self)
         self._cancel_timer()
+        if self.hangup_timer is not None:
+            self.hangup_timer.cancel()
+            self.hangup_timer = None
         self._release_body()
         self.closing = True
         w = self.write_paused
@@ -752,6 +780,8 @@ class ServerProtocol(asyncio.Protocol):
         else:
             self.queue.append(ex)
             self._pause_reading()
+            if self.hangup_timer is None and _POLLRDHUP:
+                self.hangup_timer = self.loop.call_later(HANGUP_CHECK_S, self._check_hangup)
 
     def on_chunk_header(self) -> None:
         self.chunk_open = True
@@ -902,6 +932,18 @@ class ServerProtocol(asyncio.Protocol):
         else:
             self._resume_reading()
         self._set_timer()
+
+    def _check_hangup(self) -> None:
+        """The hang-up watch (:data:`HANGUP_CHECK_S`): while a pipelined request waits and reading is paused, abort
+        the connection once the client has hung up; stops by itself when nothing is queued."""
+        self.hangup_timer = None
+        t = self.transport
+        if t is None or not self.queue or not self.reading_paused:
+            return
+        if peer_hung_up(t):
+            t.abort()       # connection_lost: the running request's on_disconnect cancels it
+            return
+        self.hangup_timer = self.loop.call_later(HANGUP_CHECK_S, self._check_hangup)
 
     def _pause_reading(self) -> None:
         if not self.reading_paused and self.transport is not None:

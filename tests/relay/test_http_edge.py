@@ -15,8 +15,9 @@ import pytest
 
 from pdproxy.settings import Settings
 from tests.conftest import Fleet
+from tests.ops.promtext import Samples, scrape
 from tests.relay.rawclient import RawConn, get, post
-from tests.support import ProxyThread
+from tests.support import ProxyThread, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -96,6 +97,35 @@ def test_pipelined_requests_are_answered_in_order(proxy: ProxyThread, sims: Flee
     assert ms[4].header("x-request-id") == "last" and sse_events(ms[4].body)[-1] == b"data: [DONE]"
     assert not c.closed
     c.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_pipelines_then_leaves_has_its_running_request_cancelled(proxy: ProxyThread, sims: Fleet,
+                                                                               stream: bool) -> None:
+    """Reading is paused behind a pipelined request while the one before it runs, so the client's FIN is never
+    read; the hang-up watch (pdproxy/http/server.py ``HANGUP_CHECK_S``) still notices it and the running request is
+    cancelled, its leases given back, as when a client leaves without pipelining (the prefill leg hangs: only the
+    client's leaving can end it)."""
+    def gone() -> float:
+        return scrape(proxy.url).value("pdproxy_requests_total", api="completions", status="0",
+                                       outcome="client_disconnected") or 0.0
+
+    before = gone()
+    sims.prefillers[0].faults({"kind": "hang", "on_request": 1})
+    c = RawConn(proxy.port)
+    c.send(post("/v1/completions", STREAM if stream else JSON) + get("/v1/models"))
+
+    def running() -> Samples | None:
+        m = scrape(proxy.url)
+        return m if m.total("pdproxy_inflight_requests", role="prefill") == 1 else None
+
+    m = wait_until(running, 10, 0.05, "the prefill leg running")
+    assert m.total("pdproxy_requests_in_progress") == 1
+    c.close()
+    proxy.wait_idle(10)                     # every lease given back, nothing in flight
+    m = scrape(proxy.url)
+    assert m.total("pdproxy_requests_in_progress") == 0 and gone() == before + 1
+    assert m.total("pdproxy_inflight_requests") == 0 and m.total("pdproxy_inflight_tokens") == 0
 
 
 def test_connection_close_request_is_answered_then_closed_and_later_bytes_ignored(proxy: ProxyThread,
