@@ -92,7 +92,9 @@ def reassemble(tail: bytes | bytearray, chunk: bytes, limit: int | None = None) 
     bytes and ``chunk`` (a blank line is at most four bytes, and the tail holds none), ``chunk`` is appended to
     the tail, turned into a ``bytearray`` (amortised growth) — O(len(chunk)) a read, where re-joining the tail each
     time made a 100 MB event cost O(n²) of the event loop (17 s, other clients stalled 7 s).  Raises
-    :class:`EventTooLarge` once the rest is over ``limit`` bytes (default :data:`MAX_EVENT_BYTES`)."""
+    :class:`EventTooLarge` once the rest is over ``limit`` bytes (default :data:`MAX_EVENT_BYTES`), holding none of
+    those bytes (its traceback keeps this frame alive as long as the error is: a caller must drop its own ``tail``,
+    which may be the very buffer, :meth:`EventFramer.feed`)."""
     rest: bytes | bytearray
     if not tail:
         events, rest = frame(chunk)
@@ -104,6 +106,7 @@ def reassemble(tail: bytes | bytearray, chunk: bytes, limit: int | None = None) 
     if limit is None:
         limit = MAX_EVENT_BYTES
     if len(rest) > limit:
+        del rest, tail       # the frame outlives the call in the error's traceback: not with ``limit`` bytes in it
         raise EventTooLarge(f"an event of more than {limit} bytes without its end")
     return events, rest
 
@@ -122,8 +125,13 @@ class EventFramer:
 
     def feed(self, chunk: bytes) -> bytes:
         """Add ``chunk`` (bytes) and return the bytes of every event it completed (``b""`` if none); the rest
-        stays in :attr:`pending`.  Raises :class:`EventTooLarge` (:func:`reassemble`)."""
-        events, self._buf = reassemble(self._buf, chunk)
+        stays in :attr:`pending`.  Raises :class:`EventTooLarge` (:func:`reassemble`), the held bytes dropped (an
+        error kept by whoever handles it must not keep ``MAX_EVENT_BYTES`` alive through this framer)."""
+        try:
+            events, self._buf = reassemble(self._buf, chunk)
+        except EventTooLarge:
+            self._buf = b""
+            raise
         return events
 
     @property

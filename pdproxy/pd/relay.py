@@ -220,7 +220,11 @@ class _Splice:
     def _reframe(self, chunk: bytes) -> bytes:
         """``chunk`` after any held tail, cut after its last complete event (the rest is held), with ``\\n`` line
         endings (:func:`pdproxy.http.sse.frame`); may be empty."""
-        chunk, self.tail = sse.reassemble(self.tail, chunk)   # sse.EventTooLarge: a ProtocolError
+        try:
+            chunk, self.tail = sse.reassemble(self.tail, chunk)
+        except sse.EventTooLarge:   # a ProtocolError: the stream breaks; its held bytes go now, not with the error
+            self.tail = b""
+            raise
         return chunk
 
     # --- end of the decoder's body -------------------------------------------------------------------------

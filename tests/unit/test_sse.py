@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdproxy.http import sse
 from pdproxy.http.sse import EventFramer, event_data, split_events
 
 EVENTS = [
@@ -80,3 +81,20 @@ def test_any_chunking_gives_the_same_bytes_and_whole_events(cuts: list[int]) -> 
 @pytest.mark.parametrize("sep", [b"\n\n", b"\r\n\r\n", b"\r\r"])
 def test_every_blank_line_form_ends_an_event(sep: bytes) -> None:
     assert EventFramer().feed(b"data: x" + sep) == b"data: x\n\n"
+
+
+def test_an_event_over_the_limit_leaves_no_bytes_held_by_the_framer_or_the_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine that never ends an event breaks the stream at MAX_EVENT_BYTES (EventTooLarge); the bytes held for
+    it go at once — neither the framer nor the error's traceback (a handler may keep the error: its frames stay
+    alive with it) holds them, so a hostile engine's stream does not stay in memory until a full collection."""
+    monkeypatch.setattr(sse, "MAX_EVENT_BYTES", 64 * 1024)
+    framer = EventFramer()
+    with pytest.raises(sse.EventTooLarge) as caught:
+        for _ in range(100):
+            framer.feed(b"data: " + b"x" * 8000)      # never a blank line
+    assert framer.pending == b""
+    tb, held = caught.value.__traceback__, []
+    while tb is not None:
+        held += [len(v) for v in tb.tb_frame.f_locals.values() if isinstance(v, bytes | bytearray)]
+        tb = tb.tb_next
+    assert held and max(held) <= 8006                 # the last read at most, never the event's 64 KiB
