@@ -26,7 +26,7 @@ from pdproxy.apis.request import Api, ProxyRequest, completion_tokens_in, patch_
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.health import HealthMonitor
 from pdproxy.engines.pool import EndpointPool
-from pdproxy.errors import DecodeFailed, ProxyError, UpstreamHTTPError, UpstreamTimeout, classify
+from pdproxy.errors import DecodeFailed, ProxyError, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable, classify
 from pdproxy.http.client import H1Response, TransportError
 from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.errors import transport_error
@@ -165,13 +165,34 @@ class DecodeLeg:
         return recomputed
 
 
+_JSON_WS = b" \t\r\n"
+
+
+def json_answer_fault(status: int, data: bytes) -> str | None:
+    """Why a decoder's non-streamed answer (``status``, whole ``data``) is not one to relay, or None: vLLM answers
+    a completion with 200 and a JSON object (``vllm/entrypoints/openai/chat_completion/api_router.py``), its errors
+    with 4xx/5xx (raised before this).  Checked by shape — the first and last bytes past whitespace are ``{`` and
+    ``}`` — not parsed: O(1) whatever the answer's size (a short body is a
+    :class:`~pdproxy.http.client.TransportError` already)."""
+    if status != 200:
+        return f"{status} to a completion (not 200 with its answer)"
+    body = data.strip(_JSON_WS)          # the same object when there is no whitespace to strip (vLLM's)
+    if not body:
+        return "200 with an empty body"
+    if body[0] != 123 or body[-1] != 125:             # "{" ... "}"
+        return f"200 with a body that is not a JSON object ({len(data)} bytes starting {data[:24]!r})"
+    return None
+
+
 async def relay_json(resp: H1Response, ctx: RequestContext, cached_tokens: int | None, out: Responder,
                      transcript: recompute.Transcript | None, timeout_s: float,
                      routing: list[tuple[bytes, bytes]], api: Api = Api.CHAT) -> bool:
     """Read a non-streaming decode answer (within ``timeout_s`` seconds) and send it with ``routing`` headers:
     usage patched with the prefiller's ``cached_tokens`` (in ``api``'s usage shape); a ``recomputed`` answer is
     kept back and True returned; a continuation's answer is merged with the earlier text.  Raises
-    :class:`UpstreamUnavailable` / :class:`UpstreamTimeout` when the body does not arrive."""
+    :class:`UpstreamUnavailable` / :class:`UpstreamTimeout` when the body does not arrive, and
+    :class:`UpstreamUnavailable` (502) when it is not an answer: a status other than 200, or a body that is not a
+    JSON object (empty, an SSE stream, text) — never relayed as a 200 (:func:`json_answer_fault`)."""
     endpoint = ctx.decoder or ""
     try:
         async with asyncio.timeout(timeout_s):
@@ -181,6 +202,9 @@ async def relay_json(resp: H1Response, ctx: RequestContext, cached_tokens: int |
     except TimeoutError:
         raise UpstreamTimeout(f"decoder {endpoint} did not finish within {timeout_s:.1f} s",
                               endpoint=endpoint) from None
+    fault = json_answer_fault(resp.status, data)
+    if fault is not None:
+        raise UpstreamUnavailable(f"decoder {endpoint} answered {fault}", endpoint=endpoint)
     ctx.timeline.first_token_at = ctx.timeline.last_token_at = time.monotonic()
     if api is Api.RESPONSES or api is Api.MESSAGES:
         if data.find(b'"output_tokens"') >= 0:

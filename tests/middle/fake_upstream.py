@@ -121,11 +121,14 @@ class Status(Outcome):
 @dataclass
 class Answer(Outcome):
     """A JSON answer: ``body`` (default: a chat completion; a prefiller's with a fresh KV handle unless
-    ``handle`` is False).  ``body_gate``: a decoder's answer waits there between its status line and its body."""
+    ``handle`` is False).  ``body_gate``: a decoder's answer waits there between its status line and its body.
+    A decoder's answer may instead be ``raw`` bytes with ``status`` (a broken engine's: empty, not JSON, a 204)."""
 
     body: dict[str, Any] | None = None
     handle: bool = True
     body_gate: Gate | None = None
+    raw: bytes | None = None
+    status: int = 200
 
 
 End = Literal["done", "eof", "hang"]
@@ -588,7 +591,7 @@ class FakeUpstream(Upstream):
                 raise UpstreamHTTPError(o.status, o.payload(), endpoint=endpoint.name, retry_after=o.retry_after)
             call.result = "answered"
             if isinstance(o, Answer):
-                resp = FakeResponse(call, 200, first_byte_timeout_s, lambda _data: None)
+                resp = FakeResponse(call, o.status, first_byte_timeout_s, lambda _data: None)
                 if not call.streaming:
                     self._fate(call, "pulled")   # the proxy consumes the handle at a JSON status line
                 resp.driver = self._drive(self._json_body(call, resp, o))
@@ -612,7 +615,7 @@ class FakeUpstream(Upstream):
             call.open = False
 
     def _first_bytes(self, call: Call, data: bytes) -> None:
-        if call.streaming:
+        if call.streaming and not data.startswith(sse.DONE_EVENT):    # [DONE] first: it never ran the request
             self._fate(call, "rejected" if data.startswith(b'data: {"error"') else "pulled")
 
     def _drive(self, body: Any) -> asyncio.Task[None]:
@@ -624,7 +627,9 @@ class FakeUpstream(Upstream):
     async def _json_body(self, call: Call, resp: FakeResponse, o: Answer) -> None:
         await self._step(call, o.body_gate, "body")
         await resp.sendable()
-        resp.feed(orjson.dumps(o.body if o.body is not None else completion()))
+        data = o.raw if o.raw is not None else orjson.dumps(o.body if o.body is not None else completion())
+        if data:
+            resp.feed(data)
         resp.feed_eof()
 
     async def _stream_body(self, call: Call, resp: FakeResponse, o: Stream) -> None:

@@ -310,6 +310,34 @@ async def test_a_stream_broken_after_its_first_event_ends_with_an_error_event_an
     assert not rig.fake.of("release")                                   # the decoder had the KV
 
 
+BROKEN_ANSWERS = {"empty": Answer(raw=b""), "text": Answer(raw=b"hello"), "sse": Answer(raw=chat_chunks(1)[0]),
+                  "204": Answer(raw=b"", status=204), "array": Answer(raw=b"[]")}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN_ANSWERS))
+async def test_a_decoder_answer_that_is_not_a_json_object_is_never_a_200(broken: str) -> None:
+    """A non-streamed answer must be 200 with a JSON object (vLLM's): an empty body, text, an SSE stream or a 204
+    is the decoder's fault — a 502 in the API's error shape, the decoder's breaker told; never relayed as a 200
+    (seed 000's symptom); with another decoder the request is retried there (the KV re-prefilled)."""
+    async with Rig() as rig:
+        rig.fake.script("alone", decode=[BROKEN_ANSWERS[broken]] * 3)
+        rig.fake.script("retried", decode=[BROKEN_ANSWERS[broken], Answer(body=completion("the answer"))])
+        alone = await rig.run("alone", stream=False)
+        retried = await rig.run("retried", stream=False)
+    error = alone.json()["error"]
+    assert alone.status == 502 and error["code"] == 502 and "answered" in error["message"], error
+    assert retried.status == 200 and retried.json()["choices"][0]["message"]["content"] == "the answer"
+    first = rig.fake.of("decode", "retried")[0]
+    assert rig.state.health.breaker(first.endpoint).consecutive_failures >= 1
+
+
+async def test_a_stream_that_is_only_its_end_event_is_a_502_not_an_empty_200() -> None:
+    async with Rig() as rig:
+        rig.fake.script("r", decode=[Stream(events=[])] * 3)
+        client = await rig.run("r")
+    assert client.status == 502 and "ended the stream before its first event" in client.json()["error"]["message"]
+
+
 async def test_a_non_streamed_answer_is_relayed_after_a_decoder_failover() -> None:
     async with Rig() as rig:
         rig.fake.script("r", decode=[Reset(), Answer(body=completion("the answer"))])
