@@ -169,7 +169,10 @@ async def serve(config: SimConfig) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point for ``pdproxy sim``: returns the process exit code (2 on a bad configuration)."""
+    """Entry point for ``pdproxy sim``: returns the process exit code (2 on a bad configuration, 1 for a port
+    that cannot be bound, as ``pdproxy serve`` and ``pdproxy demo`` answer it: one line, no traceback)."""
+    from pdproxy.sim.server import ListenError
+
     try:
         config = config_from_args(args)
         config.rank_ports()
@@ -177,11 +180,15 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"pdproxy sim: {exc}\n")
         return 2
     try:
-        import uvloop
-    except ImportError:
-        asyncio.run(serve(config))
-    else:
-        uvloop.run(serve(config))
+        try:
+            import uvloop
+        except ImportError:
+            asyncio.run(serve(config))
+        else:
+            uvloop.run(serve(config))
+    except ListenError as exc:
+        sys.stderr.write(f"pdproxy sim: {exc}\n")
+        return 1
     return 0
 
 

@@ -23,6 +23,12 @@ Length rule (vLLM 0.32 as observed; its 0.26 rejection of prompt + max_tokens > 
   ``max_model_len - prompt_tokens``: 2000 prompt tokens with ``max_tokens`` 100 under 2048 generate 48 tokens;
 * so a prompt of exactly ``max_model_len`` tokens → 400 "max_tokens must be at least 1, got 0.
   (parameter=max_tokens, value=0)", ``param: "max_tokens"``. ``min_tokens`` is checked against the clamped value.
+
+Echo without generation: a completion with ``echo`` and ``max_tokens: 0`` is valid (vLLM's
+``CompletionRequest.to_sampling_params`` runs it with ``max_tokens`` 1, ``completion/protocol.py``); the answer's
+text is the prompt alone (``completion/serving.py``: ``if request.max_tokens == 0: output_text = prompt_text``),
+while ``finish_reason`` ("length") and ``usage.completion_tokens`` (1) are those of the one token the engine ran.
+``max_tokens: 0`` without ``echo`` stays the 400 above.
 """
 
 from __future__ import annotations
@@ -69,7 +75,9 @@ class ParsedRequest:
     """A validated generation request: the body plus the fields the simulator acts on (tokens).
 
     ``prompts`` holds every prompt (a completions list has several; ``prompt_token_ids`` is the first) and
-    ``prompt_max_tokens`` each one's output limit after vLLM's clamp. ``model`` is the served name the request
+    ``prompt_max_tokens`` each one's output limit after vLLM's clamp. ``echo_texts``: for a completion with
+    ``echo`` and ``max_tokens: 0`` (run with ``max_tokens`` 1), each prompt's text, which is the whole answer
+    text (module docstring); None otherwise. ``model`` is the served name the request
     selected (the base model or a LoRA adapter). ``tool_mode``/``tool_name``/``tool_schema``: the tool call the
     answer makes (None: plain text). ``content``: fixed content (JSON for a structured-output constraint).
     """
@@ -96,6 +104,7 @@ class ParsedRequest:
     tool_schema: Any = None
     structured: Structured | None = None
     return_token_ids: bool = False
+    echo_texts: list[str] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompts:
@@ -170,6 +179,18 @@ def completion_prompts(tokenizer: Tokenizer, prompt: Any) -> list[list[int]]:
     return [prompt_token_ids(tokenizer, {"prompt": prompt}, "completions")]
 
 
+def completion_prompt_texts(tokenizer: Tokenizer, prompt: Any, prompts: list[list[int]]) -> list[str]:
+    """The text of each prompt of a completions request (``prompts``: their token ids, from
+    :func:`completion_prompts`): a string prompt as sent, token ids decoded (vLLM's ``RequestOutput.prompt``)."""
+    several = isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt)
+    texts = []
+    for item, ids in zip(prompt if several else [prompt], prompts, strict=True):
+        while isinstance(item, list) and len(item) == 1 and isinstance(item[0], (str, list)):
+            item = item[0]
+        texts.append(item if isinstance(item, str) else tokenizer.decode(ids))
+    return texts
+
+
 def parse_request(body: Any, api: Api, headers: Any, config: SimConfig, tokenizer: Tokenizer,
                   models: ModelRegistry | None = None) -> ParsedRequest:
     """Validate a chat or completions request like vLLM's OpenAI server. ``body`` is the decoded JSON, or the raw
@@ -192,6 +213,7 @@ def parse_request(body: Any, api: Api, headers: Any, config: SimConfig, tokenize
     elif max_tokens is None:       # CompletionRequest.max_tokens: absent or null is 16 (normalize_null_max_tokens)
         max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
     stream = v.get_bool(body, "stream")
+    echo_only = not chat and max_tokens == 0 and v.get_bool(body, "echo")   # run with max_tokens 1 (docstring)
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise v.pydantic_error("model_type", "stream_options", "Input should be a valid dictionary or instance of "
@@ -222,6 +244,8 @@ def parse_request(body: Any, api: Api, headers: Any, config: SimConfig, tokenize
         raise v.vllm_error("The decoder prompt cannot be empty")
     clamp = config.max_tokens_overflow == "clamp"
     limits = [check_length(len(ids), max_tokens, config.max_model_len, clamp=clamp) for ids in prompts]
+    if echo_only:
+        limits = [1] * len(prompts)
     spec = fields.verify(limits[0] if limits[0] is not None else None)
     for limit in limits[1:]:
         fields.verify(limit)
@@ -234,7 +258,8 @@ def parse_request(body: Any, api: Api, headers: Any, config: SimConfig, tokenize
         max_tokens=limits[0], min_tokens=spec.rules.min_tokens, kv_transfer_params=body.get("kv_transfer_params"),
         tools=tools if mode is not None else None, tool_choice=tool_choice, sampling=spec, prompts=prompts,
         prompt_max_tokens=limits, model=model, tool_mode=mode, tool_name=tool_name, tool_schema=tool_schema,
-        structured=structured if mode is None else None, return_token_ids=v.get_bool(body, "return_token_ids"))
+        structured=structured if mode is None else None, return_token_ids=v.get_bool(body, "return_token_ids"),
+        echo_texts=completion_prompt_texts(tokenizer, body["prompt"], prompts) if echo_only else None)
 
 
 def check_output_limit(max_tokens: int | None, max_model_len: int, param: str) -> None:

@@ -21,6 +21,11 @@ Logprobs (``logprobs`` / ``top_logprobs``): chat ``{"content": [{"token","logpro
 [{"token","logprob","bytes"}]}]}``; completions ``{"text_offset","token_logprobs","tokens","top_logprobs":
 [{token: logprob}]}`` (the sampled token is always among the top entries).
 
+Echo without generation (completions with ``echo`` and ``max_tokens: 0``, run with ``max_tokens`` 1): each
+choice's text is its prompt alone (``""`` with ``return_token_ids``, as vLLM's), in one chunk when streamed, with
+the finish reason and usage of the one token the engine ran (``vllm/entrypoints/openai/completion/serving.py``);
+``logprobs`` is null (the prompt's logprobs vLLM would report are not simulated).
+
 Tool calls: ``tool_choice`` auto (the simulator's ``--enable-auto-tool-choice``) calls the first tool,
 ``"required"`` the first tool, a named choice that tool; ``arguments`` is JSON built from the tool's parameter
 schema, streamed in 4-character pieces. ``finish_reason`` is ``"tool_calls"`` for auto and required, ``"stop"``
@@ -62,7 +67,7 @@ class ResponseWriter:
         self.chat = req.api == "chat"
         self.tool_name = req.tool_name
         self.tool_mode = req.tool_mode
-        self._lp = req.sampling.logprobs is not None
+        self._lp = req.sampling.logprobs is not None and req.echo_texts is None
         self._tool_ids: dict[int, str] = {}
         self._head = {"id": req.response_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                       "created": created, "model": model}
@@ -141,7 +146,7 @@ class ResponseWriter:
         tool_mode = self.tool_mode
         public = finish if tool_mode is None else self.public_finish_reason(finish)
         usage_obj = self.usage(usage, stream=True) if usage is not None else None
-        text = seq.plan.text(start, end)
+        text = seq.plan.text(start, end) if self.req.echo_texts is None else self._echo_text(seq, start)
         logprobs = self._logprobs(seq, start, end) if self._lp else None
         if self.chat and tool_mode in ("required", "named"):
             return events + self._forced_tool_chunks(seq, start, end, text, public, stop_reason, usage_obj, last)
@@ -170,6 +175,13 @@ class ResponseWriter:
             chunk["system_fingerprint"] = self.fingerprint
         events.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
         return events
+
+    def _echo_text(self, seq: Seq, start: int) -> str:
+        """The text of an echo-only completion's output from token ``start``: the prompt, once (vLLM:
+        ``output_text = prompt_text``, ``""`` with ``return_token_ids``); nothing after it."""
+        if start > 0 or self.req.echo_texts is None or self.req.return_token_ids:
+            return ""
+        return self.req.echo_texts[seq.prompt_index]
 
     def _stream_ids(self, seq: Seq, start: int, end: int) -> list[int] | None:
         """A streamed choice's ``token_ids`` (output tokens ``[start, end)``) with ``return_token_ids``, else None
@@ -260,8 +272,8 @@ class ResponseWriter:
     def _json_choice(self, seq: Seq) -> dict[str, Any]:
         n = seq.sent
         finish = self.public_finish_reason(seq.finish)
-        text = seq.plan.text(0, n)
-        logprobs = self._logprobs(seq, 0, n)
+        text = seq.plan.text(0, n) if self.req.echo_texts is None else self._echo_text(seq, 0)
+        logprobs = self._logprobs(seq, 0, n) if self._lp else None
         stop_reason = seq.reason
         token_ids = seq.plan.token_ids(0, n) if self.req.return_token_ids else None
         if not self.chat:

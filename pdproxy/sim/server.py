@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import secrets
 import socket
 import uuid
@@ -64,6 +65,11 @@ class Listener:
     site: web.TCPSite | None = None
     runner: web.AppRunner | None = None
     held_socket: socket.socket | None = field(default=None, repr=False)
+
+
+class ListenError(Exception):
+    """A listening port the simulator cannot bind (in use, not allowed): one line for the user, naming the port
+    and the flag that chose it (``pdproxy sim`` prints it and exits 1, as ``pdproxy serve`` and ``demo`` do)."""
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -130,13 +136,34 @@ class SimServer:
             rank.core.pool.event_sink = publisher.sink
             self.kv_event_publishers.append(publisher)
 
+    def _listen_error(self, listener: Listener, exc: OSError) -> ListenError:
+        """The :class:`ListenError` for ``listener``'s port that ``exc`` refused, with the flag that chose it."""
+        cfg, port = self.config, listener.port
+        if cfg.dp_ports and not cfg.dp_single_port:
+            hint = "`pdproxy sim --dp-ports P0 P1 ...` (one port per data-parallel rank)"
+        elif cfg.data_parallel_size > 1 and not cfg.dp_single_port:
+            hint = "`pdproxy sim --port P` (data-parallel rank k listens on P+k)"
+        else:
+            hint = "`pdproxy sim --port P`"
+        if exc.errno == errno.EADDRINUSE:
+            return ListenError(f"port {port} is already in use; stop what holds it or choose another port with "
+                               f"{hint}")
+        return ListenError(f"cannot listen on {cfg.host}:{port}: {exc.strerror or exc}; choose another host or "
+                           f"port with `--host H` / {hint}")
+
     async def _start_listener(self, listener: Listener) -> None:
+        try:
+            await self._bind_listener(listener)
+        except OSError as exc:
+            raise self._listen_error(listener, exc) from None
+
+    async def _bind_listener(self, listener: Listener) -> None:
         if self.config.refuse_connections:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self._stack.callback(sock.close)
             sock.bind((self.config.host, listener.port))
             listener.held_socket = sock
             listener.port = sock.getsockname()[1]
-            self._stack.callback(sock.close)
         else:
             guards = [self._authenticate] if self.config.api_key else []
             app = web.Application(client_max_size=1 << 30, middlewares=[*guards, self._count_request])

@@ -126,6 +126,27 @@ def test_requests_needing_the_prompts_logits_go_to_a_decoder_alone(proxy: ProxyT
     assert "kv_transfer_params" not in d["body"] and all(d["body"][k] == v for k, v in extra.items())
 
 
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_without_generation_is_the_prompt_from_a_decoder_alone(proxy: ProxyThread, sims: Fleet,
+                                                                    stream: bool) -> None:
+    """``echo`` with ``max_tokens: 0`` is valid in vLLM 0.32 (run with ``max_tokens`` 1, the prompt echoed,
+    ``completion/serving.py``): a decoder alone answers the prompt as the text (the simulator once refused it)."""
+    prompt = "The weather in Paris is"
+    c = client(proxy)
+    if stream:
+        chunks = list(c.completions.create(model="sim-model", prompt=prompt, max_tokens=0, echo=True, stream=True,
+                                           stream_options={"include_usage": True}))
+        assert [ch.choices[0].text for ch in chunks if ch.choices] == [prompt]
+        finish, usage = chunks[-2].choices[0].finish_reason, chunks[-1].usage
+    else:
+        reply = c.completions.create(model="sim-model", prompt=prompt, max_tokens=0, echo=True)
+        assert reply.choices[0].text == prompt
+        finish, usage = reply.choices[0].finish_reason, reply.usage
+    assert finish == "length" and usage is not None and usage.completion_tokens == 1
+    prefills, (d,) = legs(sims)
+    assert prefills == [] and (d["body"]["echo"], d["body"]["max_tokens"]) == (True, 0)
+
 OVER = 4096 + 1                      # the fleet's max_model_len + 1 (tests/conftest.py SIM_ARGS)
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -67,3 +69,20 @@ def test_bad_configuration_exits_with_2() -> None:
     done = subprocess.run([sys.executable, "-m", "pdproxy.sim", "--data-parallel-size", "2", "--dp-ports", "9"],
                           capture_output=True, text=True, env=env, timeout=20)
     assert done.returncode == 2 and "--dp-ports" in done.stderr
+
+
+@pytest.mark.timeout(30)
+def test_a_port_in_use_is_one_line_and_exit_1() -> None:
+    """``pdproxy sim --port P`` on a taken port says so in one line naming the port and the flag, and exits 1 as
+    ``pdproxy serve`` and ``pdproxy demo`` do for a taken port: no uvloop traceback."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    port = free_port()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        for extra in ((), ("--refuse-connections",)):
+            done = subprocess.run([sys.executable, "-m", "pdproxy", "sim", "--port", str(port), *extra],
+                                  capture_output=True, text=True, env=env, timeout=20)
+            assert done.returncode == 1 and done.stdout == "", (extra, done.stderr)
+            assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+            assert f"port {port} is already in use" in done.stderr and "--port" in done.stderr

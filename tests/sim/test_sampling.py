@@ -205,3 +205,28 @@ def test_a_custom_role_is_served_as_vllm_serves_it(sim: SimProcess) -> None:
     ``tests/real_vllm/captures/apis/error_chat_bad_role.json``); only ``/v1/messages`` refuses it."""
     resp = post(sim, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 2})
     assert resp.status_code == 200
+
+
+def test_echo_without_generation_answers_the_prompt(oai: openai.OpenAI, sim: SimProcess) -> None:
+    """A completion with ``echo`` and ``max_tokens: 0`` is valid in vLLM 0.32: it runs with ``max_tokens`` 1
+    (``CompletionRequest.to_sampling_params``) and answers the prompt alone as the text, with the finish reason
+    and usage of that one token (``completion/serving.py``), as JSON and streamed; each prompt of a list echoes
+    itself. ``max_tokens: 0`` without ``echo`` stays vLLM's 400 (was a 400 with ``echo`` too)."""
+    prompt = "Hello there world"
+    one = oai.completions.create(model="sim-model", prompt=prompt, max_tokens=0, echo=True)
+    (choice,) = one.choices
+    assert (choice.text, choice.finish_reason) == (prompt, "length")
+    assert one.usage is not None and (one.usage.prompt_tokens, one.usage.completion_tokens) == (3, 1)
+    listed = oai.completions.create(model="sim-model", prompt=[prompt, "Bye now"], max_tokens=0, echo=True)
+    assert [c.text for c in listed.choices] == [prompt, "Bye now"]
+    chunks = list(oai.completions.create(model="sim-model", prompt=prompt, max_tokens=0, echo=True, stream=True,
+                                         stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert texts == [prompt] and chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 1
+    refused = post(sim, "/v1/completions", {"prompt": prompt, "max_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"] == {
+        "message": "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+        "type": "BadRequestError", "param": "max_tokens", "code": 400}
+    refused = post(sim, "/v1/completions", {"prompt": prompt, "max_tokens": 0, "echo": False})
+    assert refused.status_code == 400
