@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.breaker import BreakerState
 from pdproxy.engines.control import EngineInfo
+from pdproxy.engines.limits import EngineLimits
 
 log = logging.getLogger("pdproxy.engines")
 
@@ -48,17 +49,29 @@ def _num(n: int | None) -> str:
 
 def describe(info: EngineInfo, role: Role = Role.PREFILL) -> str:
     """``model m, max_model_len 4,096, KV pool 16,384 tokens (4,096 blocks × 4)`` from the info of an engine of
-    ``role`` — and, when its pool is below ``max_model_len``, the largest prompt it takes: the pool on a
-    prefiller, one token less on a decoder (the answer's first token must fit too; pdproxy/engines/limits.py)."""
+    ``role`` — and, when its pool rather than ``max_model_len`` bounds the prompts it takes, the largest it takes
+    (admission's own figure, :meth:`pdproxy.engines.limits.EngineLimits.allowed_prompt`): the pool on a prefiller,
+    one token less on a decoder (the answer's first token must fit too).  A request needs a prefiller *and* a
+    decoder, so a prefiller's line also gives what a decoder with the same pool takes: with equal pools, that is
+    the largest prompt pdproxy admits."""
     models = ", ".join(str(m.get("id")) for m in info.models) or "none"
     blocks = (f" ({info.num_gpu_blocks:,} blocks × {info.block_size})"
               if info.num_gpu_blocks and info.block_size else "")
     text = f"model {models}, max_model_len {_num(info.max_model_len)}, KV pool {_num(info.kv_pool_tokens)} tokens{blocks}"
-    pool = info.kv_pool_tokens
-    if pool is not None and info.max_model_len is not None and pool < info.max_model_len:
-        largest = pool - (1 if role is Role.DECODE else 0)
-        text += (f" — below max_model_len: prompts over {largest:,} tokens are refused with a 400 (the engine would "
-                 "queue them forever)")
+    pool, mml = info.kv_pool_tokens, info.max_model_len
+    if pool is None or mml is None:
+        return text
+    largest = EngineLimits(max_model_len=mml, kv_pool_tokens=pool).allowed_prompt(role, None)
+    by_len = EngineLimits(max_model_len=mml).allowed_prompt(role, None)
+    if largest is not None and by_len is not None and largest < by_len:
+        if role is Role.DECODE:
+            takes = f"this decoder takes prompts of at most {largest:,} tokens (the answer's first token must fit too)"
+        else:
+            decoder = EngineLimits(max_model_len=mml, kv_pool_tokens=pool).allowed_prompt(Role.DECODE, None)
+            takes = (f"this prefiller takes prompts of at most {largest:,} tokens and a decoder with the same pool "
+                     f"{decoder:,} (the answer's first token must fit too)")
+        text += (f" — below max_model_len: {takes}; longer ones would queue forever in the engine, so a prompt is "
+                 "refused with a 400 unless some prefiller and some decoder take it")
     return text
 
 

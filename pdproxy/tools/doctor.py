@@ -8,8 +8,10 @@ their check completes, engines and pairs concurrently):
    (``/v1/models``, vLLM ``ModelCard``), version (``/version``);
 2. ``kv_pool`` — KV pool = ``num_gpu_blocks × block_size`` (or ``kv_cache_size_tokens``) from
    ``vllm:cache_config_info`` on ``/metrics`` vs ``max_model_len``, with the consequence in words: below it,
-   "prompts between pool+1 and max_model_len tokens will queue forever" (the field report's 4,584 tokens under
-   133,120; vLLM #39734); below 2 × ``max_model_len``, two long prompts cannot be held at once;
+   "prompts between pool+1 and max_model_len−1 tokens will queue forever" on a prefiller, from pool on a decoder
+   (room for the answer's first token; a prompt of max_model_len tokens is the engine's own 400) — the field
+   report's 4,584 tokens under 133,120, vLLM #39734; below twice the pool the largest prompt needs, two such
+   prompts cannot be held at once;
 3. ``idle`` — ``vllm:num_requests_running`` / ``num_requests_waiting`` / ``kv_cache_usage_perc`` at zero when
    there is no traffic (a waiting request with nothing running is a stall: "200 OK but nothing happens");
 4. ``tool_call`` — a P→D round trip of a chat with a tool, expecting ``finish_reason: "tool_calls"`` (reported,
@@ -43,6 +45,7 @@ import orjson
 
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.control import EngineClient, EngineInfo
+from pdproxy.engines.limits import EngineLimits
 from pdproxy.errors import ProxyError
 from pdproxy.settings import Settings
 from pdproxy.tools.doctor_output import Console, status_text
@@ -125,6 +128,21 @@ def _n(value: int | None) -> str:
     return "unknown" if value is None else f"{value:,}"
 
 
+_ROLE_NOUN = {Role.PREFILL: "prefiller", Role.DECODE: "decoder"}
+
+
+def _kv_figures(role: Role, pool: int, mml: int) -> tuple[int, int, int]:
+    """Admission's figures for an engine of ``role`` (:meth:`pdproxy.engines.limits.EngineLimits.allowed_prompt`):
+    (the largest prompt its KV pool holds, the largest ``max_model_len`` lets it take, the pool that prompt needs).
+    A prompt of ``max_model_len`` tokens is refused by the engine itself (no room for one output token); a
+    prefiller holds a prompt of ``pool`` tokens, a decoder one of ``pool − 1`` (the answer's first token must fit
+    too).  The prompts between the first figure + 1 and the second fit ``max_model_len`` but never the pool."""
+    by_pool = EngineLimits(kv_pool_tokens=pool).allowed_prompt(role, None)
+    by_len = EngineLimits(max_model_len=mml).allowed_prompt(role, None)
+    assert by_pool is not None and by_len is not None
+    return by_pool, by_len, by_len + (pool - by_pool)
+
+
 def check_engine(report: Report, e: Endpoint, info: EngineInfo, healthy: bool, version: str | None) -> bool:
     """Steps 1–3 for one engine from its refreshed info.  Returns False when it is unreachable."""
     if not info.reachable:
@@ -140,19 +158,24 @@ def check_engine(report: Report, e: Endpoint, info: EngineInfo, healthy: bool, v
             "block_size": info.block_size}
     where = (f" (num_gpu_blocks {_n(info.num_gpu_blocks)} × block_size {_n(info.block_size)})"
              if info.num_gpu_blocks and info.block_size else "")
+    held, largest, needs = _kv_figures(e.role, pool, mml) if pool is not None and mml is not None else (0, 0, 0)
     if pool is None or mml is None:
         report.add("kv_pool", e.name, "warn", "KV pool unknown: no vllm:cache_config_info on /metrics", **data)
-    elif pool < mml:
+    elif held < largest:
+        prompts = (f"a prompt of {largest:,} tokens" if held + 1 == largest
+                   else f"prompts between {held + 1:,} and {largest:,} tokens")
+        why = "its pool must hold the answer's first token too; " if e.role is Role.DECODE else ""
         report.add("kv_pool", e.name, "fail",
-                   f"KV pool {pool:,} tokens{where} < max_model_len {mml:,}: prompts between {pool + 1:,} and "
-                   f"{mml:,} tokens will queue forever (declare --max-model-len ≤ {pool:,} or grow the pool)",
-                   **data)
-    elif pool < 2 * mml:
+                   f"KV pool {pool:,} tokens{where} < max_model_len {mml:,}: {prompts} will queue forever on this "
+                   f"{_ROLE_NOUN[e.role]} ({why}declare --max-model-len ≤ {pool:,} or grow the pool)", **data)
+    elif pool < 2 * needs:
         report.add("kv_pool", e.name, "warn",
-                   f"KV pool {pool:,} tokens{where} holds one max_model_len ({mml:,}) prompt but not two: a second "
-                   "long prompt waits in the engine until the first finishes", **data)
+                   f"KV pool {pool:,} tokens{where} holds one prompt of the largest size max_model_len {mml:,} allows "
+                   f"({largest:,} tokens) but not two: a second long prompt waits in the engine until the first "
+                   "finishes", **data)
     else:
-        report.add("kv_pool", e.name, "ok", f"KV pool {pool:,} tokens{where} ≥ 2 × max_model_len {mml:,}", **data)
+        report.add("kv_pool", e.name, "ok", f"KV pool {pool:,} tokens{where} holds two prompts of the largest size "
+                   f"max_model_len {mml:,} allows ({largest:,} tokens)", **data)
     g = info.gauges
     running, waiting = g.get("vllm:num_requests_running"), g.get("vllm:num_requests_waiting")
     usage = g.get("vllm:kv_cache_usage_perc")

@@ -84,9 +84,12 @@ def test_seed000_pool_mismatch_and_cliff_confirmed_at_the_boundary(seed000: list
     p, d = seed000
     code, report = doctor([p.url], [d.url], "--cold-min-timeout-s", "1.5")
     assert code == 1 and not report["ok"]
+    assert sorted(row["target"] for row in rows(report, "kv_pool")) == sorted([p.url, d.url])
     for row in rows(report, "kv_pool"):
         assert row["status"] == "fail"
-        assert "prompts between 4,585 and 133,120 tokens will queue forever" in row["detail"]
+        # a decoder's pool must hold one output token too; a prompt of 133,120 is the engine's own 400
+        first, role = ("4,585", "prefiller") if row["target"] == p.url else ("4,584", "decoder")
+        assert f"prompts between {first} and 133,119 tokens will queue forever on this {role}" in row["detail"]
         assert (row["data"]["kv_pool_tokens"], row["data"]["max_model_len"]) == (4584, 133120)
     for row in rows(report, "cold_context"):
         assert row["status"] == "fail" and "KV-pool cliff confirmed" in row["detail"], row
@@ -146,6 +149,50 @@ def test_seed000_default_flags_streams_rows_and_ends(seed000: list[SimProcess]) 
     assert any("stalled" in line for line in progress), progress
     for e in seed000:
         assert_idle(e)
+
+
+def test_kv_pool_words_give_admissions_figures_for_each_role() -> None:
+    """The operator's sims (--max-model-len 16384 --num-gpu-blocks-override 100: a pool of 1,600 tokens) were
+    reported with "prompts between 1,601 and 16,384 tokens will queue forever" on both engines, yet pdproxy
+    refuses a 1,600-token prompt (a decoder needs room for the answer's first token) and the engine itself
+    refuses one of 16,384 (no room for any output token).  Each figure is now admission's, for the engine's role;
+    a pool that holds every prompt max_model_len allows is no cliff."""
+    from pdproxy.endpoints import Endpoint, Role
+    from pdproxy.engines.control import EngineInfo
+    from pdproxy.tools.doctor import Report, check_engine
+
+    def kv_row(role: Role, pool: int, mml: int = 16_384) -> tuple[str, str]:
+        report = Report()
+        info = EngineInfo(models=[{"id": "sim-model"}], max_model_len=mml, kv_pool_tokens=pool,
+                          num_gpu_blocks=pool // 16, block_size=16, reachable=True)
+        check_engine(report, Endpoint("http://127.0.0.1:15001", role), info, True, "0.1")
+        (row,) = [c for c in report.checks if c.check == "kv_pool"]
+        return row.status, row.detail
+
+    assert kv_row(Role.PREFILL, 1600) == (
+        "fail", "KV pool 1,600 tokens (num_gpu_blocks 100 × block_size 16) < max_model_len 16,384: prompts between "
+        "1,601 and 16,383 tokens will queue forever on this prefiller (declare --max-model-len ≤ 1,600 or grow the "
+        "pool)")
+    assert kv_row(Role.DECODE, 1600) == (
+        "fail", "KV pool 1,600 tokens (num_gpu_blocks 100 × block_size 16) < max_model_len 16,384: prompts between "
+        "1,600 and 16,383 tokens will queue forever on this decoder (its pool must hold the answer's first token "
+        "too; declare --max-model-len ≤ 1,600 or grow the pool)")
+    # one token short: a decoder cannot hold the largest prompt; a prefiller holds it, and there is no cliff
+    assert kv_row(Role.DECODE, 1024, mml=1025)[1].endswith(
+        "a prompt of 1,024 tokens will queue forever on this decoder (its pool must hold the answer's first token "
+        "too; declare --max-model-len ≤ 1,024 or grow the pool)")
+    status, detail = kv_row(Role.PREFILL, 1024, mml=1025)
+    assert status == "warn" and "largest size max_model_len 1,025 allows (1,024 tokens) but not two" in detail
+    # pools at and above max_model_len: the largest prompt is max_model_len − 1, held once or twice
+    for role in Role:
+        status, detail = kv_row(role, 16_384)
+        assert status == "warn" and "holds one prompt of the largest size max_model_len 16,384 allows (16,383 " \
+            "tokens) but not two" in detail, detail
+        status, detail = kv_row(role, 32_768)
+        assert (status, detail) == ("ok", "KV pool 32,768 tokens (num_gpu_blocks 2,048 × block_size 16) holds two "
+                                    "prompts of the largest size max_model_len 16,384 allows (16,383 tokens)")
+    # a prefiller holds two prompts of 16,383 in 32,766 tokens; a decoder needs 16,384 for each
+    assert kv_row(Role.PREFILL, 32_766)[0] == "ok" and kv_row(Role.DECODE, 32_766)[0] == "warn"
 
 
 def test_doctor_help_lists_engine_flags_only() -> None:
