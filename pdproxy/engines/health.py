@@ -13,10 +13,13 @@
   failure also triggers an immediate probe, so a killed engine leaves the pool within one probe round trip.
 - **Breaker** (:mod:`pdproxy.engines.breaker`; Envoy's outlier detection): consecutive failures open it; picks skip
   open endpoints (:meth:`can_take`, the scheduler's breaker filter), whatever ``/health`` says; a successful
-  request closes it.  A successful probe lets a trial request through at once only when the last failure was not
-  a timeout: an engine whose generation hangs while its API server answers ``/health`` (timeouts to the first
-  byte) waits out the open period (``breaker_open_s``, doubling per failed trial — Envoy's ejection time) and
-  comes back through a trial request that it answers.  With ``--workers N`` the
+  request closes it.  A successful probe after a failure to reach the engine at all (a refused connection, a
+  connect timeout: it never saw the request) closes it too — nothing listened, now ``/health`` answers: the
+  engine restarted, and its traffic comes back at once rather than one trial request at a time (a trial that is a
+  long prefill would hold every other request out meanwhile).  After other failures a successful probe lets a
+  trial request through at once, except after a timeout: an engine whose generation hangs while its API server
+  answers ``/health`` (timeouts to the first byte) waits out the open period (``breaker_open_s``, doubling per
+  failed trial — Envoy's ejection time) and comes back through a trial request that it answers.  With ``--workers N`` the
   breakers are shared by all workers (``make_breaker``, :mod:`pdproxy.workers.breaker`); probes stay per worker.
 
 So a dead engine gets at most ``breaker_failures`` (+ in-flight) attempts, is re-admitted within about one probe
@@ -105,6 +108,7 @@ class HealthMonitor:
         self._failing_since: dict[Endpoint, float] = {}    # clock() of the first of the failed probes
         self._served_at: dict[Endpoint, float] = {}        # clock() of the last request it served
         self._timed_out: set[Endpoint] = set()             # its last failure was a timeout: probes do not re-admit
+        self._unreached: set[Endpoint] = set()             # its last failure never reached it: a good probe closes
         self.breakers: dict[Endpoint, CircuitBreaker] = {}
         self.leaving: set[Endpoint] = set()
         self._task: asyncio.Task[None] | None = None
@@ -178,6 +182,10 @@ class HealthMonitor:
             self._timed_out.add(endpoint)
         else:
             self._timed_out.discard(endpoint)
+        if verdict.unsent:
+            self._unreached.add(endpoint)
+        else:
+            self._unreached.discard(endpoint)
         self.record_failure(endpoint, retry_after_s=verdict.retry_after_s, hard=verdict.unsent)
         return True
 
@@ -185,6 +193,7 @@ class HealthMonitor:
         """A leg to ``endpoint`` succeeded (closes its breaker; outweighs failed probes)."""
         self._served_at[endpoint] = self.clock()
         self._timed_out.discard(endpoint)
+        self._unreached.discard(endpoint)
         b = self.breakers.get(endpoint)
         if b is not None and (b.state is not BreakerState.CLOSED or b.consecutive_failures):
             before = b.state
@@ -203,6 +212,7 @@ class HealthMonitor:
         for memo in (self._probe_streak, self._failing_since, self._served_at):
             memo.pop(endpoint, None)
         self._timed_out.discard(endpoint)
+        self._unreached.discard(endpoint)
         self.events.forget(endpoint)
         task = self._probing.pop(endpoint, None)
         if task is not None:
@@ -262,7 +272,14 @@ class HealthMonitor:
             return False
         load.healthy = healthy = self._verdict(endpoint, ok, load.healthy)
         self.events.observe(endpoint, info, healthy)
-        if ok and endpoint not in self._timed_out:
+        if ok and endpoint in self._unreached:   # it did not listen, now it answers: restarted (module docstring)
+            self._unreached.discard(endpoint)
+            b = self.breakers.get(endpoint)
+            if b is not None and b.state is not BreakerState.CLOSED:
+                before = b.state
+                b.record_success()
+                self.events.breaker_changed(endpoint, before, b.state)
+        elif ok and endpoint not in self._timed_out:
             b = self.breakers.get(endpoint)
             if b is not None:
                 b.probe_ok()

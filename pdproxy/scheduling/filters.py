@@ -112,7 +112,8 @@ class BreakerClosed(_Rule):
     """Endpoints whose circuit breaker lets a request in (closed, or half-open with its trial slot free)."""
 
     name = "breaker"
-    reason = "every one's circuit breaker is open after repeated failures"
+    reason = ("every one's circuit breaker is open after failures, or half-open with its one trial request in "
+              "flight")
 
     def __init__(self, health: HealthMonitor) -> None:
         self.health = health

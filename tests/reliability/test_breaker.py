@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from pdproxy.endpoints import Role, expand
+from pdproxy.endpoints import Endpoint, Role, expand
 from pdproxy.engines.breaker import BreakerState, CircuitBreaker
+from pdproxy.engines.control import EngineInfo
 from pdproxy.engines.health import HealthMonitor
 from pdproxy.engines.pool import EndpointPool
-from pdproxy.errors import NoEndpointAvailable
+from pdproxy.errors import NoEndpointAvailable, UpstreamRefused, UpstreamUnavailable
 from pdproxy.scheduling import PickRequest, Scheduler
 
 pytestmark = pytest.mark.timeout(5)
@@ -124,3 +125,50 @@ def test_monitor_filters_open_endpoints_and_reports_retry_after() -> None:
     assert "circuit breaker" in refused.value.message and refused.value.headers["retry-after"] == "3"
     assert health.retry_after_s(eps) == 3
     assert health.snapshot(eps[1]).breaker == "open"
+
+
+class _Engines:
+    """The monitor's engine client: ``/health`` answers unless the endpoint is in ``down``."""
+
+    def __init__(self) -> None:
+        self.down: set[str] = set()
+
+    async def health(self, endpoint: Endpoint) -> bool:
+        return endpoint.url not in self.down
+
+    async def refresh(self, endpoint: Endpoint, info: EngineInfo) -> EngineInfo:
+        info.reachable, info.refreshed_at = endpoint.url not in self.down, 0.0
+        return info
+
+    def health_failure(self, endpoint: Endpoint) -> str | None:
+        return None
+
+
+@pytest.mark.parametrize("failure", ["refused", "reset"])
+@pytest.mark.anyio
+async def test_a_good_probe_after_a_refused_connection_closes_the_breaker(failure: str) -> None:
+    """Nothing listened (a refused connection: the engine never saw the request), now /health answers: the engine
+    restarted and takes traffic again at once — not one trial request at a time, which left a lone prefiller's
+    every other request refused while its trial (a long prefill) ran.  After a failure the engine did see (a reset
+    mid-answer), a good probe only lets the one trial in early, as before."""
+    clock, engines = Clock(), _Engines()
+    eps = expand(["http://p0:1"], Role.PREFILL)
+    health = HealthMonitor(EndpointPool(eps), engines=engines, infos={}, interval_s=1.0,  # type: ignore[arg-type]
+                           refresh_interval_s=1.0, breaker_failures=1, breaker_open_s=3.0, clock=clock)
+    sched = Scheduler.standard(health.pool, health=health)
+    exc = (UpstreamRefused("prefill refused the connection", endpoint=eps[0].name) if failure == "refused"
+           else UpstreamUnavailable("prefill closed the connection", endpoint=eps[0].name))
+    engines.down.add(eps[0].url)
+    assert health.record_error(eps[0], exc)
+    assert health.snapshot(eps[0]).breaker == "open" and not await health.probe(eps[0])
+    engines.down.clear()
+    assert await health.probe(eps[0])
+    if failure == "refused":
+        assert health.snapshot(eps[0]).breaker == "closed"
+        assert [sched.pick(Role.PREFILL, PickRequest(f"r{i}")) for i in range(3)] == [eps[0]] * 3   # all at once
+    else:
+        assert sched.pick(Role.PREFILL, PickRequest("trial")) == eps[0]
+        assert health.snapshot(eps[0]).breaker == "half_open"
+        with pytest.raises(NoEndpointAvailable) as refused:              # its one trial is in flight
+            sched.pick(Role.PREFILL, PickRequest("next"))
+        assert "half-open with its one trial request in flight" in refused.value.message
