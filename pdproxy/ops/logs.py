@@ -251,9 +251,21 @@ def exposure_warning(settings: Settings) -> str | None:
             "api_keys, or listen on 127.0.0.1 behind a gateway (docs/threat-model.md)")
 
 
+def engine_key_warning(settings: Settings) -> str | None:
+    """The start-up warning for an engine key without client keys, or None: ``engine_api_key`` (vllm-router's
+    ``--api-key``, which ``pdproxy serve`` accepts) is the key pdproxy *sends* to the engines, while ``vllm serve
+    --api-key`` is one its clients must present — an operator with vLLM's meaning in mind would think the proxy
+    guarded when it asks no client for anything (``api_keys`` does that)."""
+    if not settings.engine_api_key or settings.api_keys:
+        return None
+    return ("engine_api_key (--api-key, as vllm-router's) is the key pdproxy sends to the engines; no client is asked "
+            "for a key: `vllm serve --api-key` checks clients, and here that is api_keys (--api-keys), which is empty")
+
+
 def log_banner(settings: Settings, urls: Sequence[str], *, workers: int = 1) -> None:
     """The start-up line: version, where it listens, the engines it was given, TLS and workers (INFO); then the
-    :func:`exposure_warning` when there is one (WARNING, ``event: exposed``)."""
+    :func:`exposure_warning` (WARNING, ``event: exposed``) and the :func:`engine_key_warning` (WARNING, ``event:
+    clients_unauthenticated``) when there are."""
     endpoints = settings.all_endpoints()
     n_p = sum(e.role is Role.PREFILL for e in endpoints)
     n_d = sum(e.role is Role.DECODE for e in endpoints)
@@ -269,3 +281,6 @@ def log_banner(settings: Settings, urls: Sequence[str], *, workers: int = 1) -> 
     warning = exposure_warning(settings)
     if warning is not None:
         logging.getLogger("pdproxy").warning(warning, extra={"event": "exposed", "host": settings.host})
+    warning = engine_key_warning(settings)
+    if warning is not None:
+        logging.getLogger("pdproxy").warning(warning, extra={"event": "clients_unauthenticated"})

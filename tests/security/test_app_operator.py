@@ -181,3 +181,19 @@ def test_an_open_door_is_logged_at_start(caplog: pytest.LogCaptureFixture) -> No
             assert bool(warned) == expected, (settings, [r.getMessage() for r in warned])
             if warned:
                 assert "beyond loopback" in warned[0].getMessage() and "docs/threat-model.md" in warned[0].getMessage()
+
+
+def test_an_engine_key_without_client_keys_is_warned_at_start(caplog: pytest.LogCaptureFixture) -> None:
+    """vllm-router's --api-key (accepted by pdproxy serve) is the engines' key; vLLM's is the clients'.  Given alone
+    it leaves clients unauthenticated: said once at start, naming the setting that would ask them (new-operator
+    round: `serve ... --api-key secret` answered an unauthenticated client 200)."""
+    with caplog.at_level(logging.INFO, logger="pdproxy"):
+        for settings, expected in ((dict(engine_api_key="e"), True), (dict(engine_api_key="e", api_keys=["c"]), False),
+                                   (dict(), False), (dict(api_keys=["c"]), False)):
+            caplog.clear()
+            log_banner(load_settings(prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"],
+                                     host="127.0.0.1", **settings), ["http://127.0.0.1:8000"])
+            warned = [r for r in caplog.records if getattr(r, "event", None) == "clients_unauthenticated"]
+            assert bool(warned) == expected, settings
+            if warned:
+                assert "api_keys (--api-keys)" in warned[0].getMessage() and warned[0].levelno == logging.WARNING
