@@ -120,10 +120,10 @@ class DrainingServer(uvicorn.Server):
                  "grace_s": self.grace_s, "delay_s": self.delay_s}
         if self.delay_s > 0:
             log.info("pdproxy: %s: /health answers 503 now; new requests are still served for %.1f s "
-                     "(shutdown_delay_s) so that load balancers stop sending first, then the drain (up to %.0f s)",
+                     "(shutdown_delay_s) so that load balancers stop sending first, then the drain (up to %g s)",
                      signal.Signals(sig).name, self.delay_s, self.grace_s, extra=extra)
         elif in_flight:
-            log.warning("pdproxy: %s: draining: waiting up to %.0f s for %d request(s) in flight; a second signal "
+            log.warning("pdproxy: %s: draining: waiting up to %g s for %d request(s) in flight; a second signal "
                         "(Ctrl-C again) cuts them now", signal.Signals(sig).name, self.grace_s, in_flight, extra=extra)
         else:
             log.info("pdproxy: %s: shutting down (nothing in flight)", signal.Signals(sig).name, extra=extra)
@@ -159,7 +159,7 @@ class DrainingServer(uvicorn.Server):
             state = self.proxy.state
             left = state.in_flight if state is not None else 0
             if left:
-                log.warning("pdproxy: shutdown_grace_s (%.0f s) is over: cutting %d request(s) still in flight",
+                log.warning("pdproxy: shutdown_grace_s (%g s) is over: cutting %d request(s) still in flight",
                             self.grace_s, left, extra={"event": "shutdown_grace_over", "in_flight": left})
                 for task in list(getattr(self.server_state, "tasks", ())):   # now, each ending its response
                     task.cancel("shutdown_grace_s is over")                   # (not uvicorn's ERROR a second later)
