@@ -138,7 +138,10 @@ HANGUP_CHECK_S: Final = 1.0
 socket is polled for the client's hang-up: ``POLLRDHUP`` says the client's FIN came, even behind request bytes not
 read yet, which a paused transport cannot see.  The connection is then aborted, which cancels the running request
 (its engine legs closed, vLLM aborts them) — a client that sends a pipelined request and leaves is treated as one
-that just leaves.  Linux only (``select.POLLRDHUP``); elsewhere the running request's own timeouts bound it."""
+that just leaves.  A half-close (``shutdown(SHUT_WR)``) reads the same — TCP does not tell it from a close
+until something is written — and is a hang-up here as it is without pipelining (the client's EOF ends the
+connection, as uvicorn's does).  Linux only (``select.POLLRDHUP``); elsewhere the running request's own
+timeouts bound it."""
 _POLLRDHUP: Final = getattr(select, "POLLRDHUP", 0)
 
 

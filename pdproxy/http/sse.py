@@ -147,6 +147,17 @@ def only_comments(block: bytes) -> bool:
     return all(not line or line[0] == 58 for line in block.split(b"\n"))
 
 
+def ends_before_content(block: bytes, end_event: bytes) -> bool:
+    """Whether ``block`` (whole events, ``\n`` line endings: :func:`frame`'s output) ends with ``end_event`` and
+    nothing before it carries data — only comment lines and empty ``data:`` lines: a stream that ended before its
+    first token (vLLM always sends a chunk first).  O(1) unless the block ends with ``end_event``; then it stops at
+    the first line with data."""
+    if not block.endswith(end_event):
+        return False
+    head = block[:len(block) - len(end_event)]
+    return all(not line or line[0] == 58 or line in (b"data:", b"data: ") for line in head.split(b"\n"))
+
+
 def split_events(block: bytes) -> list[bytes]:
     """Split a block of complete events into single events, each keeping its terminator.
 

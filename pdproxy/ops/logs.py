@@ -255,9 +255,11 @@ def engine_key_warning(settings: Settings) -> str | None:
     """The start-up warning for an engine key without client keys, or None: ``engine_api_key`` (vllm-router's
     ``--api-key``, which ``pdproxy serve`` accepts) is the key pdproxy *sends* to the engines, while ``vllm serve
     --api-key`` is one its clients must present — an operator with vLLM's meaning in mind would think the proxy
-    guarded when it asks no client for anything (``api_keys`` does that)."""
-    if not settings.engine_api_key or settings.api_keys:
-        return None
+    guarded when it asks no client for anything (``api_keys`` does that; none when TLS requires client
+    certificates)."""
+    if not settings.engine_api_key or settings.api_keys or (settings.ssl_certfile
+                                                             and settings.ssl_cert_reqs == ssl.CERT_REQUIRED):
+        return None                       # client keys, or client certificates required: clients are asked
     return ("engine_api_key (--api-key, as vllm-router's) is the key pdproxy sends to the engines; no client is asked "
             "for a key: `vllm serve --api-key` checks clients, and here that is api_keys (--api-keys), which is empty")
 

@@ -482,7 +482,7 @@ class StreamRelay:
             raise transport_error(exc, who, ctx.decoder or "", " before its first event") from None
         if not block:
             raise UpstreamUnavailable(f"{who} closed the stream before its first event", endpoint=ctx.decoder or "")
-        if self.done_event is not None and block.startswith(self.done_event):    # vLLM sends a chunk before it
+        if self.done_event is not None and sse.ends_before_content(block, self.done_event):  # vLLM: a chunk first
             raise UpstreamUnavailable(f"{who} ended the stream before its first event", endpoint=ctx.decoder or "")
         fmt = self.api_stream
         err = first_event_error(block) if fmt is None else fmt.first_error(block)

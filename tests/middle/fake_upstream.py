@@ -249,7 +249,7 @@ class FakeResponse:
     proxy took (reads and splice); ``pauses``: times the proxy paused reading it."""
 
     def __init__(self, call: Call, status: int, idle_timeout_s: float | None,
-                 on_first: Callable[[bytes], None]) -> None:
+                 on_first: Callable[[bytes], bool]) -> None:
         self.call = call
         self.status = status
         self.idle_timeout_s = idle_timeout_s
@@ -267,7 +267,7 @@ class FakeResponse:
         self._waiter: asyncio.Future[None] | None = None
         self._resumed = asyncio.Event()
         self._resumed.set()
-        self._on_first: Callable[[bytes], None] | None = on_first
+        self._on_first: Callable[[bytes], bool] | None = on_first   # True once it decided
         self.driver: asyncio.Task[None] | None = None
 
     # --- what the relay uses -------------------------------------------------------------------------------
@@ -286,9 +286,8 @@ class FakeResponse:
             if not self._buf:
                 return b""
         data = self._take()
-        if self._on_first is not None:          # the proxy has the decoder's first bytes in hand now
-            first, self._on_first = self._on_first, None
-            first(data)
+        if self._on_first is not None and self._on_first(data):   # the decoder's first event is in hand now
+            self._on_first = None
         return data
 
     async def read(self, n: int = -1) -> bytes:
@@ -591,7 +590,7 @@ class FakeUpstream(Upstream):
                 raise UpstreamHTTPError(o.status, o.payload(), endpoint=endpoint.name, retry_after=o.retry_after)
             call.result = "answered"
             if isinstance(o, Answer):
-                resp = FakeResponse(call, o.status, first_byte_timeout_s, lambda _data: None)
+                resp = FakeResponse(call, o.status, first_byte_timeout_s, lambda _data: True)
                 if not call.streaming:
                     self._fate(call, "pulled")   # the proxy consumes the handle at a JSON status line
                 resp.driver = self._drive(self._json_body(call, resp, o))
@@ -614,9 +613,16 @@ class FakeUpstream(Upstream):
                     resp.close()
             call.open = False
 
-    def _first_bytes(self, call: Call, data: bytes) -> None:
-        if call.streaming and not data.startswith(sse.DONE_EVENT):    # [DONE] first: it never ran the request
+    def _first_bytes(self, call: Call, data: bytes) -> bool:
+        """The KV's fate once the proxy holds the decoder's first bytes with data in them (comments, empty data: not
+        yet, False); a stream that ends before any content never ran the request."""
+        if not call.streaming:
+            return True
+        if all(not line or line[0] == 58 or line in (b"data:", b"data: ") for line in data.split(b"\n")):
+            return False
+        if not sse.ends_before_content(data, sse.DONE_EVENT):
             self._fate(call, "rejected" if data.startswith(b'data: {"error"') else "pulled")
+        return True
 
     def _drive(self, body: Any) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(body)

@@ -335,11 +335,15 @@ async def test_a_decoder_answer_that_is_not_a_json_object_is_never_a_200(broken:
     assert rig.state.health.breaker(first.endpoint).consecutive_failures >= 1
 
 
-async def test_a_stream_that_is_only_its_end_event_is_a_502_not_an_empty_200() -> None:
+@pytest.mark.parametrize("before", [[], [b": ping\n\n"], [b"data: \n\n"], [b": ping\n\n", b"data:\n\n"]])
+async def test_a_stream_that_ends_before_any_content_is_a_502_not_an_empty_200(before: list[bytes]) -> None:
+    """vLLM sends a chunk before [DONE]: a decoder whose stream ends with nothing before it but keep-alive comments
+    or empty data events never ran the request — a 502 (the prefiller's KV released), not a 200 with no content."""
     async with Rig() as rig:
-        rig.fake.script("r", decode=[Stream(events=[])] * 3)
+        rig.fake.script("r", decode=[Stream(events=before)] * 3)
         client = await rig.run("r")
     assert client.status == 502 and "ended the stream before its first event" in client.json()["error"]["message"]
+    assert len(rig.fake.of("release", "r")) == 3                       # each attempt's KV freed on its prefiller
 
 
 async def test_a_non_streamed_answer_is_relayed_after_a_decoder_failover() -> None:

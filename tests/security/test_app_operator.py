@@ -188,8 +188,11 @@ def test_an_engine_key_without_client_keys_is_warned_at_start(caplog: pytest.Log
     it leaves clients unauthenticated: said once at start, naming the setting that would ask them (new-operator
     round: `serve ... --api-key secret` answered an unauthenticated client 200)."""
     with caplog.at_level(logging.INFO, logger="pdproxy"):
+        mtls = dict(ssl_certfile="cert.pem", ssl_keyfile="key.pem")     # never opened: the warning reads settings
         for settings, expected in ((dict(engine_api_key="e"), True), (dict(engine_api_key="e", api_keys=["c"]), False),
-                                   (dict(), False), (dict(api_keys=["c"]), False)):
+                                   (dict(), False), (dict(api_keys=["c"]), False),
+                                   (dict(engine_api_key="e", **mtls, ssl_cert_reqs=2), False),   # certificates asked
+                                   (dict(engine_api_key="e", **mtls, ssl_cert_reqs=1), True)):   # optional: not
             caplog.clear()
             log_banner(load_settings(prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"],
                                      host="127.0.0.1", **settings), ["http://127.0.0.1:8000"])
