@@ -154,8 +154,14 @@ def ends_before_content(block: bytes, end_event: bytes) -> bool:
     the first line with data."""
     if not block.endswith(end_event):
         return False
-    head = block[:len(block) - len(end_event)]
-    return all(not line or line[0] == 58 or line in (b"data:", b"data: ") for line in head.split(b"\n"))
+    i, end = 0, len(block) - len(end_event)
+    while i < end:                       # line by line: a whole answer's block is not split for its first line
+        j = block.find(b"\n", i, end)
+        j = end if j < 0 else j
+        if j > i and block[i] != 58 and block[i:j] not in (b"data:", b"data: "):
+            return False
+        i = j + 1
+    return True
 
 
 def split_events(block: bytes) -> list[bytes]:

@@ -98,3 +98,13 @@ def test_an_event_over_the_limit_leaves_no_bytes_held_by_the_framer_or_the_error
         held += [len(v) for v in tb.tb_frame.f_locals.values() if isinstance(v, bytes | bytearray)]
         tb = tb.tb_next
     assert held and max(held) <= 8006                 # the last read at most, never the event's 64 KiB
+
+
+@pytest.mark.parametrize(("block", "empty"), [
+    (b"data: [DONE]\n\n", True), (b": ping\n\ndata: [DONE]\n\n", True), (b"data: \n\ndata: [DONE]\n\n", True),
+    (b": a\n\ndata:\n\ndata: [DONE]\n\n", True), (b'data: {"x":1}\n\ndata: [DONE]\n\n', False),
+    (b': a\n\ndata: {}\n\ndata: [DONE]\n\n', False), (b"data: {}\n\n", False), (b"", False)])
+def test_a_stream_ending_before_any_content_is_told_apart(block: bytes, empty: bool) -> None:
+    """The relay's rule for a decoder's first block (pdproxy/pd/relay.py): an end with only keep-alive comments or
+    empty data before it is a stream that never ran (vLLM sends a chunk first)."""
+    assert sse.ends_before_content(block, sse.DONE_EVENT) is empty
