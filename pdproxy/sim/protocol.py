@@ -28,7 +28,9 @@ Echo without generation: a completion with ``echo`` and ``max_tokens: 0`` is val
 ``CompletionRequest.to_sampling_params`` runs it with ``max_tokens`` 1, ``completion/protocol.py``); the answer's
 text is the prompt alone (``completion/serving.py``: ``if request.max_tokens == 0: output_text = prompt_text``),
 while ``finish_reason`` ("length") and ``usage.completion_tokens`` (1) are those of the one token the engine ran.
-``max_tokens: 0`` without ``echo`` stays the 400 above.
+``max_tokens: 0`` without ``echo`` stays the 400 above. With ``max_tokens`` > 0, ``echo`` prepends the prompt to
+the generated text (``output_text = prompt_text + output.text``; streamed, with the first output chunk:
+``delta_text = prompt_text + output.text``), ``usage.completion_tokens`` counting the generated tokens only.
 """
 
 from __future__ import annotations
@@ -76,8 +78,8 @@ class ParsedRequest:
 
     ``prompts`` holds every prompt (a completions list has several; ``prompt_token_ids`` is the first) and
     ``prompt_max_tokens`` each one's output limit after vLLM's clamp. ``echo_texts``: for a completion with
-    ``echo`` and ``max_tokens: 0`` (run with ``max_tokens`` 1), each prompt's text, which is the whole answer
-    text (module docstring); None otherwise. ``model`` is the served name the request
+    ``echo``, each prompt's text, which comes before the generated text (module docstring); None otherwise.
+    ``echo_only``: ``echo`` with ``max_tokens: 0`` (run with ``max_tokens`` 1): the prompt is the whole text. ``model`` is the served name the request
     selected (the base model or a LoRA adapter). ``tool_mode``/``tool_name``/``tool_schema``: the tool call the
     answer makes (None: plain text). ``content``: fixed content (JSON for a structured-output constraint).
     """
@@ -105,6 +107,7 @@ class ParsedRequest:
     structured: Structured | None = None
     return_token_ids: bool = False
     echo_texts: list[str] | None = None
+    echo_only: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompts:
@@ -213,7 +216,8 @@ def parse_request(body: Any, api: Api, headers: Any, config: SimConfig, tokenize
     elif max_tokens is None:       # CompletionRequest.max_tokens: absent or null is 16 (normalize_null_max_tokens)
         max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
     stream = v.get_bool(body, "stream")
-    echo_only = not chat and max_tokens == 0 and v.get_bool(body, "echo")   # run with max_tokens 1 (docstring)
+    echo = not chat and v.get_bool(body, "echo")
+    echo_only = echo and max_tokens == 0   # run with max_tokens 1 (docstring)
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise v.pydantic_error("model_type", "stream_options", "Input should be a valid dictionary or instance of "
@@ -259,7 +263,8 @@ def parse_request(body: Any, api: Api, headers: Any, config: SimConfig, tokenize
         tools=tools if mode is not None else None, tool_choice=tool_choice, sampling=spec, prompts=prompts,
         prompt_max_tokens=limits, model=model, tool_mode=mode, tool_name=tool_name, tool_schema=tool_schema,
         structured=structured if mode is None else None, return_token_ids=v.get_bool(body, "return_token_ids"),
-        echo_texts=completion_prompt_texts(tokenizer, body["prompt"], prompts) if echo_only else None)
+        echo_texts=completion_prompt_texts(tokenizer, body["prompt"], prompts) if echo else None,
+        echo_only=echo_only)
 
 
 def check_output_limit(max_tokens: int | None, max_model_len: int, param: str) -> None:

@@ -26,6 +26,13 @@ choice's text is its prompt alone (``""`` with ``return_token_ids``, as vLLM's),
 the finish reason and usage of the one token the engine ran (``vllm/entrypoints/openai/completion/serving.py``);
 ``logprobs`` is null (the prompt's logprobs vLLM would report are not simulated).
 
+Echo with generation (completions with ``echo`` and ``max_tokens`` > 0): each choice's text is its prompt followed
+by the generated text (``output_text = prompt_text + output.text``); streamed, the prompt goes with the choice's
+first output chunk (``delta_text = prompt_text + output.text``), and ``""`` stands for the prompt with
+``return_token_ids``, as in vLLM; usage counts the generated tokens only. ``logprobs`` covers the generated tokens
+alone, their ``text_offset`` counted from the start of the echoed text (vLLM also lists the prompt's tokens first,
+with a null logprob for the first one: not simulated).
+
 Tool calls: ``tool_choice`` auto (the simulator's ``--enable-auto-tool-choice``) calls the first tool,
 ``"required"`` the first tool, a named choice that tool; ``arguments`` is JSON built from the tool's parameter
 schema, streamed in 4-character pieces. ``finish_reason`` is ``"tool_calls"`` for auto and required, ``"stop"``
@@ -67,7 +74,7 @@ class ResponseWriter:
         self.chat = req.api == "chat"
         self.tool_name = req.tool_name
         self.tool_mode = req.tool_mode
-        self._lp = req.sampling.logprobs is not None and req.echo_texts is None
+        self._lp = req.sampling.logprobs is not None and not req.echo_only
         self._tool_ids: dict[int, str] = {}
         self._head = {"id": req.response_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                       "created": created, "model": model}
@@ -115,6 +122,8 @@ class ResponseWriter:
                                                  for t, v in alts[:top]]})
             return {"content": content}
         offset = len(plan.text(0, start))
+        if self.req.echo_texts is not None:   # after the echoed prompt (vLLM's offsets count its tokens first)
+            offset += len(self.req.echo_texts[seq.prompt_index])
         offsets, token_lps, tokens, tops = [], [], [], []
         for i in range(start, end):
             token, lp, alts = plan.logprobs(i, max(top, 1))
@@ -146,7 +155,7 @@ class ResponseWriter:
         tool_mode = self.tool_mode
         public = finish if tool_mode is None else self.public_finish_reason(finish)
         usage_obj = self.usage(usage, stream=True) if usage is not None else None
-        text = seq.plan.text(start, end) if self.req.echo_texts is None else self._echo_text(seq, start)
+        text = seq.plan.text(start, end) if self.req.echo_texts is None else self._echo_text(seq, start, end)
         logprobs = self._logprobs(seq, start, end) if self._lp else None
         if self.chat and tool_mode in ("required", "named"):
             return events + self._forced_tool_chunks(seq, start, end, text, public, stop_reason, usage_obj, last)
@@ -176,12 +185,14 @@ class ResponseWriter:
         events.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
         return events
 
-    def _echo_text(self, seq: Seq, start: int) -> str:
-        """The text of an echo-only completion's output from token ``start``: the prompt, once (vLLM:
-        ``output_text = prompt_text``, ``""`` with ``return_token_ids``); nothing after it."""
-        if start > 0 or self.req.echo_texts is None or self.req.return_token_ids:
-            return ""
-        return self.req.echo_texts[seq.prompt_index]
+    def _echo_text(self, seq: Seq, start: int, end: int) -> str:
+        """The text of an echo completion's output tokens ``[start, end)``: the prompt first, once (``""`` with
+        ``return_token_ids``, as vLLM's ``prompt_text``), then the generated text; echo-only: the prompt alone
+        (vLLM: ``output_text = prompt_text``), nothing after it."""
+        req = self.req
+        echoed = start == 0 and req.echo_texts is not None and not req.return_token_ids
+        prompt = req.echo_texts[seq.prompt_index] if echoed and req.echo_texts is not None else ""
+        return prompt if req.echo_only else prompt + seq.plan.text(start, end)
 
     def _stream_ids(self, seq: Seq, start: int, end: int) -> list[int] | None:
         """A streamed choice's ``token_ids`` (output tokens ``[start, end)``) with ``return_token_ids``, else None
@@ -272,7 +283,7 @@ class ResponseWriter:
     def _json_choice(self, seq: Seq) -> dict[str, Any]:
         n = seq.sent
         finish = self.public_finish_reason(seq.finish)
-        text = seq.plan.text(0, n) if self.req.echo_texts is None else self._echo_text(seq, 0)
+        text = seq.plan.text(0, n) if self.req.echo_texts is None else self._echo_text(seq, 0, n)
         logprobs = self._logprobs(seq, 0, n) if self._lp else None
         stop_reason = seq.reason
         token_ids = seq.plan.token_ids(0, n) if self.req.return_token_ids else None

@@ -147,6 +147,29 @@ def test_echo_without_generation_is_the_prompt_from_a_decoder_alone(proxy: Proxy
     prefills, (d,) = legs(sims)
     assert prefills == [] and (d["body"]["echo"], d["body"]["max_tokens"]) == (True, 0)
 
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_generation_is_the_prompt_then_the_decoders_tokens(proxy: ProxyThread, sims: Fleet,
+                                                                     stream: bool) -> None:
+    """``echo`` with ``max_tokens`` > 0 (no logprobs) goes prefiller → decoder; vLLM 0.32 answers the prompt
+    followed by the generated text (``completion/serving.py``), so the decoder's answer the client gets starts
+    with the prompt (the simulator once sent the generated text alone), and usage counts generated tokens only."""
+    prompt = "The weather in Paris is"
+    c = client(proxy)
+    if stream:
+        chunks = list(c.completions.create(model="sim-model", prompt=prompt, max_tokens=4, echo=True, stream=True,
+                                           stream_options={"include_usage": True}))
+        texts = [ch.choices[0].text for ch in chunks if ch.choices]
+        assert texts[0].startswith(prompt)
+        text, usage = "".join(texts), chunks[-1].usage
+    else:
+        reply = c.completions.create(model="sim-model", prompt=prompt, max_tokens=4, echo=True)
+        text, usage = reply.choices[0].text, reply.usage
+    assert text.startswith(prompt) and len(text) > len(prompt)
+    assert usage is not None and usage.completion_tokens == 4
+    (p,), (d,) = legs(sims)
+    assert p["body"]["max_tokens"] == 1 and (d["body"]["echo"], d["body"]["max_tokens"]) == (True, 4)
+
 OVER = 4096 + 1                      # the fleet's max_model_len + 1 (tests/conftest.py SIM_ARGS)
 
 

@@ -230,3 +230,46 @@ def test_echo_without_generation_answers_the_prompt(oai: openai.OpenAI, sim: Sim
         "type": "BadRequestError", "param": "max_tokens", "code": 400}
     refused = post(sim, "/v1/completions", {"prompt": prompt, "max_tokens": 0, "echo": False})
     assert refused.status_code == 400
+
+
+def test_echo_with_generation_prepends_the_prompt(oai: openai.OpenAI, sim: SimProcess) -> None:
+    """``echo`` with ``max_tokens`` > 0: vLLM 0.32 answers the prompt followed by the generated text
+    (``completion/serving.py``: ``output_text = prompt_text + output.text``; streamed, the first chunk of each
+    choice is ``prompt_text + output.text``), usage counting the generated tokens only; a token-id prompt is
+    decoded, each prompt of a list and each of ``n`` choices echoes its prompt; ``return_token_ids`` makes the
+    prompt text ``""``. The simulator answered the generated text alone."""
+    prompt = "Hello there world"
+    plain = oai.completions.create(model="sim-model", prompt=prompt, max_tokens=4, seed=7)
+    generated = plain.choices[0].text
+    assert generated
+    one = oai.completions.create(model="sim-model", prompt=prompt, max_tokens=4, seed=7, echo=True)
+    assert one.choices[0].text == prompt + generated
+    assert one.usage is not None and (one.usage.prompt_tokens, one.usage.completion_tokens) == (3, 4)
+    ids = post(sim, "/tokenize", {"prompt": prompt}).json()["tokens"]
+    by_ids = oai.completions.create(model="sim-model", prompt=ids, max_tokens=4, echo=True)
+    assert by_ids.choices[0].text.startswith(prompt) and len(by_ids.choices[0].text) > len(prompt)
+    listed = oai.completions.create(model="sim-model", prompt=[prompt, "Bye now"], max_tokens=3, n=2, echo=True)
+    assert [c.text.startswith(p) and len(c.text) > len(p) for c, p in
+            zip(sorted(listed.choices, key=lambda c: c.index), [prompt, prompt, "Bye now", "Bye now"],
+                strict=True)] == [True] * 4
+    assert listed.usage is not None and listed.usage.completion_tokens == 12
+    raw = post(sim, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "seed": 7, "echo": True,
+                                        "return_token_ids": True}).json()
+    assert raw["choices"][0]["text"] == generated
+    lp = oai.completions.create(model="sim-model", prompt=prompt, max_tokens=4, seed=7, echo=True, logprobs=1)
+    assert lp.choices[0].text == prompt + generated and lp.choices[0].logprobs is not None
+    assert lp.choices[0].logprobs.text_offset is not None and lp.choices[0].logprobs.text_offset[0] == len(prompt)
+    chunks = list(oai.completions.create(model="sim-model", prompt=prompt, max_tokens=4, seed=7, echo=True,
+                                         stream=True, stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert texts[0].startswith(prompt) and len(texts[0]) > len(prompt) and "".join(texts) == prompt + generated
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+    streamed = list(oai.completions.create(model="sim-model", prompt=[prompt, "Bye now"], max_tokens=3, n=2,
+                                           echo=True, stream=True))
+    by_choice: dict[int, str] = {}
+    for c in streamed:
+        for ch in c.choices:
+            if ch.index not in by_choice:
+                assert ch.text.startswith(prompt if ch.index < 2 else "Bye now")
+            by_choice[ch.index] = by_choice.get(ch.index, "") + ch.text
+    assert sorted(by_choice) == [0, 1, 2, 3]
