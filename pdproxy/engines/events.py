@@ -50,7 +50,7 @@ def _num(n: int | None) -> str:
 def describe(info: EngineInfo, role: Role = Role.PREFILL) -> str:
     """``model m, max_model_len 4,096, KV pool 16,384 tokens (4,096 blocks × 4)`` from the info of an engine of
     ``role`` — and, when its pool rather than ``max_model_len`` bounds the prompts it takes, the largest it takes
-    (admission's own figure, :meth:`pdproxy.engines.limits.EngineLimits.allowed_prompt`): the pool on a prefiller,
+    (admission's own figure, :meth:`pdproxy.engines.limits.EngineLimits.prompt_bounds`): the pool on a prefiller,
     one token less on a decoder (the answer's first token must fit too).  A request needs a prefiller *and* a
     decoder, so a prefiller's line also gives what a decoder with the same pool takes: with equal pools, that is
     the largest prompt pdproxy admits."""
@@ -61,13 +61,13 @@ def describe(info: EngineInfo, role: Role = Role.PREFILL) -> str:
     pool, mml = info.kv_pool_tokens, info.max_model_len
     if pool is None or mml is None:
         return text
-    largest = EngineLimits(max_model_len=mml, kv_pool_tokens=pool).allowed_prompt(role, None)
-    by_len = EngineLimits(max_model_len=mml).allowed_prompt(role, None)
+    limits = EngineLimits(max_model_len=mml, kv_pool_tokens=pool)
+    by_len, largest = limits.prompt_bounds(role)
     if largest is not None and by_len is not None and largest < by_len:
         if role is Role.DECODE:
             takes = f"this decoder takes prompts of at most {largest:,} tokens (the answer's first token must fit too)"
         else:
-            decoder = EngineLimits(max_model_len=mml, kv_pool_tokens=pool).allowed_prompt(Role.DECODE, None)
+            decoder = limits.prompt_bounds(Role.DECODE)[1]
             takes = (f"this prefiller takes prompts of at most {largest:,} tokens and a decoder with the same pool "
                      f"{decoder:,} (the answer's first token must fit too)")
         text += (f" — below max_model_len: {takes}; longer ones would queue forever in the engine, so a prompt is "

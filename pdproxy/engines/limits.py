@@ -66,6 +66,16 @@ class EngineLimits:
             caps.append(self.kv_pool_tokens - (0 if role is Role.PREFILL else 1))
         return min(caps) if caps else None
 
+    def prompt_bounds(self, role: Role) -> tuple[int | None, int | None]:
+        """The two bounds :meth:`allowed_prompt` (clamped: one output token) takes the smaller of, in tokens: (the
+        largest prompt ``max_model_len`` lets this endpoint take in ``role``, the largest its KV pool holds — the
+        pool on a prefiller, one less on a decoder, whose pool holds the answer's first token too); None where
+        unknown.  A pool bound below the other is a cliff: prompts between the two fit ``max_model_len`` but would
+        wait forever for the pool (the start-up line and ``pdproxy doctor`` say so)."""
+        by_len = None if self.max_model_len is None else self.max_model_len - 1
+        by_pool = None if self.kv_pool_tokens is None else self.kv_pool_tokens - (0 if role is Role.PREFILL else 1)
+        return by_len, by_pool
+
     def violation(self, role: Role, endpoint: Endpoint, prompt: int, max_output: int | None,
                   clamp: bool = True) -> Violation | None:
         """The rule ``prompt`` breaks on this endpoint, max_model_len first; None if it fits."""

@@ -147,21 +147,24 @@ def only_comments(block: bytes) -> bool:
     return all(not line or line[0] == 58 for line in block.split(b"\n"))
 
 
-def ends_before_content(block: bytes, end_event: bytes) -> bool:
-    """Whether ``block`` (whole events, ``\n`` line endings: :func:`frame`'s output) ends with ``end_event`` and
-    nothing before it carries data — only comment lines and empty ``data:`` lines: a stream that ended before its
-    first token (vLLM always sends a chunk first).  O(1) unless the block ends with ``end_event``; then it stops at
-    the first line with data."""
-    if not block.endswith(end_event):
-        return False
-    i, end = 0, len(block) - len(end_event)
-    while i < end:                       # line by line: a whole answer's block is not split for its first line
+def no_data(block: bytes, end: int | None = None) -> bool:
+    """Whether ``block[:end]`` (whole events, ``\n`` line endings: :func:`frame`'s output) holds no data: only
+    blank lines, comment lines (``: keep-alive``) and empty ``data:`` lines.  Line by line, stopping at the first
+    line with data: O(1) for a stream's usual first block, however long."""
+    i, end = 0, len(block) if end is None else end
+    while i < end:
         j = block.find(b"\n", i, end)
         j = end if j < 0 else j
         if j > i and block[i] != 58 and block[i:j] not in (b"data:", b"data: "):
             return False
         i = j + 1
     return True
+
+
+def ends_before_content(block: bytes, end_event: bytes) -> bool:
+    """Whether ``block`` (whole events, ``\n`` line endings) ends with ``end_event`` and nothing before it carries
+    data (:func:`no_data`): a stream that ended before its first token (vLLM always sends a chunk first)."""
+    return block.endswith(end_event) and no_data(block, len(block) - len(end_event))
 
 
 def split_events(block: bytes) -> list[bytes]:

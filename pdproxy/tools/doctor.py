@@ -132,13 +132,12 @@ _ROLE_NOUN = {Role.PREFILL: "prefiller", Role.DECODE: "decoder"}
 
 
 def _kv_figures(role: Role, pool: int, mml: int) -> tuple[int, int, int]:
-    """Admission's figures for an engine of ``role`` (:meth:`pdproxy.engines.limits.EngineLimits.allowed_prompt`):
+    """Admission's figures for an engine of ``role`` (:meth:`pdproxy.engines.limits.EngineLimits.prompt_bounds`):
     (the largest prompt its KV pool holds, the largest ``max_model_len`` lets it take, the pool that prompt needs).
     A prompt of ``max_model_len`` tokens is refused by the engine itself (no room for one output token); a
     prefiller holds a prompt of ``pool`` tokens, a decoder one of ``pool − 1`` (the answer's first token must fit
     too).  The prompts between the first figure + 1 and the second fit ``max_model_len`` but never the pool."""
-    by_pool = EngineLimits(kv_pool_tokens=pool).allowed_prompt(role, None)
-    by_len = EngineLimits(max_model_len=mml).allowed_prompt(role, None)
+    by_len, by_pool = EngineLimits(max_model_len=mml, kv_pool_tokens=pool).prompt_bounds(role)
     assert by_pool is not None and by_len is not None
     return by_pool, by_len, by_len + (pool - by_pool)
 

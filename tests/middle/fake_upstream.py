@@ -618,7 +618,7 @@ class FakeUpstream(Upstream):
         yet, False); a stream that ends before any content never ran the request."""
         if not call.streaming:
             return True
-        if all(not line or line[0] == 58 or line in (b"data:", b"data: ") for line in data.split(b"\n")):
+        if sse.no_data(data):
             return False
         if not sse.ends_before_content(data, sse.DONE_EVENT):
             self._fate(call, "rejected" if data.startswith(b'data: {"error"') else "pulled")

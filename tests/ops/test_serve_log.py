@@ -13,6 +13,8 @@ import httpx
 import pytest
 
 from pdproxy import __version__
+from pdproxy.endpoints import Role
+from pdproxy.engines.limits import EngineLimits
 from tests.conftest import Fleet
 from tests.ops.serveproc import ServeProcess
 from tests.support import SimProcess, free_port, wait_until
@@ -200,3 +202,15 @@ def test_an_engine_line_gives_admissions_figures_for_both_roles_and_any_pool() -
             assert line(pool, role).endswith(f"KV pool {pool:,} tokens ({pool // 16:,} blocks × 16)"), line(pool, role)
     assert "below max_model_len" not in line(16_383, Role.PREFILL)                    # takes 16,383 either way
     assert "this decoder takes prompts of at most 16,382 tokens" in line(16_383, Role.DECODE)
+
+
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
+@pytest.mark.parametrize(("mml", "pool"), [(16384, 1600), (16384, 16383), (16384, 16384), (16384, 16385), (4096, None),
+                                           (None, 1600), (None, None)])
+def test_the_printed_bounds_are_the_ones_admission_takes_the_smaller_of(role: Role, mml: int | None,
+                                                                        pool: int | None) -> None:
+    """EngineLimits.prompt_bounds (the start-up line's and doctor's figures) and allowed_prompt (admission's hot
+    path) are written apart: they must agree, or the words would again say one limit while admission uses another."""
+    limits = EngineLimits(max_model_len=mml, kv_pool_tokens=pool)
+    bounds = [b for b in limits.prompt_bounds(role) if b is not None]
+    assert (min(bounds) if bounds else None) == limits.allowed_prompt(role, None)
