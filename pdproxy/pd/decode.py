@@ -168,12 +168,19 @@ class DecodeLeg:
 _JSON_WS = b" \t\r\n"
 
 
-def json_answer_fault(status: int, data: bytes) -> str | None:
-    """Why a decoder's non-streamed answer (``status``, whole ``data``) is not one to relay, or None: vLLM answers
-    a completion with 200 and a JSON object (``vllm/entrypoints/openai/chat_completion/api_router.py``), its errors
-    with 4xx/5xx (raised before this).  Checked by shape — the first and last bytes past whitespace are ``{`` and
-    ``}`` — not parsed: O(1) whatever the answer's size (a short body is a
-    :class:`~pdproxy.http.client.TransportError` already)."""
+_ANSWER_KEY = {Api.CHAT: b'"choices"', Api.COMPLETIONS: b'"choices"', Api.RESPONSES: b'"output"',
+               Api.MESSAGES: b'"content"'}
+"""The key every answer of each API holds (vLLM's ``ChatCompletionResponse`` and ``CompletionResponse``:
+``choices``; ``ResponsesResponse``: ``output``; the Anthropic ``MessagesResponse``: ``content``)."""
+
+
+def json_answer_fault(status: int, data: bytes, api: Api = Api.CHAT) -> str | None:
+    """Why a decoder's non-streamed answer (``status``, whole ``data``) to an ``api`` request is not one to relay,
+    or None: vLLM answers a completion with 200 and a JSON object holding its API's answer key (:data:`_ANSWER_KEY`;
+    ``vllm/entrypoints/openai/chat_completion/api_router.py``), its errors with 4xx/5xx (raised before this).
+    Checked by shape, not parsed: the first and last bytes past whitespace are ``{`` and ``}`` (O(1)), and the
+    key's quoted name occurs (one ``memmem`` over the answer, a few µs for 100 KB) — so ``{}`` or an object
+    without the answer is refused too.  A short body is a :class:`~pdproxy.http.client.TransportError` already."""
     if status != 200:
         return f"{status} to a completion (not 200 with its answer)"
     body = data.strip(_JSON_WS)          # the same object when there is no whitespace to strip (vLLM's)
@@ -181,6 +188,9 @@ def json_answer_fault(status: int, data: bytes) -> str | None:
         return "200 with an empty body"
     if body[0] != 123 or body[-1] != 125:             # "{" ... "}"
         return f"200 with a body that is not a JSON object ({len(data)} bytes starting {data[:24]!r})"
+    key = _ANSWER_KEY[api]
+    if body.find(key) < 0:
+        return f"200 with a JSON object without {key.decode()} ({len(data)} bytes starting {data[:24]!r})"
     return None
 
 
@@ -202,7 +212,7 @@ async def relay_json(resp: H1Response, ctx: RequestContext, cached_tokens: int |
     except TimeoutError:
         raise UpstreamTimeout(f"decoder {endpoint} did not finish within {timeout_s:.1f} s",
                               endpoint=endpoint) from None
-    fault = json_answer_fault(resp.status, data)
+    fault = json_answer_fault(resp.status, data, api)
     if fault is not None:
         raise UpstreamUnavailable(f"decoder {endpoint} answered {fault}", endpoint=endpoint)
     ctx.timeline.first_token_at = ctx.timeline.last_token_at = time.monotonic()

@@ -315,13 +315,14 @@ async def test_a_stream_broken_after_its_first_event_ends_with_an_error_event_an
 
 
 BROKEN_ANSWERS = {"empty": Answer(raw=b""), "text": Answer(raw=b"hello"), "sse": Answer(raw=chat_chunks(1)[0]),
-                  "204": Answer(raw=b"", status=204), "array": Answer(raw=b"[]")}
+                  "204": Answer(raw=b"", status=204), "array": Answer(raw=b"[]"), "empty_object": Answer(raw=b"{}"),
+                  "no_choices": Answer(raw=b'{"id": "cmpl-1", "object": "chat.completion", "usage": {}}')}
 
 
 @pytest.mark.parametrize("broken", list(BROKEN_ANSWERS))
 async def test_a_decoder_answer_that_is_not_a_json_object_is_never_a_200(broken: str) -> None:
-    """A non-streamed answer must be 200 with a JSON object (vLLM's): an empty body, text, an SSE stream or a 204
-    is the decoder's fault — a 502 in the API's error shape, the decoder's breaker told; never relayed as a 200
+    """A non-streamed answer must be 200 with a JSON object holding ``choices`` (vLLM's): an empty body, text, an
+    SSE stream, a 204, ``[]``, ``{}`` or an object without ``choices`` is the decoder's fault — a 502 in the API's error shape, the decoder's breaker told; never relayed as a 200
     (seed 000's symptom); with another decoder the request is retried there (the KV re-prefilled)."""
     async with Rig() as rig:
         rig.fake.script("alone", decode=[BROKEN_ANSWERS[broken]] * 3)
