@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
-from xxhash import xxh3_64_intdigest
+from xxhash import xxh3_64, xxh3_64_intdigest
 
 from pdproxy.prefix.kv_events import (
     ArrayBlockRemoved,
@@ -166,15 +166,30 @@ def block_keys(token_ids: Sequence[int], block_size: int, namespace: str = "",
     return BlockKeys(keys, block_size, len(token_ids), namespace, "tokens")
 
 
-def text_keys(text: str | bytes, *, chunk_chars: int = DEFAULT_TEXT_CHUNK_CHARS, namespace: str = "",
-              num_tokens: int | None = None, chars_per_token: float = DEFAULT_CHARS_PER_TOKEN,
+def _find_mark(parts: Sequence[bytes], starts: Sequence[int], low: int) -> int:
+    """The offset in the concatenation of ``parts`` (part ``i`` at offset ``starts[i]``) of the first
+    :data:`MESSAGE_MARK` at or after ``low``, or -1."""
+    i = bisect.bisect_right(starts, low) - 1
+    offset = low - starts[i]
+    while i < len(parts):
+        j = parts[i].find(MESSAGE_MARK, offset)
+        if j >= 0:
+            return starts[i] + j
+        i += 1
+        offset = 0
+    return -1
+
+
+def text_keys(text: str | bytes | Sequence[bytes], *, chunk_chars: int = DEFAULT_TEXT_CHUNK_CHARS,
+              namespace: str = "", num_tokens: int | None = None, chars_per_token: float = DEFAULT_CHARS_PER_TOKEN,
               tokens_per_byte: float | None = None) -> BlockKeys:
     """Fallback keys when no tokenizer is at hand: chunks of the rendered prompt's UTF-8 encoding, chained with
     XXH3-64 (each chunk hashed with the previous key as its seed; stable across processes and replicas), as
     unsigned 64-bit ints.  Only the approximate index can use them (engines report token blocks).
 
-    ``text``: the rendered prompt, as text or as its UTF-8 encoding (what :func:`render_bytes
-    <pdproxy.prefix.routing.render_bytes>` gives).
+    ``text``: the rendered prompt, as text, as its UTF-8 encoding, or as a list of byte strings whose
+    concatenation is that encoding (what :func:`render_parts <pdproxy.prefix.routing.render_parts>` gives: the
+    keys are those of the joined bytes, computed without joining them — a 250 KB prompt is not copied once more).
 
     Chunks: ``chunk_chars`` bytes each for the first :data:`TEXT_GROWTH` chunks, then each one 1/TEXT_GROWTH of
     the bytes before it, so a prompt of ``n`` bytes with few messages has about ``8 + 8.5 ln(n / 2048)`` keys at
@@ -200,14 +215,19 @@ def text_keys(text: str | bytes, *, chunk_chars: int = DEFAULT_TEXT_CHUNK_CHARS,
     """
     if chunk_chars < 1:
         raise ValueError(f"chunk_chars must be >= 1, got {chunk_chars}")
-    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
-    size = len(data)
+    if isinstance(text, str):
+        parts = [text.encode("utf-8", "surrogatepass")]
+    elif isinstance(text, bytes):
+        parts = [text]
+    else:
+        parts = [p for p in text if p] or [b""]
+    starts = list(itertools.accumulate((len(p) for p in parts[:-1]), initial=0))
+    size = starts[-1] + len(parts[-1])
     seed = namespace_root(namespace, "text") & KEY_MASK
     keys: list[int] = []
     ends: list[int] = []
-    view = memoryview(data)
     xxh = xxh3_64_intdigest
-    find = data.find
+    i, at, part_end, view = 0, 0, len(parts[0]), memoryview(parts[0])   # the part holding ``start``: bytes [at, part_end)
     start, step, floor = 0, chunk_chars, chunk_chars * TEXT_GROWTH
     mark = -1                        # the first mark at or after some earlier ``low``: searched again once passed
     while start < size:
@@ -216,7 +236,7 @@ def text_keys(text: str | bytes, *, chunk_chars: int = DEFAULT_TEXT_CHUNK_CHARS,
             half = step >> 1
             low = start + (half if half > chunk_chars else chunk_chars)   # grows every chunk
             if mark < low:
-                mark = find(MESSAGE_MARK, low)
+                mark = parts[0].find(MESSAGE_MARK, low) if len(parts) == 1 else _find_mark(parts, starts, low)
                 if mark == -1:
                     mark = _NO_MARK
             if mark < end:
@@ -225,10 +245,22 @@ def text_keys(text: str | bytes, *, chunk_chars: int = DEFAULT_TEXT_CHUNK_CHARS,
             if not start:            # shorter than one chunk: no key (a prompt shorter than a block has none)
                 break
             end = size
-        seed = xxh(view[start:end], seed)
+        if end <= part_end:          # inside one part (always, for one part): hashed from a view, no copy
+            seed = xxh(view[start - at:end - at], seed)
+        else:                        # across parts: XXH3's streaming state gives the one-shot digest of the bytes
+            h = xxh3_64(seed=seed)
+            h.update(view[start - at:])
+            while end > part_end:
+                i += 1
+                at, part_end, view = part_end, part_end + len(parts[i]), memoryview(parts[i])
+                h.update(view[:end - at])
+            seed = h.intdigest()
         keys.append(seed)
         ends.append(end)
         start = end
+        if start == part_end and i + 1 < len(parts):   # the next chunk starts in the next part
+            i += 1
+            at, part_end, view = part_end, part_end + len(parts[i]), memoryview(parts[i])
         step = end // TEXT_GROWTH if end >= floor else chunk_chars
     if tokens_per_byte:
         estimate = max(1, round(size * tokens_per_byte))

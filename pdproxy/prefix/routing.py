@@ -80,6 +80,11 @@ _TOOLS_HEAD = f"{_MARK}tools{_ROLE_END}".encode()
 
 
 def render_bytes(body: dict[str, Any], chat: bool) -> bytes:
+    """The canonical rendering of :func:`render_parts`, joined."""
+    return b"".join(render_parts(body, chat))
+
+
+def render_parts(body: dict[str, Any], chat: bool) -> list[bytes]:
     """A canonical rendering of a request's prompt for text keys, as UTF-8: a completion prompt as it is; a chat
     as its tools (JSON) then each message's role, text content and tool calls (JSON), each part after
     :data:`~pdproxy.prefix.index.MESSAGE_MARK` (``\x1e``; the role and its content apart by ``\x1f``).  A
@@ -87,14 +92,16 @@ def render_bytes(body: dict[str, Any], chat: bool) -> bytes:
     the mark where its new messages begin ends a chunk there (:func:`~pdproxy.prefix.index.text_keys`).
     An id prompt renders as ``b""`` (it has token keys).
 
-    Each part is encoded on its own and the parts joined: a 250 KB string content is copied twice (its encoding,
-    the join; a list content once more, joining its text parts), where a rendering as text, formatted then
-    encoded, copied it three times; the keys are the same."""
+    Returned as its parts, each encoded on its own, for :func:`~pdproxy.prefix.index.text_keys` to hash without
+    joining them: a 250 KB string content is copied once (its encoding; a list content once more, joining its text
+    parts), where joining the parts copied it twice and a rendering as text, formatted then encoded, three times
+    (the join was a third of the text keys' CPU in ``loadtest/users_bench.py``'s ``long_16``); the keys are the
+    same."""
     if not chat:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
-        return prompt.encode("utf-8", "surrogatepass") if isinstance(prompt, str) else b""
+        return [prompt.encode("utf-8", "surrogatepass")] if isinstance(prompt, str) else []
     parts: list[bytes] = []
     tools = body.get("tools")
     if tools:
@@ -112,7 +119,7 @@ def render_bytes(body: dict[str, Any], chat: bool) -> bytes:
             parts.append(content.encode("utf-8", "surrogatepass"))
         if message.get("tool_calls"):
             parts.append(orjson.dumps(message["tool_calls"]))
-    return b"".join(parts)
+    return parts
 
 
 def cache_salt(req: ProxyRequest) -> str | None:
@@ -330,7 +337,7 @@ class PrefixRouter:
 
     def _text_keys(self, body: dict[str, Any], chat: bool, namespace: str, tokens: int | None,
                    per_byte: float | None) -> BlockKeys:
-        return text_keys(render_bytes(body, chat), chunk_chars=self.text_chunk_chars, namespace=namespace,
+        return text_keys(render_parts(body, chat), chunk_chars=self.text_chunk_chars, namespace=namespace,
                          num_tokens=tokens, tokens_per_byte=per_byte)
 
     def _predict(self, lookup: PrefixLookup, targets: Sequence[tuple[Endpoint, bool, bool]]) -> None:

@@ -13,7 +13,7 @@ from pdproxy.admission.count import IdsCache, LocalCounter
 from pdproxy.endpoints import Role, expand
 from pdproxy.engines.pool import EndpointPool
 from pdproxy.prefix.index import block_keys, text_keys
-from pdproxy.prefix.routing import PrefixLookup, PrefixRouter, render_bytes
+from pdproxy.prefix.routing import PrefixLookup, PrefixRouter, render_bytes, render_parts
 from pdproxy.scheduling import PickRequest, PrefixHints, Scheduler
 from pdproxy.tokens import load_tokenizer, prompt_token_ids, sim_prompt
 from pdproxy.tools.tinymodel import write_tokenizer
@@ -186,3 +186,4 @@ def test_text_keys_of_a_rendered_chat_are_pinned() -> None:
         2518824593386082122, 5056739300937358290, 12578474548483258503, 10961350380700196707, 4526384372057410479,
         6473355559937028508, 3814072231123602999, 14589595235104345335]
     assert keys == text_keys(render_bytes(body, True).decode(), chunk_chars=16, namespace="m")    # text or bytes
+    assert keys == text_keys(render_parts(body, True), chunk_chars=16, namespace="m")   # or its parts, unjoined

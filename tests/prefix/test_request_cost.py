@@ -91,6 +91,17 @@ def test_text_keys_share_exactly_the_chunks_of_a_shared_prefix(shared: str, a: s
     assert text_keys(shared + a, chunk_chars=chunk, namespace="lora").keys[:1] != ka.keys[:1] or not ka.keys
 
 
+@settings(max_examples=200, deadline=None)
+@given(parts=st.lists(st.binary(min_size=0, max_size=700) | st.sampled_from([b"\x1e", b"\x1euser\x1f", b"\x1e\x1e"]),
+                      max_size=12), chunk=st.sampled_from([1, 5, 16, 64]), namespace=st.sampled_from(["", "lora"]))
+@example(parts=[b"a" * 20, b"\x1e", b"b" * 30], chunk=4, namespace="")     # a chunk spanning three parts, a mark in one
+def test_text_keys_of_parts_are_those_of_their_concatenation(parts: list[bytes], chunk: int, namespace: str) -> None:
+    # the rendering's parts are hashed unjoined (chunks inside a part from a view, across parts by XXH3's
+    # streaming state, the marks searched part by part): the keys and chunk ends must be the joined bytes'
+    joined = text_keys(b"".join(parts), chunk_chars=chunk, namespace=namespace, num_tokens=7)
+    assert text_keys(parts, chunk_chars=chunk, namespace=namespace, num_tokens=7) == joined
+
+
 @settings(max_examples=100, deadline=None)
 @given(size=st.integers(0, 300_000), tokens=st.integers(1, 100_000))
 def test_text_cached_tokens_and_blocks_within_are_inverse(size: int, tokens: int) -> None:
