@@ -27,6 +27,8 @@ import json
 from itertools import chain, repeat
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from pdproxy.errors import BadRequest
 
 MESSAGE_ROLES = ("user", "assistant", "system")
@@ -38,15 +40,17 @@ _ROLE_SET = frozenset(MESSAGE_ROLES)
 _CONTENT_KINDS = frozenset({str, list})
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _MEDIA_PARTS = ("input_image", "input_file", "input_audio", "image")
+_LAX_BOOL: TypeAdapter[bool | None] = TypeAdapter(bool | None)
+_LAX_INT: TypeAdapter[int | None] = TypeAdapter(int | None)
+"""vLLM's models type ``stream`` ``bool | None`` and the output limits ``int``, read by pydantic in lax mode:
+``"stream": "true"`` (or ``1``, ``"yes"``) streams, ``"max_tokens": "3"`` (or ``3.0``) is 3 — the same here."""
 
 
 def _stream(body: dict[str, Any]) -> bool:
-    stream = body.get("stream", False)
-    if stream is None:
-        return False
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be a boolean", param="stream")
-    return stream
+    try:
+        return bool(_LAX_BOOL.validate_python(body.get("stream", False)))
+    except ValidationError:
+        raise BadRequest("'stream' must be a boolean", param="stream") from None
 
 
 def _model(body: dict[str, Any], required: bool) -> str | None:
@@ -59,12 +63,10 @@ def _model(body: dict[str, Any], required: bool) -> str | None:
 
 
 def _int(body: dict[str, Any], key: str) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(f"'{key}' must be an integer", param=key)
-    return value
+    try:
+        return _LAX_INT.validate_python(body.get(key))
+    except ValidationError:
+        raise BadRequest(f"'{key}' must be an integer", param=key) from None
 
 
 def _tools(body: dict[str, Any]) -> None:

@@ -88,6 +88,26 @@ def test_vllm_coercions_and_defaults() -> None:
     assert not req.stream and req.max_output_tokens == 1 and not req.decoder_prefills  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize(("api", "body", "limit"), [
+    (Api.RESPONSES, {"input": "x", "stream": "true", "max_output_tokens": "3"}, 3),
+    (Api.RESPONSES, {"input": "x", "stream": 1, "max_output_tokens": 3.0}, 3),
+    (Api.MESSAGES, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "true",
+                    "max_tokens": "5"}, 5),
+    (Api.MESSAGES, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes",
+                    "max_tokens": 5.0}, 5)])
+def test_responses_and_messages_read_stream_and_limits_with_vllms_coercions(api: Api, body: dict,
+                                                                           limit: int) -> None:
+    """``ResponsesRequest`` / ``AnthropicMessagesRequest`` type ``stream: bool | None`` and the limit ``int`` in
+    pydantic's lax mode: vLLM streams ``"stream": "true"`` and reads ``"3"`` / ``3.0`` as 3 (the simulator
+    too); pdproxy answered 400 "'stream' must be a boolean" / "must be an integer"."""
+    req = parse(body, api)
+    assert req.stream is True and req.max_output_tokens == limit  # type: ignore[attr-defined]
+    with pytest.raises(BadRequest):
+        parse({**body, "stream": "maybe"}, api)
+    with pytest.raises(BadRequest):
+        parse({**body, "max_output_tokens" if api is Api.RESPONSES else "max_tokens": "3.5"}, api)
+
+
 @pytest.mark.parametrize("prompt", ["hello", [1, 2, 3], ["hello"], [[1, 2, 3]], []])
 def test_single_prompts_are_accepted(prompt: object) -> None:
     req = parse({"prompt": prompt, "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}},
