@@ -222,13 +222,22 @@ class ModelNotFound(NotFound):
 
     outcome = "model_not_found"
 
-    def __init__(self, model: str, role: str, served: list[str], other_role: str | None = None) -> None:
-        aliases = f" Valid aliases: {', '.join(served)}." if served else ""
+    def __init__(self, model: str, role: str, served: list[str], other_role: str | None = None,
+                 pooling: bool = False) -> None:
+        aliases = f" Valid aliases: {', '.join(served)}." if served and not pooling else ""
         split = (f" (`{model}` is served by {other_role} engines but by no {role} engine, and every request needs "
                  "both: check each engine's --served-model-name)") if other_role else ""
-        super().__init__(f"The model `{model}` does not exist.{aliases}{split}", param="model")
+        super().__init__(f"The model `{model}` does not exist.{aliases}{split}", param=None if pooling else "model")
         self.model = model
+        self.role = role
+        self.served = served
+        self.other_role = other_role
         self.rejection = ("model_not_found", role)
+
+    def on_pooling_route(self) -> ModelNotFound:
+        """The same 404 as vLLM's pooling routes word it: no aliases, ``param: null``
+        (``tests/real_vllm/captures/pooling/error_embeddings_unknown_model.json``)."""
+        return ModelNotFound(self.model, self.role, self.served, self.other_role, pooling=True)
 
 
 class PayloadTooLarge(ProxyError):

@@ -53,6 +53,7 @@ from pdproxy.errors import (
     ENGINE_TEXT_CHARS,
     Action,
     BadRequest,
+    ModelNotFound,
     NotFound,
     ProxyError,
     UpstreamHTTPError,
@@ -79,6 +80,9 @@ ROUTES: dict[str, str] = {
     "/v1/audio/transcriptions": "audio", "/v1/audio/translations": "audio",
 }
 """Passed-through path → its ``api`` label in metrics and logs."""
+
+POOLING_APIS = frozenset({"embeddings", "pooling", "classify", "score", "rerank"})
+"""Route labels of the pooling routes, whose unknown-model 404 vLLM words without aliases and with ``param: null``."""
 
 ANTHROPIC_ROUTES = frozenset({"/v1/messages/count_tokens"})
 """Routes whose own errors take the Anthropic envelope."""
@@ -255,7 +259,12 @@ class Passthrough:
         else:
             body, model = engine_body(body, ctype, self.settings.max_json_depth, self.settings.max_json_items)
         ctx.model = model
-        self.served.require(model)
+        try:
+            self.served.require(model)
+        except ModelNotFound as exc:
+            if ROUTES.get(path) in POOLING_APIS:
+                raise exc.on_pooling_route() from None
+            raise
         request = PickRequest(request_id=ctx.request_id, model=model)
         tried: list[Endpoint] = []
         last: ProxyError | None = None

@@ -147,7 +147,14 @@ def test_unknown_routes_and_models_are_openai_404s(proxy: ProxyThread) -> None:
         assert r.status_code == 404
         assert r.json() == {"error": {"message": "Not Found", "type": "NotFoundError", "param": None, "code": 404}}
     r = httpx.post(proxy.url + "/v1/embeddings", json={"model": "nope", "input": "x"})
-    assert r.status_code == 404 and r.json()["error"]["param"] == "model" and not served_by(r)
+    # vLLM's pooling routes word it without aliases and with param null
+    # (tests/real_vllm/captures/pooling/error_embeddings_unknown_model.json); pdproxy gave chat's words and "model"
+    assert r.status_code == 404 and not served_by(r)
+    assert r.json() == {"error": {"message": "The model `nope` does not exist.", "type": "NotFoundError",
+                                  "param": None, "code": 404}}
+    r = httpx.post(proxy.url + "/tokenize", json={"model": "nope", "prompt": "x"})   # a generate-model route
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert r.json()["error"]["message"].startswith("The model `nope` does not exist. Valid aliases: ")
     r = httpx.get(proxy.url + "/tokenize")
     assert r.status_code == 405
 
