@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from contextlib import ExitStack
 from typing import Any
 
@@ -95,15 +95,23 @@ class KVReleaser:
         self._spawn(self._held(held, self._run(req, request_id, authorization, params, avoid)))
 
     def drain(self, answer: asyncio.Future[dict[str, Any]], req: ProxyRequest, request_id: str,
-              authorization: str | None, *, prefiller: Endpoint, grace_s: float) -> None:
+              authorization: str | None, *, prefiller: Endpoint, grace_s: float,
+              answered: Callable[[], None] | None = None) -> None:
         """The request left while ``answer`` (the prefill leg's ``post_json``, still running) was awaited: wait for
         it at most ``grace_s`` seconds, then release the KV it reports pinned; past the grace ``answer`` is
-        cancelled (its connection closed: vLLM aborts the request).  The prefiller keeps a pool lease meanwhile."""
+        cancelled (its connection closed: vLLM aborts the request).  The prefiller keeps a pool lease meanwhile.
+        ``answered`` is called once the prefill is no longer in flight on the engine (answered, failed or aborted):
+        the prefill slot's budget is held until then (:meth:`PrefillSlot.hand_off_prefill
+        <pdproxy.scheduling.queue.PrefillSlot.hand_off_prefill>`)."""
         if grace_s <= 0 and not answer.done():
             answer.cancel()
+            if answered is not None:
+                answered()
             return
         held = self._hold(prefiller, req)
-        self._spawn(self._held(held, self._drain(answer, req, request_id, authorization, grace_s)))
+        if answered is not None:
+            held.callback(answered)
+        self._spawn(self._held(held, self._drain(answer, req, request_id, authorization, grace_s, answered)))
 
     def _hold(self, prefiller: Endpoint | None, req: ProxyRequest) -> ExitStack:
         held = ExitStack()
@@ -122,17 +130,23 @@ class KVReleaser:
             await work
 
     async def _drain(self, answer: asyncio.Future[dict[str, Any]], req: ProxyRequest, request_id: str,
-                     authorization: str | None, grace_s: float) -> None:
+                     authorization: str | None, grace_s: float, answered: Callable[[], None] | None = None) -> None:
         try:
             async with asyncio.timeout(grace_s):
                 reply = await answer                 # cancelled on expiry: the connection is closed
         except TimeoutError:
+            if answered is not None:
+                answered()
             self.abandoned += 1
             log.debug("prefill of request %s not answered %.2f s after the client left: aborted", request_id,
                       grace_s)
             return
         except ProxyError:                           # the prefill failed: the engine pinned nothing
+            if answered is not None:
+                answered()
             return
+        if answered is not None:                     # answered: no longer in flight (its KV is held by the lease)
+            answered()
         params = kv_transfer.extract_params(reply)
         if params is None:                           # finished on the prefiller (no handle): nothing pinned
             return

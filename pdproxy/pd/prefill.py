@@ -144,7 +144,7 @@ class PrefillLeg:
             try:
                 with (self.tracing.prefill(ctx, endpoint),                 # the span is the leg's traceparent
                       (prefix or _NO_PREFIX).prefilling(req, ctx, endpoint)):  # in flight there; answered/failed
-                    reply = await self.answer(req, ctx, endpoint, (
+                    reply = await self.answer(req, ctx, endpoint, slot, (
                         self.upstream.post_json if fault is None else self.upstream.judge)(
                         endpoint, req.api.value, leg,
                         self.headers.leg(endpoint, ctx.request_id, ctx.authorization, ctx.client_headers),
@@ -187,12 +187,13 @@ class PrefillLeg:
         assert last is not None
         raise last
 
-    async def answer(self, req: ProxyRequest, ctx: RequestContext, endpoint: Endpoint,
+    async def answer(self, req: ProxyRequest, ctx: RequestContext, endpoint: Endpoint, slot: PrefillSlot | None,
                      post: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
         """Await the prefiller's answer (``post``).  When the request is cancelled meanwhile (client gone,
         deadline) the answer is not dropped unread: the engine may have finished and pinned the KV already, so the
         releaser awaits it (bounded by ``prefill_cancel_grace_s``) and frees what it reports
-        (:meth:`KVReleaser.drain`)."""
+        (:meth:`KVReleaser.drain`), the prefill still held against ``slot``'s budget until then (it is still in
+        flight on the engine)."""
         answer = asyncio.ensure_future(post)
         try:
             return await asyncio.shield(answer)
@@ -201,5 +202,6 @@ class PrefillLeg:
                 answer.cancel()
             else:
                 self.releaser.drain(answer, req, ctx.request_id, ctx.authorization, prefiller=endpoint,
-                                    grace_s=self.settings.prefill_cancel_grace_s)
+                                    grace_s=self.settings.prefill_cancel_grace_s,
+                                    answered=slot.hand_off_prefill() if slot is not None else None)
             raise

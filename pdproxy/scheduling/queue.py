@@ -91,6 +91,10 @@ class QueueStats:
     wait_seconds_total: float = 0.0
 
 
+def _nothing() -> None:
+    return None
+
+
 class PrefillSlot:
     """One dispatched prefill of a ``tokens``-token prompt: ``compute_tokens`` of it (the tokens the prefiller
     has not cached; default all) held against ``endpoint``'s budget until :meth:`prefill_done` (the ledger's
@@ -149,6 +153,28 @@ class PrefillSlot:
             self._counts.add_inflight(self.endpoint, -self.compute_tokens, -1)
             self._rate.finished(computed, self._ledger.clock())
             self._ledger.changed()
+
+    def hand_off_prefill(self) -> Callable[[], None]:
+        """The prefill goes on without its holder (the request left while the engine computed it and the releaser
+        drains its answer, :meth:`KVReleaser.drain <pdproxy.pd.kv_release.KVReleaser.drain>`): its budget stays held
+        until the returned callable is called (idempotent), as it is still dispatched and unanswered; the holder's
+        own release no longer frees it."""
+        if not self._prefill_held:
+            return _nothing
+        self._prefill_held = False
+        self.handed_over()
+        done = False
+
+        def finish() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                if self._long:
+                    self._ledger.add_long(self.endpoint, -1)
+                self._counts.add_inflight(self.endpoint, -self.compute_tokens, -1)
+                self._rate.finished(None, self._ledger.clock())
+                self._ledger.changed()
+        return finish
 
     def decode_started(self) -> None:
         """The decoder lease is taken: the pool's decode accounting now covers this request."""

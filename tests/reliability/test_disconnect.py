@@ -22,7 +22,7 @@ import pytest
 
 from pdproxy.tokens import sim_prompt
 from tests.reliability.harness import CHAT, Fleet4
-from tests.support import ProxyThread, SimProcess, wait_until
+from tests.support import ProxyThread, SimProcess, sampling, wait_until
 
 pytestmark = pytest.mark.timeout(40)
 
@@ -186,5 +186,38 @@ def test_disconnect_while_waiting_in_the_prefill_queue(slow_pair: tuple[SimProce
         # would be dispatched as the budget frees, one after another, up to all N.
         dispatched = len(prefiller.completions_received())
         assert 1 <= dispatched <= 3, dispatched
+    finally:
+        proxy.stop()
+
+
+def test_a_prefill_left_running_keeps_its_budget_until_the_engine_answers(
+        slow_pair: tuple[SimProcess, SimProcess]) -> None:
+    """A client that leaves while its prefill runs does not stop the engine computing it (its answer is drained
+    for ``prefill_cancel_grace_s``): the prefill stays dispatched and unanswered, so its budget is not handed to
+    the next waiter until the engine answered — else every client that times out and retries stacks one more
+    prefill on a prefiller already over its budget."""
+    prefiller, decoder = slow_pair
+    proxy = slow_proxy(slow_pair, prefill_budget_tokens=2000, prefill_budget_s=0, prefill_cancel_grace_s=10)
+    try:
+        queue = proxy.state.admission.queue
+
+        async def main() -> None:
+            async with httpx.AsyncClient(timeout=30) as client:
+                big = asyncio.create_task(client.post(proxy.url + "/v1/chat/completions",
+                                                      json=chat(8000, 4, seed=1)))   # ~2 s of prefill
+                await asyncio.to_thread(wait_until, lambda: engine(prefiller)["running"] > 0, 10, 0.02, "big prefill")
+                small = asyncio.create_task(client.post(proxy.url + "/v1/chat/completions",
+                                                        json=chat(1000, 4, seed=2)))
+                await asyncio.to_thread(wait_until, lambda: queue.depth == 1, 10, 0.02, "small one queued")
+                big.cancel()                                 # its client leaves; the engine still computes it
+                await asyncio.gather(big, return_exceptions=True)
+                resp = await small
+                assert resp.status_code == 200, resp.text
+
+        with sampling(lambda: (lambda s: s["running"] + s["waiting"])(engine(prefiller))) as on_engine:
+            asyncio.run(main())
+        assert max(on_engine) == 1     # the small prompt waited for the big one's answer, not for its client
+        assert len(prefiller.completions_received()) == 2
+        assert_released(proxy, [prefiller, decoder], time.monotonic(), LONG_BEFORE_S)
     finally:
         proxy.stop()
