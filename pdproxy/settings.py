@@ -317,7 +317,8 @@ class Settings(BaseSettings):
     max_model_len: int | None = Field(None, ge=1, description="override the engines' max_model_len")
     max_tokens_overflow: Literal["clamp", "reject"] = Field(
         "clamp", description="prompt + max_tokens over max_model_len: 'clamp' admits it (vLLM 0.32 lowers max_tokens "
-                             "to the room left), 'reject' answers 400 up front (vLLM <= 0.26 and vLLM-Ascend)")
+                             "to the room left), 'reject' answers 400 up front (vLLM <= 0.26 and vLLM-Ascend); over "
+                             "a decoder's KV pool: 'clamp' lowers it there on the decode leg, 'reject' answers 400")
     tokenizer: str | None = Field(None, description="local tokenizer directory (tokenizer.json + chat template), "
                                                     "or 'sim' for pdproxy sim's; default: count with the engine's "
                                                     "/tokenize when the byte bound cannot decide")

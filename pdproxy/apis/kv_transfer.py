@@ -285,6 +285,25 @@ def decode_leg_body(api: Api, raw: bytes, original: Mapping[str, Any], params: K
     return body
 
 
+def output_limit_key(api: Api, original: Mapping[str, Any]) -> str:
+    """The member holding the output-token limit vLLM applies to a request of ``api`` (``original``: its body):
+    Responses' ``max_output_tokens``; chat's ``max_completion_tokens`` when the client set it (it wins over
+    ``max_tokens``: ``ChatCompletionRequest``), else ``max_tokens`` (chat, completions, Messages)."""
+    if api is Api.RESPONSES:
+        return "max_output_tokens"
+    if api is Api.CHAT and original.get("max_completion_tokens") is not None:
+        return "max_completion_tokens"
+    return "max_tokens"
+
+
+def with_output_limit(body: bytes, api: Api, original: Mapping[str, Any], limit: int) -> bytes:
+    """``body`` (a leg's JSON object bytes for a request of ``api`` whose client body is ``original``) with its
+    output-token limit (:func:`output_limit_key`) set to ``limit``: the member's every occurrence removed, the new
+    one appended; every other byte kept.  Raises ``ValueError`` if ``body`` is not a JSON object."""
+    key = output_limit_key(api, original)
+    return _append_member(_without_members(body, frozenset((key,))), key, limit)
+
+
 def _append_member(raw: bytes, key: str, value: Any) -> bytes:
     """``raw`` (a JSON object) with ``"key": value`` added before its closing brace: one copy of ``raw``."""
     end = raw.rfind(b"}")

@@ -62,8 +62,9 @@ class EngineLimits:
         if self.max_model_len is not None:
             out = 1 if role is Role.PREFILL or clamp else max_output or 1
             caps.append(self.max_model_len - out)
-        if self.kv_pool_tokens is not None:
-            caps.append(self.kv_pool_tokens - (0 if role is Role.PREFILL else 1))
+        if self.kv_pool_tokens is not None:     # a decoder's pool holds the output too (pdproxy caps it there, or
+            out = 0 if role is Role.PREFILL else 1 if clamp else max_output or 1   # with reject refuses)
+            caps.append(self.kv_pool_tokens - out)
         return min(caps) if caps else None
 
     def prompt_bounds(self, role: Role) -> tuple[int | None, int | None]:
@@ -83,9 +84,9 @@ class EngineLimits:
         out = max_output if requested and max_output is not None else 1
         if self.max_model_len is not None and prompt + out > self.max_model_len:
             return Violation(role, endpoint.name, "max_model_len", self.max_model_len, out, self, requested)
-        kv_out = 1 if role is Role.DECODE else 0
+        kv_out = out if role is Role.DECODE else 0
         if self.kv_pool_tokens is not None and prompt + kv_out > self.kv_pool_tokens:
-            return Violation(role, endpoint.name, "kv_pool", self.kv_pool_tokens, kv_out, self)
+            return Violation(role, endpoint.name, "kv_pool", self.kv_pool_tokens, kv_out, self, requested)
         return None
 
 
@@ -152,13 +153,15 @@ class Violation:
                         else "is limited by")
             blocks = (f" ({lim.num_gpu_blocks} blocks × {lim.block_size} tokens)"
                       if lim.num_gpu_blocks and lim.block_size else "")
-            needs = (f"your prompt contains {n} input tokens and needs room for at least 1 output token, "
+            needs = (f"you requested {self.output_tokens} output tokens and your prompt contains {n} input tokens, "
+                     f"for a total of {total_s} tokens" if self.requested
+                     else f"your prompt contains {n} input tokens and needs room for at least 1 output token, "
                      f"for a total of {total_s} tokens" if self.output_tokens
                      else f"your prompt contains {n} input tokens")
             msg = (f"This model's maximum context length {declared} the KV cache pool of the {self.role.value} "
                    f"engine {self.endpoint} holds only {self.limit} tokens{blocks}, which is the effective maximum "
                    f"context length. However, {needs}, which exceeds the KV pool. Please reduce the length of the "
-                   f"input prompt. {tail}")
+                   f"input prompt{' or the number of requested output tokens' if self.requested else ''}. {tail}")
         return PromptTooLong(msg, limit_kind=self.limit_kind, prompt_tokens=prompt_tokens, limit=self.limit,
                              param=param)
 

@@ -25,6 +25,7 @@ from pdproxy.apis import streams as api_streams
 from pdproxy.apis.request import Api, ProxyRequest, completion_tokens_in, patch_usage_bytes
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.health import HealthMonitor
+from pdproxy.engines.limits import Limits
 from pdproxy.engines.pool import EndpointPool
 from pdproxy.errors import DecodeFailed, ProxyError, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable, classify
 from pdproxy.http.client import H1Response, TransportError
@@ -58,8 +59,10 @@ class DecodeLeg:
 
     def __init__(self, settings: Settings, *, scheduler: Scheduler, pool: EndpointPool, health: HealthMonitor,
                  upstream: Upstream, headers: EngineHeaders, tracing: Tracing = NO_TRACING,
-                 live: LiveStreams | None = None) -> None:
+                 live: LiveStreams | None = None, limits: Limits | None = None) -> None:
         self.settings = settings
+        self.limits = limits
+        """The engines' limits (:meth:`output_room` reads the decoders' KV pools); None: not capped."""
         self.live = live or LiveStreams()
         """The continuable streams each decoder relays now (a drain with ``migrate`` moves them)."""
         self.scheduler = scheduler
@@ -76,6 +79,34 @@ class DecodeLeg:
         (``recompute_decoders``: its URL or ``*``; or detected in an earlier stream)."""
         known = self.recompute_decoders
         return "*" in known or endpoint.url in known
+
+    def output_room(self, req: ProxyRequest, ctx: RequestContext, endpoint: Endpoint, first_leg: bool) -> int | None:
+        """The output-token limit (tokens, ≥ 1) the decode leg of ``req`` must carry for the answer to fit
+        ``endpoint``'s KV pool, or None when the limit the engine would apply fits: the client's, else vLLM's
+        default (16 for a completion, the room ``max_model_len`` leaves for the others).
+
+        vLLM lowers an absent ``max_tokens`` to the room ``max_model_len`` leaves, never to its KV pool: a request
+        whose prompt and output together outgrow the whole pool preempts itself when its blocks run out and then
+        waits forever (``vllm/v1/core/sched/scheduler.py``, ``schedule``: "Cannot schedule this request"; vLLM issue
+        #39734) — a 200 whose stream stops.  So the leg asks for at most the pool less the prompt (the prefiller's
+        exact count on a first leg, else the leg's own), shared by ``n`` choices; the answer then ends with
+        ``finish_reason`` ``length`` there, as it does at ``max_model_len`` (``README.md``, "admit").  With
+        ``max_tokens_overflow = reject`` a client's larger limit was refused at admission instead."""
+        limits = self.limits.of(endpoint) if self.limits is not None else None
+        pool = limits.kv_pool_tokens if limits is not None else None
+        if pool is None or limits is None:
+            return None
+        prompt = ctx.engine_prompt_tokens if first_leg and ctx.engine_prompt_tokens else req.prompt_tokens
+        if not prompt:
+            return None
+        n = req.body.get("n") if req.api is Api.CHAT or req.api is Api.COMPLETIONS else None
+        choices = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+        room = max(1, (pool - prompt) // choices)
+        asked = req.max_output_tokens
+        if asked is None:
+            asked = 16 if req.api is Api.COMPLETIONS else (
+                None if limits.max_model_len is None else limits.max_model_len - prompt)
+        return None if asked is not None and asked <= room else room
 
     async def run(self, req: ProxyRequest, ctx: RequestContext, pick: PickRequest, prefill: PrefillResult,
                   out: Responder, exclude: list[Endpoint], transcript: recompute.Transcript | None,
@@ -97,6 +128,9 @@ class DecodeLeg:
         ctx.decoder = endpoint.name
         ctx.decoder_dp_rank = endpoint.dp_rank
         body = kv_transfer.decode_leg_body(req.api, req.raw, req.body, prefill.params, ctx.request_id)
+        room = self.output_room(req, ctx, endpoint, first_leg=resume is None or resume.legs == 1)
+        if room is not None:
+            body = kv_transfer.with_output_limit(body, req.api, req.body, room)
         if resume is not None and resume.legs > 1:
             transcript = None  # a continuation leg: re-framed by pdproxy.pd.continuation
         elif resume is not None and transcript is not None and self.sends_recomputed(endpoint):

@@ -102,7 +102,7 @@ class Director:
                                   headers=headers, backoff=self.backoff, tracing=tracing, releaser=releaser)
         self.decision = PDDecision.from_settings(settings, queue)
         self.decode = DecodeLeg(settings, scheduler=scheduler, pool=pool, health=health, upstream=upstream,
-                                headers=headers, tracing=tracing, live=live)
+                                headers=headers, tracing=tracing, live=live, limits=admission.limits)
         self.fan_out = fanout.FanOut(admit=self.admit, run=self.run_sequence,
                                      max_sequences=settings.fan_out_max_sequences)
 

@@ -188,3 +188,56 @@ def test_word_bound_at_exactly_max_model_len_counts_before_choosing_the_wording(
         proxy.wait_idle()
     finally:
         proxy.stop()
+
+
+def test_seed_000_an_answer_that_would_outgrow_the_decoders_pool_is_capped_there(pair_of: Any) -> None:
+    """vLLM never lowers ``max_tokens`` to its KV pool: a request whose prompt and output together outgrow the whole
+    pool preempts itself and waits forever (a 200 whose stream stops; vLLM #39734).  pdproxy caps the decode leg's
+    limit at the pool less the prompt (``n`` choices are fanned out, a leg each): the answer ends there with ``length``; a limit that
+    fits, or an absent one whose default fits, is forwarded untouched."""
+    pair: Pair = pair_of("seed")                                         # pool 4,584 tokens, max_model_len 133,120
+    proxy = pair.proxy()
+    try:
+        def ask(api: str, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+            pair.reset()
+            resp = post(proxy.url, api, body)
+            assert resp.status_code == 200, resp.text
+            legs = [r["body"] for r in pair.decoder.completions_received()]
+            assert len({leg["max_tokens"] for leg in legs}) == 1               # n > 1: one leg per choice, alike
+            return resp.json(), legs[0]
+
+        answer, leg = ask("completions", {"prompt": sim_prompt(4000), "max_tokens": 1000})
+        assert leg["max_tokens"] == 584 and answer["usage"]["completion_tokens"] == 584
+        assert answer["choices"][0]["finish_reason"] == "length"
+        answer, leg = ask("completions", {"prompt": sim_prompt(4000), "max_tokens": 1000, "n": 2})
+        assert leg["max_tokens"] == 584 and [c["finish_reason"] for c in answer["choices"]] == ["length"] * 2
+        answer, leg = ask("completions", {"prompt": sim_prompt(4578)})     # vLLM's default 16 > the 6 left
+        assert leg["max_tokens"] == 6 and answer["usage"]["completion_tokens"] == 6
+        answer, leg = ask("completions", {"prompt": sim_prompt(4000), "max_tokens": 100})
+        assert leg["max_tokens"] == 100 and answer["usage"]["completion_tokens"] == 100     # fits: untouched
+        answer, leg = ask("chat", {"messages": [{"role": "user", "content": sim_prompt(4000)}]})   # no limit at all
+        room = 4584 - answer["usage"]["prompt_tokens"]
+        assert leg["max_tokens"] == room and answer["usage"]["completion_tokens"] == room
+        answer, leg = ask("chat", {"messages": [{"role": "user", "content": sim_prompt(4000)}],
+                                   "max_completion_tokens": 5000, "max_tokens": 3, "stream": False})
+        assert leg["max_completion_tokens"] == room and leg["max_tokens"] == 3       # the limit vLLM applies
+        assert answer["usage"]["completion_tokens"] == room
+        proxy.wait_idle()
+    finally:
+        proxy.stop()
+
+
+def test_reject_mode_refuses_an_output_limit_over_the_decoders_pool_up_front(pair_of: Any) -> None:
+    pair: Pair = pair_of("seed")
+    proxy = pair.proxy(max_tokens_overflow="reject")
+    try:
+        assert post(proxy.url, "completions", {"prompt": sim_prompt(4000), "max_tokens": 584}).status_code == 200
+        pair.reset()
+        assert_too_long(post(proxy.url, "completions", {"prompt": sim_prompt(4000), "max_tokens": 585}),
+                        "you requested 585 output tokens", "4000 input tokens", "4584 tokens", "decode engine",
+                        "or the number of requested output tokens")
+        assert pair.completions() == []
+        assert proxy.state.admission.stats.rejected_total == {"decode:kv_pool": 1}
+        proxy.wait_idle()
+    finally:
+        proxy.stop()
