@@ -298,10 +298,16 @@ def output_limit_key(api: Api, original: Mapping[str, Any]) -> str:
 
 def with_output_limit(body: bytes, api: Api, original: Mapping[str, Any], limit: int) -> bytes:
     """``body`` (a leg's JSON object bytes for a request of ``api`` whose client body is ``original``) with its
-    output-token limit (:func:`output_limit_key`) set to ``limit``: the member's every occurrence removed, the new
-    one appended; every other byte kept.  Raises ``ValueError`` if ``body`` is not a JSON object."""
+    output-token limit (:func:`output_limit_key`) set to ``limit``, and a ``min_tokens`` above it lowered to it
+    (vLLM refuses ``min_tokens`` over ``max_tokens``: ``vllm/sampling_params.py``): each member's every occurrence
+    removed, the new one appended; every other byte kept.  Raises ``ValueError`` if ``body`` is not a JSON
+    object."""
     key = output_limit_key(api, original)
-    return _append_member(_without_members(body, frozenset((key,))), key, limit)
+    low = original.get("min_tokens")
+    lower = isinstance(low, int) and not isinstance(low, bool) and low > limit
+    body = _without_members(body, frozenset((key, "min_tokens") if lower else (key,)))
+    body = _append_member(body, key, limit)
+    return _append_member(body, "min_tokens", limit) if lower else body
 
 
 def _append_member(raw: bytes, key: str, value: Any) -> bytes:

@@ -89,14 +89,18 @@ class DecodeLeg:
         whose prompt and output together outgrow the whole pool preempts itself when its blocks run out and then
         waits forever (``vllm/v1/core/sched/scheduler.py``, ``schedule``: "Cannot schedule this request"; vLLM issue
         #39734) — a 200 whose stream stops.  So the leg asks for at most the pool less the prompt (the prefiller's
-        exact count on a first leg, else the leg's own), shared by ``n`` choices; the answer then ends with
+        exact count on a first leg, else admission's upper bound of the leg's prompt), shared by ``n`` choices; the answer then ends with
         ``finish_reason`` ``length`` there, as it does at ``max_model_len`` (``README.md``, "admit").  With
         ``max_tokens_overflow = reject`` a client's larger limit was refused at admission instead."""
         limits = self.limits.of(endpoint) if self.limits is not None else None
         pool = limits.kv_pool_tokens if limits is not None else None
         if pool is None or limits is None:
             return None
-        prompt = ctx.engine_prompt_tokens if first_leg and ctx.engine_prompt_tokens else req.prompt_tokens
+        prompt = ctx.engine_prompt_tokens if first_leg and ctx.engine_prompt_tokens else None
+        if prompt is None:        # no engine count (the decoder prefills; a continuation leg): admission's upper
+            prompt = req.prompt_tokens        # bound, not its estimate, which may fall short of the real prompt
+            if prompt is not None and req.prompt_tokens_upper is not None:
+                prompt = max(prompt, req.prompt_tokens_upper)
         if not prompt:
             return None
         n = req.body.get("n") if req.api is Api.CHAT or req.api is Api.COMPLETIONS else None

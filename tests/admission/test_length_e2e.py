@@ -213,6 +213,12 @@ def test_seed_000_an_answer_that_would_outgrow_the_decoders_pool_is_capped_there
         assert leg["max_tokens"] == 584 and [c["finish_reason"] for c in answer["choices"]] == ["length"] * 2
         answer, leg = ask("completions", {"prompt": sim_prompt(4578)})     # vLLM's default 16 > the 6 left
         assert leg["max_tokens"] == 6 and answer["usage"]["completion_tokens"] == 6
+        answer, leg = ask("completions", {"prompt": sim_prompt(4000), "max_tokens": 1000, "min_tokens": 900})
+        assert leg["max_tokens"] == leg["min_tokens"] == 584              # vLLM refuses min_tokens > max_tokens
+        assert answer["usage"]["completion_tokens"] == 584
+        answer, leg = ask("completions", {"prompt": "x," * 1000, "max_tokens": 4000, "prompt_logprobs": 0})
+        assert answer["usage"]["prompt_tokens"] == 2000                   # the decoder prefilled: no engine count,
+        assert 2000 + leg["max_tokens"] <= 4584                             # admission's upper bound (not estimate)
         answer, leg = ask("completions", {"prompt": sim_prompt(4000), "max_tokens": 100})
         assert leg["max_tokens"] == 100 and answer["usage"]["completion_tokens"] == 100     # fits: untouched
         answer, leg = ask("chat", {"messages": [{"role": "user", "content": sim_prompt(4000)}]})   # no limit at all
