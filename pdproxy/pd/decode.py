@@ -85,9 +85,11 @@ class DecodeLeg:
         ``endpoint``'s KV pool, or None when the limit the engine would apply fits: the client's, else vLLM's
         default (16 for a completion, the room ``max_model_len`` leaves for the others).
 
-        vLLM lowers an absent ``max_tokens`` to the room ``max_model_len`` leaves, never to its KV pool: a request
-        whose prompt and output together outgrow the whole pool preempts itself when its blocks run out and then
-        waits forever (``vllm/v1/core/sched/scheduler.py``, ``schedule``: "Cannot schedule this request"; vLLM issue
+        vLLM lowers an absent ``max_tokens`` to the room ``max_model_len`` leaves, never to its KV pool.  vLLM 0.32
+        refuses to start with a pool below ``max_model_len`` (``vllm/v1/core/kv_cache_utils.py``,
+        ``_check_enough_kv_cache_memory``), so there this never binds; engines that do start so (seed 000's
+        vLLM-Ascend 0.23: 4,584 tokens under 133,120, ``docs/field-reports.md``) run a request whose prompt and
+        output together outgrow the whole pool until it preempts itself, and it then waits forever (``vllm/v1/core/sched/scheduler.py``, ``schedule``: "Cannot schedule this request"; vLLM issue
         #39734) — a 200 whose stream stops.  So the leg asks for at most the pool less the prompt (the prefiller's
         exact count on a first leg, else admission's upper bound of the leg's prompt), shared by ``n`` choices; the answer then ends with
         ``finish_reason`` ``length`` there, as it does at ``max_model_len`` (``README.md``, "admit").  With
