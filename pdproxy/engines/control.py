@@ -86,6 +86,17 @@ def kv_pool_tokens(labels: dict[str, str]) -> tuple[int | None, int | None, int 
     return size, block_size, blocks
 
 
+def request_pool(pool_tokens: int | None, block_size: int | None) -> int | None:
+    """The KV tokens one request can hold in a pool of ``pool_tokens`` (``num_gpu_blocks × block_size``): the pool
+    less one block, which vLLM's block pool keeps as its null block and never allocates
+    (``vllm/v1/core/block_pool.py``, ``null_block``; vLLM 0.32's start-up check counts so too: "the estimated
+    maximum model length is 1920" for 16 blocks of 128); the whole pool when ``block_size`` is unknown; None when
+    the pool is."""
+    if pool_tokens is None:
+        return None
+    return pool_tokens - (block_size or 0)
+
+
 _GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 
 

@@ -55,13 +55,13 @@ def describe(info: EngineInfo, role: Role = Role.PREFILL) -> str:
     decoder, so a prefiller's line also gives what a decoder with the same pool takes: with equal pools, that is
     the largest prompt pdproxy admits."""
     models = ", ".join(str(m.get("id")) for m in info.models) or "none"
-    blocks = (f" ({info.num_gpu_blocks:,} blocks × {info.block_size})"
+    blocks = (f" ({info.num_gpu_blocks:,} blocks × {info.block_size}, one of them vLLM's null block)"
               if info.num_gpu_blocks and info.block_size else "")
     text = f"model {models}, max_model_len {_num(info.max_model_len)}, KV pool {_num(info.kv_pool_tokens)} tokens{blocks}"
     pool, mml = info.kv_pool_tokens, info.max_model_len
     if pool is None or mml is None:
         return text
-    limits = EngineLimits(max_model_len=mml, kv_pool_tokens=pool)
+    limits = EngineLimits(max_model_len=mml, kv_pool_tokens=pool, block_size=info.block_size)
     by_len, largest = limits.prompt_bounds(role)
     if largest is not None and by_len is not None and largest < by_len:
         if role is Role.DECODE:

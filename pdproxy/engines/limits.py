@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.engines.control import EngineInfo
+from pdproxy.engines.control import EngineInfo, request_pool
 from pdproxy.engines.models import ServedModels
 from pdproxy.engines.pool import EndpointPool
 from pdproxy.errors import PromptTooLong
@@ -55,6 +55,12 @@ class EngineLimits:
     num_gpu_blocks: int | None = None
     block_size: int | None = None
 
+    @property
+    def usable_pool(self) -> int | None:
+        """The KV tokens one request can hold: :func:`~pdproxy.engines.control.request_pool` (the pool less vLLM's
+        null block)."""
+        return request_pool(self.kv_pool_tokens, self.block_size)
+
     def allowed_prompt(self, role: Role, max_output: int | None, clamp: bool = True) -> int | None:
         """The largest prompt (tokens) this endpoint accepts in ``role``; None = no known limit.  ``clamp``: the
         engine lowers ``max_tokens`` to fit (vLLM 0.32), so only one output token must fit."""
@@ -62,9 +68,10 @@ class EngineLimits:
         if self.max_model_len is not None:
             out = 1 if role is Role.PREFILL or clamp else max_output or 1
             caps.append(self.max_model_len - out)
-        if self.kv_pool_tokens is not None:     # a decoder's pool holds the output too (pdproxy caps it there, or
+        pool = self.usable_pool
+        if pool is not None:                    # a decoder's pool holds the output too (pdproxy caps it there, or
             out = 0 if role is Role.PREFILL else 1 if clamp else max_output or 1   # with reject refuses)
-            caps.append(self.kv_pool_tokens - out)
+            caps.append(pool - out)
         return min(caps) if caps else None
 
     def prompt_bounds(self, role: Role) -> tuple[int | None, int | None]:
@@ -74,7 +81,8 @@ class EngineLimits:
         unknown.  A pool bound below the other is a cliff: prompts between the two fit ``max_model_len`` but would
         wait forever for the pool (the start-up line and ``pdproxy doctor`` say so)."""
         by_len = None if self.max_model_len is None else self.max_model_len - 1
-        by_pool = None if self.kv_pool_tokens is None else self.kv_pool_tokens - (0 if role is Role.PREFILL else 1)
+        pool = self.usable_pool
+        by_pool = None if pool is None else pool - (0 if role is Role.PREFILL else 1)
         return by_len, by_pool
 
     def violation(self, role: Role, endpoint: Endpoint, prompt: int, max_output: int | None,
@@ -85,8 +93,9 @@ class EngineLimits:
         if self.max_model_len is not None and prompt + out > self.max_model_len:
             return Violation(role, endpoint.name, "max_model_len", self.max_model_len, out, self, requested)
         kv_out = out if role is Role.DECODE else 0
-        if self.kv_pool_tokens is not None and prompt + kv_out > self.kv_pool_tokens:
-            return Violation(role, endpoint.name, "kv_pool", self.kv_pool_tokens, kv_out, self, requested)
+        pool = self.usable_pool
+        if pool is not None and prompt + kv_out > pool:
+            return Violation(role, endpoint.name, "kv_pool", pool, kv_out, self, requested)
         return None
 
 
@@ -151,7 +160,7 @@ class Violation:
             lim = self.limits
             declared = (f"is declared as {lim.max_model_len} tokens, but" if lim.max_model_len is not None
                         else "is limited by")
-            blocks = (f" ({lim.num_gpu_blocks} blocks × {lim.block_size} tokens)"
+            blocks = (f" ({lim.num_gpu_blocks} blocks × {lim.block_size} tokens less vLLM's null block)"
                       if lim.num_gpu_blocks and lim.block_size else "")
             needs = (f"you requested {self.output_tokens} output tokens and your prompt contains {n} input tokens, "
                      f"for a total of {total_s} tokens" if self.requested

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.engines.control import EngineInfo
+from pdproxy.engines.control import EngineInfo, request_pool
 from pdproxy.errors import ModelNotFound
 
 Pins = Mapping[tuple[Role, str], frozenset[str]]
@@ -132,8 +132,9 @@ class ServedModels:
 
     def cards(self, max_model_len_override: int | None = None) -> list[dict[str, Any]]:
         """The union of the served cards, one per id, in first-seen order, each with the smallest ``max_model_len``
-        of the endpoints that serve it — an endpoint's own capped by its KV pool (tokens) when that is smaller,
-        the context it can really hold (seed 000: 133,120 declared, 4,584 allocated) — since a request must fit
+        of the endpoints that serve it — an endpoint's own capped by its KV pool (tokens, less vLLM's null
+        block: :func:`~pdproxy.engines.control.request_pool`) when that is smaller, the context it can really hold
+        (seed 000: 133,120 declared, 4,584 allocated, 4,580 for a request) — since a request must fit
         its prefiller and its decoder; adapters keep the ``null`` vLLM gives them.  ``max_model_len_override``
         (the ``max_model_len`` setting) replaces every figure.  Pinned endpoints contribute only their pinned
         models."""
@@ -143,7 +144,7 @@ class ServedModels:
             cards = self.listed(e)
             if not cards and ids:
                 cards = [{"id": m, "object": "model", "owned_by": "vllm"} for m in sorted(ids)]
-            pool = info.kv_pool_tokens
+            pool = request_pool(info.kv_pool_tokens, info.block_size)
             for card in cards:
                 mid = card.get("id")
                 if not isinstance(mid, str) or (ids is not None and mid not in ids):

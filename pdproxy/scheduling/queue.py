@@ -404,11 +404,12 @@ class PrefillLedger:
             if budget > 0 and held + (tokens if compute_tokens is None else compute_tokens) > budget:
                 return False
         lim = self.limits.of(endpoint)
-        if lim.kv_pool_tokens is None:
+        pool = lim.usable_pool
+        if pool is None:
             return True
         pinned = self.kv_held_tokens(endpoint, lim)
         need = -(-tokens // lim.block_size) * lim.block_size if lim.block_size else tokens
-        return pinned == 0 or pinned + need <= lim.kv_pool_tokens
+        return pinned == 0 or pinned + need <= pool
 
     def decode_room(self, need: int) -> bool:
         """True when the decoders' free KV has room for ``need`` more tokens (and a request slot when
@@ -427,7 +428,7 @@ class PrefillLedger:
             load = load_of(d)
             if self.decoder_max_requests and load.requests >= self.decoder_max_requests:
                 continue
-            kv = limits_of(d).kv_pool_tokens
+            kv = limits_of(d).usable_pool
             if kv is None:
                 return True
             free = max(0, kv - load.tokens)

@@ -2,7 +2,9 @@
 
 Model (``vllm/v1/core/block_pool.py``, ``vllm/v1/core/kv_cache_utils.py``):
 
-* ``num_blocks`` blocks of ``block_size`` tokens. A request holds ``ceil(tokens / block_size)`` blocks.
+* ``num_blocks`` blocks of ``block_size`` tokens, block 0 kept as vLLM's null block (never allocated:
+  ``vllm/v1/core/block_pool.py``, ``null_block``), so requests share ``num_blocks − 1``. A request holds
+  ``ceil(tokens / block_size)`` blocks.
 * Each *full* prompt block has a chained hash ``h_i = hash((h_{i-1}, tokens of block i))``. A finished
   request's blocks return to the free queue but keep their hash, so a later request with the same prefix
   reuses them (a "hit") until they are evicted. Eviction takes the least recently freed block first.
@@ -41,7 +43,8 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class BlockPool:
     """A pool of ``num_blocks`` KV blocks with reference counts and a prefix-cache hash index.
 
-    Block ids are ints in ``[0, num_blocks)``. ``allocate`` raises ``MemoryError`` when too few blocks are free.
+    Block ids are ints in ``[1, num_blocks)`` (0 is the null block). ``allocate`` raises ``MemoryError`` when too
+    few blocks are free.
     Callers check ``can_allocate`` first.
     """
 
@@ -49,7 +52,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self._ref = [0] * num_blocks
         self._hash_of: dict[int, int] = {}
         self._block_of_hash: dict[int, int] = {}
@@ -64,12 +67,12 @@ class BlockPool:
     @property
     def num_used(self) -> int:
         """Blocks held by at least one request (or pin)."""
-        return self.num_blocks - len(self._free)
+        return max(0, self.num_blocks - 1 - len(self._free))
 
     @property
     def usage(self) -> float:
         """Fraction of the pool held (0–1), vLLM's ``kv_cache_usage_perc``."""
-        return self.num_used / self.num_blocks if self.num_blocks else 0.0
+        return self.num_used / (self.num_blocks - 1) if self.num_blocks > 1 else 0.0
 
     def cached_prefix(self, hashes: Sequence[int], max_tokens: int) -> list[int]:
         """Block ids of the longest cached prefix of ``hashes`` that covers at most ``max_tokens`` tokens."""

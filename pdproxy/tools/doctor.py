@@ -131,15 +131,18 @@ def _n(value: int | None) -> str:
 _ROLE_NOUN = {Role.PREFILL: "prefiller", Role.DECODE: "decoder"}
 
 
-def _kv_figures(role: Role, pool: int, mml: int) -> tuple[int, int, int]:
+def _kv_figures(role: Role, pool: int, mml: int, block_size: int | None) -> tuple[int, int, int, int]:
     """Admission's figures for an engine of ``role`` (:meth:`pdproxy.engines.limits.EngineLimits.prompt_bounds`):
-    (the largest prompt its KV pool holds, the largest ``max_model_len`` lets it take, the pool that prompt needs).
+    (the largest prompt its KV pool holds, the largest ``max_model_len`` lets it take, the pool that prompt needs,
+    the pool one request can use: less vLLM's null block, :attr:`~pdproxy.engines.limits.EngineLimits.usable_pool`).
     A prompt of ``max_model_len`` tokens is refused by the engine itself (no room for one output token); a
-    prefiller holds a prompt of ``pool`` tokens, a decoder one of ``pool − 1`` (the answer's first token must fit
+    prefiller holds a prompt of the usable pool, a decoder one token less (the answer's first token must fit
     too).  The prompts between the first figure + 1 and the second fit ``max_model_len`` but never the pool."""
-    by_len, by_pool = EngineLimits(max_model_len=mml, kv_pool_tokens=pool).prompt_bounds(role)
-    assert by_pool is not None and by_len is not None
-    return by_pool, by_len, by_len + (pool - by_pool)
+    limits = EngineLimits(max_model_len=mml, kv_pool_tokens=pool, block_size=block_size)
+    by_len, by_pool = limits.prompt_bounds(role)
+    usable = limits.usable_pool
+    assert by_pool is not None and by_len is not None and usable is not None
+    return by_pool, by_len, by_len + (usable - by_pool), usable
 
 
 def check_engine(report: Report, e: Endpoint, info: EngineInfo, healthy: bool, version: str | None) -> bool:
@@ -157,7 +160,10 @@ def check_engine(report: Report, e: Endpoint, info: EngineInfo, healthy: bool, v
             "block_size": info.block_size}
     where = (f" (num_gpu_blocks {_n(info.num_gpu_blocks)} × block_size {_n(info.block_size)})"
              if info.num_gpu_blocks and info.block_size else "")
-    held, largest, needs = _kv_figures(e.role, pool, mml) if pool is not None and mml is not None else (0, 0, 0)
+    held, largest, needs, usable = (_kv_figures(e.role, pool, mml, info.block_size) if pool is not None
+                                    and mml is not None else (0, 0, 0, 0))
+    if usable != pool and where:
+        where = f"{where[:-1]}; {usable:,} for one request: vLLM keeps a block as its null block)"
     if pool is None or mml is None:
         report.add("kv_pool", e.name, "warn", "KV pool unknown: no vllm:cache_config_info on /metrics", **data)
     elif held < largest:
@@ -166,8 +172,8 @@ def check_engine(report: Report, e: Endpoint, info: EngineInfo, healthy: bool, v
         why = "its pool must hold the answer's first token too; " if e.role is Role.DECODE else ""
         report.add("kv_pool", e.name, "fail",
                    f"KV pool {pool:,} tokens{where} < max_model_len {mml:,}: {prompts} will queue forever on this "
-                   f"{_ROLE_NOUN[e.role]} ({why}declare --max-model-len ≤ {pool:,} or grow the pool)", **data)
-    elif pool < 2 * needs:
+                   f"{_ROLE_NOUN[e.role]} ({why}declare --max-model-len ≤ {usable:,} or grow the pool)", **data)
+    elif usable < 2 * needs:
         report.add("kv_pool", e.name, "warn",
                    f"KV pool {pool:,} tokens{where} holds one prompt of the largest size max_model_len {mml:,} allows "
                    f"({largest:,} tokens) but not two: a second long prompt waits in the engine until the first "
@@ -442,7 +448,9 @@ async def run_doctor(settings: Settings, options: DoctorOptions, console: Consol
                         report.add("cold_context", e.name, "skip", "max_model_len unknown")
                 probes = {e: cold_probe(client, e, probe_model(wanted, infos[e]) or wanted or "",
                                         infos[e].max_model_len or 0,
-                                        kv_pool_tokens=infos[e].kv_pool_tokens, plan=plan, api_key=key,
+                                        kv_pool_tokens=EngineLimits(kv_pool_tokens=infos[e].kv_pool_tokens,
+                                                                    block_size=infos[e].block_size).usable_pool,
+                                        plan=plan, api_key=key,
                                         progress=console) for e in usable if infos[e].max_model_len is not None}
                 ticking = console.ticking() if console is not None else contextlib.nullcontext()
                 async with ticking:

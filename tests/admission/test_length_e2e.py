@@ -139,7 +139,8 @@ def test_seed_000_kv_pool_is_named_and_a_small_request_right_after_succeeds(pair
                               {"role": "user", "content": " list the files"}],
                  "tools": TOOLS, "stream": True}
         rejected = post(proxy.url, "chat", agent)
-        msg = assert_too_long(rejected, "133120", "KV cache pool", "4584 tokens", "1146 blocks × 4 tokens")
+        msg = assert_too_long(rejected, "133120", "KV cache pool", "4580 tokens",
+                              "1146 blocks × 4 tokens less vLLM's null block")
         assert "at least" in msg                                         # decided by the word bound: no count
         hello = post(proxy.url, "completions", {"prompt": " hello there", "max_tokens": 2})
         assert hello.status_code == 200, hello.text
@@ -147,8 +148,8 @@ def test_seed_000_kv_pool_is_named_and_a_small_request_right_after_succeeds(pair
         bodies = [r["body"] for r in pair.completions()]
         assert len(bodies) == 2 and all(b["prompt"] == " hello there" for b in bodies)   # only the small one
         # the exact boundary at the pool: a decoder needs prompt + 1 token of KV
-        assert_too_long(post(proxy.url, "completions", {"prompt": sim_prompt(4584), "max_tokens": 1}),
-                        "at least 4584 input tokens", "at least 4585 tokens", "decode engine")
+        assert_too_long(post(proxy.url, "completions", {"prompt": sim_prompt(4580), "max_tokens": 1}),
+                        "at least 4580 input tokens", "at least 4581 tokens", "decode engine")
         stats = proxy.state.admission.stats
         assert stats.rejected_total == {"prefill:kv_pool": 1, "decode:kv_pool": 1}
         proxy.wait_idle()
@@ -195,7 +196,7 @@ def test_seed_000_an_answer_that_would_outgrow_the_decoders_pool_is_capped_there
     pool preempts itself and waits forever (a 200 whose stream stops; vLLM #39734).  pdproxy caps the decode leg's
     limit at the pool less the prompt (``n`` choices are fanned out, a leg each): the answer ends there with ``length``; a limit that
     fits, or an absent one whose default fits, is forwarded untouched."""
-    pair: Pair = pair_of("seed")                                         # pool 4,584 tokens, max_model_len 133,120
+    pair: Pair = pair_of("seed")                                         # pool 4,580 tokens (+ the null block), max_model_len 133,120
     proxy = pair.proxy()
     try:
         def ask(api: str, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -207,22 +208,22 @@ def test_seed_000_an_answer_that_would_outgrow_the_decoders_pool_is_capped_there
             return resp.json(), legs[0]
 
         answer, leg = ask("completions", {"prompt": sim_prompt(4000), "max_tokens": 1000})
-        assert leg["max_tokens"] == 584 and answer["usage"]["completion_tokens"] == 584
+        assert leg["max_tokens"] == 580 and answer["usage"]["completion_tokens"] == 580
         assert answer["choices"][0]["finish_reason"] == "length"
         answer, leg = ask("completions", {"prompt": sim_prompt(4000), "max_tokens": 1000, "n": 2})
-        assert leg["max_tokens"] == 584 and [c["finish_reason"] for c in answer["choices"]] == ["length"] * 2
-        answer, leg = ask("completions", {"prompt": sim_prompt(4578)})     # vLLM's default 16 > the 6 left
+        assert leg["max_tokens"] == 580 and [c["finish_reason"] for c in answer["choices"]] == ["length"] * 2
+        answer, leg = ask("completions", {"prompt": sim_prompt(4574)})     # vLLM's default 16 > the 6 left
         assert leg["max_tokens"] == 6 and answer["usage"]["completion_tokens"] == 6
         answer, leg = ask("completions", {"prompt": sim_prompt(4000), "max_tokens": 1000, "min_tokens": 900})
-        assert leg["max_tokens"] == leg["min_tokens"] == 584              # vLLM refuses min_tokens > max_tokens
-        assert answer["usage"]["completion_tokens"] == 584
+        assert leg["max_tokens"] == leg["min_tokens"] == 580              # vLLM refuses min_tokens > max_tokens
+        assert answer["usage"]["completion_tokens"] == 580
         answer, leg = ask("completions", {"prompt": "x," * 1000, "max_tokens": 4000, "prompt_logprobs": 0})
         assert answer["usage"]["prompt_tokens"] == 2000                   # the decoder prefilled: no engine count,
-        assert 2000 + leg["max_tokens"] <= 4584                             # admission's upper bound (not estimate)
+        assert 2000 + leg["max_tokens"] <= 4580                             # admission's upper bound (not estimate)
         answer, leg = ask("completions", {"prompt": sim_prompt(4000), "max_tokens": 100})
         assert leg["max_tokens"] == 100 and answer["usage"]["completion_tokens"] == 100     # fits: untouched
         answer, leg = ask("chat", {"messages": [{"role": "user", "content": sim_prompt(4000)}]})   # no limit at all
-        room = 4584 - answer["usage"]["prompt_tokens"]
+        room = 4580 - answer["usage"]["prompt_tokens"]
         assert leg["max_tokens"] == room and answer["usage"]["completion_tokens"] == room
         answer, leg = ask("chat", {"messages": [{"role": "user", "content": sim_prompt(4000)}],
                                    "max_completion_tokens": 5000, "max_tokens": 3, "stream": False})
@@ -237,10 +238,10 @@ def test_reject_mode_refuses_an_output_limit_over_the_decoders_pool_up_front(pai
     pair: Pair = pair_of("seed")
     proxy = pair.proxy(max_tokens_overflow="reject")
     try:
-        assert post(proxy.url, "completions", {"prompt": sim_prompt(4000), "max_tokens": 584}).status_code == 200
+        assert post(proxy.url, "completions", {"prompt": sim_prompt(4000), "max_tokens": 580}).status_code == 200
         pair.reset()
-        assert_too_long(post(proxy.url, "completions", {"prompt": sim_prompt(4000), "max_tokens": 585}),
-                        "you requested 585 output tokens", "4000 input tokens", "4584 tokens", "decode engine",
+        assert_too_long(post(proxy.url, "completions", {"prompt": sim_prompt(4000), "max_tokens": 581}),
+                        "you requested 581 output tokens", "4000 input tokens", "4580 tokens", "decode engine",
                         "or the number of requested output tokens")
         assert pair.completions() == []
         assert proxy.state.admission.stats.rejected_total == {"decode:kv_pool": 1}

@@ -54,16 +54,17 @@ def test_reject_mode_counts_output_on_the_decoder_only() -> None:
 
 def test_kv_pool_smaller_than_max_model_len_is_the_limit_and_is_named() -> None:
     lim = limits(info(133120, 1146, 4), info(133120, 1146, 4))          # seed 000: 1146 × 4 = 4584 tokens
-    assert lim.max_prompt_tokens(None) == 4583                           # decoder: prompt + 1 token
+    assert lim.max_prompt_tokens(None) == 4579       # 1145 blocks (vLLM's null block is never given); + 1 token
     v = lim.violation(10_000, None)
-    assert v is not None and v.role is Role.PREFILL and v.limit_kind == "kv_pool" and v.limit == 4584
+    assert v is not None and v.role is Role.PREFILL and v.limit_kind == "kv_pool" and v.limit == 4580
     err = v.error(10_000, exact=True)
     body = err.body()["error"]
     assert err.status_code == 400 and body["type"] == "BadRequestError" and body["code"] == 400
     assert body["param"] == "input_tokens"
     msg = body["message"]
-    assert "maximum context length" in msg and "133120" in msg and "4584" in msg and "10000" in msg
-    assert "KV cache pool" in msg and "1146 blocks × 4 tokens" in msg
+    assert "maximum context length" in msg and "133120" in msg and "4580" in msg and "10000" in msg
+    assert "KV cache pool" in msg and "1146 blocks × 4 tokens less vLLM's null block" in msg
+    assert lim.violation(4579, None) is None and lim.violation(4580, None) is not None   # the engine's own bound
 
 
 VLLM_OVER_2048 = ("This model's maximum context length is 2048 tokens. However, your prompt contains at least 2049 "

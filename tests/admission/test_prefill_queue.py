@@ -136,10 +136,11 @@ async def test_cancelled_waiter_leaves_no_trace_and_unfit_prompt_fails_fast() ->
 
 
 async def test_prompts_pinned_on_the_prefiller_stay_within_its_kv_pool() -> None:
-    """18 blocks × 128 = 2,304 tokens: a prefilled 2,000-token prompt stays pinned (its pool lease is held until
-    the decoder's first event, as the director does) after the prefiller answered, so a second one waits for the
-    lease — not just for the answer — while small prompts that fit still go."""
-    q = make_queue(budget=32_768, p_blocks=18)
+    """19 blocks × 128, one of them vLLM's null block: 2,304 tokens for requests.  A prefilled 2,000-token prompt
+    stays pinned (its pool lease is held until the decoder's first event, as the director does) after the
+    prefiller answered, so a second one waits for the lease — not just for the answer — while small prompts that
+    fit still go."""
+    q = make_queue(budget=32_768, p_blocks=19)
     order: list[int] = []
     first_event = asyncio.Event()
 

@@ -72,6 +72,9 @@ def test_models_advertise_the_context_the_kv_pool_holds() -> None:
     infos[PB] = EngineInfo(models=[card("b", 133_120)], max_model_len=133_120, kv_pool_tokens=200_000)
     cards = {c["id"]: c for c in ServedModels(infos).cards()}
     assert cards["b"]["max_model_len"] == 4584 and cards["a"]["max_model_len"] == 1024
+    infos[DB] = EngineInfo(models=[card("b", 133_120)], max_model_len=133_120, kv_pool_tokens=4584, block_size=4,
+                           num_gpu_blocks=1146)       # its blocks known: one is vLLM's null block, never a request's
+    assert {c["id"]: c for c in ServedModels(infos).cards()}["b"]["max_model_len"] == 4580
 
 
 def test_limits_are_per_model() -> None:

@@ -153,8 +153,8 @@ def test_prefillers_and_decoders_serving_different_names_are_named_at_start(sims
 
 
 def test_an_engine_line_names_the_largest_prompt_its_role_takes() -> None:
-    """Seed 000's pool of 4,584 tokens: a prefiller takes a prompt of 4,584, a decoder one of 4,583 (the answer's
-    first token must fit too).  The prefiller's line said "prompts over 4,584 tokens are refused with a 400" — yet
+    """Seed 000's pool of 4,584 tokens, 4,580 for requests (vLLM keeps a block as its null block): a prefiller
+    takes a prompt of 4,580, a decoder one of 4,579 (the answer's first token must fit too).  The prefiller's line said "prompts over 4,584 tokens are refused with a 400" — yet
     a request needs a decoder too, and a 4,584-token prompt was refused: the line now names the engine's own
     figure and what a decoder with the same pool takes, and says when pdproxy refuses."""
     from pdproxy.endpoints import Role
@@ -164,21 +164,21 @@ def test_an_engine_line_names_the_largest_prompt_its_role_takes() -> None:
     info = EngineInfo(models=[{"id": "glm"}], max_model_len=133_120, kv_pool_tokens=4584, num_gpu_blocks=1146,
                       block_size=4)
     assert describe(info, Role.PREFILL).endswith(
-        "— below max_model_len: this prefiller takes prompts of at most 4,584 tokens and a decoder with the same "
-        "pool 4,583 (the answer's first token must fit too); longer ones would queue forever in the engine, so a "
+        "— below max_model_len: this prefiller takes prompts of at most 4,580 tokens and a decoder with the same "
+        "pool 4,579 (the answer's first token must fit too); longer ones would queue forever in the engine, so a "
         "prompt is refused with a 400 unless some prefiller and some decoder take it")
     assert describe(info, Role.DECODE).endswith(
-        "— below max_model_len: this decoder takes prompts of at most 4,583 tokens (the answer's first token must "
+        "— below max_model_len: this decoder takes prompts of at most 4,579 tokens (the answer's first token must "
         "fit too); longer ones would queue forever in the engine, so a prompt is refused with a 400 unless some "
         "prefiller and some decoder take it")
     assert "prompts over" not in describe(info, Role.PREFILL)
-    assert "KV pool 4,584 tokens (1,146 blocks × 4)" in describe(info, Role.DECODE)
+    assert "KV pool 4,584 tokens (1,146 blocks × 4, one of them vLLM's null block)" in describe(info, Role.DECODE)
 
 
 def test_an_engine_line_gives_admissions_figures_for_both_roles_and_any_pool() -> None:
     """Every figure an engine line prints is admission's (EngineLimits.allowed_prompt): the operator's sims with
-    --max-model-len 16384 --num-gpu-blocks-override 100 (a pool of 1,600 tokens, where pdproxy admits 1,599 and
-    refuses 1,600), and pools at and above max_model_len, where the pool bounds nothing and the line says nothing
+    --max-model-len 16384 --num-gpu-blocks-override 100 (a pool of 1,600 tokens, 1,584 for requests: pdproxy
+    admits 1,583 and refuses 1,584), and pools at and above max_model_len, where the pool bounds nothing and the line says nothing
     more — including a prefiller's pool of max_model_len − 1, which holds the largest prompt max_model_len allows."""
     import re
 
@@ -194,14 +194,15 @@ def test_an_engine_line_gives_admissions_figures_for_both_roles_and_any_pool() -
     for role in Role:
         at_most = re.search(r"this \w+ takes prompts of at most ([\d,]+) tokens", line(1600, role))
         assert at_most is not None, line(1600, role)
-        allowed = EngineLimits(max_model_len=16_384, kv_pool_tokens=1600).allowed_prompt(role, None)
-        assert int(at_most.group(1).replace(",", "")) == allowed == (1600 if role is Role.PREFILL else 1599)
-    assert "and a decoder with the same pool 1,599 " in line(1600, Role.PREFILL)
-    for pool in (16_384, 16_385, 40_000):
+        allowed = EngineLimits(max_model_len=16_384, kv_pool_tokens=1600, block_size=16).allowed_prompt(role, None)
+        assert int(at_most.group(1).replace(",", "")) == allowed == (1584 if role is Role.PREFILL else 1583)
+    assert "and a decoder with the same pool 1,583 " in line(1600, Role.PREFILL)
+    for pool in (16_400, 16_401, 40_000):          # a block more than max_model_len: the pool bounds nothing
         for role in Role:
-            assert line(pool, role).endswith(f"KV pool {pool:,} tokens ({pool // 16:,} blocks × 16)"), line(pool, role)
-    assert "below max_model_len" not in line(16_383, Role.PREFILL)                    # takes 16,383 either way
-    assert "this decoder takes prompts of at most 16,382 tokens" in line(16_383, Role.DECODE)
+            assert line(pool, role).endswith(f"KV pool {pool:,} tokens ({pool // 16:,} blocks × 16, one of them "
+                                             "vLLM's null block)"), line(pool, role)
+    assert "below max_model_len" not in line(16_399, Role.PREFILL)                    # takes 16,383 either way
+    assert "this decoder takes prompts of at most 16,382 tokens" in line(16_399, Role.DECODE)
 
 
 @pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])

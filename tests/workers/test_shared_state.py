@@ -148,14 +148,14 @@ async def test_a_grant_rechecks_the_room_under_the_lock(board_files) -> None:  #
 @pytest.mark.anyio
 async def test_kv_pool_and_decoder_reservation_are_one_for_both(board_files) -> None:  # type: ignore[no-untyped-def]
     a, b, run_dir = board_files
-    wa = make_worker(a, run_dir, 0, budget=32768, p_blocks=18, decoder_kv=5000)
-    wb = make_worker(b, run_dir, 1, budget=32768, p_blocks=18, decoder_kv=5000)
+    wa = make_worker(a, run_dir, 0, budget=32768, p_blocks=19, decoder_kv=5000)
+    wb = make_worker(b, run_dir, 1, budget=32768, p_blocks=19, decoder_kv=5000)
     slot = wa.ledger.hold(P, 2000, 2001)
     with wa.pool.lease(P, 2000):
         slot.handed_over()
         slot.prefill_done()                      # answered, KV pinned by worker 0's lease
         assert wb.ledger.kv_held_tokens(P) == 2000 + 127
-        assert not wb.ledger.has_room(P, 2000) and wb.ledger.has_room(P, 100)   # 16 + 16 blocks > 18; 16 + 1 fit
+        assert not wb.ledger.has_room(P, 2000) and wb.ledger.has_room(P, 100)   # 16 + 16 blocks > 18 (19 less the null block); 16 + 1 fit
         assert wb.ledger.pending_decode == 2001 and not wb.ledger.decode_room(3000)   # 5000 − 2001 < 3000
         slot.decode_started()
     assert wb.ledger.has_room(P, 2000) and wb.ledger.decode_room(3000) and wa.ledger.idle()

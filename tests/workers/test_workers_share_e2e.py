@@ -105,13 +105,13 @@ def test_prefill_budget_is_one_budget_across_workers(tmp_path: Path) -> None:
 
 
 def test_kv_pool_guard_holds_across_workers(tmp_path: Path) -> None:
-    """18 × 128 = 2,304 tokens of prefiller KV: worker 0's 2,000-token prompt stays pinned (its decoder does not
+    """19 × 128 tokens of prefiller KV, 2,304 for requests (one block is vLLM's null block): worker 0's 2,000-token prompt stays pinned (its decoder does not
     answer); worker 1's 2,000-token prompt waits in worker 1's queue, not inside the engine, while small prompts
     on both workers keep completing next to it; when worker 0's client leaves, worker 1's prompt goes."""
     port = free_port()
     log = tmp_path / "proxy.log"
     kv = ("--max-model-len", "2048", "--block-size", "128")
-    with running(SimProcess("prefill", *MODEL, *kv, "--num-gpu-blocks-override", "18", "--kv-pin-timeout-s", "2"),
+    with running(SimProcess("prefill", *MODEL, *kv, "--num-gpu-blocks-override", "19", "--kv-pin-timeout-s", "2"),
                  SimProcess("decode", *MODEL, *kv)) as (prefiller, decoder), \
             serve_workers(common_args(port, prefiller, decoder)
                           + ["--decode-first-byte-timeout-s", "60", "--decode-nonstream-timeout-s", "60"],
