@@ -89,11 +89,13 @@ class DecodeLeg:
         refuses to start with a pool below ``max_model_len`` (``vllm/v1/core/kv_cache_utils.py``,
         ``_check_enough_kv_cache_memory``), so there this never binds; engines that do start so (seed 000's
         vLLM-Ascend 0.23: 4,584 tokens under 133,120, ``docs/field-reports.md``) run a request whose prompt and
-        output together outgrow the whole pool until it preempts itself, and it then waits forever (``vllm/v1/core/sched/scheduler.py``, ``schedule``: "Cannot schedule this request"; vLLM issue
-        #39734) — a 200 whose stream stops.  So the leg asks for at most the pool (less vLLM's null block) less the prompt (the prefiller's
-        exact count on a first leg, else admission's upper bound of the leg's prompt), shared by ``n`` choices; the answer then ends with
-        ``finish_reason`` ``length`` there, as it does at ``max_model_len`` (``README.md``, "admit").  With
-        ``max_tokens_overflow = reject`` a client's larger limit was refused at admission instead."""
+        output together outgrow the whole pool until it preempts itself, and it then waits forever
+        (``vllm/v1/core/sched/scheduler.py``, ``schedule``: "Cannot schedule this request"; vLLM issue #39734) — a
+        200 whose stream stops.  So the leg asks for at most the pool (less vLLM's null block) less the prompt (the
+        prefiller's exact count on a first leg, else admission's upper bound of the leg's prompt), shared by ``n``
+        choices; the answer then ends with ``finish_reason`` ``length`` there, as it does at ``max_model_len``
+        (``README.md``, "admit").  With ``max_tokens_overflow = reject`` a client's larger limit was refused at
+        admission instead."""
         limits = self.limits.of(endpoint) if self.limits is not None else None
         pool = limits.usable_pool if limits is not None else None
         if pool is None or limits is None:

@@ -148,11 +148,15 @@ class PrefillSlot:
         self.handed_over()
         if self._prefill_held:
             self._prefill_held = False
-            if self._long:
-                self._ledger.add_long(self.endpoint, -1)
-            self._counts.add_inflight(self.endpoint, -self.compute_tokens, -1)
-            self._rate.finished(computed, self._ledger.clock())
-            self._ledger.changed()
+            self._free_budget(computed)
+
+    def _free_budget(self, computed: int | None) -> None:
+        """Give this prefill's budget back (``computed``: the tokens the engine computed, None: unknown)."""
+        if self._long:
+            self._ledger.add_long(self.endpoint, -1)
+        self._counts.add_inflight(self.endpoint, -self.compute_tokens, -1)
+        self._rate.finished(computed, self._ledger.clock())
+        self._ledger.changed()
 
     def hand_off_prefill(self) -> Callable[[], None]:
         """The prefill goes on without its holder (the request left while the engine computed it and the releaser
@@ -169,11 +173,7 @@ class PrefillSlot:
             nonlocal done
             if not done:
                 done = True
-                if self._long:
-                    self._ledger.add_long(self.endpoint, -1)
-                self._counts.add_inflight(self.endpoint, -self.compute_tokens, -1)
-                self._rate.finished(None, self._ledger.clock())
-                self._ledger.changed()
+                self._free_budget(None)
         return finish
 
     def decode_started(self) -> None:
