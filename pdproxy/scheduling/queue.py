@@ -359,7 +359,8 @@ class PrefillLedger:
         With ``--workers N`` a read racing another worker's :meth:`PrefillSlot.handed_over` may count that prompt
         twice (in its lease and still unleased), never in neither: the bound errs on the safe side."""
         lim = lim or self.limits.of(endpoint)
-        pad = lim.block_size - 1 if lim.block_size else 0
+        block = lim.block_size or 1
+        pad = block - 1
         counts = self.counts
         unleased_tokens, unleased_requests = counts.unleased(endpoint)  # before the leases: see handed_over()
         try:
@@ -368,8 +369,11 @@ class PrefillLedger:
         except KeyError:                      # removed: only our own slots are left
             leased_tokens = leased_requests = 0
         flying_tokens, flying_requests = counts.inflight(endpoint)
-        return max(leased_tokens + unleased_tokens + pad * (leased_requests + unleased_requests),
+        held = max(leased_tokens + unleased_tokens + pad * (leased_requests + unleased_requests),
                    flying_tokens + pad * flying_requests)
+        # each prompt rounded up to whole blocks sums to a multiple of the block below its tokens + a pad each:
+        # rounded down, the sum is still a bound, and exact for one prompt (1,998 tokens in 128s: 2,048, not 2,125)
+        return held // block * block
 
     def rate(self, endpoint: Endpoint) -> PrefillRate:
         """``endpoint``'s measured prefill rate (this process's prefills; created on first use)."""

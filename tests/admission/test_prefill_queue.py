@@ -155,7 +155,7 @@ async def test_prompts_pinned_on_the_prefiller_stay_within_its_kv_pool() -> None
     async with asyncio.TaskGroup() as tg:
         tg.create_task(request(2000, first_event))
         await until(lambda: order == [2000])
-        assert q.ledger.inflight_tokens(P) == 0 and q.ledger.kv_held_tokens(P) == 2000 + 127   # whole blocks, upper bound
+        assert q.ledger.inflight_tokens(P) == 0 and q.ledger.kv_held_tokens(P) == 16 * 128   # whole blocks
         tg.create_task(request(2001))
         await until(lambda: q.depth == 1)
         tg.create_task(request(3))                                   # 1 block: fits next to the pinned 16
@@ -166,6 +166,38 @@ async def test_prompts_pinned_on_the_prefiller_stay_within_its_kv_pool() -> None
     assert order == [2000, 3, 2001]
     assert q.idle() and q.ledger.pool.idle() and q.ledger.kv_held_tokens(P) == 0
     assert q.stats.waited_total == 2 and q.stats.granted_total == 3
+
+
+async def test_a_prompt_pinned_in_all_but_one_block_leaves_that_block_to_a_small_prompt() -> None:
+    """18 blocks × 128, one of them vLLM's null block: 17 for requests (the real-vLLM KV-pressure engine's pool).
+    A pinned 1,998-token prompt holds 16 blocks — counted as 16 (2,048 tokens), not as its tokens plus a block's
+    pad (2,125, which left no room for a one-block prompt) — so a 3-token prompt takes the 17th block while a
+    2-block one waits for the lease."""
+    q = make_queue(budget=32_768, p_blocks=18)
+    order: list[int] = []
+    first_event = asyncio.Event()
+
+    async def request(tokens: int, decoded: asyncio.Event | None = None) -> None:
+        async with q.slot(tokens, tokens + 1) as slot:
+            with q.ledger.pool.lease(slot.endpoint, tokens):
+                order.append(tokens)
+                slot.prefill_done()
+                if decoded is not None:
+                    await decoded.wait()
+
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(request(1998, first_event))
+        await until(lambda: order == [1998])
+        assert q.ledger.kv_held_tokens(P) == 16 * 128
+        tg.create_task(request(130))                                 # 2 blocks: 16 + 2 > 17
+        await until(lambda: q.depth == 1)
+        tg.create_task(request(3))                                   # 1 block: 16 + 1 = 17
+        await until(lambda: order == [1998, 3])
+        assert q.depth == 1
+        first_event.set()
+        await until(lambda: len(order) == 3)
+    assert order == [1998, 3, 130]
+    assert q.idle() and q.ledger.kv_held_tokens(P) == 0
 
 
 async def test_kv_pool_is_the_budget_when_smaller_and_an_idle_prefiller_takes_any_prompt() -> None:

@@ -154,7 +154,7 @@ async def test_kv_pool_and_decoder_reservation_are_one_for_both(board_files) -> 
     with wa.pool.lease(P, 2000):
         slot.handed_over()
         slot.prefill_done()                      # answered, KV pinned by worker 0's lease
-        assert wb.ledger.kv_held_tokens(P) == 2000 + 127
+        assert wb.ledger.kv_held_tokens(P) == 16 * 128
         assert not wb.ledger.has_room(P, 2000) and wb.ledger.has_room(P, 100)   # 16 + 16 blocks > 18 (19 less the null block); 16 + 1 fit
         assert wb.ledger.pending_decode == 2001 and not wb.ledger.decode_room(3000)   # 5000 − 2001 < 3000
         slot.decode_started()
