@@ -90,9 +90,8 @@ ROUTER_FLAGS: Final = (
     RouterFlag("--health-check-interval-secs", ("health_interval_s",), float, ""),
     RouterFlag("--health-check-timeout-secs", ("health_timeout_s",), float, ""),
     RouterFlag("--health-check-endpoint", (), str, "pdproxy probes vLLM's /health"),
-    RouterFlag("--health-failure-threshold", (), str, "each probe decides; failed requests open the breaker"),
-    RouterFlag("--health-success-threshold", (), str, "one good probe re-admits (a trial request closes the "
-                                                       "breaker)"),
+    RouterFlag("--health-failure-threshold", ("health_unhealthy_threshold",), int, ""),
+    RouterFlag("--health-success-threshold", ("health_healthy_threshold",), int, ""),
     RouterFlag("--cb-failure-threshold", ("breaker_failures",), int, ""),
     RouterFlag("--cb-timeout-duration-secs", ("breaker_open_s",), float, ""),
     RouterFlag("--cb-success-threshold", (), str, "one successful trial request closes the breaker"),

@@ -129,8 +129,11 @@ def test_router_flags_set_settings() -> None:
         "--prefill", "http://p:1", "9000", "http://p:2", "none", "--decode", "http://d:2",
         "--health-check-interval-secs", "7", "--health-check-timeout-secs", "2", "--request-timeout-secs", "60",
         "--cb-failure-threshold", "5", "--retry-max-retries", "2", "--retry-initial-backoff-ms", "100",
-        "--queue-timeout-secs", "9", "--api-key", "k", "--prometheus-port", "29000"]))
+        "--queue-timeout-secs", "9", "--api-key", "k", "--prometheus-port", "29000",
+        "--health-failure-threshold", "7", "--health-success-threshold", "4"]))
     assert s.prefill == ["http://p:1", "http://p:2"]
     assert (s.health_interval_s, s.health_timeout_s, s.request_timeout_s) == (7.0, 2.0, 60.0)
     assert (s.breaker_failures, s.prefill_attempts, s.decode_attempts) == (5, 3, 3)
     assert (s.retry_backoff_s, s.prefill_queue_timeout_s, s.engine_api_key) == (0.1, 9.0, "k")
+    # vllm-router's probe thresholds are pdproxy's (docs/health.md), not accepted and dropped
+    assert (s.health_unhealthy_threshold, s.health_healthy_threshold) == (7, 4)
