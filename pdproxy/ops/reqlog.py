@@ -99,6 +99,7 @@ class RequestLog:
         self._logger = logging.getLogger(LOGGER_NAME)
         self._fd: int | None = None
         self._sink: LineSink | None = None
+        self._closed = False
 
     def __enter__(self) -> RequestLog:
         if self.enabled and self.path:
@@ -122,6 +123,19 @@ class RequestLog:
         if self._fd is not None and drained:   # a writer thread still blocked on it keeps it (process exit frees it)
             os.close(self._fd)
         self._fd = None
+        self._closed = True
+
+    def _append_late(self, data: bytes) -> None:
+        """A request that ended after the log was closed (a forced shutdown: the streams a second Ctrl-C cut end
+        once the lifespan is over): its line still goes to the file, not to stderr."""
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self._unusable(exc)
 
     def _unusable(self, exc: OSError) -> None:
         """The sink's first write error (its writer thread, or a file write): said once."""
@@ -135,6 +149,9 @@ class RequestLog:
         line = orjson.dumps(request_record(ctx, req, rejection=rejection, log_prompts=self.log_prompts))
         if sink is not None:
             sink.write(line + b"\n")
+            return
+        if self._closed and self.path and self.path != "-":
+            self._append_late(line + b"\n")
             return
         handler = sole_sink(self._logger)   # the line as the root handler writes it, without a LogRecord
         if handler is None or not handler.write_json_line(LOGGER_NAME, logging.INFO, line):

@@ -110,6 +110,20 @@ def test_disabled_log_writes_nothing(tmp_path: Path) -> None:
     assert not path.exists()
 
 
+def test_a_line_after_the_log_closed_still_goes_to_its_file(tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    # a forced shutdown (second Ctrl-C) cuts streams whose lines are written after the lifespan closed the log
+    path = tmp_path / "requests.jsonl"
+    ctx = RequestContext(request_id="late", client_request_id=None, api_label="chat", status=200)
+    log = RequestLog(load_settings(request_log_path=str(path)))
+    with log:
+        pass
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+        log.emit(ctx, None)
+    assert [orjson.loads(x)["request_id"] for x in path.read_bytes().splitlines()] == ["late"]
+    assert not [r for r in caplog.records if r.name == LOGGER_NAME]
+
+
 def test_a_log_that_cannot_be_written_is_said_once_and_never_raises(caplog: pytest.LogCaptureFixture) -> None:
     ctx = RequestContext(request_id="abc", client_request_id=None, api_label="chat")
     with caplog.at_level(logging.ERROR, logger="pdproxy"), \
