@@ -23,6 +23,7 @@ pdproxy's HTTP/1.1 client                    httpx                             p
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -34,10 +35,28 @@ from pdproxy.http.client import ConnectError, PoolTimeout, ReadTimeout, Transpor
 _MAX_ERROR_BODY_BYTES = 1 << 20
 
 
+def _not_connected(exc: BaseException) -> str:
+    """What a failed connect is called in a message: "refused the connection" only when one was refused (what an
+    operator reads as "nothing listens there"); a name that does not resolve (a typo in a host name) or a connect
+    that timed out says so.  The causes are in the chain (``from None`` keeps ``__context__``)."""
+    seen: BaseException | None = exc
+    for _ in range(6):
+        if seen is None:
+            break
+        if isinstance(seen, socket.gaierror):
+            return "could not be reached: its host name does not resolve"
+        if isinstance(seen, ConnectionRefusedError):
+            return "refused the connection"
+        if isinstance(seen, TimeoutError | httpx.ConnectTimeout):
+            return "did not accept the connection in time"
+        seen = seen.__cause__ or seen.__context__
+    return "could not be connected to"
+
+
 def transport_error(exc: TransportError | TimeoutError, who: str, endpoint: str, when: str = "") -> ProxyError:
     """The pdproxy error for a failure of pdproxy's HTTP/1.1 client (see the module docstring's table)."""
     if isinstance(exc, ConnectError):
-        return UpstreamRefused(f"{who} refused the connection{when}: {exc}", endpoint=endpoint)
+        return UpstreamRefused(f"{who} {_not_connected(exc)}{when}: {exc}", endpoint=endpoint)
     if isinstance(exc, PoolTimeout):
         return UpstreamTimeout(f"{who}: {exc}", endpoint=endpoint)
     if isinstance(exc, ReadTimeout | TimeoutError):
@@ -58,7 +77,7 @@ def httpx_error(exc: httpx.HTTPError, who: str, endpoint: str, when: str = "") -
                                  content_type=resp.headers.get("content-type", "application/json"),
                                  retry_after=resp.headers.get("retry-after"))
     if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-        return UpstreamRefused(f"{who} refused the connection{when}: {exc.__class__.__name__}: {exc}",
+        return UpstreamRefused(f"{who} {_not_connected(exc)}{when}: {exc.__class__.__name__}: {exc}",
                                endpoint=endpoint)
     if isinstance(exc, httpx.PoolTimeout):
         return UpstreamTimeout(f"{who}: no free connection{when}", endpoint=endpoint)

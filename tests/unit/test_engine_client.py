@@ -55,6 +55,22 @@ def test_a_failed_health_probe_says_why() -> None:
     assert not healthy and why is not None and "refused the connection" in why, why
 
 
+def test_a_host_name_that_does_not_resolve_is_not_called_a_refused_connection() -> None:
+    """A typo in an engine's host name (``--prefill http://prefil1:8000``) is said as such in the log and in
+    ``pdproxy doctor``, not as "refused the connection" (which reads as: the host is up, nothing listens)."""
+    endpoint = Endpoint("http://pdproxy-no-such-host.invalid:9100", Role.PREFILL)   # RFC 6761: never resolves
+
+    async def call() -> tuple[bool, str | None]:
+        client = EngineClient(timeout_s=5)
+        try:
+            return await client.health(endpoint), client.health_failure(endpoint)
+        finally:
+            await client.aclose()
+
+    healthy, why = asyncio.run(call())
+    assert not healthy and why is not None and "does not resolve" in why and "refused" not in why, why
+
+
 async def _misbehaving_engine(mode: str) -> tuple[asyncio.AbstractServer, Endpoint]:
     """An engine on loopback whose every answer is 200 with a chunked body that either trickles (one byte every
     0.1 s, never ending) or floods (1 MiB chunks, never ending)."""
