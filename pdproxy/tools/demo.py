@@ -41,7 +41,7 @@ pdproxy demo is up: proxy http://127.0.0.1:{port}  (prefiller {p}, decoders {d})
   print()
   EOF
 
-Request log (one JSON line per request): {request_log}   e.g. tail -f {request_log}
+{request_log}
 Ctrl-C stops the proxy (open streams get up to shutdown_grace_s to finish) and then the simulated engines.
 """
 
@@ -79,6 +79,13 @@ def check_ports(args: argparse.Namespace) -> None:
 def request_log_path(args: argparse.Namespace) -> str:
     """Where the demo's request log goes: ``--request-log-path``, else a file in the temporary directory."""
     return str(args.request_log_path or Path(tempfile.gettempdir()) / "pdproxy-demo-requests.jsonl")
+
+
+def request_log_hint(path: str) -> str:
+    """The demo banner's line saying where the request log goes (``-``: this terminal, nothing to ``tail``)."""
+    if path == "-":
+        return "Request log (one JSON line per request): this terminal (--request-log-path -)"
+    return f"Request log (one JSON line per request): {path}   e.g. tail -f {path}"
 
 
 class DemoError(RuntimeError):
@@ -179,7 +186,8 @@ def run(args: argparse.Namespace, serve: Callable[[Settings], int]) -> int:
                                      expose_routing_headers=True, health_interval_s=1.0,
                                      request_log_path=request_log_path(args))
             print(SNIPPET.format(port=args.port, p=prefill[0], d=", ".join(decode), model=args.model,
-                                 python=sys.executable, request_log=request_log_path(args)), flush=True)  # this interpreter has the openai client
+                                 python=sys.executable, request_log=request_log_hint(request_log_path(args))),
+                  flush=True)  # this interpreter has the openai client
             return serve(settings)
     except DemoError as exc:
         print(f"pdproxy demo: {exc}", file=sys.stderr)

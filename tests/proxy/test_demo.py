@@ -72,6 +72,13 @@ def test_demo_serves_and_its_engines_die_with_it(how: signal.Signals) -> None:
             demo.wait()
 
 
+def test_banner_names_the_request_logs_place() -> None:
+    from pdproxy.tools.demo import request_log_hint
+    assert "tail -f /tmp/r.jsonl" in request_log_hint("/tmp/r.jsonl")
+    # --request-log-path - : the lines come to the terminal; no "tail -f -" to copy
+    assert "terminal" in request_log_hint("-") and "tail" not in request_log_hint("-")
+
+
 def test_busy_engine_port_is_refused_with_a_clear_message() -> None:
     proxy, base = _ports()
     with socket.socket() as squatter:
