@@ -125,11 +125,11 @@ class RequestLog:
         self._fd = None
         self._closed = True
 
-    def _append_late(self, data: bytes) -> None:
+    def _append_late(self, path: str, data: bytes) -> None:
         """A request that ended after the log was closed (a forced shutdown: the streams a second Ctrl-C cut end
         once the lifespan is over): its line still goes to the file, not to stderr."""
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
                 os.write(fd, data)
             finally:
@@ -151,7 +151,7 @@ class RequestLog:
             sink.write(line + b"\n")
             return
         if self._closed and self.path and self.path != "-":
-            self._append_late(line + b"\n")
+            self._append_late(self.path, line + b"\n")
             return
         handler = sole_sink(self._logger)   # the line as the root handler writes it, without a LogRecord
         if handler is None or not handler.write_json_line(LOGGER_NAME, logging.INFO, line):
