@@ -9,11 +9,16 @@ request that fails vLLM's pydantic model, as its FastAPI handler says), ``NotFou
 ``InternalServerError`` for 500 …, and OpenAI's ``PermissionDeniedError`` for 403.
 
 The boundary is :meth:`ProxyError.body` (and :func:`sse_error_event`, built on it): a client never sees an
-engine's address.  ``message`` keeps the full text — engine URL, host:port, the transport's own words — for the
-log and the request's log line (``RequestContext.error``); :func:`public_message` is what the client reads: the
-same sentence with every URL, ``host:port``, IP address and ``('host', port)`` tuple taken out, so "prefiller
-http://10.0.0.5:8100 did not answer within 30 s" becomes "prefiller did not answer within 30 s".  An engine's own
-error body (:class:`UpstreamHTTPError`) passes through unchanged: those are vLLM's words about the request.
+engine's address nor a Python exception's text.  ``message`` keeps the full text — engine URL, host:port, the
+transport's own words — for the log and the request's log line (``RequestContext.error``).  The client reads
+``public`` when the error has one: a fixed sentence per failure kind, which a transport failure always has
+(:mod:`pdproxy.http.errors`: "the connection to the decoder broke mid-stream", "the prefiller timed out"), so an
+exception's text (``ConnectionResetError(104, …)``, a socket's address) never leaves the log.  Otherwise it reads
+:func:`public_message` of ``message``: the same sentence with every URL, ``host:port``, IP address and ``('host',
+port)`` tuple taken out, so "prefiller http://10.0.0.5:8100 did not answer within 30 s" becomes "prefiller did not
+answer within 30 s" (pdproxy's own sentences, and the client's own input quoted back in a validation error, stay
+as they are).  An engine's own error body (:class:`UpstreamHTTPError`) passes through unchanged: those are vLLM's
+words about the request.
 
 Tree::
 
@@ -123,11 +128,11 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
 class ProxyError(Exception):
     """Base of every error pdproxy answers itself.
 
-    Attributes: ``status_code`` (HTTP status), ``message`` (full text, for logs), ``error_type`` (envelope
-    ``type``), ``param``, ``code`` (string code or None → the status), ``headers`` (extra response headers such
-    as Retry-After), ``outcome`` (metrics/log label), ``rejection``: ``(reason, detail)`` for
-    ``pdproxy_rejections_total`` when the class declares it (None: :func:`pdproxy.ops.metrics.rejection_of`
-    derives it).
+    Attributes: ``status_code`` (HTTP status), ``message`` (full text, for logs), ``public`` (the client's fixed
+    sentence; None: :func:`public_message` of ``message``), ``error_type`` (envelope ``type``), ``param``, ``code``
+    (string code or None → the status), ``headers`` (extra response headers such as Retry-After), ``outcome``
+    (metrics/log label), ``rejection``: ``(reason, detail)`` for ``pdproxy_rejections_total`` when the class
+    declares it (None: :func:`pdproxy.ops.metrics.rejection_of` derives it).
     """
 
     status_code = 500
@@ -136,9 +141,10 @@ class ProxyError(Exception):
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None, error_type: str | None = None,
-                 redact: bool = True) -> None:
+                 redact: bool = True, public: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.public = public
         self.param = param
         self.code = code
         self.headers = dict(headers or {})
@@ -150,10 +156,21 @@ class ProxyError(Exception):
         """The envelope's ``type``: as given, else the one for this status (see :func:`error_type_for`)."""
         return self._error_type or error_type_for(self.status_code)
 
+    def note(self, text: str) -> None:
+        """Add ``text`` (pdproxy's own words, e.g. "; the response is incomplete") to the message and to the
+        client's sentence alike."""
+        self.message += text
+        if self.public is not None:
+            self.public += text
+
     def body(self) -> dict[str, Any]:
-        """The error envelope the client gets (see module docstring): :func:`public_message` of ``message``
-        (``redact=False`` for the admin API's answers, whose caller holds the admin key and names the URLs)."""
-        message = public_message(self.message) if self.redact else self.message
+        """The error envelope the client gets (see module docstring): ``public``, else :func:`public_message` of
+        ``message`` (``redact=False`` for the admin API's answers, whose caller holds the admin key and names the
+        URLs)."""
+        if not self.redact:
+            message = self.message
+        else:
+            message = public_message(self.public if self.public is not None else self.message)
         return error_body(self.status_code, message, param=self.param, code=self.code, error_type=self.error_type)
 
     def body_bytes(self) -> bytes:
@@ -295,8 +312,9 @@ class UpstreamUnavailable(ProxyError):
     status_code = 502
     outcome = "upstream_error"
 
-    def __init__(self, message: str, *, endpoint: str = "", headers: dict[str, str] | None = None) -> None:
-        super().__init__(message, headers=headers)
+    def __init__(self, message: str, *, endpoint: str = "", headers: dict[str, str] | None = None,
+                 public: str | None = None) -> None:
+        super().__init__(message, headers=headers, public=public)
         self.endpoint = endpoint
 
 
@@ -311,8 +329,8 @@ class UpstreamTimeout(ProxyError):
     status_code = 504
     outcome = "timeout"
 
-    def __init__(self, message: str, *, endpoint: str = "") -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, endpoint: str = "", public: str | None = None) -> None:
+        super().__init__(message, public=public)
         self.endpoint = endpoint
 
 
@@ -379,7 +397,8 @@ class DecodeFailed(Exception):
 
 def sse_error_event(err: ProxyError | Exception) -> bytes:
     """An SSE error event as vLLM sends mid-stream: ``data: {"error": {...}}\\n\\n`` (an engine's own error
-    object as it sent it; pdproxy's without engine addresses, see :func:`public_message`)."""
+    object as it sent it; pdproxy's as :meth:`ProxyError.body` words it; any other exception a fixed sentence,
+    its text only in the log)."""
     if isinstance(err, UpstreamHTTPError):
         try:
             parsed = orjson.loads(err.raw_body)
@@ -387,10 +406,7 @@ def sse_error_event(err: ProxyError | Exception) -> bytes:
                 return b"data: " + orjson.dumps(parsed) + b"\n\n"
         except orjson.JSONDecodeError:
             pass
-    if isinstance(err, ProxyError):
-        body = err.body()
-    else:
-        body = error_body(502, public_message(f"upstream stream failed: {err.__class__.__name__}: {err}"))
+    body = err.body() if isinstance(err, ProxyError) else error_body(502, "the upstream stream failed")
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 

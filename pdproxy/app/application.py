@@ -167,7 +167,8 @@ class PDProxyApp:
                 ctx.rejection = rejection_of(err)
             else:               # a bug, not an upstream condition: counted as one, answered in the API's shape
                 log.exception("request %s failed", ctx.request_id)
-                err = ProxyError(f"internal error in pdproxy: {exc.__class__.__name__}")
+                err = ProxyError(f"internal error in pdproxy: {exc.__class__.__name__}",
+                                 public="internal error in pdproxy")
                 ctx.outcome = "internal_error"
             ctx.error = err.message
             if not out.started:
@@ -288,7 +289,8 @@ class PDProxyApp:
         except Exception as exc:  # a bug, not an upstream condition: still answer, never hang
             log.exception("request %s failed", ctx.request_id)
             ctx.outcome = "internal_error"
-            out.error_nowait(ProxyError(f"internal error in pdproxy: {exc.__class__.__name__}"))
+            out.error_nowait(ProxyError(f"internal error in pdproxy: {exc.__class__.__name__}",
+                                        public="internal error in pdproxy"))
         finally:
             if dropped:
                 ctx.outcome = "client_disconnected"

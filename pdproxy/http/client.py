@@ -52,7 +52,11 @@ MAX_HEAD_BYTES = 64 * 1024
 
 
 class TransportError(Exception):
-    """A failure of the HTTP/1.1 exchange with an engine (see the module docstring for the tree)."""
+    """A failure of the HTTP/1.1 exchange with an engine (see the module docstring for the tree).  ``public``: a
+    sentence of pdproxy's own about it that a client may read (no address, no other exception's text), added to
+    the failure kind's fixed sentence (:func:`pdproxy.http.errors.transport_error`); None: that sentence alone."""
+
+    public: str | None = None
 
 
 class ConnectError(TransportError):
@@ -435,9 +439,14 @@ class H1Connection(asyncio.Protocol):
                 self.abort()  # bytes after the complete response (see on_message_begin): the response stands
             else:
                 cause = exc.__context__
-                self._broken(str(cause) if isinstance(cause, ProtocolError) else f"malformed HTTP response: {exc}")
-        except Exception as exc:  # the sink failed on this read's piece (called here, not from a parser callback)
-            self._broken(str(exc) if isinstance(exc, ProtocolError) else f"malformed HTTP response: {exc!r}")
+                if isinstance(cause, ProtocolError):
+                    self._broken(str(cause), cause.public)
+                else:
+                    self._broken(f"malformed HTTP response: {exc}")
+        except ProtocolError as exc:  # the sink refused this read's piece (called here, not from a parser callback)
+            self._broken(str(exc), exc.public)
+        except Exception as exc:  # the sink failed on this read's piece
+            self._broken(f"malformed HTTP response: {exc!r}")
 
     def on_message_begin(self) -> None:
         if self.complete:
@@ -492,11 +501,12 @@ class H1Connection(asyncio.Protocol):
         if sink is not None:  # None once the response is done with (done())
             sink(data)
 
-    def _broken(self, why: str) -> None:
+    def _broken(self, why: str, public: str | None = None) -> None:
         if self.held:
             with suppress(Exception):  # a sink failing on the bytes before the break is told the break below
                 self._flush()
         err = ProtocolError(why)
+        err.public = public
         if self.headers_in is not None and not self.headers_in.done():
             self.headers_in.set_exception(err)
         if self.resp is not None:

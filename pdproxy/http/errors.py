@@ -16,9 +16,23 @@ pdproxy's HTTP/1.1 client                    httpx                             p
 (an error status is read by the caller)      ``HTTPStatusError``               ``UpstreamHTTPError``
 ===========================================  ================================  ==========================
 
-``who`` names the engine in the message (``"decoder http://…"``; the client's copy has addresses removed,
-:func:`pdproxy.errors.public_message`), ``endpoint`` is its name, ``when`` a phrase placed after the verb
-(``" mid-stream"``).
+``who`` names the engine in the message (``"decoder http://…"``), ``endpoint`` is its name, ``when`` a phrase
+placed after the verb (``" mid-stream"``).  The message keeps the transport's own words for the log; the client
+reads the error's ``public`` sentence, fixed per failure kind and naming only the engine's role
+(:class:`pdproxy.errors.ProxyError`):
+
+=====================================  ============================================================
+failure                                what the client reads (``when`` = ``" mid-stream"``)
+=====================================  ============================================================
+refused                                the decoder refused the connection mid-stream (a connect that timed
+                                       out: did not accept the connection in time; a host name that does
+                                       not resolve: could not be reached: its host name does not resolve)
+no pooled connection in time           no connection to the decoder was free in time mid-stream
+timed out                              the decoder timed out mid-stream
+malformed HTTP (``ProtocolError``)     the decoder sent a malformed answer mid-stream (: its ``public`` sentence,
+                                       e.g. an SSE event past its size limit)
+broken (``Disconnected``, httpx's)     the connection to the decoder broke mid-stream
+=====================================  ============================================================
 """
 
 from __future__ import annotations
@@ -30,7 +44,7 @@ from contextlib import contextmanager
 import httpx
 
 from pdproxy.errors import ProxyError, UpstreamHTTPError, UpstreamRefused, UpstreamTimeout, UpstreamUnavailable
-from pdproxy.http.client import ConnectError, PoolTimeout, ReadTimeout, TransportError
+from pdproxy.http.client import ConnectError, PoolTimeout, ProtocolError, ReadTimeout, TransportError
 
 _MAX_ERROR_BODY_BYTES = 1 << 20
 
@@ -53,15 +67,33 @@ def _not_connected(exc: BaseException) -> str:
     return "could not be connected to"
 
 
+_ROLE_WORDS = {"prefill": "prefiller", "decode": "decoder"}
+
+
+def _role(who: str) -> str:
+    """The engine's role as the client may read it: ``who``'s first word (``"decode http://…"`` → ``"decoder"``)."""
+    word = who.split(" ", 1)[0] or "engine"
+    return _ROLE_WORDS.get(word, word)
+
+
 def transport_error(exc: TransportError | TimeoutError, who: str, endpoint: str, when: str = "") -> ProxyError:
-    """The pdproxy error for a failure of pdproxy's HTTP/1.1 client (see the module docstring's table)."""
+    """The pdproxy error for a failure of pdproxy's HTTP/1.1 client (see the module docstring's tables)."""
+    role = _role(who)
     if isinstance(exc, ConnectError):
-        return UpstreamRefused(f"{who} {_not_connected(exc)}{when}: {exc}", endpoint=endpoint)
+        verb = _not_connected(exc)
+        return UpstreamRefused(f"{who} {verb}{when}: {exc}", endpoint=endpoint, public=f"the {role} {verb}{when}")
     if isinstance(exc, PoolTimeout):
-        return UpstreamTimeout(f"{who}: {exc}", endpoint=endpoint)
+        return UpstreamTimeout(f"{who}: {exc}", endpoint=endpoint,
+                               public=f"no connection to the {role} was free in time{when}")
     if isinstance(exc, ReadTimeout | TimeoutError):
-        return UpstreamTimeout(f"{who} timed out{when}: {exc}", endpoint=endpoint)
-    return UpstreamUnavailable(f"{who} failed{when}: {exc.__class__.__name__}: {exc}", endpoint=endpoint)
+        return UpstreamTimeout(f"{who} timed out{when}: {exc}", endpoint=endpoint,
+                               public=f"the {role} timed out{when}")
+    public = (f"the {role} sent a malformed answer{when}" if isinstance(exc, ProtocolError) else
+              f"the connection to the {role} broke{when}")
+    if isinstance(exc, TransportError) and exc.public:
+        public += f": {exc.public}"
+    return UpstreamUnavailable(f"{who} failed{when}: {exc.__class__.__name__}: {exc}", endpoint=endpoint,
+                               public=public)
 
 
 def httpx_error(exc: httpx.HTTPError, who: str, endpoint: str, when: str = "") -> ProxyError:
@@ -76,14 +108,21 @@ def httpx_error(exc: httpx.HTTPError, who: str, endpoint: str, when: str = "") -
         return UpstreamHTTPError(resp.status_code, body, endpoint=endpoint,
                                  content_type=resp.headers.get("content-type", "application/json"),
                                  retry_after=resp.headers.get("retry-after"))
+    role = _role(who)
     if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-        return UpstreamRefused(f"{who} {_not_connected(exc)}{when}: {exc.__class__.__name__}: {exc}",
-                               endpoint=endpoint)
+        verb = _not_connected(exc)
+        return UpstreamRefused(f"{who} {verb}{when}: {exc.__class__.__name__}: {exc}", endpoint=endpoint,
+                               public=f"the {role} {verb}{when}")
     if isinstance(exc, httpx.PoolTimeout):
-        return UpstreamTimeout(f"{who}: no free connection{when}", endpoint=endpoint)
+        return UpstreamTimeout(f"{who}: no free connection{when}", endpoint=endpoint,
+                               public=f"no connection to the {role} was free in time{when}")
     if isinstance(exc, httpx.TimeoutException):
-        return UpstreamTimeout(f"{who} did not answer in time{when}", endpoint=endpoint)
-    return UpstreamUnavailable(f"{who} failed{when}: {exc.__class__.__name__}: {exc}", endpoint=endpoint)
+        return UpstreamTimeout(f"{who} did not answer in time{when}", endpoint=endpoint,
+                               public=f"the {role} timed out{when}")
+    public = (f"the {role} sent a malformed answer{when}" if isinstance(exc, httpx.RemoteProtocolError) else
+              f"the connection to the {role} broke{when}")
+    return UpstreamUnavailable(f"{who} failed{when}: {exc.__class__.__name__}: {exc}", endpoint=endpoint,
+                               public=public)
 
 
 @contextmanager

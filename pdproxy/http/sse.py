@@ -30,7 +30,13 @@ logprobs: tens of MB at the extreme); a stream that never ends an event would ot
 class EventTooLarge(ProtocolError):
     """An upstream event grew past :data:`MAX_EVENT_BYTES` without ending: the engine's stream is not acceptable
     (a :class:`~pdproxy.http.client.ProtocolError`, so the relay breaks the engine's connection and the client
-    gets the stream's error event)."""
+    gets the stream's error event, whose sentence says this: ``public``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.public = message
+
+
 _BLANK_LINE = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r|\n)")
 """A line ending followed by another: an event's end.  A first ``\r`` followed by ``\n`` is one ``\r\n``."""
 _LINE_ENDS = b"\r\n"

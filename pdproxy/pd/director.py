@@ -263,7 +263,7 @@ class Director:
             resume.observer.refused(why[0], api)
             if resume.lost:                     # this loss's decoder (a continued one's: renew_request_id)
                 ctx.lost_decoders += (resume.lost[-1].name,)
-            lost.error.message += f" (not continued: {why[1]})"
+            lost.error.note(f" (not continued: {why[1]})")
             ctx.outcome = "upstream_error"
             out.error_nowait(lost.error)
             return None

@@ -454,7 +454,8 @@ class FanOut:
             merger.fail(err)
         except Exception as exc:             # a bug, not an engine condition: still fail the response honestly
             log.exception("sequence %s of request %s failed", seq.index, seq.ctx.request_id)
-            merger.fail(ProxyError(f"internal error in pdproxy: {exc.__class__.__name__}"))
+            merger.fail(ProxyError(f"internal error in pdproxy: {exc.__class__.__name__}",
+                                   public="internal error in pdproxy"))
         finally:
             seq.prefilled.set()              # siblings never wait on a sequence that is over
 

@@ -519,7 +519,7 @@ class StreamRelay:
                                                   "be incomplete", endpoint=ctx.decoder or "")
                 else:
                     failure = transport_error(exc, who, ctx.decoder or "", " mid-stream")
-                    failure.message += "; the response is incomplete"
+                    failure.note("; the response is incomplete")
                 if self.resume is not None and not out.ended:
                     cause = (LossCause.NO_END if isinstance(exc, _NoDone) else LossCause.STALL
                              if isinstance(exc, ReadTimeout) else LossCause.RESET)
@@ -527,7 +527,7 @@ class StreamRelay:
                                      last_write=splice.last) from None
                 why = ineligible_reason(self.not_continued) if self.not_continued is not None else None
                 if why is not None:           # its shape, not a failed continuation (those are the director's)
-                    failure.message += f" (not continued: {why})"
+                    failure.note(f" (not continued: {why})")
                 ctx.outcome = "upstream_error"
                 out.error_nowait(failure)
                 return False

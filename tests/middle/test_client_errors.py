@@ -1,0 +1,75 @@
+"""What a client reads when pdproxy answers an error itself: a fixed sentence per failure kind in the API's own error
+shape — never a Python exception's text or an engine's address (those go to the log and the request's log line,
+``ctx.error``)."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from pdproxy.http.client import Disconnected, ProtocolError, ReadTimeout
+from tests.middle.fake_upstream import Reset, Stream, chat_chunks
+from tests.middle.rig import Rig
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(20)]
+
+TOKENS = [orjson.loads(c[6:]) for c in chat_chunks(3)]
+SECRET = "10.9.8.7:9100 ConnectionResetError(104, 'Connection reset by peer')"
+
+
+def streamed(client_events: list[bytes]) -> list[object]:
+    return [b"[DONE]" if e == b"[DONE]" else orjson.loads(e) for e in client_events]
+
+
+def assert_no_internals(message: str) -> None:
+    for internal in ("10.9.8.7", "9100", "ConnectionResetError", "Connection reset by peer", "Disconnected",
+                     "ProtocolError", "ReadTimeout", "d0", "http://"):
+        assert internal not in message, (internal, message)
+
+
+MID_STREAM = {
+    "reset": (Disconnected(f"engine closed the connection: {SECRET}"),
+              "the connection to the decoder broke mid-stream; the response is incomplete", 502),
+    "malformed": (ProtocolError(f"malformed HTTP response: {SECRET}"),
+                  "the decoder sent a malformed answer mid-stream; the response is incomplete", 502),
+    "silent": (ReadTimeout(f"no data for 30 s from {SECRET}"),
+               "the decoder timed out mid-stream; the response is incomplete", 504),
+}
+
+
+@pytest.mark.parametrize("failure", list(MID_STREAM))
+async def test_a_stream_broken_mid_way_tells_the_client_a_fixed_sentence_and_the_log_the_detail(failure: str) -> None:
+    end, sentence, code = MID_STREAM[failure]
+    logged: list[str | None] = []
+    async with Rig() as rig:
+        rig.app.request_log.emit = lambda ctx, *_: logged.append(ctx.error)  # type: ignore[method-assign]
+        rig.fake.script("r", decode=[Stream(events=2, end=end)])
+        sent = rig.send("r")
+        client = await sent.done()
+    events = streamed(client.events())
+    assert client.status == 200 and client.finished and events[-1] == b"[DONE]" and events[:2] == TOKENS[:2]
+    error = events[2]
+    assert isinstance(error, dict) and set(error) == {"error"}, error
+    assert error["error"] == {"message": sentence, "type": "BadGatewayError" if code == 502 else "GatewayTimeoutError",
+                              "param": None, "code": code}
+    assert_no_internals(error["error"]["message"])
+    (detail,) = logged                                              # the request's log line keeps the detail
+    assert detail is not None and SECRET in detail and "http://d" in detail, detail
+
+
+async def test_a_decoder_broken_before_its_first_event_is_a_502_with_a_fixed_sentence() -> None:
+    async with Rig() as rig:
+        rig.fake.script("r", decode=[Stream(events=0, end=Disconnected(f"engine closed: {SECRET}"))] * 3)
+        client = await rig.run("r")
+    assert client.status == 502
+    assert client.json() == {"error": {"message": "the connection to the decoder broke before its first event",
+                                       "type": "BadGatewayError", "param": None, "code": 502}}
+
+
+async def test_a_reset_prefill_leg_reads_as_a_sentence_without_the_exception() -> None:
+    async with Rig() as rig:
+        rig.fake.script("r", prefill=[Reset()] * 3)
+        client = await rig.run("r")
+    message = client.json()["error"]["message"]
+    assert_no_internals(message)
+    assert "Disconnected" not in message and "engine closed the connection" not in message, message
