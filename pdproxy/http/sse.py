@@ -21,6 +21,10 @@ from typing import Final
 from pdproxy.http.client import ProtocolError
 
 DONE_EVENT = b"data: [DONE]\n\n"
+DONE_EVENT_NO_SPACE = b"data:[DONE]\n\n"
+"""The same end event without the optional space after ``data:`` (a parser strips one leading space): valid SSE,
+written by some servers other than vLLM; the relay ends a stream on it too and sends the client
+:data:`DONE_EVENT` instead."""
 MAX_EVENT_BYTES: Final = 128 << 20
 """The longest incomplete event held while its rest arrives (bytes): past it the stream is broken
 (:class:`EventTooLarge`).  vLLM's largest events are a lagging client's merged deltas (a whole answer with its
@@ -168,8 +172,11 @@ def no_data(block: bytes, end: int | None = None) -> bool:
 
 
 def ends_before_content(block: bytes, end_event: bytes) -> bool:
-    """Whether ``block`` (whole events, ``\n`` line endings) ends with ``end_event`` and nothing before it carries
-    data (:func:`no_data`): a stream that ended before its first token (vLLM always sends a chunk first)."""
+    """Whether ``block`` (whole events, ``\n`` line endings) ends with ``end_event`` (for :data:`DONE_EVENT`, or
+    :data:`DONE_EVENT_NO_SPACE`) and nothing before it carries data (:func:`no_data`): a stream that ended before
+    its first token (vLLM always sends a chunk first)."""
+    if end_event == DONE_EVENT and block.endswith(DONE_EVENT_NO_SPACE):
+        end_event = DONE_EVENT_NO_SPACE
     return block.endswith(end_event) and no_data(block, len(block) - len(end_event))
 
 

@@ -11,7 +11,8 @@ error check).  From then on the decoder connection hands the body straight to :c
 ``data_received`` (:meth:`pdproxy.http.client.H1Response.splice`): the body segments of one socket read (one HTTP
 chunk per event from vLLM) as one piece, which the splice writes to the client's transport in the same call — no
 coroutine switch, ASGI message or dict per event, and one client write per read however many events it holds.  The block that
-holds ``data: [DONE]`` ends the client's response in the same write (a client that closes its connection right
+holds ``data: [DONE]`` (or ``data:[DONE]``, valid SSE without the optional space: the client gets ``data:
+[DONE]``) ends the client's response in the same write (a client that closes its connection right
 after ``[DONE]`` has its whole answer); the decoder's end of body is then awaited only to pool its connection.  Per write it
 costs: the SSE boundary check (complete events are forwarded; an incomplete tail waits for its rest), the
 transforms' byte searches, one ``[DONE]`` search, one clock read and one ITL bucket increment
@@ -119,8 +120,8 @@ class _Splice:
     client's part ended with ``recomputed``), False (the stream ended and the response is finished), or raises
     :class:`TransportError` / :class:`_NoDone`."""
 
-    __slots__ = ("bounds", "conn", "counts", "ctx", "done", "done_event", "done_len", "done_mark", "ending", "feed",
-                 "first", "gaps", "idle_s", "idle_timer", "last", "loop", "lost_when", "out", "prev", "resp",
+    __slots__ = ("bounds", "conn", "counts", "ctx", "done", "done_alt", "done_event", "done_len", "done_mark", "ending",
+                 "feed", "first", "gaps", "idle_s", "idle_timer", "last", "loop", "lost_when", "out", "prev", "resp",
                  "stall_timer", "tail", "transform", "trigger", "write", "writes")
 
     def __init__(self, relay: StreamRelay, transform: Transform | None, tail: bytes, last_write: float) -> None:
@@ -134,7 +135,11 @@ class _Splice:
         self.trigger = transform.trigger if transform is not None else b"\0"  # JSON text never holds a NUL
         self.write = self.conn.body_writer()  # framing and transport write, no Python frame of ours between
         self.done_event = relay.done_event or b"\0\0\0"
-        self.done_len = len(relay.done_event) if relay.done_event else 1 << 62
+        # ``data:[DONE]`` (no space) ends a chat / completions stream too; it has the same byte before the blank line,
+        # so it is looked for only after the pre-test passed and ``done_event`` did not match: no cost per event
+        self.done_alt = sse.DONE_EVENT_NO_SPACE if relay.done_event == sse.DONE_EVENT else None
+        ends = [e for e in (relay.done_event, self.done_alt) if e]
+        self.done_len = min(map(len, ends)) if ends else 1 << 62   # the shortest end event
         self.done_mark = self.done_event[-3]  # the byte before the blank line: a cheap pre-test
         self.prev = b""
         self.ending = b""  # the decoder's last two blocks as it sent them, once its end event came (_end)
@@ -190,9 +195,14 @@ class _Splice:
             self.gaps.total += gap
         self.last = now
         self.writes += 1
-        if len(chunk) >= self.done_len and chunk[-3] == self.done_mark and chunk.endswith(self.done_event):
-            self._end(chunk, now)
-            return
+        if len(chunk) >= self.done_len and chunk[-3] == self.done_mark:
+            if chunk.endswith(self.done_event):
+                self._end(chunk, now)
+                return
+            alt = self.done_alt
+            if alt is not None and chunk.endswith(alt):       # the client's stream ends as vLLM's does
+                self._end(chunk[:-len(alt)] + sse.DONE_EVENT, now)
+                return
         self.prev = chunk
         self.write(chunk)
 

@@ -1,6 +1,7 @@
 """What a client reads when pdproxy answers an error itself: a fixed sentence per failure kind in the API's own error
 shape — never a Python exception's text or an engine's address (those go to the log and the request's log line,
-``ctx.error``)."""
+``ctx.error``); and a decoder stream that ends with ``data:[DONE]`` (no space) taken as ended, the client's ending
+with ``data: [DONE]``."""
 
 from __future__ import annotations
 
@@ -73,3 +74,35 @@ async def test_a_reset_prefill_leg_reads_as_a_sentence_without_the_exception() -
     message = client.json()["error"]["message"]
     assert_no_internals(message)
     assert "Disconnected" not in message and "engine closed the connection" not in message, message
+
+
+# ---------------------------------------------------------------------------------------- data:[DONE] (no space)
+NO_SPACE_ENDS = {
+    "own read": [*chat_chunks(3), b"data:[DONE]\n\n"],
+    "same read": [b"".join(chat_chunks(3)) + b"data:[DONE]\n\n"],
+    "crlf": [*chat_chunks(3), b"data:[DONE]\r\n\r\n"],
+    "no blank line": [*chat_chunks(3), b"data:[DONE]"],
+}
+
+
+@pytest.mark.parametrize("ending", list(NO_SPACE_ENDS))
+async def test_a_stream_ending_with_data_done_without_a_space_is_ended_and_the_client_gets_data_space_done(
+        ending: str) -> None:
+    """``data:[DONE]`` is the same event as ``data: [DONE]`` for an SSE parser (one leading space is optional): the
+    stream has ended — not "ended without data: [DONE]" — and the client's stream ends as vLLM's does."""
+    async with Rig() as rig:
+        rig.fake.script("r", decode=[Stream(events=NO_SPACE_ENDS[ending], end="eof")])
+        client = await rig.run("r")
+    assert client.status == 200 and client.finished
+    assert streamed(client.events()) == [*TOKENS, b"[DONE]"]
+    assert client.text.endswith(b"}\n\ndata: [DONE]\n\n") and client.text.count(b"[DONE]") == 1, client.text
+    (decode,) = rig.fake.of("decode", "r")
+    assert decode.response is not None and decode.response.ended == "released"
+
+
+async def test_a_stream_of_data_done_without_a_space_and_nothing_before_it_is_a_502() -> None:
+    """As with ``data: [DONE]``: a decoder that ends before its first token never ran the request."""
+    async with Rig() as rig:
+        rig.fake.script("r", decode=[Stream(events=[b"data:[DONE]\n\n"], end="eof")] * 3)
+        client = await rig.run("r")
+    assert client.status == 502 and "ended the stream before its first event" in client.json()["error"]["message"]
