@@ -34,6 +34,7 @@ Tree::
     ├── Overloaded (429)             proxy-side queue full; carries Retry-After
     ├── QueueTimeout (503)           waited in the prefill queue past its deadline; carries Retry-After
     ├── NoEndpointAvailable (503)    no healthy prefiller/decoder; carries Retry-After
+    ├── EnginesFailed (503)          the prefillers tried failed it (refused, reset, timed out): Retry-After
     ├── ShuttingDown (503)
     ├── UpstreamUnavailable (502)    connection reset, protocol broken, an unusable answer
     │   └── UpstreamRefused (502)    the connection could not be opened: the engine never saw the request
@@ -293,6 +294,27 @@ class NoEndpointAvailable(ProxyError):
         msg = f"No healthy {role} endpoint is available" + (f": {detail}" if detail else "")
         super().__init__(msg, headers={"retry-after": str(retry_after_s)})
         self.role = role
+
+
+_ROLE_NOUNS = {"prefill": "prefiller", "decode": "decoder"}
+
+
+class EnginesFailed(ProxyError):
+    """The endpoints of ``role`` tried for the request failed it (refused, reset, timed out) and none is left to try,
+    or the attempts ran out (HTTP 503 with Retry-After, as :class:`NoEndpointAvailable` answers the next request —
+    the client retries either alike).  Counted as the engines' failure (outcome ``upstream_error``), not as a
+    rejection.  ``last``: the last failure, whose full message is this one's detail (the client reads its
+    ``public`` sentence)."""
+
+    status_code = 503
+    outcome = "upstream_error"
+
+    def __init__(self, role: str, last: ProxyError, retry_after_s: int = 1) -> None:
+        head = f"no {_ROLE_NOUNS.get(role, role)} could serve the request; retry later"
+        super().__init__(f"{head}: {last.message}", headers={"retry-after": str(retry_after_s)},
+                         public=f"{head}: {last.public if last.public is not None else public_message(last.message)}")
+        self.role = role
+        self.last = last
 
 
 class ShuttingDown(ProxyError):

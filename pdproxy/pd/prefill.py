@@ -3,7 +3,9 @@
 Failure policy (the director's, pdproxy/pd/director.py): a prefiller that refuses, resets, times out or answers
 502/503/504 is replaced by another one (``prefill_attempts``, jittered exponential backoff); a 500 is retried at
 most once elsewhere, and only when the engine says its core died (:func:`~pdproxy.errors.classify`:
-any other 500 would fail the same way on every prefiller); a 4xx is the request's fault and passes through at once.  ``Retry-After`` holds that
+any other 500 would fail the same way on every prefiller); a 4xx is the request's fault and passes through at once.
+When the attempts run out or no prefiller is left, the client gets the last prefiller's own error answer, or —
+after a refusal, reset or timeout — 503 with ``Retry-After`` (:meth:`PrefillLeg.gave_up`).  ``Retry-After`` holds that
 prefiller's breaker open (:meth:`~pdproxy.engines.health.HealthMonitor.record_error`).
 """
 
@@ -23,7 +25,15 @@ from pdproxy.apis.request import ProxyRequest, over_max_model_len
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.health import HealthMonitor
 from pdproxy.engines.pool import EndpointLoad, EndpointPool, Lease
-from pdproxy.errors import Action, NoEndpointAvailable, ProxyError, UpstreamUnavailable, classify
+from pdproxy.errors import (
+    Action,
+    EnginesFailed,
+    NoEndpointAvailable,
+    ProxyError,
+    UpstreamHTTPError,
+    UpstreamUnavailable,
+    classify,
+)
 from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.upstream import Upstream
 from pdproxy.ops.tracing import NO_TRACING, Tracing
@@ -124,7 +134,7 @@ class PrefillLeg:
                                                                            request=pick))
             except NoEndpointAvailable:
                 if last is not None:
-                    raise last from None
+                    raise self.gave_up(last) from None
                 raise
             endpoint = slot.endpoint
             leg, fault = body, req.fault          # a fault: the leg is the client's body, for the engine to judge
@@ -185,7 +195,16 @@ class PrefillLeg:
             return PrefillResult(endpoint, lease, params, ctx.cached_tokens, slot=slot,
                                  answer=reply if ended else None)
         assert last is not None
-        raise last
+        raise self.gave_up(last)
+
+    def gave_up(self, last: ProxyError) -> ProxyError:
+        """What the client gets when the attempts ran out (or no prefiller is left to try) after ``last``: a
+        prefiller's own error answer (a 502/503/504, a 500 with a dead core) as it sent it; a transport failure
+        (refused, reset, timed out) becomes :class:`EnginesFailed`, 503 with ``Retry-After`` until a prefiller's
+        breaker re-admits it — what the next request gets when none is available (:class:`NoEndpointAvailable`)."""
+        if isinstance(last, UpstreamHTTPError):
+            return last
+        return EnginesFailed("prefill", last, self.health.retry_after_s(self.pool.endpoints(Role.PREFILL)))
 
     async def answer(self, req: ProxyRequest, ctx: RequestContext, endpoint: Endpoint, slot: PrefillSlot | None,
                      post: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:

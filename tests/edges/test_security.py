@@ -34,9 +34,9 @@ def test_engine_failures_name_the_role_not_the_address(sims: Fleet, tmp_path: Pa
     try:
         sims.prefillers[0].faults({"kind": "refuse", "times": 1})
         r = httpx.post(proxy.url + "/v1/chat/completions", json=CHAT, timeout=10)
-        assert r.status_code == 502
+        assert r.status_code == 503 and "retry-after" in r.headers
         message = r.json()["error"]["message"]
-        assert message.startswith("prefill") and not any(a in r.text for a in addresses(sims)), message
+        assert message.startswith("no prefiller could serve") and not any(a in r.text for a in addresses(sims)), message
 
         for d in sims.decoders:
             d.faults({"kind": "reset_after_events", "events": 2, "times": 1})

@@ -1,16 +1,18 @@
 """What a client reads when pdproxy answers an error itself: a fixed sentence per failure kind in the API's own error
 shape — never a Python exception's text or an engine's address (those go to the log and the request's log line,
 ``ctx.error``); and a decoder stream that ends with ``data:[DONE]`` (no space) taken as ended, the client's ending
-with ``data: [DONE]``."""
+with ``data: [DONE]``; a 503 with ``Retry-After`` when the prefillers tried all failed and none is left."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import orjson
 import pytest
 
 from pdproxy.http.client import Disconnected, ProtocolError, ReadTimeout
-from tests.middle.fake_upstream import Reset, Stream, chat_chunks
-from tests.middle.rig import Rig
+from tests.middle.fake_upstream import Outcome, Refuse, Reset, Status, Stream, TimeOut, chat_chunks
+from tests.middle.rig import PREFILLERS, Rig
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(20)]
 
@@ -106,3 +108,39 @@ async def test_a_stream_of_data_done_without_a_space_and_nothing_before_it_is_a_
         rig.fake.script("r", decode=[Stream(events=[b"data:[DONE]\n\n"], end="eof")] * 3)
         client = await rig.run("r")
     assert client.status == 502 and "ended the stream before its first event" in client.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------------------------------- no prefiller left
+PREFILL_FAILURES: dict[str, Callable[[], Outcome]] = {"refused": Refuse, "reset": Reset, "timeout": TimeOut}
+
+
+@pytest.mark.parametrize("failure", list(PREFILL_FAILURES))
+@pytest.mark.parametrize("prefillers", [1, 3])
+async def test_when_no_prefiller_is_left_the_client_gets_503_with_retry_after(failure: str, prefillers: int) -> None:
+    """The first request after a lone prefiller died (or after every prefiller failed it) gets what the next one
+    gets — 503 + ``Retry-After``, the answer for "no prefiller available" — not a 502 a client does not retry;
+    counted as the engines' failure (``upstream_error``), not as a rejection."""
+    outcomes: list[str | None] = []
+    async with Rig(prefill=PREFILLERS[:prefillers]) as rig:
+        rig.app.request_log.emit = lambda ctx, *_: outcomes.append(ctx.outcome)  # type: ignore[method-assign]
+        rig.fake.script("first", prefill=[PREFILL_FAILURES[failure]() for _ in range(prefillers)])
+        first = await rig.run("first")
+    assert len(rig.fake.of("prefill", "first")) == prefillers and not rig.fake.of("decode")
+    assert first.status == 503, first.text
+    retry_after = first.header_of(b"retry-after")
+    assert retry_after is not None and int(retry_after) >= 1
+    error = first.json()["error"]
+    assert error["type"] == "ServiceUnavailableError" and error["code"] == 503 and error["param"] is None
+    sentence = {"refused": "the prefiller refused the connection", "reset": "the connection to the prefiller broke",
+                "timeout": "did not answer within"}[failure]
+    assert error["message"].startswith("no prefiller could serve the request; retry later: "), error
+    assert sentence in error["message"], error
+    assert_no_internals(error["message"])
+    assert outcomes == ["upstream_error"]
+
+
+async def test_when_the_last_prefiller_answers_its_own_503_the_client_gets_that_answer() -> None:
+    async with Rig(prefill=PREFILLERS[:1]) as rig:
+        rig.fake.script("r", prefill=[Status(503, b'{"error": "busy"}', retry_after="7")])
+        client = await rig.run("r")
+    assert client.status == 503 and client.text == b'{"error": "busy"}' and client.header_of(b"retry-after") == b"7"

@@ -90,13 +90,14 @@ async def test_when_every_prefill_attempt_fails_the_client_gets_the_last_failure
     assert client.header_of(b"retry-after") == b"7"
 
 
-async def test_when_every_prefiller_refuses_the_client_gets_a_502_without_engine_addresses() -> None:
+async def test_when_every_prefiller_refuses_the_client_gets_a_503_with_retry_after_without_engine_addresses() -> None:
     async with Rig() as rig:
         rig.fake.script("r", prefill=[Refuse(), Refuse(), Refuse()])
         client = await rig.run("r")
     assert len(rig.fake.of("prefill", "r")) == 3 and not rig.fake.of("decode")
     error = client.json()["error"]
-    assert client.status == 502 and error["code"] == 502
+    assert client.status == 503 and error["code"] == 503
+    assert int(client.header_of(b"retry-after") or 0) >= 1           # until a prefiller's breaker re-admits one
     assert "p2" not in error["message"] and "9000" not in error["message"], error
 
 
