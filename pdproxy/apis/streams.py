@@ -12,7 +12,8 @@ Facts (vLLM 0.32, ``docs/apis-through-pd.md``; captures ``tests/real_vllm/captur
   ``usage.output_tokens``) included; there is no ``data: [DONE]``.  vLLM has no working error event (its
   ``GenerationError`` event fails validation and the connection is cut), so a failure pdproxy reports mid-stream
   is the Responses API's own ``error`` event ``{"type": "error", "code", "message", "param",
-  "sequence_number"}``, and the stream ends there.
+  "sequence_number"}`` (``code``: a string, the HTTP status as the other routes' ``error.code``: ``"502"``), and
+  the stream ends there.
 - **Messages** (``anthropic/serving.py::message_stream_converter``): ``event: <name>\\ndata: <json>\\n\\n``;
   ``message_start`` (usage ``{input_tokens: <whole prompt>, output_tokens: 0}``) then ``content_block_*``, then
   ``message_delta`` with the final usage (``input_tokens`` net of ``cache_read_input_tokens`` and
@@ -293,9 +294,11 @@ class ResponsesStream(_EventStream):
         return _first_error(block)
 
     def error_event(self, err: ProxyError) -> bytes:
-        """The Responses API's ``error`` event for a failure after the first byte (it ends the stream)."""
+        """The Responses API's ``error`` event for a failure after the first byte (it ends the stream).  ``code`` is
+        a string there (OpenAI's ``ResponseErrorEvent``): the error's own string code, else its HTTP status as every
+        other route's ``error.code`` carries it (``"502"``)."""
         self.sequence += 1
-        code = err.code if isinstance(err.code, str) else error_type_for(err.status_code)
+        code = err.code if isinstance(err.code, str) else str(err.status_code)
         return named_event(b"error", {"type": "error", "code": code, "message": public_message(err),
                                       "param": err.param, "sequence_number": self.sequence})
 

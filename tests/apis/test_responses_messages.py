@@ -124,7 +124,7 @@ def test_responses_stream_failure_after_output_ends_with_an_error_event(proxy: P
     assert "response.output_text.delta" in names and "response.completed" not in names
     assert names[-1] == "error" and "[DONE]" not in r.text
     _, err = got[-1]
-    assert err["type"] == "error" and "incomplete" in err["message"]
+    assert err["type"] == "error" and "incomplete" in err["message"] and err["code"] == "502", err
     assert err["sequence_number"] == got[-2][1]["sequence_number"] + 1
     assert len(legs(sims.decoders, "/v1/responses")) == 1              # nothing replayed after the first byte
     wait_engines_idle(sims)

@@ -1,7 +1,8 @@
 """What a client reads when pdproxy answers an error itself: a fixed sentence per failure kind in the API's own error
 shape — never a Python exception's text or an engine's address (those go to the log and the request's log line,
 ``ctx.error``); and a decoder stream that ends with ``data:[DONE]`` (no space) taken as ended, the client's ending
-with ``data: [DONE]``; a 503 with ``Retry-After`` when the prefillers tried all failed and none is left."""
+with ``data: [DONE]``; a 503 with ``Retry-After`` when the prefillers tried all failed and none is left; a Responses error event whose
+``code`` is a string (the HTTP status)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from collections.abc import Callable
 import orjson
 import pytest
 
+from pdproxy.apis.request import Api
 from pdproxy.http.client import Disconnected, ProtocolError, ReadTimeout
-from tests.middle.fake_upstream import Outcome, Refuse, Reset, Status, Stream, TimeOut, chat_chunks
+from tests.middle.fake_upstream import MODEL, Outcome, Refuse, Reset, Status, Stream, TimeOut, chat_chunks
 from tests.middle.rig import PREFILLERS, Rig
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(20)]
@@ -144,3 +146,37 @@ async def test_when_the_last_prefiller_answers_its_own_503_the_client_gets_that_
         rig.fake.script("r", prefill=[Status(503, b'{"error": "busy"}', retry_after="7")])
         client = await rig.run("r")
     assert client.status == 503 and client.text == b'{"error": "busy"}' and client.header_of(b"retry-after") == b"7"
+
+
+# ---------------------------------------------------------------------------------- Responses: the error event
+def responses_event(name: str, seq: int, **fields: object) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps({"type": name, "sequence_number": seq,
+                                                                      **fields}) + b"\n\n"
+
+
+RESPONSES_OPENING = [responses_event("response.created", 0, response={"id": "resp_1", "status": "in_progress"}),
+                     responses_event("response.in_progress", 1, response={"id": "resp_1", "status": "in_progress"}),
+                     responses_event("response.output_text.delta", 2, item_id="msg_1", output_index=0,
+                                     content_index=0, delta=" t0")]
+
+
+@pytest.mark.parametrize(("end", "code"), [(Disconnected(f"engine closed: {SECRET}"), "502"),
+                                           (ReadTimeout("no data for 30 s"), "504")])
+async def test_a_responses_stream_failure_is_the_responses_error_event_with_a_string_code(
+        end: Exception, code: str) -> None:
+    """The Responses API's ``error`` event (OpenAI's ``ResponseErrorEvent``: ``code`` a string or null) carries the
+    HTTP status as the other routes' ``error.code`` does — ``"502"``, not the class name ``"BadGatewayError"``
+    (vLLM has no working Responses error event: docs/apis-through-pd.md)."""
+    body = orjson.dumps({"model": MODEL, "input": "tell me about r", "stream": True, "max_output_tokens": 8})
+    async with Rig() as rig:
+        rig.fake.script("r", decode=[Stream(events=RESPONSES_OPENING, end=end)])  # type: ignore[arg-type]
+        client = await rig.send("r", body=body, api=Api.RESPONSES).done()
+    assert client.status == 200 and client.finished
+    last = client.text.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
+    name, data = last.split(b"\n", 1)
+    assert name == b"event: error", client.text
+    event = orjson.loads(data.removeprefix(b"data: "))
+    assert event["type"] == "error" and event["code"] == code and event["param"] is None, event
+    assert isinstance(event["sequence_number"], int) and event["sequence_number"] > 2, event
+    assert event["message"].endswith("mid-stream; the response is incomplete"), event
+    assert_no_internals(event["message"])
