@@ -26,8 +26,8 @@ Tree::
     ├── BadRequest (400)             malformed body, unsupported combination
     │   └── PromptTooLong (400)      prompt (+ max_tokens) over max_model_len or the KV pool
     ├── PayloadTooLarge (413)
-    ├── Unauthorized (401)
-    ├── Forbidden (403)              admin key missing or wrong, or the admin API is off (PermissionDeniedError)
+    ├── Unauthorized (401)           client, admin or metrics key missing or wrong (AuthenticationError)
+    ├── Forbidden (403)              the admin API or debug routes are off, an engine outside admin_endpoint_allow
     ├── NotFound (404)               admin API: no such endpoint
     │   └── ModelNotFound (404)      no endpoint serves the request's ``model``
     ├── Conflict (409)               admin API: the endpoint already exists
@@ -205,14 +205,16 @@ class PromptTooLong(BadRequest):
 
 
 class Unauthorized(ProxyError):
-    """Missing or wrong client API key when pdproxy enforces ``api_keys`` (HTTP 401)."""
+    """Missing or wrong credential (HTTP 401, as vLLM's ``--api-key`` check): the client API key when pdproxy
+    enforces ``api_keys``, the admin key (admin API, debug routes), the metrics key."""
 
     status_code = 401
     outcome = "unauthorized"
 
 
 class Forbidden(ProxyError):
-    """Missing or wrong admin key, or the admin API is off (HTTP 403)."""
+    """No credential opens it (HTTP 403): the admin API or debug routes are off, or an admin request names an engine
+    outside ``admin_endpoint_allow``."""
 
     status_code = 403
     outcome = "forbidden"

@@ -1,8 +1,10 @@
 """Admin API: list, add, drain and remove prefillers/decoders at runtime.
 
 Mounted on the control app under ``/admin``; every route needs the admin key (setting ``admin_key``), sent as
-``Authorization: Bearer <key>`` or ``X-Admin-Key: <key>``.  Client API keys (``api_keys``) never open it; with
-no ``admin_key`` configured the admin API answers 403 (it is off).  Errors use vLLM's envelope (403 is typed
+``Authorization: Bearer <key>`` or ``X-Admin-Key: <key>``.  A missing or wrong key — a client API key
+(``api_keys``) included: it never opens it — is a 401 (``AuthenticationError``), as vLLM's ``--api-key`` and
+pdproxy's own ``api_keys`` answer a missing or invalid credential; with no ``admin_key`` configured the admin API
+answers 403 (it is off: no credential opens it).  Errors use vLLM's envelope (403 is typed
 ``PermissionDeniedError``, as OpenAI's clients name it).
 
 Routes (JSON bodies; an endpoint is addressed by ``url`` + ``role``; a URL configured with ``dp_size > 1``
@@ -58,7 +60,7 @@ from pdproxy.apis.request import load_json_object
 from pdproxy.app.state import ProxyState
 from pdproxy.endpoints import Endpoint, Role, engine_identity, expand, normalize_url
 from pdproxy.engines.control import EngineInfo
-from pdproxy.errors import BadRequest, Conflict, Forbidden, NotFound, PayloadTooLarge
+from pdproxy.errors import BadRequest, Conflict, Forbidden, NotFound, PayloadTooLarge, Unauthorized
 from pdproxy.settings import Settings, is_loopback_host
 
 
@@ -78,14 +80,15 @@ def _json(obj: Any, status: int = 200) -> Response:
 
 
 def check_admin_key(settings: Settings, request: Request) -> None:
-    """Raise :class:`Forbidden` unless the request carries the configured admin key (constant-time compare)."""
+    """Raise :class:`Unauthorized` (401) unless the request carries the configured admin key (constant-time
+    compare); :class:`Forbidden` (403) when none is configured (the admin API is off)."""
     key = settings.admin_key
     if not key:
         raise Forbidden("the admin API is off: start pdproxy with --admin-key (PDPROXY_ADMIN_KEY)", redact=False)
     auth = request.headers.get("authorization") or ""
     given = auth[7:] if auth[:7].lower() == "bearer " else request.headers.get("x-admin-key", "")
     if not hmac.compare_digest(given.encode(), key.encode()):
-        raise Forbidden("invalid or missing admin key", redact=False)
+        raise Unauthorized("invalid or missing admin key", redact=False)
 
 
 def debug_routes_open(settings: Settings) -> bool:
@@ -97,8 +100,9 @@ def debug_routes_open(settings: Settings) -> bool:
 
 
 def check_debug_access(settings: Settings, request: Request) -> None:
-    """Raise :class:`Forbidden` unless ``request`` may use an operator surface (:func:`debug_routes_open`, else
-    the admin key; ``debug_routes: off`` refuses everyone)."""
+    """Raise unless ``request`` may use an operator surface (:func:`debug_routes_open`, else the admin key:
+    :func:`check_admin_key`'s 401); :class:`Forbidden` when ``debug_routes: off`` (it refuses everyone) or the admin
+    key they need is not configured."""
     if settings.debug_routes == "off":
         raise Forbidden("the debug routes are off (debug_routes: off)", redact=False)
     if debug_routes_open(settings):

@@ -40,7 +40,6 @@ from pdproxy.app.state import ProxyState
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.errors import (
     BadRequest,
-    Forbidden,
     NoEndpointAvailable,
     PayloadTooLarge,
     ProxyError,
@@ -364,13 +363,13 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         """Prometheus exposition of pdproxy's own metrics and the engines' gauges (pdproxy/ops/metrics.py); behind
-        ``metrics_key`` when it is set (403 otherwise)."""
+        ``metrics_key`` when it is set (401 without it, as a missing or wrong client key)."""
         key = proxy.settings.metrics_key
         if key:
             auth = request.headers.get("authorization") or ""
             given = auth[7:] if auth[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(given.encode(), key.encode()):
-                raise Forbidden("invalid or missing metrics key", redact=False)
+                raise Unauthorized("invalid or missing metrics key", redact=False)
         return Response(proxy.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/version")

@@ -1,6 +1,7 @@
 """Safe errors and the operator surfaces: client-facing errors never carry an engine's address (the log does);
-``/debug/load``, the admin API and ``/metrics`` behind their keys; a 403 typed as a permission error; drain that
-keeps the endpoint; and normal operation that logs nothing alarming."""
+``/debug/load``, the admin API and ``/metrics`` behind their keys; a missing or wrong key is a 401 typed as an
+authentication error (a 403, a permission error, only where no key opens the route); drain that keeps the
+endpoint; and normal operation that logs nothing alarming."""
 
 from __future__ import annotations
 
@@ -63,10 +64,10 @@ def test_debug_load_and_admin_sit_behind_the_admin_key_when_clients_need_keys(si
     try:
         for headers in ({}, {"Authorization": "Bearer sk-client"}):
             r = httpx.get(proxy.url + "/debug/load", headers=headers)
-            assert r.status_code == 403 and r.json()["error"]["type"] == "PermissionDeniedError"
+            assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
         assert httpx.get(proxy.url + "/debug/load", headers=ADMIN).status_code == 200
         r = httpx.get(proxy.url + "/admin/endpoints", headers={"Authorization": "Bearer sk-client"})
-        assert r.status_code == 403 and r.json()["error"]["type"] == "PermissionDeniedError"
+        assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
     finally:
         proxy.stop()
     keyless = ProxyThread(**urls, api_keys=["sk-client"]).start()
@@ -81,7 +82,7 @@ def test_metrics_open_or_behind_metrics_key(sims: Fleet) -> None:
     proxy = ProxyThread(**urls, metrics_key="scrape-me").start()
     try:
         r = httpx.get(proxy.url + "/metrics")
-        assert r.status_code == 403 and r.json()["error"]["type"] == "PermissionDeniedError"
+        assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
         ok = httpx.get(proxy.url + "/metrics", headers={"Authorization": "Bearer scrape-me"})
         assert ok.status_code == 200 and "pdproxy_requests_total" in ok.text
     finally:
@@ -104,7 +105,7 @@ def test_drain_on_an_idle_decoder_keeps_it_listed_and_undrain_finds_it(sims: Fle
         r = httpx.post(proxy.url + "/admin/endpoints/undrain", json=ref, headers=ADMIN)
         assert r.status_code == 200 and r.json()["endpoints"][0]["state"] == "active"
         r = httpx.request("DELETE", proxy.url + "/admin/endpoints", json=ref, headers={})
-        assert r.status_code == 403 and r.json()["error"]["type"] == "PermissionDeniedError"
+        assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
         proxy.wait_idle()
     finally:
         proxy.stop()

@@ -1,17 +1,23 @@
-"""What a client reads when pdproxy answers an error itself: a fixed sentence per failure kind in the API's own error
-shape — never a Python exception's text or an engine's address (those go to the log and the request's log line,
-``ctx.error``); and a decoder stream that ends with ``data:[DONE]`` (no space) taken as ended, the client's ending
-with ``data: [DONE]``; a 503 with ``Retry-After`` when the prefillers tried all failed and none is left; a Responses error event whose
-``code`` is a string (the HTTP status)."""
+"""What a client gets when pdproxy answers an error itself, on the real director and relay with fake engines:
+
+- a fixed sentence per failure kind in the API's own error shape, never a Python exception's text or an engine's
+  address (those go to the log and the request's log line, ``ctx.error``);
+- a decoder stream ending with ``data:[DONE]`` (no space) is ended, and the client's ends with ``data: [DONE]``;
+- 503 with ``Retry-After`` when the prefillers tried all failed and none is left (as when none is available);
+- a Responses error event whose ``code`` is a string (the HTTP status, as the other routes' ``error.code``);
+- 401 for a missing or wrong admin or metrics key (as for a client key), 403 only where no key opens the route."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+import httpx
 import orjson
 import pytest
 
 from pdproxy.apis.request import Api
+from pdproxy.app.application import build_control_app
 from pdproxy.http.client import Disconnected, ProtocolError, ReadTimeout
 from tests.middle.fake_upstream import MODEL, Outcome, Refuse, Reset, Status, Stream, TimeOut, chat_chunks
 from tests.middle.rig import PREFILLERS, Rig
@@ -180,3 +186,33 @@ async def test_a_responses_stream_failure_is_the_responses_error_event_with_a_st
     assert isinstance(event["sequence_number"], int) and event["sequence_number"] > 2, event
     assert event["message"].endswith("mid-stream; the response is incomplete"), event
     assert_no_internals(event["message"])
+
+
+# ------------------------------------------------------------------------------------- operator keys: 401 vs 403
+async def control_status(rig: Rig, path: str, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
+    app = build_control_app(rig.app)              # no lifespan: the rig's state is the proxy's
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://pdproxy") as client:
+        r = await client.get(path, headers=headers)
+    return r.status_code, r.json() if r.headers.get("content-type") == "application/json" else {}
+
+
+@pytest.mark.parametrize("path", ["/admin/endpoints", "/debug/load", "/metrics"])
+async def test_a_missing_or_wrong_operator_key_is_a_401_as_a_missing_or_wrong_client_key(path: str) -> None:
+    """vLLM's ``--api-key`` and pdproxy's own ``api_keys`` answer 401 for a missing or invalid credential; the admin
+    key (admin API, debug routes) and the metrics key do too — a valid client key is no operator credential."""
+    key = "scrape-me" if path == "/metrics" else "admin-secret"
+    async with Rig(host="0.0.0.0", api_keys=["sk-client"], admin_key="admin-secret", metrics_key="scrape-me") as rig:
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Bearer sk-client"}):
+            status, body = await control_status(rig, path, headers)
+            assert status == 401, (headers, status, body)
+            assert body["error"]["type"] == "AuthenticationError" and body["error"]["code"] == 401, body
+        status, _ = await control_status(rig, path, {"authorization": f"Bearer {key}"})
+        assert status == 200
+
+
+async def test_an_operator_surface_that_is_off_stays_a_403() -> None:
+    """No admin key configured: no credential opens the admin API or the debug routes (off) — 403, not 401."""
+    async with Rig(host="0.0.0.0") as rig:
+        for path in ("/admin/endpoints", "/debug/load"):
+            status, body = await control_status(rig, path, {"authorization": "Bearer anything"})
+            assert status == 403 and body["error"]["type"] == "PermissionDeniedError", (path, body)

@@ -109,9 +109,9 @@ def test_a_malformed_event_stream_does_not_disturb_serving(sims: Fleet, tmp_path
 def test_debug_prefix_answers_in_the_apis_shape_and_behind_the_admin_key(sims: Fleet, tmp_path: Path) -> None:
     proxy = make_proxy(sims, tmp_path / "requests.log", events=False, api_keys=["client"], admin_key="admin")
     try:
-        assert httpx.get(proxy.url + "/debug/prefix", params={"prompt": "x"}).status_code == 403
+        assert httpx.get(proxy.url + "/debug/prefix", params={"prompt": "x"}).status_code == 401
         client = {"authorization": "Bearer client"}
-        assert httpx.get(proxy.url + "/debug/prefix", params={"prompt": "x"}, headers=client).status_code == 403
+        assert httpx.get(proxy.url + "/debug/prefix", params={"prompt": "x"}, headers=client).status_code == 401
         admin = {"authorization": "Bearer admin"}
         missing = httpx.get(proxy.url + "/debug/prefix", headers=admin)
         assert missing.status_code == 400 and missing.json()["error"]["param"] == "prompt"

@@ -53,8 +53,8 @@ def test_operator_surfaces_follow_the_admin_key_beyond_loopback(sims: Fleet) -> 
     ``debug_routes: open`` → open; on loopback without client keys → open, as before."""
     with proxy_with(sims, host="0.0.0.0") as exposed:
         assert [status(exposed, m, p) for m, p in SURFACES] == [403] * len(SURFACES)
-    with proxy_with(sims, host="0.0.0.0", admin_key="admin-secret") as keyed:
-        assert [status(keyed, m, p) for m, p in SURFACES] == [403] * len(SURFACES)
+    with proxy_with(sims, host="0.0.0.0", admin_key="admin-secret") as keyed:   # a missing key: 401
+        assert [status(keyed, m, p) for m, p in SURFACES] == [401] * len(SURFACES)
         assert [status(keyed, m, p, ADMIN) for m, p in SURFACES] == [200] * len(SURFACES)
     with proxy_with(sims, host="0.0.0.0", debug_routes="open") as opened:
         assert [status(opened, m, p) for m, p in SURFACES] == [200] * len(SURFACES)
@@ -68,7 +68,7 @@ def test_docs_follow_the_admin_key_when_clients_need_keys(sims: Fleet) -> None:
     with proxy_with(sims, api_keys=["sk-client"], admin_key="admin-secret") as proxy:
         client = {"authorization": "Bearer sk-client"}
         for path in ("/docs", "/openapi.json"):
-            assert status(proxy, "GET", path) == 403 and status(proxy, "GET", path, client) == 403
+            assert status(proxy, "GET", path) == 401 and status(proxy, "GET", path, client) == 401
         spec = httpx.get(proxy.url + "/openapi.json", headers=ADMIN, timeout=10)
         assert spec.status_code == 200 and "/admin/endpoints" in spec.json()["paths"]
 
