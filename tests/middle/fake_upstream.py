@@ -90,6 +90,14 @@ class Refuse(Outcome):
     """Connection refused: the engine never saw the request (``UpstreamRefused``)."""
 
 
+def refused(endpoint: Endpoint) -> ConnectError:
+    """The client's error for a refused connect, as ``pdproxy.http.client``'s ``connect`` raises it: the OS's
+    ``ConnectionRefusedError`` in its context (``from None`` hides it from the traceback, not from the chain)."""
+    err = ConnectError(f"connect ({endpoint.host}:{endpoint.port}) failed: [Errno 111] Connection refused")
+    err.__context__ = ConnectionRefusedError(111, "Connection refused")
+    return err
+
+
 @dataclass
 class Reset(Outcome):
     """The engine took the request and closed the connection before any answer byte (``UpstreamUnavailable``)."""
@@ -529,8 +537,7 @@ class FakeUpstream(Upstream):
             await self._step(call, o.connect, "connect")
             if isinstance(o, Refuse):
                 call.result = "refused"
-                raise transport_error(ConnectError(f"connect ({endpoint.host}:{endpoint.port}) failed: refused"),
-                                  who, endpoint.name)
+                raise transport_error(refused(endpoint), who, endpoint.name)
             call.received = True
             if kind == "release":
                 self._fate(call, "released")     # the decoder has the params: it ends, the prefiller frees
@@ -570,8 +577,7 @@ class FakeUpstream(Upstream):
             await self._step(call, o.connect, "connect")
             if isinstance(o, Refuse):
                 call.result = "refused"
-                raise transport_error(ConnectError(f"connect ({endpoint.host}:{endpoint.port}) failed: refused"),
-                                  f"decoder {endpoint.name}", endpoint.name)
+                raise transport_error(refused(endpoint), f"decoder {endpoint.name}", endpoint.name)
             call.received = True
             await self._step(call, o.gate, "head")
             if isinstance(o, Hang):
