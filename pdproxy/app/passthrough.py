@@ -16,7 +16,10 @@ the JSON body's ``model``, or the ``model`` field of a multipart form.
 engine (breaker fed, ``Retry-After`` honoured); an engine that does not serve the route at all — FastAPI's 404
 ``{"detail": "Not Found"}``, what vLLM answers for a pooling route on a generate model and the reverse — tries the
 next engine without counting against it, and when none serves it the client gets a 404 in the OpenAI envelope
-naming the route.  Any other status (4xx, 500) is the engine's answer, relayed as is.
+naming the route.  Any other status (4xx, 500) is the engine's answer, relayed as is; a 5xx among them counts
+against the engine's breaker (:func:`pdproxy.errors.classify_status`: engine unwell).  A half-open breaker's one
+trial ends with every attempt: judged, or given back when the attempt says nothing of the engine (a 4xx, the
+client leaving) — tests/reliability/test_passthrough_trial.py.
 
 **Transport**: httpx (control-plane style), not the data-plane client of :mod:`pdproxy.http.upstream`: these routes are
 not on the hot path, they need arbitrary bodies (multipart uploads) and content types, and their answers are
@@ -283,6 +286,9 @@ class Passthrough:
                         raise
                     last = exc
                     continue
+                except BaseException:      # the client left (cancelled) or a defect: no verdict on the engine,
+                    self.health.record_neutral(endpoint)     # but a half-open trial's slot must not stay taken
+                    raise
             if outcome == "not_served":
                 not_served += 1
                 continue
@@ -332,6 +338,8 @@ class Passthrough:
             await resp.aclose()
         if resp.status_code < 500:
             self.health.record_success(endpoint)
+        else:                               # a 5xx relayed as the answer (a 500, 501…): the engine is unwell
+            self.health.record_failure(endpoint)   # (pdproxy.errors.classify_status), and its trial has ended
         return "done"
 
     def _headers_out(self, headers: httpx.Headers, ctx: RequestContext) -> list[tuple[bytes, bytes]]:

@@ -1,0 +1,161 @@
+"""A half-open breaker's one trial taken by a passthrough request (pdproxy/app/passthrough.py) is given back.
+
+An engine whose breaker opened and was re-admitted by a good ``/health`` probe lets exactly one trial request in
+(pdproxy/engines/breaker.py); passthrough routes (``/tokenize``, ``/inference/v1/generate``, the pooling routes…)
+pick their engine with a trial too.  When that request's client leaves while the engine works, or the engine
+answers an error status that is relayed as it is (a 500), the trial must still end — freed
+(``HealthMonitor.record_neutral``) or judged — or the engine never takes a request again: every request for its
+role is a 503 "half-open with its one trial request in flight" until pdproxy restarts.  The PD legs' twin of this
+is tests/reliability/test_trial_cancel.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from pdproxy.endpoints import Endpoint, Role
+from tests.relay.rawclient import RawConn
+from tests.support import ProxyThread, free_port, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+MODEL = "sim-model"
+HELD = "/tokenize"
+"""The route whose answer the engine holds until the test releases it (the client leaves meanwhile)."""
+FAILING = "/detokenize"
+"""The route the engine answers with vLLM's JSON 500."""
+
+
+class Engine:
+    """A vLLM stand-in on a port below the ephemeral range, serving both roles: ``/health``, ``/v1/models``;
+    ``POST`` :data:`HELD` answers once :attr:`release` is set (:attr:`held` is set when one arrived), ``POST``
+    :data:`FAILING` answers 500, any other ``POST`` ``{"ok": true}``."""
+
+    def __init__(self) -> None:
+        self.held = threading.Event()
+        self.release = threading.Event()
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _answer(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):   # the client left
+                    self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                if self.path == "/health":
+                    self._answer(200, b"")
+                elif self.path == "/v1/models":
+                    self._answer(200, orjson.dumps({"object": "list", "data": [
+                        {"id": MODEL, "object": "model", "owned_by": "vllm", "max_model_len": 4096}]}))
+                else:
+                    self._answer(404, b'{"detail": "Not Found"}')
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                if self.path == HELD:
+                    engine.held.set()
+                    engine.release.wait(30)
+                if self.path == FAILING:
+                    self._answer(500, b'{"error": {"message": "boom", "type": "InternalServerError", '
+                                      b'"param": null, "code": 500}}')
+                else:
+                    self._answer(200, b'{"ok": true}')
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Engine]:
+        self.thread.start()
+        try:
+            yield self
+        finally:
+            self.release.set()
+            self.server.shutdown()
+            self.server.server_close()
+
+
+@pytest.fixture
+def rig() -> Iterator[tuple[Engine, ProxyThread, Endpoint]]:
+    """The engine, pdproxy in front of it (one prefiller, one decoder: the same engine) and the decode endpoint,
+    whose breaker the tests open (passthrough tries decoders first)."""
+    engine = Engine()
+    with engine.running():
+        proxy = ProxyThread(prefill=[engine.url], decode=[engine.url], prefix_routing="off",
+                            breaker_open_s=0.2).start()
+        try:
+            (decoder,) = proxy.state.pool.endpoints(Role.DECODE)
+            yield engine, proxy, decoder
+        finally:
+            proxy.stop()
+
+
+def half_open_ready(proxy: ProxyThread, endpoint: Endpoint) -> None:
+    """Open ``endpoint``'s breaker (a refused connection opens it at once) and wait for the probe that follows to
+    re-admit it: its one trial is free."""
+    health = proxy.state.health
+
+    async def fail() -> None:
+        health.record_failure(endpoint, hard=True)
+
+    assert proxy.loop is not None
+    asyncio.run_coroutine_threadsafe(fail(), proxy.loop).result(5)
+    assert not health.can_take(endpoint)
+    wait_until(lambda: health.can_take(endpoint), 10, what="the probe re-admitting the decoder for a trial")
+
+
+def test_a_passthrough_trial_whose_client_leaves_frees_the_trial(rig: tuple[Engine, ProxyThread, Endpoint]) -> None:
+    engine, proxy, decoder = rig
+    health = proxy.state.health
+    half_open_ready(proxy, decoder)
+
+    conn = RawConn(proxy.port)
+    body = orjson.dumps({"model": MODEL, "prompt": "hello"})
+    conn.send(b"POST " + HELD.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    assert engine.held.wait(10), "the passthrough request never reached the engine"
+    assert not health.can_take(decoder)                  # the one trial is in flight
+    conn.close()                                         # the client leaves while the engine works
+    wait_until(lambda: health.can_take(decoder), 10,
+               what="the cancelled passthrough trial giving the half-open decoder's trial slot back")
+    engine.release.set()
+
+    after = httpx.post(proxy.url + "/tokenize", json={"model": MODEL, "prompt": "x"}, timeout=10)
+    assert after.status_code == 200, after.text
+    proxy.wait_idle()
+
+
+def test_a_passthrough_trial_answered_500_ends_the_trial(rig: tuple[Engine, ProxyThread, Endpoint]) -> None:
+    engine, proxy, decoder = rig
+    health = proxy.state.health
+    engine.release.set()
+    half_open_ready(proxy, decoder)
+
+    failed = httpx.post(proxy.url + FAILING, json={"model": MODEL, "tokens": [1]}, timeout=10)
+    assert failed.status_code == 500                     # the engine's answer, relayed
+    assert orjson.loads(failed.content)["error"]["message"] == "boom"
+    # judged (the breaker opens again, then a probe re-admits a trial) or freed: never held with nothing in flight
+    wait_until(lambda: health.can_take(decoder), 10,
+               what="the decoder taking requests again after its trial was answered 500")
+    after = httpx.post(proxy.url + "/tokenize", json={"model": MODEL, "prompt": "x"}, timeout=10)
+    assert after.status_code == 200, after.text
+    proxy.wait_idle()
