@@ -129,6 +129,14 @@ FREE_CHUNKS: Final = 1024
 chunk: a 20 MB body of 1-byte chunks (120 MB on the wire) cost ~14 s of the event loop and kept other clients'
 requests waiting up to 3.4 s, where an SDK's or a proxy's chunks (kilobytes each) cost microseconds a body."""
 MIN_MEAN_CHUNK_BYTES: Final = 256
+CHUNK_LINE_BYTES: Final = 16
+"""Framing bytes allowed per chunk of a chunked body (its size line and line ends) beyond twice its data.  What a
+chunked body carries besides its data — size lines, chunk extensions (``1;name=value``, which the parser skips
+without buffering and pdproxy ignores), line ends, the trailer section — may total at most the head limit
+(``max_request_head_bytes`` + :data:`HEAD_SLACK_BYTES`, the trailer section's own bound) + this many bytes a chunk
++ twice the data's bytes (Go's ``net/http/internal/chunked.go``: 16 KiB + 16 a chunk + twice the data), else 400:
+before, a chunk extension that never ended was read for as long as its bytes kept coming — gigabytes at the
+parser's speed on the event loop, the connection held, the body never refused by ``max_body_bytes``."""
 CONTROL_BODY_HIGH_WATER: Final = 65536
 """Bytes of a control-plane request's body held for its ASGI app before the connection stops reading (resumed when
 the app's ``receive()`` takes them): uvicorn's ``HIGH_WATER_LIMIT``.  A handler that never reads its body (``GET
@@ -482,6 +490,7 @@ class ServerProtocol(asyncio.Protocol):
         self.chunk_open = False  # a chunk-size line was the last thing parsed: the trailer section may follow
         self.chunks = 0
         self.body_chunks = 0  # chunks of the message being read (FREE_CHUNKS)
+        self.body_framing = 0  # bytes of the chunked body being read that were not its data (CHUNK_LINE_BYTES)
         self.bodies = bodies
         self.body_held = 0  # bytes of the body being read counted in ``bodies``
         self.refused = False  # the server refused this connection's input: later bytes are dropped unparsed
@@ -667,6 +676,8 @@ class ServerProtocol(asyncio.Protocol):
         if phase == _BODY and self.timer_kind == _BODY_TIMER:
             self.read_at = self.loop.time()
         heads, chunks = self.heads, self.chunks
+        ex = self.parsing
+        size = ex.size if ex is not None else 0
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -695,6 +706,14 @@ class ServerProtocol(asyncio.Protocol):
             if self.tail_fed > self.head_limit:
                 self._refuse(431, f"request trailer fields larger than {self.max_head} bytes")
                 return
+        if phase == _BODY and self.phase == _BODY and heads == self.heads and ex is not None and ex.transfer_encoded:
+            # a read inside one chunked body (the reads that begin or end it are not counted: one each at most)
+            data_bytes = ex.size - size
+            self.body_framing += len(data) - data_bytes
+            if self.body_framing > self.head_limit + CHUNK_LINE_BYTES * self.body_chunks + 2 * ex.size:
+                self._refuse(400, "a chunked request body with too many bytes besides its data (chunk extensions, "
+                                  "size lines, trailer fields): send its data in chunks without extensions")
+                return
         if self.timer_kind == _NO_TIMER or self.phase != phase or heads != self.heads:
             if heads != self.heads and self.timer_kind == _HEAD_TIMER:
                 self._cancel_timer()  # a new head began in this read: its own deadline
@@ -702,6 +721,7 @@ class ServerProtocol(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self.body_chunks = 0
+        self.body_framing = 0
         self.parsing = None if self.no_more else Exchange(self)
         self.phase = _HEAD
         self.head_fed = 0

@@ -317,6 +317,29 @@ def test_a_head_of_the_most_header_fields_allowed_is_served(edge: ProxyThread) -
     assert c.read_messages(1)[0].status == 200
 
 
+def test_a_chunk_extension_that_never_ends_gets_400_and_short_ones_are_served(edge: ProxyThread,
+                                                                              sims: Fleet) -> None:
+    """Chunk extensions (``1;name=value``) are skipped by the parser without being buffered, and counted with the
+    other bytes a chunked body carries besides its data (``pdproxy.http.server.CHUNK_LINE_BYTES``): one that never ends is refused
+    (400) once they pass the head limit — it was read for as long as its bytes kept coming (7 GB in 15 s on one
+    connection, never refused by ``max_body_bytes``).  Short extensions on ordinary chunks are served."""
+    before = engine_requests(sims)
+    c = RawConn(edge.port)
+    c.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n1;x=" % (len(JSON), JSON))
+    send_unterminated(c, 64 * HEAD)                 # then silence: the refusal must not wait for the body timeout
+    assert c.wait_closed()
+    m = c.p.messages[0]
+    assert m.status == 400 and m.header("connection") == "close"
+    assert "besides its data" in orjson.loads(m.body)["error"]["message"]
+    assert engine_requests(sims) == before
+    c = RawConn(edge.port)
+    c.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Transfer-Encoding: chunked\r\n\r\n" + b"".join(b"1;ext=value\r\n%b\r\n" % JSON[i:i + 1]
+                                                          for i in range(len(JSON))) + b"0\r\n\r\n")
+    assert c.read_messages(1)[0].status == 200
+
+
 def chunked_post(port: int, pieces: list[bytes]) -> RawConn:
     """A completion request whose body is sent as one chunk per piece, all in one write."""
     c = RawConn(port)
