@@ -60,6 +60,7 @@ from pdproxy.errors import (
     NotFound,
     ProxyError,
     UpstreamHTTPError,
+    UpstreamUnavailable,
     classify_status,
 )
 from pdproxy.http.engine_headers import TRACE_HEADERS, EngineHeaders, forwardable
@@ -364,7 +365,9 @@ class Passthrough:
 
     async def _relay_stream(self, resp: httpx.Response, ctx: RequestContext, send: Send) -> None:
         """The engine's status, headers and body as they come (chunked); a failure after the first byte ends
-        the body where it broke (the status line is out: nothing else can be said)."""
+        the body where it broke (the status line is out: nothing else can be said).  Raises
+        :class:`UpstreamUnavailable` (502, another engine is tried) for a 2xx whose body ended empty: no client
+        gets a 200 with an empty body (vLLM's routes always answer a JSON or SSE body)."""
         ctx.status = resp.status_code
         if resp.status_code >= 400:
             ctx.outcome = "upstream_rejected" if resp.status_code < 500 else "upstream_error"
@@ -385,6 +388,11 @@ class Passthrough:
             ctx.outcome = "upstream_error"
             ctx.error = f"engine {self._who(ctx)} failed mid-answer: {exc.__class__.__name__}"
         if not started:
+            if 200 <= resp.status_code < 300:   # an engine's success with nothing in it (it ended its stream at
+                # once: a crash after the status line): never relayed as an empty 200, another engine is tried
+                who = self._who(ctx)
+                raise UpstreamUnavailable(f"engine {who} answered {resp.status_code} with an empty body",
+                                          endpoint=who)
             await send({"type": "http.response.start", "status": resp.status_code,
                         "headers": self._headers_out(resp.headers, ctx)})
         ctx.timeline.last_token_at = time.monotonic()
