@@ -21,6 +21,16 @@ against the engine's breaker (:func:`pdproxy.errors.classify_status`: engine unw
 trial ends with every attempt: judged, or given back when the attempt says nothing of the engine (a 4xx, the
 client leaving) — tests/reliability/test_passthrough_trial.py.
 
+**Generation** (``/inference/v1/generate``, whole on one engine: no prefill queue, no PD): its prompt is the body's
+``token_ids``, counted exactly, so it meets the limits the PD routes' admission applies (README "admit"): it goes
+only to an engine whose ``max_model_len`` and KV pool (less vLLM's null block) hold the prompt and one output token
+(the scheduler's ``FitsLimits``), none such is vLLM's 400 "maximum context length" before any engine is contacted,
+and on an engine whose pool is below what the prompt and its output limit need (``max_tokens``: null means the
+room ``max_model_len`` leaves, absent 16) ``sampling_params.max_tokens`` is lowered to the pool's room, shared by ``n``
+(:func:`generate_output_room`; the decode leg's ``output_room`` in pdproxy/pd/decode.py): a request outgrowing the
+pool preempts itself and waits forever, holding every request queued behind it (seed 000,
+docs/field-reports.md; vLLM issue #39734) — one such request from any client froze the engine.
+
 **Transport**: httpx (control-plane style), not the data-plane client of :mod:`pdproxy.http.upstream`: these routes are
 not on the hot path, they need arbitrary bodies (multipart uploads) and content types, and their answers are
 relayed chunk by chunk as the engine writes them (``/inference/v1/generate`` streams SSE).  Timeouts: connect
@@ -50,6 +60,7 @@ from pdproxy.apis.kv_transfer import PROXY_OWNED, client_handle_fault, decode_bo
 from pdproxy.apis.request import load_json_object
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.health import HealthMonitor
+from pdproxy.engines.limits import EngineLimits, Limits
 from pdproxy.engines.models import ServedModels
 from pdproxy.engines.pool import EndpointPool
 from pdproxy.errors import (
@@ -185,6 +196,54 @@ async def _read_start(resp: httpx.Response, limit: int) -> bytes:
     return data[:limit]
 
 
+GENERATE = "/inference/v1/generate"
+"""The passthrough route that generates (tokens in, tokens out): admitted against the engines' limits."""
+
+
+SAMPLING_DEFAULT_MAX_TOKENS = 16
+"""``SamplingParams.max_tokens``' default (``vllm/sampling_params.py``): a generate body without it asks for 16."""
+
+
+def generate_prompt_tokens(obj: dict[str, Any]) -> int | None:
+    """The prompt length (tokens) of a ``/inference/v1/generate`` body ``obj``: its ``token_ids`` list's length
+    (``vllm/entrypoints/serve/scale_out/token_in_token_out/protocol.py``); None when it has none (the engine
+    judges the body)."""
+    ids = obj.get("token_ids")
+    return len(ids) if type(ids) is list else None
+
+
+def generate_output_room(obj: dict[str, Any], prompt: int, limits: EngineLimits) -> int | None:
+    """The ``sampling_params.max_tokens`` (≥ 1) a generate body ``obj`` of ``prompt`` tokens must carry for its
+    answer to fit an engine of ``limits``' KV pool (less vLLM's null block), shared by ``sampling_params.n``; None
+    when the limit the engine would apply fits — the client's ``max_tokens`` (absent:
+    :data:`SAMPLING_DEFAULT_MAX_TOKENS`; null: the room ``max_model_len`` leaves) — or the pool is unknown."""
+    pool = limits.usable_pool
+    if pool is None:
+        return None
+    params = obj.get("sampling_params")
+    params = params if isinstance(params, dict) else {}
+    n = params.get("n")
+    choices = n if type(n) is int and n > 1 else 1
+    room = max(1, (pool - prompt) // choices)
+    asked = params.get("max_tokens", SAMPLING_DEFAULT_MAX_TOKENS)
+    if type(asked) is not int:              # null: no limit but max_model_len's room (vLLM's SamplingParams)
+        asked = None if limits.max_model_len is None else limits.max_model_len - prompt
+    return room if asked is None or asked > room else None
+
+
+def with_generate_output_limit(obj: dict[str, Any], limit: int) -> bytes:
+    """The generate body ``obj`` (parsed, without proxy-owned members) re-encoded with ``sampling_params.max_tokens``
+    set to ``limit`` and a ``min_tokens`` above it lowered to it (vLLM refuses ``min_tokens`` over ``max_tokens``:
+    ``vllm/sampling_params.py``)."""
+    params = obj.get("sampling_params")
+    params = dict(params) if isinstance(params, dict) else {}
+    params["max_tokens"] = limit
+    low = params.get("min_tokens")
+    if type(low) is int and low > limit:
+        params["min_tokens"] = limit
+    return orjson.dumps({k: v for k, v in obj.items() if k not in PROXY_OWNED} | {"sampling_params": params})
+
+
 def engine_body(body: bytes, content_type: str, max_depth: int,
                 max_items: int = MAX_JSON_ITEMS) -> tuple[bytes, str | None]:
     """``(the body to send an engine, the model it names)`` for a passthrough request.
@@ -205,6 +264,11 @@ def engine_body(body: bytes, content_type: str, max_depth: int,
             raise BadRequest(f"{min(owned)} is set by pdproxy, never by a client", param=min(owned))
         return body, form.model
     obj = load_json_object(body, max_depth, max_items)
+    return json_engine_body(body, obj)
+
+
+def json_engine_body(body: bytes, obj: dict[str, Any]) -> tuple[bytes, str | None]:
+    """:func:`engine_body` of a JSON ``body`` already parsed as ``obj``."""
     fault = client_handle_fault(obj)
     if fault is not None:
         raise BadRequest(f"{fault} is set by pdproxy, never by a client", param=fault.split(".")[0])
@@ -215,12 +279,14 @@ def engine_body(body: bytes, content_type: str, max_depth: int,
 class Passthrough:
     """Serves the :data:`ROUTES` (module docstring) on raw ASGI.  ``scheduler`` picks the engine, ``served`` knows
     which models exist, ``pool`` holds a lease on the engine while the call runs (its in-flight count),
-    ``health`` hears each attempt's verdict, ``headers`` builds the engine headers.  :meth:`aclose` closes the
-    httpx client (the app's lifespan does)."""
+    ``health`` hears each attempt's verdict, ``headers`` builds the engine headers, ``limits`` are the engines'
+    limits a generate request is admitted against (module docstring; None: not checked).  :meth:`aclose` closes
+    the httpx client (the app's lifespan does)."""
 
     def __init__(self, settings: Settings, *, scheduler: Scheduler, served: ServedModels, pool: EndpointPool,
-                 health: HealthMonitor, headers: EngineHeaders) -> None:
+                 health: HealthMonitor, headers: EngineHeaders, limits: Limits | None = None) -> None:
         self.settings = settings
+        self.limits = limits
         self.scheduler = scheduler
         self.served = served
         self.pool = pool
@@ -257,7 +323,16 @@ class Passthrough:
         ``send``.  Raises :class:`ProxyError` while nothing was sent (404 for an unknown model or a route no engine
         serves, 503 when no engine can take it, the last engine failure)."""
         ctype = client.get(b"content-type", "")
-        if len(body) > _OFF_LOOP_BYTES:                  # an upload: parsed (linear, pure Python) off the event loop
+        generate: dict[str, Any] | None = None          # a generate request's parsed body (module docstring)
+        prompt: int | None = None
+        if path == GENERATE and self.limits is not None and not ctype.lower().startswith("multipart/form-data"):
+            read = (asyncio.to_thread(load_json_object, body, self.settings.max_json_depth,
+                                      self.settings.max_json_items) if len(body) > _OFF_LOOP_BYTES else None)
+            generate = (await read if read is not None else
+                        load_json_object(body, self.settings.max_json_depth, self.settings.max_json_items))
+            body, model = json_engine_body(body, generate)
+            prompt = generate_prompt_tokens(generate)
+        elif len(body) > _OFF_LOOP_BYTES:                # an upload: parsed (linear, pure Python) off the event loop
             body, model = await asyncio.to_thread(engine_body, body, ctype, self.settings.max_json_depth,
                                                   self.settings.max_json_items)
         else:
@@ -269,7 +344,9 @@ class Passthrough:
             if ROUTES.get(path) in POOLING_APIS:
                 raise exc.on_pooling_route() from None
             raise
-        request = PickRequest(request_id=ctx.request_id, model=model)
+        if prompt is not None and self.limits is not None:
+            self._admit_generate(prompt, model)
+        request = PickRequest(request_id=ctx.request_id, model=model, prompt_tokens=prompt)
         tried: list[Endpoint] = []
         last: ProxyError | None = None
         not_served = 0
@@ -279,9 +356,14 @@ class Passthrough:
                 ctx.prefiller, ctx.decoder, ctx.decoder_dp_rank = None, endpoint.name, endpoint.dp_rank
             else:
                 ctx.prefiller, ctx.decoder = endpoint.name, None
+            sent = body
+            if generate is not None and prompt is not None and self.limits is not None:
+                room = generate_output_room(generate, prompt, self.limits.of(endpoint))
+                if room is not None:
+                    sent = with_generate_output_limit(generate, room)
             with self.pool.lease(endpoint, 0):
                 try:
-                    outcome = await self._attempt(endpoint, path, body, client, ctx, send)
+                    outcome = await self._attempt(endpoint, path, sent, client, ctx, send)
                 except ProxyError as exc:
                     if not self.health.record_error(endpoint, exc):
                         raise
@@ -300,6 +382,21 @@ class Passthrough:
             self.scheduler.pick(Role.DECODE, request, capacity=False)
         raise NotFound(f"no engine serves {path}" + (f" for model {model}" if model else "") +
                        f" ({not_served} answered 404 Not Found for that route)", param=None)
+
+    def _admit_generate(self, prompt: int, model: str | None) -> None:
+        """Raise vLLM's 400 "maximum context length" (:class:`~pdproxy.errors.PromptTooLong`) when no engine of
+        either role serving ``model`` takes a generate prompt of ``prompt`` tokens and one output token."""
+        assert self.limits is not None
+        refusal = None
+        for role in (Role.DECODE, Role.PREFILL):
+            if not any(model is None or self.served.serves(e, model) for e in self.pool.endpoints(role)):
+                continue                                  # no engine of this role serves it: no say
+            found = self.limits.violation(prompt, None, roles=(role,), model=model)
+            if found is None:
+                return
+            refusal = refusal or found
+        if refusal is not None:
+            raise refusal.error(prompt, exact=True)
 
     async def _attempt(self, endpoint: Endpoint, path: str, body: bytes, client: dict[bytes, str],
                        ctx: RequestContext, send: Send) -> str:

@@ -100,7 +100,8 @@ class ProxyState:
         admission = Admission(s, limits=limits, queue=queue, scheduler=scheduler, upstream=upstream, headers=headers)
         if share is not None:
             share.connect(pool, ledger)     # this worker's releases wake the other workers' waiters
-        passthrough = Passthrough(s, scheduler=scheduler, served=served, pool=pool, health=health, headers=headers)
+        passthrough = Passthrough(s, scheduler=scheduler, served=served, pool=pool, health=health, headers=headers,
+                                  limits=limits)
         prefix_cache = PrefixCache(s)
         health.add_refresh_listener(prefix_cache.update_engine)        # block size, KV pool of each engine
         prefix = PrefixRouter(s, cache=prefix_cache, admission=admission, pool=pool, infos=infos)
