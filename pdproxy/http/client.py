@@ -592,6 +592,13 @@ class H1Connection(asyncio.Protocol):
             self.transport.abort()
 
 
+def address(key: tuple[str, int]) -> str:
+    """``host:port`` of a pool key, an IPv6 host bracketed (``[fd00::5]:8100``): the form
+    :func:`pdproxy.errors.public_message` removes whole from a message a client reads (unbracketed, ``fd00::`` of
+    ``fd00::5:8100`` was left in it)."""
+    return f"[{key[0]}]:{key[1]}" if ":" in key[0] else f"{key[0]}:{key[1]}"
+
+
 class H1Pool:
     """Keep-alive connections per ``(host, port)``: at most ``max_per_endpoint`` open at once (idle or busy; a
     caller past that waits up to ``wait_s`` seconds for one to come free, then gets :class:`PoolTimeout`);
@@ -634,7 +641,7 @@ class H1Pool:
             if left <= 0:
                 if deadline is not None and deadline < give_up:
                     raise TimeoutError("no time left to connect")
-                raise PoolTimeout(f"all {cap} connections to {key[0]}:{key[1]} stayed busy for {self.wait_s:.1f} s")
+                raise PoolTimeout(f"all {cap} connections to {address(key)} stayed busy for {self.wait_s:.1f} s")
             waiter = loop.create_future()
             self._waiters.setdefault(key, deque()).append(waiter)
             try:
@@ -662,7 +669,7 @@ class H1Pool:
                                                        ssl=True if tls else None)
         except BaseException as exc:
             self._release_place(key)
-            where = f"[{key[0]}]:{key[1]}" if ":" in key[0] else f"{key[0]}:{key[1]}"   # an IPv6 host bracketed
+            where = address(key)
             if isinstance(exc, TimeoutError):
                 raise ConnectError(f"connect ({where}) timed out after {limit:.1f} s") from None
             if isinstance(exc, OSError):

@@ -8,6 +8,8 @@ import httpx
 import pytest
 
 from pdproxy.errors import ModelNotFound, public_message
+from pdproxy.http.client import H1Pool, PoolTimeout
+from pdproxy.http.errors import transport_error
 from tests.conftest import Fleet
 from tests.support import ProxyThread
 
@@ -27,6 +29,23 @@ pytestmark = pytest.mark.timeout(30)
 ])
 def test_addresses_leave_and_the_words_stay(message: str, public: str) -> None:
     assert public_message(message) == public
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("host", ["fd00::5", "10.0.0.5", "d0.internal"])
+async def test_a_pool_timeout_names_no_part_of_the_engines_address(host: str) -> None:
+    """A client that keeps an engine's connections busy gets the pool's time-out as a 504 whose message went
+    through :func:`public_message`: it named an IPv6 engine unbracketed, and ``fd00::`` was left in it."""
+    pool = H1Pool(connect_timeout_s=1.0, keepalive_s=5.0, max_per_endpoint=1, wait_s=0.0)
+    key = (host, 8100)
+    pool.open[key] = 1                                 # the one connection allowed is taken
+    with pytest.raises(PoolTimeout) as raised:
+        await pool.acquire(key)
+    url = f"http://[{host}]:8100" if ":" in host else f"http://{host}:8100"
+    message = transport_error(raised.value, f"decoder {url}", url).message
+    public = public_message(message)
+    assert host not in public and "fd00" not in public and "8100" not in public
+    assert public.startswith("decoder") and "all 1 connections to stayed busy" in public, public
 
 
 @pytest.mark.parametrize("text", [
