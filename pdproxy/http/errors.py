@@ -28,7 +28,8 @@ refused                                the decoder refused the connection mid-st
                                        out: did not accept the connection in time; a host name that does
                                        not resolve: could not be reached: its host name does not resolve)
 no pooled connection in time           no connection to the decoder was free in time mid-stream
-timed out                              the decoder timed out mid-stream
+timed out                              the decoder timed out mid-stream (: its ``public`` sentence, e.g. a
+                                       stream's stall: no token for 20.0 s …)
 malformed HTTP (``ProtocolError``)     the decoder sent a malformed answer mid-stream (: its ``public`` sentence,
                                        e.g. an SSE event past its size limit)
 broken (``Disconnected``, httpx's)     the connection to the decoder broke mid-stream
@@ -86,8 +87,9 @@ def transport_error(exc: TransportError | TimeoutError, who: str, endpoint: str,
         return UpstreamTimeout(f"{who}: {exc}", endpoint=endpoint,
                                public=f"no connection to the {role} was free in time{when}")
     if isinstance(exc, ReadTimeout | TimeoutError):
+        own = exc.public if isinstance(exc, TransportError) else None
         return UpstreamTimeout(f"{who} timed out{when}: {exc}", endpoint=endpoint,
-                               public=f"the {role} timed out{when}")
+                               public=f"the {role} timed out{when}" + (f": {own}" if own else ""))
     public = (f"the {role} sent a malformed answer{when}" if isinstance(exc, ProtocolError) else
               f"the connection to the {role} broke{when}")
     if isinstance(exc, TransportError) and exc.public:

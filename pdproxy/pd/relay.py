@@ -322,8 +322,9 @@ class _Splice:
             return
         limit = max(min_s, factor * (self.last - self.first) / max(self.writes - 1, 1))
         if quiet >= limit:
-            self.done.set_exception(ReadTimeout(f"no token for {quiet:.1f} s (over {factor:g}× the stream's "
-                                                f"inter-token time)"))
+            stall = ReadTimeout(f"no token for {quiet:.1f} s (over {factor:g}× the stream's inter-token time)")
+            stall.public = str(stall)   # pdproxy's own words: the client reads them too
+            self.done.set_exception(stall)
 
     def client_paused(self) -> None:
         """The client's transport went above its high-water mark: stop reading the decoder."""
