@@ -270,8 +270,12 @@ def ineligible_reason(req: ProxyRequest) -> str | None:
         if found is None and not (fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text")):
             found = "text.format"
         return found
-    fields = _INELIGIBLE_MESSAGES if req.api is Api.MESSAGES else _INELIGIBLE
-    return next((k for k in fields if _present(body.get(k))), None)
+    if req.api is Api.MESSAGES:
+        config = body.get("output_config")
+        if isinstance(config, dict) and _present(config.get("format")):
+            return "output_config.format"    # vLLM 0.32's structured output on Messages: response_format
+        return next((k for k in _INELIGIBLE_MESSAGES if _present(body.get(k))), None)
+    return next((k for k in _INELIGIBLE if _present(body.get(k))), None)
 
 
 def _present(value: Any) -> bool:

@@ -237,6 +237,33 @@ def test_responses_and_messages_streams_continue(fleet5: Fleet4, kind: str) -> N
         proxy.stop()
 
 
+def test_a_messages_stream_with_structured_output_is_not_continued_unconstrained(fleet5: Fleet4) -> None:
+    """vLLM 0.32 reads a Messages request's structured output from ``output_config.format`` (its chat's
+    ``response_format``). A text continuation is a chat without it: a stream cut mid-JSON went on unconstrained and
+    the client got a 200 ``message_stop`` whose text broke its schema. It is refused as ``response_format`` is on
+    chat: the typed error event naming the field, and no continuation leg."""
+    schema = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(8)},
+              "required": [f"field_{i}" for i in range(8)]}
+    body = {**MESSAGES, "max_tokens": 200, "output_config": {"format": {"type": "json_schema", "schema": schema}}}
+    proxy = fleet5.proxy(**ON)
+    try:
+        whole, _, _ = messages_view(one(proxy.url, body, "/v1/messages").body)
+        assert set(json.loads(whole)) == set(schema["properties"])      # the uninterrupted answer: the schema's
+        for sim in fleet5.decoders:
+            sim.reset()
+            sim.faults({"kind": "reset_after_events", "events": 6, "times": 1})
+        cut = one(proxy.url, body, "/v1/messages")
+        text, names, _ = messages_view(cut.body)
+        assert names[-1] == "error" and "message_stop" not in names, cut.body[-600:]
+        errors = [e for n, e in named_events(cut.body) if n == "error"]
+        assert errors[0]["error"]["message"].endswith("(not continued: output_config.format)"), errors
+        assert whole.startswith(text) and text != whole
+        assert not any(r["body"].get("continue_final_message") for s in fleet5.decoders for r in s.received())
+        fleet5.assert_clean(proxy)
+    finally:
+        proxy.stop()
+
+
 def test_client_that_asked_for_token_ids_keeps_them(fleet5: Fleet4) -> None:
     """A client that asked for ``return_token_ids`` gets the prompt ids once and every delta's ids, across the
     cut: the same ids as the uninterrupted run."""

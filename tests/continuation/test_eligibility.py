@@ -37,6 +37,14 @@ MESSAGES: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content
     (Api.RESPONSES, {**RESPONSES, "text": {"format": {"type": "text"}}}, None),
     (Api.MESSAGES, MESSAGES, None),
     (Api.MESSAGES, {**MESSAGES, "stop_sequences": ["x"]}, "stop_sequences"),
+    # vLLM 0.32's structured output on Messages is output_config.format (-> response_format): a continuation,
+    # a chat without it, was unconstrained and the client's schema-bound JSON came back broken, as a 200
+    (Api.MESSAGES, {**MESSAGES, "output_config": {"format": {"type": "json_schema", "schema": {}}}},
+     "output_config.format"),
+    (Api.MESSAGES, {**MESSAGES, "output_config": {"format": {"type": "json_schema", "schema": {}}, "effort": "low"}},
+     "output_config.format"),
+    (Api.MESSAGES, {**MESSAGES, "output_config": {"effort": "low"}}, None),
+    (Api.MESSAGES, {**MESSAGES, "output_config": {"format": None}}, None),
 ])
 def test_the_reason_names_what_makes_a_stream_ineligible(api: Api, body: dict[str, Any], why: str | None) -> None:
     req = parse_request(orjson.dumps(body), api)
