@@ -81,7 +81,9 @@ _INELIGIBLE_SET = frozenset(_INELIGIBLE)   # a body with none of these keys (the
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
              "spaces_between_special_tokens", "logit_bias", "cache_salt", "priority", "user", "bad_words",
-             "allowed_token_ids", "truncate_prompt_tokens")
+             "allowed_token_ids")
+# not truncate_prompt_tokens: the prompt ids a decoder sends are the prompt it ran, already truncated; truncated
+# again with the delivered ids after them, a continuation would keep the last k of those and lose the prompt
 
 
 class LossCause(enum.StrEnum):

@@ -298,3 +298,25 @@ def test_a_chat_without_an_output_limit_continues_to_the_end_of_the_context() ->
     assert chunks[-1]["usage"]["completion_tokens"] == 2 and end[-2] == b"data: [DONE]"
     unknown = lost().next_leg(None)
     assert unknown is not None and unknown.body["max_tokens"] is None          # no known limit: as the client sent
+
+
+def test_a_truncated_prompt_is_not_truncated_again_with_the_delivered_ids() -> None:
+    """``truncate_prompt_tokens: k`` keeps a prompt's last k tokens, and the ids the decoder sends are that truncated
+    prompt; the continuation's prompt is those + the delivered ids, complete as it is. Copied onto the continuation,
+    vLLM cut that to its last k ids: the original prompt gone (greedy: not the uninterrupted output)."""
+    req = parse_request(orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi there you"}],
+                                      "stream": True, "max_tokens": 50, "truncate_prompt_tokens": 3,
+                                      "temperature": 0, "cache_salt": "s"}), Api.CHAT)
+    resume = Resume.of(req, True)
+    assert resume is not None
+    t = RecordIds(resume, _Usage())
+    t.feed(b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+           b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
+           b'"prompt_token_ids":[5,6,7],"prompt_text":null}\n\n')
+    t.feed(b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+           b'"delta":{"content":" a b"},"logprobs":null,"finish_reason":null,"token_ids":[42,43]}]}\n\n')
+    resume.read_transcript()
+    leg = resume.next_leg(4096)
+    assert leg is not None and leg.body["prompt"] == [5, 6, 7, 42, 43]
+    assert "truncate_prompt_tokens" not in leg.body
+    assert leg.body["temperature"] == 0 and leg.body["cache_salt"] == "s"    # the sampling fields still copied
