@@ -68,7 +68,8 @@ _ERROR_EVENT = b'data: {"error"'
 _CHAR_TOKENS = 3   # tokens that can end inside one character: a UTF-8 character is at most 4 bytes
 _CUT_WINDOW = 16   # trailing ids detokenized to see the cut (a character spans at most 4 of them)
 _TAIL = 8     # reads kept for the held-back tail (RecordIds.tail; ≤ 4 KiB each): a run of empty-text events is short
-_UNSAFE = (b'"reasoning', b'"tool_calls"')   # chat deltas a continuation would mis-parse (docs/stream-continuation.md)
+_UNSAFE = (b'"reasoning',)   # a chat delta a continuation would mis-parse (docs/stream-continuation.md; a stream
+# that may carry a tool call is not continued at all: _tools_callable)
 # request fields that make a continuation unfaithful or unparseable (docs/stream-continuation.md lists why)
 _INELIGIBLE = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                "guided_grammar", "guided_decoding_backend", "stop", "echo", "logprobs", "top_logprobs",
@@ -76,7 +77,7 @@ _INELIGIBLE = ("response_format", "structured_outputs", "guided_json", "guided_r
 _INELIGIBLE_RESPONSES = ("previous_response_id", "conversation", "prompt", "background", "top_logprobs",
                          "include", "reasoning")
 _INELIGIBLE_MESSAGES = ("stop_sequences", "thinking", "output_format")
-_INELIGIBLE_SET = frozenset(_INELIGIBLE)   # a body with none of these keys (the common case): one set test
+_INELIGIBLE_SET = frozenset((*_INELIGIBLE, "tools"))   # a body with none of these (the common case): one set test
 # sampling fields copied onto the continuation's completions body
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
@@ -240,8 +241,8 @@ class LiveStreams:
 
 def eligible(req: ProxyRequest, enabled: bool) -> bool:
     """Whether a stream of ``req`` is continued should its decoder be lost: chat or text completions, streamed,
-    one sequence, no structured output, stop strings, echo, logprobs or beam search, and ``continuous_usage``
-    off; ``enabled`` is the ``stream_continuation`` setting."""
+    one sequence, no structured output, tools the model may call, stop strings, echo, logprobs or beam search,
+    and ``continuous_usage`` off; ``enabled`` is the ``stream_continuation`` setting."""
     if not enabled or not req.stream or req.sequences != 1:
         return False
     if req.decoder_prefills or req.engine_judges or req.continuous_usage:
@@ -266,6 +267,8 @@ def ineligible_reason(req: ProxyRequest) -> str | None:
     if req.continuous_usage:
         return "continuous_usage_stats"
     body = req.body
+    if _tools_callable(body):
+        return "tools"
     if req.api is Api.RESPONSES:
         fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
         found = next((k for k in _INELIGIBLE_RESPONSES if _present(body.get(k))), None)
@@ -278,6 +281,17 @@ def ineligible_reason(req: ProxyRequest) -> str | None:
             return "output_config.format"    # vLLM 0.32's structured output on Messages: response_format
         return next((k for k in _INELIGIBLE_MESSAGES if _present(body.get(k))), None)
     return next((k for k in _INELIGIBLE if _present(body.get(k))), None)
+
+
+def _tools_callable(body: dict[str, Any]) -> bool:
+    """Whether the model may call a tool: ``tools`` set and ``tool_choice`` not "none" (``{"type": "none"}`` on
+    Messages).  Such a stream is not continued: chat and completions go on as text completions, which parse no tool
+    call (its markup would reach the client as text), and a required or named tool constrains the output as
+    structured output does, which no continuation carries (docs/stream-continuation.md)."""
+    if not _present(body.get("tools")):
+        return False
+    choice = body.get("tool_choice")
+    return choice != "none" and not (isinstance(choice, dict) and choice.get("type") == "none")
 
 
 def _present(value: Any) -> bool:
@@ -556,8 +570,8 @@ class Resume:
         chat = fields.responses_chat(body) if self.req.api is Api.RESPONSES else fields.messages_chat(body)
         messages = [*chat["messages"], {"role": "assistant", "content": "".join(self.text)}]
         cont.update({"messages": messages, "continue_final_message": True, "add_generation_prompt": False})
-        if chat.get("tools"):
-            cont["tools"] = chat["tools"]
+        if chat.get("tools"):             # rendered into the prompt as the original's were; never called (an
+            cont["tools"], cont["tool_choice"] = chat["tools"], "none"   # eligible stream's tools are not callable)
         leg = parse_request(orjson.dumps(cont), Api.CHAT, max_items=None)
         leg.size_from(self.req, sent)
         return leg
@@ -651,8 +665,8 @@ class RecordIds(RecordBase):
     usage chunk, its in-band error event and ``[DONE]`` only after the last token chunk
     (``chat_completion/serving.py``, ``completion/serving.py``), and sends the prompt's ids only in the first
     chunk, so such a block holds nothing but token chunks: its ids are recorded and the client's bytes have
-    ``"token_ids":null``; no error or usage search, no copy kept.  A chat block that may hold a reasoning or
-    tool-call delta (``unsafe``: a byte search; a JSON string cannot hold an unescaped ``"``, so a false hit only
+    ``"token_ids":null``; no error or usage search, no copy kept.  A chat block that may hold a reasoning delta
+    (``unsafe``: a byte search; a JSON string cannot hold an unescaped ``"``, so a false hit only
     sends the block the general way) is kept whole instead, so that :meth:`Resume.refusal` still sees it.  The
     general path (:meth:`_slow`, every other block) is the rule above."""
 
@@ -667,8 +681,7 @@ class RecordIds(RecordBase):
         self.keep = bool(resume.keep_ids or not openai)
         self.fast = False
         chat = resume.req.api is Api.CHAT
-        tools = chat and bool(resume.req.body.get("tools")) and resume.req.body.get("tool_choice") != "none"
-        self.unsafe = (_UNSAFE if tools else _UNSAFE[:1]) if chat else ()
+        self.unsafe = _UNSAFE if chat else ()
         self.error = _ERROR_EVENT if openai else api_streams.ERROR_EVENT
         self.lost = False
         self.then = then

@@ -143,11 +143,15 @@ def test_a_fanned_out_sequence_not_continued_logs_its_own_error(fleet5: Fleet4, 
 
 
 def test_off_or_ineligible_gets_the_error_event(fleet5: Fleet4) -> None:
-    """With continuation off, and for an ineligible stream (stop strings, logprobs) with it on, a cut stream ends
-    with the typed error event + [DONE] as before, and no continuation leg is sent; with it on, the event's message
-    says why the stream was not continued (docs/stream-continuation.md)."""
+    """With continuation off, and for an ineligible stream (stop strings, logprobs, tools the model may call) with
+    it on, a cut stream ends with the typed error event + [DONE] as before, and no continuation leg is sent; with
+    it on, the event's message says why the stream was not continued (docs/stream-continuation.md)."""
+    params = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(8)},
+              "required": [f"field_{i}" for i in range(8)]}        # a call long enough to be cut mid-way
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
     for settings, body, why in (({}, CHAT, None), (ON, {**CHAT, "stop": ["never-said"]}, "stop"),
-                                (ON, {**CHAT, "logprobs": True}, "logprobs")):
+                                (ON, {**CHAT, "logprobs": True}, "logprobs"),
+                                (ON, {**CHAT, "tools": tools, "tool_choice": "auto"}, "tools")):
         proxy = fleet5.proxy(**settings)
         try:
             fleet5.reset()

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.timeout(10)
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
                         "max_tokens": 8}
 RESPONSES: dict[str, Any] = {"model": "m", "input": "hi", "stream": True, "max_output_tokens": 8}
+TOOL: dict[str, Any] = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 MESSAGES: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
                             "max_tokens": 8}
 
@@ -37,6 +38,16 @@ MESSAGES: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content
     (Api.RESPONSES, {**RESPONSES, "text": {"format": {"type": "text"}}}, None),
     (Api.MESSAGES, MESSAGES, None),
     (Api.MESSAGES, {**MESSAGES, "stop_sequences": ["x"]}, "stop_sequences"),
+    # tools the model may call: continued as text, a tool call's markup would reach the client as text
+    (Api.CHAT, {**CHAT, "tools": [TOOL]}, "tools"),
+    (Api.CHAT, {**CHAT, "tools": [TOOL], "tool_choice": "required"}, "tools"),
+    (Api.CHAT, {**CHAT, "tools": [TOOL], "tool_choice": "none"}, None),
+    (Api.CHAT, {**CHAT, "tools": []}, None),
+    (Api.RESPONSES, {**RESPONSES, "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    (Api.MESSAGES, {**MESSAGES, "tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "any"}},
+     "tools"),
+    (Api.MESSAGES, {**MESSAGES, "tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "none"}},
+     None),
     # vLLM 0.32's structured output on Messages is output_config.format (-> response_format): a continuation,
     # a chat without it, was unconstrained and the client's schema-bound JSON came back broken, as a 200
     (Api.MESSAGES, {**MESSAGES, "output_config": {"format": {"type": "json_schema", "schema": {}}}},

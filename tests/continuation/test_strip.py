@@ -2,7 +2,7 @@
 ``RecordIds``, through the real splice of pdproxy/pd/relay.py): for vLLM-framed event sequences cut into reads at
 arbitrary points, what the client gets equals the reference rewrite (every ``token_ids`` / ``prompt_token_ids``
 array → ``null``, or untouched when the client asked for the ids; nothing from vLLM's in-band error event on), and
-the transcript read on loss holds exactly the delivered ids, head, finish and tool-call / reasoning state, and the
+the transcript read on loss holds exactly the delivered ids, head, finish and reasoning state, and the
 continuation's prompt leaves out the trailing ids whose events carried no text (vLLM's detokenizer held their text
 back: a cut inside a UTF-8 character)."""
 
@@ -85,7 +85,6 @@ class Stream:
     finish: bool = False
     unsafe: bool = False
     held: int = 0                 # trailing delivered ids whose events carried no text
-    tools: bool = False           # the request has tools (vLLM streams tool-call deltas only then)
 
 
 def event(obj: dict[str, Any]) -> bytes:
@@ -99,8 +98,6 @@ def token_chunk(api: Api, text: str, ids: list[int], finish: str | None, kind: s
         delta: dict[str, Any] = {"content": text}
         if kind == "reasoning":
             delta = {"reasoning": text}
-        elif kind == "tool":
-            delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
         elif kind == "empty":
             delta = {}
         choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -121,8 +118,7 @@ def streams(draw: st.DrawFn) -> Stream:
     s.prompt = draw(st.lists(ints, min_size=1, max_size=12))
     texts = st.one_of(st.sampled_from(TRICKY), st.text(max_size=12))
     n = draw(st.integers(1, 14))
-    s.tools = api is Api.CHAT and draw(st.booleans())
-    kinds = st.sampled_from(["content"] * 6 + ["reasoning", "empty"] + ["tool"] * s.tools) if api is Api.CHAT \
+    kinds = st.sampled_from(["content"] * 6 + ["reasoning", "empty"]) if api is Api.CHAT \
         else st.just("content")
     if api is Api.CHAT:
         s.events.append(event({**HEAD, "object": "chat.completion.chunk", "choices": [
@@ -150,25 +146,21 @@ def streams(draw: st.DrawFn) -> Stream:
             s.generated.extend(c.get("token_ids") or [])
             s.finish = s.finish or c.get("finish_reason") is not None
             d = c.get("delta") or {}
-            s.unsafe = s.unsafe or bool(d.get("reasoning") or d.get("tool_calls"))  # as Resume.observe reads it
-            if c.get("finish_reason") is not None or c.get("text") or d.get("content") or d.get("reasoning") \
-                    or d.get("tool_calls"):
+            s.unsafe = s.unsafe or bool(d.get("reasoning"))  # as Resume.observe reads it
+            if c.get("finish_reason") is not None or c.get("text") or d.get("content") or d.get("reasoning"):
                 s.held = 0
             else:
                 s.held += len(c.get("token_ids") or [])
     return s
 
 
-def relay(loop: asyncio.AbstractEventLoop, s: Stream, cuts: list[int], keep: bool,
-          tools: bool = False) -> tuple[bytes, Resume]:
+def relay(loop: asyncio.AbstractEventLoop, s: Stream, cuts: list[int], keep: bool) -> tuple[bytes, Resume]:
     """Feed ``s`` (cut into reads at ``cuts``) through a continuable stream's splice; returns the client's bytes
     and the resume state after :meth:`Resume.read_transcript` (``recorded``: the record before it)."""
     body: dict[str, Any] = {"model": "m", "stream": True, "max_tokens": 1000}
     body.update({"messages": [{"role": "user", "content": "hi"}]} if s.api is Api.CHAT else {"prompt": "hi"})
     if keep:
         body["return_token_ids"] = True
-    if tools:
-        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     resume = Resume.of(parse_request(orjson.dumps(body), s.api), True)
     assert resume is not None and resume.keep_ids is keep
     sent: list[bytes] = []
@@ -198,7 +190,7 @@ def expected(s: Stream, keep: bool) -> bytes:
 @given(s=streams(), cuts=st.lists(st.integers(0, 10_000), max_size=12), keep=st.booleans())
 def test_client_bytes_equal_the_reference_rewrite_for_any_reads(loop: asyncio.AbstractEventLoop, s: Stream,
                                                                 cuts: list[int], keep: bool) -> None:
-    out, resume = relay(loop, s, cuts, keep, s.tools)
+    out, resume = relay(loop, s, cuts, keep)
     assert out == expected(s, keep)
     assert resume.prompt_ids == s.prompt
     assert resume.generated == s.generated

@@ -320,3 +320,22 @@ def test_a_truncated_prompt_is_not_truncated_again_with_the_delivered_ids() -> N
     assert leg is not None and leg.body["prompt"] == [5, 6, 7, 42, 43]
     assert "truncate_prompt_tokens" not in leg.body
     assert leg.body["temperature"] == 0 and leg.body["cache_salt"] == "s"    # the sampling fields still copied
+
+
+def test_a_continued_stream_keeps_its_uncallable_tools_in_the_prompt_and_never_calls_one() -> None:
+    """A Messages stream whose tools the model may not call (``tool_choice: {"type": "none"}``) is continued (a
+    callable tool is not: ``ineligible_reason``); its continuation chat renders the same tools into the prompt and
+    says ``tool_choice: "none"`` — without it vLLM reads tools as ``auto``, and the continuation could call a tool
+    the original could not."""
+    req = parse_request(orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                      "stream": True, "max_tokens": 50, "tool_choice": {"type": "none"},
+                                      "tools": [{"name": "f", "input_schema": {"type": "object"}}]}), Api.MESSAGES)
+    resume = Resume.of(req, True)
+    assert resume is not None
+    resume.text.append("Hello")
+    leg = resume.next_leg(4096)
+    assert leg is not None and leg.api is Api.CHAT
+    assert leg.body["tool_choice"] == "none" and [t["function"]["name"] for t in leg.body["tools"]] == ["f"]
+    assert leg.body["messages"][-1] == {"role": "assistant", "content": "Hello"}
+    callable_tools = parse_request(orjson.dumps({**req.body, "tool_choice": {"type": "auto"}}), Api.MESSAGES)
+    assert Resume.of(callable_tools, True) is None
