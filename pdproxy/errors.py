@@ -139,10 +139,14 @@ class ProxyError(Exception):
     status_code = 500
     outcome = "error"
     rejection: tuple[str, str] | None = None
+    redacts = True
+    """Whether the client reads :func:`public_message` of the message by default (False: an error about the
+    client's own input — its fields, its model name — answered as written, as vLLM quotes them: a model named
+    ``http://x/y`` or a prompt holding ``10:00`` is not an engine address)."""
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None, error_type: str | None = None,
-                 redact: bool = True, public: str | None = None) -> None:
+                 redact: bool | None = None, public: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.public = public
@@ -150,7 +154,7 @@ class ProxyError(Exception):
         self.code = code
         self.headers = dict(headers or {})
         self._error_type = error_type
-        self.redact = redact
+        self.redact = self.redacts if redact is None else redact
 
     @property
     def error_type(self) -> str:
@@ -184,6 +188,7 @@ class BadRequest(ProxyError):
 
     status_code = 400
     outcome = "bad_request"
+    redacts = False      # every 400 of pdproxy's is about the request's own fields (ProxyError.redacts)
 
 
 class PromptTooLong(BadRequest):
@@ -241,6 +246,7 @@ class ModelNotFound(NotFound):
     prefillers and decoders serve different names: said after vLLM's words)."""
 
     outcome = "model_not_found"
+    redacts = False      # the client's model name, quoted as vLLM quotes it (ProxyError.redacts)
 
     def __init__(self, model: str, role: str, served: list[str], other_role: str | None = None,
                  pooling: bool = False) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pdproxy.errors import ModelNotFound, public_message
+from pdproxy.errors import BadRequest, ModelNotFound, UpstreamUnavailable, public_message
 from pdproxy.http.client import H1Pool, PoolTimeout
 from pdproxy.http.errors import transport_error
 from tests.conftest import Fleet
@@ -111,3 +111,15 @@ async def test_a_refused_engine_connection_reads_whole_without_its_address() -> 
                 await pool.connect(("::1", port6))
         assert public_message(str(refused6.value)).startswith("connect failed: "), str(refused6.value)
         assert "::1" not in public_message(str(refused6.value))
+
+
+@pytest.mark.parametrize("model", ["http://x/y", "evil\n2026-12-06 10:00:00,000 INFO", "10.0.0.5:8100"])
+def test_the_clients_own_input_is_quoted_as_written(model: str) -> None:
+    """The address filter is for engine failures; an error about the client's own input quotes it as vLLM does —
+    a model named ``http://x/y`` came back as "The model `` does not exist", a ``10:00`` in it lost its hour."""
+    body = ModelNotFound(model, "decode", ["sim-model"]).body()["error"]
+    assert body["message"].startswith(f"The model `{model}` does not exist.")
+    bad = BadRequest(f"messages.0.role must be 'user', 'assistant' or 'system', got {model!r}", param="messages.0.role")
+    assert bad.body()["error"]["message"].endswith(repr(model))
+    assert "10.0.0.5" not in UpstreamUnavailable(f"decoder http://10.0.0.5:8100 failed: {model}").body()["error"][
+        "message"]                                                  # an engine failure is still filtered
