@@ -81,6 +81,10 @@ class PDProxyApp:
     def __init__(self, settings: Settings, *, share: WorkerShare | None = None) -> None:
         self.settings = settings
         self.completion_routes: dict[str, str] = {api.value: api for api in Api}
+        self.error_routes: dict[str, str] = {**self.completion_routes,
+                                             **dict.fromkeys(passthrough.ANTHROPIC_ROUTES, Api.MESSAGES)}
+        """Path → the route whose error shape a refusal of any request there takes (Anthropic's on Messages and
+        ``/v1/messages/count_tokens``): the HTTP server's own refusals and the 405s below."""
         s = settings
         self._entry: Callable[..., Awaitable[None]] = self._dispatch if not s.allowed_origins else CORSMiddleware(
             cast("ASGIApp", self._dispatch), allow_origins=s.allowed_origins, allow_credentials=s.allow_credentials,
@@ -111,29 +115,34 @@ class PDProxyApp:
                 if scope["method"] == "POST":  # only under a server other than pdproxy.http.server
                     body = self.refusal_body(route, 500, "the completion routes need pdproxy's own HTTP protocol: "
                                                          "serve the app with pdproxy.http.server.uvicorn_config()")
-                    status, extra = 500, []
+                    await send({"type": "http.response.start", "status": 500,
+                                "headers": [(b"content-type", b"application/json"),
+                                            (b"content-length", str(len(body)).encode())]})
+                    await send({"type": "http.response.body", "body": body})
                 else:
-                    body = (orjson.dumps(api_streams.anthropic_envelope("MethodNotAllowed", "Method Not Allowed"))
-                            if Api(route) is Api.MESSAGES else
-                            orjson.dumps(error_body(405, "Method Not Allowed", error_type="MethodNotAllowed")))
-                    status, extra = 405, [(b"allow", b"POST")]
-                await send({"type": "http.response.start", "status": status,
-                            "headers": [(b"content-type", b"application/json"), *extra,
-                                        (b"content-length", str(len(body)).encode())]})
-                await send({"type": "http.response.body", "body": body})
+                    await self._post_only(path, send)
                 return
             label = passthrough.ROUTES.get(path)
             if label is not None:
                 if scope["method"] == "POST":
                     await self.handle_passthrough(path, label, scope, receive, send)
                 else:
-                    body = orjson.dumps(error_body(405, "Method Not Allowed", error_type="MethodNotAllowed"))
-                    await send({"type": "http.response.start", "status": 405,
-                                "headers": [(b"content-type", b"application/json"), (b"allow", b"POST"),
-                                            (b"content-length", str(len(body)).encode())]})
-                    await send({"type": "http.response.body", "body": body})
+                    await self._post_only(path, send)
                 return
         await self.control(scope, receive, send)
+
+    async def _post_only(self, path: str, send: Any) -> None:
+        """The 405 (``Allow: POST``) of another method on a POST-only route (``path``: without trailing slash), in
+        the route's error shape: Anthropic's ``{"type": "error", "error": {"type", "message"}}`` on ``/v1/messages``
+        and ``/v1/messages/count_tokens`` (``error_routes``), vLLM's OpenAI envelope elsewhere."""
+        shape = self.error_routes.get(path)
+        body = (orjson.dumps(api_streams.anthropic_envelope("MethodNotAllowed", "Method Not Allowed"))
+                if shape is not None and Api(shape) is Api.MESSAGES else
+                orjson.dumps(error_body(405, "Method Not Allowed", error_type="MethodNotAllowed")))
+        await send({"type": "http.response.start", "status": 405,
+                    "headers": [(b"content-type", b"application/json"), (b"allow", b"POST"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
     async def handle_passthrough(self, path: str, label: str, scope: dict[str, Any], receive: Any,
                                  send: Any) -> None:

@@ -95,11 +95,18 @@ class ServedApp(Protocol):
     @property
     def completion_routes(self) -> Mapping[str, str]: ...
 
+    @property
+    def error_routes(self) -> Mapping[str, str]:
+        """Path without trailing slash → the route key whose error shape (``refusal_body``) the server's own
+        refusals of a request to that path take, whatever its method: the completion routes and any other route
+        answering in one of their shapes (Anthropic's ``/v1/messages/count_tokens``); elsewhere vLLM's envelope."""
+        ...
+
     async def handle_completion(self, route: str, ex: Exchange) -> None: ...
 
     def refusal_body(self, route: str, status: int, message: str) -> bytes:
         """The JSON body of a refusal the server answers itself (408, 413, 431, 400, 500) to a request on the
-        completion route ``route``: in that API's error shape."""
+        route ``route`` (an ``error_routes`` value): in that API's error shape."""
         ...
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None: ...
@@ -463,6 +470,7 @@ class ServerProtocol(asyncio.Protocol):
         self.asgi = config.loaded_app if config is not None and getattr(config, "loaded", False) else proxy
         self.limits = lim = limits or EdgeLimits.of(proxy.settings)
         self.routes = proxy.completion_routes
+        self.error_routes = proxy.error_routes
         self.keep_alive_s = lim.keep_alive_s
         self.max_head = lim.max_head
         self.max_body = lim.max_body
@@ -494,8 +502,8 @@ class ServerProtocol(asyncio.Protocol):
         self.bodies = bodies
         self.body_held = 0  # bytes of the body being read counted in ``bodies``
         self.refused = False  # the server refused this connection's input: later bytes are dropped unparsed
-        self.pending: tuple[int, str, str | None, bytes | None] | None = None  # a refusal (status, message,
-        # route, origin) written once the response in progress before it has ended
+        self.pending: tuple[int, str, str | None, str | None, bytes | None] | None = None  # a refusal (status,
+        # message, route, shape, origin) written once the response in progress before it has ended
         # the connection's one timer: what it is for and when the body was last read (a lazily checked idle gap)
         self.timer: asyncio.TimerHandle | None = None
         self.timer_kind = _NO_TIMER
@@ -988,8 +996,10 @@ class ServerProtocol(asyncio.Protocol):
         if refused is None:
             refused = self.parsing or self.current
         route = refused.api if refused is not None else None
-        if route is None and refused is not None and refused is self.parsing and self.phase == _HEAD:
-            route = self._route_of_head()      # refused before its head ended: the request line names the route
+        path = refused.path if refused is not None else ""
+        if refused is not None and refused is self.parsing and not path:
+            route, path = self._route_of_head()  # refused before its head was read: the request line names the route
+        shape = self.error_routes.get(path.rstrip("/")) if path else None
         origin = refused.origin if refused is not None else None
         self.closing = True
         self.no_more = True
@@ -1005,14 +1015,14 @@ class ServerProtocol(asyncio.Protocol):
             if ex is refused:      # its response is under way: it ends there, then the connection closes
                 ex.keep_alive = False
             else:                  # the answer before it ends (not saying "close": a response follows), then this
-                self.pending = (status, message, route, origin)
+                self.pending = (status, message, route, shape, origin)
             self._pause_reading()
             return
         self.current = None
         if ex is not None and ex.on_disconnect is not None:
             cb, ex.on_disconnect = ex.on_disconnect, None
             cb()
-        self._write_refusal(status, message, route, origin)
+        self._write_refusal(status, message, route, shape, origin)
         self._linger_close()
 
     def _release_body(self) -> None:
@@ -1027,21 +1037,24 @@ class ServerProtocol(asyncio.Protocol):
         to a completion path (a trailing slash ignored), else None."""
         return self.routes.get(path.rstrip("/")) if method == "POST" else None
 
-    def _route_of_head(self) -> str | None:
-        """:meth:`_api_of` the request whose head is being read, from its request line alone (it was refused
-        before its head ended), or None when the request line is not whole or not valid."""
+    def _route_of_head(self) -> tuple[str | None, str]:
+        """:meth:`_api_of` the request whose head is being read and its decoded path, from its request line alone
+        (it was refused before its head ended); ``(None, "")`` when the request line is not whole or not valid."""
         try:
             if self.parser is None:
-                return None
+                return None, ""
             method = self.parser.get_method().decode("ascii", "replace")
-            return self._api_of(method, _decoded_path(httptools.parse_url(self.url).path or b"/"))
+            path = _decoded_path(httptools.parse_url(self.url).path or b"/")
+            return self._api_of(method, path), path
         except (httptools.HttpParserError, httptools.HttpParserInvalidURLError):
-            return None
+            return None, ""
 
-    def _write_refusal(self, status: int, message: str, route: str | None, origin: bytes | None) -> None:
+    def _write_refusal(self, status: int, message: str, route: str | None, shape: str | None,
+                       origin: bytes | None) -> None:
         """Write the refusal ``status`` (its JSON body, ``connection: close``) of a request on ``route`` (None: not a
-        completion route, vLLM's OpenAI envelope) from ``origin`` (its CORS headers on a completion route)."""
-        body = (self.proxy.refusal_body(route, status, message) if route is not None
+        completion route's POST) from ``origin`` (its CORS headers on a completion route), in the error shape of
+        ``shape`` (an ``error_routes`` value; None: vLLM's OpenAI envelope)."""
+        body = (self.proxy.refusal_body(shape, status, message) if shape is not None
                 else orjson.dumps(error_body(status, message)))
         cors = self.limits.cors.headers(origin) if route is not None and self.limits.cors is not None else ()
         self.write(b"".join([_STATUS_LINES[status], b"content-type: application/json\r\ncontent-length: ",

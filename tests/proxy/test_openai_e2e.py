@@ -262,3 +262,15 @@ def test_prefiller_without_a_kv_connector_is_a_502(sims: Fleet) -> None:
         proxy.wait_idle()
     finally:
         proxy.stop()
+
+
+@pytest.mark.parametrize("method", ["GET", "PUT", "DELETE"])
+def test_wrong_method_on_anthropics_count_tokens_is_405_in_anthropics_shape(proxy: ProxyThread, method: str) -> None:
+    """``/v1/messages/count_tokens`` answers its own errors in Anthropic's envelope (pdproxy/app/passthrough.py's
+    ``ANTHROPIC_ROUTES``); its 405 did not (old code: vLLM's OpenAI envelope), as ``/v1/messages``' does."""
+    r = httpx.request(method, proxy.url + "/v1/messages/count_tokens")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json() == {"type": "error", "error": {"type": "MethodNotAllowed", "message": "Method Not Allowed"}}
+    r = httpx.get(proxy.url + "/tokenize")                # an OpenAI passthrough route keeps vLLM's envelope
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["code"] == 405
+

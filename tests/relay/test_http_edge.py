@@ -250,3 +250,30 @@ def test_completion_routes_and_control_plane_over_tls(sims: Fleet, tmp_path: Pat
         p.wait_idle()
     finally:
         p.stop()
+
+
+@pytest.mark.parametrize(("request_head", "status", "anthropic"), [
+    (b"POST /v1/messages/count_tokens HTTP/1.1\r\nHost: x\r\nContent-Length: x\r\n\r\n", 400, True),
+    (b"GET /v1/messages HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 5000 + b"\r\n\r\n", 431, True),
+    (b"GET /v1/messages/count_tokens HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n", 400, True),
+    (b"PUT /v1/messages/ HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n", 400, True),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 5000 + b"\r\n\r\n", 431, False),
+    (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: x\r\n\r\n", 400, False),
+])
+def test_the_servers_own_refusal_on_an_anthropic_route_is_in_anthropics_shape(proxy: ProxyThread,
+                                                                              request_head: bytes, status: int,
+                                                                              anthropic: bool) -> None:
+    """A request to ``/v1/messages`` or ``/v1/messages/count_tokens`` refused by the HTTP server before any handler
+    (a malformed head, a head over ``max_request_head_bytes``, two Host fields), whatever its method, is answered in
+    Anthropic's envelope, as those routes answer their own errors (old code: only a POST to ``/v1/messages``;
+    count_tokens and the other methods got vLLM's OpenAI envelope).  Other routes keep vLLM's envelope."""
+    c = RawConn(proxy.port)
+    c.send(request_head)
+    assert c.wait_closed()
+    m = c.p.messages[0]
+    body = orjson.loads(m.body)
+    assert m.status == status and m.header("connection") == "close"
+    if anthropic:
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+    else:
+        assert body["error"]["code"] == status

@@ -132,6 +132,7 @@ class _BigAnswers:
 
     def __init__(self, size: int) -> None:
         self.completion_routes = {"/v1/completions": "completions"}
+        self.error_routes = self.completion_routes
         self.size = size
         self.calls = 0
         self.settings = Settings()
