@@ -18,7 +18,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, cast
 
@@ -28,6 +28,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.routing import Match
 
 from pdproxy import __version__
 from pdproxy.apis import streams as api_streams
@@ -474,14 +475,17 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
         return Response(orjson.dumps(await st.prefix.explain(req, ctx)), media_type="application/json")
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: Exception) -> Response:
+    async def _http_error(request: Request, exc: Exception) -> Response:
         """Starlette's own refusals (404 for an unknown path, 405 with ``Allow`` for a known path's other methods)
         in vLLM's JSON envelope, not FastAPI's ``{"detail": ...}``."""
         assert isinstance(exc, StarletteHTTPException)
         status = exc.status_code
         kind = "MethodNotAllowed" if status == 405 else None
+        headers = exc.headers
+        if status == 405:     # Starlette names the first route's methods only (GET of GET/POST/DELETE /admin/endpoints)
+            headers = {**(headers or {}), "allow": ", ".join(served_methods(app, request.scope))}
         return Response(orjson.dumps(error_body(status, str(exc.detail), error_type=kind)), status_code=status,
-                        media_type="application/json", headers=exc.headers)
+                        media_type="application/json", headers=headers)
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, __: Exception) -> Response:
@@ -491,6 +495,16 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
                         status_code=500, media_type="application/json", headers={"connection": "close"})
 
     return app
+
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def served_methods(app: FastAPI, scope: Mapping[str, Any]) -> list[str]:
+    """The methods of :data:`_METHODS` that one of ``app``'s routes serves at the path of the request ``scope``
+    (an ASGI HTTP scope): a 405's ``Allow`` (RFC 9110 §15.5.6), e.g. ``["GET", "POST", "DELETE"]``."""
+    return [m for m in _METHODS
+            if any(r.matches({**scope, "method": m})[0] is Match.FULL for r in app.router.routes)]
 
 
 def create_app(settings: Settings) -> PDProxyApp:

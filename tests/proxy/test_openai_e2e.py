@@ -274,3 +274,21 @@ def test_wrong_method_on_anthropics_count_tokens_is_405_in_anthropics_shape(prox
     r = httpx.get(proxy.url + "/tokenize")                # an OpenAI passthrough route keeps vLLM's envelope
     assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["code"] == 405
 
+
+def test_every_control_routes_405_allows_exactly_the_methods_it_serves(sims: Fleet) -> None:
+    """A wrong method's ``Allow`` lists every method the path is served with (RFC 9110 §15.5.6): ``/admin/endpoints``
+    serves GET, POST and DELETE (old code: ``Allow: GET, HEAD``, Starlette's first route for the path only)."""
+    p = ProxyThread(prefill=[s.url for s in sims.prefillers], decode=[s.url for s in sims.decoders],
+                    admin_key="admin-secret", debug_routes="open").start()
+    try:
+        paths = p.app.control.openapi()["paths"]        # every route the control plane serves, with its methods
+        served = {path: {m.upper() for m in ops} for path, ops in paths.items()}
+        assert served["/admin/endpoints"] == {"GET", "POST", "DELETE"}
+        for path, methods in served.items():
+            wrong = next(m for m in ("PATCH", "PUT", "DELETE", "POST") if m not in methods)
+            r = httpx.request(wrong, p.url + path, headers={"Authorization": "Bearer admin-secret"})
+            assert r.status_code == 405, (path, wrong, r.status_code)
+            assert set(r.headers["allow"].split(", ")) == methods, (path, r.headers["allow"])
+            assert r.json()["error"]["type"] == "MethodNotAllowed"
+    finally:
+        p.stop()
