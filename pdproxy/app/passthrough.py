@@ -17,7 +17,10 @@ engine (breaker fed, ``Retry-After`` honoured); an engine that does not serve th
 ``{"detail": "Not Found"}``, what vLLM answers for a pooling route on a generate model and the reverse — tries the
 next engine without counting against it, and when none serves it the client gets a 404 in the OpenAI envelope
 naming the route.  Any other status (4xx, 500) is the engine's answer, relayed as is; a 5xx among them counts
-against the engine's breaker (:func:`pdproxy.errors.classify_status`: engine unwell).  A half-open breaker's one
+against the engine's breaker (:func:`pdproxy.errors.classify_status`: engine unwell).  An engine that breaks after
+its first byte (a reset, a time-out mid-answer) is never retried; it counts against its breaker, and the client's
+body ends as a PD route's broken stream does: an SSE stream with vLLM's error event and ``data: [DONE]``, any other
+body cut before its end (tests/reliability/test_passthrough_cut.py).  A half-open breaker's one
 trial ends with every attempt: judged, or given back when the attempt says nothing of the engine (a 4xx, the
 client leaving) — tests/reliability/test_passthrough_trial.py.
 
@@ -73,7 +76,9 @@ from pdproxy.errors import (
     UpstreamHTTPError,
     UpstreamUnavailable,
     classify_status,
+    sse_error_event,
 )
+from pdproxy.http import sse
 from pdproxy.http.engine_headers import TRACE_HEADERS, EngineHeaders, forwardable
 from pdproxy.http.errors import httpx_error, httpx_errors
 from pdproxy.pd.decode import routing_headers
@@ -431,9 +436,11 @@ class Passthrough:
                     data = await _read_start(resp, ENGINE_TEXT_CHARS)
                 raise UpstreamHTTPError(resp.status_code, data, endpoint=endpoint.name,
                                         retry_after=resp.headers.get("retry-after"))
-            await self._relay_stream(resp, ctx, send)
+            broken = await self._relay_stream(resp, endpoint, ctx, send)
         finally:
             await resp.aclose()
+        if broken:                          # cut mid-answer: already told to the breaker (_relay_stream)
+            return "done"
         if resp.status_code < 500:
             self.health.record_success(endpoint)
         else:                               # a 5xx relayed as the answer (a 500, 501…): the engine is unwell
@@ -460,15 +467,22 @@ class Passthrough:
                     "headers": self._headers_out(headers, ctx) + [(b"content-length", str(len(data)).encode())]})
         await send({"type": "http.response.body", "body": data})
 
-    async def _relay_stream(self, resp: httpx.Response, ctx: RequestContext, send: Send) -> None:
-        """The engine's status, headers and body as they come (chunked); a failure after the first byte ends
-        the body where it broke (the status line is out: nothing else can be said).  Raises
-        :class:`UpstreamUnavailable` (502, another engine is tried) for a 2xx whose body ended empty: no client
-        gets a 200 with an empty body (vLLM's routes always answer a JSON or SSE body)."""
+    async def _relay_stream(self, resp: httpx.Response, endpoint: Endpoint, ctx: RequestContext,
+                            send: Send) -> bool:
+        """The engine's (``endpoint``'s) status, headers and body as they come (chunked).  Returns True when the
+        engine broke after the first byte: that failure (``httpx_error``'s, "…; the response is incomplete") is
+        told to its breaker (as a decoder lost mid-stream is, pdproxy/pd/decode.py), before the client's body
+        ends; the status line is out, so that body ends the way a PD route's broken stream does — an SSE body
+        cut between events gets vLLM's error event and ``data: [DONE]`` (:func:`pdproxy.errors.sse_error_event`),
+        any other body (JSON, an SSE event half sent) is cut: the response is left unfinished, which pdproxy's
+        server ends by closing the connection before the body's end (no last chunk), so no client reads it as
+        whole.  Raises :class:`UpstreamUnavailable` (502, another engine is tried) for a 2xx whose body ended
+        empty: no client gets a 200 with an empty body (vLLM's routes always answer a JSON or SSE body)."""
         ctx.status = resp.status_code
         if resp.status_code >= 400:
             ctx.outcome = "upstream_rejected" if resp.status_code < 500 else "upstream_error"
         started = False
+        tail = b""                                          # the body's last bytes relayed (an event boundary?)
         try:
             async for chunk in resp.aiter_raw():
                 if not started:
@@ -478,12 +492,21 @@ class Passthrough:
                     started = True
                 if chunk:
                     ctx.events += 1
+                    tail = (tail + chunk)[-4:]
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as exc:
             if not started:
                 raise httpx_error(exc, f"engine {self._who(ctx)}", self._who(ctx), " before its answer") from None
+            failure = httpx_error(exc, f"engine {self._who(ctx)}", self._who(ctx), " mid-answer")
+            failure.note("; the response is incomplete")
             ctx.outcome = "upstream_error"
-            ctx.error = f"engine {self._who(ctx)} failed mid-answer: {exc.__class__.__name__}"
+            ctx.error = failure.message
+            ctx.timeline.last_token_at = time.monotonic()
+            self.health.record_error(endpoint, failure)
+            sse_body = "text/event-stream" in resp.headers.get("content-type", "").lower()
+            if sse_body and (tail.endswith(b"\n\n") or tail.endswith(b"\r\n\r\n")):
+                await send({"type": "http.response.body", "body": sse_error_event(failure) + sse.DONE_EVENT})
+            return True                                     # else unfinished: the server cuts the body
         if not started:
             if 200 <= resp.status_code < 300:   # an engine's success with nothing in it (it ended its stream at
                 # once: a crash after the status line): never relayed as an empty 200, another engine is tried
@@ -494,6 +517,7 @@ class Passthrough:
                         "headers": self._headers_out(resp.headers, ctx)})
         ctx.timeline.last_token_at = time.monotonic()
         await send({"type": "http.response.body", "body": b""})
+        return False
 
 
 class TrackedSend:
