@@ -34,7 +34,7 @@ Tree::
     ├── Overloaded (429)             proxy-side queue full; carries Retry-After
     ├── QueueTimeout (503)           waited in the prefill queue past its deadline; carries Retry-After
     ├── NoEndpointAvailable (503)    no healthy prefiller/decoder; carries Retry-After
-    ├── EnginesFailed (503)          the prefillers tried failed it (refused, reset, timed out): Retry-After
+    ├── EnginesFailed (503)          the prefillers or decoders tried failed it (refused, reset, …): Retry-After
     ├── ShuttingDown (503)
     ├── UpstreamUnavailable (502)    connection reset, protocol broken, an unusable answer
     │   └── UpstreamRefused (502)    the connection could not be opened: the engine never saw the request

@@ -27,7 +27,15 @@ from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.health import HealthMonitor
 from pdproxy.engines.limits import Limits
 from pdproxy.engines.pool import EndpointPool
-from pdproxy.errors import DecodeFailed, ProxyError, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable, classify
+from pdproxy.errors import (
+    DecodeFailed,
+    EnginesFailed,
+    ProxyError,
+    UpstreamHTTPError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+    classify,
+)
 from pdproxy.http.client import H1Response, TransportError
 from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.errors import transport_error
@@ -115,6 +123,17 @@ class DecodeLeg:
             asked = 16 if req.api is Api.COMPLETIONS else (
                 None if limits.max_model_len is None else limits.max_model_len - prompt)
         return None if asked is not None and asked <= room else room
+
+    def gave_up(self, last: ProxyError) -> ProxyError:
+        """What the client gets when ``decode_attempts`` ran out (or no decoder is left to try) after ``last``, the
+        last decoder failure before its first event: a decoder's own error answer (a 502/503/504, a 500) as it sent
+        it; a transport failure (refused, reset, timed out, a stream ended before its first event) becomes
+        :class:`~pdproxy.errors.EnginesFailed`, 503 with ``Retry-After`` until a decoder's breaker re-admits it —
+        what the next request gets when none is available, and what the prefill side answers
+        (:meth:`pdproxy.pd.prefill.PrefillLeg.gave_up`)."""
+        if isinstance(last, UpstreamHTTPError):
+            return last
+        return EnginesFailed("decode", last, self.health.retry_after_s(self.pool.endpoints(Role.DECODE)))
 
     async def run(self, req: ProxyRequest, ctx: RequestContext, pick: PickRequest, prefill: PrefillResult,
                   out: Responder, exclude: list[Endpoint], transcript: recompute.Transcript | None,

@@ -12,7 +12,9 @@ Failure policy, decided here and in the two leg modules and nowhere else:
   request's fault and passes through at once.  ``Retry-After`` holds that prefiller's breaker open.
 - **decode, before the decoder's first event reached the client**: another decoder (``decode_attempts``).  When
   the connection was refused the decoder never saw the request and the KV handle is reused; otherwise the KV may
-  have been pulled or freed, so the prefill runs again for the new pair and the old handle is released.
+  have been pulled or freed, so the prefill runs again for the new pair and the old handle is released.  When the
+  attempts run out or no decoder is left, the client gets the last decoder's own error answer, or — after a
+  refusal, reset or timeout — 503 with ``Retry-After``, as on the prefill side.
 - **after the first event**: never replayed; with ``stream_continuation`` an eligible chat / completions stream
   continues token-exact on a new P→D pair (:mod:`pdproxy.pd.continuation`), otherwise the relay sends an SSE
   error event + ``[DONE]``; vLLM-Ascend's ``stop_reason "recomputed"`` is continued on a new P→D pair
@@ -310,6 +312,9 @@ class Director:
         """Prefill, then decode; a decoder failing before its first event is replaced (re-prefilling unless the
         KV handle is known intact) — by one that has not failed this request while there is one, else by one that
         has (``decode_attempts`` in all).  Returns True when the decoder ended with ``stop_reason "recomputed"``.
+        When the attempts run out or no decoder is left, before the response started, the client gets
+        :meth:`DecodeLeg.gave_up <pdproxy.pd.decode.DecodeLeg.gave_up>`: the last decoder's own error answer, or
+        503 + ``Retry-After`` after a refusal, reset or timeout.
         A continuation leg (``resume``) avoids the decoder just lost when ``avoid_lost``.
         Raises the scheduler's refusal at once when no decoder could take the request (no prefill is spent)."""
         attempts = self.settings.decode_attempts
@@ -318,6 +323,7 @@ class Director:
         lost: list[Endpoint] = resume.lost[-1:] if resume is not None and avoid_lost else []  # the one just lost
         failed = list(lost)
         prefill: PrefillResult | None = None
+        last: ProxyError | None = None                 # the last decoder failure, for the client (decode.gave_up)
         self.scheduler.require(Role.DECODE, pick)
         async with AsyncExitStack() as stack:
             try:
@@ -337,10 +343,15 @@ class Director:
                         exclude = lost
                     try:
                         return await self.decode.run(req, ctx, pick, prefill, out, exclude, transcript, resume)
+                    except NoEndpointAvailable:
+                        if last is None or out.started:  # a continuation leg waits such a moment out
+                            raise
+                        raise self.decode.gave_up(last) from None   # the decoders tried failed: none is left
                     except DecodeFailed as f:
                         failed.append(f.endpoint)
+                        last = f.error
                         if attempt + 1 >= attempts:
-                            raise f.error from None
+                            raise (f.error if out.started else self.decode.gave_up(f.error)) from None
                         ctx.retried("decode", f.error.outcome, failover=not f.kv_intact)
                         if not f.kv_intact:
                             self.release_kv(req, ctx, prefill)

@@ -3,7 +3,8 @@
 - a fixed sentence per failure kind in the API's own error shape, never a Python exception's text or an engine's
   address (those go to the log and the request's log line, ``ctx.error``);
 - a decoder stream ending with ``data:[DONE]`` (no space) is ended, and the client's ends with ``data: [DONE]``;
-- 503 with ``Retry-After`` when the prefillers tried all failed and none is left (as when none is available);
+- 503 with ``Retry-After`` when the prefillers, or the decoders, tried all failed and none is left (as when none
+  is available);
 - a Responses error event whose ``code`` is a string (the HTTP status, as the other routes' ``error.code``);
 - 401 for a missing or wrong admin or metrics key (as for a client key), 403 only where no key opens the route."""
 
@@ -20,7 +21,7 @@ from pdproxy.apis.request import Api
 from pdproxy.app.application import build_control_app
 from pdproxy.http.client import Disconnected, ProtocolError, ReadTimeout
 from tests.middle.fake_upstream import MODEL, Outcome, Refuse, Reset, Status, Stream, TimeOut, chat_chunks
-from tests.middle.rig import PREFILLERS, Rig
+from tests.middle.rig import DECODERS, PREFILLERS, Rig
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(20)]
 
@@ -68,13 +69,14 @@ async def test_a_stream_broken_mid_way_tells_the_client_a_fixed_sentence_and_the
     assert detail is not None and SECRET in detail and "http://d" in detail, detail
 
 
-async def test_a_decoder_broken_before_its_first_event_is_a_502_with_a_fixed_sentence() -> None:
+async def test_decoders_broken_before_their_first_event_are_a_503_with_a_fixed_sentence() -> None:
     async with Rig() as rig:
         rig.fake.script("r", decode=[Stream(events=0, end=Disconnected(f"engine closed: {SECRET}"))] * 3)
         client = await rig.run("r")
-    assert client.status == 502
-    assert client.json() == {"error": {"message": "the connection to the decoder broke before its first event",
-                                       "type": "BadGatewayError", "param": None, "code": 502}}
+    assert client.status == 503 and client.header_of(b"retry-after") is not None
+    assert client.json() == {"error": {"message": "no decoder could serve the request; retry later: the connection "
+                                                  "to the decoder broke before its first event",
+                                       "type": "ServiceUnavailableError", "param": None, "code": 503}}
 
 
 async def test_a_reset_prefill_leg_reads_as_a_sentence_without_the_exception() -> None:
@@ -110,12 +112,13 @@ async def test_a_stream_ending_with_data_done_without_a_space_is_ended_and_the_c
     assert decode.response is not None and decode.response.ended == "released"
 
 
-async def test_a_stream_of_data_done_without_a_space_and_nothing_before_it_is_a_502() -> None:
-    """As with ``data: [DONE]``: a decoder that ends before its first token never ran the request."""
+async def test_a_stream_of_data_done_without_a_space_and_nothing_before_it_is_a_failed_decoder() -> None:
+    """As with ``data: [DONE]``: a decoder that ends before its first token never ran the request (every decoder
+    doing so: 503 + ``Retry-After``, as any decoder failure once none is left)."""
     async with Rig() as rig:
         rig.fake.script("r", decode=[Stream(events=[b"data:[DONE]\n\n"], end="eof")] * 3)
         client = await rig.run("r")
-    assert client.status == 502 and "ended the stream before its first event" in client.json()["error"]["message"]
+    assert client.status == 503 and "ended the stream before its first event" in client.json()["error"]["message"]
 
 
 # ------------------------------------------------------------------------------------------- no prefiller left
@@ -152,6 +155,56 @@ async def test_when_the_last_prefiller_answers_its_own_503_the_client_gets_that_
         rig.fake.script("r", prefill=[Status(503, b'{"error": "busy"}', retry_after="7")])
         client = await rig.run("r")
     assert client.status == 503 and client.text == b'{"error": "busy"}' and client.header_of(b"retry-after") == b"7"
+
+
+# -------------------------------------------------------------------------------------------- no decoder left
+DECODE_FAILURES: dict[str, tuple[Callable[[], Outcome], str]] = {
+    "refused": (Refuse, "the decoder refused the connection"),
+    "reset": (Reset, "the connection to the decoder broke"),
+    "reset before its first event": (lambda: Stream(events=0, end=Disconnected(f"engine closed: {SECRET}")),
+                                     "the connection to the decoder broke before its first event"),
+    "timeout": (TimeOut, "decoder sent no response headers within"),
+}
+
+
+@pytest.mark.parametrize("failure", list(DECODE_FAILURES))
+@pytest.mark.parametrize("decoders", [1, 3])
+async def test_when_no_decoder_is_left_the_client_gets_503_with_retry_after(failure: str, decoders: int) -> None:
+    """The decode side's twin of the prefill test above: a lone decoder that resets (or refuses, or times out)
+    before its first event on every attempt, or every decoder failing the request, gets the client 503 +
+    ``Retry-After`` ("no decoder could serve the request; retry later: <the last failure's sentence>"), as
+    "no decoder available" answers the next request — not a 502 without ``Retry-After``; counted as the engines'
+    failure (``upstream_error``), each attempt told to the decoder's breaker."""
+    make, sentence = DECODE_FAILURES[failure]
+    outcomes: list[str | None] = []
+    # breaker_failures 4: the three attempts leave a lone decoder's breaker closed (but for a refusal, which opens it
+    # at once), so the last re-prefill's KV release finds it (a release leg waits for a decoder it may use)
+    async with Rig(decode=DECODERS[:decoders], breaker_failures=4) as rig:
+        rig.app.request_log.emit = lambda ctx, *_: outcomes.append(ctx.outcome)  # type: ignore[method-assign]
+        rig.fake.script("first", decode=[make() for _ in range(3)])
+        first = await rig.run("first")
+        failures = sum(rig.state.health.breaker(rig.endpoint(url)).consecutive_failures for url in DECODERS[:decoders])
+    tried = 1 if failure == "refused" and decoders == 1 else 3   # a refusal opens the lone decoder's breaker at once
+    assert len(rig.fake.of("decode", "first")) == tried
+    if failure != "refused":      # (a refused decoder's count is cleared by the probe that finds it listening)
+        assert failures == tried
+    assert first.status == 503, first.text
+    retry_after = first.header_of(b"retry-after")
+    assert retry_after is not None and int(retry_after) >= 1
+    error = first.json()["error"]
+    assert error["type"] == "ServiceUnavailableError" and error["code"] == 503 and error["param"] is None
+    assert error["message"].startswith("no decoder could serve the request; retry later: "), error
+    assert sentence in error["message"], error
+    assert_no_internals(error["message"])
+    assert outcomes == ["upstream_error"]
+
+
+async def test_when_the_last_decoder_answers_its_own_502_the_client_gets_that_answer() -> None:
+    async with Rig(decode=DECODERS[:1]) as rig:
+        rig.fake.script("r", decode=[Status(502, b'{"error": "bad gateway"}')] * 3)
+        client = await rig.run("r")
+    assert len(rig.fake.of("decode", "r")) == 3
+    assert client.status == 502 and client.text == b'{"error": "bad gateway"}'
 
 
 # ---------------------------------------------------------------------------------- Responses: the error event

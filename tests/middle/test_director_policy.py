@@ -258,7 +258,7 @@ async def test_a_decoder_4xx_reaches_the_client_and_is_not_retried(first: str) -
     assert not rig.fake.of("release")                                   # the decoder freed the KV it rejected
 
 
-async def test_when_every_decode_attempt_fails_each_handle_is_released_and_the_client_gets_a_502() -> None:
+async def test_when_every_decode_attempt_fails_each_handle_is_released_and_the_client_gets_a_503() -> None:
     async with Rig() as rig:
         rig.fake.script("r", decode=[Reset(), Reset(), Reset()])
         client = await rig.run("r")
@@ -267,7 +267,8 @@ async def test_when_every_decode_attempt_fails_each_handle_is_released_and_the_c
     assert [d.handle_in for d in rig.fake.of("decode", "r")] == handles
     assert len({d.endpoint for d in rig.fake.of("decode", "r")}) == 3
     assert sorted(r.handle_in or 0 for r in rig.fake.of("release", "r")) == handles
-    assert client.status == 502 and client.json()["error"]["code"] == 502
+    assert client.status == 503 and client.json()["error"]["code"] == 503      # no decoder left: retry later
+    assert client.header_of(b"retry-after") is not None
 
 
 async def test_when_every_decoder_refuses_the_one_handle_is_released_once() -> None:
@@ -279,7 +280,7 @@ async def test_when_every_decoder_refuses_the_one_handle_is_released_once() -> N
     assert [d.handle_in for d in decodes] == [handle] * 3 and len({d.endpoint for d in decodes}) == 3
     (release,) = rig.fake.of("release", "r")
     assert release.handle_in == handle                                  # once a probe let a decoder back in
-    assert client.status == 502 and "refused" in client.json()["error"]["message"]
+    assert client.status == 503 and "refused" in client.json()["error"]["message"]
 
 
 async def test_every_engine_leg_carries_the_one_request_id_and_the_engine_key_not_the_clients() -> None:
@@ -323,28 +324,31 @@ BROKEN_ANSWERS = {"empty": Answer(raw=b""), "text": Answer(raw=b"hello"), "sse":
 @pytest.mark.parametrize("broken", list(BROKEN_ANSWERS))
 async def test_a_decoder_answer_that_is_not_a_json_object_is_never_a_200(broken: str) -> None:
     """A non-streamed answer must be 200 with a JSON object holding ``choices`` (vLLM's): an empty body, text, an
-    SSE stream, a 204, ``[]``, ``{}`` or an object without ``choices`` is the decoder's fault — a 502 in the API's error shape, the decoder's breaker told; never relayed as a 200
-    (seed 000's symptom); with another decoder the request is retried there (the KV re-prefilled)."""
+    SSE stream, a 204, ``[]``, ``{}`` or an object without ``choices`` is the decoder's fault — the decoder's breaker
+    told, never relayed as a 200 (seed 000's symptom); with another decoder the request is retried there (the KV
+    re-prefilled); when every attempt failed so, 503 + ``Retry-After`` in the API's error shape, naming the fault
+    (pdproxy.pd.decode.DecodeLeg.gave_up)."""
     async with Rig() as rig:
         rig.fake.script("alone", decode=[BROKEN_ANSWERS[broken]] * 3)
         rig.fake.script("retried", decode=[BROKEN_ANSWERS[broken], Answer(body=completion("the answer"))])
         alone = await rig.run("alone", stream=False)
         retried = await rig.run("retried", stream=False)
     error = alone.json()["error"]
-    assert alone.status == 502 and error["code"] == 502 and "answered" in error["message"], error
+    assert alone.status == 503 and error["code"] == 503 and "answered" in error["message"], error
     assert retried.status == 200 and retried.json()["choices"][0]["message"]["content"] == "the answer"
     first = rig.fake.of("decode", "retried")[0]
     assert rig.state.health.breaker(first.endpoint).consecutive_failures >= 1
 
 
 @pytest.mark.parametrize("before", [[], [b": ping\n\n"], [b"data: \n\n"], [b": ping\n\n", b"data:\n\n"]])
-async def test_a_stream_that_ends_before_any_content_is_a_502_not_an_empty_200(before: list[bytes]) -> None:
+async def test_a_stream_that_ends_before_any_content_is_a_failure_not_an_empty_200(before: list[bytes]) -> None:
     """vLLM sends a chunk before [DONE]: a decoder whose stream ends with nothing before it but keep-alive comments
-    or empty data events never ran the request — a 502 (the prefiller's KV released), not a 200 with no content."""
+    or empty data events never ran the request — a failed attempt (the prefiller's KV released; every attempt so:
+    503 + ``Retry-After``), not a 200 with no content."""
     async with Rig() as rig:
         rig.fake.script("r", decode=[Stream(events=before)] * 3)
         client = await rig.run("r")
-    assert client.status == 502 and "ended the stream before its first event" in client.json()["error"]["message"]
+    assert client.status == 503 and "ended the stream before its first event" in client.json()["error"]["message"]
     assert len(rig.fake.of("release", "r")) == 3                       # each attempt's KV freed on its prefiller
 
 
