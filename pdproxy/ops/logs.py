@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 
 from pdproxy import __version__
-from pdproxy.endpoints import Role
+from pdproxy.endpoints import Role, engine_identity
 from pdproxy.ops.linesink import LineSink
 from pdproxy.settings import Settings, is_loopback_host
 
@@ -264,10 +264,28 @@ def engine_key_warning(settings: Settings) -> str | None:
             "for a key: `vllm serve --api-key` checks clients, and here that is api_keys (--api-keys), which is empty")
 
 
+def both_roles_warnings(settings: Settings) -> list[str]:
+    """One warning per engine URL configured as both a prefiller and a decoder (``--prefill URL --decode URL``;
+    compared as :func:`pdproxy.endpoints.engine_identity` does, every DP rank of it at once), naming the URL: a
+    request it prefills and then decodes holds its prompt's KV twice on it during the handoff — pinned by the
+    prefill leg until the decode leg has pulled it, and allocated again by the decode leg — which admission does
+    not count (it bounds a prompt by one engine's pool, pdproxy/engines/limits.py), so a prompt that fits the KV
+    pool once but not twice waits inside the engine forever (README.md "A real deployment")."""
+    roles: dict[str, set[Role]] = {}
+    for e in settings.all_endpoints():
+        roles.setdefault(engine_identity(e.url), set()).add(e.role)
+    return [f"engine {url} is both a prefiller and a decoder: when it decodes a request it prefilled, the prompt's "
+            "KV is held twice on it during the handoff (pinned by the prefill, allocated again by the decode), "
+            "which admission does not count — a prompt that fits its KV pool once but not twice waits inside the "
+            "engine forever (a non-streamed request until decode_nonstream_timeout_s); give each engine one role"
+            for url, both in roles.items() if len(both) > 1]
+
+
 def log_banner(settings: Settings, urls: Sequence[str], *, workers: int = 1) -> None:
     """The start-up line: version, where it listens, the engines it was given, TLS and workers (INFO); then the
-    :func:`exposure_warning` (WARNING, ``event: exposed``) and the :func:`engine_key_warning` (WARNING, ``event:
-    clients_unauthenticated``) when there are."""
+    :func:`exposure_warning` (WARNING, ``event: exposed``), the :func:`engine_key_warning` (WARNING, ``event:
+    clients_unauthenticated``) and the :func:`both_roles_warnings` (WARNING, ``event: engine_in_both_roles``)
+    when there are."""
     endpoints = settings.all_endpoints()
     n_p = sum(e.role is Role.PREFILL for e in endpoints)
     n_d = sum(e.role is Role.DECODE for e in endpoints)
@@ -286,3 +304,5 @@ def log_banner(settings: Settings, urls: Sequence[str], *, workers: int = 1) -> 
     warning = engine_key_warning(settings)
     if warning is not None:
         logging.getLogger("pdproxy").warning(warning, extra={"event": "clients_unauthenticated"})
+    for warning in both_roles_warnings(settings):
+        logging.getLogger("pdproxy").warning(warning, extra={"event": "engine_in_both_roles"})

@@ -5,6 +5,7 @@ JSON object, request lines included as they are) and in the text format."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from pdproxy import __version__
 from pdproxy.endpoints import Role
 from pdproxy.engines.limits import EngineLimits
+from pdproxy.settings import load_settings
 from tests.conftest import Fleet
 from tests.ops.serveproc import ServeProcess
 from tests.support import SimProcess, free_port, wait_until
@@ -215,3 +217,32 @@ def test_the_printed_bounds_are_the_ones_admission_takes_the_smaller_of(role: Ro
     limits = EngineLimits(max_model_len=mml, kv_pool_tokens=pool)
     bounds = [b for b in limits.prompt_bounds(role) if b is not None]
     assert (min(bounds) if bounds else None) == limits.allowed_prompt(role, None)
+
+
+@pytest.mark.parametrize(("prefill", "decode", "named"), [
+    (["http://h:8100"], ["http://h:8100"], ["http://h:8100"]),
+    (["http://h:8100", "http://p:8100"], ["http://h.:8100/", "http://d:8100"], ["http://h:8100"]),  # one engine
+    (["http://p:8100"], ["http://d:8100", "http://p:8101"], []),
+])
+def test_an_engine_in_both_roles_is_warned_of_at_start(prefill: list[str], decode: list[str],
+                                                       named: list[str]) -> None:
+    """``--prefill URL --decode URL`` with one URL in both: the prompt's KV is held twice on that engine during the
+    handoff, which admission does not count — the start-up banner says so once per such URL, naming it and the
+    consequence (old code: nothing; a prompt fitting the pool once but not twice hung inside the engine)."""
+    from pdproxy.ops.logs import log_banner
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("pdproxy")
+    logger.addHandler(handler)
+    try:
+        log_banner(load_settings(prefill=prefill, decode=decode), ["http://127.0.0.1:15000"])
+    finally:
+        logger.removeHandler(handler)
+    warned = [r for r in records if getattr(r, "event", None) == "engine_in_both_roles"]
+    assert len(warned) == len(named)
+    for record, url in zip(warned, named, strict=True):
+        text = record.getMessage()
+        assert record.levelno == logging.WARNING and f"engine {url} is both a prefiller and a decoder" in text
+        assert "held twice" in text and "waits inside the engine forever" in text, text
