@@ -174,6 +174,7 @@ class DecodeLeg:
         ctx.timeline.decode_start_at = time.monotonic()
         first_byte_s = s.decode_first_byte_timeout_s if req.stream else s.decode_nonstream_timeout_s
         routing = routing_headers(ctx) if s.expose_routing_headers else []
+        broken: ProxyError | None = None     # a failure after the first event, told to the error event's client
         with self.pool.lease(endpoint, tokens), self.tracing.decode(ctx, endpoint):  # the span: the leg's traceparent
             if prefill.slot is not None:
                 prefill.slot.decode_started()
@@ -195,6 +196,7 @@ class DecodeLeg:
                             not_continued=req if resume is None and s.stream_continuation else None)
                         if resume is None:
                             recomputed = await relay.run()
+                            broken = relay.failure
                             if s.stream_continuation and ctx.outcome == "upstream_error" and (
                                     ineligible_reason(req) is not None):     # cut, and of a shape not continued
                                 self.live.observer.refused(Refusal.INELIGIBLE, ctx.api_label)
@@ -222,7 +224,10 @@ class DecodeLeg:
             except BaseException:                  # cancelled (client left, deadline): no verdict on the engine
                 self.health.record_neutral(endpoint)   # a half-open trial's slot must not stay taken
                 raise
-        self.health.record_success(endpoint)
+        if broken is not None:                     # cut mid-stream (the client got the error event): its fault
+            self.health.record_error(endpoint, broken)
+        else:
+            self.health.record_success(endpoint)
         return recomputed
 
 

@@ -408,6 +408,10 @@ class StreamRelay:
         self.on_recomputed = on_recomputed
         self.done_event = done_event
         self.recomputed = False
+        self.failure: ProxyError | None = None
+        """The decoder's failure after the first event when the stream ended with the error event (reset, timed out,
+        ended without its end event); None otherwise, and for a planned move (a drain).  The decode leg tells the
+        decoder's breaker (pdproxy/pd/decode.py), as a continuable stream's loss is told."""
 
     def transforms(self) -> Transform:
         """The transform for this stream (see module docstring), chosen once when it starts."""
@@ -540,6 +544,7 @@ class StreamRelay:
                 if why is not None:           # its shape, not a failed continuation (those are the director's)
                     failure.note(f" (not continued: {why})")
                 ctx.outcome = "upstream_error"
+                self.failure = None if isinstance(exc, _Moved) else failure
                 out.error_nowait(failure)
                 return False
         finally:                                # also when cancelled (shutdown, a deadline): what the client got

@@ -58,6 +58,9 @@ async def test_a_stream_broken_mid_way_tells_the_client_a_fixed_sentence_and_the
         rig.fake.script("r", decode=[Stream(events=2, end=end)])
         sent = rig.send("r")
         client = await sent.done()
+        (decode,) = rig.fake.of("decode", "r")
+        # the decoder failed the request: told to its breaker (old code: a success, without stream_continuation)
+        assert rig.state.health.breaker(decode.endpoint).consecutive_failures == 1
     events = streamed(client.events())
     assert client.status == 200 and client.finished and events[-1] == b"[DONE]" and events[:2] == TOKENS[:2]
     error = events[2]

@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 import pytest
 
+from pdproxy.endpoints import Role
 from tests.reliability.harness import CHAT, Fleet4, Result, run
 from tests.support import SimProcess
 
@@ -107,10 +108,14 @@ def test_fault_cell(fleet4: Fleet4, cell: str, where: str, fault: dict[str, Any]
             assert all(complete_stream(r) for r in results if r.status == 200)
             assert len(bad) == received(faulty)
         elif cell in ("decoder-resets-mid-stream", "decoder-closes-without-done"):
-            # after the first byte: never replayed; error event + [DONE]
-            assert statuses == {200: N}
-            assert all(cut_stream(r) for r in results), results[0].body
-            assert received(fleet4.decoders) == N
+            # after the first byte: never replayed; error event + [DONE]; each cut counts against its decoder, whose
+            # breaker opens: a request that then finds none open is 503 + Retry-After before any leg
+            assert set(statuses) <= {200, 503}, statuses
+            assert all(cut_stream(r) for r in results if r.status == 200), results[0].body
+            assert all(r.headers.get("retry-after") for r in results if r.status == 503)
+            assert received(fleet4.decoders) == statuses[200]
+            assert sum(proxy.state.health.snapshot(e).opened_total
+                       for e in proxy.state.pool.endpoints(Role.DECODE)) >= 1
         else:
             # failover or continuation: every client gets the complete answer
             assert statuses == {200: N}, [r.body[:200] for r in results if r.status != 200]
