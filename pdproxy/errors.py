@@ -188,7 +188,7 @@ class BadRequest(ProxyError):
 
     status_code = 400
     outcome = "bad_request"
-    redacts = False      # every 400 of pdproxy's is about the request's own fields (ProxyError.redacts)
+    redacts = False      # pdproxy's 400s are about the request's own fields (ProxyError.redacts; not PromptTooLong)
 
 
 class PromptTooLong(BadRequest):
@@ -200,6 +200,7 @@ class PromptTooLong(BadRequest):
     """
 
     outcome = "rejected_too_long"
+    redacts = True       # the message names the engine whose limit it is (Limits.violation): filtered
 
     def __init__(self, message: str, *, limit_kind: str, prompt_tokens: int, limit: int,
                  param: str = "input_tokens") -> None:

@@ -231,8 +231,10 @@ def generate_output_room(obj: dict[str, Any], prompt: int, limits: EngineLimits)
     choices = n if type(n) is int and n > 1 else 1
     room = max(1, (pool - prompt) // choices)
     asked = params.get("max_tokens", SAMPLING_DEFAULT_MAX_TOKENS)
-    if type(asked) is not int:              # null: no limit but max_model_len's room (vLLM's SamplingParams)
+    if asked is None:                       # null: no limit but max_model_len's room (vLLM's SamplingParams)
         asked = None if limits.max_model_len is None else limits.max_model_len - prompt
+    elif type(asked) is not int:            # 50.0, true, "8": the engine judges (and refuses) the value itself
+        return None
     return room if asked is None or asked > room else None
 
 
@@ -351,7 +353,7 @@ class Passthrough:
             raise
         if prompt is not None and self.limits is not None:
             self._admit_generate(prompt, model)
-        request = PickRequest(request_id=ctx.request_id, model=model, prompt_tokens=prompt)
+        request = PickRequest(request_id=ctx.request_id, model=model, prompt_tokens=prompt, whole=prompt is not None)
         tried: list[Endpoint] = []
         last: ProxyError | None = None
         not_served = 0
@@ -396,7 +398,7 @@ class Passthrough:
         for role in (Role.DECODE, Role.PREFILL):
             if not any(model is None or self.served.serves(e, model) for e in self.pool.endpoints(role)):
                 continue                                  # no engine of this role serves it: no say
-            found = self.limits.violation(prompt, None, roles=(role,), model=model)
+            found = self.limits.violation(prompt, None, roles=(role,), model=model, rule=Role.DECODE)
             if found is None:
                 return
             refusal = refusal or found
@@ -441,10 +443,13 @@ class Passthrough:
             await resp.aclose()
         if broken:                          # cut mid-answer: already told to the breaker (_relay_stream)
             return "done"
-        if resp.status_code < 500:
+        if resp.status_code < 400:
             self.health.record_success(endpoint)
-        else:                               # a 5xx relayed as the answer (a 500, 501…): the engine is unwell
-            self.health.record_failure(endpoint)   # (pdproxy.errors.classify_status), and its trial has ended
+        elif resp.status_code < 500:        # the request's own fault: no verdict on the engine, its trial given back
+            self.health.record_neutral(endpoint)
+        else:                               # a 5xx relayed as the answer: judged as the PD legs judge one
+            self.health.record_error(endpoint, UpstreamHTTPError(   # (pdproxy.errors.classify: Retry-After kept)
+                resp.status_code, b"", endpoint=endpoint.name, retry_after=resp.headers.get("retry-after")))
         return "done"
 
     def _headers_out(self, headers: httpx.Headers, ctx: RequestContext) -> list[tuple[bytes, bytes]]:
@@ -492,7 +497,7 @@ class Passthrough:
                     started = True
                 if chunk:
                     ctx.events += 1
-                    tail = (tail + chunk)[-4:]
+                    tail = chunk[-4:] if len(chunk) >= 4 else (tail + chunk)[-4:]
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as exc:
             if not started:

@@ -222,17 +222,18 @@ class Limits:
                             kv_pool_tokens=info.kv_pool_tokens, num_gpu_blocks=info.num_gpu_blocks,
                             block_size=info.block_size)
 
-    def _best(self, role: Role, max_output: int | None, model: str | None = None
+    def _best(self, role: Role, max_output: int | None, model: str | None = None, rule: Role | None = None
               ) -> tuple[int | None, Endpoint | None]:
-        """The most permissive endpoint of ``role`` serving ``model`` (configured, healthy or not): (allowed
-        prompt, endpoint)."""
+        """The most permissive endpoint of ``role`` serving ``model`` (configured, healthy or not), judged by the
+        limits of ``rule`` (default: ``role``'s): (allowed prompt, endpoint)."""
+        rule = rule or role
         best: int | None = None
         best_ep: Endpoint | None = None
         serves = self.served.serves
         for e, lim in self._snapshot()[role]:
             if model and not serves(e, model):
                 continue
-            allowed = lim.allowed_prompt(role, max_output, self.clamp)
+            allowed = lim.allowed_prompt(rule, max_output, self.clamp)
             if allowed is None:
                 return None, e
             if best is None or allowed > best:
@@ -270,14 +271,16 @@ class Limits:
         return found
 
     def violation(self, prompt_tokens: int, max_output: int | None,
-                  roles: tuple[Role, ...] = (Role.PREFILL, Role.DECODE), model: str | None = None
-                  ) -> Violation | None:
+                  roles: tuple[Role, ...] = (Role.PREFILL, Role.DECODE), model: str | None = None,
+                  rule: Role | None = None) -> Violation | None:
         """The rule a prompt breaks on the most permissive endpoint serving ``model`` of the first role (prefill,
-        then decode) where no endpoint accepts it; None when every role has an endpoint that does."""
+        then decode) where no endpoint accepts it; None when every role has an endpoint that does.  ``rule``: judge
+        every role's endpoints by that role's limits (``Role.DECODE`` for a request run whole on one engine, prompt
+        and output: ``PickRequest.whole``); default: each role's own."""
         for role in roles:
-            best, endpoint = self._best(role, max_output, model)
+            best, endpoint = self._best(role, max_output, model, rule)
             if best is not None and endpoint is not None and prompt_tokens > best:
-                found = self.of(endpoint).violation(role, endpoint, prompt_tokens, max_output, self.clamp)
+                found = self.of(endpoint).violation(rule or role, endpoint, prompt_tokens, max_output, self.clamp)
                 if found is not None:
                     return found
         return None

@@ -141,9 +141,9 @@ CHUNK_LINE_BYTES: Final = 16
 chunked body carries besides its data — size lines, chunk extensions (``1;name=value``, which the parser skips
 without buffering and pdproxy ignores), line ends, the trailer section — may total at most the head limit
 (``max_request_head_bytes`` + :data:`HEAD_SLACK_BYTES`, the trailer section's own bound) + this many bytes a chunk
-+ twice the data's bytes (Go's ``net/http/internal/chunked.go``: 16 KiB + 16 a chunk + twice the data), else 400:
-before, a chunk extension that never ended was read for as long as its bytes kept coming — gigabytes at the
-parser's speed on the event loop, the connection held, the body never refused by ``max_body_bytes``."""
++ twice the data's bytes, else 400: a chunk extension that never ends would otherwise be read for as long as its
+bytes keep coming — gigabytes at the parser's speed on the event loop, the connection held, the body never
+refused by ``max_body_bytes`` (``tests/security/test_server_limits.py``)."""
 CONTROL_BODY_HIGH_WATER: Final = 65536
 """Bytes of a control-plane request's body held for its ASGI app before the connection stops reading (resumed when
 the app's ``receive()`` takes them): uvicorn's ``HIGH_WATER_LIMIT``.  A handler that never reads its body (``GET

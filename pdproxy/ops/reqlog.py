@@ -129,7 +129,7 @@ class RequestLog:
         """A request that ended after the log was closed (a forced shutdown: the streams a second Ctrl-C cut end
         once the lifespan is over): its line still goes to the file, not to stderr."""
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
             try:
                 os.write(fd, data)
             finally:

@@ -153,7 +153,8 @@ class ServesModel(_Rule):
 class FitsLimits(_Rule):
     """Endpoints of ``role`` whose ``max_model_len`` and KV pool admit the prompt
     (:meth:`~pdproxy.engines.limits.EngineLimits.allowed_prompt`; ``request.limit_tokens`` tokens, plus the output the
-    role must hold).  A request whose prompt is not counted yet passes."""
+    role must hold — a decoder's output for a ``request.whole`` request on any role).  A request whose prompt is not
+    counted yet passes."""
 
     name = "fits_limits"
     reason = "none of the others has the room (max_model_len, KV pool) for this prompt"
@@ -167,7 +168,8 @@ class FitsLimits(_Rule):
         if tokens is None:
             return candidates
         limits = self.limits
-        table, role, clamp, out = limits.table(), self.role, limits.clamp, request.max_output_tokens
+        table, clamp, out = limits.table(), limits.clamp, request.max_output_tokens
+        role = Role.DECODE if request.whole else self.role
         kept = []
         for e in candidates:
             lim = table.get(e) or limits.of(e)

@@ -52,7 +52,9 @@ class PickRequest:
     ``max_completion_tokens`` (None: the engine decides); ``dp_rank``: a DP rank the request must run on (None:
     any); ``hints``: the prefix cache's view of this prompt; ``affinity``: the prefiller that has just computed
     this very prompt (a fan-out sibling, :mod:`pdproxy.pd.fanout`), preferred while it can take it
-    (:class:`~pdproxy.scheduling.filters.Affinity`).
+    (:class:`~pdproxy.scheduling.filters.Affinity`); ``whole``: the request runs whole on the endpoint picked,
+    prompt and output (``/inference/v1/generate``), so its limits are a decoder's whatever the endpoint's role
+    (:class:`~pdproxy.scheduling.filters.FitsLimits`).
     """
 
     request_id: str = ""
@@ -63,6 +65,7 @@ class PickRequest:
     dp_rank: int | None = None
     hints: PrefixHints = NO_HINTS
     affinity: Endpoint | None = None
+    whole: bool = False
 
     @property
     def limit_tokens(self) -> int | None:

@@ -84,3 +84,31 @@ def test_a_generate_request_that_fits_is_sent_byte_for_byte(proxy: ProxyThread,
     assert r.status_code == 200, r.text
     (body,) = generated(engines)
     assert body == orjson.loads(raw)                                   # vLLM's default 16 fits: nothing changed
+
+
+def test_a_generate_prompt_of_the_whole_pool_is_refused_on_a_prefiller_too(
+        proxy: ProxyThread, engines: tuple[SimProcess, SimProcess]) -> None:
+    """A generate request runs prompt and output on the one engine it picks, so a prefiller's limit for it is a
+    decoder's (prompt + 1 output token in the pool), not a prefill leg's (the prompt alone): a prompt of exactly
+    the pool passed the prefiller's check, went there with ``max_tokens`` lowered to 1, and waited forever."""
+    r = httpx.post(proxy.url + "/inference/v1/generate", timeout=30,
+                   json={"model": "m", "token_ids": list(range(1, POOL + 1)), "sampling_params": {"max_tokens": 4}})
+    assert r.status_code == 400, r.text
+    assert "maximum context length" in r.json()["error"]["message"]
+    assert generated(engines) == []
+    fits = httpx.post(proxy.url + "/inference/v1/generate", timeout=30,
+                      json={"model": "m", "token_ids": list(range(1, POOL)), "sampling_params": {"max_tokens": 4}})
+    assert fits.status_code == 200, fits.text
+    (body,) = generated(engines)
+    assert body["sampling_params"] == {"max_tokens": 1}                # the one token the pool still holds
+
+
+@pytest.mark.parametrize("asked", [50.0, True, "8"])
+def test_a_non_integer_output_limit_is_the_engines_to_judge_never_raised(
+        proxy: ProxyThread, engines: tuple[SimProcess, SimProcess], asked: object) -> None:
+    """``max_tokens`` that is not an integer (nor null) is sent as the client wrote it — vLLM judges it — not read
+    as null and replaced by the pool's room (908 here: more than the 50 asked)."""
+    httpx.post(proxy.url + "/inference/v1/generate", timeout=30,
+               json={"model": "m", "token_ids": list(range(1, 101)), "sampling_params": {"max_tokens": asked}})
+    (body,) = generated(engines)
+    assert body["sampling_params"] == {"max_tokens": asked}

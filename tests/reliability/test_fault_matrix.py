@@ -113,7 +113,8 @@ def test_fault_cell(fleet4: Fleet4, cell: str, where: str, fault: dict[str, Any]
             assert set(statuses) <= {200, 503}, statuses
             assert all(cut_stream(r) for r in results if r.status == 200), results[0].body
             assert all(r.headers.get("retry-after") for r in results if r.status == 503)
-            assert received(fleet4.decoders) == statuses[200]
+            # (a 503 may follow a decoder that took the request and reset before its first event)
+            assert statuses.get(200, 0) >= 1 and statuses[200] <= received(fleet4.decoders) <= N
             assert sum(proxy.state.health.snapshot(e).opened_total
                        for e in proxy.state.pool.endpoints(Role.DECODE)) >= 1
         else:

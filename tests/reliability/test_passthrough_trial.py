@@ -32,6 +32,10 @@ HELD = "/tokenize"
 """The route whose answer the engine holds until the test releases it (the client leaves meanwhile)."""
 FAILING = "/detokenize"
 """The route the engine answers with vLLM's JSON 500."""
+REFUSED = "/v1/embeddings"
+"""The route the engine answers 400 (the request's own fault)."""
+BUSY = "/pooling"
+"""The route the engine answers 503 with ``Retry-After: 30``."""
 
 
 class Engine:
@@ -75,6 +79,15 @@ class Engine:
                 if self.path == FAILING:
                     self._answer(500, b'{"error": {"message": "boom", "type": "InternalServerError", '
                                       b'"param": null, "code": 500}}')
+                elif self.path == REFUSED:
+                    self._answer(400, b'{"error": {"message": "bad input", "type": "BadRequestError", '
+                                      b'"param": null, "code": 400}}')
+                elif self.path == BUSY:
+                    self.send_response(503)
+                    self.send_header("retry-after", "30")
+                    self.send_header("content-length", "2")
+                    self.end_headers()
+                    self.wfile.write(b"{}")
                 else:
                     self._answer(200, b'{"ok": true}')
 
@@ -159,3 +172,32 @@ def test_a_passthrough_trial_answered_500_ends_the_trial(rig: tuple[Engine, Prox
     after = httpx.post(proxy.url + "/tokenize", json={"model": MODEL, "prompt": "x"}, timeout=10)
     assert after.status_code == 200, after.text
     proxy.wait_idle()
+
+
+def test_a_passthrough_trial_answered_400_gives_the_trial_back_without_closing_the_breaker(
+        rig: tuple[Engine, ProxyThread, Endpoint]) -> None:
+    """A 4xx is the request's own fault: the trial is given back and the breaker stays half-open (the next request
+    is the trial) — a relayed 400 had closed it, as if the engine had proven itself."""
+    engine, proxy, decoder = rig
+    health = proxy.state.health
+    engine.release.set()
+    half_open_ready(proxy, decoder)
+    refused = httpx.post(proxy.url + REFUSED, json={"model": MODEL, "input": "x"}, timeout=10)
+    assert refused.status_code == 400 and refused.json()["error"]["message"] == "bad input"
+    wait_until(lambda: health.can_take(decoder), 10, what="the trial given back")
+    assert health.breaker(decoder).state.value == "half_open"
+    proxy.wait_idle()
+
+
+def test_a_passthrough_503_with_retry_after_keeps_the_engine_out_that_long(
+        rig: tuple[Engine, ProxyThread, Endpoint]) -> None:
+    """A relayed 5xx is judged as the PD legs judge one (pdproxy.errors.classify): the engine's ``Retry-After``
+    holds its breaker open that long, as a PD leg's 503 does."""
+    engine, proxy, decoder = rig
+    breaker = proxy.state.health.breaker(decoder)
+    engine.release.set()
+    half_open_ready(proxy, decoder)
+    busy = httpx.post(proxy.url + BUSY, json={"model": MODEL, "input": "x"}, timeout=10)
+    assert busy.status_code == 503
+    wait_until(lambda: breaker.seconds_until_retry() > 20, 10,   # Retry-After: 30, not breaker_open_s's 0.2 s
+               what="the breaker held open for the engine's Retry-After")

@@ -174,7 +174,7 @@ def test_an_open_door_is_logged_at_start(caplog: pytest.LogCaptureFixture) -> No
                          dict(host="127.0.0.1", admin_key="k"), dict(host="0.0.0.0", admin_key="k", api_keys=["c"]),
                          dict(host="0.0.0.0")):
             caplog.clear()
-            log_banner(load_settings(prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"], **settings),
+            log_banner(load_settings(prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:10"], **settings),
                        listen)
             warned = [r for r in caplog.records if r.levelno == logging.WARNING]
             expected = settings["host"] == "0.0.0.0" and "api_keys" not in settings and len(settings) > 1

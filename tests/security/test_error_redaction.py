@@ -123,3 +123,15 @@ def test_the_clients_own_input_is_quoted_as_written(model: str) -> None:
     assert bad.body()["error"]["message"].endswith(repr(model))
     assert "10.0.0.5" not in UpstreamUnavailable(f"decoder http://10.0.0.5:8100 failed: {model}").body()["error"][
         "message"]                                                  # an engine failure is still filtered
+
+
+def test_a_kv_pool_400_names_no_engine() -> None:
+    """The KV-pool 400 names the engine whose pool it is in the log; the client's copy is filtered, as it was
+    before client-input errors were quoted as written."""
+    from pdproxy.endpoints import Role
+    from pdproxy.engines.limits import EngineLimits, Violation
+    lim = EngineLimits(max_model_len=8192, kv_pool_tokens=1024, num_gpu_blocks=64, block_size=16)
+    err = Violation(Role.DECODE, "http://10.0.0.5:8100", "kv_pool", 1008, 1, lim).error(2000, exact=True)
+    assert "10.0.0.5" in err.message
+    message = err.body()["error"]["message"]
+    assert "10.0.0.5" not in message and "8100" not in message and "holds only 1008 tokens" in message

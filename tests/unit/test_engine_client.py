@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from typing import Any
 
 import httpx
 import pytest
@@ -55,10 +56,19 @@ def test_a_failed_health_probe_says_why() -> None:
     assert not healthy and why is not None and "refused the connection" in why, why
 
 
-def test_a_host_name_that_does_not_resolve_is_not_called_a_refused_connection() -> None:
+def test_a_host_name_that_does_not_resolve_is_not_called_a_refused_connection(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A typo in an engine's host name (``--prefill http://prefil1:8000``) is said as such in the log and in
     ``pdproxy doctor``, not as "refused the connection" (which reads as: the host is up, nothing listens)."""
     endpoint = Endpoint("http://pdproxy-no-such-host.invalid:9100", Role.PREFILL)   # RFC 6761: never resolves
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: object, *args: Any, **kwargs: Any) -> Any:   # the resolver's answer without asking one
+        if host == "pdproxy-no-such-host.invalid":                     # (a machine without DNS would time out)
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
 
     async def call() -> tuple[bool, str | None]:
         client = EngineClient(timeout_s=5)
