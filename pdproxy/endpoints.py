@@ -28,6 +28,11 @@ class Role(enum.StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
 
+    @property
+    def noun(self) -> str:
+        """The engine's name in this role, as messages say it: ``"prefiller"`` / ``"decoder"``."""
+        return "prefiller" if self is Role.PREFILL else "decoder"
+
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:

@@ -59,6 +59,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from pdproxy.endpoints import Role
+
 if TYPE_CHECKING:
     from pdproxy.endpoints import Endpoint
 
@@ -305,9 +307,6 @@ class NoEndpointAvailable(ProxyError):
         self.role = role
 
 
-_ROLE_NOUNS = {"prefill": "prefiller", "decode": "decoder"}
-
-
 class EnginesFailed(ProxyError):
     """The endpoints of ``role`` tried for the request failed it (refused, reset, timed out) and none is left to try,
     or the attempts ran out (HTTP 503 with Retry-After, as :class:`NoEndpointAvailable` answers the next request —
@@ -318,12 +317,19 @@ class EnginesFailed(ProxyError):
     status_code = 503
     outcome = "upstream_error"
 
-    def __init__(self, role: str, last: ProxyError, retry_after_s: int = 1) -> None:
-        head = f"no {_ROLE_NOUNS.get(role, role)} could serve the request; retry later"
+    def __init__(self, role: Role, last: ProxyError, retry_after_s: int = 1) -> None:
+        head = f"no {role.noun} could serve the request; retry later"
         super().__init__(f"{head}: {last.message}", headers={"retry-after": str(retry_after_s)},
                          public=f"{head}: {last.public if last.public is not None else public_message(last.message)}")
         self.role = role
         self.last = last
+
+    @staticmethod
+    def after(role: Role, last: ProxyError, retry_after_s: int) -> ProxyError:
+        """What the client gets when the endpoints of ``role`` tried ran out after ``last``: an engine's own error
+        answer (a 502/503/504, a 500) as it sent it, else (refused, reset, timed out, an unusable answer) an
+        :class:`EnginesFailed` with ``retry_after_s`` (until a breaker of that role re-admits an engine)."""
+        return last if isinstance(last, UpstreamHTTPError) else EnginesFailed(role, last, retry_after_s)
 
 
 class ShuttingDown(ProxyError):

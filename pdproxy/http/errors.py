@@ -44,6 +44,7 @@ from contextlib import contextmanager
 
 import httpx
 
+from pdproxy.endpoints import Role
 from pdproxy.errors import ProxyError, UpstreamHTTPError, UpstreamRefused, UpstreamTimeout, UpstreamUnavailable
 from pdproxy.http.client import ConnectError, PoolTimeout, ProtocolError, ReadTimeout, TransportError
 
@@ -68,13 +69,14 @@ def _not_connected(exc: BaseException) -> str:
     return "could not be connected to"
 
 
-_ROLE_WORDS = {"prefill": "prefiller", "decode": "decoder"}
-
-
 def _role(who: str) -> str:
-    """The engine's role as the client may read it: ``who``'s first word (``"decode http://…"`` → ``"decoder"``)."""
+    """The engine's role as the client may read it: ``who``'s first word (``"decode http://…"`` → ``"decoder"``;
+    a word that is no role, e.g. ``"engine"``, as it is)."""
     word = who.split(" ", 1)[0] or "engine"
-    return _ROLE_WORDS.get(word, word)
+    try:
+        return Role(word).noun
+    except ValueError:
+        return word
 
 
 def transport_error(exc: TransportError | TimeoutError, who: str, endpoint: str, when: str = "") -> ProxyError:

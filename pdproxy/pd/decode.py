@@ -131,9 +131,7 @@ class DecodeLeg:
         :class:`~pdproxy.errors.EnginesFailed`, 503 with ``Retry-After`` until a decoder's breaker re-admits it —
         what the next request gets when none is available, and what the prefill side answers
         (:meth:`pdproxy.pd.prefill.PrefillLeg.gave_up`)."""
-        if isinstance(last, UpstreamHTTPError):
-            return last
-        return EnginesFailed("decode", last, self.health.retry_after_s(self.pool.endpoints(Role.DECODE)))
+        return EnginesFailed.after(Role.DECODE, last, self.health.retry_after_s(self.pool.endpoints(Role.DECODE)))
 
     async def run(self, req: ProxyRequest, ctx: RequestContext, pick: PickRequest, prefill: PrefillResult,
                   out: Responder, exclude: list[Endpoint], transcript: recompute.Transcript | None,

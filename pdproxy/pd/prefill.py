@@ -30,7 +30,6 @@ from pdproxy.errors import (
     EnginesFailed,
     NoEndpointAvailable,
     ProxyError,
-    UpstreamHTTPError,
     UpstreamUnavailable,
     classify,
 )
@@ -202,9 +201,7 @@ class PrefillLeg:
         prefiller's own error answer (a 502/503/504, a 500 with a dead core) as it sent it; a transport failure
         (refused, reset, timed out) becomes :class:`EnginesFailed`, 503 with ``Retry-After`` until a prefiller's
         breaker re-admits it — what the next request gets when none is available (:class:`NoEndpointAvailable`)."""
-        if isinstance(last, UpstreamHTTPError):
-            return last
-        return EnginesFailed("prefill", last, self.health.retry_after_s(self.pool.endpoints(Role.PREFILL)))
+        return EnginesFailed.after(Role.PREFILL, last, self.health.retry_after_s(self.pool.endpoints(Role.PREFILL)))
 
     async def answer(self, req: ProxyRequest, ctx: RequestContext, endpoint: Endpoint, slot: PrefillSlot | None,
                      post: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
