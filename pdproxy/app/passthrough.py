@@ -222,20 +222,13 @@ def generate_output_room(obj: dict[str, Any], prompt: int, limits: EngineLimits)
     answer to fit an engine of ``limits``' KV pool (less vLLM's null block), shared by ``sampling_params.n``; None
     when the limit the engine would apply fits — the client's ``max_tokens`` (absent:
     :data:`SAMPLING_DEFAULT_MAX_TOKENS`; null: the room ``max_model_len`` leaves) — or the pool is unknown."""
-    pool = limits.usable_pool
-    if pool is None:
-        return None
     params = obj.get("sampling_params")
     params = params if isinstance(params, dict) else {}
     n = params.get("n")
-    choices = n if type(n) is int and n > 1 else 1
-    room = max(1, (pool - prompt) // choices)
-    asked = params.get("max_tokens", SAMPLING_DEFAULT_MAX_TOKENS)
-    if asked is None:                       # null: no limit but max_model_len's room (vLLM's SamplingParams)
-        asked = None if limits.max_model_len is None else limits.max_model_len - prompt
-    elif type(asked) is not int:            # 50.0, true, "8": the engine judges (and refuses) the value itself
+    asked = params.get("max_tokens", SAMPLING_DEFAULT_MAX_TOKENS)   # null: max_model_len's room (SamplingParams)
+    if asked is not None and type(asked) is not int:   # 50.0, true, "8": the engine judges (and refuses) it itself
         return None
-    return room if asked is None or asked > room else None
+    return limits.output_room(prompt, asked, n if type(n) is int and n > 1 else 1)
 
 
 def with_generate_output_limit(obj: dict[str, Any], limit: int) -> bytes:

@@ -74,6 +74,20 @@ class EngineLimits:
             caps.append(pool - out)
         return min(caps) if caps else None
 
+    def output_room(self, prompt: int, asked: int | None, choices: int = 1) -> int | None:
+        """The output-token limit (tokens, ≥ 1) a request of ``prompt`` tokens and ``choices`` sequences must carry
+        for its answer to fit this engine's KV pool (less vLLM's null block), each sequence a share; None when the
+        pool is unknown or ``asked`` fits — the limit the engine would apply, None for the room ``max_model_len``
+        leaves (vLLM's limit when a chat sets none).  Why the pool binds: ``DecodeLeg.output_room``
+        (pdproxy/pd/decode.py)."""
+        pool = self.usable_pool
+        if pool is None:
+            return None
+        room = max(1, (pool - prompt) // max(1, choices))
+        if asked is None:
+            asked = None if self.max_model_len is None else self.max_model_len - prompt
+        return None if asked is not None and asked <= room else room
+
     def prompt_bounds(self, role: Role) -> tuple[int | None, int | None]:
         """The two bounds :meth:`allowed_prompt` (clamped: one output token) takes the smaller of, in tokens: (the
         largest prompt ``max_model_len`` lets this endpoint take in ``role``, the largest its KV pool holds — the

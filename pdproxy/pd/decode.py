@@ -105,8 +105,7 @@ class DecodeLeg:
         (``README.md``, "admit").  With ``max_tokens_overflow = reject`` a client's larger limit was refused at
         admission instead."""
         limits = self.limits.of(endpoint) if self.limits is not None else None
-        pool = limits.usable_pool if limits is not None else None
-        if pool is None or limits is None:
+        if limits is None or limits.usable_pool is None:
             return None
         prompt = ctx.engine_prompt_tokens if first_leg and ctx.engine_prompt_tokens else None
         if prompt is None:        # no engine count (the decoder prefills; a continuation leg): admission's upper
@@ -117,12 +116,10 @@ class DecodeLeg:
             return None
         n = req.body.get("n") if req.api is Api.CHAT or req.api is Api.COMPLETIONS else None
         choices = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
-        room = max(1, (pool - prompt) // choices)
         asked = req.max_output_tokens
-        if asked is None:
-            asked = 16 if req.api is Api.COMPLETIONS else (
-                None if limits.max_model_len is None else limits.max_model_len - prompt)
-        return None if asked is not None and asked <= room else room
+        if asked is None and req.api is Api.COMPLETIONS:
+            asked = 16                        # vLLM's default on a completion; a chat's: max_model_len's room
+        return limits.output_room(prompt, asked, choices)
 
     def gave_up(self, last: ProxyError) -> ProxyError:
         """What the client gets when ``decode_attempts`` ran out (or no decoder is left to try) after ``last``, the
