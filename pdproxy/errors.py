@@ -185,6 +185,14 @@ class ProxyError(Exception):
         return orjson.dumps(self.body())
 
 
+class InternalError(ProxyError):
+    """A defect in pdproxy while it served the request (HTTP 500): the client reads "internal error in pdproxy",
+    the log the exception's class (its traceback is logged where it was caught)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(f"internal error in pdproxy: {exc.__class__.__name__}", public="internal error in pdproxy")
+
+
 class BadRequest(ProxyError):
     """The request is malformed or asks for something PD cannot serve (HTTP 400)."""
 

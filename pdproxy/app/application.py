@@ -41,6 +41,7 @@ from pdproxy.app.state import ProxyState
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.errors import (
     BadRequest,
+    InternalError,
     NoEndpointAvailable,
     PayloadTooLarge,
     ProxyError,
@@ -176,8 +177,7 @@ class PDProxyApp:
                 ctx.rejection = rejection_of(err)
             else:               # a bug, not an upstream condition: counted as one, answered in the API's shape
                 log.exception("request %s failed", ctx.request_id)
-                err = ProxyError(f"internal error in pdproxy: {exc.__class__.__name__}",
-                                 public="internal error in pdproxy")
+                err = InternalError(exc)
                 ctx.outcome = "internal_error"
             ctx.error = err.message
             if not out.started:
@@ -298,8 +298,7 @@ class PDProxyApp:
         except Exception as exc:  # a bug, not an upstream condition: still answer, never hang
             log.exception("request %s failed", ctx.request_id)
             ctx.outcome = "internal_error"
-            out.error_nowait(ProxyError(f"internal error in pdproxy: {exc.__class__.__name__}",
-                                        public="internal error in pdproxy"))
+            out.error_nowait(InternalError(exc))
         finally:
             if dropped:
                 ctx.outcome = "client_disconnected"

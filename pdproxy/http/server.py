@@ -69,7 +69,7 @@ import urllib.parse
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
 import httptools
 import orjson
@@ -273,6 +273,18 @@ def _write_chunk(writelines: Callable[[Any], None], data: bytes) -> None:
     table (a ``%``-formatted frame costs ~2× the instructions, loadtest/RESULTS.md)."""
     n = len(data)
     writelines((_CHUNK_SIZES[n] if n < 16384 else b"%x\r\n" % n, data, _CRLF))
+
+
+class _Refusal(NamedTuple):
+    """A refusal the server answers itself: ``status``, ``message``, the completion ``route`` the request was on
+    (None: none), the error ``shape`` of its path (``ServedApp.error_routes``; None: vLLM's envelope) and its
+    ``origin`` (CORS)."""
+
+    status: int
+    message: str
+    route: str | None
+    shape: str | None
+    origin: bytes | None
 
 
 class _Reject(Exception):
@@ -502,8 +514,7 @@ class ServerProtocol(asyncio.Protocol):
         self.bodies = bodies
         self.body_held = 0  # bytes of the body being read counted in ``bodies``
         self.refused = False  # the server refused this connection's input: later bytes are dropped unparsed
-        self.pending: tuple[int, str, str | None, str | None, bytes | None] | None = None  # a refusal (status,
-        # message, route, shape, origin) written once the response in progress before it has ended
+        self.pending: _Refusal | None = None  # a refusal written once the response in progress before it has ended
         # the connection's one timer: what it is for and when the body was last read (a lazily checked idle gap)
         self.timer: asyncio.TimerHandle | None = None
         self.timer_kind = _NO_TIMER
@@ -1015,7 +1026,7 @@ class ServerProtocol(asyncio.Protocol):
             if ex is refused:      # its response is under way: it ends there, then the connection closes
                 ex.keep_alive = False
             else:                  # the answer before it ends (not saying "close": a response follows), then this
-                self.pending = (status, message, route, shape, origin)
+                self.pending = _Refusal(status, message, route, shape, origin)
             self._pause_reading()
             return
         self.current = None

@@ -55,7 +55,7 @@ import orjson
 
 from pdproxy.apis.request import INT64_MIN, Api, ProxyRequest, parse_request, prompt_list
 from pdproxy.endpoints import Endpoint
-from pdproxy.errors import BadRequest, ProxyError, UpstreamHTTPError, UpstreamUnavailable
+from pdproxy.errors import BadRequest, InternalError, ProxyError, UpstreamHTTPError, UpstreamUnavailable
 from pdproxy.http import sse
 from pdproxy.pd.responder import SSE_HEADERS, Responder
 from pdproxy.timeline import RequestContext
@@ -454,8 +454,7 @@ class FanOut:
             merger.fail(err)
         except Exception as exc:             # a bug, not an engine condition: still fail the response honestly
             log.exception("sequence %s of request %s failed", seq.index, seq.ctx.request_id)
-            merger.fail(ProxyError(f"internal error in pdproxy: {exc.__class__.__name__}",
-                                   public="internal error in pdproxy"))
+            merger.fail(InternalError(exc))
         finally:
             seq.prefilled.set()              # siblings never wait on a sequence that is over
 
