@@ -20,7 +20,9 @@ naming the route.  Any other status (4xx, 500) is the engine's answer, relayed a
 against the engine's breaker (:func:`pdproxy.errors.classify_status`: engine unwell).  An engine that breaks after
 its first byte (a reset, a time-out mid-answer) is never retried; it counts against its breaker, and the client's
 body ends as a PD route's broken stream does: an SSE stream with vLLM's error event and ``data: [DONE]``, any other
-body cut before its end (tests/reliability/test_passthrough_cut.py).  A half-open breaker's one
+body cut before its end (tests/reliability/test_passthrough_cut.py).  One that sends no answer at all within
+``decode_first_byte_timeout_s`` is the client's 504, neither judged nor retried: a long answer is not a hung engine
+(:class:`_Unanswered`, tests/reliability/test_passthrough_long_answer.py).  A half-open breaker's one
 trial ends with every attempt: judged, or given back when the attempt says nothing of the engine (a 4xx, the
 client leaving) — tests/reliability/test_passthrough_trial.py.
 
@@ -276,6 +278,20 @@ def json_engine_body(body: bytes, obj: dict[str, Any]) -> tuple[bytes, str | Non
     return decode_body_bytes(body, None, obj), model if isinstance(model, str) and model else None
 
 
+class _Unanswered(Exception):
+    """An engine took a passthrough request and sent no answer within ``decode_first_byte_timeout_s`` (``error``:
+    the 504 the client gets).  vLLM answers a non-streamed request only once it is done, so a long answer the client
+    asked for — a generate request of many output tokens, a large pooling batch, a long audio file — cannot be told
+    from a hung engine here: it is no verdict on the engine's breaker, and no other engine is tried (it would take
+    as long).  Judged as a failure, three such requests from any client opened the breaker of every engine of both
+    roles (each was tried on every engine in turn): every request of every route was a 503.  A hung engine is still
+    found by the PD legs' first-byte timeouts, a stream's silence and the health probes."""
+
+    def __init__(self, error: ProxyError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 class Passthrough:
     """Serves the :data:`ROUTES` (module docstring) on raw ASGI.  ``scheduler`` picks the engine, ``served`` knows
     which models exist, ``pool`` holds a lease on the engine while the call runs (its in-flight count),
@@ -369,6 +385,9 @@ class Passthrough:
                         raise
                     last = exc
                     continue
+                except _Unanswered as late:      # no verdict on the engine, and no other engine tried (_Unanswered)
+                    self.health.record_neutral(endpoint)
+                    raise late.error from None
                 except BaseException:      # the client left (cancelled) or a defect: no verdict on the engine,
                     self.health.record_neutral(endpoint)     # but a half-open trial's slot must not stay taken
                     raise
@@ -407,7 +426,10 @@ class Passthrough:
         request = self.client.build_request("POST", endpoint.url + path, content=body,
                                             headers=self._engine_headers(endpoint, ctx, client))
         with httpx_errors(who, endpoint.name, f" on {path}"):
-            resp = await self.client.send(request, stream=True)
+            try:
+                resp = await self.client.send(request, stream=True)
+            except httpx.ReadTimeout as exc:          # no answer yet: a long one, or a hung engine (_Unanswered)
+                raise _Unanswered(httpx_error(exc, who, endpoint.name, f" on {path}")) from None
         try:
             retry = resp.status_code >= 500 and classify_status(resp.status_code).action is Action.FAIL_OVER
             if resp.status_code == 404 or retry:
