@@ -131,8 +131,9 @@ def half_open_ready(proxy: ProxyThread, endpoint: Endpoint) -> None:
         health.record_failure(endpoint, hard=True)
 
     assert proxy.loop is not None
+    opened = health.breaker(endpoint).opened_total
     asyncio.run_coroutine_threadsafe(fail(), proxy.loop).result(5)
-    assert not health.can_take(endpoint)
+    assert health.breaker(endpoint).opened_total == opened + 1    # (a probe may re-admit it at once: 0.2 s)
     wait_until(lambda: health.can_take(endpoint), 10, what="the probe re-admitting the decoder for a trial")
 
 
