@@ -65,3 +65,27 @@ def test_non_streamed_answer_survives_a_lost_decoder(fleet5: Fleet4, api: str, p
         fleet5.assert_clean(proxy)
     finally:
         proxy.stop()
+
+
+def test_a_non_streamed_answer_not_done_in_time_is_replaced_without_a_verdict_on_its_decoder(fleet5: Fleet4) -> None:
+    """vLLM sends a non-streamed answer's status line when the generation is done, so a decoder silent past
+    ``decode_nonstream_timeout_s`` may be generating a long answer, not hung: the request goes to another decoder,
+    as before, but the silent one's breaker is not told — judged a failure, a client's few long non-streamed
+    requests opened every decoder's breaker and every other client got 503."""
+    victim, *_others = fleet5.decoders
+    proxy = fleet5.proxy(decode_nonstream_timeout_s=1.5, breaker_failures=1)
+    try:
+        endpoint = next(e for e in proxy.state.pool.endpoints() if e.url == victim.url)
+        victim.faults({"kind": "hang", "times": 1, "path": "/v1/chat/completions"})
+        for _ in range(60):                # until the scheduler sends one to the victim
+            r = httpx.post(proxy.url + "/v1/chat/completions", json=CHAT, timeout=20)
+            assert r.status_code == 200, r.text
+            if not httpx.get(victim.url + "/sim/faults", timeout=5).json()["faults"]:
+                break                      # the fault fired on this request: it waited, then went elsewhere
+        else:
+            pytest.fail("the victim decoder was never picked")
+        snap = proxy.state.health.snapshot(endpoint)
+        assert snap.consecutive_failures == 0 and snap.breaker == "closed", snap   # breaker_failures=1: one would open it
+        fleet5.assert_clean(proxy)
+    finally:
+        proxy.stop()
