@@ -266,6 +266,17 @@ def test_no_question_for_one_id_events_a_finish_or_an_engine_that_does_not_answe
     assert leg is not None and leg.body["prompt"] == [5, 6, 10, 901]
 
 
+def lost_after_two_ids(resume: Resume) -> None:
+    """``resume``'s chat stream (prompt ids 5, 6, 7) delivered " a b" (ids 42, 43), then its decoder was lost."""
+    t = RecordIds(resume, _Usage())
+    t.feed(b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+           b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
+           b'"prompt_token_ids":[5,6,7],"prompt_text":null}\n\n')
+    t.feed(b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+           b'"delta":{"content":" a b"},"logprobs":null,"finish_reason":null,"token_ids":[42,43]}]}\n\n')
+    resume.read_transcript()
+
+
 def test_a_chat_without_an_output_limit_continues_to_the_end_of_the_context() -> None:
     """A chat that set no ``max_tokens`` continues as a completion whose ``max_tokens`` is the room the decoders'
     ``max_model_len`` leaves after prompt + delivered ids — not null, which vLLM reads as 16 on a completion (the
@@ -277,13 +288,7 @@ def test_a_chat_without_an_output_limit_continues_to_the_end_of_the_context() ->
     def lost() -> Resume:
         resume = Resume.of(req, True)
         assert resume is not None
-        t = RecordIds(resume, _Usage())
-        t.feed(b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
-               b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
-               b'"prompt_token_ids":[5,6,7],"prompt_text":null}\n\n')
-        t.feed(b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
-               b'"delta":{"content":" a b"},"logprobs":null,"finish_reason":null,"token_ids":[42,43]}]}\n\n')
-        resume.read_transcript()
+        lost_after_two_ids(resume)
         return resume
 
     leg = lost().next_leg(4096)
@@ -309,13 +314,7 @@ def test_a_truncated_prompt_is_not_truncated_again_with_the_delivered_ids() -> N
                                       "temperature": 0, "cache_salt": "s"}), Api.CHAT)
     resume = Resume.of(req, True)
     assert resume is not None
-    t = RecordIds(resume, _Usage())
-    t.feed(b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
-           b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
-           b'"prompt_token_ids":[5,6,7],"prompt_text":null}\n\n')
-    t.feed(b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
-           b'"delta":{"content":" a b"},"logprobs":null,"finish_reason":null,"token_ids":[42,43]}]}\n\n')
-    resume.read_transcript()
+    lost_after_two_ids(resume)
     leg = resume.next_leg(4096)
     assert leg is not None and leg.body["prompt"] == [5, 6, 7, 42, 43]
     assert "truncate_prompt_tokens" not in leg.body

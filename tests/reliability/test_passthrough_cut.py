@@ -7,92 +7,51 @@ silently truncated 200.  Never retried on another engine: the client had bytes a
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import struct
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 import httpx
 import orjson
 import pytest
 
 from pdproxy.endpoints import Endpoint, Role
-from tests.support import ProxyThread, free_port
+from tests.stand_in import MODEL, StandInEngine, StandInHandler
+from tests.support import ProxyThread
 
 pytestmark = pytest.mark.timeout(60)
 
-MODEL = "sim-model"
 SSE_PIECE = b'data: {"token_ids": [7]}\n\n'
 
 
-class CuttingEngine:
-    """A vLLM stand-in serving both roles: ``/health``, ``/v1/models``; every ``POST`` answers 200 and part of its
-    body, then resets the connection (RST: ``SO_LINGER`` 0): an SSE stream of two events when the body asks
-    ``"stream": true``, else a JSON body declared 100 bytes longer than sent.  ``posts`` counts the ``POST``s."""
+class CuttingEngine(StandInEngine):
+    """The stand-in (tests/stand_in.py) whose every ``POST`` answers 200 and part of its body, then resets the
+    connection (RST: ``SO_LINGER`` 0): an SSE stream of two events when the body asks ``"stream": true``, else a
+    JSON body declared 100 bytes longer than sent.  ``posts`` counts the ``POST``s."""
 
     def __init__(self) -> None:
+        super().__init__(MODEL)
         self.posts = 0
-        engine = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def _answer(self, status: int, body: bytes) -> None:
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self) -> None:
-                if self.path == "/health":
-                    self._answer(200, b"")
-                elif self.path == "/v1/models":
-                    self._answer(200, orjson.dumps({"object": "list", "data": [
-                        {"id": MODEL, "object": "model", "owned_by": "vllm", "max_model_len": 4096}]}))
-                else:
-                    self._answer(404, b'{"detail": "Not Found"}')
-
-            def do_POST(self) -> None:
-                body = orjson.loads(self.rfile.read(int(self.headers.get("content-length") or 0)))
-                engine.posts += 1
-                self.send_response(200)
-                if body.get("stream"):
-                    self.send_header("content-type", "text/event-stream")
-                    self.send_header("transfer-encoding", "chunked")
-                    self.end_headers()
-                    for _ in range(2):
-                        self.wfile.write(b"%x\r\n%s\r\n" % (len(SSE_PIECE), SSE_PIECE))
-                else:
-                    part = b'{"count": 3, "tokens": [1, 2'
-                    self.send_header("content-type", "application/json")
-                    self.send_header("content-length", str(len(part) + 100))
-                    self.end_headers()
-                    self.wfile.write(part)
-                self.wfile.flush()
-                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                self.connection.close()           # a reset, mid-answer
-                self.close_connection = True
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[CuttingEngine]:
-        self.thread.start()
-        try:
-            yield self
-        finally:
-            self.server.shutdown()
-            self.server.server_close()
+    def post(self, handler: StandInHandler, body: bytes) -> None:
+        self.posts += 1
+        handler.send_response(200)
+        if orjson.loads(body).get("stream"):
+            handler.send_header("content-type", "text/event-stream")
+            handler.send_header("transfer-encoding", "chunked")
+            handler.end_headers()
+            for _ in range(2):
+                handler.wfile.write(b"%x\r\n%s\r\n" % (len(SSE_PIECE), SSE_PIECE))
+        else:
+            part = b'{"count": 3, "tokens": [1, 2'
+            handler.send_header("content-type", "application/json")
+            handler.send_header("content-length", str(len(part) + 100))
+            handler.end_headers()
+            handler.wfile.write(part)
+        handler.wfile.flush()
+        handler.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        handler.connection.close()           # a reset, mid-answer
+        handler.close_connection = True
 
 
 @pytest.fixture

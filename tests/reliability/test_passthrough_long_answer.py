@@ -8,80 +8,35 @@ every engine, and every client's request on every route was a 503 (pdproxy/app/p
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 import httpx
-import orjson
 import pytest
 
 from pdproxy.endpoints import Role
-from tests.support import ProxyThread, free_port
+from tests.stand_in import MODEL, StandInEngine, StandInHandler
+from tests.support import ProxyThread
 
 pytestmark = pytest.mark.timeout(60)
 
-MODEL = "sim-model"
 GENERATE = "/inference/v1/generate"
 
 
-class SlowEngine:
-    """A vLLM stand-in serving both roles whose ``POST`` answers only when :attr:`release` is set (a long
+class SlowEngine(StandInEngine):
+    """The stand-in (tests/stand_in.py) whose ``POST`` answers only when :attr:`release` is set (a long
     generation); :attr:`received` counts the generate requests that reached it."""
 
     def __init__(self) -> None:
-        self.release = threading.Event()
+        super().__init__(MODEL)
         self.received = 0
         self.lock = threading.Lock()
-        engine = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def _answer(self, status: int, body: bytes) -> None:
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                with contextlib.suppress(BrokenPipeError, ConnectionResetError):   # the client left
-                    self.wfile.write(body)
-
-            def do_GET(self) -> None:
-                if self.path == "/health":
-                    self._answer(200, b"")
-                elif self.path == "/v1/models":
-                    self._answer(200, orjson.dumps({"object": "list", "data": [
-                        {"id": MODEL, "object": "model", "owned_by": "vllm", "max_model_len": 4096}]}))
-                else:
-                    self._answer(404, b'{"detail": "Not Found"}')
-
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("content-length") or 0))
-                if self.path == GENERATE:
-                    with engine.lock:
-                        engine.received += 1
-                engine.release.wait(30)
-                self._answer(200, b'{"choices": [{"index": 0, "token_ids": [1]}]}')
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[SlowEngine]:
-        self.thread.start()
-        try:
-            yield self
-        finally:
-            self.release.set()
-            self.server.shutdown()
-            self.server.server_close()
+    def post(self, handler: StandInHandler, body: bytes) -> None:
+        if handler.path == GENERATE:
+            with self.lock:
+                self.received += 1
+        self.release.wait(30)
+        handler.answer(200, b'{"choices": [{"index": 0, "token_ids": [1]}]}')
 
 
 def test_long_passthrough_answers_open_no_breaker_and_are_not_retried() -> None:

@@ -11,11 +11,8 @@ is tests/reliability/test_trial_cancel.py."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 import httpx
 import orjson
@@ -23,11 +20,11 @@ import pytest
 
 from pdproxy.endpoints import Endpoint, Role
 from tests.relay.rawclient import RawConn
-from tests.support import ProxyThread, free_port, wait_until
+from tests.stand_in import MODEL, StandInEngine, StandInHandler
+from tests.support import ProxyThread, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
-MODEL = "sim-model"
 HELD = "/tokenize"
 """The route whose answer the engine holds until the test releases it (the client leaves meanwhile)."""
 FAILING = "/detokenize"
@@ -38,73 +35,30 @@ BUSY = "/pooling"
 """The route the engine answers 503 with ``Retry-After: 30``."""
 
 
-class Engine:
-    """A vLLM stand-in on a port below the ephemeral range, serving both roles: ``/health``, ``/v1/models``;
-    ``POST`` :data:`HELD` answers once :attr:`release` is set (:attr:`held` is set when one arrived), ``POST``
-    :data:`FAILING` answers 500, any other ``POST`` ``{"ok": true}``."""
+class Engine(StandInEngine):
+    """The stand-in (tests/stand_in.py): ``POST`` :data:`HELD` answers once :attr:`release` is set (:attr:`held` is
+    set when one arrived), :data:`FAILING` 500, :data:`REFUSED` 400, :data:`BUSY` 503 with ``Retry-After: 30``, any
+    other ``{"ok": true}``."""
 
     def __init__(self) -> None:
+        super().__init__(MODEL)
         self.held = threading.Event()
-        self.release = threading.Event()
-        engine = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def _answer(self, status: int, body: bytes) -> None:
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                with contextlib.suppress(BrokenPipeError, ConnectionResetError):   # the client left
-                    self.wfile.write(body)
-
-            def do_GET(self) -> None:
-                if self.path == "/health":
-                    self._answer(200, b"")
-                elif self.path == "/v1/models":
-                    self._answer(200, orjson.dumps({"object": "list", "data": [
-                        {"id": MODEL, "object": "model", "owned_by": "vllm", "max_model_len": 4096}]}))
-                else:
-                    self._answer(404, b'{"detail": "Not Found"}')
-
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("content-length") or 0))
-                if self.path == HELD:
-                    engine.held.set()
-                    engine.release.wait(30)
-                if self.path == FAILING:
-                    self._answer(500, b'{"error": {"message": "boom", "type": "InternalServerError", '
-                                      b'"param": null, "code": 500}}')
-                elif self.path == REFUSED:
-                    self._answer(400, b'{"error": {"message": "bad input", "type": "BadRequestError", '
-                                      b'"param": null, "code": 400}}')
-                elif self.path == BUSY:
-                    self.send_response(503)
-                    self.send_header("retry-after", "30")
-                    self.send_header("content-length", "2")
-                    self.end_headers()
-                    self.wfile.write(b"{}")
-                else:
-                    self._answer(200, b'{"ok": true}')
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[Engine]:
-        self.thread.start()
-        try:
-            yield self
-        finally:
-            self.release.set()
-            self.server.shutdown()
-            self.server.server_close()
+    def post(self, handler: StandInHandler, body: bytes) -> None:
+        path = handler.path
+        if path == HELD:
+            self.held.set()
+            self.release.wait(30)
+        if path == FAILING:
+            handler.answer(500, b'{"error": {"message": "boom", "type": "InternalServerError", "param": null, '
+                                b'"code": 500}}')
+        elif path == REFUSED:
+            handler.answer(400, b'{"error": {"message": "bad input", "type": "BadRequestError", "param": null, '
+                                b'"code": 400}}')
+        elif path == BUSY:
+            handler.answer(503, b"{}", {"retry-after": "30"})
+        else:
+            handler.answer(200, b'{"ok": true}')
 
 
 @pytest.fixture

@@ -4,10 +4,8 @@ parsed in one pass while other clients are served, and no passthrough body hands
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -16,74 +14,35 @@ import pytest
 
 from tests.ops.promtext import scrape
 from tests.relay.rawclient import RawConn, post
+from tests.stand_in import MODEL, StandInEngine, StandInHandler
 from tests.support import ProxyThread, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
-MODEL = "sim-model"
 HOSTILE = {"remote_host": "169.254.169.254", "remote_port": 7777, "remote_engine_id": "x", "remote_block_ids": [1],
            "do_remote_prefill": True}
 
 
-class RecordingEngine:
-    """A vLLM stand-in on 127.0.0.1 (its own thread): ``/health`` and ``/v1/models`` for pdproxy's probes; every
-    POST is recorded (``path``, raw ``body``) and answered ``{"ok": true}`` — a POST to ``hold_path`` only once
-    :attr:`release` is set."""
+class RecordingEngine(StandInEngine):
+    """The stand-in (tests/stand_in.py) recording every POST (``path``, raw ``body``) and answering ``{"ok": true}``
+    — a POST to ``hold_path`` only once :attr:`release` is set."""
 
     def __init__(self, hold_path: str | None = None) -> None:
+        super().__init__(MODEL)
+        self.hold_path = hold_path
         self.received: list[tuple[str, bytes]] = []
         self.headers: list[dict[str, str]] = []
         """Per POST, its headers (lower-case names; values as latin-1 text)."""
-        self.release = threading.Event()
-        engine = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def _answer(self, status: int, body: bytes) -> None:
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self) -> None:
-                if self.path == "/health":
-                    self._answer(200, b"")
-                elif self.path == "/v1/models":
-                    self._answer(200, orjson.dumps({"object": "list", "data": [
-                        {"id": MODEL, "object": "model", "owned_by": "vllm", "max_model_len": 4096}]}))
-                else:
-                    self._answer(404, b'{"detail": "Not Found"}')
-
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("content-length") or 0))
-                engine.received.append((self.path, body))
-                engine.headers.append({k.lower(): v for k, v in self.headers.items()})
-                if self.path == hold_path:
-                    engine.release.wait(30)
-                self._answer(200, b'{"ok": true}')
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+    def post(self, handler: StandInHandler, body: bytes) -> None:
+        self.received.append((handler.path, body))
+        self.headers.append({k.lower(): v for k, v in handler.headers.items()})
+        if handler.path == self.hold_path:
+            self.release.wait(30)
+        handler.answer(200, b'{"ok": true}')
 
     def bodies(self, path: str) -> list[bytes]:
         return [b for p, b in self.received if p == path]
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[RecordingEngine]:
-        self.thread.start()
-        try:
-            yield self
-        finally:
-            self.release.set()
-            self.server.shutdown()
-            self.server.server_close()
 
 
 HELD = "/v1/audio/translations"

@@ -38,6 +38,15 @@ def test_models_as_client_raises_pdproxys_error_when_the_engine_refuses() -> Non
     assert caught.value.status_code == 502 and "127.0.0.1" not in caught.value.body()["error"]["message"]
 
 
+async def probe(endpoint: Endpoint) -> tuple[bool, str | None]:
+    """One ``/health`` probe of ``endpoint``: (healthy, the failure the log would name)."""
+    client = EngineClient(timeout_s=5)
+    try:
+        return await client.health(endpoint), client.health_failure(endpoint)
+    finally:
+        await client.aclose()
+
+
 def test_a_failed_health_probe_says_why() -> None:
     """The log's "engine … unreachable: <why>" names the transport's failure (it said "/health did not answer
     200" for a refused connection too); a 200 forgets it."""
@@ -45,14 +54,7 @@ def test_a_failed_health_probe_says_why() -> None:
         held.bind(("127.0.0.1", 0))
         endpoint = Endpoint(f"http://127.0.0.1:{held.getsockname()[1]}", Role.DECODE)
 
-        async def call() -> tuple[bool, str | None]:
-            client = EngineClient(timeout_s=5)
-            try:
-                return await client.health(endpoint), client.health_failure(endpoint)
-            finally:
-                await client.aclose()
-
-        healthy, why = asyncio.run(call())
+        healthy, why = asyncio.run(probe(endpoint))
     assert not healthy and why is not None and "refused the connection" in why, why
 
 
@@ -70,14 +72,7 @@ def test_a_host_name_that_does_not_resolve_is_not_called_a_refused_connection(
 
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
 
-    async def call() -> tuple[bool, str | None]:
-        client = EngineClient(timeout_s=5)
-        try:
-            return await client.health(endpoint), client.health_failure(endpoint)
-        finally:
-            await client.aclose()
-
-    healthy, why = asyncio.run(call())
+    healthy, why = asyncio.run(probe(endpoint))
     assert not healthy and why is not None and "does not resolve" in why and "refused" not in why, why
 
 
