@@ -170,15 +170,18 @@ class ProxyError(Exception):
         if self.public is not None:
             self.public += text
 
-    def body(self) -> dict[str, Any]:
-        """The error envelope the client gets (see module docstring): ``public``, else :func:`public_message` of
-        ``message`` (``redact=False`` for the admin API's answers, whose caller holds the admin key and names the
-        URLs)."""
+    def client_message(self) -> str:
+        """The sentence the client reads (see module docstring): ``public``, else ``message``, through
+        :func:`public_message` — ``message`` as it is when not ``redact`` (the admin API's answers, whose caller
+        holds the admin key and names the URLs; the client's own input quoted back)."""
         if not self.redact:
-            message = self.message
-        else:
-            message = public_message(self.public if self.public is not None else self.message)
-        return error_body(self.status_code, message, param=self.param, code=self.code, error_type=self.error_type)
+            return self.message
+        return public_message(self.public if self.public is not None else self.message)
+
+    def body(self) -> dict[str, Any]:
+        """The error envelope the client gets: vLLM's, with :meth:`client_message`."""
+        return error_body(self.status_code, self.client_message(), param=self.param, code=self.code,
+                          error_type=self.error_type)
 
     def body_bytes(self) -> bytes:
         """:meth:`body` serialised as JSON bytes."""
@@ -328,7 +331,7 @@ class EnginesFailed(ProxyError):
     def __init__(self, role: Role, last: ProxyError, retry_after_s: int = 1) -> None:
         head = f"no {role.noun} could serve the request; retry later"
         super().__init__(f"{head}: {last.message}", headers={"retry-after": str(retry_after_s)},
-                         public=f"{head}: {last.public if last.public is not None else public_message(last.message)}")
+                         public=f"{head}: {last.client_message()}")
         self.role = role
         self.last = last
 

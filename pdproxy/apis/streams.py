@@ -94,7 +94,7 @@ def output_tokens_in(data: bytes) -> int | None:
 
 def public_message(err: ProxyError) -> str:
     """The message the client may read (no engine addresses: :func:`pdproxy.errors.public_message`)."""
-    return str(err.body()["error"]["message"])
+    return err.client_message()
 
 
 def anthropic_error(err: ProxyError) -> dict[str, Any]:
