@@ -1,6 +1,8 @@
-"""The one compiled part of pdproxy (everything else is in pyproject.toml): pdproxy/pd/_record.c, optional — without
-a C compiler ``pip install`` still succeeds and pdproxy/pd/record.py's Python implementation is used."""
+"""The compiled parts of pdproxy (everything else is in pyproject.toml), both optional — without a C compiler
+``pip install`` still succeeds and the Python code beside them is used: pdproxy/pd/_record.c (pdproxy/pd/record.py's
+Python implementation) and pdproxy/apis/_jsonscan.c (pdproxy/apis/request.py's bracket bound and padded parse)."""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("pdproxy.pd._record", ["pdproxy/pd/_record.c"], optional=True)])
+setup(ext_modules=[Extension("pdproxy.pd._record", ["pdproxy/pd/_record.c"], optional=True),
+                   Extension("pdproxy.apis._jsonscan", ["pdproxy/apis/_jsonscan.c"], optional=True)])

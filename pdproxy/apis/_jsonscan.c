@@ -1,0 +1,105 @@
+/* pdproxy.apis._jsonscan: nests_within(raw, limit), the compiled nesting check of a client's JSON body
+   (pdproxy/apis/request.py load_json; without this module it uses its bracket bound and padded parse instead).
+
+   nests_within(raw, limit) -> bool: False when some bracket of ``raw`` outside its strings ([ or { opening, ] or }
+   closing) sits deeper than ``limit`` levels (``[[1]]`` is 2 deep), else True.  For a body that is JSON this is its
+   nesting depth exactly (a JSON string holds no unescaped quote, so the quotes bound the strings); for any other
+   bytes it is some answer, never an error, and the parser that runs next refuses them.  One pass, no recursion, no
+   allocation: inside a string the next quote is found with memchr and taken as the string's end unless an odd
+   run of backslashes stands before it (each run is counted once, by the quote right after it); outside strings a
+   table marks the five bytes that matter.  ~5 µs for a 300 KB one-message chat, ~10 µs for a 70 KB agent body of
+   400 brackets, where the padded parse costs ~100 µs more than orjson's own (loadtest/request_cost_bench.py). */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+
+enum { OTHER = 0, OPEN = 1, CLOSE = 2, QUOTE = 3 };
+
+static const unsigned char KIND[256] = {
+    ['['] = OPEN, ['{'] = OPEN, [']'] = CLOSE, ['}'] = CLOSE, ['"'] = QUOTE,
+};
+
+/* The index just past the quote that ends the string whose body starts at `start` (just after its opening
+   quote), or n when none does.  The backslashes counted back from a quote stop at the string's start or at any
+   earlier quote (not a backslash), so each byte is counted at most once. */
+static Py_ssize_t
+string_end(const char *s, Py_ssize_t n, Py_ssize_t start)
+{
+    Py_ssize_t i = start;
+    while (i < n) {
+        const char *q = memchr(s + i, '"', (size_t)(n - i));
+        if (q == NULL)
+            return n;
+        Py_ssize_t at = q - s;
+        Py_ssize_t k = at;
+        while (k > start && s[k - 1] == '\\')
+            k--;
+        if (((at - k) & 1) == 0)
+            return at + 1;
+        i = at + 1;  /* an escaped quote: the string goes on */
+    }
+    return n;
+}
+
+static PyObject *
+nests_within(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "nests_within(raw, limit) takes 2 arguments");
+        return NULL;
+    }
+    Py_ssize_t limit = PyNumber_AsSsize_t(args[1], PyExc_OverflowError);
+    if (limit == -1 && PyErr_Occurred())
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    const char *s = (const char *)view.buf;
+    Py_ssize_t n = view.len;
+    Py_ssize_t depth = 0;
+    int within = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        switch (KIND[(unsigned char)s[i]]) {
+        case OPEN:
+            if (++depth > limit) {
+                within = 0;
+                goto done;
+            }
+            break;
+        case CLOSE:
+            if (depth > 0)
+                depth--;
+            break;
+        case QUOTE:
+            i = string_end(s, n, i + 1) - 1;  /* the loop's i++ steps past the closing quote */
+            break;
+        default:
+            break;
+        }
+    }
+done:
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(within);
+}
+
+static PyMethodDef jsonscan_functions[] = {
+    {"nests_within", (PyCFunction)(void (*)(void))nests_within, METH_FASTCALL,
+     "nests_within(raw, limit) -> bool: no bracket of raw outside its strings is deeper than limit levels."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef jsonscan_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "pdproxy.apis._jsonscan",
+    .m_doc = "Compiled nesting check of a JSON body (pdproxy/apis/request.py load_json).",
+    .m_size = 0,
+    .m_methods = jsonscan_functions,
+};
+
+PyMODINIT_FUNC
+PyInit__jsonscan(void)
+{
+    return PyModuleDef_Init(&jsonscan_module);
+}
