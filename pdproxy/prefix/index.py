@@ -33,11 +33,12 @@ import bisect
 import functools
 import hashlib
 import itertools
+import os
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import msgspec
 from xxhash import xxh3_64, xxh3_64_intdigest
@@ -166,18 +167,89 @@ def block_keys(token_ids: Sequence[int], block_size: int, namespace: str = "",
     return BlockKeys(keys, block_size, len(token_ids), namespace, "tokens")
 
 
-def _find_mark(parts: Sequence[bytes], starts: Sequence[int], low: int) -> int:
-    """The offset in the concatenation of ``parts`` (part ``i`` at offset ``starts[i]``) of the first
-    :data:`MESSAGE_MARK` at or after ``low``, or -1."""
+def _find_mark(parts: Sequence[bytes], starts: Sequence[int], low: int, mark: bytes = MESSAGE_MARK) -> int:
+    """The offset in the concatenation of ``parts`` (part ``i`` at offset ``starts[i]``) of the first ``mark``
+    at or after ``low``, or -1."""
     i = bisect.bisect_right(starts, low) - 1
     offset = low - starts[i]
     while i < len(parts):
-        j = parts[i].find(MESSAGE_MARK, offset)
+        j = parts[i].find(mark, offset)
         if j >= 0:
             return starts[i] + j
         i += 1
         offset = 0
     return -1
+
+
+ChunkKeys = Callable[[list[bytes], int, int, int, int, Callable[[Any, int], int]], tuple[list[int], list[int]]]
+"""``(parts, chunk_chars, growth, mark, seed, digest) -> (keys, ends)``: the chunks and chained keys of
+:func:`text_keys` (:func:`py_chunk_keys`, or the compiled ``pdproxy/prefix/_textkeys.c``)."""
+
+
+def py_chunk_keys(parts: list[bytes], chunk_chars: int, growth: int, mark_byte: int, seed: int,
+                  digest: Callable[[Any, int], int]) -> tuple[list[int], list[int]]:
+    """:func:`text_keys`' chunks of the concatenation of ``parts`` (non-empty bytes, or one ``b""``) and their keys,
+    each ``digest(chunk bytes, previous key)`` from ``seed`` on: ``(keys, ends)``, ``ends[i]`` the bytes the first
+    ``i + 1`` chunks cover.  ``growth``: :data:`TEXT_GROWTH`; ``mark_byte``: :data:`MESSAGE_MARK`'s byte.  The
+    Python loop; ``pdproxy/prefix/_textkeys.c`` runs the same one in C (~0.5 µs a chunk less)."""
+    mark_bytes = bytes((mark_byte,))
+    starts = list(itertools.accumulate((len(p) for p in parts[:-1]), initial=0))
+    size = starts[-1] + len(parts[-1])
+    keys: list[int] = []
+    ends: list[int] = []
+    i, at, part_end, view = 0, 0, len(parts[0]), memoryview(parts[0])   # the part holding ``start``: bytes [at, part_end)
+    start, step, floor = 0, chunk_chars, chunk_chars * growth
+    mark = -1                        # the first mark at or after some earlier ``low``: searched again once passed
+    while start < size:
+        end = start + step
+        if mark < end:               # (the usual chunk has no mark before its end: one comparison)
+            half = step >> 1
+            low = start + (half if half > chunk_chars else chunk_chars)   # grows every chunk
+            if mark < low:
+                mark = parts[0].find(mark_bytes, low) if len(parts) == 1 else _find_mark(parts, starts, low,
+                                                                                          mark_bytes)
+                if mark == -1:
+                    mark = _NO_MARK
+            if mark < end:
+                end = mark
+        if end > size:
+            if not start:            # shorter than one chunk: no key (a prompt shorter than a block has none)
+                break
+            end = size
+        if end <= part_end:          # inside one part (always, for one part): hashed from a view, no copy
+            seed = digest(view[start - at:end - at], seed)
+        else:                        # across parts: XXH3's streaming state gives the one-shot digest of the bytes
+            h = xxh3_64(seed=seed)
+            h.update(view[start - at:])
+            while end > part_end:
+                i += 1
+                at, part_end, view = part_end, part_end + len(parts[i]), memoryview(parts[i])
+                h.update(view[:end - at])
+            seed = h.intdigest()
+        keys.append(seed)
+        ends.append(end)
+        start = end
+        if start == part_end and i + 1 < len(parts):   # the next chunk starts in the next part
+            i += 1
+            at, part_end, view = part_end, part_end + len(parts[i]), memoryview(parts[i])
+        step = end // growth if end >= floor else chunk_chars
+    return keys, ends
+
+
+def _compiled_chunk_keys() -> ChunkKeys | None:
+    """``chunk_keys`` of the compiled ``pdproxy/prefix/_textkeys.c`` when it is built and ``PDPROXY_NO_EXTENSIONS``
+    is not set, else None."""
+    if os.environ.get("PDPROXY_NO_EXTENSIONS"):
+        return None
+    try:
+        from pdproxy.prefix._textkeys import chunk_keys
+    except ImportError:   # not built (no compiler at install time): the Python loop, same keys
+        return None
+    return chunk_keys
+
+
+CHUNK_KEYS: Final[ChunkKeys] = _compiled_chunk_keys() or py_chunk_keys
+""":func:`text_keys`' loop: the compiled one when built, else :func:`py_chunk_keys`."""
 
 
 def text_keys(text: str | bytes | Sequence[bytes], *, chunk_chars: int = DEFAULT_TEXT_CHUNK_CHARS,
@@ -206,8 +278,10 @@ def text_keys(text: str | bytes | Sequence[bytes], *, chunk_chars: int = DEFAULT
     half a step into a chunk: its whole prefix is credited but less than ``max(chunk_chars, prefix / 16)``
     bytes.  Elsewhere a chunk boundary is not a block boundary, so a shared prefix is credited to the last
     chunk it covers whole: up to ``chunk_chars`` bytes, or 1/(TEXT_GROWTH + 1) of the prefix, less than the
-    engine's hit.  Cost: ~0.3 µs per chunk plus one pass of XXH3 and one of ``memchr`` over the bytes
-    (``loadtest/request_cost_bench.py``).
+    engine's hit.  Cost: one pass of XXH3 and one of ``memchr`` over the bytes plus, per chunk, one call of
+    ``xxh3_64_intdigest`` from the compiled loop (:data:`CHUNK_KEYS`, ``pdproxy/prefix/_textkeys.c``: ~20 µs for a
+    250 KB chat of 49 chunks, ~16 µs for a 65 KB agent body of 18 parts and 38 chunks) or ~0.5 µs more per chunk
+    from the Python one (:func:`py_chunk_keys`; ``loadtest/request_cost_bench.py``).
 
     ``num_tokens``: the prompt's token count if known, else ``bytes / chars_per_token``; ``tokens_per_byte``,
     when given, sets it to ``bytes × tokens_per_byte`` (at least 1) instead (the engine's ratio, learnt from its
@@ -221,47 +295,9 @@ def text_keys(text: str | bytes | Sequence[bytes], *, chunk_chars: int = DEFAULT
         parts = [text]
     else:
         parts = [p for p in text if p] or [b""]
-    starts = list(itertools.accumulate((len(p) for p in parts[:-1]), initial=0))
-    size = starts[-1] + len(parts[-1])
+    size = sum(map(len, parts))
     seed = namespace_root(namespace, "text") & KEY_MASK
-    keys: list[int] = []
-    ends: list[int] = []
-    xxh = xxh3_64_intdigest
-    i, at, part_end, view = 0, 0, len(parts[0]), memoryview(parts[0])   # the part holding ``start``: bytes [at, part_end)
-    start, step, floor = 0, chunk_chars, chunk_chars * TEXT_GROWTH
-    mark = -1                        # the first mark at or after some earlier ``low``: searched again once passed
-    while start < size:
-        end = start + step
-        if mark < end:               # (the usual chunk has no mark before its end: one comparison)
-            half = step >> 1
-            low = start + (half if half > chunk_chars else chunk_chars)   # grows every chunk
-            if mark < low:
-                mark = parts[0].find(MESSAGE_MARK, low) if len(parts) == 1 else _find_mark(parts, starts, low)
-                if mark == -1:
-                    mark = _NO_MARK
-            if mark < end:
-                end = mark
-        if end > size:
-            if not start:            # shorter than one chunk: no key (a prompt shorter than a block has none)
-                break
-            end = size
-        if end <= part_end:          # inside one part (always, for one part): hashed from a view, no copy
-            seed = xxh(view[start - at:end - at], seed)
-        else:                        # across parts: XXH3's streaming state gives the one-shot digest of the bytes
-            h = xxh3_64(seed=seed)
-            h.update(view[start - at:])
-            while end > part_end:
-                i += 1
-                at, part_end, view = part_end, part_end + len(parts[i]), memoryview(parts[i])
-                h.update(view[:end - at])
-            seed = h.intdigest()
-        keys.append(seed)
-        ends.append(end)
-        start = end
-        if start == part_end and i + 1 < len(parts):   # the next chunk starts in the next part
-            i += 1
-            at, part_end, view = part_end, part_end + len(parts[i]), memoryview(parts[i])
-        step = end // TEXT_GROWTH if end >= floor else chunk_chars
+    keys, ends = CHUNK_KEYS(parts, chunk_chars, TEXT_GROWTH, MESSAGE_MARK[0], seed, xxh3_64_intdigest)
     if tokens_per_byte:
         estimate = max(1, round(size * tokens_per_byte))
     else:
