@@ -31,7 +31,8 @@ holding the prefix is cheaper to hand the request to, but where a decoder's cach
 routed meanwhile (:class:`InflightPrefixes`): they queue behind it in the engine and find its blocks computed. So
 the first users of a new system prompt spread by load at once (the first one's prefiller is not left looking like
 the only holder while the others compute theirs), and concurrent duplicates go where the work is already done.  An
-answered prompt stays there a few seconds more, until the engine's events about it have surely been read.
+answered prompt stays there a few seconds more where the engine's events will tell of it, until they have surely
+been read; elsewhere the record below takes over at once (:meth:`PrefixRouter._settles`).
 
 **Record.**  In ``auto`` and ``approximate``, every answered prefill is recorded in the approximate index
 (:meth:`PrefixCache.record <pdproxy.prefix.cache.PrefixCache.record>`), also on engines with live events, so the
@@ -423,8 +424,18 @@ class PrefixRouter:
         except BaseException:
             self.inflight.remove(endpoint.name, keys)
             raise
-        self.inflight.remove(endpoint.name, keys, answered=True)
+        self.inflight.remove(endpoint.name, keys, answered=self._settles(endpoint, keys))
         self.prefilled(req, ctx, endpoint)
+
+    def _settles(self, endpoint: Endpoint, keys: BlockKeys) -> bool:
+        """Whether an answered prompt keeps its in-flight credit on ``endpoint`` a few seconds more: only where a
+        prediction for it comes from the engine's own KV events (token keys, a live publisher), until they have
+        surely been read.  Elsewhere a prediction comes from the approximate index, where :meth:`prefilled`
+        records the prompt in the same instant (modes ``auto`` / ``approximate``), or there is none (mode
+        ``precise`` without a live publisher, and text keys there: :meth:`_predict`): settling held every answered
+        prompt's keys ``settle_s`` seconds for nothing (4,000 prompts' worth at 800 requests/s, every ``add`` and
+        ``remove`` paying for that table's size)."""
+        return keys.kind == "tokens" and self.cache.is_precise(endpoint.name)
 
     def prefilled(self, req: ProxyRequest, ctx: RequestContext, endpoint: Endpoint) -> None:
         """``endpoint`` answered ``req``'s prefill: note the prediction for it on ``ctx``

@@ -187,3 +187,60 @@ def test_text_keys_of_a_rendered_chat_are_pinned() -> None:
         6473355559937028508, 3814072231123602999, 14589595235104345335]
     assert keys == text_keys(render_bytes(body, True).decode(), chunk_chars=16, namespace="m")    # text or bytes
     assert keys == text_keys(render_parts(body, True), chunk_chars=16, namespace="m")   # or its parts, unjoined
+
+
+@pytest.mark.parametrize("mode", ["auto", "approximate", "precise"])
+def test_an_answered_prompt_settles_only_where_kv_events_will_tell_of_it(mode: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the answered prompt's keys go into the approximate index (modes auto / approximate, text keys or an
+    engine without live events), its in-flight credit ends with the prefill — the record predicts the prompt from
+    then on; where nothing predicts it (precise, no live publisher) there is nothing to credit; it settles only
+    for token keys on an engine whose KV events will tell of it."""
+    import asyncio
+
+    from pdproxy.apis.request import Api, parse_request
+    from pdproxy.app.state import ProxyState
+    from pdproxy.prefix.index import BlockKeys
+    from pdproxy.settings import Settings
+    from pdproxy.timeline import RequestContext, new_request_id
+
+    async def run() -> None:
+        state = ProxyState.build(Settings(prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:10"],
+                                          prefix_routing=mode))
+        for e in state.pool.endpoints():
+            info = state.infos[e]
+            info.models = [{"id": "m", "object": "model", "max_model_len": 100_000}]
+            info.max_model_len, info.block_size, info.num_gpu_blocks = 100_000, 16, 10_000
+            info.kv_pool_tokens, info.reachable = 160_000, True
+            state.prefix_cache.update_engine(e, info)
+        prefiller = state.pool.endpoints(Role.PREFILL)[0]
+        router = state.prefix
+        await state.admission.start()
+        try:
+            raw = b'{"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "%s"}]}' % (
+                b"all work and no play " * 400)
+
+            async def routed() -> tuple[Any, RequestContext]:
+                req = parse_request(raw, Api.CHAT)
+                ctx = RequestContext(request_id=new_request_id(None), client_request_id=None, api_label="chat")
+                await state.admission.admit(req, ctx)
+                await router.hints(req, ctx)
+                return req, ctx
+
+            first, ctx = await routed()
+            with router.prefilling(first, ctx, prefiller):
+                assert len(router.inflight) == 1
+            second, _ = await routed()
+            assert len(router.inflight) == 0 and not router.inflight._held      # no settling
+            predictions = second.prefix_lookup.predictions
+            if mode == "precise":          # no live publisher: no prediction that a settling credit could raise
+                assert prefiller.name not in predictions
+            else:                          # recorded: the record predicts the prompt
+                assert predictions[prefiller.name].cached_tokens > 0
+            monkeypatch.setattr(state.prefix_cache, "is_precise", lambda name: True)
+            assert router._settles(prefiller, BlockKeys([1, 2, 3], 16, 64))      # token keys on a live publisher
+            assert not router._settles(prefiller, first.prefix_lookup.keys_for(prefiller.name))   # text keys
+        finally:
+            await state.admission.aclose()
+
+    asyncio.run(run())
