@@ -103,3 +103,55 @@ def test_text_keys_grow_as_documented() -> None:
     keys = text_keys(b"x" * 10_000, chunk_chars=256)
     assert keys.ends[:TEXT_GROWTH] == [256 * (i + 1) for i in range(TEXT_GROWTH)]
     assert keys.ends[TEXT_GROWTH] == 2048 + 2048 // TEXT_GROWTH and keys.ends[-1] == 10_000
+
+
+@pytest.mark.skipif(_textkeys is None, reason="the compiled loop is not built")
+@pytest.mark.parametrize("change", ["clear", "replace", "append", "shrink"])
+def test_a_digest_that_changes_the_parts_list_changes_nothing_under_the_loop(change: str) -> None:
+    """The loop reads the parts it was given: a digest that empties, rewrites or grows the caller's list (dropping
+    the only references to its bytes) neither crashes it nor changes its keys."""
+    def fresh() -> list[bytes]:
+        return [bytes(range(65, 91)) * (i + 3) + (b"\x1e" if i % 3 else b"") for i in range(12)]
+
+    want = py_chunk_keys(fresh(), 8, 2, MARK, 5, xxh3_64_intdigest)
+    parts = fresh()
+
+    def digest(chunk: Any, seed: int) -> int:
+        key = xxh3_64_intdigest(chunk, seed)
+        if change == "clear":
+            parts.clear()
+        elif change == "replace":
+            parts[:] = ["not bytes"] * len(parts)
+        elif change == "append":
+            parts.extend([b"\x1e" * 1000] * 50)
+        elif parts:
+            parts.pop()
+        return key
+
+    assert _textkeys.chunk_keys(parts, 8, 2, MARK, 5, digest) == want
+
+
+@pytest.mark.skipif(_textkeys is None, reason="the compiled loop is not built")
+def test_a_chunk_the_digest_keeps_holds_its_part() -> None:
+    """A chunk passed as a view of a part keeps that part alive (as the Python loop's memoryview does): a digest
+    that keeps it reads the same bytes after the caller has let the parts go."""
+    kept: list[Any] = []
+
+    def digest(chunk: Any, seed: int) -> int:
+        kept.append(chunk)
+        return xxh3_64_intdigest(chunk, seed)
+
+    part = bytes(range(256)) * 40
+    _, ends = _textkeys.chunk_keys([part], 64, 8, MARK, 0, digest)
+    assert all(isinstance(c, memoryview) and c.obj is part for c in kept)
+    starts = [0, *ends[:-1]]
+    del part
+    assert [bytes(c) for c in kept] == [(bytes(range(256)) * 40)[s:e] for s, e in zip(starts, ends)]
+
+
+@pytest.mark.skipif(_textkeys is None, reason="the compiled loop is not built")
+@pytest.mark.parametrize(("chunk", "growth"), [(4, 2**62), (2**62, 8), (2**63 - 1, 1), (2**61, 2**61)])
+def test_huge_chunk_sizes_and_growth_key_as_the_python_loop(chunk: int, growth: int) -> None:
+    parts = [b"a" * 50, b"\x1e" + b"b" * 50]
+    want = py_chunk_keys(parts, chunk, growth, MARK, 3, xxh3_64_intdigest)
+    assert _textkeys.chunk_keys(parts, chunk, growth, MARK, 3, xxh3_64_intdigest) == want
