@@ -237,8 +237,10 @@ def test_an_answered_prompt_settles_only_where_kv_events_will_tell_of_it(mode: s
                 assert prefiller.name not in predictions
             else:                          # recorded: the record predicts the prompt
                 assert predictions[prefiller.name].cached_tokens > 0
+            tokens = BlockKeys([1, 2, 3], 16, 64)
+            assert not router._settles(prefiller, tokens)     # token keys (a tokenizer) but no live publisher
             monkeypatch.setattr(state.prefix_cache, "is_precise", lambda name: True)
-            assert router._settles(prefiller, BlockKeys([1, 2, 3], 16, 64))      # token keys on a live publisher
+            assert router._settles(prefiller, tokens)                            # token keys on a live publisher
             assert not router._settles(prefiller, first.prefix_lookup.keys_for(prefiller.name))   # text keys
         finally:
             await state.admission.aclose()
