@@ -146,7 +146,7 @@ def test_a_chunk_the_digest_keeps_holds_its_part() -> None:
     assert all(isinstance(c, memoryview) and c.obj is part for c in kept)
     starts = [0, *ends[:-1]]
     del part
-    assert [bytes(c) for c in kept] == [(bytes(range(256)) * 40)[s:e] for s, e in zip(starts, ends)]
+    assert [bytes(c) for c in kept] == [(bytes(range(256)) * 40)[s:e] for s, e in zip(starts, ends, strict=True)]
 
 
 @pytest.mark.skipif(_textkeys is None, reason="the compiled loop is not built")
