@@ -49,6 +49,15 @@ LIMIT = 40
 BIG = "word " * 60_000           # 300 KB of prompt text: a body far above 64 KiB
 
 
+def depth(v: object) -> int:
+    """A parsed value's nesting depth (``[[1]]`` is 2 deep; a scalar 0)."""
+    if isinstance(v, list):
+        return 1 + max((depth(x) for x in v), default=0)
+    if isinstance(v, dict):
+        return 1 + max((depth(x) for x in v.values()), default=0)
+    return 0
+
+
 def body(depth: int, pad: str = "", siblings: int = 0) -> bytes:
     """An object whose ``x`` nests ``depth - 1`` arrays (``depth`` levels with the object), ``siblings`` empty
     arrays beside it (shallow brackets), ``pad`` as a long string member."""
@@ -81,13 +90,6 @@ def test_what_is_not_one_json_value_is_a_400(raw: bytes, pad: bytes, path: str) 
 def test_any_value_parses_iff_it_fits(path: str, value: object, big: bool) -> None:
     """Brackets inside strings count toward the bound but never toward the depth."""
     raw = orjson.dumps([value, BIG] if big else value)
-
-    def depth(v: object) -> int:
-        if isinstance(v, list):
-            return 1 + max((depth(x) for x in v), default=0)
-        if isinstance(v, dict):
-            return 1 + max((depth(x) for x in v.values()), default=0)
-        return 0
 
     limit = 6
     if depth(orjson.loads(raw)) <= limit:
@@ -146,13 +148,6 @@ def test_the_scan_finds_a_json_texts_depth_exactly(value: object, limit: int, op
     """For JSON the scan's answer is the value's nesting depth against the limit: brackets, quotes and
     backslashes inside strings never count (``[[1]]`` is 2 deep)."""
     raw = orjson.dumps(value, option=option)
-
-    def depth(v: object) -> int:
-        if isinstance(v, list):
-            return 1 + max((depth(x) for x in v), default=0)
-        if isinstance(v, dict):
-            return 1 + max((depth(x) for x in v.values()), default=0)
-        return 0
 
     assert _jsonscan.nests_within(raw, limit) is (depth(value) <= limit)
     assert _jsonscan.nests_within(bytearray(raw), limit) is (depth(value) <= limit)
