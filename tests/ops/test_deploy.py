@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -200,6 +201,22 @@ def _image_commands() -> tuple[list[str], list[str]]:
     check = json.loads(health[health.index("CMD") + 3:].strip())
     assert sum(w == "FROM" for w, _ in steps) == 2  # build stage + runtime stage
     return entry + cmd, check
+
+
+def test_the_image_is_built_with_the_compiled_parts() -> None:
+    """The wheel is built where setup.py and a C compiler are (pdproxy's optional C files: without them pip builds a
+    pure wheel and the image runs their slower Python twins), and the runtime stage installs that wheel only."""
+    steps = _dockerfile()
+    last = max(i for i, (w, _) in enumerate(steps) if w == "FROM")
+    build, final = steps[:last], steps[last:]
+    assert any(w == "RUN" and "gcc" in rest and "libc6-dev" in rest for w, rest in build)
+    copied = " ".join(rest for w, rest in build if w == "COPY")
+    assert "setup.py" in copied and "pyproject.toml" in copied
+    assert "setup.py" in re.findall(r"^!(\S+)$", (ROOT / "docker" / "Dockerfile.dockerignore").read_text(), re.M)
+    assert not any(w == "RUN" and "gcc" in rest for w, rest in final)
+    compiled = re.findall(r'Extension\("([\w.]+)", \["([\w/]+\.c)"\]', (ROOT / "setup.py").read_text())
+    assert {m for m, _ in compiled} == {"pdproxy.pd._record", "pdproxy.apis._jsonscan", "pdproxy.prefix._textkeys"}
+    assert all((ROOT / c).exists() for _, c in compiled)
 
 
 def test_image_entrypoint_and_healthcheck_outside_docker(sims: Fleet, tmp_path: Path) -> None:
