@@ -375,8 +375,9 @@ class Settings(BaseSettings):
         65536, ge=1, description="approximate index: blocks remembered per engine when its KV pool size is unknown")
     prefix_approx_ttl_s: float = Field(600.0, gt=0, description="approximate index: forget a block sent this long "
                                                                 "ago (seconds)")
-    prefix_text_chunk_chars: int = Field(256, ge=1, description="without a tokenizer: UTF-8 bytes per key of the "
-                                                                "rendered prompt (approximate index only)")
+    prefix_text_chunk_chars: int = Field(256, ge=1, le=1 << 20,
+                                         description="without a tokenizer: UTF-8 bytes per key of the rendered "
+                                                     "prompt (approximate index only; at most 1 MiB)")
     prefix_routing: Literal["auto", "precise", "approximate", "off"] = Field(
         "auto", description="prefix-cache-aware prefill routing (pdproxy/prefix/routing.py): 'auto' = from the "
                             "engine's KV events where its publisher is live, else from where pdproxy sent earlier "
