@@ -72,6 +72,7 @@ from pdproxy.errors import (
     ENGINE_TEXT_CHARS,
     Action,
     BadRequest,
+    EnginesFailed,
     ModelNotFound,
     NotFound,
     ProxyError,
@@ -337,7 +338,8 @@ class Passthrough:
                     anthropic: bool = False) -> None:
         """Pass ``body`` (``POST path``, the client's ``client`` headers) to an engine and relay its answer to
         ``send``.  Raises :class:`ProxyError` while nothing was sent (404 for an unknown model or a route no engine
-        serves, 503 when no engine can take it, the last engine failure)."""
+        serves, 503 when no engine can take it; when every engine tried failed, the last one's own 5xx answer, else
+        :class:`~pdproxy.errors.EnginesFailed`: 503 with Retry-After)."""
         ctype = client.get(b"content-type", "")
         generate: dict[str, Any] | None = None          # a generate request's parsed body (module docstring)
         prompt: int | None = None
@@ -395,8 +397,9 @@ class Passthrough:
                 not_served += 1
                 continue
             return
-        if last is not None and not not_served:
-            raise last
+        if last is not None and not not_served:      # every engine tried failed: an engine's own 5xx as it sent it,
+            # else (refused, reset, timed out) the PD path's 503 with Retry-After until a breaker re-admits one
+            raise EnginesFailed.after(tried[-1].role, last, self.health.retry_after_s(tried))
         if not tried:                                    # the scheduler's reason (503, or 404 for the model)
             self.scheduler.pick(Role.DECODE, request, capacity=False)
         raise NotFound(f"no engine serves {path}" + (f" for model {model}" if model else "") +

@@ -140,9 +140,9 @@ def test_a_failing_engine_is_replaced_by_the_next_one(proxy: ProxyThread, engine
 def test_an_engine_success_with_an_empty_body_is_never_relayed(proxy: ProxyThread, engines: dict[str, SimProcess],
                                                                stream: bool) -> None:
     """A decoder that answers 200 and ends its body at once (a clean close before its first byte, or an empty
-    200) is a failed attempt: the prefiller serves the request; with every engine doing so the client gets a
-    502 in the OpenAI envelope, never a 200 with an empty body (which the engine's status line, relayed as
-    the body began, once made)."""
+    200) is a failed attempt: the prefiller serves the request; with every engine doing so the client gets the
+    PD path's 503 with Retry-After in the OpenAI envelope, naming the last failure, never a 200 with an empty
+    body (which the engine's status line, relayed as the body began, once made)."""
     fault = ({"kind": "close_without_done", "events": 0} if stream else {"kind": "status", "status": 200, "body": ""})
     body = {"model": "gen", "token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}, "stream": stream}
     engines["d"].faults(dict(fault, path="/inference/v1/generate", times=1))
@@ -152,7 +152,9 @@ def test_an_engine_success_with_an_empty_body_is_never_relayed(proxy: ProxyThrea
     for name in ("d", "p"):
         engines[name].faults(dict(fault, path="/inference/v1/generate", times=1))
     r = httpx.post(proxy.url + "/inference/v1/generate", json=body, timeout=20)
-    assert r.status_code == 502 and "with an empty body" in r.json()["error"]["message"]
+    message = r.json()["error"]["message"]
+    assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+    assert "retry later" in message and "with an empty body" in message
 
 
 def test_engine_errors_are_relayed_honestly(proxy: ProxyThread) -> None:
