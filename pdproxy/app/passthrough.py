@@ -16,7 +16,10 @@ the JSON body's ``model``, or the ``model`` field of a multipart form.
 engine (breaker fed, ``Retry-After`` honoured); an engine that does not serve the route at all — FastAPI's 404
 ``{"detail": "Not Found"}``, what vLLM answers for a pooling route on a generate model and the reverse — tries the
 next engine without counting against it, and when none serves it the client gets a 404 in the OpenAI envelope
-naming the route.  Any other status (4xx, 500) is the engine's answer, relayed as is; a 5xx among them counts
+naming the route.  When every engine tried failed, the client gets the last one's own 5xx answer as it sent it,
+or — none answered (refused, reset, timed out, an empty 2xx) — the PD routes' 503 with ``Retry-After`` until a
+breaker re-admits one (:meth:`~pdproxy.errors.EnginesFailed.after`).  Any other status (4xx, 500) is the engine's
+answer, relayed as is; a 5xx among them counts
 against the engine's breaker (:func:`pdproxy.errors.classify_status`: engine unwell).  An engine that breaks after
 its first byte (a reset, a time-out mid-answer) is never retried; it counts against its breaker, and the client's
 body ends as a PD route's broken stream does: an SSE stream with vLLM's error event and ``data: [DONE]``, any other
