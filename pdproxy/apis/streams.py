@@ -92,16 +92,11 @@ def output_tokens_in(data: bytes) -> int | None:
     return int(found[-1]) if found else None
 
 
-def public_message(err: ProxyError) -> str:
-    """The message the client may read (no engine addresses: :func:`pdproxy.errors.public_message`)."""
-    return err.client_message()
-
-
 def anthropic_error(err: ProxyError) -> dict[str, Any]:
     """An error pdproxy raises on ``/v1/messages``, in vLLM's Anthropic envelope
     (``anthropic/api_router.py::translate_error_response``: ``{"type": "error", "error": {"type": <vLLM's error
     type>, "message"}}``)."""
-    return anthropic_envelope(err.error_type, public_message(err))
+    return anthropic_envelope(err.error_type, err.client_message())
 
 
 def anthropic_envelope(kind: str, message: str) -> dict[str, Any]:
@@ -299,7 +294,7 @@ class ResponsesStream(_EventStream):
         other route's ``error.code`` carries it (``"502"``)."""
         self.sequence += 1
         code = err.code if isinstance(err.code, str) else str(err.status_code)
-        return named_event(b"error", {"type": "error", "code": code, "message": public_message(err),
+        return named_event(b"error", {"type": "error", "code": code, "message": err.client_message(),
                                       "param": err.param, "sequence_number": self.sequence})
 
 
