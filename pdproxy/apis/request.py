@@ -490,14 +490,9 @@ def load_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH, max_items: int | None
     items."""
     if max_items is not None and len(raw) * 2 > max_items * 3 and json_items(raw, max_items) > max_items:
         raise too_many_items(max_items)
-    if NESTS_WITHIN is not None:
-        if not NESTS_WITHIN(raw, max_depth):
-            raise too_deep(max_depth)
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise _body_error(raw, max_depth, str(exc)) from None
-    if _brackets_at_most(raw, max_depth):
+    if NESTS_WITHIN is not None and not NESTS_WITHIN(raw, max_depth):
+        raise too_deep(max_depth)
+    if NESTS_WITHIN is not None or _brackets_at_most(raw, max_depth):     # depth known to be within the limit
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
