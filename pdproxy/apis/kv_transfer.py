@@ -17,10 +17,13 @@ up in ``docs/pd-protocol.md``.  In short:
    ``guided_*``, Responses ``text.format``, Messages ``output_config.format``) are dropped — engines that must
    build a grammar for one token fail there (vLLM-Ascend answers 500 with GLM-5), and the decoder, which samples
    every output token itself, keeps them all;
-2. the prefiller answers JSON with a top-level ``kv_transfer_params`` dict, opaque to us (:func:`extract_params`);
-   an answer without one that finished ``stop`` is a complete answer to the request (:func:`ended_on_prefill`);
+2. the prefiller answers JSON with a top-level ``kv_transfer_params`` object, opaque to us: read by
+   :func:`load_prefill_answer` as its bytes (a :class:`KVHandle`, never turned into Python objects: NIXL's handle
+   of a 64K-token prompt holds ~4,000 block ids) and taken by :func:`extract_params`; an answer without one that
+   finished ``stop`` is a complete answer to the request (:func:`ended_on_prefill`);
 3. decode leg (:func:`decode_body_bytes`): the client's bytes, byte-faithful, with the proxy-owned members removed
-   and the prefiller's dict added as ``kv_transfer_params`` — never a second member of the same name.
+   and the prefiller's handle added as ``kv_transfer_params``, byte for byte as the prefiller sent it — never a
+   second member of the same name.
 
 Both legs carry the same ``X-Request-Id``.
 
@@ -53,14 +56,39 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import orjson
 
 from pdproxy.apis.request import Api
 
 KVTransferParams = dict[str, Any]
-"""Opaque connector handle produced by the prefiller and consumed by the decoder."""
+"""A connector handle as a dict: the prefill leg's stub (:data:`PREFILL_STUB`), :meth:`KVHandle.params`."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVHandle:
+    """The opaque connector handle a prefiller produced for a decoder: its ``kv_transfer_params`` object exactly
+    as the prefiller sent it (``raw``: UTF-8 JSON object bytes, at least one member, syntax checked), forwarded
+    to the decoder byte for byte (:func:`decode_body_bytes`, :func:`release_body`) without ever becoming Python
+    objects.  The size is the prompt's: NixlConnector lists one block id per ``block_size`` tokens
+    (``nixl/pull_scheduler.py::request_finished``), ~4,000 ids (~25 KB) for a 64K-token prompt, which cost
+    ~90 µs to parse and ~30 µs to serialise again (``loadtest/request_cost_bench.py``)."""
+
+    raw: bytes
+
+    def params(self) -> KVTransferParams:
+        """The handle parsed (for inspection: tools, tests; the request path never needs it)."""
+        params = orjson.loads(self.raw)
+        assert isinstance(params, dict)
+        return params
+
+    @classmethod
+    def of(cls, params: KVTransferParams) -> KVHandle:
+        """The handle of an already parsed ``params`` dict (a test's, or a tool's)."""
+        return cls(orjson.dumps(params))
 
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 
@@ -233,16 +261,17 @@ def engine_must_judge(max_output_tokens: int | None, max_model_len: int | None) 
     return max_output_tokens is not None and max_model_len is not None and max_output_tokens > max_model_len
 
 
-def decode_body(original: Mapping[str, Any], params: KVTransferParams | None) -> dict[str, Any]:
-    """Return a new dict: the client's body without proxy-owned fields, plus the prefiller's ``params``
-    verbatim (none when ``params`` is None: the decoder then prefills the prompt itself)."""
+def decode_body(original: Mapping[str, Any], params: KVHandle | None) -> dict[str, Any]:
+    """Return a new dict: the client's body without proxy-owned fields, plus the prefiller's handle ``params``
+    verbatim (an ``orjson.Fragment`` of its bytes; none when ``params`` is None: the decoder then prefills the
+    prompt itself)."""
     body = {k: v for k, v in original.items() if k not in PROXY_OWNED}
     if params is not None:
-        body[KV_TRANSFER_PARAMS] = params
+        body[KV_TRANSFER_PARAMS] = orjson.Fragment(params.raw)
     return body
 
 
-def release_body(original: dict[str, object], params: KVTransferParams, api: Api = Api.CHAT) -> bytes:
+def release_body(original: dict[str, object], params: KVHandle, api: Api = Api.CHAT) -> bytes:
     """The release leg's body: the prefill overrides of ``api`` (``stream: false``, a one-token limit, no stream
     options, ``min_tokens: 1`` on chat and completions) with the prefiller's ``params`` as the decoder's
     ``kv_transfer_params`` — the leg that frees a prefiller's pinned KV no decoder will read
@@ -250,7 +279,7 @@ def release_body(original: dict[str, object], params: KVTransferParams, api: Api
     return orjson.dumps(decode_body(prefill_body(original, api), params))
 
 
-def decode_body_bytes(raw: bytes, params: KVTransferParams | None,
+def decode_body_bytes(raw: bytes, params: KVHandle | None,
                       parsed: Mapping[str, Any] | None = None) -> bytes:
     """The decode-leg body built from the client's raw JSON object bytes, byte-faithful outside what changes.
 
@@ -267,12 +296,12 @@ def decode_body_bytes(raw: bytes, params: KVTransferParams | None,
     if type(parsed) is not dict and not isinstance(parsed, Mapping):   # a dict first: no ABC check per request
         raise ValueError("request body is not a JSON object")
     if PROXY_OWNED.isdisjoint(parsed.keys()):
-        return raw if params is None else _append_member(raw, KV_TRANSFER_PARAMS, params)
+        return raw if params is None else _append_member(raw, KV_TRANSFER_PARAMS, orjson.Fragment(params.raw))
     kept = _without_members(raw, PROXY_OWNED)
-    return kept if params is None else _append_member(kept, KV_TRANSFER_PARAMS, params)
+    return kept if params is None else _append_member(kept, KV_TRANSFER_PARAMS, orjson.Fragment(params.raw))
 
 
-def decode_leg_body(api: Api, raw: bytes, original: Mapping[str, Any], params: KVTransferParams | None,
+def decode_leg_body(api: Api, raw: bytes, original: Mapping[str, Any], params: KVHandle | None,
                     request_id: str | None = None) -> bytes:
     """The decode-leg body of a request of ``api``: :func:`decode_body_bytes` of the client's ``raw`` bytes
     (``original``: them parsed), and for Responses the ``request_id`` the prefill leg named
@@ -311,7 +340,8 @@ def with_output_limit(body: bytes, api: Api, original: Mapping[str, Any], limit:
 
 
 def _append_member(raw: bytes, key: str, value: Any) -> bytes:
-    """``raw`` (a JSON object) with ``"key": value`` added before its closing brace: one copy of ``raw``."""
+    """``raw`` (a JSON object) with ``"key": value`` added before its closing brace: one copy of ``raw``
+    (``value``: anything orjson serialises; an ``orjson.Fragment`` goes in as its bytes)."""
     end = raw.rfind(b"}")
     if end < 0 or raw[end + 1:].strip() or not raw.lstrip().startswith(b"{"):
         raise ValueError("request body is not a JSON object")
@@ -419,19 +449,61 @@ def _without_members(raw: bytes, names: frozenset[str]) -> bytes:
 
 
 # ------------------------------------------------------------------------------------------ the prefill answer
-def extract_params(prefill_response: Mapping[str, Any]) -> KVTransferParams | None:
-    """The ``kv_transfer_params`` of a prefiller's JSON answer, or None when absent/null/not a dict.
+_MEMBERS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+"""A JSON object's top-level members, each value as its bytes (syntax checked while skipped, nothing built)."""
+_EMPTY_OBJECT = re.compile(rb"\{[ \t\n\r]*\}")
+
+
+def load_prefill_answer(data: bytes) -> Any:
+    """A prefiller's answer ``data`` parsed as ``orjson.loads`` parses it, except that a ``kv_transfer_params``
+    object with members stays bytes: a :class:`KVHandle` in its place (the last member of that name, as orjson
+    keeps).  Cost: one skim of ``data`` (msgspec, validating the JSON syntax without building objects), then
+    an orjson parse of each other top-level member when the handle is most of ``data`` (~26 µs for a 64K-token
+    prompt's answer, whose plain parse and handle cost ~87 µs), else of ``data`` whole (~3 µs for a 100-token
+    prompt's 600 bytes).  Anything else (no handle, a null or non-object handle, not an object, invalid JSON or UTF-8,
+    nesting past msgspec's recursion limit) is ``orjson.loads(data)``, which raises ``orjson.JSONDecodeError``
+    for what it refuses."""
+    try:
+        members = _MEMBERS.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        return orjson.loads(data)
+    value = members.get(KV_TRANSFER_PARAMS)
+    if value is None:
+        return orjson.loads(data)
+    raw = bytes(value)
+    if raw[:1] != b"{" or _EMPTY_OBJECT.fullmatch(raw):
+        return orjson.loads(data)
+    try:
+        raw.decode("utf-8")        # msgspec skips strings unchecked; a decoder gets valid JSON or nothing
+    except UnicodeDecodeError:
+        return orjson.loads(data)
+    if len(raw) * 2 < len(data):    # a small handle: one plain parse costs less than one per member
+        answer = orjson.loads(data)
+    else:
+        answer = {key: orjson.loads(memoryview(v)) for key, v in members.items() if key != KV_TRANSFER_PARAMS}
+    answer[KV_TRANSFER_PARAMS] = KVHandle(raw)
+    return answer
+
+
+def extract_params(prefill_response: Mapping[str, Any]) -> KVHandle | None:
+    """The ``kv_transfer_params`` of a prefiller's JSON answer as a :class:`KVHandle`, or None when
+    absent/null/empty/not an object.  ``prefill_response``: :func:`load_prefill_answer`'s (the handle already
+    bytes) or any parsed answer (a dict handle is serialised once).
 
     vLLM 0.32's NIXL connector returns a handle for a request that finished length-capped or stopped
     (``nixl/pull_scheduler.py::request_finished``); older NIXL and vLLM-Ascend's Mooncake connector only for a
     length-capped one, and no connector at all means no handle.
     """
-    return _handle(prefill_response)
-
-
-def _handle(prefill_response: Mapping[str, Any]) -> KVTransferParams | None:
     params = prefill_response.get(KV_TRANSFER_PARAMS)
-    return params if isinstance(params, dict) and params else None
+    if isinstance(params, KVHandle):
+        return params
+    return KVHandle.of(params) if isinstance(params, dict) and params else None
+
+
+def _has_handle(prefill_response: Mapping[str, Any]) -> bool:
+    """Whether the answer carries a handle (:func:`extract_params` would not be None), without serialising one."""
+    params = prefill_response.get(KV_TRANSFER_PARAMS)
+    return isinstance(params, KVHandle) or (isinstance(params, dict) and bool(params))
 
 
 # How Responses and Messages answers say why they ended, in chat's finish_reason names (vLLM 0.32's
@@ -464,7 +536,7 @@ def ended_on_prefill(prefill_response: Mapping[str, Any], api: Api = Api.CHAT) -
     the turn: :func:`finish_reason` ``stop`` / ``tool_calls``) and handed over no KV: its answer is the complete
     answer, not a broken handoff.  An answer capped by the leg's one-token limit without a handle means the
     prefiller has no KV connector."""
-    return _handle(prefill_response) is None and finish_reason(prefill_response, api) in _COMPLETE_FINISH
+    return not _has_handle(prefill_response) and finish_reason(prefill_response, api) in _COMPLETE_FINISH
 
 
 def prefill_prompt_tokens(prefill_response: Mapping[str, Any], api: Api = Api.CHAT) -> int | None:

@@ -21,7 +21,7 @@ never retried here, so a request does not run twice.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlsplit
@@ -126,8 +126,10 @@ class Upstream:
         return await conn.request(head, body, idle_timeout_s, headers_by=headers_by, deadline_at=deadline_at)
 
     async def post_json(self, endpoint: Endpoint, path: str, body: bytes, headers: dict[str, str], *,
-                        timeout_s: float) -> dict[str, Any]:
-        """POST ``body`` (JSON bytes) and return the parsed JSON object answer.
+                        timeout_s: float, parse: Callable[[bytes], Any] = orjson.loads) -> dict[str, Any]:
+        """POST ``body`` (JSON bytes) and return the parsed JSON object answer (``parse``: the parser, one that
+        raises ``orjson.JSONDecodeError`` for what it refuses; the prefill leg's keeps the handle as bytes,
+        ``pdproxy/apis/kv_transfer.py::load_prefill_answer``).
 
         Raises :class:`UpstreamHTTPError` (engine answered ≥ 400; body kept verbatim), :class:`UpstreamTimeout`
         (no complete answer within ``timeout_s`` seconds; the connection is closed, which makes vLLM abort),
@@ -149,7 +151,7 @@ class Upstream:
         except (TransportError, TimeoutError) as exc:
             raise _answer_failure(exc, endpoint, timeout_s) from None
         try:
-            parsed = orjson.loads(data)
+            parsed = parse(data)
         except orjson.JSONDecodeError:
             parsed = None
         if not isinstance(parsed, dict):

@@ -83,7 +83,7 @@ class KVReleaser:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def release(self, req: ProxyRequest, request_id: str, authorization: str | None,
-                params: kv_transfer.KVTransferParams | None, *, avoid: Sequence[Endpoint] = (),
+                params: kv_transfer.KVHandle | None, *, avoid: Sequence[Endpoint] = (),
                 prefiller: Endpoint | None = None) -> None:
         """Start a release leg for ``params`` (no-op for None: nothing is pinned).  ``avoid``: decoders that just
         failed, used only when no other decoder is available.  ``prefiller``: the engine holding the KV, which
@@ -163,7 +163,7 @@ class KVReleaser:
         return None
 
     async def _run(self, req: ProxyRequest, request_id: str, authorization: str | None,
-                   params: kv_transfer.KVTransferParams, avoid: Sequence[Endpoint]) -> None:
+                   params: kv_transfer.KVHandle, avoid: Sequence[Endpoint]) -> None:
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + self.retry_s
         body = kv_transfer.release_body(req.body, params, req.api)

@@ -62,7 +62,7 @@ class PrefillResult:
 
     endpoint: Endpoint
     lease: Lease
-    params: kv_transfer.KVTransferParams | None
+    params: kv_transfer.KVHandle | None
     cached_tokens: int | None
     consumed: bool = field(default=False)
     decoders: list[Endpoint] = field(default_factory=list)
@@ -153,11 +153,11 @@ class PrefillLeg:
             try:
                 with (self.tracing.prefill(ctx, endpoint),                 # the span is the leg's traceparent
                       (prefix or _NO_PREFIX).prefilling(req, ctx, endpoint)):  # in flight there; answered/failed
-                    reply = await self.answer(req, ctx, endpoint, slot, (
-                        self.upstream.post_json if fault is None else self.upstream.judge)(
-                        endpoint, req.api.value, leg,
-                        self.headers.leg(endpoint, ctx.request_id, ctx.authorization, ctx.client_headers),
-                        timeout_s=timeout_s))
+                    headers = self.headers.leg(endpoint, ctx.request_id, ctx.authorization, ctx.client_headers)
+                    reply = await self.answer(req, ctx, endpoint, slot, self.upstream.post_json(
+                        endpoint, req.api.value, leg, headers, timeout_s=timeout_s,
+                        parse=kv_transfer.load_prefill_answer) if fault is None else self.upstream.judge(
+                        endpoint, req.api.value, leg, headers, timeout_s=timeout_s))
                     ctx.cached_tokens = kv_transfer.prefill_cached_tokens(reply, req.api)
                     ctx.engine_prompt_tokens = kv_transfer.prefill_prompt_tokens(reply, req.api)
             except ProxyError as exc:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import httpx
+import orjson
 
 from pdproxy.apis import kv_transfer
 from pdproxy.endpoints import Endpoint
@@ -187,12 +188,14 @@ async def pd_round_trip(client: httpx.AsyncClient, prefiller: Endpoint, decoder:
         if r.status_code != 200:
             out.error = f"prefill leg: {_brief(r)}"
             return out
-        out.kv_transfer_params = kv_transfer.extract_params(r.json())
-        if out.kv_transfer_params is None:
+        handle = kv_transfer.extract_params(kv_transfer.load_prefill_answer(r.content))
+        if handle is None:
             return out  # no KV connector on the prefiller: nothing pinned, nothing to pull
+        out.kv_transfer_params = handle.params()
         t0 = time.monotonic()
-        r = await client.post(decoder.url + path, json=kv_transfer.decode_body(body, out.kv_transfer_params),
-                              headers=_headers(decoder, rid, api_key), timeout=timeout_s)
+        r = await client.post(decoder.url + path, content=orjson.dumps(kv_transfer.decode_body(body, handle)),
+                              headers={**_headers(decoder, rid, api_key), "Content-Type": "application/json"},
+                              timeout=timeout_s)
         out.decode_s = time.monotonic() - t0
         if r.status_code != 200:
             out.error = f"decode leg: {_brief(r)}"

@@ -39,10 +39,10 @@ def test_the_prefill_leg_is_the_one_the_real_prefiller_served(api: Api, name: st
 
 @pytest.mark.parametrize(("api", "name"), [(Api.RESPONSES, "pd_responses"), (Api.MESSAGES, "pd_messages")])
 def test_handle_and_cached_tokens_are_read_where_vllm_puts_them(api: Api, name: str) -> None:
-    answer = capture(f"{name}_prefill")["response"]["json"]
-    params = kv_transfer.extract_params(answer)
-    assert params is not None and params["do_remote_prefill"] is True
-    assert params == capture(f"{name}_decode")["request"]["body"]["kv_transfer_params"]
+    answer = kv_transfer.load_prefill_answer(orjson.dumps(capture(f"{name}_prefill")["response"]["json"]))
+    handle = kv_transfer.extract_params(answer)
+    assert handle is not None and handle.params()["do_remote_prefill"] is True
+    assert handle.params() == capture(f"{name}_decode")["request"]["body"]["kv_transfer_params"]
     assert kv_transfer.prefill_cached_tokens(answer, api) == 0
     assert kv_transfer.prefill_cached_tokens({"usage": {"input_tokens_details": {"cached_tokens": 32}}},
                                              Api.RESPONSES) == 32
@@ -57,12 +57,13 @@ def test_the_decode_leg_is_the_client_body_plus_the_handle(api: Api) -> None:
     client = {k: v for k, v in sent.items() if k != "kv_transfer_params"}
     raw = orjson.dumps(client)
     req = parse_request(raw, api)
-    body = orjson.loads(kv_transfer.decode_leg_body(api, raw, req.body, sent["kv_transfer_params"], "rid"))
+    handle = kv_transfer.KVHandle.of(sent["kv_transfer_params"])
+    body = orjson.loads(kv_transfer.decode_leg_body(api, raw, req.body, handle, "rid"))
     expected = {**sent, **({"request_id": "resp_rid"} if api is Api.RESPONSES else {})}
     assert body == expected
     own = orjson.dumps({**client, "request_id": "resp_client"})
     if api is Api.RESPONSES:                                       # a client's own request_id stays, on both legs
-        assert orjson.loads(kv_transfer.decode_leg_body(api, own, orjson.loads(own), {}, "rid"))[
+        assert orjson.loads(kv_transfer.decode_leg_body(api, own, orjson.loads(own), None, "rid"))[
             "request_id"] == "resp_client"
         assert kv_transfer.prefill_body(orjson.loads(own), api, request_id="rid")["request_id"] == "resp_client"
 

@@ -69,7 +69,7 @@ def test_decode_body_keeps_every_other_byte_and_owns_the_handle(body: tuple[byte
                                                                 params: dict[str, Any] | None) -> None:
     raw, members = body
     parsed = orjson.loads(raw)
-    out = kv_transfer.decode_body_bytes(raw, params, parsed)
+    out = kv_transfer.decode_body_bytes(raw, None if params is None else kv_transfer.KVHandle.of(params), parsed)
 
     names_in = [name for name, _, _ in kv_transfer.top_level_members(raw)]
     names_out = [name for name, _, _ in kv_transfer.top_level_members(out)]
@@ -100,7 +100,7 @@ def test_top_level_members_splits_the_object_as_a_json_parser_does(body: tuple[b
 
 def test_the_common_case_is_one_append() -> None:
     raw = b'{"model": "m", "prompt": "x", "max_tokens": 5}\n'
-    out = kv_transfer.decode_body_bytes(raw, {"a": 1}, orjson.loads(raw))
+    out = kv_transfer.decode_body_bytes(raw, kv_transfer.KVHandle.of({"a": 1}), orjson.loads(raw))
     assert out == b'{"model": "m", "prompt": "x", "max_tokens": 5,"kv_transfer_params":{"a":1}}'
 
 
@@ -110,4 +110,4 @@ def test_only_proxy_owned_members_go_even_when_escaped_or_repeated() -> None:
     out = kv_transfer.decode_body_bytes(raw, None, orjson.loads(raw))
     assert out == b'{ "prompt":"say \\"kv_transfer_params\\": 1","n": 1 }'
     assert kv_transfer.decode_body_bytes(b'{"kv_transfer_params": 1}', None) == b"{}"
-    assert kv_transfer.decode_body_bytes(b'{"kv_transfer_params": 1}', {"b": 2}) == b'{"kv_transfer_params":{"b":2}}'
+    assert kv_transfer.decode_body_bytes(b'{"kv_transfer_params": 1}', kv_transfer.KVHandle.of({"b": 2})) == b'{"kv_transfer_params":{"b":2}}'

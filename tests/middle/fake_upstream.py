@@ -521,7 +521,7 @@ class FakeUpstream(Upstream):
                 "remote_host": e.host, "remote_port": 5600, "tp_size": 1, "remote_num_tokens": 12}
 
     async def post_json(self, endpoint: Endpoint, path: str, body: bytes, headers: dict[str, str], *,
-                        timeout_s: float) -> dict[str, Any]:
+                        timeout_s: float, parse: Callable[[bytes], Any] = orjson.loads) -> dict[str, Any]:
         if path == "/tokenize":
             kind: Kind = "tokenize"
         elif endpoint.role is Role.PREFILL:
@@ -559,7 +559,7 @@ class FakeUpstream(Upstream):
             if kind == "prefill" and o.handle:
                 reply["kv_transfer_params"] = call.handle = self._new_handle(call)
             call.result = "answered"
-            return reply
+            return parse(orjson.dumps(reply))             # the bytes through the leg's own parser
         except asyncio.CancelledError:
             call.result = "aborted"
             raise

@@ -28,9 +28,9 @@ def spy_params(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any] | None]:
     returned: list[dict[str, Any] | None] = []
     extract = kv_transfer.extract_params
 
-    def spy(reply: dict[str, Any]) -> dict[str, Any] | None:
+    def spy(reply: dict[str, Any]) -> kv_transfer.KVHandle | None:
         params = extract(reply)
-        returned.append(params)
+        returned.append(None if params is None else params.params())   # the handle's bytes, parsed to read
         return params
 
     monkeypatch.setattr(kv_transfer, "extract_params", spy)

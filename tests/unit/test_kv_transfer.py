@@ -36,7 +36,7 @@ def test_prefill_body_adds_max_completion_tokens_only_if_present() -> None:
 def test_decode_body_bytes_keep_the_client_bytes_and_append_params() -> None:
     raw = b'{"prompt": "x", "temperature": 0.10000000000000000555, "seed": 12345678901234567890 , "n": 1}  '
     params = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_engine_id": "e_dp0"}
-    out = kv_transfer.decode_body_bytes(raw, params)
+    out = kv_transfer.decode_body_bytes(raw, kv_transfer.KVHandle.of(params))
     assert out.startswith(raw.rstrip()[:-1].rstrip())  # every client byte before the closing brace, verbatim
     assert orjson.loads(out.replace(b"12345678901234567890", b"1"))["kv_transfer_params"] == params
 
@@ -45,7 +45,7 @@ def test_decode_body_replaces_a_client_sent_handle_without_a_duplicate() -> None
     import json
 
     raw = b'{"prompt": "x", "kv_transfer_params": {"evil": 1}}'
-    out = kv_transfer.decode_body_bytes(raw, {"do_remote_prefill": True})
+    out = kv_transfer.decode_body_bytes(raw, kv_transfer.KVHandle.of({"do_remote_prefill": True}))
     assert out == b'{"prompt": "x","kv_transfer_params":{"do_remote_prefill":true}}'
     assert json.loads(out, object_pairs_hook=lambda pairs: dict(pairs))["kv_transfer_params"] == {
         "do_remote_prefill": True}
@@ -61,13 +61,14 @@ def test_decode_body_without_params_strips_client_handle() -> None:
 @pytest.mark.parametrize("raw", [b"[]", b'"x"', b"3"])
 def test_decode_body_rejects_non_objects(raw: bytes) -> None:
     with pytest.raises(ValueError):
-        kv_transfer.decode_body_bytes(raw, {"a": 1})
+        kv_transfer.decode_body_bytes(raw, kv_transfer.KVHandle.of({"a": 1}))
 
 
 def test_extract_params_and_cached_tokens() -> None:
     reply = {"kv_transfer_params": {"remote_block_ids": [[1]]},
              "usage": {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4}}}
-    assert kv_transfer.extract_params(reply) == {"remote_block_ids": [[1]]}
+    assert kv_transfer.extract_params(reply) == kv_transfer.KVHandle(b'{"remote_block_ids":[[1]]}')
+    assert kv_transfer.extract_params({"kv_transfer_params": {}}) is None
     assert kv_transfer.prefill_cached_tokens(reply) == 4
     assert kv_transfer.extract_params({"kv_transfer_params": None}) is None
     assert kv_transfer.extract_params({}) is None
@@ -82,10 +83,11 @@ def test_the_release_leg_is_the_prefill_overrides_with_the_prefillers_handle() -
     original = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 300,
                 "stream_options": {"include_usage": True}, "kv_transfer_params": {"remote_host": "10.9.9.9"},
                 "temperature": 0.5}
-    body = orjson.loads(kv_transfer.release_body(original, params))   # type: ignore[arg-type]
+    body = orjson.loads(kv_transfer.release_body(original, kv_transfer.KVHandle.of(params)))  # type: ignore[arg-type]
     assert body == {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": False,
                     "max_tokens": 1, "min_tokens": 1, "temperature": 0.5, "kv_transfer_params": params}
-    completions = orjson.loads(kv_transfer.release_body({"model": "m", "prompt": "x", "max_tokens": 9}, params,
+    completions = orjson.loads(kv_transfer.release_body({"model": "m", "prompt": "x", "max_tokens": 9},
+                                                        kv_transfer.KVHandle.of(params),
                                                         Api.COMPLETIONS))   # type: ignore[arg-type]
     assert completions["max_tokens"] == 1 and completions["stream"] is False
     assert completions["kv_transfer_params"] == params
