@@ -29,6 +29,7 @@ from pdproxy.apis import kv_transfer
 PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [list(range(64))],
           "remote_engine_id": "e5f6", "remote_request_id": "chatcmpl-x", "remote_host": "10.0.0.5",
           "remote_port": 5600, "tp_size": 1}
+HANDLE = kv_transfer.KVHandle.of(PARAMS)
 
 
 def append_baseline(raw: bytes, params: dict[str, Any]) -> bytes:
@@ -72,9 +73,9 @@ def main() -> None:
         row = {
             "mb": round(len(raw) / 1e6, 2),
             "append_baseline": cpu_ms(lambda raw=raw: append_baseline(raw, PARAMS), 30),
-            "common": cpu_ms(lambda raw=raw, parsed=parsed: kv_transfer.decode_body_bytes(raw, PARAMS, parsed), 30),
+            "common": cpu_ms(lambda raw=raw, parsed=parsed: kv_transfer.decode_body_bytes(raw, HANDLE, parsed), 30),
             "owned_removed": cpu_ms(lambda owned=owned, owned_parsed=owned_parsed: kv_transfer.decode_body_bytes(
-                owned, PARAMS, owned_parsed), 10),
+                owned, HANDLE, owned_parsed), 10),
             "orjson_loads": cpu_ms(lambda raw=raw: orjson.loads(raw), 10),
         }
         row["common_ratio"] = round(row["common"] / row["append_baseline"], 3) if row["append_baseline"] else None

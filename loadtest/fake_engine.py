@@ -11,7 +11,8 @@ Wire behaviour (shapes follow vLLM's OpenAI server: the handle of ``docs/pd-prot
 - ``POST /v1/completions`` and ``/v1/chat/completions``:
   - ``stream`` false: one JSON body after ``prefill_s`` seconds; when the body carries
     ``kv_transfer_params.do_remote_decode`` the answer carries NIXL-shaped ``kv_transfer_params``
-    (``remote_block_ids`` … ``remote_request_id``) and ``usage.prompt_tokens_details.cached_tokens``;
+    (``remote_block_ids``, one id per 16 prompt tokens as NixlConnector lists them, … ``remote_request_id``) and
+    ``usage.prompt_tokens_details.cached_tokens``;
   - ``stream`` true: chunked SSE, first event after ``ttft_s``, then one event every ``itl_s`` seconds
     (``itl_s`` 0 = full speed: bursts of ``burst`` events per loop turn), ``max_completion_tokens`` or
     ``max_tokens`` events (default 16), a usage chunk when ``stream_options.include_usage``, then
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import math
 import time
 import uuid
@@ -111,10 +113,23 @@ class Engine:
         if isinstance(kv, dict) and kv.get("do_remote_decode"):
             self.stats.kv_prefills += 1
             out["kv_transfer_params"] = {
-                "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3]],
+                "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": block_ids(prompt_tokens),
                 "remote_engine_id": "bench-engine_dp0", "remote_request_id": out["id"] + "-0-1a2b3c4d",
                 "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1, "remote_num_tokens": prompt_tokens}
         return _json_response(200, out)
+
+
+BLOCK_SIZE = 16
+"""Tokens per KV block, as ``/metrics`` declares (``vllm:cache_config_info``)."""
+
+
+@functools.lru_cache(maxsize=256)
+def block_ids(prompt_tokens: int) -> orjson.Fragment:
+    """``remote_block_ids`` as NixlConnector lists them (``nixl/pull_scheduler.py::request_finished``): one list
+    per KV cache group holding one id per ``BLOCK_SIZE`` prompt tokens — ~4,000 six-digit ids for a 64K-token
+    prompt, which a proxy reads and forwards on every request (encoded once per size: the engine stays cheap)."""
+    n = max(1, -(-prompt_tokens // BLOCK_SIZE))
+    return orjson.Fragment(orjson.dumps([list(range(100_000, 100_000 + n))]))
 
 
 class Stream:

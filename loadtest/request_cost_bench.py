@@ -17,8 +17,10 @@ order the request path runs them (``pdproxy/app/application.py`` → ``pdproxy/p
 - ``admit``: :meth:`Admission.admit` (bounds; ``max_model_len`` 1M as the fake engine declares);
 - ``prefix``: :meth:`PrefixRouter.hints` (prefix keys + the index query), ``prefix_routing`` auto, no tokenizer
   and no KV events (text keys: the users bench's configuration), against an index holding earlier requests;
-- ``prefill_body``: the prefill leg's bytes; ``decode_body``: the decode leg's bytes with a handle (one block id
-  per 16 prompt tokens);
+- ``prefill_body``: the prefill leg's bytes;
+- ``answer``: the prefiller's JSON answer read as the leg reads it (``kv_transfer.load_prefill_answer``: the
+  handle, one block id per 16 prompt tokens as NixlConnector lists them, stays bytes) and its handle taken;
+- ``decode_body``: the decode leg's bytes with that handle;
 - ``record``: the prefill leg's prefix bookkeeping around the prefiller's answer (in flight, then recorded);
 
 and ``total`` (all of them, in one asyncio task, the worker-thread hops included).  ``--profile STEP`` prints
@@ -61,6 +63,17 @@ def handle(prompt_tokens: int) -> dict[str, Any]:
     return {"do_remote_prefill": True, "do_remote_decode": False,
             "remote_block_ids": [list(range(prompt_tokens // 16))], "remote_engine_id": "e5f6a7b8",
             "remote_request_id": "chatcmpl-x", "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1}
+
+
+def answer_bytes(prompt_tokens: int) -> bytes:
+    """A vLLM chat answer to a prefill leg of ``prompt_tokens`` tokens, with its handle (:func:`handle`)."""
+    return orjson.dumps({
+        "id": "chatcmpl-x", "object": "chat.completion", "created": 1, "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "a", "tool_calls": []},
+                     "logprobs": None, "finish_reason": "length", "stop_reason": None}],
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + 1, "completion_tokens": 1,
+                  "prompt_tokens_details": {"cached_tokens": 0}},
+        "prompt_logprobs": None, "kv_transfer_params": handle(prompt_tokens)})
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -174,7 +187,11 @@ class Path:
                                                      request_id=ctx.request_id,
                                                      relax=self.settings.prefill_relax_constraints))
 
-    def decode_body(self, req: ProxyRequest, ctx: RequestContext, params: dict[str, Any]) -> bytes:
+    @staticmethod
+    def answer(data: bytes) -> kv_transfer.KVHandle | None:
+        return kv_transfer.extract_params(kv_transfer.load_prefill_answer(data))
+
+    def decode_body(self, req: ProxyRequest, ctx: RequestContext, params: kv_transfer.KVHandle | None) -> bytes:
         return kv_transfer.decode_leg_body(req.api, req.raw, req.body, params, ctx.request_id)
 
 
@@ -190,16 +207,16 @@ async def atimed(fn: Callable[[], Awaitable[Any]]) -> float:
     return time.process_time() - start
 
 
-STEPS = ("read", "parse", "admit", "prefix", "prefill_body", "decode_body", "record")
+STEPS = ("read", "parse", "admit", "prefix", "prefill_body", "answer", "decode_body", "record")
 
 
-async def whole(path: Path, parts: list[bytes], ctx: RequestContext, params: dict[str, Any]) -> None:
-    """Every step of one request, in order (``params``: the prefiller's handle)."""
+async def whole(path: Path, parts: list[bytes], ctx: RequestContext, answer: bytes) -> None:
+    """Every step of one request, in order (``answer``: the prefiller's answer bytes)."""
     req = path.parse(b"".join(parts))
     await path.admit(req, ctx)
     await path.prefix(req, ctx)
     path.prefill_body(req, ctx)
-    path.decode_body(req, ctx, params)
+    path.decode_body(req, ctx, path.answer(answer))
     path.record(req, ctx)
 
 
@@ -220,14 +237,16 @@ async def measure(kind: str, runs: int, prefix_routing: str = "auto") -> dict[st
             t_admit = await atimed(functools.partial(path.admit, req, ctx))
             t_prefix = await atimed(functools.partial(path.prefix, req, ctx))
             t_pre = timed(functools.partial(path.prefill_body, req, ctx))
-            t_dec = timed(functools.partial(path.decode_body, req, ctx, handle(req.prompt_tokens or 0)))
+            answer = answer_bytes(req.prompt_tokens or 0)
+            t_ans = timed(functools.partial(path.answer, answer))
+            t_dec = timed(functools.partial(path.decode_body, req, ctx, path.answer(answer)))
             t_rec = timed(functools.partial(path.record, req, ctx))
             # the same request again, whole (a fresh parse: nothing cached on the request object)
-            t_total = await atimed(functools.partial(whole, path, parts[i], path.ctx(), handle(req.prompt_tokens or 0)))
+            t_total = await atimed(functools.partial(whole, path, parts[i], path.ctx(), answer))
             if i < 20:                            # warm-up
                 continue
-            for name, t in zip((*STEPS, "total"), (t_read, t_parse, t_admit, t_prefix, t_pre, t_dec, t_rec, t_total),
-                               strict=True):
+            for name, t in zip((*STEPS, "total"),
+                               (t_read, t_parse, t_admit, t_prefix, t_pre, t_ans, t_dec, t_rec, t_total), strict=True):
                 samples[name].append(t)
         out = {name: round(statistics.median(v) * 1e6, 1) for name, v in samples.items()}
         out["body_bytes"] = float(statistics.median(len(b) for b in bodies))
@@ -259,9 +278,14 @@ async def profile(kind: str, step: str, runs: int) -> None:
             prof.enable()
         path.prefill_body(req, ctx)
         prof.disable()
+        answer = answer_bytes(req.prompt_tokens or 0)
+        if step == "answer":
+            prof.enable()
+        params = path.answer(answer)
+        prof.disable()
         if step == "decode_body":
             prof.enable()
-        path.decode_body(req, ctx, handle(req.prompt_tokens or 0))
+        path.decode_body(req, ctx, params)
         prof.disable()
         if step == "record":
             prof.enable()
