@@ -1,7 +1,7 @@
 """Command line: ``pdproxy serve | sim | demo | doctor``.  The only module that exits the process.
 
-``pdproxy serve`` takes the vLLM-Ascend example proxy's flags (``--prefiller-hosts … --decoder-ports …``),
-vllm-router's command line as is (``--vllm-pd-disaggregation --prefill URL [BOOTSTRAP_PORT] --decode URL
+``pdproxy serve`` takes the vLLM-Ascend example proxy's flags (``--prefiller-hosts … --decoder-ports …``, its
+retry flags: :data:`ASCEND_FLAGS`), vllm-router's command line as is (``--vllm-pd-disaggregation --prefill URL [BOOTSTRAP_PORT] --decode URL
 --policy cache_aware``, its ``-secs`` and health flags: :data:`ROUTER_FLAGS`, :data:`ROUTER_POLICIES`; the side by
 side table is docs/migrating.md) and every other setting as a flag; flags win over ``PDPROXY_*`` environment
 variables, which win over the ``--config`` file.
@@ -83,6 +83,10 @@ def _attempts(text: str) -> int:
     return min(int(text) + 1, 10)
 
 
+def _tries(text: str) -> int:
+    return min(max(int(text), 1), 10)
+
+
 ROUTER_FLAGS: Final = (
     RouterFlag("--vllm-pd-disaggregation", (), None, "pdproxy always runs vLLM's PD flow"),
     RouterFlag("--worker-startup-timeout-secs", (), str, "pdproxy starts at once; engines join when healthy"),
@@ -117,6 +121,19 @@ ROUTER_FLAGS: Final = (
 policies (:data:`ROUTER_POLICIES`)."""
 
 
+ASCEND_FLAGS: Final = (
+    RouterFlag("--max-retries", ("prefill_attempts", "decode_attempts"), _tries, "its N is the tries per leg, "
+                                                                                 "at most 10"),
+    RouterFlag("--retry-delay", ("retry_backoff_s",), float, ""),
+    RouterFlag("--max-waiting-retries", (), str, "engines join when healthy; add them with POST /admin/endpoints"),
+    RouterFlag("--waiting-retry-interval", (), str, "see --health-interval-s"),
+)
+"""The vLLM-Ascend example proxy's flags (``load_balance_proxy_server_example.py``) that ``pdproxy serve`` accepts
+besides ``--host``, ``--port``, ``--workers``, ``--log-level`` and the host/port lists, which are pdproxy's own.  Its
+``--max-retries N`` makes N tries of each leg (``max(1, N)``), where vllm-router's ``--retry-max-retries N`` makes
+N + 1."""
+
+
 @dataclass(frozen=True)
 class RouterPolicy:
     """What a vllm-router policy becomes in pdproxy's scheduling pipeline (pdproxy/scheduling/): the picker
@@ -144,16 +161,21 @@ def _router_dest(flag: str) -> str:
 
 
 def add_router_arguments(p: argparse.ArgumentParser) -> None:
-    """Add vllm-router's flags (:data:`ROUTER_FLAGS`, the three policy flags) to ``p``."""
+    """Add vllm-router's flags (:data:`ROUTER_FLAGS`, the three policy flags) and the vLLM-Ascend example proxy's
+    (:data:`ASCEND_FLAGS`) to ``p``."""
     group = p.add_argument_group("vllm-router compatibility (docs/migrating.md)")
-    for rf in ROUTER_FLAGS:
-        effect = ("sets " + ", ".join(rf.settings)) if rf.settings else "no effect"
-        help_text = f"vllm-router's flag: {effect}" + (f" ({rf.note})" if rf.note else "")
-        if rf.convert is None:
-            group.add_argument(rf.flag, dest=_router_dest(rf.flag), action="store_true", default=None,
-                               help=help_text)
-        else:
-            group.add_argument(rf.flag, dest=_router_dest(rf.flag), default=None, metavar="VALUE", help=help_text)
+    ascend = p.add_argument_group("vLLM-Ascend example proxy compatibility (docs/migrating.md)")
+    for peer, target, flags in (("vllm-router", group, ROUTER_FLAGS),
+                                ("the vLLM-Ascend example proxy", ascend, ASCEND_FLAGS)):
+        for rf in flags:
+            effect = ("sets " + ", ".join(rf.settings)) if rf.settings else "no effect"
+            help_text = f"{peer}'s flag: {effect}" + (f" ({rf.note})" if rf.note else "")
+            if rf.convert is None:
+                target.add_argument(rf.flag, dest=_router_dest(rf.flag), action="store_true", default=None,
+                                    help=help_text)
+            else:
+                target.add_argument(rf.flag, dest=_router_dest(rf.flag), default=None, metavar="VALUE",
+                                    help=help_text)
     for flag in ("--policy", "--prefill-policy", "--decode-policy"):
         group.add_argument(flag, dest=_router_dest(flag), choices=sorted(ROUTER_POLICIES), default=None,
                            help="vllm-router's policy → routing_picker and prefix_routing (docs/migrating.md)")
@@ -179,7 +201,7 @@ def split_bootstrap_ports(values: list[str]) -> tuple[list[str], list[str]]:
 def _router_overrides(args: argparse.Namespace, given: dict[str, Any]) -> dict[str, Any]:
     """The settings vllm-router's flags in ``args`` ask for, minus those a pdproxy flag in ``given`` sets."""
     out: dict[str, Any] = {}
-    for rf in ROUTER_FLAGS:
+    for rf in (*ROUTER_FLAGS, *ASCEND_FLAGS):
         raw = getattr(args, _router_dest(rf.flag), None)
         if raw is None or not rf.settings:
             continue

@@ -125,7 +125,9 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535, description="listen port of the OpenAI-compatible front door")
     workers: int = Field(1, ge=1, le=64, description="worker processes sharing the port and one load view "
                                                      "(pdproxy/app/supervisor.py); 1 = a single process")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = Field(
+        "info", description="debug, info, warning, error or critical, in any case (vllm-router's lower-case "
+                            "names, the vLLM-Ascend example proxy's DEBUG … CRITICAL)")
     log_format: Literal["text", "json"] = Field("text", description="log lines as text or as one JSON object each "
                                                                     "(pdproxy/ops/logs.py)")
     ssl_keyfile: str | None = Field(None, description="TLS private key file (PEM); serves HTTPS with ssl_certfile")
@@ -432,6 +434,11 @@ class Settings(BaseSettings):
         if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str) and v[0].strip().startswith("["):
             v = v[0]
         return _split_list(v)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _log_level(cls, v: Any) -> Any:
+        return v.strip().lower() if isinstance(v, str) else v
 
     @field_validator("kv_events", "kv_events_replay")
     @classmethod

@@ -72,3 +72,42 @@ def test_a_bad_nested_value_in_a_config_file_is_named_on_its_own_line(tmp_path: 
         main(["serve", "--config", config])
     assert exit_.value.code == 2
     assert f"{config}:4: setting endpoints.2.role: Input should be 'prefill' or 'decode'" in capsys.readouterr().err
+
+
+def _serve_settings(argv: list[str]):   # noqa: ANN202 - Settings
+    from pdproxy.cli import _Parser, add_router_arguments, add_serve_arguments, settings_from_args
+
+    p = _Parser(prog="pdproxy serve")
+    add_serve_arguments(p)
+    add_router_arguments(p)
+    return settings_from_args(p.parse_args(argv))
+
+
+def test_the_vllm_ascend_example_proxys_line_starts_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The example proxy's own flags (its ``parse_args``: ``--max-retries``, ``--retry-delay``, the waiting-node
+    flags, ``--log-level`` in upper case) are accepted; old code: "unrecognized arguments", then a --log-level
+    error for ``INFO``."""
+    for key in [k for k in os.environ if k.startswith("PDPROXY_")]:
+        monkeypatch.delenv(key)
+    s = _serve_settings(["--host", "0.0.0.0", "--port", "9000", "--workers", "2",
+                         "--prefiller-hosts", "p0", "p1", "--prefiller-ports", "8100", "8101",
+                         "--decoder-hosts", "d0", "--decoder-ports", "8200",
+                         "--max-retries", "5", "--retry-delay", "0.2", "--max-waiting-retries", "3",
+                         "--waiting-retry-interval", "10", "--log-level", "INFO"])
+    assert (s.prefill_attempts, s.decode_attempts, s.retry_backoff_s) == (5, 5, 0.2)
+    assert (s.workers, s.log_level) == (2, "info")
+    assert _serve_settings(["--prefill", "http://p:1", "--decode", "http://d:2", "--max-retries", "0"]
+                           ).prefill_attempts == 1                      # max(1, N) tries, as the example proxy
+    # pdproxy's own flag wins over the peer's spelling
+    assert _serve_settings(["--prefill", "http://p:1", "--decode", "http://d:2", "--max-retries", "5",
+                            "--decode-attempts", "2"]).decode_attempts == 2
+
+
+@pytest.mark.parametrize(("given", "level"), [("critical", "critical"), ("CRITICAL", "critical"),
+                                              ("Warning", "warning"), ("DEBUG", "debug")])
+def test_log_level_takes_the_peers_spellings(given: str, level: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vllm-router's ``--log-level`` choices include ``critical``; the vLLM-Ascend example proxy's are upper case."""
+    for key in [k for k in os.environ if k.startswith("PDPROXY_")]:
+        monkeypatch.delenv(key)
+    assert _serve_settings(["--prefill", "http://p:1", "--decode", "http://d:2", "--log-level", given]
+                           ).log_level == level
