@@ -7,6 +7,7 @@ import os
 import pytest
 
 from pdproxy.cli import main
+from pdproxy.settings import Settings
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -74,7 +75,7 @@ def test_a_bad_nested_value_in_a_config_file_is_named_on_its_own_line(tmp_path: 
     assert f"{config}:4: setting endpoints.2.role: Input should be 'prefill' or 'decode'" in capsys.readouterr().err
 
 
-def _serve_settings(argv: list[str]):   # noqa: ANN202 - Settings
+def _serve_settings(argv: list[str]) -> Settings:
     from pdproxy.cli import _Parser, add_router_arguments, add_serve_arguments, settings_from_args
 
     p = _Parser(prog="pdproxy serve")
