@@ -65,7 +65,7 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from pdproxy.apis.kv_transfer import PROXY_OWNED, client_handle_fault, decode_body_bytes
-from pdproxy.apis.request import load_json_object
+from pdproxy.apis.request import load_json, load_json_object
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.health import HealthMonitor
 from pdproxy.engines.limits import EngineLimits, Limits
@@ -133,8 +133,9 @@ def _route_not_found(data: bytes) -> bool:
 
 class FormFields:
     """What pdproxy reads of a ``multipart/form-data`` body (speech-to-text uploads): the ``model`` field's value
-    (its first :data:`_MODEL_FIELD_MAX` bytes; of the last ``model`` field, the one FastAPI's ``Form`` reads) and
-    the name of every field.  Parsed by python-multipart — the parser
+    (its first :data:`_MODEL_FIELD_MAX` bytes; of the last ``model`` field, the one FastAPI's ``Form`` reads), the
+    value of every ``vllm_xargs`` field (``xargs``: vLLM parses it as JSON into the request's
+    ``SamplingParams.extra_args``, where the engine reads ``kv_transfer_params`` from) and the name of every field.  Parsed by python-multipart — the parser
     vLLM's own FastAPI server reads the form with — in one pass, in linear time whatever the body holds (its state
     machine never backtracks; a part's data is skipped with ``bytes.find`` for the boundary).  Raises
     :class:`BadRequest` for a body that is not a multipart form of the boundary its ``Content-Type`` names, a
@@ -144,6 +145,7 @@ class FormFields:
     def __init__(self, body: bytes, content_type: str) -> None:
         self.names: list[str] = []
         self.model: str | None = None
+        self.xargs: list[bytes] = []
         _, options = parse_options_header(content_type)
         boundary = options.get(b"boundary")
         if not boundary:
@@ -155,6 +157,7 @@ class FormFields:
         self._header = b""
         self._disposition = b""
         self._value = b""
+        self._xargs = bytearray()
         self._name: str | None = None
         try:
             parser = MultipartParser(boundary, {
@@ -169,6 +172,7 @@ class FormFields:
 
     def _part_begin(self) -> None:
         self._name, self._value = None, b""
+        self._xargs = bytearray()
 
     def _header_field(self, data: bytes, start: int, end: int) -> None:     # a header name may come in pieces
         if len(self._header) < 64:
@@ -188,12 +192,16 @@ class FormFields:
     def _part_data(self, data: bytes, start: int, end: int) -> None:
         if self._name == "model" and len(self._value) < _MODEL_FIELD_MAX:
             self._value += data[start:min(end, start + _MODEL_FIELD_MAX - len(self._value))]
+        elif self._name == "vllm_xargs":                  # whole: it is checked as vLLM reads it (engine_body)
+            self._xargs += data[start:end]
 
     def _part_end(self) -> None:
         if self._name is not None:
             self.names.append(self._name)
             if self._name == "model":                     # the last one, as FastAPI's Form(...) reads it
                 self.model = self._value.decode("utf-8", "replace").strip() or None
+            elif self._name == "vllm_xargs":
+                self.xargs.append(bytes(self._xargs))
 
 
 async def _read_start(resp: httpx.Response, limit: int) -> bytes:
@@ -255,7 +263,9 @@ def engine_body(body: bytes, content_type: str, max_depth: int,
     """``(the body to send an engine, the model it names)`` for a passthrough request.
 
     A ``multipart/form-data`` body (:class:`FormFields`) is sent as it came; a form field a client may not set
-    (:data:`~pdproxy.apis.kv_transfer.PROXY_OWNED`) is refused.  Any other body is read as the JSON object every
+    (:data:`~pdproxy.apis.kv_transfer.PROXY_OWNED`) is refused, and so is a ``vllm_xargs`` field (a JSON string
+    vLLM's speech-to-text routes parse into ``SamplingParams.extra_args``) that sets one or that pdproxy cannot
+    read as strict JSON.  Any other body is read as the JSON object every
     vLLM route takes (:func:`~pdproxy.apis.request.load_json_object`: strict JSON, ``max_depth`` levels and
     ``max_items`` items at most —
     a body vLLM might read but pdproxy cannot is refused rather than passed unread) and sent without the
@@ -268,6 +278,15 @@ def engine_body(body: bytes, content_type: str, max_depth: int,
         owned = PROXY_OWNED.intersection(form.names)
         if owned:
             raise BadRequest(f"{min(owned)} is set by pdproxy, never by a client", param=min(owned))
+        for raw in form.xargs:
+            try:
+                xargs = load_json(raw, max_depth, max_items)
+            except BadRequest:
+                raise BadRequest("Failed to parse vllm_xargs: pdproxy reads it as strict JSON (RFC 8259)",
+                                 param="vllm_xargs") from None
+            fault = client_handle_fault({"vllm_xargs": xargs})
+            if fault is not None:
+                raise BadRequest(f"{fault} is set by pdproxy, never by a client", param="vllm_xargs")
         return body, form.model
     obj = load_json_object(body, max_depth, max_items)
     return json_engine_body(body, obj)

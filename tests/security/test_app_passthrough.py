@@ -152,6 +152,29 @@ def test_multipart_forms_naming_a_proxy_owned_field_are_refused(engine: Recordin
     assert engine.received[1][1] == upload.read()
 
 
+@pytest.mark.parametrize("xargs", [
+    b'{"kv_transfer_params": "x"}',                             # vLLM: str.get() in the connector's scheduler
+    b'{"ec_transfer_params": ["remote_host", "10.0.0.9"]}',
+    b'{"k\\u0076_transfer_params": 1}',                         # the name escaped
+    b'{"kv_transfer_params": NaN}',                             # Python's json reads it, pdproxy's parser does not
+], ids=["kv", "ec", "escaped", "nan"])
+def test_a_form_vllm_xargs_setting_a_proxy_owned_field_is_refused(engine: RecordingEngine, proxy: ProxyThread,
+                                                                   xargs: bytes) -> None:
+    """vLLM's speech-to-text routes parse a form's ``vllm_xargs`` (a JSON string) into ``SamplingParams.extra_args``,
+    where the engine reads the request's ``kv_transfer_params`` from (``vllm/v1/request.py``): a form setting it
+    there reached the engine (only the form's field names were checked)."""
+    form = (b"--bnd\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\n" + MODEL.encode() + b"\r\n"
+            b"--bnd\r\nContent-Disposition: form-data; name=\"vllm_xargs\"\r\n\r\n" + xargs + b"\r\n"
+            b"--bnd\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF\r\n--bnd--\r\n")
+    r = httpx.post(proxy.url + "/v1/audio/transcriptions", content=form,
+                   headers={"content-type": "multipart/form-data; boundary=bnd"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "vllm_xargs", r.text
+    assert not engine.received
+    ok = httpx.post(proxy.url + "/v1/audio/transcriptions", content=form.replace(xargs, b'{"session_id": "s1"}'),
+                    headers={"content-type": "multipart/form-data; boundary=bnd"}, timeout=10)
+    assert ok.status_code == 200, ok.text
+
+
 def test_client_header_values_reach_an_engine_as_visible_ascii_only(engine: RecordingEngine,
                                                                    proxy: ProxyThread) -> None:
     """A non-ASCII ``X-Request-Id``, ``traceparent`` or ``tracestate`` made the passthrough's HTTP client raise
