@@ -29,6 +29,7 @@ Counters for metrics live in :class:`AdmissionStats` (``state.admission.stats``)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -40,7 +41,7 @@ import orjson
 
 from pdproxy.admission import count as token_count
 from pdproxy.admission.bounds import PromptBounds, ToolsBytes, prompt_bounds
-from pdproxy.apis.request import Api, ProxyRequest
+from pdproxy.apis.request import Api, ProxyRequest, prompt_list
 from pdproxy.engines.limits import Limits
 from pdproxy.errors import BadRequest, ProxyError, UpstreamHTTPError
 from pdproxy.http.engine_headers import EngineHeaders
@@ -211,6 +212,11 @@ class Admission:
         :class:`BadRequest` when the chat template rejects the messages, or the engine's own 4xx from
         ``/tokenize`` (:class:`UpstreamHTTPError`).
         """
+        if req.prompts > 1 and req.api is Api.COMPLETIONS:
+            prompts = prompt_list(req.body.get("prompt"))
+            if prompts is not None and len(prompts) > 1:
+                await self._admit_each(req, ctx, prompts)
+                return
         s = self.settings
         view, chat, special = await self._offload(req.count_view, size=_view_bytes(req))   # Responses / Messages:
         # the chat they render, built in Python item by item (300,000 items held the event loop 0.25 s)
@@ -256,6 +262,25 @@ class Admission:
         req.prompt_tokens_estimated = method == "estimate"
         self.stats.admitted_total += 1
         ctx.timeline.admitted_at = time.monotonic()
+
+    async def _admit_each(self, req: ProxyRequest, ctx: RequestContext, prompts: list[Any]) -> None:
+        """:meth:`admit` of a completion prompt list sent whole to one engine (not fanned out: the decoder prefills
+        it, ``prompt_logprobs`` or beam search; or the prefiller judges it): each prompt is an engine request of its
+        own, so each is admitted as one (the counting and limits of a single prompt), and ``req`` is sized as its
+        largest.  Read as one prompt, the list was sized as token ids, one per prompt: two prompts over a decoder's
+        KV pool were admitted as 2 tokens and waited forever there (seed 000)."""
+        largest: ProxyRequest | None = None
+        for prompt in prompts:
+            one = dataclasses.replace(req, body={**req.body, "prompt": prompt}, prompts=1, _count_view=None)
+            await self.admit(one, ctx)
+            if largest is None or (one.prompt_tokens_upper or 0) > (largest.prompt_tokens_upper or 0):
+                largest = one
+        assert largest is not None
+        ctx.prompt_tokens = req.prompt_tokens = largest.prompt_tokens
+        req.prompt_tokens_upper = largest.prompt_tokens_upper
+        req.prompt_tokens_lower = largest.prompt_tokens_lower
+        req.prompt_tokens_exact = largest.prompt_tokens_exact
+        req.prompt_tokens_estimated = largest.prompt_tokens_estimated
 
     def _ambiguous(self, lower: int, max_output: int | None, model: str | None, *, exact: bool = False) -> bool:
         """True when a rejection at ``lower`` (a lower bound unless ``exact``) would hit a ``max_model_len`` of

@@ -100,8 +100,9 @@ class DecodeLeg:
         output together outgrow the whole pool until it preempts itself, and it then waits forever
         (``vllm/v1/core/sched/scheduler.py``, ``schedule``: "Cannot schedule this request"; vLLM issue #39734) — a
         200 whose stream stops.  So the leg asks for at most the pool (less vLLM's null block) less the prompt (the
-        prefiller's exact count on a first leg, else admission's upper bound of the leg's prompt), shared by ``n``
-        choices; the answer then ends with ``finish_reason`` ``length`` there, as it does at ``max_model_len``
+        prefiller's exact count on a first leg, else admission's upper bound of the leg's prompt), shared by the
+        request's sequences (``n`` choices of each prompt of a completion prompt list, which a decoder that prefills
+        runs whole); the answer then ends with ``finish_reason`` ``length`` there, as it does at ``max_model_len``
         (``README.md``, "admit").  With ``max_tokens_overflow = reject`` a client's larger limit was refused at
         admission instead."""
         limits = self.limits.of(endpoint) if self.limits is not None else None
@@ -114,8 +115,7 @@ class DecodeLeg:
                 prompt = max(prompt, req.prompt_tokens_upper)
         if not prompt:
             return None
-        n = req.body.get("n") if req.api is Api.CHAT or req.api is Api.COMPLETIONS else None
-        choices = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+        choices = req.sequences      # n as vLLM reads it ("4", 4.0), times the prompts of a list the decoder runs
         asked = req.max_output_tokens
         if asked is None and req.api is Api.COMPLETIONS:
             asked = 16                        # vLLM's default on a completion; a chat's: max_model_len's room

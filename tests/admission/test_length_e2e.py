@@ -234,6 +234,49 @@ def test_seed_000_an_answer_that_would_outgrow_the_decoders_pool_is_capped_there
         proxy.stop()
 
 
+@pytest.mark.parametrize(("body", "largest"), [
+    ({"prompt": "x," * 2000, "n": "4", "temperature": 1}, 4000),       # n as vLLM's pydantic reads it: 4
+    ({"prompt": "x," * 2000, "n": 4.0, "temperature": 1}, 4000),
+    ({"prompt": ["x," * 500] * 4}, 1000),                             # a prompt list: four engine requests
+], ids=["n-string", "n-float", "prompt-list"])
+def test_a_decoder_that_prefills_shares_its_pool_among_every_sequence(pair_of: Any, body: dict[str, Any],
+                                                                      largest: int) -> None:
+    """A request the decoder prefills itself (``prompt_logprobs``) is not fanned out: the decoder runs all its
+    sequences, so the leg's output limit is the pool's room shared by all of them.  It was shared by ``n`` only
+    when ``n`` was a JSON integer (``"n": "200"`` filled a decoder's whole pool: preemptions, every other request on
+    it waiting), and a prompt list was sized as one token per prompt."""
+    pair: Pair = pair_of("seed")                                         # pool 4,580 tokens (+ the null block)
+    proxy = pair.proxy()
+    try:
+        resp = post(proxy.url, "completions", {**body, "max_tokens": 4000, "prompt_logprobs": 0})
+        assert resp.status_code == 200, resp.text
+        (leg,) = [r["body"] for r in pair.decoder.completions_received()]
+        assert largest + 4 * leg["max_tokens"] <= 4580, leg["max_tokens"]
+        proxy.wait_idle()
+    finally:
+        proxy.stop()
+
+
+def test_a_prompt_list_the_decoder_prefills_is_admitted_prompt_by_prompt(pair_of: Any) -> None:
+    """Each prompt of a list sent whole to the decoder is an engine request of its own: one over the pool is the
+    400 it is alone.  The list was sized as token ids (2 tokens here), admitted, and waited forever on the decoder
+    (seed 000: a prompt the pool cannot hold is never scheduled)."""
+    pair: Pair = pair_of("seed")
+    proxy = pair.proxy()
+    try:
+        alone = post(proxy.url, "completions", {"prompt": "x," * 2400, "max_tokens": 4, "prompt_logprobs": 0})
+        listed = post(proxy.url, "completions", {"prompt": ["x,", "x," * 2400], "max_tokens": 4,
+                                                 "prompt_logprobs": 0})
+        assert alone.status_code == listed.status_code == 400, listed.text
+        assert listed.json() == alone.json()
+        assert pair.decoder.completions_received() == []
+        fits = post(proxy.url, "completions", {"prompt": ["x,", "x," * 1000], "max_tokens": 4, "prompt_logprobs": 0})
+        assert fits.status_code == 200 and len(fits.json()["choices"]) == 2, fits.text
+        proxy.wait_idle()
+    finally:
+        proxy.stop()
+
+
 def test_reject_mode_refuses_an_output_limit_over_the_decoders_pool_up_front(pair_of: Any) -> None:
     pair: Pair = pair_of("seed")
     proxy = pair.proxy(max_tokens_overflow="reject")
