@@ -61,6 +61,7 @@ from typing import Any
 
 import httpx
 import orjson
+from pydantic import TypeAdapter, ValidationError
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
@@ -221,6 +222,8 @@ GENERATE = "/inference/v1/generate"
 
 SAMPLING_DEFAULT_MAX_TOKENS = 16
 """``SamplingParams.max_tokens``' default (``vllm/sampling_params.py``): a generate body without it asks for 16."""
+_LAX_INT: TypeAdapter[int | None] = TypeAdapter(int | None)
+"""``SamplingParams``' ``n`` and ``max_tokens`` as vLLM's ``GenerateRequest`` validates them (pydantic, lax)."""
 
 
 def generate_prompt_tokens(obj: dict[str, Any]) -> int | None:
@@ -233,16 +236,18 @@ def generate_prompt_tokens(obj: dict[str, Any]) -> int | None:
 
 def generate_output_room(obj: dict[str, Any], prompt: int, limits: EngineLimits) -> int | None:
     """The ``sampling_params.max_tokens`` (≥ 1) a generate body ``obj`` of ``prompt`` tokens must carry for its
-    answer to fit an engine of ``limits``' KV pool (less vLLM's null block), shared by ``sampling_params.n``; None
-    when the limit the engine would apply fits — the client's ``max_tokens`` (absent:
-    :data:`SAMPLING_DEFAULT_MAX_TOKENS`; null: the room ``max_model_len`` leaves) — or the pool is unknown."""
+    answer to fit an engine of ``limits``' KV pool (less vLLM's null block), shared by ``sampling_params.n`` (both
+    read as vLLM reads them: ``"4000"`` is 4000); None when the limit the engine would apply fits — the client's
+    ``max_tokens`` (absent: :data:`SAMPLING_DEFAULT_MAX_TOKENS`; null: the room ``max_model_len`` leaves) — or the
+    pool is unknown."""
     params = obj.get("sampling_params")
     params = params if isinstance(params, dict) else {}
-    n = params.get("n")
-    asked = params.get("max_tokens", SAMPLING_DEFAULT_MAX_TOKENS)   # null: max_model_len's room (SamplingParams)
-    if asked is not None and type(asked) is not int:   # 50.0, true, "8": the engine judges (and refuses) it itself
+    try:                      # as vLLM's pydantic reads them (lax): "4000" and 4000.0 are 4000, true is 1
+        n = _LAX_INT.validate_python(params.get("n"))
+        asked = _LAX_INT.validate_python(params.get("max_tokens", SAMPLING_DEFAULT_MAX_TOKENS))  # null: the
+    except ValidationError:   # room max_model_len leaves; not an integer at all: the engine judges (and refuses) it
         return None
-    return limits.output_room(prompt, asked, n if type(n) is int and n > 1 else 1)
+    return limits.output_room(prompt, asked, n if n is not None and n > 1 else 1)
 
 
 def with_generate_output_limit(obj: dict[str, Any], limit: int) -> bytes:
@@ -252,8 +257,11 @@ def with_generate_output_limit(obj: dict[str, Any], limit: int) -> bytes:
     params = obj.get("sampling_params")
     params = dict(params) if isinstance(params, dict) else {}
     params["max_tokens"] = limit
-    low = params.get("min_tokens")
-    if type(low) is int and low > limit:
+    try:
+        low = _LAX_INT.validate_python(params.get("min_tokens"))
+    except ValidationError:
+        low = None
+    if low is not None and low > limit:
         params["min_tokens"] = limit
     return orjson.dumps({k: v for k, v in obj.items() if k not in PROXY_OWNED} | {"sampling_params": params})
 

@@ -63,6 +63,9 @@ def test_a_generate_prompt_over_every_pool_is_refused_and_the_engines_keep_servi
     ({"max_tokens": None}, POOL - 900),          # null: max_model_len's room, more than the pool holds
     ({"max_tokens": 5000, "min_tokens": 3000}, POOL - 900),
     ({"max_tokens": 4000, "n": 2, "temperature": 1}, (POOL - 900) // 2),
+    ({"max_tokens": "5000"}, POOL - 900),        # vLLM's pydantic reads "5000" (and 5000.0) as 5000: so does the cap
+    ({"max_tokens": 5000.0, "min_tokens": "3000"}, POOL - 900),
+    ({"max_tokens": 100, "n": "2", "temperature": 1}, (POOL - 900) // 2),
 ])
 def test_a_generate_output_limit_the_pool_cannot_hold_is_lowered_to_its_room(
         proxy: ProxyThread, engines: tuple[SimProcess, SimProcess], sampling: dict[str, object], sent: int) -> None:
