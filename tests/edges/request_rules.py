@@ -37,8 +37,9 @@ from pdproxy.timeline import RequestContext
 Judge = Callable[[str, bytes], tuple[int, dict[str, Any]]]
 MAX_MODEL_LEN = 2048
 """The oracle's (and the real test engines') ``max_model_len``."""
-HANDLE = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1]],
-          "remote_engine_id": "e", "remote_request_id": "r", "remote_host": "h", "remote_port": 1}
+HANDLE = kv_transfer.KVHandle.of({"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1]],
+                                   "remote_engine_id": "e", "remote_request_id": "r", "remote_host": "h",
+                                   "remote_port": 1})
 ABSENT = object()
 FAN_OUT_MAX = 16
 """pdproxy's default ``fan_out_max_sequences``."""
