@@ -460,13 +460,22 @@ def load_prefill_answer(data: bytes) -> Any:
     keeps).  Cost: one skim of ``data`` (msgspec, validating the JSON syntax without building objects), then
     an orjson parse of each other top-level member when the handle is most of ``data`` (~26 µs for a 64K-token
     prompt's answer, whose plain parse and handle cost ~87 µs), else of ``data`` whole (~3 µs for a 100-token
-    prompt's 600 bytes).  Anything else (no handle, a null or non-object handle, not an object, invalid JSON or UTF-8,
-    nesting past msgspec's recursion limit) is ``orjson.loads(data)``, which raises ``orjson.JSONDecodeError``
-    for what it refuses."""
+    prompt's 600 bytes).  Anything else (no handle, a null or non-object handle, not an object, invalid JSON or
+    UTF-8) is ``orjson.loads(data)``, which raises ``orjson.JSONDecodeError`` for what it refuses.  Nesting past
+    msgspec's recursion limit (~1,000 levels, fewer down a deep call stack) raises ``orjson.JSONDecodeError`` too:
+    no decoder reads a handle that deep (Python's ``json`` stops near 1,000), and orjson, which reads up to 1,023
+    levels, writes no more than 254 (:meth:`KVHandle.of` would raise ``TypeError``).
+
+    The handle's numbers are checked for syntax, not range: a number past a double's range (``1e999``, an integer
+    of 400 digits), which orjson refuses, reaches the decoder as the prefiller wrote it when the handle is most of
+    the answer — the decoder's JSON reader judges it (a connector's handle holds block ids, ports and names)."""
     try:
         members = _MEMBERS.decode(data)
-    except (msgspec.DecodeError, RecursionError):
+    except msgspec.DecodeError:
         return orjson.loads(data)
+    except RecursionError:
+        orjson.loads(data)                  # its own refusal first, for what it refuses anyway
+        raise orjson.JSONDecodeError("prefill answer nested past msgspec's recursion limit", "", 0) from None
     value = members.get(KV_TRANSFER_PARAMS)
     if value is None:
         return orjson.loads(data)

@@ -47,7 +47,7 @@ def test_the_answer_reads_as_orjson_reads_it_with_the_handle_as_its_bytes(handle
 
 @pytest.mark.parametrize("pad", [0, 2000], ids=["handle_most_of_the_answer", "handle_a_small_part"])
 def test_the_decoder_gets_the_handle_byte_for_byte(pad: int) -> None:
-    """Numbers orjson would round or refuse (a 30-digit id, a float past double precision), key order, spacing
+    """Numbers orjson would round (a 30-digit id, a float past double precision), key order, spacing
     and escapes reach the decoder as the prefiller wrote them, after the client's own bytes — whether the rest of
     the answer is read member by member or whole."""
     handle = (b'{ "remote_block_ids" : [[7, 123456789012345678901234567890]], "remote_engine_id":"e\\u00e9_dp0",'
@@ -111,3 +111,23 @@ def test_a_real_sized_nixl_handle_is_never_built_into_python_objects() -> None:
     release = kv_transfer.release_body({"model": "m", "prompt": "x", "stream": True}, params, Api.COMPLETIONS)
     assert release.endswith(b'"kv_transfer_params":' + params.raw + b"}")
     assert orjson.loads(release)["kv_transfer_params"]["remote_block_ids"] == [ids]
+
+
+def test_a_handle_nested_past_what_msgspec_skims_is_refused_not_a_type_error() -> None:
+    """orjson reads 1,023 levels and writes 254; msgspec skims ~1,000 (fewer down a deep stack): a handle between
+    is one no decoder reads, refused like an unreadable answer rather than failing the leg with ``TypeError``
+    when :meth:`KVHandle.of` serialises it again."""
+    data = b'{"choices": [{"finish_reason": "length"}], "kv_transfer_params": {"a": ' + b"[" * 1010 + b"]" * 1010 + b"}}"
+    assert orjson.loads(data)["kv_transfer_params"]
+    with pytest.raises(orjson.JSONDecodeError):
+        kv_transfer.extract_params(kv_transfer.load_prefill_answer(data))
+
+
+def test_a_number_past_a_double_in_a_large_handle_is_forwarded_as_written() -> None:
+    """The handle's numbers are checked for syntax, not range (``load_prefill_answer``): the decoder's reader
+    judges ``1e999`` (Python's ``json`` reads it as infinity)."""
+    handle = b'{"remote_engine_id": "' + b"x" * 200 + b'", "remote_block_ids": [[1, 1e999]]}'
+    data = b'{"choices": [{"finish_reason": "length"}], "kv_transfer_params": ' + handle + b"}"
+    with pytest.raises(orjson.JSONDecodeError):
+        orjson.loads(data)
+    assert kv_transfer.extract_params(kv_transfer.load_prefill_answer(data)) == kv_transfer.KVHandle(handle)
