@@ -276,6 +276,7 @@ class Admission:
             if largest is None or (one.prompt_tokens_upper or 0) > (largest.prompt_tokens_upper or 0):
                 largest = one
         assert largest is not None
+        self.stats.admitted_total -= len(prompts) - 1   # one request admitted (each prompt was counted: counted_total)
         ctx.prompt_tokens = req.prompt_tokens = largest.prompt_tokens
         req.prompt_tokens_upper = largest.prompt_tokens_upper
         req.prompt_tokens_lower = largest.prompt_tokens_lower

@@ -270,8 +270,10 @@ def test_a_prompt_list_the_decoder_prefills_is_admitted_prompt_by_prompt(pair_of
         assert alone.status_code == listed.status_code == 400, listed.text
         assert listed.json() == alone.json()
         assert pair.decoder.completions_received() == []
+        admitted = proxy.state.admission.stats.admitted_total
         fits = post(proxy.url, "completions", {"prompt": ["x,", "x," * 1000], "max_tokens": 4, "prompt_logprobs": 0})
         assert fits.status_code == 200 and len(fits.json()["choices"]) == 2, fits.text
+        assert proxy.state.admission.stats.admitted_total == admitted + 1     # one request, however many prompts
         proxy.wait_idle()
     finally:
         proxy.stop()
