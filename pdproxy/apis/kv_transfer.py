@@ -90,6 +90,7 @@ class KVHandle:
         """The handle of an already parsed ``params`` dict (a test's, or a tool's)."""
         return cls(orjson.dumps(params))
 
+
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 
 PROXY_OWNED = frozenset({KV_TRANSFER_PARAMS, "ec_transfer_params"})
