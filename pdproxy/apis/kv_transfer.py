@@ -326,15 +326,16 @@ def output_limit_key(api: Api, original: Mapping[str, Any]) -> str:
     return "max_tokens"
 
 
-def with_output_limit(body: bytes, api: Api, original: Mapping[str, Any], limit: int) -> bytes:
+def with_output_limit(body: bytes, api: Api, original: Mapping[str, Any], limit: int,
+                      min_tokens: int | None) -> bytes:
     """``body`` (a leg's JSON object bytes for a request of ``api`` whose client body is ``original``) with its
-    output-token limit (:func:`output_limit_key`) set to ``limit``, and a ``min_tokens`` above it lowered to it
-    (vLLM refuses ``min_tokens`` over ``max_tokens``: ``vllm/sampling_params.py``): each member's every occurrence
-    removed, the new one appended; every other byte kept.  Raises ``ValueError`` if ``body`` is not a JSON
-    object."""
+    output-token limit (:func:`output_limit_key`) set to ``limit``, and its ``min_tokens`` (the request's, as vLLM
+    reads it: ``ProxyRequest.min_tokens``, so ``"900"`` and ``900.0`` are 900; None: the API has none) lowered to
+    it when above (vLLM refuses ``min_tokens`` over ``max_tokens``: ``vllm/sampling_params.py``): each member's
+    every occurrence removed, the new one appended; every other byte kept.  Raises ``ValueError`` if ``body`` is
+    not a JSON object."""
     key = output_limit_key(api, original)
-    low = original.get("min_tokens")
-    lower = isinstance(low, int) and not isinstance(low, bool) and low > limit
+    lower = min_tokens is not None and min_tokens > limit
     body = _without_members(body, frozenset((key, "min_tokens") if lower else (key,)))
     body = _append_member(body, key, limit)
     return _append_member(body, "min_tokens", limit) if lower else body

@@ -152,7 +152,7 @@ class DecodeLeg:
         body = kv_transfer.decode_leg_body(req.api, req.raw, req.body, prefill.params, ctx.request_id)
         room = self.output_room(req, ctx, endpoint, first_leg=resume is None or resume.legs == 1)
         if room is not None:
-            body = kv_transfer.with_output_limit(body, req.api, req.body, room)
+            body = kv_transfer.with_output_limit(body, req.api, req.body, room, req.min_tokens)
         if resume is not None and resume.legs > 1:
             transcript = None  # a continuation leg: re-framed by pdproxy.pd.continuation
         elif resume is not None and transcript is not None and self.sends_recomputed(endpoint):

@@ -214,9 +214,10 @@ def test_seed_000_an_answer_that_would_outgrow_the_decoders_pool_is_capped_there
         assert leg["max_tokens"] == 580 and [c["finish_reason"] for c in answer["choices"]] == ["length"] * 2
         answer, leg = ask("completions", {"prompt": sim_prompt(4574)})     # vLLM's default 16 > the 6 left
         assert leg["max_tokens"] == 6 and answer["usage"]["completion_tokens"] == 6
-        answer, leg = ask("completions", {"prompt": sim_prompt(4000), "max_tokens": 1000, "min_tokens": 900})
-        assert leg["max_tokens"] == leg["min_tokens"] == 580              # vLLM refuses min_tokens > max_tokens
-        assert answer["usage"]["completion_tokens"] == 580
+        for low in (900, "900", 900.0):                                   # as vLLM's pydantic reads it, each 900
+            answer, leg = ask("completions", {"prompt": sim_prompt(4000), "max_tokens": 1000, "min_tokens": low})
+            assert leg["max_tokens"] == leg["min_tokens"] == 580          # vLLM refuses min_tokens > max_tokens
+            assert answer["usage"]["completion_tokens"] == 580
         answer, leg = ask("completions", {"prompt": "x," * 1000, "max_tokens": 4000, "prompt_logprobs": 0})
         assert answer["usage"]["prompt_tokens"] == 2000                   # the decoder prefilled: no engine count,
         assert 2000 + leg["max_tokens"] <= 4580                             # admission's upper bound (not estimate)
