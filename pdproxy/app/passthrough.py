@@ -223,7 +223,8 @@ GENERATE = "/inference/v1/generate"
 SAMPLING_DEFAULT_MAX_TOKENS = 16
 """``SamplingParams.max_tokens``' default (``vllm/sampling_params.py``): a generate body without it asks for 16."""
 _LAX_INT: TypeAdapter[int | None] = TypeAdapter(int | None)
-"""``SamplingParams``' ``n`` and ``max_tokens`` as vLLM's ``GenerateRequest`` validates them (pydantic, lax)."""
+"""``SamplingParams``' ``n``, ``max_tokens`` and ``min_tokens`` as vLLM's ``GenerateRequest`` validates them (pydantic,
+lax: ``"4000"`` and ``4000.0`` are 4000, ``true`` is 1, None stays None); raises ``ValidationError`` otherwise."""
 
 
 def generate_prompt_tokens(obj: dict[str, Any]) -> int | None:
