@@ -63,6 +63,7 @@ import contextlib
 import functools
 import http
 import logging
+import os
 import resource
 import select
 import urllib.parse
@@ -275,6 +276,27 @@ def _write_chunk(writelines: Callable[[Any], None], data: bytes) -> None:
     writelines((_CHUNK_SIZES[n] if n < 16384 else b"%x\r\n" % n, data, _CRLF))
 
 
+def _py_chunk_writer(writelines: Callable[[Any], None]) -> Callable[[bytes], None]:
+    """The chunk writer of ``writelines`` in Python: :func:`_write_chunk` bound to it."""
+    return functools.partial(_write_chunk, writelines)
+
+
+def _chunk_writers() -> Callable[[Callable[[Any], None]], Callable[[bytes], None]]:
+    """What makes a chunked body's writer from a transport's ``writelines``: the compiled ``ChunkWriter``
+    (``pdproxy/http/_chunked.c``: the same writes, no Python frame per piece) when it is built and
+    ``PDPROXY_NO_EXTENSIONS`` is not set, else :func:`_py_chunk_writer`."""
+    if os.environ.get("PDPROXY_NO_EXTENSIONS"):
+        return _py_chunk_writer
+    try:
+        from pdproxy.http._chunked import ChunkWriter
+    except ImportError:    # not built (no compiler at install time): the Python one, same writes
+        return _py_chunk_writer
+    return ChunkWriter
+
+
+_chunk_writer = _chunk_writers()
+
+
 class _Refusal(NamedTuple):
     """A refusal the server answers itself: ``status``, ``message``, the completion ``route`` the request was on
     (None: none), the error ``shape`` of its path (``ServedApp.error_routes``; None: vLLM's envelope) and its
@@ -411,7 +433,7 @@ class Exchange:
         if t is None or self.head_only:
             return _ignore
         if self.chunked:
-            return functools.partial(_write_chunk, t.writelines)
+            return _chunk_writer(t.writelines)
         return t.write
 
     def finish(self, data: bytes = b"") -> None:

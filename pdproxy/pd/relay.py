@@ -16,7 +16,10 @@ holds ``data: [DONE]`` (or ``data:[DONE]``, valid SSE without the optional space
 after ``[DONE]`` has its whole answer); the decoder's end of body is then awaited only to pool its connection.  Per write it
 costs: the SSE boundary check (complete events are forwarded; an incomplete tail waits for its rest), the
 transforms' byte searches, one ``[DONE]`` search, one clock read and one ITL bucket increment
-(:class:`pdproxy.timeline.GapCounts`).  The director's coroutine waits on one future for the whole stream.
+(:class:`pdproxy.timeline.GapCounts`).  The common read — whole events as vLLM frames them, no tail held, no
+trigger, not the end — is one C call (:mod:`pdproxy.pd.splice`, ``pdproxy/pd/_splice.c``) that writes through the
+compiled chunk writer (``pdproxy/http/_chunked.c``); every other read runs :meth:`_Splice._slow`, the whole step in
+Python.  The director's coroutine waits on one future for the whole stream.
 
 **Flow control.**  Client → decoder: when the client's transport goes above its high-water mark the splice
 pauses reading the decoder socket (so a slow reader holds at most one transport buffer, ~64 KiB, plus the kernel's
@@ -71,6 +74,7 @@ from pdproxy.http.client import H1Response, ReadTimeout, TransportError
 from pdproxy.http.errors import transport_error
 from pdproxy.pd.continuation import LossCause, RecordIds, Reframe, Resume, StreamLost, ineligible_reason
 from pdproxy.pd.responder import SSE_HEADERS, Responder
+from pdproxy.pd.splice import SpliceBase
 from pdproxy.timeline import GapCounts, RequestContext
 
 
@@ -114,15 +118,15 @@ class _Moved(Exception):
     """An operator's drain moves the stream to another decoder (:meth:`StreamRelay.move`)."""
 
 
-class _Splice:
+class _Splice(SpliceBase):
     """The streaming phase of one relay (see module docstring): an :class:`pdproxy.http.client.BodySink` for the
     decoder's body and the ``flow`` listener of the client's connection.  ``done`` resolves with True (the
     client's part ended with ``recomputed``), False (the stream ended and the response is finished), or raises
-    :class:`TransportError` / :class:`_NoDone`."""
+    :class:`TransportError` / :class:`_NoDone`.  Its ``data`` is :class:`pdproxy.pd.splice.SpliceBase`'s (compiled:
+    the common read in one C call), which hands every other read to :meth:`_slow`."""
 
-    __slots__ = ("bounds", "conn", "counts", "ctx", "done", "done_alt", "done_event", "done_len", "done_mark", "ending",
-                 "feed", "first", "gaps", "idle_s", "idle_timer", "last", "loop", "lost_when", "out", "prev", "resp",
-                 "stall_timer", "tail", "transform", "trigger", "write", "writes")
+    __slots__ = ("conn", "ctx", "done", "done_alt", "done_event", "ending", "first", "idle_s", "idle_timer",
+                 "loop", "lost_when", "resp", "stall_timer", "transform")
 
     def __init__(self, relay: StreamRelay, transform: Transform | None, tail: bytes, last_write: float) -> None:
         self.loop = relay.resp.loop
@@ -157,8 +161,9 @@ class _Splice:
         self.stall_timer: asyncio.TimerHandle | None = None
 
     # --- the hot path --------------------------------------------------------------------------------------
-    def data(self, chunk: bytes) -> None:
-        """One decoder read's body: forward its complete events now (called from the decoder's protocol).
+    def _slow(self, chunk: bytes) -> None:
+        """One decoder read's body: forward its complete events now (called from the decoder's protocol through
+        :meth:`pdproxy.pd.splice.SpliceBase.data`, which does the common read itself when compiled).
 
         The common case — whole events framed as vLLM frames them (``\\n`` endings, the last ending in a blank
         line), no tail held — runs straight through; anything else is reassembled first (:meth:`_reframe`).  Byte
@@ -182,6 +187,11 @@ class _Splice:
             chunk = self.feed(chunk, self.prev)
             if not chunk:
                 return
+        self._emit(chunk)
+
+    def _emit(self, chunk: bytes) -> None:
+        """A block of complete events, past the transform (not empty): to the client, counted, or the end.  The
+        compiled :meth:`data` calls it for a fed block it does not write itself (a comment, the end, not bytes)."""
         out = self.out
         if out.ended:
             return  # after the stream's end event: nothing more is for the client

@@ -1,0 +1,74 @@
+"""The per-read step of the relay's splice (pdproxy/pd/relay.py, "The splice"), split as the continuation's
+record is (:mod:`pdproxy.pd.record`).
+
+:class:`SpliceBase` is the base of :class:`pdproxy.pd.relay._Splice`.  Its ``data(chunk)`` handles the common
+read — whole events framed as vLLM frames them (bytes ending in a blank line, no ``\\r`` anywhere), no tail held,
+the transform's ``trigger`` absent (a non-empty one), not a keep-alive comment, not a block whose third-last
+byte is the end event's (``done_mark``, when at least ``done_len`` long) — by counting the gap since the last
+write into the stream's ITL buckets (:class:`pdproxy.timeline.GapCounts`), keeping the block as ``prev`` and
+calling ``write(chunk)``; once the client's response has ended (``out.ended``) it drops the read.  A read so
+framed that holds the trigger (or any read, when the trigger is ``b""``: a continuable stream's record) goes
+through ``feed(chunk, prev)`` in the same call, and the block it returns is written the same way — or, when it is
+a comment, the end or not bytes, given to the subclass's ``_emit(block)`` (nothing, when it is empty).  Every other
+read goes to the subclass's ``_slow(chunk)``, the whole step in Python, which tests the read again from the start.
+
+Two implementations with the same results: the compiled ``pdproxy.pd._splice`` (``pdproxy/pd/_splice.c``, built by
+``pip install``; per read one C call instead of the step's ~60 bytecodes, whose cost grows when 1,000 streams'
+objects keep each other out of the CPU's caches: ``loadtest/RESULTS.md``) and :class:`PySpliceBase` below (every
+read to ``_slow``), used when the extension is not built or ``PDPROXY_NO_EXTENSIONS`` is set.
+``tests/relay/test_splice_compiled.py`` checks that the two agree on generated reads.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+
+class PySpliceBase:
+    """The Python form: the fields the compiled one keeps, and ``data`` = ``_slow``."""
+
+    __slots__ = ("bounds", "counts", "done_len", "done_mark", "feed", "gaps", "last", "out", "prev", "tail", "trigger",
+                 "write", "writes")
+
+    write: Callable[[bytes], None]
+    feed: Callable[[bytes, bytes], bytes]
+    trigger: bytes
+    prev: bytes
+    tail: bytes | bytearray
+    out: Any
+    gaps: Any
+    bounds: tuple[float, ...]
+    counts: list[int]
+    done_len: int
+    writes: int
+    last: float
+    done_mark: int
+
+    def data(self, chunk: bytes) -> None:
+        """One decoder read's body (see the module docstring)."""
+        self._slow(chunk)
+
+    def _slow(self, chunk: bytes) -> None:
+        raise NotImplementedError
+
+    def _emit(self, chunk: bytes) -> None:
+        raise NotImplementedError
+
+
+def _implementation() -> type[PySpliceBase]:
+    """The compiled ``SpliceBase`` when it is built and not disabled, else :class:`PySpliceBase`."""
+    if os.environ.get("PDPROXY_NO_EXTENSIONS"):
+        return PySpliceBase
+    try:
+        from pdproxy.pd import _splice
+    except ImportError:   # not built (no compiler at install time): the Python one, same results
+        return PySpliceBase
+    return _splice.SpliceBase  # type: ignore[return-value]  # _splice.pyi: the same interface
+
+
+if TYPE_CHECKING:
+    SpliceBase = PySpliceBase
+else:
+    SpliceBase = _implementation()
