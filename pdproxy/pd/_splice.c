@@ -177,7 +177,9 @@ emit(SpliceBase *self, PyObject *block)
     self->writes += 1;
     Py_INCREF(block);
     Py_XSETREF(self->prev, block);
-    PyObject *r = PyObject_CallOneArg(self->write, block);
+    PyObject *write = Py_NewRef(self->write);   /* held: a write that loses the client sets write = _drop */
+    PyObject *r = PyObject_CallOneArg(write, block);
+    Py_DECREF(write);
     if (r == NULL)
         return NULL;
     Py_DECREF(r);
@@ -198,8 +200,12 @@ SpliceBase_data(SpliceBase *self, PyObject *chunk)
     if (tn == 0 || memmem(s, (size_t)n, PyBytes_AS_STRING(self->trigger), (size_t)tn) != NULL) {
         if (self->feed == NULL || self->prev == NULL)
             return slow(self, chunk);
-        PyObject *args[2] = {chunk, self->prev};
-        PyObject *fed = PyObject_Vectorcall(self->feed, args, 2, NULL);   /* the transform, as _slow calls it */
+        /* held for the call: the callee may set the splice's feed or prev (stop(), client_gone()) meanwhile */
+        PyObject *feed = Py_NewRef(self->feed), *prev = Py_NewRef(self->prev);
+        PyObject *args[2] = {chunk, prev};
+        PyObject *fed = PyObject_Vectorcall(feed, args, 2, NULL);   /* the transform, as _slow calls it */
+        Py_DECREF(feed);
+        Py_DECREF(prev);
         if (fed == NULL)
             return NULL;
         PyObject *r = emit(self, fed);
