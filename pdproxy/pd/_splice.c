@@ -9,7 +9,9 @@
    subclass's full Python step, pdproxy/pd/relay.py `_Splice._slow`), which re-tests it from the start: the fast
    path changes nothing before it hands over.
 
-   The clock is CLOCK_MONOTONIC, the one Python's time.monotonic() reads on Linux (Python/pytime.c). */
+   The clock is `self.clock` (the subclass sets time.monotonic; a test may give a fake one); when it is
+   time.monotonic, CLOCK_MONOTONIC is read directly, the clock Python's time.monotonic() reads on Linux
+   (Python/pytime.c). */
 
 #define _GNU_SOURCE  /* memmem */
 #define PY_SSIZE_T_CLEAN
@@ -29,6 +31,7 @@ typedef struct {
     PyObject *gaps;       /* GapCounts: its `total` is added to */
     PyObject *bounds;     /* sequence of float: the ITL buckets' upper bounds, +Inf last */
     PyObject *counts;     /* list of int: the ITL buckets' counts (any sequence: counts[i] += 1) */
+    PyObject *clock;      /* callable() -> float: monotonic seconds (time.monotonic: read here directly) */
     Py_ssize_t done_len;  /* the shortest end event's length */
     Py_ssize_t writes;    /* blocks written */
     double last;          /* monotonic seconds of the last write */
@@ -39,6 +42,27 @@ static PyObject *slow_name;   /* interned "_slow" */
 static PyObject *emit_name;   /* interned "_emit" */
 static PyObject *ended_name;  /* interned "ended" */
 static PyObject *total_name;  /* interned "total" */
+static PyObject *monotonic;   /* time.monotonic, whose clock `now` reads without calling it */
+
+/* Monotonic seconds from self.clock: CLOCK_MONOTONIC when it is time.monotonic (Python/pytime.c reads the same
+   clock), else its call (a test's fake clock); -1 with an exception set on failure. */
+static double
+now_s(SpliceBase *self)
+{
+    if (self->clock == NULL || self->clock == monotonic) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    }
+    PyObject *clock = Py_NewRef(self->clock);
+    PyObject *t = PyObject_CallNoArgs(clock);
+    Py_DECREF(clock);
+    if (t == NULL)
+        return -1.0;
+    double v = PyFloat_AsDouble(t);
+    Py_DECREF(t);
+    return v;
+}
 
 static PyObject *
 slow(SpliceBase *self, PyObject *chunk)
@@ -168,9 +192,9 @@ emit(SpliceBase *self, PyObject *block)
         Py_RETURN_NONE;   /* after the stream's end event: nothing more is for the client */
     if (s[0] == ':' || (n >= 3 && n >= self->done_len && (unsigned char)s[n - 3] == self->done_mark))
         return PyObject_CallMethodOneArg((PyObject *)self, emit_name, block);   /* comments only, or the end */
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    double now = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    double now = now_s(self);
+    if (now == -1.0 && PyErr_Occurred())
+        return NULL;
     if (self->writes && count_gap(self, now - self->last) < 0)
         return NULL;
     self->last = now;
@@ -227,6 +251,7 @@ SpliceBase_traverse(SpliceBase *self, visitproc visit, void *arg)
     Py_VISIT(self->gaps);
     Py_VISIT(self->bounds);
     Py_VISIT(self->counts);
+    Py_VISIT(self->clock);
     return 0;
 }
 
@@ -242,6 +267,7 @@ SpliceBase_clear(SpliceBase *self)
     Py_CLEAR(self->gaps);
     Py_CLEAR(self->bounds);
     Py_CLEAR(self->counts);
+    Py_CLEAR(self->clock);
     return 0;
 }
 
@@ -270,6 +296,7 @@ static PyMemberDef SpliceBase_members[] = {
     {"gaps", T_OBJECT_EX, offsetof(SpliceBase, gaps), 0, "GapCounts (its `total`)"},
     {"bounds", T_OBJECT_EX, offsetof(SpliceBase, bounds), 0, "tuple of float: the ITL buckets' bounds"},
     {"counts", T_OBJECT_EX, offsetof(SpliceBase, counts), 0, "list of int: the ITL buckets' counts"},
+    {"clock", T_OBJECT_EX, offsetof(SpliceBase, clock), 0, "callable() -> float: monotonic seconds"},
     {"done_len", T_PYSSIZET, offsetof(SpliceBase, done_len), 0, "the shortest end event's length"},
     {"writes", T_PYSSIZET, offsetof(SpliceBase, writes), 0, "blocks written"},
     {"last", T_DOUBLE, offsetof(SpliceBase, last), 0, "monotonic seconds of the last write"},
@@ -306,6 +333,13 @@ PyInit__splice(void)
     ended_name = PyUnicode_InternFromString("ended");
     total_name = PyUnicode_InternFromString("total");
     if (slow_name == NULL || emit_name == NULL || ended_name == NULL || total_name == NULL)
+        return NULL;
+    PyObject *time_module = PyImport_ImportModule("time");
+    if (time_module == NULL)
+        return NULL;
+    monotonic = PyObject_GetAttrString(time_module, "monotonic");
+    Py_DECREF(time_module);
+    if (monotonic == NULL)
         return NULL;
     if (PyType_Ready(&SpliceBaseType) < 0)
         return NULL;

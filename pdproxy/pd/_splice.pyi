@@ -12,6 +12,7 @@ class SpliceBase:
     gaps: Any
     bounds: tuple[float, ...]
     counts: list[int]
+    clock: Callable[[], float]
     done_len: int
     writes: int
     last: float

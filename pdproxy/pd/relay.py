@@ -155,6 +155,7 @@ class _Splice(SpliceBase):
         self.gaps = relay.ctx.gaps or GapCounts((float("inf"),))
         self.bounds = self.gaps.bounds
         self.counts = self.gaps.counts
+        self.clock = time.monotonic   # read as the module's ``time`` is now (a test may give it a fake clock)
         self.done: asyncio.Future[bool] = self.loop.create_future()
         self.idle_s = relay.idle_timeout_s
         self.idle_timer: asyncio.TimerHandle | None = None

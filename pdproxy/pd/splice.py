@@ -3,14 +3,15 @@ record is (:mod:`pdproxy.pd.record`).
 
 :class:`SpliceBase` is the base of :class:`pdproxy.pd.relay._Splice`.  Its ``data(chunk)`` handles the common
 read — whole events framed as vLLM frames them (bytes ending in a blank line, no ``\\r`` anywhere), no tail held,
-the transform's ``trigger`` absent (a non-empty one), not a keep-alive comment, not a block whose third-last
-byte is the end event's (``done_mark``, when at least ``done_len`` long) — by counting the gap since the last
-write into the stream's ITL buckets (:class:`pdproxy.timeline.GapCounts`), keeping the block as ``prev`` and
-calling ``write(chunk)``; once the client's response has ended (``out.ended``) it drops the read.  A read so
-framed that holds the trigger (or any read, when the trigger is ``b""``: a continuable stream's record) goes
-through ``feed(chunk, prev)`` in the same call, and the block it returns is written the same way — or, when it is
-a comment, the end or not bytes, given to the subclass's ``_emit(block)`` (nothing, when it is empty).  Every other
-read goes to the subclass's ``_slow(chunk)``, the whole step in Python, which tests the read again from the start.
+the transform's ``trigger`` absent (a non-empty one), not a keep-alive comment, not a block whose third-last byte is
+the end event's (``done_mark``, when at least ``done_len`` long) — by counting the gap since the last write
+(``clock()``: monotonic seconds) into the stream's ITL buckets (:class:`pdproxy.timeline.GapCounts`), keeping the
+block as ``prev`` and calling ``write(chunk)``; once the client's response has ended (``out.ended``) it drops the
+read.  A read so framed that holds the trigger (or any read, when the trigger is ``b""``: a continuable stream's
+record) goes through ``feed(chunk, prev)`` in the same call, and the block it returns is written the same way — or,
+when it is a comment, the end or not bytes, given to the subclass's ``_emit(block)`` (nothing, when it is empty).
+Every other read goes to the subclass's ``_slow(chunk)``, the whole step in Python, which tests the read again from
+the start.
 
 Two implementations with the same results: the compiled ``pdproxy.pd._splice`` (``pdproxy/pd/_splice.c``, built by
 ``pip install``; per read one C call instead of the step's ~60 bytecodes, whose cost grows when 1,000 streams'
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 class PySpliceBase:
     """The Python form: the fields the compiled one keeps, and ``data`` = ``_slow``."""
 
-    __slots__ = ("bounds", "counts", "done_len", "done_mark", "feed", "gaps", "last", "out", "prev", "tail", "trigger",
+    __slots__ = ("bounds", "clock", "counts", "done_len", "done_mark", "feed", "gaps", "last", "out", "prev", "tail", "trigger",
                  "write", "writes")
 
     write: Callable[[bytes], None]
@@ -41,6 +42,7 @@ class PySpliceBase:
     gaps: Any
     bounds: tuple[float, ...]
     counts: list[int]
+    clock: Callable[[], float]
     done_len: int
     writes: int
     last: float
