@@ -3,7 +3,8 @@
    ChunkWriter(writelines)(data) writes one chunk of a chunked HTTP/1.1 body (RFC 9112 §7.1): it calls
    writelines((b"%x\r\n" % len(data), data, b"\r\n")), as functools.partial(_write_chunk, writelines) does
    (pdproxy/http/server.py), so the body is not copied (one writev).  The size lines of bodies under 16 KiB are
-   made once and kept (a relayed SSE event is a few hundred bytes). */
+   made once and kept (a relayed SSE event is a few hundred bytes).  It takes its one argument by position only
+   (the partial also accepts `data=`; no caller passes it so). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -46,6 +47,10 @@ ChunkWriter_vectorcall(ChunkWriter *self, PyObject *const *args, size_t nargsf, 
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (nargs != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0)) {
         PyErr_SetString(PyExc_TypeError, "ChunkWriter takes one argument (the chunk's data)");
+        return NULL;
+    }
+    if (self->writelines == NULL) {   /* cleared by the garbage collector's tp_clear */
+        PyErr_SetString(PyExc_ValueError, "ChunkWriter: no writelines");
         return NULL;
     }
     PyObject *data = args[0];

@@ -84,28 +84,56 @@ tail_empty(PyObject *tail)
 }
 
 static int add_total(SpliceBase *self, double gap);
+static PyObject *bisect_left_fn;
+
+/* the member's AttributeError, worded as Python words it */
+static int
+missing(SpliceBase *self, const char *name)
+{
+    PyObject *r = PyObject_GetAttrString((PyObject *)self, name);
+    Py_XDECREF(r);
+    if (r != NULL)
+        PyErr_Format(PyExc_AttributeError, "%s", name);
+    return -1;
+}
+
+/* counts[bisect.bisect_left(bounds, gap)] += 1 through Python, for bounds that are not a tuple of floats */
+static int
+count_gap_slow(SpliceBase *self, double gap)
+{
+    PyObject *counts = Py_NewRef(self->counts);
+    PyObject *g = PyFloat_FromDouble(gap);
+    PyObject *i = g == NULL ? NULL : PyObject_CallFunctionObjArgs(bisect_left_fn, self->bounds, g, NULL);
+    Py_XDECREF(g);
+    PyObject *old = i == NULL ? NULL : PyObject_GetItem(counts, i);
+    PyObject *one = old == NULL ? NULL : PyLong_FromLong(1);
+    PyObject *more = one == NULL ? NULL : PyNumber_Add(old, one);
+    int rc = more == NULL ? -1 : PyObject_SetItem(counts, i, more);
+    Py_XDECREF(more); Py_XDECREF(one); Py_XDECREF(old); Py_XDECREF(i); Py_DECREF(counts);
+    return rc < 0 ? -1 : add_total(self, gap);
+}
 
 /* The gap's bucket: counts[bisect_left(bounds, gap)] += 1 and gaps.total += gap; -1 with an exception set on
    failure (as the Python statement raises). */
 static int
 count_gap(SpliceBase *self, double gap)
 {
-    if (self->bounds == NULL || self->counts == NULL || self->gaps == NULL) {
-        PyErr_SetString(PyExc_AttributeError, "SpliceBase: bounds, counts and gaps must be set");
-        return -1;
-    }
-    PyObject *bounds = PySequence_Fast(self->bounds, "bounds must be a sequence");  /* a tuple or list: itself */
-    if (bounds == NULL)
-        return -1;
+    if (self->counts == NULL)
+        return missing(self, "counts");
+    if (self->bounds == NULL)
+        return missing(self, "bounds");
+    if (!PyTuple_CheckExact(self->bounds))   /* a list may change under __lt__/__float__: bisect itself */
+        return count_gap_slow(self, gap);
+    PyObject *bounds = Py_NewRef(self->bounds);   /* immutable, held: its items stay */
     PyObject **items = PySequence_Fast_ITEMS(bounds);
     Py_ssize_t lo = 0, hi = PySequence_Fast_GET_SIZE(bounds);
     while (lo < hi) {   /* bisect_left: the first bound >= gap */
         Py_ssize_t mid = (lo + hi) / 2;
-        double b = PyFloat_AsDouble(items[mid]);
-        if (b == -1.0 && PyErr_Occurred()) {
+        if (!PyFloat_CheckExact(items[mid])) {
             Py_DECREF(bounds);
-            return -1;
+            return count_gap_slow(self, gap);
         }
+        double b = PyFloat_AS_DOUBLE(items[mid]);
         if (b < gap)
             lo = mid + 1;
         else
@@ -114,22 +142,21 @@ count_gap(SpliceBase *self, double gap)
     Py_DECREF(bounds);
     PyObject *counts = self->counts;
     if (PyList_CheckExact(counts) && lo < PyList_GET_SIZE(counts)) {   /* GapCounts' own list */
-        PyObject *item = PyList_GET_ITEM(counts, lo);
+        Py_INCREF(counts);
+        PyObject *item = Py_NewRef(PyList_GET_ITEM(counts, lo));
         PyObject *one = PyLong_FromLong(1);
-        if (one == NULL)
-            return -1;
-        PyObject *more = PyNumber_Add(item, one);
-        Py_DECREF(one);
-        if (more == NULL)
-            return -1;
-        PyList_SET_ITEM(counts, lo, more);
+        PyObject *more = one == NULL ? NULL : PyNumber_Add(item, one);
+        Py_XDECREF(one);
         Py_DECREF(item);
-        return add_total(self, gap);
+        int rc = more == NULL ? -1 : PyList_SetItem(counts, lo, more);   /* steals more; bounds-checked */
+        Py_DECREF(counts);
+        return rc < 0 ? -1 : add_total(self, gap);
     }
     PyObject *index = PyLong_FromSsize_t(lo);
     if (index == NULL)
         return -1;
-    PyObject *old = PyObject_GetItem(self->counts, index);   /* IndexError past the end, as the statement raises */
+    Py_INCREF(counts);
+    PyObject *old = PyObject_GetItem(counts, index);   /* IndexError past the end, as the statement raises */
     PyObject *new = NULL;
     if (old != NULL) {
         PyObject *one = PyLong_FromLong(1);
@@ -139,7 +166,8 @@ count_gap(SpliceBase *self, double gap)
         }
         Py_DECREF(old);
     }
-    int rc = new == NULL ? -1 : PyObject_SetItem(self->counts, index, new);
+    int rc = new == NULL ? -1 : PyObject_SetItem(counts, index, new);
+    Py_DECREF(counts);
     Py_DECREF(index);
     Py_XDECREF(new);
     if (rc < 0)
@@ -151,20 +179,29 @@ count_gap(SpliceBase *self, double gap)
 static int
 add_total(SpliceBase *self, double gap)
 {
-    PyObject *total = PyObject_GetAttr(self->gaps, total_name);
-    if (total == NULL)
+    if (self->gaps == NULL)
+        return missing(self, "gaps");
+    PyObject *gaps = Py_NewRef(self->gaps);
+    PyObject *total = PyObject_GetAttr(gaps, total_name);
+    if (total == NULL) {
+        Py_DECREF(gaps);
         return -1;
+    }
     PyObject *g = PyFloat_FromDouble(gap);
     if (g == NULL) {
         Py_DECREF(total);
+        Py_DECREF(gaps);
         return -1;
     }
     PyObject *sum = PyNumber_Add(total, g);   /* total += gap, whatever number type total is */
     Py_DECREF(total);
     Py_DECREF(g);
-    if (sum == NULL)
+    if (sum == NULL) {
+        Py_DECREF(gaps);
         return -1;
-    int rc = PyObject_SetAttr(self->gaps, total_name, sum);
+    }
+    int rc = PyObject_SetAttr(gaps, total_name, sum);
+    Py_DECREF(gaps);
     Py_DECREF(sum);
     return rc;
 }
@@ -181,7 +218,11 @@ emit(SpliceBase *self, PyObject *block)
         return PyObject_CallMethodOneArg((PyObject *)self, emit_name, block);
     const char *s = PyBytes_AS_STRING(block);
     Py_ssize_t n = PyBytes_GET_SIZE(block);
-    PyObject *ended = PyObject_GetAttr(self->out, ended_name);
+    if (self->out == NULL)
+        return missing(self, "out"), NULL;
+    PyObject *out = Py_NewRef(self->out);
+    PyObject *ended = PyObject_GetAttr(out, ended_name);
+    Py_DECREF(out);
     if (ended == NULL)
         return NULL;
     int is_ended = PyObject_IsTrue(ended);
@@ -201,6 +242,8 @@ emit(SpliceBase *self, PyObject *block)
     self->writes += 1;
     Py_INCREF(block);
     Py_XSETREF(self->prev, block);
+    if (self->write == NULL)
+        return missing(self, "write"), NULL;
     PyObject *write = Py_NewRef(self->write);   /* held: a write that loses the client sets write = _drop */
     PyObject *r = PyObject_CallOneArg(write, block);
     Py_DECREF(write);
@@ -340,6 +383,13 @@ PyInit__splice(void)
     monotonic = PyObject_GetAttrString(time_module, "monotonic");
     Py_DECREF(time_module);
     if (monotonic == NULL)
+        return NULL;
+    PyObject *bisect = PyImport_ImportModule("bisect");
+    if (bisect == NULL)
+        return NULL;
+    bisect_left_fn = PyObject_GetAttrString(bisect, "bisect_left");
+    Py_DECREF(bisect);
+    if (bisect_left_fn == NULL)
         return NULL;
     if (PyType_Ready(&SpliceBaseType) < 0)
         return NULL;

@@ -199,7 +199,7 @@ class _Splice(SpliceBase):
         if chunk[0] == 58 and sse.only_comments(chunk):   # ":": keep-alive comments only (vLLM sends none)
             self.write(chunk)        # passed on, but not a token: the decoder's silence (idle_s) goes on counting
             return
-        now = time.monotonic()
+        now = self.clock()
         if self.writes:
             gap = now - self.last
             self.counts[bisect_left(self.bounds, gap)] += 1

@@ -215,7 +215,8 @@ def test_the_image_is_built_with_the_compiled_parts() -> None:
     assert "setup.py" in re.findall(r"^!(\S+)$", (ROOT / "docker" / "Dockerfile.dockerignore").read_text(), re.M)
     assert not any(w == "RUN" and "gcc" in rest for w, rest in final)
     compiled = re.findall(r'Extension\("([\w.]+)", \["([\w/]+\.c)"\]', (ROOT / "setup.py").read_text())
-    assert {m for m, _ in compiled} == {"pdproxy.pd._record", "pdproxy.apis._jsonscan", "pdproxy.prefix._textkeys"}
+    assert {m for m, _ in compiled} == {"pdproxy.pd._record", "pdproxy.pd._splice", "pdproxy.http._chunked",
+                                        "pdproxy.apis._jsonscan", "pdproxy.prefix._textkeys"}
     assert all((ROOT / c).exists() for _, c in compiled)
 
 

@@ -2,13 +2,15 @@
 (pdproxy/http/_chunked.c): both are the ones in use when built, and they do what the Python ones do — on generated
 decoder reads (whole events, events split across reads, ``\\r\\n`` framing, keep-alive comments, the transform's
 trigger, ``[DONE]`` with and without its space, bytes after the end, a client that is gone) the same writes reach
-the client, the same response end, the same ``prev``, held tail, write count and ITL bucket total."""
+the client, the same response end, the same ``prev``, held tail, write count, ITL buckets and total (read from the
+splice's ``clock``); fields changed by the code the splice calls raise what the Python step raises."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import types
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -126,6 +128,8 @@ def _run(base: type, reads: list[bytes], transform: Any, gone_at: int | None) ->
         rel = types.SimpleNamespace(resp=types.SimpleNamespace(loop=loop), out=out, ctx=ctx, done_event=sse.DONE_EVENT,
                                     idle_timeout_s=None, lost_when=None)
         s = _splice_class(base)(rel, transform, b"", 0.0)
+        ticks = iter(range(1 << 20))
+        s.clock = lambda: next(ticks) ** 2 * 0.1    # gaps of 0.1, 0.3, 0.5, …: every bucket, the same in both
         outcome: list[str] = []
         for i, read in enumerate(reads):
             if i == gone_at:
@@ -135,7 +139,8 @@ def _run(base: type, reads: list[bytes], transform: Any, gone_at: int | None) ->
             except Exception as exc:   # both must fail alike (the decoder connection then breaks the stream)
                 outcome.append(type(exc).__name__)
                 break
-        return (log, outcome, s.prev, bytes(s.tail), s.writes, sum(ctx.gaps.counts), s.ending, out.done_sent)
+        return (log, outcome, s.prev, bytes(s.tail), s.writes, ctx.gaps.counts, ctx.gaps.total, s.last, s.ending,
+                out.done_sent)
     finally:
         loop.close()
 
@@ -208,3 +213,101 @@ def test_the_compiled_splice_counts_each_gap_once_into_its_bucket() -> None:
         assert len(log) == 4 and s.writes == 4 and slow_calls == [b"data: {\"x\":1}\r\n\r\n"]
     finally:
         loop.close()
+
+
+_HOSTILE = ["feed_del_out", "feed_del_write", "clock_del_write", "counts_add_clears", "counts_setitem_del_gaps",
+            "bounds_is_a_list", "bounds_item_mutates"]
+
+_SCRIPT = r'''
+import sys
+from tests.relay import test_splice_compiled as t
+from pdproxy.pd import splice, _splice
+t.hostile_case(sys.argv[1], splice.PySpliceBase if sys.argv[2] == "py" else _splice.SpliceBase)
+'''
+
+
+def hostile_case(case: str, base: type) -> None:
+    """One hostile mutation of a splice's fields from inside the calls it makes (a reviewer's cases): prints what
+    the third read does.  Run in a child process: a memory error in the compiled splice kills it, not the test."""
+    ev = b'data: {"x":1}\n\n'
+    holder: list[Any] = []
+
+    class Every(_Upper):
+        trigger = b""
+
+        def feed(self, block: bytes, prev: bytes) -> bytes:
+            if case == "feed_del_out":
+                del holder[0].out
+            if case == "feed_del_write":
+                del holder[0].write
+            return block
+
+    loop = asyncio.new_event_loop()
+    out = _Out([])
+    ctx = types.SimpleNamespace(gaps=GapCounts((0.5, 1.0, float("inf"))),
+                                timeline=types.SimpleNamespace(last_token_at=None))
+    rel = types.SimpleNamespace(resp=types.SimpleNamespace(loop=loop), out=out, ctx=ctx, done_event=sse.DONE_EVENT,
+                                idle_timeout_s=None, lost_when=None)
+    s = _splice_class(base)(rel, Every() if case.startswith("feed") else None, b"", 0.0)
+    holder.append(s)
+    if case == "clock_del_write":
+        def clock() -> float:
+            if hasattr(s, "write"):
+                del s.write
+            return 5.0
+        s.clock = clock
+    if case == "counts_add_clears":
+        class Evil(int):
+            def __add__(self, other: Any) -> int:
+                s.counts.clear()
+                return int(self) + other
+        s.counts = [Evil(0), Evil(0), Evil(0)]
+    if case == "counts_setitem_del_gaps":
+        class Gone(list):  # type: ignore[type-arg]
+            def __setitem__(self, i: Any, v: Any) -> None:
+                if hasattr(s, "gaps"):
+                    del s.gaps
+                list.__setitem__(self, i, v)
+        s.counts = Gone([0, 0, 0])
+    if case == "bounds_is_a_list":
+        s.bounds = [0.5, 1.0, float("inf")]
+    if case == "bounds_item_mutates":
+        class Shrinks:
+            def __float__(self) -> float:
+                bounds.clear()
+                bounds.extend([0.0] * 100_000)
+                return 0.5
+
+            def __lt__(self, other: Any) -> bool:
+                return float(self) < other
+
+            def __gt__(self, other: Any) -> bool:
+                return float(self) > other
+        bounds = [Shrinks(), 1.0, float("inf")]
+        s.bounds = bounds
+    try:
+        for _ in range(3):
+            s.data(ev)
+        print("ok", s.writes, sum(s.counts))
+    except Exception as exc:
+        print("raised", type(exc).__name__)
+    finally:
+        loop.close()
+
+
+@pytest.mark.skipif(_splice is None, reason=COMPILED)
+@pytest.mark.parametrize("case", _HOSTILE)
+def test_fields_changed_during_its_own_calls_raise_as_the_python_splice_does(case: str) -> None:
+    """A field deleted or a list resized by code the splice calls (the transform, the clock, an int or list
+    subclass) raises what the Python step raises — never a crash of the process (exit -11) or a wrong count."""
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parents[2])
+    got = {}
+    for impl in ("py", "c"):
+        proc = subprocess.run([sys.executable, "-c", _SCRIPT, case, impl], capture_output=True, timeout=60, cwd=root,
+                              env={**os.environ, "PYTHONPATH": root})
+        assert proc.returncode == 0, f"{impl}: exit {proc.returncode}: {proc.stderr.decode()[-2000:]}"
+        got[impl] = proc.stdout.decode().strip()
+    assert got["c"] == got["py"]
