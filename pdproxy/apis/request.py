@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 import json
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdproxy.apis import fields as api_requests
+from pdproxy.compiled import compiled_module
 from pdproxy.errors import BadRequest
 from pdproxy.settings import FAN_OUT_CEILING, MAX_JSON_DEPTH, MAX_JSON_ITEMS
 
@@ -394,13 +394,8 @@ _ORJSON_DEPTH = 1024
 def _compiled_depth_check() -> Callable[[bytes, int], bool] | None:
     """``nests_within`` of the compiled ``pdproxy/apis/_jsonscan.c`` when it is built and ``PDPROXY_NO_EXTENSIONS``
     is not set, else None (:func:`load_json` then bounds depth with :func:`_brackets_at_most` and a padded parse)."""
-    if os.environ.get("PDPROXY_NO_EXTENSIONS"):
-        return None
-    try:
-        from pdproxy.apis._jsonscan import nests_within
-    except ImportError:   # not built (no compiler at install time)
-        return None
-    return nests_within
+    module = compiled_module("pdproxy.apis._jsonscan")
+    return None if module is None else module.nests_within
 
 
 NESTS_WITHIN: Final = _compiled_depth_check()

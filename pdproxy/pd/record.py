@@ -14,10 +14,11 @@ checks that the two agree on generated blocks.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from pdproxy.compiled import compiled_module
 
 IDS_RE = re.compile(rb'token_ids":\[([0-9,\s]*)\]')  # "token_ids" and "prompt_token_ids"; group 1: the ids
 NULL_IDS = b'token_ids":null'
@@ -104,13 +105,10 @@ def py_null_ids(block: bytes) -> bytes:
 def _implementation() -> tuple[type[PyRecordBase], Callable[[bytes], bytes], Callable[[bytes], bytes]]:
     """The compiled ``RecordBase``, ``null_ids`` and ``last_events`` when they are built and not disabled, else
     the Python ones."""
-    if os.environ.get("PDPROXY_NO_EXTENSIONS"):
+    module = compiled_module("pdproxy.pd._record")
+    if module is None:   # not built or disabled: the Python ones, same results
         return PyRecordBase, py_null_ids, py_last_events
-    try:
-        from pdproxy.pd import _record
-    except ImportError:   # not built (no compiler at install time): the Python ones, same results
-        return PyRecordBase, py_null_ids, py_last_events
-    return _record.RecordBase, _record.null_ids, _record.last_events  # type: ignore[return-value]  # _record.pyi
+    return module.RecordBase, module.null_ids, module.last_events
 
 
 if TYPE_CHECKING:

@@ -22,9 +22,10 @@ read to ``_slow``), used when the extension is not built or ``PDPROXY_NO_EXTENSI
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from pdproxy.compiled import compiled_module
 
 
 class PySpliceBase:
@@ -61,13 +62,8 @@ class PySpliceBase:
 
 def _implementation() -> type[PySpliceBase]:
     """The compiled ``SpliceBase`` when it is built and not disabled, else :class:`PySpliceBase`."""
-    if os.environ.get("PDPROXY_NO_EXTENSIONS"):
-        return PySpliceBase
-    try:
-        from pdproxy.pd import _splice
-    except ImportError:   # not built (no compiler at install time): the Python one, same results
-        return PySpliceBase
-    return _splice.SpliceBase  # type: ignore[return-value]  # _splice.pyi: the same interface
+    module = compiled_module("pdproxy.pd._splice")
+    return PySpliceBase if module is None else module.SpliceBase
 
 
 if TYPE_CHECKING:

@@ -33,7 +33,6 @@ import bisect
 import functools
 import hashlib
 import itertools
-import os
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -43,6 +42,7 @@ from typing import Any, Final, Literal
 import msgspec
 from xxhash import xxh3_64, xxh3_64_intdigest
 
+from pdproxy.compiled import compiled_module
 from pdproxy.prefix.kv_events import (
     ArrayBlockRemoved,
     ArrayBlockStored,
@@ -239,13 +239,8 @@ def py_chunk_keys(parts: list[bytes], chunk_chars: int, growth: int, mark_byte: 
 def _compiled_chunk_keys() -> ChunkKeys | None:
     """``chunk_keys`` of the compiled ``pdproxy/prefix/_textkeys.c`` when it is built and ``PDPROXY_NO_EXTENSIONS``
     is not set, else None."""
-    if os.environ.get("PDPROXY_NO_EXTENSIONS"):
-        return None
-    try:
-        from pdproxy.prefix._textkeys import chunk_keys
-    except ImportError:   # not built (no compiler at install time): the Python loop, same keys
-        return None
-    return chunk_keys
+    module = compiled_module("pdproxy.prefix._textkeys")
+    return None if module is None else module.chunk_keys
 
 
 CHUNK_KEYS: Final[ChunkKeys] = _compiled_chunk_keys() or py_chunk_keys
