@@ -10,7 +10,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "pdproxy"
 
 LEVELS: list[tuple[str, ...]] = [          # bottom up: each unit may import only units on lower levels
-    ("endpoints",),                        # vocabulary: what an engine address is
+    ("endpoints", "compiled"),             # vocabulary: what an engine address is; which C parts are in use
     ("errors", "tokens", "timeline"),      # vocabulary: the error tree, token ids, a request's marks
     ("settings",),                         # vocabulary: every setting, validated
     ("http",),                             # bytes on sockets
