@@ -11,8 +11,11 @@ from __future__ import annotations
 import importlib
 import os
 from types import ModuleType
+from typing import TypeVar, cast
 
 NO_EXTENSIONS_ENV = "PDPROXY_NO_EXTENSIONS"
+
+T = TypeVar("T")
 
 
 def compiled_module(name: str) -> ModuleType | None:
@@ -24,3 +27,11 @@ def compiled_module(name: str) -> ModuleType | None:
         return importlib.import_module(name)
     except ImportError:
         return None
+
+
+def compiled_or(name: str, attr: str, twin: T) -> T:
+    """``attr`` of the compiled module ``name`` when :func:`compiled_module` finds it, else ``twin``: the Python
+    one with the same interface and results, whose type the pick carries (the C parts have no stubs of their own:
+    the twins are their typed description)."""
+    module = compiled_module(name)
+    return twin if module is None else cast(T, getattr(module, attr))

@@ -19,7 +19,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdproxy.apis import fields as api_requests
-from pdproxy.compiled import compiled_module
+from pdproxy.compiled import compiled_or
 from pdproxy.errors import BadRequest
 from pdproxy.settings import FAN_OUT_CEILING, MAX_JSON_DEPTH, MAX_JSON_ITEMS
 
@@ -391,17 +391,12 @@ _ORJSON_DEPTH = 1024
 """orjson's own nesting limit: deeper input is refused with "depth limit exceeded" (never a recursion)."""
 
 
-def _compiled_depth_check() -> Callable[[bytes, int], bool] | None:
-    """``nests_within`` of the compiled ``pdproxy/apis/_jsonscan.c`` when it is built and ``PDPROXY_NO_EXTENSIONS``
-    is not set, else None (:func:`load_json` then bounds depth with :func:`_brackets_at_most` and a padded parse)."""
-    module = compiled_module("pdproxy.apis._jsonscan")
-    return None if module is None else module.nests_within
-
-
-NESTS_WITHIN: Final = _compiled_depth_check()
-"""``nests_within(raw, limit)``: no bracket of ``raw`` outside its strings is deeper than ``limit`` levels — a
-JSON body's nesting depth exactly, in one C pass (memchr across strings: ~5 µs for a 300 KB chat, ~10 µs for a
-70 KB agent body of 400 brackets); None when not built."""
+NESTS_WITHIN: Final[Callable[[bytes, int], bool] | None] = compiled_or("pdproxy.apis._jsonscan", "nests_within", None)
+"""``nests_within(raw, limit)`` of the compiled ``pdproxy/apis/_jsonscan.c``: no bracket of ``raw`` outside its
+strings is deeper than ``limit`` levels — a JSON body's nesting depth exactly, in one C pass (memchr across
+strings: ~5 µs for a 300 KB chat, ~10 µs for a 70 KB agent body of 400 brackets); None when not built or
+``PDPROXY_NO_EXTENSIONS`` is set (:func:`load_json` then bounds depth with :func:`_brackets_at_most` and a padded
+parse)."""
 
 
 def _brackets_at_most(raw: bytes, limit: int) -> bool:

@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 import httptools
 import orjson
 
-from pdproxy.compiled import compiled_module
+from pdproxy.compiled import compiled_or
 from pdproxy.errors import error_body
 from pdproxy.http.cors import CorsPolicy
 from pdproxy.timeline import CLIENT_REQUEST_ID_MAX
@@ -285,8 +285,7 @@ def _chunk_writers() -> Callable[[Callable[[Any], None]], Callable[[bytes], None
     """What makes a chunked body's writer from a transport's ``writelines``: the compiled ``ChunkWriter``
     (``pdproxy/http/_chunked.c``: the same writes, no Python frame per piece) when it is built and
     ``PDPROXY_NO_EXTENSIONS`` is not set, else :func:`_py_chunk_writer`."""
-    module = compiled_module("pdproxy.http._chunked")
-    return _py_chunk_writer if module is None else module.ChunkWriter
+    return compiled_or("pdproxy.http._chunked", "ChunkWriter", _py_chunk_writer)
 
 
 _chunk_writer = _chunk_writers()

@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pdproxy.compiled import compiled_module
+from pdproxy.compiled import compiled_or
 
 IDS_RE = re.compile(rb'token_ids":\[([0-9,\s]*)\]')  # "token_ids" and "prompt_token_ids"; group 1: the ids
 NULL_IDS = b'token_ids":null'
@@ -102,18 +102,11 @@ def py_null_ids(block: bytes) -> bytes:
     return IDS_RE.sub(NULL_IDS, block)
 
 
-def _implementation() -> tuple[type[PyRecordBase], Callable[[bytes], bytes], Callable[[bytes], bytes]]:
-    """The compiled ``RecordBase``, ``null_ids`` and ``last_events`` when they are built and not disabled, else
-    the Python ones."""
-    module = compiled_module("pdproxy.pd._record")
-    if module is None:   # not built or disabled: the Python ones, same results
-        return PyRecordBase, py_null_ids, py_last_events
-    return module.RecordBase, module.null_ids, module.last_events
-
-
+# the compiled ones when built and not disabled, else the Python ones (same results); RecordBase is a base class,
+# so mypy is told its twin by name
 if TYPE_CHECKING:
     RecordBase = PyRecordBase
-    null_ids = py_null_ids
-    last_events = py_last_events
 else:
-    RecordBase, null_ids, last_events = _implementation()
+    RecordBase = compiled_or("pdproxy.pd._record", "RecordBase", PyRecordBase)
+null_ids = compiled_or("pdproxy.pd._record", "null_ids", py_null_ids)
+last_events = compiled_or("pdproxy.pd._record", "last_events", py_last_events)

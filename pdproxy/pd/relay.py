@@ -74,7 +74,7 @@ from pdproxy.http.client import H1Response, ReadTimeout, TransportError
 from pdproxy.http.errors import transport_error
 from pdproxy.pd.continuation import LossCause, RecordIds, Reframe, Resume, StreamLost, ineligible_reason
 from pdproxy.pd.responder import SSE_HEADERS, Responder
-from pdproxy.pd.splice import SpliceBase
+from pdproxy.pd.splice import PySpliceBase, SpliceBase
 from pdproxy.timeline import GapCounts, RequestContext
 
 
@@ -189,6 +189,9 @@ class _Splice(SpliceBase):
             if not chunk:
                 return
         self._emit(chunk)
+
+    if SpliceBase is PySpliceBase:   # no C part: the read goes straight to the Python step, no frame between
+        data = _slow
 
     def _emit(self, chunk: bytes) -> None:
         """A block of complete events, past the transform (not empty): to the client, counted, or the end.  The

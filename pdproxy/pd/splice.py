@@ -23,9 +23,11 @@ read to ``_slow``), used when the extension is not built or ``PDPROXY_NO_EXTENSI
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from pdproxy.compiled import compiled_module
+from pdproxy.compiled import compiled_or
+from pdproxy.pd.responder import Responder
+from pdproxy.timeline import GapCounts
 
 
 class PySpliceBase:
@@ -39,8 +41,8 @@ class PySpliceBase:
     trigger: bytes
     prev: bytes
     tail: bytes | bytearray
-    out: Any
-    gaps: Any
+    out: Responder
+    gaps: GapCounts
     bounds: tuple[float, ...]
     counts: list[int]
     clock: Callable[[], float]
@@ -54,19 +56,18 @@ class PySpliceBase:
         self._slow(chunk)
 
     def _slow(self, chunk: bytes) -> None:
+        """The whole per-read step in Python, for any read (the subclass's; see the module docstring)."""
         raise NotImplementedError
 
     def _emit(self, chunk: bytes) -> None:
+        """Write a block ``feed`` returned that the common path does not: a comment, the stream's end, or not bytes
+        (the subclass's)."""
         raise NotImplementedError
 
 
-def _implementation() -> type[PySpliceBase]:
-    """The compiled ``SpliceBase`` when it is built and not disabled, else :class:`PySpliceBase`."""
-    module = compiled_module("pdproxy.pd._splice")
-    return PySpliceBase if module is None else module.SpliceBase
-
-
+# The compiled SpliceBase (pdproxy/pd/_splice.c) when it is built and not disabled, else PySpliceBase (the same
+# interface and writes); a base class, so mypy is told its twin by name
 if TYPE_CHECKING:
     SpliceBase = PySpliceBase
 else:
-    SpliceBase = _implementation()
+    SpliceBase = compiled_or("pdproxy.pd._splice", "SpliceBase", PySpliceBase)

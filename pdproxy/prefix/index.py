@@ -42,7 +42,7 @@ from typing import Any, Final, Literal
 import msgspec
 from xxhash import xxh3_64, xxh3_64_intdigest
 
-from pdproxy.compiled import compiled_module
+from pdproxy.compiled import compiled_or
 from pdproxy.prefix.kv_events import (
     ArrayBlockRemoved,
     ArrayBlockStored,
@@ -236,15 +236,9 @@ def py_chunk_keys(parts: list[bytes], chunk_chars: int, growth: int, mark_byte: 
     return keys, ends
 
 
-def _compiled_chunk_keys() -> ChunkKeys | None:
-    """``chunk_keys`` of the compiled ``pdproxy/prefix/_textkeys.c`` when it is built and ``PDPROXY_NO_EXTENSIONS``
-    is not set, else None."""
-    module = compiled_module("pdproxy.prefix._textkeys")
-    return None if module is None else module.chunk_keys
-
-
-CHUNK_KEYS: Final[ChunkKeys] = _compiled_chunk_keys() or py_chunk_keys
-""":func:`text_keys`' loop: the compiled one when built, else :func:`py_chunk_keys`."""
+CHUNK_KEYS: Final[ChunkKeys] = compiled_or("pdproxy.prefix._textkeys", "chunk_keys", py_chunk_keys)
+""":func:`text_keys`' loop: ``chunk_keys`` of the compiled ``pdproxy/prefix/_textkeys.c`` when it is built and
+``PDPROXY_NO_EXTENSIONS`` is not set, else :func:`py_chunk_keys` (the same keys)."""
 
 
 def text_keys(text: str | bytes | Sequence[bytes], *, chunk_chars: int = DEFAULT_TEXT_CHUNK_CHARS,

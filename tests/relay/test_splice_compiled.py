@@ -96,9 +96,10 @@ TRANSFORMS = {"none": lambda: None, "usage": _Upper, "every": _Every}
 
 
 def _splice_class(base: type) -> type:
-    """relay._Splice's methods on ``base`` (compiled or Python)."""
+    """relay._Splice's methods on ``base`` (compiled or Python); ``data`` is the base's (without the C parts
+    ``_Splice`` binds ``data`` to its ``_slow``, which would hide the compiled one under test)."""
     ns = {k: v for k, v in vars(relay._Splice).items()
-          if k not in ("__dict__", "__weakref__") and not isinstance(v, types.MemberDescriptorType)}
+          if k not in ("__dict__", "__weakref__", "data") and not isinstance(v, types.MemberDescriptorType)}
     return type(f"Splice_{base.__module__}", (base,), ns)
 
 

@@ -1,3 +1,0 @@
-# Stub of the compiled pdproxy/apis/_jsonscan.c (used by pdproxy.apis.request.load_json when built).
-
-def nests_within(raw: bytes | bytearray | memoryview, limit: int, /) -> bool: ...

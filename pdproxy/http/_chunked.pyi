@@ -1,6 +1,0 @@
-# Stub of the compiled pdproxy/http/_chunked.c (pdproxy/http/server.py: functools.partial(_write_chunk, writelines)).
-from collections.abc import Callable, Iterable
-
-class ChunkWriter:
-    def __init__(self, writelines: Callable[[Iterable[bytes]], object], /) -> None: ...
-    def __call__(self, data: bytes, /) -> None: ...
