@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdproxy.compiled import NO_EXTENSIONS_ENV, compiled_module
+from pdproxy.compiled import NO_EXTENSIONS_ENV, compiled_module, compiled_or
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = {"pdproxy.pd._record": "pdproxy.pd.record:RecordBase", "pdproxy.pd._splice": "pdproxy.pd.splice:SpliceBase",
@@ -21,6 +21,15 @@ def test_a_module_not_built_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(NO_EXTENSIONS_ENV, raising=False)
     assert compiled_module("pdproxy.pd._no_such_part") is None
     assert compiled_module("pdproxy.pd._splice") is not None, "pdproxy/pd/_splice.c was not built: run make install"
+
+
+def test_the_pick_is_the_compiled_attribute_or_the_twin(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdproxy.pd import _splice, splice
+    monkeypatch.delenv(NO_EXTENSIONS_ENV, raising=False)
+    assert compiled_or("pdproxy.pd._splice", "SpliceBase", splice.PySpliceBase) is _splice.SpliceBase
+    assert compiled_or("pdproxy.pd._no_such_part", "SpliceBase", splice.PySpliceBase) is splice.PySpliceBase
+    monkeypatch.setenv(NO_EXTENSIONS_ENV, "1")
+    assert compiled_or("pdproxy.pd._splice", "SpliceBase", splice.PySpliceBase) is splice.PySpliceBase
 
 
 @pytest.mark.timeout(60)
