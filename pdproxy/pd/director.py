@@ -8,7 +8,8 @@ client disconnect (the handler cancels this coroutine) release everything the sa
 Failure policy, decided here and in the two leg modules and nowhere else:
 
 - **prefill**: a prefiller that refuses, resets, times out or answers 502/503/504 is replaced by another one
-  (``prefill_attempts``, jittered exponential backoff); a 500 is retried at most once elsewhere; a 4xx is the
+  (``prefill_attempts``, jittered exponential backoff) — by one that failed the request already when no other
+  could take it, as on the decode side (a lone prefiller is tried again; its breaker decides); a 500 is retried at most once elsewhere; a 4xx is the
   request's fault and passes through at once.  ``Retry-After`` holds that prefiller's breaker open.
 - **decode, before the decoder's first event reached the client**: another decoder (``decode_attempts``).  When
   the connection was refused the decoder never saw the request and the KV handle is reused; otherwise the KV may

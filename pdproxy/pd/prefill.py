@@ -1,8 +1,9 @@
 """The prefill leg: wait for a prefill slot, send the prompt to the prefiller, get its ``kv_transfer_params``.
 
 Failure policy (the director's, pdproxy/pd/director.py): a prefiller that refuses, resets, times out or answers
-502/503/504 is replaced by another one (``prefill_attempts``, jittered exponential backoff); a 500 is retried at
-most once elsewhere, and only when the engine says its core died (:func:`~pdproxy.errors.classify`:
+502/503/504 is replaced by another one (``prefill_attempts``, jittered exponential backoff) — by one that already
+failed the request when no other could take it (a lone prefiller is tried again; its breaker decides); a 500 is
+retried at most once elsewhere, and only when the engine says its core died (:func:`~pdproxy.errors.classify`:
 any other 500 would fail the same way on every prefiller); a 4xx is the request's fault and passes through at once.
 When the attempts run out or no prefiller is left, the client gets the last prefiller's own error answer, or —
 after a refusal, reset or timeout — 503 with ``Retry-After`` (:meth:`PrefillLeg.gave_up`).  ``Retry-After`` holds that
@@ -121,15 +122,21 @@ class PrefillLeg:
                                                      request_id=ctx.request_id, relax=s.prefill_relax_constraints))
         timeout_s = s.prefill_timeout_base_s + s.prefill_timeout_per_1k_tokens_s * tokens / 1000
         tried: list[Endpoint] = []
+        dead: list[Endpoint] = []                      # answered that its engine core died: never tried again
         last: ProxyError | None = None
         retried_500 = False
         for attempt in range(s.prefill_attempts):
             if attempt:
                 ctx.retried("prefill", last.outcome if last is not None else "error")
                 await self.backoff.sleep(attempt)
+            exclude = tried
+            if tried and not self.queue.scheduler.eligible(Role.PREFILL, pick, tried, capacity=False):
+                # every prefiller that could take it failed it already: those are a preference, not a ban (as on
+                # the decode side, pdproxy/pd/director.py), so a lone prefiller is tried again; its breaker decides
+                exclude = dead
             try:                                       # wait in the prefill queue for a slot (queue → pick)
                 with self.tracing.queue_wait(ctx):
-                    slot = await stack.enter_async_context(self.queue.slot(tokens, tokens + 1, exclude=tried,
+                    slot = await stack.enter_async_context(self.queue.slot(tokens, tokens + 1, exclude=exclude,
                                                                            request=pick))
             except NoEndpointAvailable:
                 if last is not None:
@@ -168,7 +175,9 @@ class PrefillLeg:
                 verdict = classify(exc)
                 if not verdict.retry(retried_500):
                     raise
-                retried_500 = retried_500 or verdict.action is Action.RETRY_ONCE
+                if verdict.action is Action.RETRY_ONCE:
+                    retried_500 = True
+                    dead.append(endpoint)
                 tried.append(endpoint)
                 last = exc
                 continue

@@ -131,15 +131,20 @@ PREFILL_FAILURES: dict[str, Callable[[], Outcome]] = {"refused": Refuse, "reset"
 @pytest.mark.parametrize("failure", list(PREFILL_FAILURES))
 @pytest.mark.parametrize("prefillers", [1, 3])
 async def test_when_no_prefiller_is_left_the_client_gets_503_with_retry_after(failure: str, prefillers: int) -> None:
-    """The first request after a lone prefiller died (or after every prefiller failed it) gets what the next one
-    gets — 503 + ``Retry-After``, the answer for "no prefiller available" — not a 502 a client does not retry;
-    counted as the engines' failure (``upstream_error``), not as a rejection."""
+    """The first request after a lone prefiller failed it on every attempt (or after every prefiller failed it)
+    gets what the next one gets — 503 + ``Retry-After``, the answer for "no prefiller available" — not a 502 a
+    client does not retry; counted as the engines' failure (``upstream_error``), not as a rejection.  A lone
+    prefiller is tried again (``prefill_attempts``) unless its breaker opened (a refusal opens it at once)."""
     outcomes: list[str | None] = []
-    async with Rig(prefill=PREFILLERS[:prefillers]) as rig:
+    # breaker_failures 4: the three attempts leave a lone prefiller's breaker closed (but for a refusal)
+    async with Rig(prefill=PREFILLERS[:prefillers], breaker_failures=4) as rig:
         rig.app.request_log.emit = lambda ctx, *_: outcomes.append(ctx.outcome)  # type: ignore[method-assign]
-        rig.fake.script("first", prefill=[PREFILL_FAILURES[failure]() for _ in range(prefillers)])
+        rig.fake.script("first", prefill=[PREFILL_FAILURES[failure]() for _ in range(3)])
         first = await rig.run("first")
-    assert len(rig.fake.of("prefill", "first")) == prefillers and not rig.fake.of("decode")
+    tried = 1 if failure == "refused" and prefillers == 1 else 3
+    legs = rig.fake.of("prefill", "first")
+    assert len(legs) == tried and len({leg.endpoint for leg in legs}) == min(prefillers, tried)
+    assert not rig.fake.of("decode")
     assert first.status == 503, first.text
     retry_after = first.header_of(b"retry-after")
     assert retry_after is not None and int(retry_after) >= 1

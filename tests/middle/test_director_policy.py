@@ -78,6 +78,34 @@ async def test_a_prefiller_that_refuses_resets_times_out_or_answers_502_503_504_
         assert b.consecutive_failures == 1                            # the failure counted on it
 
 
+@pytest.mark.parametrize("failure", ["reset", "timeout", "502", "503"])
+async def test_a_lone_prefiller_that_fails_once_is_tried_again(failure: str) -> None:
+    """With one prefiller (1P1D, or the others' breakers open) a transient failure is retried on it after the
+    backoff, as the decode side retries a lone decoder and vLLM-Ascend's example proxy retries its server
+    (``--max-retries``); the request gets its whole stream from the second attempt's KV."""
+    make, result = RETRYABLE[failure]
+    async with Rig(prefill=PREFILLERS[:1]) as rig:
+        rig.fake.script("r", prefill=[make()])
+        client = await rig.run("r")
+    first, second = rig.fake.of("prefill", "r")
+    assert (first.result, second.result) == (result, "answered")
+    assert first.endpoint == second.endpoint
+    (decode,) = rig.fake.of("decode", "r")
+    assert decode.handle_in == handle_id(second.handle)
+    assert_full_stream(client)
+    assert rig.state.health.breaker(first.endpoint).consecutive_failures == 0   # the success closed the count
+
+
+async def test_a_lone_prefiller_whose_engine_core_died_is_not_tried_again() -> None:
+    dead = orjson.dumps({"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the "
+                                              "root cause.", "type": "InternalServerError", "code": 500}})
+    async with Rig(prefill=PREFILLERS[:1]) as rig:
+        rig.fake.script("r", prefill=[Status(500, dead)])
+        client = await rig.run("r")
+    assert [c.result for c in rig.fake.of("prefill", "r")] == ["status"]
+    assert client.status == 500 and client.json()["error"]["code"] == 500 and not rig.fake.of("decode")
+
+
 async def test_when_every_prefill_attempt_fails_the_client_gets_the_last_failure() -> None:
     async with Rig() as rig:
         rig.fake.script("r", prefill=[Refuse(), Reset(), Status(503, b'{"error": "busy"}', retry_after="7")])
