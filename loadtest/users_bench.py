@@ -336,6 +336,12 @@ def _frame(f: str) -> str:
     return f"{name} ({short})" if where else name
 
 
+def _pair(ttft: float | None, e2e: float | None) -> str:
+    """``TTFT / E2E`` p50 in whole ms (absolute, not added): how much of a request's time comes after its first
+    event — in a saturated closed loop, where a proxy's queue sits (``loadtest/RESULTS.md`` §4)."""
+    return "—" if ttft is None or e2e is None else f"{ttft:.0f} / {e2e:.0f}"
+
+
 def _median(windows: list[dict[str, Any]], f: Any) -> float | None:
     values = [v for v in (f(w) for w in windows) if v is not None]
     return round(statistics.median(values), 3) if values else None
@@ -364,6 +370,7 @@ def summary(windows: list[dict[str, Any]], streams: int) -> dict[str, Any]:
         "events": _median(windows, lambda w: w["events"]), "wall_s": _median(windows, lambda w: w["wall_s"]),
         "ttft_ms_p50": _median(windows, lambda w: w["ttft_ms"]["p50"]),
         "ttft_ms_p99": _median(windows, lambda w: w["ttft_ms"]["p99"]),
+        "e2e_ms_p50": _median(windows, lambda w: (w.get("e2e_ms") or {}).get("p50")),
         "gap_ms_p99": _median(windows, lambda w: w["gap_ms"]["p99"]),
         "gap_ms_max": max((w["gap_ms"]["max"] or 0.0) for w in windows),
         "errors": sum(w["errors"] for w in windows), "stalls": sum(w["stalls"] for w in windows),
@@ -449,6 +456,7 @@ def figures(data: dict[str, Any], scenarios: tuple[Scenario, ...]) -> dict[str, 
                                  "added_ttft_ms_p50": added(t, "ttft_ms_p50", base50) if t != "client_pd" else None,
                                  "added_ttft_ms_p99": added(t, "ttft_ms_p99", base99) if t != "client_pd" else None,
                                  "ttft_ms_p50": v["ttft_ms_p50"], "ttft_ms_p99": v["ttft_ms_p99"],
+                                 "e2e_ms_p50": v.get("e2e_ms_p50"),
                                  "requests_per_s": v["requests_per_s"], "errors": v["errors"],
                                  "others_cpu_frac": v["others_cpu_frac"],
                                  "busiest_thread_cpu_frac": v.get("busiest_thread_cpu_frac"),
@@ -494,13 +502,13 @@ def render(doc: dict[str, Any]) -> str:
     lines = ["", "pdproxy vs vllm-router — users' conditions (nothing pinned; whole-run CPU of each proxy's process "
              "tree, ramp included; median of runs)", ""]
     for scen, per in (doc.get("per_request") or {}).items():
-        head = (f"{scen:24} {'CPU ms/req':>10} {'µs/event':>9} {'+TTFT p50':>10} {'+TTFT p99':>10} {'req/s':>8} "
-                f"{'errors':>6} {'others':>6} {'busiest':>7} {'runq':>5}")
+        head = (f"{scen:24} {'CPU ms/req':>10} {'µs/event':>9} {'+TTFT p50':>10} {'+TTFT p99':>10} "
+                f"{'TTFT/E2E p50':>13} {'req/s':>8} {'errors':>6} {'others':>6} {'busiest':>7} {'runq':>5}")
         lines += [head, "-" * len(head)]
         for t, v in per.items():
             lines.append(f"{t:24} {fmt(v['cpu_ms_per_request']):>10} {fmt(v['cpu_us_per_event']):>9} "
                          f"{fmt(v['added_ttft_ms_p50']):>10} {fmt(v['added_ttft_ms_p99']):>10} "
-                         f"{fmt(v['requests_per_s']):>8} {fmt(v['errors']):>6} {fmt(v['others_cpu_frac']):>6} "
+                         f"{_pair(v.get('ttft_ms_p50'), v.get('e2e_ms_p50')):>13} {fmt(v['requests_per_s']):>8} {fmt(v['errors']):>6} {fmt(v['others_cpu_frac']):>6} "
                          f"{fmt(v.get('busiest_thread_cpu_frac')):>7} {fmt(v.get('run_queue_wait_frac')):>5}")
         lines.append("")
     head = f"{'figure':58} {'pdproxy':>10} {'ref':>10} {'ratio':>7}  {'target':20} met  (ref)"
