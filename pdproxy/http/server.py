@@ -62,6 +62,7 @@ import asyncio
 import contextlib
 import functools
 import http
+import itertools
 import logging
 import resource
 import select
@@ -715,8 +716,9 @@ class ServerProtocol(asyncio.Protocol):
         size = ex.size if ex is not None else 0
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._refuse(400, "protocol upgrades are not supported")
+        except httptools.HttpParserUpgrade:   # its head is whole: the request is the last one parsed
+            last = self.parsing or (self.queue[-1] if self.queue else self.current)
+            self._refuse(400, "protocol upgrades are not supported", last)
             return
         except httptools.HttpParserError as exc:
             cause = exc.__context__
@@ -960,6 +962,13 @@ class ServerProtocol(asyncio.Protocol):
         self.current = None
         if self.transport is None:
             return
+        if self.queue and self.pending is not None and ex.keep_alive and ex.complete:
+            # a request whole before a refused one (reading stopped at the refusal: at most one read's worth):
+            # its answer, then the next, then the refusal
+            if self.server_state is not None:
+                self.server_state.total_requests += 1
+            self._begin(self.queue.popleft())
+            return
         if not ex.keep_alive or not ex.complete or self.closing:
             # an unread request body (or HTTP/1.0 without keep-alive) leaves no reliable next message start
             if self.pending is not None:
@@ -1018,8 +1027,9 @@ class ServerProtocol(asyncio.Protocol):
         """Answer a request the server itself refuses and close; no later byte from the client is parsed.
         ``refused``: the request refused (default: the one being parsed, else the current one); on a completion
         route the body is in that API's error shape (``ServedApp.refusal_body``), elsewhere vLLM's OpenAI envelope.
-        A request answered before it (pipelined) keeps its answer: the refusal follows once that response ended
-        (:meth:`response_done`); a refusal of the request whose response is under way only ends it there."""
+        Requests before it keep their answers: the one in progress, and those pipelined behind it whose bodies
+        are in (answered in order); the refusal follows the last of them (:meth:`response_done`).  A refusal of the
+        request whose response is under way only ends it there."""
         if refused is None:
             refused = self.parsing or self.current
         route = refused.api if refused is not None else None
@@ -1031,7 +1041,9 @@ class ServerProtocol(asyncio.Protocol):
         self.closing = True
         self.no_more = True
         self.refused = True
+        kept = list(itertools.takewhile(lambda q: q is not refused and q.complete, self.queue))
         self.queue.clear()
+        self.queue.extend(kept)
         self.parsing = None
         self._release_body()
         self._cancel_timer()

@@ -412,6 +412,42 @@ def test_a_refused_pipelined_request_never_takes_the_answer_of_the_one_before(ed
     assert b"connection: close" in rest and b'"code":413' in rest
 
 
+BAD_TAILS = {
+    "duplicate Content-Length": (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
+                                 b"Content-Length: 4\r\n\r\nabc", 400),
+    "body over max_body_bytes": (post("/v1/completions", b"")[:-len(b"Content-Length: 0\r\n\r\n")]
+                                 + f"Content-Length: {HEAD * 50}\r\n\r\n".encode(), 413),
+    "protocol upgrade": (get("/v1/models", headers="Connection: upgrade\r\nUpgrade: websocket\r\n"), 400),
+}
+
+
+@pytest.mark.parametrize("tail", list(BAD_TAILS))
+def test_requests_pipelined_before_a_refused_one_are_answered_in_order_then_the_refusal(
+        edge: ProxyThread, sims: Fleet, tail: str) -> None:
+    """Two completions, a ``GET /health`` and a request the server refuses, all in one write: each whole request
+    before the refused one gets its own answer, in order, then the refusal and a close — the refusal once took
+    the second request's place and dropped the ones after it (and an upgrade request's 400 cancelled the one
+    before it: its engines ran it, its client never got a byte)."""
+    bad, status = BAD_TAILS[tail]
+    prompts = [orjson.dumps({"model": "sim-model", "prompt": f"pipelined {i}", "max_tokens": 3}) for i in (1, 2)]
+    c = RawConn(edge.port)
+    try:
+        c.send(post("/v1/completions", prompts[0]) + post("/v1/completions", prompts[1]) + get("/health") + bad)
+        c.read_messages(4)
+        assert c.wait_closed()
+    finally:
+        c.close()
+    got = [(m.status, m.complete) for m in c.p.messages]
+    assert got == [(200, True), (200, True), (200, True), (status, True)], c.raw[:2000]
+    first, second, health, refusal = c.p.messages
+    assert [orjson.loads(m.body)["choices"][0]["index"] for m in (first, second)] == [0, 0]
+    assert first.header("connection") != "close" and health.header("connection") != "close"
+    assert refusal.header("connection") == "close" and orjson.loads(refusal.body)["error"]["code"] == status
+    received = [r["body"]["prompt"] for s in sims.decoders for r in s.completions_received()]
+    assert "pipelined 1" in received and "pipelined 2" in received
+    edge.wait_idle()
+
+
 def test_garbage_after_a_request_ends_its_stream_then_closes_cleanly(edge: ProxyThread, sims: Fleet) -> None:
     """A streamed chat request followed in the same connection by 2 MB that is not HTTP: the stream ends whole
     (``[DONE]``), then the connection closes after reading what is left — not with a reset that could destroy
