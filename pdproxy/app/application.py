@@ -482,7 +482,8 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
         kind = "MethodNotAllowed" if status == 405 else None
         headers = exc.headers
         if status == 405:     # Starlette names the first route's methods only (GET of GET/POST/DELETE /admin/endpoints)
-            headers = {**(headers or {}), "allow": ", ".join(served_methods(app, request.scope))}
+            kept = {k: v for k, v in (headers or {}).items() if k.lower() != "allow"}   # Starlette's "Allow": replaced
+            headers = {**kept, "allow": ", ".join(served_methods(app, request.scope))}
         return Response(orjson.dumps(error_body(status, str(exc.detail), error_type=kind)), status_code=status,
                         media_type="application/json", headers=headers)
 
