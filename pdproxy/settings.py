@@ -193,7 +193,8 @@ class Settings(BaseSettings):
                                 "else the connection is aborted (nginx send_timeout): a connection that closes, "
                                 "waits for its client to take an answer before the next (keep-alive, "
                                 "pipelining) or to take a part of a response sent in parts (passthrough and "
-                                "control-plane streams); a PD stream's client is cut after decode_idle_timeout_s")
+                                "control-plane streams) or to take a PD stream's next events (the decode is then "
+                                "aborted, freeing the decoder's reservation)")
     max_client_connections: int | None = Field(
         None, ge=1, description="open client connections; one more is answered 503 and closed.  Unset: half of "
                                 "the open-file limit left after 64 (the other half is for engine connections); "

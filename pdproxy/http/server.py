@@ -420,6 +420,16 @@ class Exchange:
         else:
             self._proto.write(data)
 
+    @property
+    def send_timeout_s(self) -> float:
+        """``client_send_timeout_s``: how long the client may take none of the bytes written to it."""
+        return self._proto.limits.send_timeout_s
+
+    def unsent(self) -> int:
+        """Bytes written to the client that it has not taken yet (0 once the connection is gone)."""
+        t = self._proto.transport
+        return t.get_write_buffer_size() if t is not None else 0
+
     def body_writer(self) -> Callable[[bytes], None]:
         """A callable that writes one body piece (bytes, not empty) with this response's framing straight to the
         transport — the transport's own ``write`` when unframed — for the relay's splice, which calls it per

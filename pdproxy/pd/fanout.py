@@ -171,6 +171,13 @@ class _SequenceSink:
     def paused(self) -> bool:
         return bool(self.merger.out.conn.paused)
 
+    @property
+    def send_timeout_s(self) -> float:
+        return self.merger.out.conn.send_timeout_s
+
+    def unsent(self) -> int:
+        return self.merger.out.conn.unsent()
+
     def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.status = status
         self.headers = list(headers)

@@ -23,10 +23,11 @@ Python.  The director's coroutine waits on one future for the whole stream.
 
 **Flow control.**  Client → decoder: when the client's transport goes above its high-water mark the splice
 pauses reading the decoder socket (so a slow reader holds at most one transport buffer, ~64 KiB, plus the kernel's
-socket buffers, whatever it does) and resumes below the low-water mark; a client that stays paused for
-``decode_idle_timeout_s`` is cut (its connection aborted, so the director's task is cancelled and the decode
-connection closed, which makes vLLM abort the request).  Decoder silence: the same timeout as one lazy timer,
-re-armed once per timeout period, never per event.
+socket buffers, whatever it does) and resumes below the low-water mark; a paused client that takes none of the
+bytes written to it for ``client_send_timeout_s`` (nginx's ``send_timeout``; a slow reader, whose untaken bytes
+shrink, is not) is cut — its connection aborted, so the director's task is cancelled and the decode connection
+closed, which makes vLLM abort the request and frees the decoder's reservation.  Decoder silence:
+``decode_idle_timeout_s``, one lazy timer re-armed once per timeout period, never per event.
 
 **Transforms** (chosen once, when the stream starts; :meth:`StreamRelay.transforms`).  A transform
 (:class:`pdproxy.apis.transform.Transform`) has
@@ -126,7 +127,7 @@ class _Splice(SpliceBase):
     the common read in one C call), which hands every other read to :meth:`_slow`."""
 
     __slots__ = ("conn", "ctx", "done", "done_alt", "done_event", "ending", "first", "idle_s", "idle_timer",
-                 "loop", "lost_when", "resp", "stall_timer", "transform")
+                 "loop", "lost_when", "resp", "stall_timer", "transform", "unsent")
 
     def __init__(self, relay: StreamRelay, transform: Transform | None, tail: bytes, last_write: float) -> None:
         self.loop = relay.resp.loop
@@ -160,6 +161,7 @@ class _Splice(SpliceBase):
         self.idle_s = relay.idle_timeout_s
         self.idle_timer: asyncio.TimerHandle | None = None
         self.stall_timer: asyncio.TimerHandle | None = None
+        self.unsent = 0       # the client's untaken bytes when the stall timer was (re)armed
 
     # --- the hot path --------------------------------------------------------------------------------------
     def _slow(self, chunk: bytes) -> None:
@@ -341,10 +343,13 @@ class _Splice(SpliceBase):
             self.done.set_exception(stall)
 
     def client_paused(self) -> None:
-        """The client's transport went above its high-water mark: stop reading the decoder."""
+        """The client's transport went above its high-water mark: stop reading the decoder, and cut the client
+        once it takes none of its bytes for ``client_send_timeout_s`` (nginx's ``send_timeout``): the decoder's
+        reservation must not wait for a client that stopped reading."""
         self.resp.pause_reading()
-        if self.stall_timer is None and self.idle_s is not None:
-            self.stall_timer = self.loop.call_later(self.idle_s, self._stalled)
+        if self.stall_timer is None:
+            self.unsent = self.conn.unsent()
+            self.stall_timer = self.loop.call_later(self.conn.send_timeout_s, self._stalled)
 
     def client_resumed(self) -> None:
         """The client caught up: read the decoder again."""
@@ -363,7 +368,12 @@ class _Splice(SpliceBase):
         self.stall_timer = None
         if self.done.done():
             return
-        self.ctx.error = f"the client read nothing for {self.idle_s} s; connection closed, decode aborted"
+        unsent, timeout_s = self.conn.unsent(), self.conn.send_timeout_s
+        if unsent < self.unsent:          # it took some: a slow reader, not a gone one
+            self.unsent = unsent
+            self.stall_timer = self.loop.call_later(timeout_s, self._stalled)
+            return
+        self.ctx.error = f"the client took nothing for {timeout_s:g} s; connection closed, decode aborted"
         self.write = _drop
         self.conn.abort()  # connection_lost cancels the director's task; the decode leg is then closed
 

@@ -32,12 +32,18 @@ class ClientConnection(Protocol):
     ``paused``: the client's transport is above its high-water mark; ``drain()`` waits until it is not.
     ``flow``: set by the relay to an object with ``client_paused()`` / ``client_resumed()``, called when
     ``paused`` changes, and ``client_gone()`` when the connection is lost.  ``abort()`` drops the connection
-    (RST)."""
+    (RST).  ``unsent()``: the bytes written to the client and not taken yet (0 once gone); ``send_timeout_s``:
+    how long the client may take none of them before it is cut (``client_send_timeout_s``)."""
 
     flow: Any
 
     @property
     def paused(self) -> bool: ...
+
+    @property
+    def send_timeout_s(self) -> float: ...
+
+    def unsent(self) -> int: ...
 
     def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
 

@@ -707,6 +707,8 @@ class FakeClient:
         self.gone = False
         self.aborted = False
         self._drain: asyncio.Future[None] | None = None
+        self.send_timeout_s = 60.0      # the server's client_send_timeout_s (the rig sets its settings')
+        self.untaken = 0                # what unsent() reports: bytes written and not taken (a test moves it)
 
     # --- request side (pdproxy.http.server.Exchange) ------------------------------------------------------------
     def header(self, name: bytes) -> str | None:
@@ -740,6 +742,9 @@ class FakeClient:
 
     def body_writer(self) -> Callable[[bytes], None]:
         return self._put
+
+    def unsent(self) -> int:
+        return self.untaken
 
     async def drain(self) -> None:
         if self._drain is not None:

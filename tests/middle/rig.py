@@ -101,6 +101,7 @@ class Rig:
         """Start request ``key`` (its client's ``X-Request-Id``) with ``body`` (default: a chat of ``stream``)."""
         client = FakeClient(body if body is not None else chat_body(key, stream=stream),
                             [(b"content-type", b"application/json"), (b"x-request-id", key.encode()), *headers])
+        client.send_timeout_s = self.state.settings.client_send_timeout_s
         task = asyncio.get_running_loop().create_task(self.app.handle_completion(api, client))  # type: ignore[arg-type]
         sent = Sent(key, client, task)
         self.sent.append(sent)

@@ -183,11 +183,11 @@ async def test_a_client_that_stops_reading_is_cut_and_the_decoder_closed() -> No
             assert time.monotonic() < deadline, "not reached"
             await asyncio.sleep(0.01)
 
-    async with Rig(decode_idle_timeout_s=0.1) as rig:
+    async with Rig(client_send_timeout_s=0.1) as rig:   # the decoder's idle timeout stays 120 s: not what cuts it
         rig.fake.script("r", decode=[Stream(events=5, gates={2: third})])
         sent = rig.send("r")
         await third.reached.wait()
-        sent.client.pause()                           # and never resumes
+        sent.client.pause()                           # and never resumes (nor takes a byte)
         await eventually(lambda: sent.client.aborted)
         await sent.task
     (decode,) = rig.fake.of("decode", "r")

@@ -44,10 +44,15 @@ class Client:
         self.body: list[bytes] = []
         self.finished = False
         self.aborted = False
+        self.send_timeout_s = 60.0
+        self.untaken = 0       # what unsent() reports (a test moves it)
 
     @property
     def paused(self) -> bool:
         return self._paused
+
+    def unsent(self) -> int:
+        return self.untaken
 
     def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.status = status
@@ -146,16 +151,42 @@ async def test_a_client_above_its_high_water_mark_pauses_the_decoder_read_until_
         assert client.finished and client.text == TOKEN + TOKEN + DONE
 
 
-async def test_a_client_that_stays_paused_for_the_idle_timeout_is_cut() -> None:
+async def test_a_paused_client_that_takes_nothing_for_the_send_timeout_is_cut() -> None:
+    """Cut after ``client_send_timeout_s`` (not the decoder's 120 s idle timeout: the decoder's reservation must not
+    wait that long for a client that stopped reading)."""
     script = Script()
-    async with relaying(script, idle_timeout_s=0.2) as (task, client, ctx, resp):
+    async with relaying(script, idle_timeout_s=60.0) as (task, client, ctx, resp):
+        client.send_timeout_s = 0.2
+        client.untaken = 70_000
         client.pause()
         await until(lambda: client.aborted, "the stalled client cut", timeout_s=5)
         assert not task.done()  # the server's connection_lost cancels the director's task, whose decode leg
-        assert "read nothing" in (ctx.error or "")  # is then closed by Upstream.open_stream (vLLM aborts)
+        assert "took nothing for 0.2 s" in (ctx.error or "")  # is then closed by Upstream.open_stream (vLLM aborts)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         assert not resp.at_eof()  # unfinished: Upstream.open_stream closes it (the engine sees the abort)
+
+
+async def test_a_paused_client_that_keeps_taking_bytes_is_not_cut() -> None:
+    """A slow reader (its untaken bytes shrank since the last check) keeps its stream and the check is re-armed;
+    once it took nothing for a whole ``client_send_timeout_s`` it is cut.  (The checks are called here, in place of
+    the timer: no test timing.)"""
+    script = Script()
+    async with relaying(script, idle_timeout_s=60.0) as (task, client, ctx, _resp):
+        client.send_timeout_s = 3600.0
+        client.untaken = 100_000
+        client.pause()
+        splice = client.flow
+        for _ in range(3):
+            client.untaken -= 1_000
+            splice.stall_timer.cancel()
+            splice._stalled()                          # the check: it took some
+            assert not client.aborted and splice.stall_timer is not None
+        splice.stall_timer.cancel()
+        splice._stalled()                              # nothing taken since the last check
+        assert client.aborted and "took nothing for 3600 s" in (ctx.error or "")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 async def test_done_ends_the_client_response_before_the_decoder_ends_its_body() -> None:

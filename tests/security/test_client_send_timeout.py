@@ -127,6 +127,28 @@ def test_a_passthrough_stream_whose_client_never_reads_is_cut(sims: Fleet) -> No
         s.close()
 
 
+def test_a_pd_stream_whose_client_never_reads_is_cut_after_the_send_timeout(sims: Fleet) -> None:
+    """A PD stream (prefill, then the decoder's SSE) whose client stops reading: once it takes nothing for
+    ``client_send_timeout_s`` the connection is aborted and the decode closed, so the decoder's reservation is
+    freed — not after ``decode_idle_timeout_s`` (120 s here), which held it for every other request meanwhile."""
+    with proxy_for(sims) as p:
+        assert p.app.settings.decode_idle_timeout_s == 120
+        body = orjson.dumps({"model": "sim-model", "prompt": "a long answer please", "max_tokens": 3000,
+                             "ignore_eos": True, "logprobs": 5, "stream": True})
+        s = non_reader(p.port)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: %d\r\n\r\n" % len(body) + body)
+        wait_until(lambda: decoded(sims), 20, 0.02, "the stream under way")
+        wait_until(lambda: not p.server.server_state.connections, 20, 0.05, "the non-reading client's connection gone")
+        p.wait_idle()                                       # the decoder's lease and the request given back
+        got = b""
+        with contextlib.suppress(ConnectionResetError):
+            while piece := s.recv(65536):
+                got += piece
+        assert got.startswith(b"HTTP/1.1 200 ") and b"data: [DONE]" not in got, len(got)   # cut mid-stream
+        s.close()
+
+
 class _BigAnswers:
     """A served app whose completion route answers ``size`` bytes (and counts its calls): no engines."""
 
