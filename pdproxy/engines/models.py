@@ -24,7 +24,7 @@ from typing import Any
 
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.control import EngineInfo, request_pool
-from pdproxy.errors import ModelNotFound
+from pdproxy.errors import BadRequest, ModelNotFound
 
 Pins = Mapping[tuple[Role, str], frozenset[str]]
 """``(role, endpoint URL) → model ids`` the operator pinned that endpoint to."""
@@ -101,6 +101,24 @@ class ServedModels:
             if pins is not None and not self.listed(e):
                 out.update(pins)
         return sorted(out)
+
+    def route_model(self, model: str | None) -> str | None:
+        """The model a generation request is routed as: ``model`` when it names one; for a request without
+        ``model`` (absent, null or ``""``: vLLM then runs its own first served model,
+        ``vllm/entrypoints/openai/models/serving.py``), the one base model that both prefillers and decoders serve
+        (the decoders', with no prefiller: decode-only) — so its prefill and its decode land on engines of the same
+        model — or None when none is known yet (any engine takes it, as before a refresh).  Raises
+        :class:`BadRequest` (400, ``param: model``) when there are several: which one the client meant cannot be
+        told, and a KV handle of one model must never reach an engine of another.  (A passthrough route has no
+        second leg: without a model it goes to an engine that serves the route, ``pdproxy/app/passthrough.py``.)"""
+        if model:
+            return model
+        decoders, prefillers = self.base_ids(Role.DECODE), self.base_ids(Role.PREFILL)
+        served = sorted(set(decoders) & set(prefillers)) if prefillers else decoders
+        if len(served) > 1:
+            raise BadRequest(f"the request names no model and this server serves several ({', '.join(served)}): "
+                             "set `model` to one of them", param="model")
+        return served[0] if served else None
 
     def require(self, model: str | None, role: Role = Role.DECODE) -> None:
         """Raise :class:`ModelNotFound` (404, vLLM's words) when there are endpoints of ``role`` and none serves

@@ -119,6 +119,7 @@ class Director:
         with self.tracing.request(req, ctx):                            # the request's span (if tracing)
             async with self.deadline(ctx):                              # optional end-to-end deadline
                 if self.served is not None:
+                    req.model = ctx.model = self.served.route_model(req.model)   # none named: the one served
                     self.served.require(req.model)                      # 0. a served model? (vLLM's 404)
                 if self.fans_out(req):
                     await self.fan_out.serve(req, ctx, out)             # n > 1, prompt lists: a pair per sequence

@@ -12,7 +12,7 @@ from pdproxy.engines.control import EngineInfo
 from pdproxy.engines.limits import Limits
 from pdproxy.engines.models import ServedModels
 from pdproxy.engines.pool import EndpointPool
-from pdproxy.errors import ModelNotFound
+from pdproxy.errors import BadRequest, ModelNotFound
 from pdproxy.prefix.routing import PrefixRouter
 from pdproxy.scheduling import PickRequest, Scheduler
 from pdproxy.scheduling.queue import PrefillLedger, PrefillQueue
@@ -55,6 +55,23 @@ def test_unknown_model_is_vllms_404_listing_base_models_only() -> None:
     router = PrefixRouter.__new__(PrefixRouter)                   # its namespaces: only the listings are read
     router.infos = two_models()
     assert router.namespace("a-lora") == "a-lora" and router.namespace("a") == "" and router.namespace(None) == ""
+
+
+def test_a_request_without_a_model_is_routed_as_the_one_served_else_refused() -> None:
+    """A request that names no model (vLLM then runs its first served model) is routed as the one base model the
+    endpoints serve, so its prefill and decode are on engines of one model; with several served it is a 400
+    naming them — it once prefilled on one model's engine and decoded (with that KV handle) on another's."""
+    one = {PA: two_models()[PA], DA: two_models()[DA]}
+    assert ServedModels(one).route_model(None) == "a" and ServedModels(one).route_model("") == "a"
+    emb = Endpoint("http://emb", Role.DECODE)                         # a pooling engine beside them: no prefiller
+    assert ServedModels({**one, emb: EngineInfo(models=[card("emb")])}).route_model(None) == "a"
+    assert ServedModels({DA: two_models()[DA]}).route_model(None) == "a"   # decode-only: the decoders' model
+    assert ServedModels(one).route_model("a-lora") == "a-lora"          # a named model is kept as named
+    assert ServedModels({PA: EngineInfo(), DA: EngineInfo()}).route_model(None) is None   # none known yet: any
+    with pytest.raises(BadRequest) as e:
+        ServedModels(two_models()).route_model(None)
+    assert e.value.param == "model" and e.value.status_code == 400
+    assert "serves several (a, b)" in e.value.message
 
 
 def test_models_union_has_each_models_smallest_max_model_len() -> None:

@@ -186,3 +186,20 @@ def test_passthrough_requests_are_counted_per_route(proxy: ProxyThread) -> None:
     text = httpx.get(proxy.url + "/metrics").text
     assert 'pdproxy_requests_total{api="tokenize",outcome="ok",status="200"} 1.0' in text
     assert 'pdproxy_requests_total{api="embeddings",outcome="ok",status="200"} 1.0' in text
+
+
+@pytest.mark.parametrize("model", [None, ""], ids=["absent", "empty"])
+def test_a_generation_request_naming_no_model_runs_on_the_one_pd_model(proxy: ProxyThread,
+                                                                       engines: dict[str, SimProcess],
+                                                                       model: str | None) -> None:
+    """A chat without ``model`` beside a pooling and a speech engine (decoders here, serving other models): its
+    prefill and decode both run on ``gen``'s engines, the only model a prefiller and a decoder serve — the decode
+    leg (with the prefiller's KV handle) once went to any decoder, the speech engine's included."""
+    body: dict[str, object] = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3}
+    if model is not None:
+        body["model"] = model
+    for _ in range(6):                     # round robin would have reached the other decoders by now
+        r = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=20)
+        assert r.status_code == 200, r.text
+        assert served_by(r) == engines["d"].url
+    assert not engines["emb"].received() and not engines["asr"].received()
