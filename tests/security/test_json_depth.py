@@ -173,6 +173,38 @@ def test_the_scan_refuses_bad_arguments_with_python_errors() -> None:
     assert _jsonscan.nests_within(b"", 0) is True
 
 
+@pytest.mark.skipif(_jsonscan is None, reason="the compiled scan is not built (its own test fails)")
+@settings(max_examples=500, deadline=None)
+@given(st.recursive(st.none() | st.integers().filter(lambda i: abs(i) < 2**63) | TRICKY,
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TRICKY, inner, max_size=4),
+                    max_leaves=60).filter(lambda v: isinstance(v, list | dict)),
+       st.sampled_from([0, orjson.OPT_INDENT_2]), st.sampled_from([b"", b" ", b',"x":1}']))
+def test_the_compiled_container_end_is_the_python_ones(value: object, option: int, after: bytes) -> None:
+    """``container_end`` (kv_transfer's cut of proxy-owned members, pdproxy/apis/_jsonscan.c) ends every object
+    and array where its Python twin does — brackets, quotes and backslashes inside strings never count — at any
+    offset, whatever follows; neither reads past a container nothing closes (ValueError)."""
+    from pdproxy.apis import kv_transfer
+
+    body = orjson.dumps(value, option=option)
+    raw = b'{"k":' + body + after
+    assert _jsonscan.container_end(raw, 5) == kv_transfer.py_container_end(raw, 5) == 5 + len(body)
+    assert _jsonscan.container_end(bytearray(body), 0) == len(body)
+    for cut in (body[:-1], b"[" + body):
+        with pytest.raises(ValueError):
+            _jsonscan.container_end(cut, 0)
+        with pytest.raises(ValueError):
+            kv_transfer.py_container_end(cut, 0)
+
+
+@pytest.mark.skipif(_jsonscan is None, reason="the compiled scan is not built (its own test fails)")
+def test_container_end_refuses_what_opens_no_container() -> None:
+    for raw, start in ((b'"a"', 0), (b"[]", 2), (b"[]", -1), (b"", 0)):
+        with pytest.raises(ValueError):
+            _jsonscan.container_end(raw, start)
+    with pytest.raises(TypeError):
+        _jsonscan.container_end("[]", 0)  # type: ignore[arg-type]
+
+
 # ------------------------------------------------------------------------------------------ max_json_items
 @settings(max_examples=200, deadline=None)
 @given(raw=st.binary(max_size=3000).map(lambda b: bytes(b"{[,a"[x % 4] for x in b)), limit=st.integers(0, 2000))
