@@ -52,19 +52,28 @@ string_end(const char *s, Py_ssize_t n, Py_ssize_t start)
     return n;
 }
 
+/* Both functions' arguments (raw, a number): the number in *num and raw's bytes held in *view (the caller
+   releases it); -1 with a Python error set when they are not that. */
+static int
+buffer_and_number(PyObject *const *args, Py_ssize_t nargs, const char *usage, Py_buffer *view, Py_ssize_t *num)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "%s takes 2 arguments", usage);
+        return -1;
+    }
+    *num = PyNumber_AsSsize_t(args[1], PyExc_OverflowError);
+    if (*num == -1 && PyErr_Occurred())
+        return -1;
+    return PyObject_GetBuffer(args[0], view, PyBUF_SIMPLE);
+}
+
 static PyObject *
 nests_within(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "nests_within(raw, limit) takes 2 arguments");
-        return NULL;
-    }
-    Py_ssize_t limit = PyNumber_AsSsize_t(args[1], PyExc_OverflowError);
-    if (limit == -1 && PyErr_Occurred())
-        return NULL;
+    Py_ssize_t limit;
     Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+    if (buffer_and_number(args, nargs, "nests_within(raw, limit)", &view, &limit) < 0)
         return NULL;
     const char *s = (const char *)view.buf;
     Py_ssize_t n = view.len;
@@ -98,15 +107,9 @@ static PyObject *
 container_end(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "container_end(raw, start) takes 2 arguments");
-        return NULL;
-    }
-    Py_ssize_t start = PyNumber_AsSsize_t(args[1], PyExc_OverflowError);
-    if (start == -1 && PyErr_Occurred())
-        return NULL;
+    Py_ssize_t start;
     Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+    if (buffer_and_number(args, nargs, "container_end(raw, start)", &view, &start) < 0)
         return NULL;
     const char *s = (const char *)view.buf;
     Py_ssize_t n = view.len;
