@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -91,14 +92,19 @@ def test_vllm_holds_small_requests_behind_a_long_prompt_waiting_for_kv(small_poo
     small request that would fit waits while a long prompt at the head of the queue waits for KV blocks.
 
     A 1,300-token prompt decoding 600 tokens (``ignore_eos``) holds 15 of the 18 blocks; a second one cannot get
-    its 11; a 2-token request needs one block.  Whether the small request waited is read from the engine's count of
-    finished requests when its answer arrives (1, itself: served while the first decodes; 2 or more: after the
-    first finished), not from two client threads' clocks."""
+    its 11; a 2-token request needs one block.  With nothing waiting, the small request's answer is in before the
+    first stream's ``[DONE]`` reaches its reader (a 600-token decode leaves seconds of margin; the engine's count of
+    finished requests, scraped after the answer, could already include the first); held behind the waiting long
+    prompt, the engine had finished 2 or more requests when its answer came (itself and the first) — not two
+    client threads' clocks."""
     e = small_pool_engines
 
-    def scenario(with_waiting_long: bool, seed: int) -> float:
-        """Requests the engine had finished, since the scenario began, when the small request's answer arrived."""
+    def scenario(with_waiting_long: bool, seed: int) -> tuple[float, bool]:
+        """Requests the engine had finished, since the scenario began, when the small request's answer arrived, and
+        whether that answer was in before the first stream's ``[DONE]`` was read."""
         finished0 = finished(e.prefill_url)
+        replied = threading.Event()
+        before_done = False
         with httpx.Client(base_url=e.prefill_url, timeout=120) as engine, ThreadPoolExecutor(2) as pool, \
                 ExitStack() as stack:
             body = {"model": e.served_model, "stream": True}
@@ -118,17 +124,23 @@ def test_vllm_holds_small_requests_behind_a_long_prompt_waiting_for_kv(small_poo
                 def small() -> float:
                     reply = engine.post("/v1/completions", json={"model": e.served_model, "prompt": "Hi",
                                                                  "max_tokens": 2})
+                    replied.set()
                     assert reply.status_code == 200
                     return finished(e.prefill_url) - finished0
                 answered = pool.submit(small)
-                assert "data: [DONE]" in list(lines)
+                for line in lines:
+                    if line == "data: [DONE]":
+                        before_done = replied.is_set()
+                        break
+                else:
+                    raise AssertionError("the first stream ended without [DONE]")
                 finished_then = answered.result()
                 if second is not None:
                     assert "data: [DONE]" in list(second.iter_lines())
-        return finished_then
+        return finished_then, before_done
 
-    assert scenario(False, 5000) == 1        # nothing waiting: the small one is served while the first decodes
-    assert scenario(True, 5100) >= 2         # held behind the waiting long prompt until the first ended
+    assert scenario(False, 5000)[1]          # nothing waiting: the small one is served while the first decodes
+    assert scenario(True, 5100)[0] >= 2      # held behind the waiting long prompt until the first ended
 
 
 def test_pdproxy_reads_the_pool_and_queues_the_second_long_prompt(
