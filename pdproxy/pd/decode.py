@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 
 import orjson
 
@@ -131,7 +132,7 @@ class DecodeLeg:
         return EnginesFailed.after(Role.DECODE, last, self.health.retry_after_s(self.pool.endpoints(Role.DECODE)))
 
     async def run(self, req: ProxyRequest, ctx: RequestContext, pick: PickRequest, prefill: PrefillResult,
-                  out: Responder, exclude: list[Endpoint], transcript: recompute.Transcript | None,
+                  out: Responder, exclude: Sequence[Endpoint], transcript: recompute.Transcript | None,
                   resume: Resume | None = None) -> bool:
         """Pick a decoder (not in ``exclude``), open the decode leg and relay its answer to ``out``.
 

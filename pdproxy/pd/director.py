@@ -337,12 +337,8 @@ class Director:
                         if prefill.answer is not None and await self.answer_from_prefill(
                                 req, ctx, out, prefill, transcript):
                             return False
-                    exclude = failed
-                    if attempt and not self.scheduler.eligible(Role.DECODE, pick, failed, capacity=False):
-                        # every decoder that could take it failed it already: those are a preference, not a ban
-                        # (as Envoy's previous_hosts retry predicate), so the retry goes to one of them (their
-                        # breakers still decide) rather than answering 503
-                        exclude = lost
+                    exclude = (self.scheduler.retry_exclusion(Role.DECODE, pick, failed, lost) if attempt
+                               else failed)
                     try:
                         return await self.decode.run(req, ctx, pick, prefill, out, exclude, transcript, resume)
                     except NoEndpointAvailable:

@@ -129,11 +129,7 @@ class PrefillLeg:
             if attempt:
                 ctx.retried("prefill", last.outcome if last is not None else "error")
                 await self.backoff.sleep(attempt)
-            exclude = tried
-            if tried and not self.queue.scheduler.eligible(Role.PREFILL, pick, tried, capacity=False):
-                # every prefiller that could take it failed it already: those are a preference, not a ban (as on
-                # the decode side, pdproxy/pd/director.py), so a lone prefiller is tried again; its breaker decides
-                exclude = dead
+            exclude = self.queue.scheduler.retry_exclusion(Role.PREFILL, pick, tried, dead)
             try:                                       # wait in the prefill queue for a slot (queue → pick)
                 with self.tracing.queue_wait(ctx):
                     slot = await stack.enter_async_context(self.queue.slot(tokens, tokens + 1, exclude=exclude,

@@ -166,6 +166,17 @@ class Scheduler:
         capacity filters, i.e. those that could take ``request`` once capacity frees up), minus ``exclude``."""
         return self._filter(role, request, exclude, capacity)[0]
 
+    def retry_exclusion(self, role: Role, request: PickRequest, failed: Sequence[Endpoint],
+                        banned: Sequence[Endpoint]) -> Sequence[Endpoint]:
+        """The endpoints a retry of ``request`` leaves out: ``failed`` (those that failed it already) while another
+        endpoint of ``role`` could take it (capacity aside), else only ``banned`` (those never to be tried again,
+        a subset of ``failed``).  A failure is a preference, not a ban — as Envoy's ``previous_hosts`` retry
+        predicate — so a lone engine (or the last ones left) is tried again and its breaker decides, rather than
+        the request being refused with a 503 while an engine that could serve it is up."""
+        if failed and not self.eligible(role, request, failed, capacity=False):
+            return banned
+        return failed
+
     def require(self, role: Role, request: PickRequest, exclude: Sequence[Endpoint] = ()) -> None:
         """Raise at once when no endpoint of ``role`` could ever take ``request`` (capacity aside): the first
         filter's refusal that ruled every one out — :class:`NoEndpointAvailable` (503 + ``Retry-After``) or

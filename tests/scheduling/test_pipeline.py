@@ -76,6 +76,20 @@ def test_health_draining_and_breaker_filters_each_remove_their_endpoint() -> Non
     assert "all candidates failed for this request" in failed.value.message
 
 
+def test_a_retry_leaves_out_the_failed_only_while_another_could_take_it() -> None:
+    """A failure is a preference, not a ban: the failed engines are left out while another could serve the request
+    (capacity aside), and once none could, only the banned ones (a dead core) are — the lone engine is tried again."""
+    pool, _, _, sched = build()
+    req = PickRequest("r")
+    assert sched.retry_exclusion(Role.PREFILL, req, [P[0]], []) == [P[0]]           # P1, P2 could take it
+    pool.load(P[2]).healthy = False
+    assert sched.retry_exclusion(Role.PREFILL, req, [P[0], P[1]], [P[1]]) == [P[1]]   # P2 down: P0 again
+    assert sched.retry_exclusion(Role.PREFILL, req, [], []) == []
+    pinned = PickRequest("r", dp_rank=2)                                            # only D2 could take it
+    assert sched.retry_exclusion(Role.DECODE, pinned, [D[2]], []) == []
+    assert sched.retry_exclusion(Role.DECODE, req, [D[2]], []) == [D[2]]
+
+
 def test_unhealthy_because_of_a_missing_engine_key_says_so() -> None:
     infos = {e: EngineInfo(auth_failed=e.role is Role.DECODE) for e in ALL}
     pool, _, _, sched = build(infos)
