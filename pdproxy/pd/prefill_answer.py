@@ -23,6 +23,7 @@ import orjson
 
 from pdproxy.apis import kv_transfer
 from pdproxy.apis.request import Api, ProxyRequest
+from pdproxy.errors import UpstreamUnavailable
 from pdproxy.http import sse
 from pdproxy.pd.responder import SSE_HEADERS, Responder
 from pdproxy.timeline import RequestContext
@@ -102,18 +103,26 @@ async def send(req: ProxyRequest, ctx: RequestContext, out: Responder, reply: di
                headers: list[tuple[bytes, bytes]]) -> None:
     """Send ``reply`` (the prefiller's JSON answer, finished ``stop``, in ``req``'s API) to the client as ``req``
     asked: JSON unchanged, or one SSE body (chat, completions); records the first/last token times and the
-    output tokens (``completion_tokens`` / ``output_tokens``) on ``ctx``."""
+    output tokens (``completion_tokens`` / ``output_tokens``) on ``ctx``.  Raises :class:`UpstreamUnavailable`
+    (502, nothing sent) for an answer nested past what orjson writes (254 levels)."""
     now = time.monotonic()
     ctx.timeline.first_token_at = ctx.timeline.last_token_at = now
     usage = reply.get("usage")
     key = "completion_tokens" if req.api in (Api.CHAT, Api.COMPLETIONS) else "output_tokens"
     if isinstance(usage, dict) and isinstance(usage.get(key), int):
         ctx.completion_tokens = usage[key]
+    try:
+        if not req.stream:
+            body = orjson.dumps(reply)
+        else:
+            build = chat_events if req.api is Api.CHAT else completion_events
+            events = build(reply, req.include_usage, req.continuous_usage)
+    except TypeError:                       # orjson writes at most 254 levels; vLLM's answers nest a handful
+        raise UpstreamUnavailable(f"prefiller {ctx.prefiller} answered JSON nested too deep to relay",
+                                  endpoint=ctx.prefiller or "") from None
     if not req.stream:
-        await out.json(200, orjson.dumps(reply), headers)
+        await out.json(200, body, headers)
         return
-    build = chat_events if req.api is Api.CHAT else completion_events
-    events = build(reply, req.include_usage, req.continuous_usage)
     await out.start(200, [*SSE_HEADERS, *headers])
     out.done_sent = True                    # the events end with [DONE] (a fan-out merge checks for it)
     await out.end(b"".join(events))

@@ -12,7 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdproxy.apis import kv_transfer
-from pdproxy.apis.request import Api
+from pdproxy.apis.request import Api, parse_request
+from pdproxy.errors import UpstreamUnavailable
+from pdproxy.pd import prefill_answer
+from pdproxy.timeline import RequestContext
 
 JSON_SCALARS = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=8) | st.floats(
     allow_nan=False, allow_infinity=False)
@@ -131,3 +134,36 @@ def test_a_number_past_a_double_in_a_large_handle_is_forwarded_as_written() -> N
     with pytest.raises(orjson.JSONDecodeError):
         orjson.loads(data)
     assert kv_transfer.extract_params(kv_transfer.load_prefill_answer(data)) == kv_transfer.KVHandle(handle)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_finished_prefill_answer_nested_too_deep_to_relay_is_a_502_with_nothing_sent(stream: bool) -> None:
+    """An answer without a handle (the prefiller finished the request) is re-serialised for the client; one nested
+    past what orjson writes (254 levels) is the prefiller's broken answer — a 502 naming it, nothing sent — rather
+    than a ``TypeError`` from inside the relay."""
+    class Out:
+        def __init__(self) -> None:
+            self.sent: list[Any] = []
+
+        async def json(self, *args: Any) -> None:
+            self.sent.append(args)
+
+        async def start(self, *args: Any) -> None:
+            self.sent.append(args)
+
+        async def end(self, *args: Any) -> None:
+            self.sent.append(args)
+
+    req = parse_request(orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                      "stream": stream}), Api.CHAT)
+    ctx = RequestContext(request_id="r", client_request_id=None, api_label="chat", prefiller="p0")
+    reply = orjson.loads(b'{"choices": [{"index": 0, "message": {"role": "assistant", "content": "a"}, "logprobs": '
+                         + b"[" * 300 + b"]" * 300 + b', "finish_reason": "stop"}]}')
+    out = Out()
+    with pytest.raises(UpstreamUnavailable) as refused:
+        await prefill_answer.send(req, ctx, out, reply, [])     # type: ignore[arg-type]
+    assert refused.value.status_code == 502 and "p0" in refused.value.message and out.sent == []
+    reply["choices"][0]["logprobs"] = None
+    await prefill_answer.send(req, ctx, out, reply, [])         # type: ignore[arg-type]
+    assert out.sent
