@@ -73,8 +73,8 @@ class Attr:
     DP_RANK: Final = "pdproxy.dp_rank"                       # the DP rank the leg was pinned to (internal DP)
     STREAM: Final = "pdproxy.stream"
     DISAGGREGATED: Final = "pdproxy.disaggregated"           # False: the decoder prefilled the prompt itself
-    ADMITTED_TOKENS: Final = "pdproxy.admission.admission.prompt_tokens"  # what admission judged by: exact when it had to
-    #                                                              count, else an estimate under the byte bound
+    ADMITTED_TOKENS: Final = "pdproxy.admission.prompt_tokens"  # what admission judged by: exact when it had to
+    #                                                        count, else an estimate under the byte bound
     PREFILLER: Final = "pdproxy.prefiller"                   # on the request span: the endpoints finally used
     DECODER: Final = "pdproxy.decoder"
     OUTCOME: Final = "pdproxy.outcome"                       # the relay's verdict when it is not "ok"

@@ -83,6 +83,6 @@ def test_vllm_spans_carry_pdproxys_trace_and_hang_under_its_legs(
     # vLLM names the request by the X-Request-Id pdproxy sent both legs
     request_id = root.attributes["gen_ai.request.id"]
     assert {s.attributes["gen_ai.request.id"] for s in engine_spans} == {f"chatcmpl-{request_id}"}
-    print(f"\nstream={stream} prompt tokens {prompt} (admission: {root.attributes['pdproxy.admission.admission.prompt_tokens']})")
+    print(f"\nstream={stream} prompt tokens {prompt} (admission: {root.attributes['pdproxy.admission.prompt_tokens']})")
     for s in mine:
         print(f"  {s.transport:4} {s.name:14} {s.kind:8} span {s.span_id} parent {s.parent_span_id} {s.attributes}")

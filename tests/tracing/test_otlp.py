@@ -145,7 +145,7 @@ def test_a_streamed_request_is_one_trace_under_the_clients_span_and_both_legs_jo
     assert root.attributes["gen_ai.usage.prompt_tokens"] == usage.prompt_tokens
     for s in (root, prefill, decode):       # the engine's own prompt count; admission's judgement apart
         assert s.attributes["gen_ai.usage.input_tokens"] == usage.prompt_tokens
-    assert one(mine, "admission").attributes["pdproxy.admission.admission.prompt_tokens"] > 0
+    assert one(mine, "admission").attributes["pdproxy.admission.prompt_tokens"] > 0
     assert root.attributes["gen_ai.request.model"] == "sim-model"
     assert root.attributes["gen_ai.operation.name"] == "chat"
     assert root.attributes["http.response.status_code"] == 200
