@@ -50,6 +50,7 @@ from pdproxy.errors import (
     UpstreamHTTPError,
     error_body,
 )
+from pdproxy.http.auth import INVALID_KEY, key_accepted
 from pdproxy.http.engine_headers import TRACE_HEADERS, client_authorization
 from pdproxy.http.server import Exchange
 from pdproxy.ops.gcpolicy import GcPolicy
@@ -214,13 +215,9 @@ class PDProxyApp:
         """Enforce ``api_keys``: the client's key is ``Authorization: Bearer <key>``, or ``x-api-key: <key>`` as
         the Anthropic client sends it (``header``: the request's header by lower-case name).  Returns the client's
         credential as an ``Authorization`` value (for the engine-header rule; ``x-api-key`` becomes a bearer token)."""
-        auth = header(b"authorization")
-        keys = self.settings.api_keys
-        if keys:
-            token = auth[7:] if auth and auth[:7].lower() == "bearer " else header(b"x-api-key")
-            if token is None or not any(hmac.compare_digest(token.encode(), k.encode()) for k in keys):
-                raise Unauthorized("invalid or missing API key")
-        return client_authorization(auth, header(b"x-api-key"))
+        if not key_accepted(self.settings.api_keys, header):
+            raise Unauthorized(INVALID_KEY)
+        return client_authorization(header(b"authorization"), header(b"x-api-key"))
 
     def refusal_body(self, route: str, status: int, message: str) -> bytes:
         """The body of a refusal the HTTP server answers itself on a completion route, in its API's error shape

@@ -45,6 +45,9 @@ What a connection does (RFC 9112):
   (answers, logs and engine ids alike);
 - ``Expect: 100-continue``: ``100 Continue`` is sent when the request's turn comes (never for a body that is
   refused by its ``Content-Length``);
+- **client keys** (setting ``api_keys``): a generation route's request without an accepted key gets its 401 once
+  its head is read, and the connection closes: none of its body is read, budgeted or answered with ``100
+  Continue`` (:mod:`pdproxy.http.auth`; other routes are guarded by the application, before it reads a body);
 - **shutdown**: uvicorn's ``Server`` runs the protocol (``uvicorn.Config(http=protocol_factory(app))``): it owns
   the sockets (TLS included, via the ``ssl`` context the listening socket is created with), signals and the
   lifespan, and calls :meth:`ServerProtocol.shutdown` on every connection.
@@ -77,6 +80,7 @@ import orjson
 
 from pdproxy.compiled import compiled_or
 from pdproxy.errors import error_body
+from pdproxy.http.auth import INVALID_KEY, key_accepted
 from pdproxy.http.cors import CorsPolicy
 from pdproxy.timeline import CLIENT_REQUEST_ID_MAX
 
@@ -225,6 +229,9 @@ class EdgeLimits:
     max_pending_body: int | None = None
     """The limit of a server's :class:`PendingBodies` (setting ``max_pending_body_bytes``, at least ``max_body``;
     None: no budget)."""
+    api_keys: tuple[str, ...] = ()
+    """The client keys a generation route's request must present (setting ``api_keys``; empty: none), checked
+    once its head is read (:func:`pdproxy.http.auth.key_accepted`)."""
 
     @classmethod
     def of(cls, s: Settings, open_files: int | None = None) -> EdgeLimits:
@@ -239,7 +246,7 @@ class EdgeLimits:
                    body_timeout_s=s.request_body_timeout_s, send_timeout_s=s.client_send_timeout_s,
                    max_head=s.max_request_head_bytes,
                    max_body=s.max_body_bytes, max_connections=cap, cors=CorsPolicy.of(s),
-                   max_pending_body=max(s.max_pending_body_bytes, s.max_body_bytes))
+                   max_pending_body=max(s.max_pending_body_bytes, s.max_body_bytes), api_keys=tuple(s.api_keys))
 
 
 
@@ -513,6 +520,7 @@ class ServerProtocol(asyncio.Protocol):
         self.keep_alive_s = lim.keep_alive_s
         self.max_head = lim.max_head
         self.max_body = lim.max_body
+        self.api_keys = lim.api_keys
         self.head_limit = lim.max_head + HEAD_SLACK_BYTES
         self.server_state = server_state
         self.app_state = app_state if app_state is not None else {}
@@ -843,6 +851,8 @@ class ServerProtocol(asyncio.Protocol):
         ex.query = parsed.query or b""
         ex.path = _decoded_path(ex.raw_path)
         ex.api = self._api_of(ex.method, ex.path)
+        if ex.api is not None and self.api_keys and not key_accepted(self.api_keys, ex.header):
+            raise _Reject(401, INVALID_KEY)   # before any of its body is read or budgeted, no 100 Continue
         if ex.api is not None and ex.declared is not None and ex.declared > self.max_body:
             raise _Reject(413, f"request body of {ex.declared} bytes exceeds the limit of {self.max_body} bytes")
         if self.current is None:

@@ -51,6 +51,45 @@ def test_a_key_sent_only_in_a_trailer_is_not_accepted(keyed: ProxyThread, sims: 
     c.close()
 
 
+def test_a_generation_request_without_a_key_is_refused_at_its_head_before_its_body_is_read(
+        sims: Fleet, tmp_path: Path) -> None:
+    """A keyless client cannot make the server read, hold or ask for a body (the shared pending-body budget): the
+    401 comes once the head is read — no ``100 Continue`` — in the route's error shape, and the connection closes;
+    keyless partial bodies that together exceed ``max_pending_body_bytes`` leave a keyed request's body served."""
+    p = ProxyThread(prefill=[s.url for s in sims.prefillers], decode=[s.url for s in sims.decoders],
+                    api_keys=["sk-client"], max_body_bytes=100_000, max_pending_body_bytes=200_000,
+                    request_log_path=str(tmp_path / "requests.jsonl")).start()
+    try:
+        c = RawConn(p.port)
+        c.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Expect: 100-continue\r\nContent-Length: 90000\r\n\r\n")
+        (m,) = c.read_messages(1)
+        assert m.status == 401 and b"100 Continue" not in c.raw and c.wait_closed()
+        assert orjson.loads(m.body)["error"] == {"message": "invalid or missing API key", "type": "AuthenticationError",
+                                                 "param": None, "code": 401}
+        anthropic = RawConn(p.port)
+        anthropic.send(post("/v1/messages", b"{", headers="x-api-key: wrong\r\n"))
+        (m,) = anthropic.read_messages(1)
+        assert m.status == 401 and orjson.loads(m.body) == {
+            "type": "error", "error": {"type": "AuthenticationError", "message": "invalid or missing API key"}}
+        held = []
+        for _ in range(5):                          # 5 × 45,000 bytes of keyless bodies: over the 200,000 budget
+            h = RawConn(p.port)
+            h.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: 90000\r\n\r\n" + b" " * 45_000)
+            assert h.read_messages(1)[0].status == 401 and h.wait_closed()
+            held.append(h)
+        body = JSON + b" " * 30_000                 # 30 KB: over what the keyless bodies would have left
+        keyed = RawConn(p.port)
+        keyed.send(post("/v1/completions", body, headers="Authorization: Bearer sk-client\r\n"))
+        assert keyed.read_messages(1)[0].status == 200
+        for h in [c, anthropic, *held, keyed]:
+            h.close()
+        p.wait_idle()
+    finally:
+        p.stop()
+
+
 def test_trailer_fields_never_reach_an_engine_or_the_answer(keyed: ProxyThread, sims: Fleet) -> None:
     c = RawConn(keyed.port)
     c.send(chunked("/v1/completions", JSON, b"X-Request-Id: from-trailer\r\nX-Api-Key: other\r\n",
