@@ -1,9 +1,17 @@
 /* pdproxy.apis._jsonscan: nests_within(raw, limit), the compiled nesting check of a client's JSON body
    (pdproxy/apis/request.py load_json; without this module it uses its bracket bound and padded parse instead),
+   wide_integer(raw), its check for integers outside 64 bits (same caller; Python twin request.py_wide_integer),
    and container_end(raw, start), the end of one object or array of a body already parsed (pdproxy/apis/
    kv_transfer.py top_level_members, which cuts proxy-owned members out of a client's bytes; its Python twin is
    kv_transfer.py_container_end, whose regex loop cost ~0.4 s of the event loop per 1.5 MB body of 490,000 empty
    lists).
+
+   wide_integer(raw) -> bool: whether raw holds, outside its strings, an integer literal outside [-2**63, 2**64 - 1]
+   (load_json refuses such a body: orjson 3.13 reads those integers as floats, so a leg pdproxy re-serialises would
+   carry another value than the client's bytes; Python's json, which vLLM reads bodies with, keeps them exact).  A
+   number token is the run of bytes from a minus or digit through digits, signs, points and exponent marks; an
+   integer is one without a point or exponent.  Strings are skipped as below; one pass, no allocation.  For bytes
+   that are not JSON any answer (the parser refuses them).
 
    container_end(raw, start) -> int: the index just past the bracket that closes the object or array opening at
    raw[start], strings skipped as nests_within skips them; ValueError when raw[start] opens none or nothing closes
@@ -144,7 +152,67 @@ done:
     return PyLong_FromSsize_t(end);
 }
 
+/* Bytes of a JSON number token: digits, sign, fraction point, exponent mark (an integer is a token of digits and
+   an optional leading minus only). */
+static const unsigned char NUMBER[256] = {
+    ['0'] = 1, ['1'] = 1, ['2'] = 1, ['3'] = 1, ['4'] = 1, ['5'] = 1, ['6'] = 1, ['7'] = 1, ['8'] = 1, ['9'] = 1,
+    ['-'] = 1, ['+'] = 1, ['.'] = 1, ['e'] = 1, ['E'] = 1,
+};
+
+/* Whether the integer token s[0..len) (digits after an optional '-', no '.', 'e' or 'E') lies outside
+   [-2**63, 2**64 - 1].  JSON has no leading zeros, so a longer run of digits is a larger magnitude. */
+static int
+outside_64_bits(const char *s, Py_ssize_t len)
+{
+    static const char MIN_ABS[] = "9223372036854775808";   /* 2**63: the magnitude of int64's least value */
+    static const char MAX_U64[] = "18446744073709551615";  /* 2**64 - 1 */
+    int negative = s[0] == '-';
+    const char *digits = s + negative;
+    Py_ssize_t n = len - negative;
+    const char *limit = negative ? MIN_ABS : MAX_U64;
+    Py_ssize_t limit_len = negative ? 19 : 20;
+    if (n != limit_len)
+        return n > limit_len;
+    return memcmp(digits, limit, (size_t)n) > 0;
+}
+
+static PyObject *
+wide_integer(PyObject *module, PyObject *raw)
+{
+    (void)module;
+    Py_buffer view;
+    if (PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    const char *s = (const char *)view.buf;
+    Py_ssize_t n = view.len;
+    int wide = 0;
+    Py_ssize_t i = 0;
+    while (i < n) {
+        unsigned char c = (unsigned char)s[i];
+        if (c == '"') {
+            i = string_end(s, n, i + 1);
+        } else if (c == '-' || (unsigned char)(c - '0') <= 9) {   /* a number token starts */
+            Py_ssize_t start = i++;
+            while (i < n && (unsigned char)(s[i] - '0') <= 9)
+                i++;
+            if (i < n && NUMBER[(unsigned char)s[i]]) {   /* a point, an exponent: not an integer; its rest */
+                while (i < n && NUMBER[(unsigned char)s[i]])
+                    i++;
+            } else if (i - start >= 19 && outside_64_bits(s + start, i - start)) {
+                wide = 1;
+                break;
+            }
+        } else {
+            i++;
+        }
+    }
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(wide);
+}
+
 static PyMethodDef jsonscan_functions[] = {
+    {"wide_integer", (PyCFunction)wide_integer, METH_O,
+     "wide_integer(raw) -> bool: raw holds, outside its strings, an integer outside [-2**63, 2**64 - 1]."},
     {"nests_within", (PyCFunction)(void (*)(void))nests_within, METH_FASTCALL,
      "nests_within(raw, limit) -> bool: no bracket of raw outside its strings is deeper than limit levels."},
     {"container_end", (PyCFunction)(void (*)(void))container_end, METH_FASTCALL,
@@ -155,8 +223,8 @@ static PyMethodDef jsonscan_functions[] = {
 static struct PyModuleDef jsonscan_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "pdproxy.apis._jsonscan",
-    .m_doc = "Compiled scans of a JSON body: its nesting (pdproxy/apis/request.py load_json) and a container's end "
-             "(pdproxy/apis/kv_transfer.py top_level_members).",
+    .m_doc = "Compiled scans of a JSON body: its nesting and integers past 64 bits (pdproxy/apis/request.py "
+             "load_json) and a container's end (pdproxy/apis/kv_transfer.py top_level_members).",
     .m_size = 0,
     .m_methods = jsonscan_functions,
 };

@@ -233,3 +233,32 @@ def test_a_stream_the_engine_accepts_though_vllm_refuses_is_pdproxys_400_never_t
     assert ok.choices[0].message.content
     after = prefiller.state()
     assert after["aborted"] - before["aborted"] == 5 and after["active_streams"] == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_an_integer_past_64_bits_is_refused_before_any_leg_would_carry_another_number(proxy: ProxyThread,
+                                                                                     sims: Fleet, path: str) -> None:
+    """orjson 3.13 reads ``123456789012345678901234567890`` as a float: the prefill leg (written again from the
+    parsed body) would carry ``1.2345678901234568e+29`` where the decoder (the client's bytes) gets the integer —
+    two prompts for one request, the case that kills a decoder (docs/pd-protocol.md).  pdproxy refuses such a body
+    with a 400 in the route's shape; no engine is asked."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 0}}}
+    tools = ([{"type": "function", "function": {"name": "f", "parameters": schema}}] if path != "/v1/messages"
+             else [{"name": "f", "input_schema": schema}])
+    body = orjson.dumps({"model": "sim-model", "max_tokens": 3, "messages": MESSAGES, "tools": tools})
+    raw = body.replace(b'"maximum":0', b'"maximum":123456789012345678901234567890')
+    r = httpx.post(proxy.url + path, content=raw, headers={"content-type": "application/json"}, timeout=10)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "integers within 64 bits" in message and (r.json().get("type") == "error") is (path == "/v1/messages")
+    assert generation_requests(sims) == []
+    ok = httpx.post(proxy.url + path, content=body.replace(b'"maximum":0', b'"maximum":18446744073709551615'),
+                    headers={"content-type": "application/json"}, timeout=10)
+    assert ok.status_code == 200, ok.text
+    (p,), (d,) = legs(sims) if path != "/v1/messages" else messages_legs(sims)
+    assert b"18446744073709551615" in orjson.dumps(p["body"]) and b"18446744073709551615" in orjson.dumps(d["body"])
+
+
+def messages_legs(sims: Fleet) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    return ([r for s in sims.prefillers for r in s.received() if r["path"] == "/v1/messages"],
+            [r for s in sims.decoders for r in s.received() if r["path"] == "/v1/messages"])

@@ -232,3 +232,47 @@ def test_a_body_of_too_many_items_is_a_400_before_any_parse(path: str) -> None:
     assert len(text) * 2 > limit * 3
     with pytest.raises(BadRequest):
         load_json(text, max_items=limit)
+
+
+def wide(value: object) -> bool:
+    """Whether a JSON-like value holds an int outside [-2**63, 2**64 - 1] (keys are strings: never)."""
+    if isinstance(value, dict):
+        return any(wide(v) for v in value.values())
+    if isinstance(value, list):
+        return any(wide(v) for v in value)
+    return type(value) is int and not -(2**63) <= value <= 2**64 - 1
+
+
+EDGE_INTS = st.sampled_from([2**64 - 1, 2**64, -(2**63), -(2**63) - 1, 10**19, 10**20, -(10**19), 10**30, 0, -1])
+NUMBERS = st.integers(-(2**70), 2**70) | EDGE_INTS | st.floats(allow_nan=False, allow_infinity=False)
+DIGIT_TEXT = st.text(alphabet='0123456789-.e"\\ ', max_size=30)
+"""Strings of digits, signs, quotes and backslashes: a long run of digits inside a string is not a number."""
+
+
+@pytest.mark.parametrize("scan", ["python"] + (["compiled"] if _jsonscan is not None else []))
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.recursive(st.none() | NUMBERS | DIGIT_TEXT,
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(DIGIT_TEXT, inner, max_size=4),
+                    max_leaves=30), st.booleans())
+def test_the_wide_integer_scan_finds_exactly_the_integers_past_64_bits(scan: str, value: object,
+                                                                         indent: bool) -> None:
+    """``wide_integer`` (C, and its Python twin ``py_wide_integer``) answers whether a JSON text holds an integer
+    outside int64/uint64 — digits inside strings and floats with many digits never count."""
+    import json
+
+    fn = _jsonscan.wide_integer if scan == "compiled" else api_request.py_wide_integer
+    raw = json.dumps(value, indent=2 if indent else None).encode()   # Python's json writes any int exactly
+    assert fn(raw) is wide(value)
+
+
+def test_a_body_with_an_integer_past_64_bits_is_a_400_on_either_path(path: str) -> None:
+    """orjson 3.13 reads ``18446744073709551616`` as a float: a body holding one is refused (the legs pdproxy
+    writes again would carry another number than the client sent), ``2**64 - 1`` and ``-2**63`` are kept exact."""
+    for raw in (b'{"tools": [{"maximum": 123456789012345678901234567890}]}', b'{"seed": 18446744073709551616}',
+                b'{"a": [-9223372036854775809]}'):
+        with pytest.raises(BadRequest) as refused:
+            load_json(raw)
+        assert "integers within 64 bits" in refused.value.message and refused.value.param == "body"
+    assert load_json(b'{"a": [18446744073709551615, -9223372036854775808, 1.8446744073709551616e19], '
+                     b'"b": "123456789012345678901234567890"}') == {
+        "a": [2**64 - 1, -(2**63), 1.8446744073709552e19], "b": "123456789012345678901234567890"}
