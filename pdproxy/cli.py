@@ -20,7 +20,7 @@ import os
 import re
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -198,8 +198,10 @@ def split_bootstrap_ports(values: list[str]) -> tuple[list[str], list[str]]:
     return urls, ports
 
 
-def _router_overrides(args: argparse.Namespace, given: dict[str, Any]) -> dict[str, Any]:
-    """The settings vllm-router's flags in ``args`` ask for, minus those a pdproxy flag in ``given`` sets."""
+def _router_overrides(args: argparse.Namespace, given: dict[str, Any],
+                      spelled: dict[str, str] | None = None) -> dict[str, Any]:
+    """The settings vllm-router's flags in ``args`` ask for, minus those a pdproxy flag in ``given`` sets;
+    ``spelled`` gets each such setting's flag as the user typed it (for :func:`explain`)."""
     out: dict[str, Any] = {}
     for rf in (*ROUTER_FLAGS, *ASCEND_FLAGS):
         raw = getattr(args, _router_dest(rf.flag), None)
@@ -211,11 +213,15 @@ def _router_overrides(args: argparse.Namespace, given: dict[str, Any]) -> dict[s
             raise ValueError(f"flag {rf.flag}: not a number: {raw!r}") from None
         for name in rf.settings:
             out[name] = value
+            if spelled is not None:
+                spelled[name] = rf.flag
     prefill = getattr(args, "router_prefill_policy", None) or getattr(args, "router_policy", None)
     if prefill is not None:
         policy = ROUTER_POLICIES[prefill]
         out["routing_picker"] = policy.routing_picker
         out["prefix_routing"] = policy.prefix_routing
+        if spelled is not None:
+            spelled["routing_picker"] = spelled["prefix_routing"] = "--policy"
     return {k: v for k, v in out.items() if k not in given}
 
 
@@ -232,21 +238,27 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             overrides[name] = value
     if "prefill" in overrides:
         overrides["prefill"], _ = split_bootstrap_ports(list(overrides["prefill"]))
-    router = _router_overrides(args, overrides)
+    spelled: dict[str, str] = {}
+    router = _router_overrides(args, overrides, spelled)
     config = args.config or os.environ.get("PDPROXY_CONFIG")
     try:
         return load_settings(args.config, **overrides, **router)
     except ValidationError as exc:
-        raise ValueError(explain(exc, config, overrides)) from None
+        raise ValueError(explain(exc, config, {**overrides, **router}, spelled)) from None
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def explain(exc: ValidationError, config: str | None, flags: dict[str, Any]) -> str:
+def explain(exc: ValidationError, config: str | None, flags: dict[str, Any],
+            spelled: Mapping[str, str] | None = None) -> str:
     """One line for the first error of ``exc`` (and how many more), naming where the bad value came from: a flag
-    in ``flags`` (setting name → value given), a ``PDPROXY_*`` environment variable, or the line of ``config``."""
+    in ``flags`` (setting name → value given; ``spelled``: setting name → the peer's flag that set it, e.g.
+    vllm-router's ``--queue-size``), a ``PDPROXY_*`` environment variable, or the line of ``config``."""
+
+    def _flag(name: str) -> str:
+        if spelled and name in spelled:
+            return spelled[name]
+        flag = "--" + name.replace("_", "-")
+        return f"{flag} (or {flag}ecs)" if name.endswith("_s") else flag
+
     errors = exc.errors()
     err = errors[0]
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
@@ -308,8 +320,10 @@ def serve(settings: Settings) -> int:
     from pdproxy.http.tls import apply_to_uvicorn, server_ssl_context
     from pdproxy.ops.heap import apply_heap_policy
     from pdproxy.ops.logs import configure_logging, listen_urls, log_banner
+    from pdproxy.ops.reqlog import check_request_log
 
-    problem = check_listen(settings.host, settings.port)
+    problem = check_listen(settings.host, settings.port) or check_request_log(
+        settings.request_log_path if settings.request_log else None)
     if problem is not None:  # before any engine is probed
         print(f"pdproxy: {problem}", file=sys.stderr)
         return 1

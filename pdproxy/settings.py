@@ -538,7 +538,7 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     mapping."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigFileError(f"config file {p} not found")
+        raise ConfigFileError(f"config file {p} {'is a directory, not a file' if p.is_dir() else 'not found'}")
     try:
         text = p.read_text()
     except (OSError, UnicodeDecodeError) as exc:

@@ -44,10 +44,9 @@ def server_ssl_context(settings: Settings) -> ssl.SSLContext | None:
     try:
         ctx.load_cert_chain(certfile, keyfile)
     except FileNotFoundError as exc:
-        raise ValueError(f"--ssl-certfile {certfile} / --ssl-keyfile {keyfile}: {exc.strerror}") from None
+        raise ValueError(f"{_cert_flags(certfile, keyfile)}: {exc.strerror}") from None
     except (ssl.SSLError, OSError) as exc:
-        raise ValueError(f"--ssl-certfile {certfile} / --ssl-keyfile {keyfile}: cannot load the certificate and "
-                         f"key: {exc}") from None
+        raise ValueError(f"{_cert_flags(certfile, keyfile)}: cannot load the certificate and key: {exc}") from None
     if ca:
         try:
             ctx.load_verify_locations(cafile=ca)
@@ -66,3 +65,8 @@ def apply_to_uvicorn(config: Any, ctx: ssl.SSLContext | None) -> None:
     if not config.loaded:
         config.load()
     config.ssl = ctx
+
+
+def _cert_flags(certfile: str, keyfile: str | None) -> str:
+    """The flags that named the certificate (and key, when given apart from it) for an error line."""
+    return f"--ssl-certfile {certfile}" + (f" / --ssl-keyfile {keyfile}" if keyfile else "")

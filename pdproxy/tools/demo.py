@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from pdproxy.ops.reqlog import check_request_log
 from pdproxy.settings import Settings, load_settings
 
 SNIPPET = """
@@ -173,13 +174,17 @@ def simulated_engines(args: argparse.Namespace) -> Iterator[tuple[list[str], lis
 def run(args: argparse.Namespace, serve: Callable[[Settings], int]) -> int:
     """Run the demo until Ctrl-C; returns the exit code.  ``serve`` runs the proxy on ``Settings`` until it stops
     (``pdproxy.cli.serve``) and returns its exit code."""
+    problem = check_request_log(request_log_path(args))
+    if problem is not None:                                    # before any engine starts
+        print(f"pdproxy demo: {problem}", file=sys.stderr)
+        return 1
     try:
         check_ports(args)
         _check_free(args.host, [args.port])
     except DemoError as exc:
         print(f"pdproxy demo: {exc}", file=sys.stderr)
         return 1
-    signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))  # closed terminal → drain, stop
+    signal.signal(signal.SIGHUP, _hang_up)
     try:
         with simulated_engines(args) as (prefill, decode):
             settings = load_settings(host=args.host, port=args.port, prefill=prefill, decode=decode,
@@ -192,3 +197,10 @@ def run(args: argparse.Namespace, serve: Callable[[Settings], int]) -> int:
     except DemoError as exc:
         print(f"pdproxy demo: {exc}", file=sys.stderr)
         return 1
+
+
+def _hang_up(signum: int, frame: object) -> None:
+    """The demo's terminal closed (SIGHUP): drain and stop as on SIGTERM, which it raises (said first, so that the
+    log's "SIGTERM: shutting down" is not read as someone else's)."""
+    print("pdproxy demo: SIGHUP (terminal closed): stopping as on SIGTERM", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)

@@ -23,9 +23,18 @@ pytestmark = pytest.mark.timeout(20)
     (["--prefill", "http://p:1", "--decode", "http://d:2", "--max-tokens-overflow", "sometimes"],
      "--max-tokens-overflow"),
     (["--prefill", "http://p:1", "--decode", "http://d:2", "--prefill-budget-s", "inf"],    # no bound at all
-     "--prefill-budget-s: Input should be a finite number"),
+     "--prefill-budget-s (or --prefill-budget-secs): Input should be a finite number"),
     (["--prefill", "http://p:1", "--decode", "http://d:2", "--prefill-queue-timeout-s", "nan"],
-     "--prefill-queue-timeout-s: Input should be a finite number"),
+     "--prefill-queue-timeout-s (or --prefill-queue-timeout-secs): Input should be a finite number"),
+    # a peer's flag is named as typed, not as the setting it sets
+    (["--prefill", "http://p:1", "--decode", "http://d:2", "--queue-size", "-1"], "flag --queue-size: Input"),
+    (["--prefill", "http://p:1", "--decode", "http://d:2", "--max-payload-size", "1000"],
+     "flag --max-payload-size: Input"),
+    (["--prefill", "http://p:1", "--decode", "http://d:2", "--cb-timeout-duration-secs", "-1"],
+     "flag --cb-timeout-duration-secs: Input"),
+    (["--prefill", "http://p:1", "--decode", "http://d:2", "--decode-idle-timeout-secs", "-3"],
+     "flag --decode-idle-timeout-s (or --decode-idle-timeout-secs): Input"),
+    (["--config", "/"], "config file / is a directory, not a file"),
 ])
 def test_bad_serve_configurations_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str],
                                          monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,3 +121,19 @@ def test_log_level_takes_the_peers_spellings(given: str, level: str, monkeypatch
         monkeypatch.delenv(key)
     assert _serve_settings(["--prefill", "http://p:1", "--decode", "http://d:2", "--log-level", given]
                            ).log_level == level
+
+
+@pytest.mark.parametrize("command", ["serve", "demo"])
+def test_a_request_log_path_that_cannot_be_opened_stops_start_up_in_one_line(
+        command: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Said before any engine is probed or started (it was a uvicorn traceback after the demo said it was up)."""
+    for key in [k for k in os.environ if k.startswith("PDPROXY_")]:
+        monkeypatch.delenv(key)
+    extra = (["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:10", "--port", "0"]
+             if command == "serve" else [])                   # the log's path is checked before the ports
+    with pytest.raises(SystemExit) as exit_:
+        main([command, *extra, "--request-log-path", "/nonexistent/dir/requests.jsonl"])
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert err.strip() == (f"pdproxy{' demo' if command == 'demo' else ''}: flag --request-log-path "
+                           "/nonexistent/dir/requests.jsonl: cannot open it for appending: No such file or directory")
