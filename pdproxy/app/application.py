@@ -359,12 +359,44 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
         return Response(err.body_bytes(), status_code=err.status_code, headers=err.headers,
                         media_type="application/json")
 
+    def ready() -> tuple[bool, str | None, dict[str, dict[str, int]]]:
+        """Whether requests can be served now — not shutting down, started, at least one usable prefiller and
+        decoder — the reason when not, and each role's ``{"healthy", "total"}`` endpoints."""
+        st = state()
+        roles = {role.value: {"healthy": len(st.pool.available(role)), "total": len(st.pool.endpoints(role))}
+                 for role in (Role.PREFILL, Role.DECODE)}
+        reason = ("shutting down" if st.shutting_down else "starting" if proxy.unready else
+                  next((f"no healthy {r} engine" for r, n in roles.items() if not n["healthy"]), None))
+        return reason is None, reason, roles
+
     @app.get("/health")
     async def health() -> Response:
         """200 when at least one prefiller and one decoder are healthy; 503 otherwise (or when shutting down)."""
-        st = state()
-        ok = not st.shutting_down and not proxy.unready and bool(st.pool.available(Role.PREFILL)) and bool(st.pool.available(Role.DECODE))
+        ok = ready()[0]
         return Response(status_code=200 if ok else 503, headers={} if ok else {"retry-after": "1"})
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        """vllm-router's probe of a serving prefill/decode pair: :func:`health`'s answer (a healthy prefiller and
+        decoder, each judged by its ``/health`` probes and its requests' outcomes: ``docs/health.md``)."""
+        return await health()
+
+    @app.get("/readiness")
+    async def readiness() -> Response:
+        """vllm-router's readiness probe: :func:`health`'s status with ``{"status": "ready" | "not_ready",
+        "reason"?, "prefill": {"healthy", "total"}, "decode": {...}}``."""
+        ok, reason, roles = ready()
+        body: dict[str, Any] = {"status": "ready" if ok else "not_ready"}
+        if reason is not None:
+            body["reason"] = reason
+        return Response(orjson.dumps({**body, **roles}), status_code=200 if ok else 503,
+                        headers={} if ok else {"retry-after": "1"}, media_type="application/json")
+
+    @app.get("/liveness")
+    async def liveness() -> Response:
+        """vllm-router's liveness probe: 200 ``OK`` while the process answers (engines being down, or a drain,
+        must not get the proxy restarted)."""
+        return Response(b"OK", media_type="text/plain")
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

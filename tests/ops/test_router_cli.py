@@ -137,3 +137,35 @@ def test_router_flags_set_settings() -> None:
     assert (s.retry_backoff_s, s.prefill_queue_timeout_s, s.engine_api_key) == (0.1, 9.0, "k")
     # vllm-router's probe thresholds are pdproxy's (docs/health.md), not accepted and dropped
     assert (s.health_unhealthy_threshold, s.health_healthy_threshold) == (7, 4)
+
+
+def test_vllm_routers_probe_routes_answer_as_its_probes_expect(sims: Fleet) -> None:
+    """A k8s Deployment moved from vllm-router keeps its probes: ``/health_generate`` and ``/readiness`` are 200
+    with a serving prefill/decode pair and 503 + ``Retry-After`` without one (``/readiness`` says why, with each
+    role's counts, in the router's JSON), ``/liveness`` is 200 either way."""
+    from tests.support import ProxyThread, wait_until
+
+    up = ProxyThread(prefill=[s.url for s in sims.prefillers], decode=[s.url for s in sims.decoders]).start()
+    try:
+        assert httpx.get(up.url + "/health_generate").status_code == 200
+        r = httpx.get(up.url + "/readiness")
+        p, d = len(sims.prefillers), len(sims.decoders)
+        assert r.status_code == 200 and r.json() == {"status": "ready", "prefill": {"healthy": p, "total": p},
+                                                     "decode": {"healthy": d, "total": d}}
+        assert httpx.get(up.url + "/liveness").text == "OK"
+    finally:
+        up.stop()
+    down = ProxyThread(prefill=[sims.prefillers[0].url], decode=["http://127.0.0.1:9"])
+    down.thread.start()                                     # not .start(): it waits for a healthy proxy
+    try:
+        wait_until(lambda: down.server.started and down.state is not None, 15, 0.02, "proxy started")
+        wait_until(lambda: httpx.get(down.url + "/readiness").json()["prefill"]["healthy"] == 1, 15, 0.05,
+                   "the prefiller judged healthy")
+        g, r = httpx.get(down.url + "/health_generate"), httpx.get(down.url + "/readiness")
+        assert g.status_code == r.status_code == 503 and g.headers["retry-after"] == r.headers["retry-after"] == "1"
+        assert r.json() == {"status": "not_ready", "reason": "no healthy decode engine",
+                            "prefill": {"healthy": 1, "total": 1}, "decode": {"healthy": 0, "total": 1}}
+        live = httpx.get(down.url + "/liveness")
+        assert live.status_code == 200 and live.text == "OK"
+    finally:
+        down.stop()
