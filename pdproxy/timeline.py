@@ -127,7 +127,7 @@ class RequestContext:
 
     - ``request_id``, ``client_request_id``, ``api_label``, ``client_headers`` (the client's request headers as
       (lower-case name, value) byte pairs, read only when needed: the trace context, pdproxy/ops/tracing.py),
-      ``authorization``, ``model``, ``gaps``: the route handler (``pdproxy/app/application.py``) when the
+      ``authorization``, ``model``, ``gaps``, ``engine_request``: the route handler (``pdproxy/app/application.py``) when the
       request arrives; ``request_id`` is renewed by the director for a continuation (``pdproxy/pd/director.py``,
       :meth:`renew_request_id`, which keeps the first id, the later ones and the lost decoders in
       ``first_request_id``, ``continued_as`` and ``lost_decoders``; fan-out sums its sequences' into the client's);
@@ -169,6 +169,7 @@ class RequestContext:
     gaps: GapCounts | None = None  # ITL: the relay counts each gap between client writes (:class:`GapCounts`)
     on_prefilled: Callable[[Endpoint], None] | None = None  # called with the prefiller once its answer is in (fan-out)
     disaggregated: bool = True
+    engine_request: bool = True  # False: a call about the model (tokenize, render...), not timed as a request
     timeline: Timeline = field(default_factory=Timeline)
     client_headers: Sequence[tuple[bytes, bytes]] = ()
     retries: tuple[tuple[str, str, bool], ...] = ()  # (leg, reason, failover) per retried leg attempt (metrics.py)

@@ -152,7 +152,8 @@ class PDProxyApp:
         """Raw ASGI handler for the routes passed through to one engine (:mod:`pdproxy.app.passthrough`)."""
         state = self.state
         client_id = _header(scope, b"x-request-id")
-        ctx = RequestContext(request_id=new_request_id(client_id), client_request_id=client_id, api_label=label)
+        ctx = RequestContext(request_id=new_request_id(client_id), client_request_id=client_id, api_label=label,
+                             engine_request=label not in passthrough.MODEL_CALLS)
         out = passthrough.TrackedSend(send, [(b"x-request-id", (client_id or ctx.request_id).encode("latin-1"))])
         ctx.gaps = self.metrics.started(label)
         anthropic = path in passthrough.ANTHROPIC_ROUTES

@@ -108,6 +108,10 @@ ROUTES: dict[str, str] = {
 }
 """Passed-through path → its ``api`` label in metrics and logs."""
 
+MODEL_CALLS = frozenset({"tokenize", "detokenize", "count_tokens", "render"})
+"""Route labels of calls about the model that start no engine request (vLLM records no latency for them): counted
+in ``pdproxy_requests_total``, left out of the latency histograms (``RequestContext.engine_request``)."""
+
 POOLING_APIS = frozenset({"embeddings", "pooling", "classify", "score", "rerank"})
 """Route labels of the pooling routes, whose unknown-model 404 vLLM words without aliases and with ``param: null``."""
 

@@ -11,10 +11,13 @@ sizes tokens.  Three kinds of series:
   between consecutive writes of a stream to the client, observed by the relay as it writes; a write may carry
   several events: the engine's stream interval above 1, or every event of one read from a decoder ahead of the
   proxy — the client gets them at one instant),
-  ``pdproxy_request_time_per_output_token_seconds`` (when ``completion_tokens`` is known),
+  ``pdproxy_request_time_per_output_token_seconds`` (streams of two events or more whose ``completion_tokens`` is
+  known: a JSON answer arrives at one instant),
   ``pdproxy_e2e_request_latency_seconds{api,outcome}``; and the phase split of :meth:`Timeline.phases`:
   ``pdproxy_admission_wait_seconds``, ``pdproxy_prefill_time_seconds``, ``pdproxy_pd_gap_seconds``,
-  ``pdproxy_decode_first_token_seconds``, ``pdproxy_decode_time_seconds``; ``pdproxy_requests_in_progress{api}``;
+  ``pdproxy_decode_first_token_seconds``, ``pdproxy_decode_time_seconds`` — none of these latencies for a call
+  about the model (``/tokenize``, ``/detokenize``, ``count_tokens``, the render routes:
+  ``RequestContext.engine_request``), for which vLLM times no request either; ``pdproxy_requests_in_progress{api}``;
   tokens through the proxy, as vLLM's ``vllm:prompt_tokens_total`` / ``vllm:generation_tokens_total``:
   ``pdproxy_prompt_tokens_total{api}`` (the prefiller's ``usage.prompt_tokens``, else pdproxy's count, for requests
   sent to an engine) and ``pdproxy_generation_tokens_total{api}`` (``completion_tokens``); retried leg attempts, as
@@ -413,6 +416,8 @@ class ProxyMetrics:
             self._count(self.generation_tokens, api).inc(ctx.completion_tokens)
         if ctx.prefix_mode is not None and ctx.predicted_cached_tokens is not None:
             self._observe_prefix(ctx.prefix_mode, ctx.predicted_cached_tokens, ctx.cached_tokens)
+        if not ctx.engine_request:          # a call about the model (tokenize...): vLLM times no such request
+            return
         tl = ctx.timeline
         phases = tl.phases()
         for key, hist in phase_hs:

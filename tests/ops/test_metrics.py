@@ -38,9 +38,15 @@ def test_metrics_count_known_traffic(proxy: ProxyThread, sims: Fleet) -> None:
     client.completions.create(model="sim-model", prompt="Hello there", max_tokens=4)
     bad = httpx.post(proxy.url + "/v1/chat/completions", json={**CHAT, "n": 99})  # pdproxy's own 400: over the fan-out bound
     assert bad.status_code == 400
+    tokenized = httpx.post(proxy.url + "/tokenize", json={"model": "sim-model", "prompt": "Hello"})
+    assert tokenized.status_code == 200                  # a call about the model: counted, never timed
     proxy.wait_idle()
     # a request is recorded just after it leaves in_flight (app.py: the outer finally), so wait for the last one
-    wait_until(lambda: scrape(proxy.url).total("pdproxy_requests_total") == 4, 5, what="every request recorded")
+    wait_until(lambda: scrape(proxy.url).total("pdproxy_requests_total") == 5, 5, what="every request recorded")
+    assert scrape(proxy.url).value("pdproxy_requests_total", api="tokenize", status="200", outcome="ok") == 1
+    for name in ("pdproxy_time_to_first_token_seconds_count", "pdproxy_e2e_request_latency_seconds_count",
+                 *(f"{n}_count" for n, _, _ in PHASES.values())):
+        assert scrape(proxy.url).total(name, api="tokenize") == 0, name
 
     m = scrape(proxy.url)
     assert m.value("pdproxy_requests_total", api="chat", status="200", outcome="ok") == 2
