@@ -11,6 +11,7 @@ part).
 from __future__ import annotations
 
 import functools
+import logging
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from pdproxy.scheduling import filters as f
 from pdproxy.scheduling import scorers as s
 from pdproxy.scheduling.picker import PICKER_NAMES, LeastCost, Picker, PowerOfTwo, Score
 from pdproxy.scheduling.request import PickRequest
+
+log = logging.getLogger("pdproxy.scheduling")
 
 if TYPE_CHECKING:
     from pdproxy.scheduling.queue import PrefillLedger
@@ -124,6 +127,7 @@ class Scheduler:
         self.pool = pool
         self.profiles = dict(profiles)
         self.health = health
+        self.debug = log.isEnabledFor(logging.DEBUG)    # read once: --log-level is set before the proxy starts
 
     @classmethod
     def standard(cls, pool: EndpointPool, *, health: HealthMonitor | None = None,
@@ -241,11 +245,28 @@ class Scheduler:
                 return None, refusal
             if len(candidates) == 1:
                 endpoint = candidates[0]
+                scores: list[Score] = []
             else:
-                endpoint = self.profiles[role].picker(request, candidates, self.score(role, request, candidates))
+                scores = self.score(role, request, candidates)
+                endpoint = self.profiles[role].picker(request, candidates, scores)
             if not trial or self.health is None or self.health.on_pick(endpoint):
+                if self.debug:
+                    self._log_pick(role, request, endpoint, candidates, scores, exclude)
                 return endpoint, None
         return None, None
+
+    @staticmethod
+    def _log_pick(role: Role, request: PickRequest, endpoint: Endpoint, candidates: Sequence[Endpoint],
+                  scores: Sequence[Score], exclude: Sequence[Endpoint]) -> None:
+        """The DEBUG line of one pick: the request, the endpoint chosen, each candidate's cost per tier of the
+        role's profile (lower wins; ``docs/migrating.md`` "Policies"), and those left out as already failed."""
+        costs = ", ".join(f"{e.name}={'/'.join(f'{c:g}' for c in score)}"     # no scores: the only candidate
+                          for e, score in zip(candidates, scores, strict=False))
+        log.debug("request %s: %s on %s (prompt %s tokens%s; costs %s%s)", request.request_id or "-", role.value,
+                  endpoint.name, request.prompt_tokens, f", dp_rank {request.dp_rank}" if request.dp_rank is not None
+                  else "", costs or "the only candidate",
+                  f"; failed it already: {', '.join(e.name for e in exclude)}" if exclude else "",
+                  extra={"event": "pick", "role": role.value, "endpoint": endpoint.name})
 
     def unpick(self, endpoint: Endpoint) -> None:
         """A pick made with ``trial`` that will not be used (the prefill queue's grant lost a race for the room):

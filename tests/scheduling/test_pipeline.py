@@ -302,3 +302,24 @@ def test_power_of_two_is_available_and_unknown_pickers_fail() -> None:
     assert D[0] not in picks and len(picks) == 3
     with pytest.raises(ValueError, match="unknown routing picker"):
         build(picker="round_robin")
+
+
+def test_at_debug_each_pick_is_one_line_with_every_candidates_costs(caplog: pytest.LogCaptureFixture) -> None:
+    """``--log-level debug`` says why an engine was chosen: its costs beside the others', or that it was the only
+    candidate, and which already failed the request."""
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="pdproxy.scheduling")
+    _, _, _, sched = build()
+    assert sched.pick(Role.PREFILL, PickRequest("r1", prompt_tokens=100), exclude=[P[2]]) in P[:2]
+    assert sched.pick(Role.DECODE, PickRequest("r2", dp_rank=1)) == D[1]
+    lines = [r.getMessage() for r in caplog.records if r.name == "pdproxy.scheduling"]
+    assert len(lines) == 2
+    assert lines[0].startswith("request r1: prefill on http://p") and "costs http://p0:1=" in lines[0]
+    assert "http://p1:1=" in lines[0] and lines[0].endswith("; failed it already: http://p2:1)")
+    assert lines[1] == "request r2: decode on http://d0:1#dp1 (prompt None tokens, dp_rank 1; costs the only candidate)"
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="pdproxy.scheduling")
+    _, _, _, quiet = build()
+    quiet.pick(Role.PREFILL, PickRequest("r3"))
+    assert not [r for r in caplog.records if r.name == "pdproxy.scheduling"]
