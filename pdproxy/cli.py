@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from pdproxy import __version__
 from pdproxy.endpoints import Role
-from pdproxy.settings import Settings, config_line, load_settings, unknown_environment
+from pdproxy.settings import Settings, check_request_log, config_line, load_settings, unknown_environment
 
 # Settings that get a CLI flag of the same name (dashes for underscores); list/bool types are derived.
 _SKIP = {"endpoints"}
@@ -320,7 +320,6 @@ def serve(settings: Settings) -> int:
     from pdproxy.http.tls import apply_to_uvicorn, server_ssl_context
     from pdproxy.ops.heap import apply_heap_policy
     from pdproxy.ops.logs import configure_logging, listen_urls, log_banner
-    from pdproxy.ops.reqlog import check_request_log
 
     problem = check_listen(settings.host, settings.port) or check_request_log(
         settings.request_log_path if settings.request_log else None)

@@ -606,3 +606,17 @@ def load_settings(config: str | None = None, **overrides: Any) -> Settings:
     merged = {k: v for k, v in file_values.items() if k not in env_names}
     merged.update(values)
     return Settings(**merged)
+
+
+def check_request_log(path: str | None) -> str | None:
+    """Whether the request log file ``path`` (setting ``request_log_path``; None and ``-`` need no file) can be
+    opened for appending now, as the server will open it: None, or one line saying why not.  Run before anything
+    else starts, so a bad path is reported before any engine is probed."""
+    if not path or path == "-":
+        return None
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        return f"flag --request-log-path {path}: cannot open it for appending: {exc.strerror or exc}"
+    os.close(fd)
+    return None

@@ -160,17 +160,3 @@ class RequestLog:
 
 def _dropped_line(n: int) -> bytes:
     return orjson.dumps({"event": "log_lines_dropped", "ts": round(time.time(), 3), "dropped": n}) + b"\n"
-
-
-def check_request_log(path: str | None) -> str | None:
-    """Whether the request log file ``path`` (setting ``request_log_path``; None and ``-`` need no file) can be
-    opened for appending now, as the server will open it: None, or one line saying why not.  Run before anything
-    else starts, so a bad path is reported before any engine is probed."""
-    if not path or path == "-":
-        return None
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        return f"flag --request-log-path {path}: cannot open it for appending: {exc.strerror or exc}"
-    os.close(fd)
-    return None

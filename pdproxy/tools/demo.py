@@ -24,8 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from pdproxy.ops.reqlog import check_request_log
-from pdproxy.settings import Settings, load_settings
+from pdproxy.settings import Settings, check_request_log, load_settings
 
 SNIPPET = """
 pdproxy demo is up: proxy http://127.0.0.1:{port}  (prefiller {p}, decoders {d})
