@@ -26,6 +26,7 @@ Tree::
     ├── BadRequest (400)             malformed body, unsupported combination
     │   └── PromptTooLong (400)      prompt (+ max_tokens) over max_model_len or the KV pool
     ├── PayloadTooLarge (413)
+    ├── EdgeRefused (any)            the HTTP server refused a generation request itself (401, 413, 408…): counted
     ├── Unauthorized (401)           client, admin or metrics key missing or wrong (AuthenticationError)
     ├── Forbidden (403)              the admin API or debug routes are off, an engine outside admin_endpoint_allow
     ├── NotFound (404)               admin API: no such endpoint
@@ -55,7 +56,7 @@ import enum
 import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 
@@ -285,6 +286,23 @@ class PayloadTooLarge(ProxyError):
 
     status_code = 413
     outcome = "payload_too_large"
+
+
+class EdgeRefused(ProxyError):
+    """A generation route's request that pdproxy's HTTP server refused itself, before the application read it
+    (``pdproxy/http/server.py``: the 401 of a missing client key, 413, 408, 431, 400, the 503 of the pending-body
+    budget): not answered from here (the server wrote its answer), only counted and logged as the application's
+    own refusals are.  ``outcome`` and ``rejection`` by status, from a closed set of labels."""
+
+    _BY_STATUS: Final = {401: ("unauthorized", ("unauthorized", "")),
+                         408: ("timeout", ("client_timeout", "")),
+                         413: ("payload_too_large", ("too_large", "body")),
+                         503: ("overloaded", ("pending_bodies", ""))}
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status_code = status
+        self.outcome, self.rejection = self._BY_STATUS.get(status, ("bad_request", ("bad_request", "http")))
 
 
 class Overloaded(ProxyError):

@@ -178,6 +178,8 @@ async def _body(request: Request, settings: Settings) -> EndpointRef:
     try:
         ref = EndpointRef.model_validate(load_json_object(raw, settings.max_json_depth, settings.max_json_items))
         ref.url = normalize_url(ref.url)
+    except BadRequest as exc:                 # not one JSON object: said in the admin API's words too
+        raise BadRequest(f"invalid admin request: {exc.message}", param="body", redact=False) from None
     except (ValidationError, ValueError) as exc:
         raise BadRequest(f"invalid admin request: {exc}", param="body", redact=False) from None
     return ref

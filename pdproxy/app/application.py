@@ -41,6 +41,7 @@ from pdproxy.app.state import ProxyState
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.errors import (
     BadRequest,
+    EdgeRefused,
     InternalError,
     NoEndpointAvailable,
     PayloadTooLarge,
@@ -224,6 +225,17 @@ class PDProxyApp:
         """The body of a refusal the HTTP server answers itself on a completion route, in its API's error shape
         (:func:`pdproxy.apis.streams.refusal_json`)."""
         return api_streams.refusal_json(Api(route), status, message)
+
+    def edge_refused(self, route: str, status: int, message: str) -> None:
+        """A generation request the HTTP server refused before handing it over (``pdproxy/http/server.py``: a
+        missing key's 401, 413, 408, 431, 400, the pending-body budget's 503): counted in ``pdproxy_requests_total``
+        and ``pdproxy_rejections_total`` and written to the request log, as the refusals answered here are
+        (:class:`~pdproxy.errors.EdgeRefused` names its outcome and rejection)."""
+        err = EdgeRefused(status, message)
+        ctx = RequestContext(request_id=new_request_id(None), client_request_id=None, api_label=Api(route).label)
+        ctx.gaps = self.metrics.started(ctx.api_label)
+        ctx.status, ctx.outcome, ctx.rejection, ctx.error = status, err.outcome, err.rejection, message
+        self._finished(ctx, None)
 
     async def handle_completion(self, route: str, ex: Exchange) -> None:
         """A ``POST`` to one of the four generation routes (``route``: an :class:`~pdproxy.apis.request.Api` value)

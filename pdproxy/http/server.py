@@ -115,6 +115,12 @@ class ServedApp(Protocol):
         route ``route`` (an ``error_routes`` value): in that API's error shape."""
         ...
 
+    def edge_refused(self, route: str, status: int, message: str) -> None:
+        """A request on the generation route ``route`` (a ``completion_routes`` value) that the server refused
+        itself with ``status`` and ``message`` before it reached ``handle_completion`` (its body not whole): for
+        the application to count and log as it does its own refusals.  Never raises."""
+        ...
+
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None: ...
 """The generation routes served through PD (chat, completions, Responses, Anthropic Messages), read whole here."""
 MAX_URL_BYTES = 8 * 1024
@@ -1056,6 +1062,8 @@ class ServerProtocol(asyncio.Protocol):
         path = refused.path if refused is not None else ""
         if refused is not None and refused is self.parsing and not path:
             route, path = self._route_of_head()  # refused before its head was read: the request line names the route
+        if route is not None and refused is not None and not refused.complete:   # the application never saw it
+            self.proxy.edge_refused(route, status, message)
         shape = self.error_routes.get(path.rstrip("/")) if path else None
         origin = refused.origin if refused is not None else None
         self.closing = True

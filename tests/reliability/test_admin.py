@@ -135,6 +135,9 @@ def test_an_added_endpoint_can_be_pinned_to_models(fleet4: Fleet4) -> None:
         assert d1.completions_received(), "pinned to the model it serves, the decoder takes traffic"
         r = admin(proxy.url, "POST", {"url": d1.url, "role": "decode", "models": "sim-model"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+        for not_an_object in ([], None):              # every admin 400 in the admin API's words and type
+            err = admin(proxy.url, "POST", not_an_object).json()["error"]
+            assert err["message"].startswith("invalid admin request: ") and err["type"] == "BadRequestError", err
         proxy.wait_idle()
     finally:
         proxy.stop()

@@ -13,6 +13,7 @@ import pytest
 
 from pdproxy.timeline import CLIENT_REQUEST_ID_MAX
 from tests.conftest import Fleet
+from tests.ops.promtext import scrape
 from tests.relay.rawclient import RawConn, get, post
 from tests.support import ProxyThread
 
@@ -86,6 +87,13 @@ def test_a_generation_request_without_a_key_is_refused_at_its_head_before_its_bo
         for h in [c, anthropic, *held, keyed]:
             h.close()
         p.wait_idle()
+        m = scrape(p.url)                 # refused by the server, counted as the application counts its own
+        assert m.value("pdproxy_requests_total", api="chat", status="401", outcome="unauthorized") == 1
+        assert m.value("pdproxy_requests_total", api="messages", status="401", outcome="unauthorized") == 1
+        assert m.value("pdproxy_requests_total", api="completions", status="401", outcome="unauthorized") == 5
+        assert m.value("pdproxy_rejections_total", reason="unauthorized", detail="") == 7
+        assert m.total("pdproxy_requests_in_progress") == 0
+        assert m.total("pdproxy_time_to_first_token_seconds_count") == 1      # the keyed request alone
     finally:
         p.stop()
 
