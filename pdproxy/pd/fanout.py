@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from pydantic import TypeAdapter, ValidationError
 
 from pdproxy.apis.request import INT64_MIN, Api, ProxyRequest, parse_request, prompt_list
 from pdproxy.endpoints import Endpoint
@@ -64,6 +65,8 @@ log = logging.getLogger("pdproxy.fanout")
 
 GREEDY_EPS = 1e-5
 """vLLM's ``_SAMPLING_EPS`` (``vllm/sampling_params.py``): a temperature below it is greedy sampling."""
+_LAX_FLOAT: TypeAdapter[float] = TypeAdapter(float)
+"""``temperature`` as vLLM's request model types it (``float | None``, validated in pydantic's lax mode)."""
 
 Admit = Callable[[ProxyRequest, RequestContext], Awaitable[None]]
 Run = Callable[[ProxyRequest, RequestContext, Responder, Endpoint | None], Awaitable[None]]
@@ -94,9 +97,13 @@ def check(req: ProxyRequest, max_sequences: int) -> None:
                          "request (one prefill/decode pair each; setting fan_out_max_sequences)",
                          param="n" if req.prompts == 1 else "prompt")
     temperature = req.body.get("temperature")
-    if req.n > 1 and isinstance(temperature, int | float) and not isinstance(temperature, bool) and (
-            temperature < GREEDY_EPS):
-        raise BadRequest(f"n must be 1 when using greedy sampling, got {req.n}.")
+    if req.n > 1 and temperature is not None:
+        try:                          # read as vLLM's model reads it (pydantic's lax mode: "0", false are 0.0)
+            greedy = _LAX_FLOAT.validate_python(temperature) < GREEDY_EPS
+        except ValidationError:       # not a number: the engine's own 400 says so
+            greedy = False
+        if greedy:
+            raise BadRequest(f"n must be 1 when using greedy sampling, got {req.n}.")
 
 
 def plan(req: ProxyRequest, parent: RequestContext) -> list[Sequence]:

@@ -170,7 +170,9 @@ def test_fan_out_bounds_and_vllm_greedy_rule_are_400s_before_any_engine(sims: Fl
         chat = {"model": "sim-model", "messages": [{"role": "user", "content": "Hi"}]}
         for body, param, needle in (({**chat, "n": 5}, "n", "at most 4"),
                                     ({"model": "sim-model", "prompt": ["a", "b", "c"], "n": 2}, "prompt", "6 "),
-                                    ({**chat, "n": 2, "temperature": 0}, None, "greedy sampling")):
+                                    ({**chat, "n": 2, "temperature": 0}, None, "greedy sampling"),
+                                    ({**chat, "n": 2, "temperature": "0"}, None, "greedy sampling"),  # lax, as
+                                    ({**chat, "n": 2, "temperature": False}, None, "greedy sampling")):  # vLLM reads
             r = httpx.post(proxy.url + ("/v1/chat/completions" if "messages" in body else "/v1/completions"),
                            json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param and needle in r.text
