@@ -84,10 +84,16 @@ def test_a_generation_request_without_a_key_is_refused_at_its_head_before_its_bo
         keyed = RawConn(p.port)
         keyed.send(post("/v1/completions", body, headers="Authorization: Bearer sk-client\r\n"))
         assert keyed.read_messages(1)[0].status == 200
-        for h in [c, anthropic, *held, keyed]:
+        big = RawConn(p.port)                       # keyed, but declared over max_body_bytes: the server's 413
+        big.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-client\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: 100001\r\n\r\n")
+        assert big.read_messages(1)[0].status == 413
+        for h in [c, anthropic, *held, keyed, big]:
             h.close()
         p.wait_idle()
         m = scrape(p.url)                 # refused by the server, counted as the application counts its own
+        assert m.value("pdproxy_requests_total", api="completions", status="413", outcome="payload_too_large") == 1
+        assert m.value("pdproxy_rejections_total", reason="too_large", detail="body") == 1
         assert m.value("pdproxy_requests_total", api="chat", status="401", outcome="unauthorized") == 1
         assert m.value("pdproxy_requests_total", api="messages", status="401", outcome="unauthorized") == 1
         assert m.value("pdproxy_requests_total", api="completions", status="401", outcome="unauthorized") == 5
