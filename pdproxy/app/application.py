@@ -231,9 +231,14 @@ class PDProxyApp:
         missing key's 401, 413, 408, 431, 400, the pending-body budget's 503): counted in ``pdproxy_requests_total``
         and ``pdproxy_rejections_total`` and written to the request log, as the refusals answered here are
         (:class:`~pdproxy.errors.EdgeRefused` names its outcome and rejection)."""
-        err = EdgeRefused(status, message)
-        ctx = RequestContext(request_id=new_request_id(None), client_request_id=None, api_label=Api(route).label)
-        ctx.gaps = self.metrics.started(ctx.api_label)
+        try:
+            err = EdgeRefused(status, message)
+            ctx = RequestContext(request_id=new_request_id(None), client_request_id=None,
+                                 api_label=Api(route).label)
+            ctx.gaps = self.metrics.started(ctx.api_label)
+        except Exception:                  # observability must never break the server's refusal
+            log.exception("recording a refusal on %s failed", route)
+            return
         ctx.status, ctx.outcome, ctx.rejection, ctx.error = status, err.outcome, err.rejection, message
         self._finished(ctx, None)
 
