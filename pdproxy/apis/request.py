@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Final
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from pdproxy.apis import fields as api_requests
 from pdproxy.compiled import compiled_or
@@ -386,6 +386,23 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+_LAX_FLOAT: TypeAdapter[float] = TypeAdapter(float)
+"""``temperature`` as vLLM's request models type it (``float | None``, validated in pydantic's lax mode)."""
+
+
+def _greedy(temperature: Any) -> bool:
+    """True when vLLM samples greedily at ``temperature`` (``vllm/sampling_params.py::SamplingParams.__post_init__``):
+    exactly 0 once read in pydantic's lax mode (``"0"`` and ``false`` are 0.0).  A temperature in ``(0, 1e-2)`` is
+    raised to ``_MAX_TEMP`` (1e-2) before the check, a negative one is vLLM's own 400, and null is the model's
+    default (the engine knows it): none of them is greedy here."""
+    if temperature is None:
+        return False
+    try:
+        return _LAX_FLOAT.validate_python(temperature) == 0.0
+    except ValidationError:               # not a number: the engine's own 400 says so
+        return False
+
+
 # ------------------------------------------------------------------------------------------ JSON limits
 _ORJSON_DEPTH = 1024
 """orjson's own nesting limit: deeper input is refused with "depth limit exceeded" (never a recursion)."""
@@ -634,23 +651,28 @@ def parse_request(raw: bytes, api: Api, max_depth: int = MAX_JSON_DEPTH,
         leg = (_ChatLeg if chat else _CompletionLeg)()
     if body.get("stream_options") and not body.get("stream"):     # validate_stream_options, on the raw values
         faults.append(_vllm_error("Stream options can only be defined when `stream=True`.", "stream_options"))
-    n = getattr(leg, "n", 1) or 1
+    n_field: int | None = getattr(leg, "n", 1)
+    n = 1 if n_field is None else n_field                 # chat's n: null is 1 (to_sampling_params)
     if isinstance(leg, _ChatLeg):
         max_output = leg.max_completion_tokens if leg.max_completion_tokens is not None else leg.max_tokens
     else:                                                 # completion/protocol.py::normalize_null_max_tokens
         max_output = 16 if leg.max_tokens is None else leg.max_tokens
-    echo_only = not chat and bool(leg.echo) and max_output == 0
+    echo_only = not chat and bool(leg.echo) and max_output == 0 and not leg.use_beam_search
     if echo_only:         # echo without generation: vLLM runs it with max_tokens 1 (to_sampling_params)
         max_output = 1
-    if max_output is not None and max_output < 1:         # SamplingParams._verify_args, in its order
-        faults.append(_vllm_error(f"max_tokens must be at least 1, got {max_output}.", "max_tokens", max_output))
-    elif leg.use_beam_search:                             # BeamSearchParams: no min_tokens, none of these checks
+    if leg.use_beam_search:     # BeamSearchParams: none of SamplingParams' checks (its decoder judges beam_width)
         pass
+    elif n < 1:                 # SamplingParams._verify_args, in its order (a prompt list must not fan out past it)
+        faults.append(_vllm_error(f"n must be at least 1, got {n}."))
+    elif max_output is not None and max_output < 1:
+        faults.append(_vllm_error(f"max_tokens must be at least 1, got {max_output}.", "max_tokens", max_output))
     elif leg.min_tokens < 0:
         faults.append(_vllm_error(f"min_tokens must be greater than or equal to 0, got {leg.min_tokens}."))
     elif max_output is not None and leg.min_tokens > max_output:
         faults.append(_vllm_error(f"min_tokens must be less than or equal to max_tokens={max_output}, got "
                                   f"{leg.min_tokens}."))
+    if n > 1 and not leg.use_beam_search and _greedy(body.get("temperature")):   # after _verify_args, as vLLM
+        faults.append(_vllm_error(f"n must be 1 when using greedy sampling, got {n}."))
     judges = bool(faults)
     options = leg.stream_options
     stream = bool(leg.stream)

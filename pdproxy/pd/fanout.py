@@ -11,8 +11,9 @@ and ``n: 1``; with a ``seed``, child ``k`` of a prompt gets ``seed + k`` as vLLM
 (``vllm/v1/engine/parallel_sampling.py::ParentRequest``), wrapped into vLLM's int64 bounds of ``seed`` (the same
 64 bits: torch seeds a generator with a negative seed's two's complement); a seed outside them is vLLM's 400.
 A streamed sequence always asks for its usage chunk (``stream_options.include_usage``): the merged usage needs it,
-and it is dropped from the client's stream.  More than ``fan_out_max_sequences`` sequences, and ``n > 1`` with
-``temperature`` 0 (vLLM: "n must be 1 when using greedy sampling"), are 400s.
+and it is dropped from the client's stream.  More than ``fan_out_max_sequences`` sequences is pdproxy's 400; ``n``
+below 1, or above 1 with ``temperature`` 0 ("n must be 1 when using greedy sampling"), is vLLM's, from the
+prefiller judging the client's own body (below: not fanned out), so it comes in vLLM's order of checks.
 
 **Order**: each prompt is admitted once (its count serves its ``n`` children).  The first child of each prompt is
 sent at once; its siblings after its prefill answered, bound to that prefiller while it can take them
@@ -52,7 +53,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from pydantic import TypeAdapter, ValidationError
 
 from pdproxy.apis.request import INT64_MIN, Api, ProxyRequest, parse_request, prompt_list
 from pdproxy.endpoints import Endpoint
@@ -62,11 +62,6 @@ from pdproxy.pd.responder import SSE_HEADERS, Responder
 from pdproxy.timeline import RequestContext
 
 log = logging.getLogger("pdproxy.fanout")
-
-GREEDY_EPS = 1e-5
-"""vLLM's ``_SAMPLING_EPS`` (``vllm/sampling_params.py``): a temperature below it is greedy sampling."""
-_LAX_FLOAT: TypeAdapter[float] = TypeAdapter(float)
-"""``temperature`` as vLLM's request model types it (``float | None``, validated in pydantic's lax mode)."""
 
 Admit = Callable[[ProxyRequest, RequestContext], Awaitable[None]]
 Run = Callable[[ProxyRequest, RequestContext, Responder, Endpoint | None], Awaitable[None]]
@@ -88,22 +83,15 @@ class Sequence:
 
 
 def check(req: ProxyRequest, max_sequences: int) -> None:
-    """Raise :class:`BadRequest` when ``req`` cannot fan out: more than ``max_sequences`` sequences, or
-    ``n > 1`` with greedy sampling (vLLM's own 400, ``SamplingParams._verify_greedy_sampling``)."""
+    """Raise :class:`BadRequest` when ``req`` asks for more than ``max_sequences`` sequences (pdproxy's own
+    bound).  vLLM's own rules on ``n`` (at least 1; 1 with greedy sampling) are faults of
+    :func:`~pdproxy.apis.request.parse_request`: such a request does not fan out, its prefiller judges it."""
     if req.sequences > max_sequences:
         what = f"n={req.n} × {req.prompts} prompts" if req.prompts > 1 and req.n > 1 else (
             f"{req.prompts} prompts" if req.prompts > 1 else f"n={req.n}")
         raise BadRequest(f"{what} asks for {req.sequences} sequences; pdproxy serves at most {max_sequences} per "
                          "request (one prefill/decode pair each; setting fan_out_max_sequences)",
                          param="n" if req.prompts == 1 else "prompt")
-    temperature = req.body.get("temperature")
-    if req.n > 1 and temperature is not None:
-        try:                          # read as vLLM's model reads it (pydantic's lax mode: "0", false are 0.0)
-            greedy = _LAX_FLOAT.validate_python(temperature) < GREEDY_EPS
-        except ValidationError:       # not a number: the engine's own 400 says so
-            greedy = False
-        if greedy:
-            raise BadRequest(f"n must be 1 when using greedy sampling, got {req.n}.")
 
 
 def plan(req: ProxyRequest, parent: RequestContext) -> list[Sequence]:

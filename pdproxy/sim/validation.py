@@ -279,7 +279,7 @@ def verify_sampling(*, n: int, temperature: float, top_p: float, top_k: int, min
         raise vllm_error(f"logprobs must be non-negative or -1, got {logprobs}.", "logprobs", logprobs)
     if any(not s for s in stop):
         raise vllm_error("stop cannot contain an empty string.")
-    if temperature < SAMPLING_EPS and n > 1:
+    if temperature == 0.0 and n > 1:      # vLLM raises a temperature in (0, 1e-2) to 1e-2 first: not greedy
         raise vllm_error(f"n must be 1 when using greedy sampling, got {n}.")
     if logprobs is not None and logprobs > MAX_LOGPROBS:
         raise vllm_error(f"Requested sample logprobs of {logprobs}, which is greater than max allowed: "

@@ -163,24 +163,70 @@ def test_completion_prompt_list_with_n2(proxy: ProxyThread, sims: Fleet, prompt:
     assert len(legs(sims.prefillers, "/v1/completions")) == 4
 
 
-def test_fan_out_bounds_and_vllm_greedy_rule_are_400s_before_any_engine(sims: Fleet) -> None:
+@pytest.mark.parametrize("n", [0, "0", 0.0, -2])
+def test_a_prompt_list_with_n_below_one_is_vllms_400_not_fanned_out(proxy: ProxyThread, sims: Fleet,
+                                                                     n: object) -> None:
+    """vLLM checks ``n`` first (``SamplingParams._verify_args``): a list of prompts must not fan out past it, one
+    sequence per prompt without ``n``, and answer 200.  The prefiller judges the client's own body."""
+    body = {"model": "sim-model", "prompt": ["a b", "c d"], "n": n, "max_tokens": 2}
+    r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=30)
+    value = int(float(n)) if isinstance(n, (str, float)) else n
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == f"n must be at least 1, got {value}."
+    assert [leg["body"]["prompt"] for leg in legs(sims.prefillers, "/v1/completions")] == [["a b", "c d"]]
+    assert [leg["body"]["n"] for leg in legs(sims.prefillers, "/v1/completions")] == [n]
+    assert legs(sims.decoders, "/v1/completions") == []
+
+
+def test_fan_out_bound_is_pdproxys_400_before_any_engine(sims: Fleet) -> None:
     proxy = ProxyThread(prefill=[s.url for s in sims.prefillers], decode=[s.url for s in sims.decoders],
                         fan_out_max_sequences=4).start()
     try:
         chat = {"model": "sim-model", "messages": [{"role": "user", "content": "Hi"}]}
         for body, param, needle in (({**chat, "n": 5}, "n", "at most 4"),
-                                    ({"model": "sim-model", "prompt": ["a", "b", "c"], "n": 2}, "prompt", "6 "),
-                                    ({**chat, "n": 2, "temperature": 0}, None, "greedy sampling"),
-                                    ({**chat, "n": 2, "temperature": "0"}, None, "greedy sampling"),  # lax, as
-                                    ({**chat, "n": 2, "temperature": False}, None, "greedy sampling")):  # vLLM reads
+                                    ({"model": "sim-model", "prompt": ["a", "b", "c"], "n": 2}, "prompt", "6 ")):
             r = httpx.post(proxy.url + ("/v1/chat/completions" if "messages" in body else "/v1/completions"),
                            json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param and needle in r.text
+        assert legs(sims.prefillers, "/v1/chat/completions") == legs(sims.prefillers, "/v1/completions") == []
         assert httpx.post(proxy.url + "/v1/chat/completions", json={**chat, "n": 4, "max_tokens": 2}).status_code == 200
         assert len(legs(sims.prefillers, "/v1/chat/completions")) == 4
         proxy.wait_idle()
     finally:
         proxy.stop()
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"temperature": 0}, "n must be 1 when using greedy sampling, got 2."),
+    ({"temperature": "0"}, "n must be 1 when using greedy sampling, got 2."),      # lax, as vLLM reads it
+    ({"temperature": False}, "n must be 1 when using greedy sampling, got 2."),
+    ({"temperature": -1}, "temperature must be non-negative, got -1.0."),          # vLLM checks this first
+    ({"temperature": 0, "top_p": 1.5}, "top_p must be in (0, 1], got 1.5."),       # and this
+])
+def test_greedy_n2_is_judged_by_the_prefiller_in_vllms_order(proxy: ProxyThread, sims: Fleet,
+                                                             extra: dict[str, Any], message: str) -> None:
+    """``n`` 2 with greedy sampling is vLLM's 400, but vLLM's other checks come before it
+    (``SamplingParams.__post_init__``): the prefiller gets the client's own body and its answer is the client's;
+    nothing fans out."""
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "Hi"}], "n": 2, "max_tokens": 2, **extra}
+    r = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(message)
+    prefills = [leg["body"] for leg in legs(sims.prefillers, "/v1/chat/completions")]
+    if extra.get("temperature") == -1:            # not greedy to pdproxy: fanned out, the first leg refused
+        assert prefills and all(leg["temperature"] == -1 and "n" not in leg for leg in prefills)
+    else:
+        assert prefills == [body]
+    assert legs(sims.decoders, "/v1/chat/completions") == []
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 0.5])
+def test_a_tiny_temperature_is_not_greedy_and_fans_out(proxy: ProxyThread, sims: Fleet, temperature: float) -> None:
+    """vLLM raises a temperature in (0, 1e-2) to 1e-2 before its greedy check: ``n`` 2 is two sampled sequences."""
+    resp = oai(proxy).chat.completions.create(model="sim-model", messages=[{"role": "user", "content": "Hi"}], n=2,
+                                              max_tokens=2, temperature=temperature)
+    assert [c.index for c in resp.choices] == [0, 1]
+    assert len(decode_legs(sims, "/v1/chat/completions")) == 2
 
 
 # ------------------------------------------------------------------------------------------ hostile engines

@@ -128,10 +128,13 @@ def first_leg(req: ProxyRequest) -> tuple[str, bytes]:
 
 
 def meaning(verdict: dict[str, Any]) -> dict[str, Any]:
-    """What vLLM understood of an accepted request, in :class:`ProxyRequest`'s terms."""
-    return {"stream": verdict["stream"], "max_output_tokens": verdict["requested_max_tokens"],
+    """What vLLM understood of an accepted request, in :class:`ProxyRequest`'s terms.  An echo without generation
+    (completions, ``echo`` with ``max_tokens`` 0) is run with one output token, and pdproxy hands it to a decoder
+    alone: nothing is decoded, so a P→D handoff would only add a leg."""
+    echo_only = bool(verdict.get("echo_only"))
+    return {"stream": verdict["stream"], "max_output_tokens": 1 if echo_only else verdict["requested_max_tokens"],
             "min_tokens": verdict["min_tokens"], "include_usage": verdict["stream"] and verdict["include_usage"],
-            "decoder_prefills": verdict["prompt_logits"] or verdict["beam_search"]}
+            "decoder_prefills": verdict["prompt_logits"] or verdict["beam_search"] or echo_only}
 
 
 def understood(req: ProxyRequest, verdict: dict[str, Any]) -> dict[str, Any]:

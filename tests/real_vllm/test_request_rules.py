@@ -34,6 +34,22 @@ def oracle() -> Iterator[Oracle]:
 @example(("chat", {"messages": [{"role": "user", "content": "Hello there"}], "min_tokens": 3000, "n": 2}))
 @example(("completions", {"prompt": "The prefiller reads the whole prompt.", "min_tokens": 3000,
                           "use_beam_search": True}))
+# (2026-12-07) n 0 with a list of prompts: vLLM's n check comes first, the list must not fan out past it
+@example(("completions", {"prompt": ["a", "b"], "n": 0}))
+@example(("completions", {"prompt": [[1], [2]], "n": "0", "max_tokens": 0}))
+@example(("chat", {"messages": [{"role": "user", "content": "Hello there"}], "n": 0}))
+@example(("chat", {"messages": [{"role": "user", "content": "Hello there"}], "n": None, "use_beam_search": True}))
+@example(("completions", {"prompt": ["a", "b"], "n": 0, "use_beam_search": True}))
+# echo without generation: vLLM runs it with max_tokens 1; pdproxy sends it to a decoder alone
+@example(("completions", {"prompt": "The prefiller reads the whole prompt.", "guided_json": {"type": "object"},
+                          "max_tokens": 0, "echo": True}))
+# beam search checks none of SamplingParams' rules: max_tokens 0 is accepted
+@example(("completions", {"prompt": "The prefiller reads the whole prompt.", "use_beam_search": True,
+                          "max_tokens": 0}))
+# greedy n > 1 comes after vLLM's other sampling checks
+@example(("chat", {"messages": [{"role": "user", "content": "Hello there"}], "n": 2, "temperature": -1}))
+@example(("chat", {"messages": [{"role": "user", "content": "Hello there"}], "n": 2, "temperature": 0,
+                   "top_p": 1.5}))
 def test_pdproxy_reads_requests_as_vllm_does(oracle: Oracle, case: tuple[str, dict[str, Any]]) -> None:
     api, body = case
     check(api, body, oracle.judge)

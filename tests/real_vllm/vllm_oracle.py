@@ -8,7 +8,8 @@ layer runs before any tokenization or engine work: the output-token bound agains
 (``build_tok_params``), the effective ``max_tokens`` (``serve/utils/api_utils.py::get_max_tokens``, for a
 prompt of ``PROMPT_TOKENS`` tokens) and ``to_sampling_params`` (``SamplingParams._verify_args``).  A 200 answer
 reports what vLLM understood: ``stream``, the requested output tokens, ``min_tokens``, ``n``, the usage options
-and whether the request needs the prompt's logits (``prompt_logprobs`` after ``echo``).
+whether the request needs the prompt's logits (``prompt_logprobs`` after ``echo``) and whether it is an echo
+without generation (``echo`` with ``max_tokens`` 0, which vLLM runs with ``max_tokens`` 1).
 
 Prompt and chat-message checks that need the tokenizer or the chat template are not run here: pdproxy passes
 those fields unchanged to the prefiller, whose own 400 reaches the client.  :class:`Oracle` runs this script
@@ -57,7 +58,10 @@ def build_app() -> Any:
                 "min_tokens": getattr(params, "min_tokens", None), "n": request.n,
                 "include_usage": bool(options and options.include_usage),
                 "continuous_usage": bool(options and options.continuous_usage_stats),
-                "prompt_logits": prompt_logprobs is not None, "beam_search": bool(request.use_beam_search)}
+                "prompt_logits": prompt_logprobs is not None, "beam_search": bool(request.use_beam_search),
+                # completion/protocol.py::to_sampling_params: echo without generation runs with max_tokens 1
+                "echo_only": bool(getattr(request, "echo", False) and request.max_tokens == 0
+                                  and not request.use_beam_search)}
 
     @app.post("/v1/chat/completions")
     async def chat(request: ChatCompletionRequest, raw_request: Request) -> dict[str, Any]:

@@ -237,3 +237,15 @@ def test_echo_without_generation_is_valid_and_goes_to_a_decoder_alone() -> None:
     req = parse({"prompt": "x", "echo": True, "max_tokens": 0}, Api.COMPLETIONS)
     assert not req.engine_judges and req.decoder_prefills  # type: ignore[attr-defined]
     assert parse({"prompt": "x", "max_tokens": 0}, Api.COMPLETIONS).engine_judges  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("api", [Api.CHAT, Api.COMPLETIONS])
+def test_beam_search_is_read_without_sampling_params_checks(api: Api) -> None:
+    """vLLM builds ``BeamSearchParams`` for beam search, which check none of ``SamplingParams._verify_args`` (no
+    ``max_tokens`` ≥ 1, no ``n`` ≥ 1: its own ``beam_width`` check): such a request is not pdproxy's to refuse, its
+    decoder (serving it alone) judges it (real-vLLM oracle: ``max_tokens: 0`` with beam search is accepted)."""
+    head = {"messages": [{"role": "user", "content": "x"}]} if api is Api.CHAT else {"prompt": "x"}
+    for extra in ({"max_tokens": 0}, {"n": 0}, {"n": 2, "temperature": 0}, {"min_tokens": -1}):
+        req = parse({**head, "use_beam_search": True, **extra}, api)
+        assert not req.engine_judges and req.decoder_prefills, extra  # type: ignore[attr-defined]
+        assert parse({**head, **extra}, api).engine_judges, extra  # type: ignore[attr-defined]
