@@ -354,6 +354,11 @@ class Settings(BaseSettings):
                                                              "pool can take it")
     decoder_max_requests: int = Field(0, ge=0, description="decode requests per decoder before prefills wait "
                                                            "(0 = no limit)")
+    decode_reserved_output_tokens: int = Field(
+        1024, ge=0, description="decoder KV a decoding request is counted for beyond its prompt: min(its max_tokens, "
+                                "this) tokens. vLLM allocates output blocks as it generates, so counting every "
+                                "max_tokens up front let a few large limits hold the decoders' whole pool while "
+                                "it stood free (max_model_len: the worst case, never over-committed)")
     decode_only_max_prompt_tokens: int = Field(0, ge=0, description="prompts up to this many tokens skip the "
                                                                     "prefiller and go straight to a decoder (0 = off)")
     decode_only_busy_max_prompt_tokens: int = Field(

@@ -226,21 +226,23 @@ class PDProxyApp:
         (:func:`pdproxy.apis.streams.refusal_json`)."""
         return api_streams.refusal_json(Api(route), status, message)
 
-    def edge_refused(self, route: str, status: int, message: str) -> None:
+    def edge_refused(self, route: str, status: int, message: str, client_request_id: str | None) -> str | None:
         """A generation request the HTTP server refused before handing it over (``pdproxy/http/server.py``: a
         missing key's 401, 413, 408, 431, 400, the pending-body budget's 503): counted in ``pdproxy_requests_total``
-        and ``pdproxy_rejections_total`` and written to the request log, as the refusals answered here are
-        (:class:`~pdproxy.errors.EdgeRefused` names its outcome and rejection)."""
+        and ``pdproxy_rejections_total`` and written to the request log under the client's ``X-Request-Id``, as
+        the refusals answered here are (:class:`~pdproxy.errors.EdgeRefused` names its outcome and rejection).
+        Returns the id the refusal answers with (the client's, else the one logged), None if recording failed."""
         try:
             err = EdgeRefused(status, message)
-            ctx = RequestContext(request_id=new_request_id(None), client_request_id=None,
+            ctx = RequestContext(request_id=new_request_id(client_request_id), client_request_id=client_request_id,
                                  api_label=Api(route).label)
             ctx.gaps = self.metrics.started(ctx.api_label)
         except Exception:                  # observability must never break the server's refusal
             log.exception("recording a refusal on %s failed", route)
-            return
+            return None
         ctx.status, ctx.outcome, ctx.rejection, ctx.error = status, err.outcome, err.rejection, message
         self._finished(ctx, None)
+        return client_request_id or ctx.request_id
 
     async def handle_completion(self, route: str, ex: Exchange) -> None:
         """A ``POST`` to one of the four generation routes (``route``: an :class:`~pdproxy.apis.request.Api` value)

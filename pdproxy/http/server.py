@@ -115,10 +115,13 @@ class ServedApp(Protocol):
         route ``route`` (an ``error_routes`` value): in that API's error shape."""
         ...
 
-    def edge_refused(self, route: str, status: int, message: str) -> None:
+    def edge_refused(self, route: str, status: int, message: str, client_request_id: str | None) -> str | None:
         """A request on the generation route ``route`` (a ``completion_routes`` value) that the server refused
         itself with ``status`` and ``message`` before it reached ``handle_completion`` (its body not whole): for
-        the application to count and log as it does its own refusals.  Never raises."""
+        the application to count and log as it does its own refusals.  ``client_request_id``: the request's
+        ``X-Request-Id`` (None: none, or its head was not read).  Returns the ``X-Request-Id`` the refusal answers
+        with, as ``handle_completion``'s answers do (the client's own, else the id it was logged under), None when
+        it could not be recorded.  Never raises."""
         ...
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None: ...
@@ -307,14 +310,15 @@ _chunk_writer = _chunk_writers()
 
 class _Refusal(NamedTuple):
     """A refusal the server answers itself: ``status``, ``message``, the completion ``route`` the request was on
-    (None: none), the error ``shape`` of its path (``ServedApp.error_routes``; None: vLLM's envelope) and its
-    ``origin`` (CORS)."""
+    (None: none), the error ``shape`` of its path (``ServedApp.error_routes``; None: vLLM's envelope), its
+    ``origin`` (CORS) and the ``x-request-id`` it answers with (None: none)."""
 
     status: int
     message: str
     route: str | None
     shape: str | None
     origin: bytes | None
+    request_id: str | None = None
 
 
 class _Reject(Exception):
@@ -1062,8 +1066,9 @@ class ServerProtocol(asyncio.Protocol):
         path = refused.path if refused is not None else ""
         if refused is not None and refused is self.parsing and not path:
             route, path = self._route_of_head()  # refused before its head was read: the request line names the route
+        request_id = None
         if route is not None and refused is not None and not refused.complete:   # the application never saw it
-            self.proxy.edge_refused(route, status, message)
+            request_id = self.proxy.edge_refused(route, status, message, refused.header(b"x-request-id"))
         shape = self.error_routes.get(path.rstrip("/")) if path else None
         origin = refused.origin if refused is not None else None
         self.closing = True
@@ -1082,14 +1087,14 @@ class ServerProtocol(asyncio.Protocol):
             if ex is refused:      # its response is under way: it ends there, then the connection closes
                 ex.keep_alive = False
             else:                  # the answer before it ends (not saying "close": a response follows), then this
-                self.pending = _Refusal(status, message, route, shape, origin)
+                self.pending = _Refusal(status, message, route, shape, origin, request_id)
             self._pause_reading()
             return
         self.current = None
         if ex is not None and ex.on_disconnect is not None:
             cb, ex.on_disconnect = ex.on_disconnect, None
             cb()
-        self._write_refusal(status, message, route, shape, origin)
+        self._write_refusal(status, message, route, shape, origin, request_id)
         self._linger_close()
 
     def _release_body(self) -> None:
@@ -1117,16 +1122,18 @@ class ServerProtocol(asyncio.Protocol):
             return None, ""
 
     def _write_refusal(self, status: int, message: str, route: str | None, shape: str | None,
-                       origin: bytes | None) -> None:
+                       origin: bytes | None, request_id: str | None = None) -> None:
         """Write the refusal ``status`` (its JSON body, ``connection: close``) of a request on ``route`` (None: not a
         completion route's POST) from ``origin`` (its CORS headers on a completion route), in the error shape of
-        ``shape`` (an ``error_routes`` value; None: vLLM's OpenAI envelope)."""
+        ``shape`` (an ``error_routes`` value; None: vLLM's OpenAI envelope), with ``request_id`` as its
+        ``x-request-id`` (None: no such header)."""
         body = (self.proxy.refusal_body(shape, status, message) if shape is not None
                 else orjson.dumps(error_body(status, message)))
         cors = self.limits.cors.headers(origin) if route is not None and self.limits.cors is not None else ()
         self.write(b"".join([_STATUS_LINES[status], b"content-type: application/json\r\ncontent-length: ",
                              str(len(body)).encode(), b"\r\nretry-after: 1" if status == 503 else b"",
                              b"\r\nconnection: close\r\n",
+                             b"x-request-id: %s\r\n" % request_id.encode("latin-1") if request_id else b"",
                              *(b"%s: %s\r\n" % pair for pair in cors), b"\r\n", body]))
 
     def _close(self) -> None:

@@ -51,6 +51,18 @@ from pdproxy.settings import Settings
 from pdproxy.timeline import RequestContext
 
 
+def decode_lease_tokens(req: ProxyRequest, reserved_output: int) -> int:
+    """The decoder KV (tokens) a decode leg's pool lease counts while it runs: the prompt (admission's count) and
+    ``min(max_tokens, reserved_output)`` of output (``reserved_output`` alone when the request sets no limit;
+    setting ``decode_reserved_output_tokens``).  vLLM allocates a request's output blocks as it generates
+    (``vllm/v1/core/sched/scheduler.py``, ``schedule``: ``allocate_slots`` per step) and preempts when they run
+    out; a lease of the whole ``max_tokens`` let ten requests asking 8,000 tokens each hold back every prefill on
+    decoders whose pool stood 95 % free.  A request whose prompt and output outgrow a whole pool is bounded by
+    :meth:`DecodeLeg.output_room` instead."""
+    asked = req.max_output_tokens
+    return (req.prompt_tokens or 0) + (reserved_output if asked is None else min(asked, reserved_output))
+
+
 def routing_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:
     """Response headers naming the prefiller and decoder used (setting ``expose_routing_headers``)."""
     out = []
@@ -145,7 +157,7 @@ class DecodeLeg:
         usable.  Returns True when the decoder ended with ``stop_reason "recomputed"``.
         """
         s = self.settings
-        tokens = (req.prompt_tokens or 0) + (req.max_output_tokens or 0)
+        tokens = decode_lease_tokens(req, s.decode_reserved_output_tokens)
         endpoint = self.scheduler.pick(Role.DECODE, pick, exclude)
         prefill.decoders.append(endpoint)
         ctx.decoder = endpoint.name

@@ -168,8 +168,8 @@ class _BigAnswers:
     def refusal_body(self, route: str, status: int, message: str) -> bytes:
         return orjson.dumps({"error": {"message": message}})
 
-    def edge_refused(self, route: str, status: int, message: str) -> None:
-        pass
+    def edge_refused(self, route: str, status: int, message: str, client_request_id: str | None) -> str | None:
+        return None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         raise AssertionError("no control-plane route here")

@@ -86,8 +86,9 @@ def test_a_generation_request_without_a_key_is_refused_at_its_head_before_its_bo
         assert keyed.read_messages(1)[0].status == 200
         big = RawConn(p.port)                       # keyed, but declared over max_body_bytes: the server's 413
         big.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-client\r\n"
-                 b"Content-Type: application/json\r\nContent-Length: 100001\r\n\r\n")
-        assert big.read_messages(1)[0].status == 413
+                 b"X-Request-Id: big-1\r\nContent-Type: application/json\r\nContent-Length: 100001\r\n\r\n")
+        (m,) = big.read_messages(1)
+        assert m.status == 413 and m.header("x-request-id") == "big-1"    # as the application's answers carry it
         for h in [c, anthropic, *held, keyed, big]:
             h.close()
         p.wait_idle()
@@ -100,6 +101,12 @@ def test_a_generation_request_without_a_key_is_refused_at_its_head_before_its_bo
         assert m.value("pdproxy_rejections_total", reason="unauthorized", detail="") == 7
         assert m.total("pdproxy_requests_in_progress") == 0
         assert m.total("pdproxy_time_to_first_token_seconds_count") == 1      # the keyed request alone
+        log = [orjson.loads(x) for x in (tmp_path / "requests.jsonl").read_bytes().splitlines()]
+        (line,) = [x for x in log if x.get("status") == 413]
+        assert line["client_request_id"] == "big-1" and line["request_id"].startswith("big-1-")
+        keyless = [x for x in log if x.get("status") == 401]
+        assert len(keyless) == 7 and all(x["client_request_id"] is None and x["request_id"] for x in keyless)
+        assert c.raw.count(b"x-request-id: ") == 1          # a keyless answer names the id it was logged under
     finally:
         p.stop()
 
