@@ -313,13 +313,14 @@ def check_listen(host: str, port: int) -> str | None:
     return None
 
 
-def serve(settings: Settings) -> int:
-    """Run the proxy (uvicorn's server, pdproxy's own HTTP protocol on uvloop + httptools) until interrupted."""
+def serve(settings: Settings, on_started: Callable[[], None] | None = None) -> int:
+    """Run the proxy (uvicorn's server, pdproxy's own HTTP protocol on uvloop + httptools) until interrupted.
+    ``on_started``: called once it listens, after its start-up line (one process; not with ``--workers``)."""
     from pdproxy.app.application import create_app
     from pdproxy.http.server import uvicorn_config
     from pdproxy.http.tls import apply_to_uvicorn, server_ssl_context
     from pdproxy.ops.heap import apply_heap_policy
-    from pdproxy.ops.logs import configure_logging, listen_urls, log_banner
+    from pdproxy.ops.logs import configure_logging, listen_urls
 
     problem = check_listen(settings.host, settings.port) or check_request_log(
         settings.request_log_path if settings.request_log else None)
@@ -353,11 +354,19 @@ def serve(settings: Settings) -> int:
     apply_to_uvicorn(config, tls)
     server = DrainingServer(config, app, grace_s=settings.shutdown_grace_s, delay_s=settings.shutdown_delay_s,
                             handshake_timeout_s=settings.request_headers_timeout_s,
-                            on_started=lambda addresses: log_banner(settings, listen_urls(addresses, tls)))
+                            on_started=lambda addresses: _started(settings, listen_urls(addresses, tls), on_started))
     server.run()
     if not server.started:  # e.g. the port is taken (uvicorn logged why)
         return 1
     return 0
+
+
+def _started(settings: Settings, urls: list[str], then: Callable[[], None] | None) -> None:
+    from pdproxy.ops.logs import log_banner
+
+    log_banner(settings, urls)
+    if then is not None:
+        then()
 
 
 class CancelledLifespanFilter(logging.Filter):
@@ -403,7 +412,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     from pdproxy.tools import doctor
 
     doctor.add_arguments(p_doctor)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:           # said by the sub-command's parser: its name and its own --help, which lists the flags
+        commands = {"serve": p_serve, "sim": p_sim, "demo": p_demo, "doctor": p_doctor}
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         if args.command == "serve":
             code = serve(settings_from_args(args))

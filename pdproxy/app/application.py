@@ -395,6 +395,13 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
         ok = ready()[0]
         return Response(status_code=200 if ok else 503, headers={} if ok else {"retry-after": "1"})
 
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping() -> Response:
+        """vLLM's SageMaker health check (``vllm/entrypoints/serve/sagemaker/api_router.py``: ``GET`` and ``POST``,
+        its ``/health``): :func:`health`'s answer."""
+        return await health()
+
     @app.get("/health_generate")
     async def health_generate() -> Response:
         """vllm-router's probe of a serving prefill/decode pair: :func:`health`'s answer (a healthy prefiller and

@@ -170,9 +170,10 @@ def simulated_engines(args: argparse.Namespace) -> Iterator[tuple[list[str], lis
                 proc.wait()
 
 
-def run(args: argparse.Namespace, serve: Callable[[Settings], int]) -> int:
+def run(args: argparse.Namespace, serve: Callable[[Settings, Callable[[], None]], int]) -> int:
     """Run the demo until Ctrl-C; returns the exit code.  ``serve`` runs the proxy on ``Settings`` until it stops
-    (``pdproxy.cli.serve``) and returns its exit code."""
+    (``pdproxy.cli.serve``), calling its second argument once the proxy listens (the demo says it is up and how
+    to try it only then), and returns its exit code."""
     problem = check_request_log(request_log_path(args))
     if problem is not None:                                    # before any engine starts
         print(f"pdproxy demo: {problem}", file=sys.stderr)
@@ -189,10 +190,9 @@ def run(args: argparse.Namespace, serve: Callable[[Settings], int]) -> int:
             settings = load_settings(host=args.host, port=args.port, prefill=prefill, decode=decode,
                                      expose_routing_headers=True, health_interval_s=1.0,
                                      request_log_path=request_log_path(args))
-            print(SNIPPET.format(port=args.port, p=prefill[0], d=", ".join(decode), model=args.model,
-                                 python=sys.executable, request_log=request_log_hint(request_log_path(args))),
-                  flush=True)  # this interpreter has the openai client
-            return serve(settings)
+            snippet = SNIPPET.format(port=args.port, p=prefill[0], d=", ".join(decode), model=args.model,
+                                     python=sys.executable, request_log=request_log_hint(request_log_path(args)))
+            return serve(settings, lambda: print(snippet, flush=True))   # this interpreter has the openai client
     except DemoError as exc:
         print(f"pdproxy demo: {exc}", file=sys.stderr)
         return 1

@@ -140,7 +140,8 @@ def test_router_flags_set_settings() -> None:
 
 
 def test_vllm_routers_probe_routes_answer_as_its_probes_expect(sims: Fleet) -> None:
-    """A k8s Deployment moved from vllm-router keeps its probes: ``/health_generate`` and ``/readiness`` are 200
+    """A k8s Deployment moved from vllm-router (or a SageMaker endpoint from vLLM, ``/ping``) keeps its probes:
+    ``/health_generate``, ``/ping`` and ``/readiness`` are 200
     with a serving prefill/decode pair and 503 + ``Retry-After`` without one (``/readiness`` says why, with each
     role's counts, in the router's JSON), ``/liveness`` is 200 either way."""
     from tests.support import ProxyThread, wait_until
@@ -153,6 +154,8 @@ def test_vllm_routers_probe_routes_answer_as_its_probes_expect(sims: Fleet) -> N
         assert r.status_code == 200 and r.json() == {"status": "ready", "prefill": {"healthy": p, "total": p},
                                                      "decode": {"healthy": d, "total": d}}
         assert httpx.get(up.url + "/liveness").text == "OK"
+        for ping in (httpx.get(up.url + "/ping"), httpx.post(up.url + "/ping")):   # vLLM's SageMaker check
+            assert ping.status_code == 200 and ping.content == b""
     finally:
         up.stop()
     down = ProxyThread(prefill=[sims.prefillers[0].url], decode=["http://127.0.0.1:9"])
@@ -163,6 +166,7 @@ def test_vllm_routers_probe_routes_answer_as_its_probes_expect(sims: Fleet) -> N
                    "the prefiller judged healthy")
         g, r = httpx.get(down.url + "/health_generate"), httpx.get(down.url + "/readiness")
         assert g.status_code == r.status_code == 503 and g.headers["retry-after"] == r.headers["retry-after"] == "1"
+        assert httpx.get(down.url + "/ping").status_code == httpx.post(down.url + "/ping").status_code == 503
         assert r.json() == {"status": "not_ready", "reason": "no healthy decode engine",
                             "prefill": {"healthy": 1, "total": 1}, "decode": {"healthy": 0, "total": 1}}
         live = httpx.get(down.url + "/liveness")

@@ -12,6 +12,7 @@ import sys
 import httpx
 import pytest
 
+from loadtest.ports import RESERVED, ephemeral_low
 from tests.support import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -29,11 +30,13 @@ def _free(port: int) -> bool:
 
 
 def _ports() -> tuple[int, int]:
-    """A proxy port and an engine base port B with B, B+100 and B+101 free."""
+    """A proxy port and an engine base port B with B, B+100 and B+101 free, all below the kernel's ephemeral range
+    (loadtest/ports.py: the demo binds them later)."""
     rng = random.Random()
+    top = ephemeral_low() - 102
     while True:
-        proxy, base = rng.randrange(20000, 30000), rng.randrange(30000, 40000)
-        if all(_free(p) for p in (proxy, base, base + 100, base + 101)):
+        proxy, base = rng.randrange(20000, 25000), rng.randrange(25000, top)
+        if all(_free(p) and p not in RESERVED for p in (proxy, base, base + 100, base + 101)):
             return proxy, base
 
 
@@ -70,6 +73,32 @@ def test_demo_serves_and_its_engines_die_with_it(how: signal.Signals) -> None:
         if demo.poll() is None:
             demo.kill()
             demo.wait()
+
+
+def test_the_demo_says_it_is_up_only_once_the_proxy_listens() -> None:
+    """The "demo is up" banner and its commands to paste come after the proxy's port accepts connections: a user
+    (or a script waiting for the line) who runs them at once is not refused."""
+    proxy, base = _ports()
+    demo = _demo(proxy, base)
+    try:
+        assert demo.stdout is not None
+        for line in demo.stdout:
+            if "pdproxy demo is up" in line:
+                break
+        else:
+            raise AssertionError(f"no banner; stderr: {demo.stderr.read() if demo.stderr else ''}")
+        with socket.create_connection(("127.0.0.1", proxy), timeout=5):
+            pass                                    # listening already: not refused
+        assert f"http://127.0.0.1:{proxy}" in line
+    finally:
+        demo.send_signal(signal.SIGINT)
+        try:
+            demo.communicate(timeout=30)
+        finally:
+            if demo.poll() is None:
+                demo.kill()
+                demo.wait()
+    wait_until(lambda: all(_free(p) for p in (proxy, base, base + 100, base + 101)), 15, 0.1, "ports freed")
 
 
 def test_banner_names_the_request_logs_place() -> None:

@@ -137,3 +137,14 @@ def test_a_request_log_path_that_cannot_be_opened_stops_start_up_in_one_line(
     err = capsys.readouterr().err
     assert err.strip() == (f"pdproxy{' demo' if command == 'demo' else ''}: flag --request-log-path "
                            "/nonexistent/dir/requests.jsonl: cannot open it for appending: No such file or directory")
+
+
+@pytest.mark.parametrize("command", ["serve", "sim", "demo", "doctor"])
+def test_an_unknown_flag_is_named_by_its_sub_command(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``pdproxy serve --bogus 1`` says ``pdproxy serve: error: …`` and points to ``pdproxy serve --help`` (which
+    lists the flags), as a bad value's error does; not the top-level ``pdproxy --help``, which lists none."""
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--bogus", "1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"pdproxy {command}: error: unrecognized arguments: --bogus 1 (see pdproxy {command} --help)\n"
