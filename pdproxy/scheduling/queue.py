@@ -37,8 +37,8 @@ the scheduler finds a prefiller that passes every filter including that one.
 - **Decoder capacity.**  A prefill is dispatched only if the decoders' free KV (their KV pool minus the tokens the
   pool's decode leases hold — each its prompt and at most ``decode_reserved_output_tokens`` of its output,
   :func:`pdproxy.pd.decode.decode_lease_tokens` — minus the prefills already dispatched and not yet decoding) has
-  room for the prompt + 1 token, and (``decoder_max_requests`` > 0) a decoder has a free request slot.  A prefill whose decoder never comes
-  would only pin KV on the prefiller until the connector's timeout frees it.
+  room for the prompt + 1 token, and (``decoder_max_requests`` > 0) a decoder has a free request slot.  A prefill
+  whose decoder never comes would only pin KV on the prefiller until the connector's timeout frees it.
 - **Bounds.**  More than ``max_waiting`` waiters → :class:`~pdproxy.errors.Overloaded` (429, ``Retry-After``);
   waiting longer than ``timeout_s`` → :class:`QueueTimeout` (503, ``Retry-After``).  Nothing waits forever.
 
