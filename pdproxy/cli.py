@@ -412,10 +412,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     from pdproxy.tools import doctor
 
     doctor.add_arguments(p_doctor)
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:           # said by the sub-command's parser: its name and its own --help, which lists the flags
+    given = list(sys.argv[1:] if argv is None else argv)
+    args, unknown = parser.parse_known_args(given)
+    if unknown:           # said by the parser it was given to: a sub-command's names it and its --help's flags
+        before = given[:given.index(args.command)] if args.command in given else given
         commands = {"serve": p_serve, "sim": p_sim, "demo": p_demo, "doctor": p_doctor}
-        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+        (parser if any(u in before for u in unknown) else commands[args.command]).error(
+            f"unrecognized arguments: {' '.join(unknown)}")
     try:
         if args.command == "serve":
             code = serve(settings_from_args(args))

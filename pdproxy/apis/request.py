@@ -661,7 +661,8 @@ def parse_request(raw: bytes, api: Api, max_depth: int = MAX_JSON_DEPTH,
     if echo_only:         # echo without generation: vLLM runs it with max_tokens 1 (to_sampling_params)
         max_output = 1
     if leg.use_beam_search:     # BeamSearchParams: none of SamplingParams' checks (its decoder judges beam_width)
-        pass
+        if max_output is not None and max_output < 0:    # accepted; no beam step runs (beam_search/online.py:
+            max_output = 0                               # range(max_tokens)): 0 tokens, never a negative count
     elif n < 1:                 # SamplingParams._verify_args, in its order (a prompt list must not fan out past it)
         faults.append(_vllm_error(f"n must be at least 1, got {n}."))
     elif max_output is not None and max_output < 1:

@@ -60,7 +60,7 @@ def decode_lease_tokens(req: ProxyRequest, reserved_output: int) -> int:
     decoders whose pool stood 95 % free.  A request whose prompt and output outgrow a whole pool is bounded by
     :meth:`DecodeLeg.output_room` instead."""
     asked = req.max_output_tokens
-    return (req.prompt_tokens or 0) + (reserved_output if asked is None else min(asked, reserved_output))
+    return (req.prompt_tokens or 0) + (reserved_output if asked is None else max(0, min(asked, reserved_output)))
 
 
 def routing_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:

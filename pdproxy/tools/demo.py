@@ -187,7 +187,7 @@ def run(args: argparse.Namespace, serve: Callable[[Settings, Callable[[], None]]
     signal.signal(signal.SIGHUP, _hang_up)
     try:
         with simulated_engines(args) as (prefill, decode):
-            settings = load_settings(host=args.host, port=args.port, prefill=prefill, decode=decode,
+            settings = load_settings(host=args.host, port=args.port, prefill=prefill, decode=decode, workers=1,
                                      expose_routing_headers=True, health_interval_s=1.0,
                                      request_log_path=request_log_path(args))
             snippet = SNIPPET.format(port=args.port, p=prefill[0], d=", ".join(decode), model=args.model,

@@ -128,11 +128,15 @@ def first_leg(req: ProxyRequest) -> tuple[str, bytes]:
 
 
 def meaning(verdict: dict[str, Any]) -> dict[str, Any]:
-    """What vLLM understood of an accepted request, in :class:`ProxyRequest`'s terms.  An echo without generation
+    """What vLLM understood of an accepted request, in :class:`ProxyRequest`'s terms (a beam search's negative
+    ``max_tokens`` runs no step: 0 tokens).  An echo without generation
     (completions, ``echo`` with ``max_tokens`` 0) is run with one output token, and pdproxy hands it to a decoder
     alone: nothing is decoded, so a P→D handoff would only add a leg."""
     echo_only = bool(verdict.get("echo_only"))
-    return {"stream": verdict["stream"], "max_output_tokens": 1 if echo_only else verdict["requested_max_tokens"],
+    asked = verdict["requested_max_tokens"]
+    if verdict["beam_search"] and asked is not None and asked < 0:   # accepted, no beam step runs: 0 tokens
+        asked = 0
+    return {"stream": verdict["stream"], "max_output_tokens": 1 if echo_only else asked,
             "min_tokens": verdict["min_tokens"], "include_usage": verdict["stream"] and verdict["include_usage"],
             "decoder_prefills": verdict["prompt_logits"] or verdict["beam_search"] or echo_only}
 

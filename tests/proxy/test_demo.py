@@ -40,10 +40,10 @@ def _ports() -> tuple[int, int]:
             return proxy, base
 
 
-def _demo(proxy: int, base: int) -> subprocess.Popen[str]:
+def _demo(proxy: int, base: int, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "pdproxy", "demo", "--port", str(proxy),
                              "--engine-base-port", str(base)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, env=None if env is None else {**os.environ, **env})
 
 
 def _up(proxy: int) -> bool:
@@ -75,11 +75,13 @@ def test_demo_serves_and_its_engines_die_with_it(how: signal.Signals) -> None:
             demo.wait()
 
 
-def test_the_demo_says_it_is_up_only_once_the_proxy_listens() -> None:
+@pytest.mark.parametrize("env", [{}, {"PDPROXY_WORKERS": "2"}], ids=["plain", "workers-in-env"])
+def test_the_demo_says_it_is_up_only_once_the_proxy_listens(env: dict[str, str]) -> None:
     """The "demo is up" banner and its commands to paste come after the proxy's port accepts connections: a user
-    (or a script waiting for the line) who runs them at once is not refused."""
+    (or a script waiting for the line) who runs them at once is not refused.  The demo is one process whatever the
+    environment says (``PDPROXY_WORKERS`` once made it serve without ever printing the banner)."""
     proxy, base = _ports()
-    demo = _demo(proxy, base)
+    demo = _demo(proxy, base, env)
     try:
         assert demo.stdout is not None
         for line in demo.stdout:

@@ -46,6 +46,8 @@ def oracle() -> Iterator[Oracle]:
 # beam search checks none of SamplingParams' rules: max_tokens 0 is accepted
 @example(("completions", {"prompt": "The prefiller reads the whole prompt.", "use_beam_search": True,
                           "max_tokens": 0}))
+@example(("chat", {"messages": [{"role": "user", "content": "Hello there"}], "use_beam_search": True,
+                   "max_tokens": -1}))
 # greedy n > 1 comes after vLLM's other sampling checks
 @example(("chat", {"messages": [{"role": "user", "content": "Hello there"}], "n": 2, "temperature": -1}))
 @example(("chat", {"messages": [{"role": "user", "content": "Hello there"}], "n": 2, "temperature": 0,

@@ -148,3 +148,10 @@ def test_an_unknown_flag_is_named_by_its_sub_command(command: str, capsys: pytes
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err == f"pdproxy {command}: error: unrecognized arguments: --bogus 1 (see pdproxy {command} --help)\n"
+
+
+def test_an_unknown_flag_before_the_sub_command_is_the_top_level_parsers(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--bogus", "serve"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == "pdproxy: error: unrecognized arguments: --bogus (see pdproxy --help)\n"

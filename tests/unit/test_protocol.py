@@ -249,3 +249,16 @@ def test_beam_search_is_read_without_sampling_params_checks(api: Api) -> None:
         req = parse({**head, "use_beam_search": True, **extra}, api)
         assert not req.engine_judges and req.decoder_prefills, extra  # type: ignore[attr-defined]
         assert parse({**head, **extra}, api).engine_judges, extra  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("max_tokens", [-1, -1_000_000_000, 0])
+def test_beam_search_with_a_limit_below_one_asks_for_no_output_never_a_negative_count(max_tokens: int) -> None:
+    """vLLM accepts beam search with ``max_tokens`` ≤ 0 and runs no step (``beam_search/online.py``): pdproxy reads
+    it as 0 output tokens, so no decode lease, admission bound or metric gets a negative count (a lease of
+    prompt − 10⁹ once made a decoder look empty to the prefill queue and the balancer)."""
+    from pdproxy.pd.decode import decode_lease_tokens
+
+    req = parse({"messages": [{"role": "user", "content": "x"}], "use_beam_search": True, "max_tokens": max_tokens})
+    assert req.max_output_tokens == 0 and not req.engine_judges  # type: ignore[attr-defined]
+    req.prompt_tokens = 10  # type: ignore[attr-defined]
+    assert decode_lease_tokens(req, 1024) == 10  # type: ignore[arg-type]
