@@ -166,8 +166,9 @@ def test_completion_prompt_list_with_n2(proxy: ProxyThread, sims: Fleet, prompt:
 @pytest.mark.parametrize("n", [0, "0", 0.0, -2])
 def test_a_prompt_list_with_n_below_one_is_vllms_400_not_fanned_out(proxy: ProxyThread, sims: Fleet,
                                                                      n: object) -> None:
-    """vLLM checks ``n`` first (``SamplingParams._verify_args``): a list of prompts must not fan out past it, one
-    sequence per prompt without ``n``, and answer 200.  The prefiller judges the client's own body."""
+    """vLLM checks ``n`` first (``SamplingParams._verify_args``), so a list of prompts with ``n`` below 1 is its
+    400, not fanned out (it once was: one sequence per prompt, ``n`` dropped, a 200).  The prefiller alone judges the
+    client's own body; no decoder is asked."""
     body = {"model": "sim-model", "prompt": ["a b", "c d"], "n": n, "max_tokens": 2}
     r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=30)
     value = int(float(n)) if isinstance(n, (str, float)) else n
