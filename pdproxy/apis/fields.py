@@ -162,6 +162,29 @@ def messages_fields(body: dict[str, Any]) -> tuple[bool, str | None, int]:
     return _stream(body), model, max_tokens
 
 
+def messages_fault(body: dict[str, Any], max_tokens: int) -> BadRequest | None:
+    """vLLM's one cross-field rule of a Messages body that its prefill leg skips: ``thinking.budget_tokens`` must be
+    less than ``max_tokens`` (``anthropic/protocol.py::validate_thinking_budget``, not run on a leg with
+    ``do_remote_decode``).  Returns vLLM's 400 for a valid budget (an integer ≥ 1024, pydantic's lax reading) that is
+    not, else None: the request then goes to the prefiller with the client's own values
+    (``ProxyRequest.engine_judges``), which refuses it in vLLM's words and order before any KV is computed — not
+    to a one-token prefill whose KV the decoder would refuse to read.  An invalid budget (< 1024, not an integer)
+    is every leg's field error: the prefiller says so."""
+    thinking = body.get("thinking")
+    if not isinstance(thinking, dict) or thinking.get("type") != "enabled":
+        return None
+    try:
+        budget = _LAX_INT.validate_python(thinking.get("budget_tokens"))
+    except ValidationError:
+        return None
+    if budget is None or budget < 1024 or budget < max_tokens:
+        return None
+    err = {"type": "value_error", "loc": "body", "msg": "Value error, thinking.budget_tokens must be less than "
+           "max_tokens", "input": f"<dict of {len(body)} items>",
+           "ctx": {"error": "thinking.budget_tokens must be less than max_tokens"}}
+    return BadRequest(f"1 validation error:\n  {err}", param="body", error_type="Bad Request")
+
+
 # ------------------------------------------------------------------------------------------------ chat views
 def _parts_of(content: Any) -> Any:
     """A Responses / Anthropic content value as chat content: a string stays, parts become chat text parts and

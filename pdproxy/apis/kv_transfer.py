@@ -48,7 +48,8 @@ engine the same way (``SamplingParams.extra_args``, e.g. ``openai/responses/prot
   cached tokens are ``usage.cache_read_input_tokens``, and ``usage.input_tokens`` is net of them
   (``anthropic/serving.py::_build_anthropic_usage``).  ``thinking.budget_tokens < max_tokens`` is not checked on
   a leg with ``do_remote_decode`` (``anthropic/protocol.py::validate_thinking_budget``), so ``max_tokens: 1`` is
-  safe with thinking on.  Neither API has ``min_tokens``; a first-token EOS still hands over the KV on vLLM 0.32
+  safe with thinking on (and a client's budget not below its ``max_tokens`` is judged by the prefiller on the
+  client's own body: ``pdproxy/apis/fields.py::messages_fault``).  Neither API has ``min_tokens``; a first-token EOS still hands over the KV on vLLM 0.32
   (NIXL returns a handle for a stopped request too, ``nixl/pull_scheduler.py::request_finished``).
 """
 

@@ -623,8 +623,10 @@ def parse_request(raw: bytes, api: Api, max_depth: int = MAX_JSON_DEPTH,
                             max_output_tokens=limit)
     if api is Api.MESSAGES:
         stream_m, model_m, required = api_requests.messages_fields(body)
+        thinking = api_requests.messages_fault(body, required)
         return ProxyRequest(api=api, body=body, raw=raw, stream=stream_m, include_usage=False, model=model_m,
-                            max_output_tokens=required)
+                            max_output_tokens=None if thinking else required, engine_judges=thinking is not None,
+                            fault=thinking)
     chat = api is Api.CHAT
     prompts = 1
     faults: list[BadRequest] = []

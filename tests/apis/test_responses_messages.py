@@ -232,6 +232,32 @@ def test_messages_errors_pdproxy_raises_are_in_the_anthropic_shape(proxy: ProxyT
     assert not [x for s in sims.all for x in s.received()]              # no engine was contacted
 
 
+def test_a_thinking_budget_not_below_max_tokens_is_refused_before_any_kv_is_computed(proxy: ProxyThread,
+                                                                                      sims: Fleet) -> None:
+    """vLLM refuses ``thinking.budget_tokens >= max_tokens`` on every leg but one with ``do_remote_decode``
+    (``anthropic/protocol.py::validate_thinking_budget``): a one-token prefill leg would pass and its KV be computed
+    for a decoder that refuses the request.  pdproxy sends the client's own body to the prefiller instead, which
+    refuses it in vLLM's words; no decoder is asked.  A budget below ``max_tokens`` goes through PD as usual."""
+    msgs = [{"role": "user", "content": "Think, then answer."}]
+    body = {"model": "sim-model", "max_tokens": 1500, "thinking": {"type": "enabled", "budget_tokens": "2048"},
+            "messages": msgs}
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        claude(proxy).messages.create(**body)                       # type: ignore[call-overload]
+    assert bad.value.status_code == 400
+    assert "thinking.budget_tokens must be less than max_tokens" in bad.value.body["error"]["message"]
+    (leg,) = legs(sims.prefillers, "/v1/messages")
+    assert leg["body"]["max_tokens"] == 1500 and leg["body"]["thinking"] == body["thinking"]
+    assert "kv_transfer_params" not in leg["body"]                  # the client's values, for vLLM to judge
+    assert not legs(sims.decoders, "/v1/messages")
+    ok = claude(proxy).messages.create(model="sim-model", max_tokens=1500, messages=msgs,  # type: ignore[call-overload]
+                                       thinking={"type": "enabled", "budget_tokens": 1024})
+    assert ok.usage.output_tokens >= 1
+    prefill, (decode,) = legs(sims.prefillers, "/v1/messages")[-1], legs(sims.decoders, "/v1/messages")
+    assert prefill["body"]["max_tokens"] == 1 and prefill["body"]["kv_transfer_params"]["do_remote_decode"]
+    assert decode["body"]["max_tokens"] == 1500 and decode["body"]["thinking"]["budget_tokens"] == 1024
+    wait_engines_idle(sims)
+
+
 @pytest.mark.parametrize("result", [5, True, 1.5, {"type": "text", "text": "x"}])
 def test_a_tool_result_whose_content_is_not_text_or_blocks_is_the_engines_to_judge(
         proxy: ProxyThread, sims: Fleet, result: object) -> None:
