@@ -100,7 +100,8 @@ class PDProxyApp:
         self.director: Director | None = None
         self.unready = False  # /health answers 503 (shutdown_delay_s: draining soon, still serving)
         self.share = share
-        self.metrics = ProxyMetrics(lambda: self.state)
+        self.metrics = ProxyMetrics(lambda: self.state,
+                                    known_model=lambda model: self.state is not None and self.state.served.known(model))
         self.metrics.add_collector(PrefixCacheCollector(     # pdproxy_kv_events_*, pdproxy_prefix_index_*
             lambda: self.state.prefix_cache.subscriber if self.state else None,
             lambda: self.state.prefix_cache.index if self.state else None,

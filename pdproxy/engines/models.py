@@ -84,6 +84,18 @@ class ServedModels:
         ids = self.ids(endpoint)
         return ids is None or model in ids
 
+    def known(self, model: str | None) -> bool:
+        """True when some endpoint's known ids include ``model`` (a closed set: what the engines listed and the
+        operator pinned), False for None, ``""`` and any other name — the metrics' ``model_name`` label takes only
+        these, so a client's names cannot grow the series."""
+        if not model:
+            return False
+        for e in self.infos:
+            ids = self.ids(e)
+            if ids is not None and model in ids:
+                return True
+        return False
+
     def endpoints(self, endpoints: Iterable[Endpoint], model: str | None) -> list[Endpoint]:
         """The ``endpoints`` that serve ``model``, in order."""
         return [e for e in endpoints if self.serves(e, model)]

@@ -3,7 +3,10 @@
 Names mirror vLLM's (``vllm/v1/metrics/loggers.py``) with a ``pdproxy_`` prefix; times are seconds,
 sizes tokens.  Three kinds of series:
 
-- **per request** (observed once, when a request ends — :meth:`ProxyMetrics.observe`):
+- **per request** (observed once, when a request ends — :meth:`ProxyMetrics.observe`), each series but the
+  rejections' also labelled ``model_name`` as vLLM's are: the request's model when an engine lists it (a base model
+  or a LoRA adapter; or the operator pinned it), else ``""`` (no model, an unknown one) — so several models behind
+  one port keep their own series, and a client's made-up names add none (:meth:`ProxyMetrics.model_label`):
   ``pdproxy_requests_total{api,status,outcome}``; ``pdproxy_rejections_total{reason,detail}`` for requests pdproxy
   refused itself (``too_long``/``max_model_len``|``kv_pool``, ``queue_full``, ``deadline``,
   ``no_endpoint``/``prefill``|``decode``, ``bad_request``/param …); client-visible
@@ -17,7 +20,8 @@ sizes tokens.  Three kinds of series:
   ``pdproxy_admission_wait_seconds``, ``pdproxy_prefill_time_seconds``, ``pdproxy_pd_gap_seconds``,
   ``pdproxy_decode_first_token_seconds``, ``pdproxy_decode_time_seconds`` — none of these latencies for a call
   about the model (``/tokenize``, ``/detokenize``, ``count_tokens``, the render routes:
-  ``RequestContext.engine_request``), for which vLLM times no request either; ``pdproxy_requests_in_progress{api}``;
+  ``RequestContext.engine_request``), for which vLLM times no request either; ``pdproxy_requests_in_progress{api}``
+  (no ``model_name``: counted before the body is read);
   tokens through the proxy, as vLLM's ``vllm:prompt_tokens_total`` / ``vllm:generation_tokens_total``:
   ``pdproxy_prompt_tokens_total{api}`` (the prefiller's ``usage.prompt_tokens``, else pdproxy's count, for requests
   sent to an engine) and ``pdproxy_generation_tokens_total{api}`` (``completion_tokens``); retried leg attempts, as
@@ -234,29 +238,32 @@ class ProxyMetrics:
     imported in multiprocess mode too).
     """
 
-    def __init__(self, state: Callable[[], MetricsState | None], multiprocess_dir: str | None = None) -> None:
+    def __init__(self, state: Callable[[], MetricsState | None], multiprocess_dir: str | None = None,
+                 known_model: Callable[[str], bool] | None = None) -> None:
+        self._known_model = known_model or (lambda model: False)
         self.multiprocess_dir = multiprocess_dir or os.environ.get(MULTIPROC_ENV) or None
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
         api = ("api",)
+        per_model = ("api", "model_name")
         Hist = Histogram
         self.requests = Counter("pdproxy_requests", "Completion requests by API, HTTP status and outcome.",
-                                ("api", "status", "outcome"), registry=reg)
+                                ("api", "status", "outcome", "model_name"), registry=reg)
         self.rejections = Counter("pdproxy_rejections", "Requests pdproxy refused itself, by reason.",
                                   ("reason", "detail"), registry=reg)
         self.in_progress = Gauge("pdproxy_requests_in_progress", "Completion requests being served.", api,
                                  registry=reg, multiprocess_mode="livesum")
-        self.ttft = Hist("pdproxy_time_to_first_token_seconds", "Client-visible time to first token.", api,
+        self.ttft = Hist("pdproxy_time_to_first_token_seconds", "Client-visible time to first token.", per_model,
                               buckets=TTFT_BUCKETS, registry=reg)
         self.itl = Hist("pdproxy_inter_token_latency_seconds",
                              "Client-visible inter-token latency: each gap between consecutive writes of a stream.",
-                             api, buckets=GAP_BUCKETS, registry=reg)
+                             per_model, buckets=GAP_BUCKETS, registry=reg)
         self.tpot = Hist("pdproxy_request_time_per_output_token_seconds",
-                              "(last token − first token) / (completion_tokens − 1).", api, buckets=GAP_BUCKETS,
+                              "(last token − first token) / (completion_tokens − 1).", per_model, buckets=GAP_BUCKETS,
                               registry=reg)
         self.e2e = Hist("pdproxy_e2e_request_latency_seconds", "Arrival to the end of the response.",
-                             ("api", "outcome"), buckets=E2E_BUCKETS, registry=reg)
-        self.phases = {key: Hist(name, doc, api, buckets=buckets, registry=reg)
+                             ("api", "outcome", "model_name"), buckets=E2E_BUCKETS, registry=reg)
+        self.phases = {key: Hist(name, doc, per_model, buckets=buckets, registry=reg)
                        for key, (name, doc, buckets) in PHASES.items()}
         self.admission = {
             "decode_only_total": Counter("pdproxy_decode_only", "Requests sent straight to a decoder (conditional "
@@ -289,9 +296,9 @@ class ProxyMetrics:
             "pdproxy_prefix_predictions", "Prefix routing: predictions by source and outcome against the "
             "prefiller's report (exact | over | under | unreported).", ("source", "outcome"), registry=reg)
         self.prompt_tokens = Counter("pdproxy_prompt_tokens", "Prompt tokens of requests sent to an engine (the "
-                                     "prefiller's usage.prompt_tokens, else pdproxy's count).", api, registry=reg)
+                                     "prefiller's usage.prompt_tokens, else pdproxy's count).", per_model, registry=reg)
         self.generation_tokens = Counter("pdproxy_generation_tokens", "Generated tokens relayed to clients "
-                                         "(completion_tokens).", api, registry=reg)
+                                         "(completion_tokens).", per_model, registry=reg)
         self.retries = Counter("pdproxy_retries", "Leg attempts sent again on another endpoint after a failure, by "
                                "leg (prefill | decode) and the failure's outcome.", ("leg", "reason"), registry=reg)
         self.failovers = Counter("pdproxy_failovers", "Decode failures that moved the request to a new P/D pair "
@@ -306,6 +313,10 @@ class ProxyMetrics:
                                  registry=reg, multiprocess_mode="livesum")
         self._synced: dict[tuple[str, str], float] = {}
         self._children: dict[Any, Any] = {}
+        self._known: dict[str, bool] = {}
+        self._in_progress: dict[str, Any] = {}
+        self._gap_bounds = (*map(float, GAP_BUCKETS), float("inf"))
+        """The ITL histogram's bounds, the tuple every :class:`GapCounts` shares (the compiled splice bisects it)."""
         self._state = state
         self.state_collector = StateCollector(state)
         self._collectors: list[Any] = [self.state_collector]
@@ -359,17 +370,31 @@ class ProxyMetrics:
                     self._synced[(attr, label)] = v
         self.queue_depth.set(st.queue_depth)
 
-    def _per_api(self, api: str) -> tuple[Any, ...]:
-        """The label children of one API, resolved once (``labels()`` costs ~1.5 µs a call), and the ITL
-        histogram's bounds as the tuple every :class:`GapCounts` of the API shares."""
-        children = self._children.get(api)
+    def _per_model(self, api: str, model: str) -> tuple[Any, ...]:
+        """The histogram children of one API and ``model_name``, resolved once (``labels()`` costs ~1.5 µs a
+        call)."""
+        key = (api, model)
+        children = self._children.get(key)
         if children is None:
-            itl = self.itl.labels(api)
-            children = (self.in_progress.labels(api), self.ttft.labels(api), itl,
-                        self.tpot.labels(api), [(key, h.labels(api)) for key, h in self.phases.items()],
-                        tuple(itl._upper_bounds))   # a tuple: the compiled splice bisects it in C
-            self._children[api] = children
+            children = (self.ttft.labels(api, model), self.itl.labels(api, model), self.tpot.labels(api, model),
+                        [(name, h.labels(api, model)) for name, h in self.phases.items()])
+            self._children[key] = children
         return children
+
+    def model_label(self, ctx: RequestContext) -> str:
+        """The ``model_name`` label of a finished request: its model when an engine lists it (or the operator pinned
+        it: ``ServedModels.known``), else ``""`` — a closed set, whatever names clients send."""
+        model = ctx.model
+        if not model:
+            return ""
+        known = self._known.get(model)
+        if known is None:
+            known = self._known_model(model)
+            if known:                   # only listed names are kept: a client's unknown names cost one lookup
+                if len(self._known) >= 4096:          # engines' lists change (admin API): stay bounded
+                    self._known.clear()
+                self._known[model] = True
+        return model if known else ""
 
     def _labelled(self, family: Any, *values: str) -> Any:
         child = self._children.get((family, values))
@@ -389,20 +414,23 @@ class ProxyMetrics:
     def started(self, api: str) -> GapCounts:
         """A completion request arrived (``pdproxy_requests_in_progress`` + 1).  Returns the request's
         :class:`GapCounts` for the ITL histogram of this API (the relay fills it; :meth:`observe` adds it)."""
-        children = self._per_api(api)
-        children[0].inc()
-        return GapCounts(children[5])
+        gauge = self._in_progress.get(api)
+        if gauge is None:
+            gauge = self._in_progress[api] = self.in_progress.labels(api)
+        gauge.inc()
+        return GapCounts(self._gap_bounds)
 
     def observe(self, ctx: RequestContext, rejection: tuple[str, str] | None = None) -> None:
         """Record one finished request (call exactly once per :meth:`started`)."""
         if self.multiprocess_dir is not None:   # another worker's scrape reads this one's files: keep them current
             self.sync()
         api = ctx.api_label
-        in_progress, ttft_h, itl_h, tpot_h, phase_hs, _ = self._per_api(api)
-        in_progress.dec()
+        model = self.model_label(ctx)
+        ttft_h, itl_h, tpot_h, phase_hs = self._per_model(api, model)
+        self._in_progress[api].dec()
         if ctx.gaps is not None:
             _add_gaps(itl_h, ctx.gaps)
-        self._count(self.requests, api, str(ctx.status or 0), ctx.outcome).inc(1)
+        self._count(self.requests, api, str(ctx.status or 0), ctx.outcome, model).inc(1)
         if rejection is not None:
             self._count(self.rejections, *rejection).inc(1)
         for leg, reason, failover in ctx.retries:
@@ -411,9 +439,9 @@ class ProxyMetrics:
                 self._count(self.failovers, leg, reason).inc(1)
         prompt = ctx.engine_prompt_tokens or ctx.prompt_tokens
         if (prompt or 0) > 0 and (ctx.prefiller is not None or ctx.decoder is not None):
-            self._count(self.prompt_tokens, api).inc(prompt)
+            self._count(self.prompt_tokens, api, model).inc(prompt)
         if (ctx.completion_tokens or 0) > 0:       # the engine's usage: a count, never taken back
-            self._count(self.generation_tokens, api).inc(ctx.completion_tokens)
+            self._count(self.generation_tokens, api, model).inc(ctx.completion_tokens)
         if ctx.prefix_mode is not None and ctx.predicted_cached_tokens is not None:
             self._observe_prefix(ctx.prefix_mode, ctx.predicted_cached_tokens, ctx.cached_tokens)
         if not ctx.engine_request:          # a call about the model (tokenize...): vLLM times no such request
@@ -429,7 +457,7 @@ class ProxyMetrics:
             _observe(ttft_h, ttft)
         e2e = phases["e2e_s"]
         if e2e is not None:
-            _observe(self._labelled(self.e2e, api, ctx.outcome), e2e)
+            _observe(self._labelled(self.e2e, api, ctx.outcome, model), e2e)
         if tl.first_token_at is not None and tl.last_token_at is not None:
             span = max(0.0, tl.last_token_at - tl.first_token_at)
             if ctx.events >= 2 and ctx.completion_tokens is not None and ctx.completion_tokens >= 2:

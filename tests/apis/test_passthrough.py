@@ -180,12 +180,25 @@ def test_unknown_routes_and_models_are_openai_404s(proxy: ProxyThread) -> None:
     assert r.status_code == 405
 
 
-def test_passthrough_requests_are_counted_per_route(proxy: ProxyThread) -> None:
+def test_passthrough_requests_are_counted_per_route_and_model(proxy: ProxyThread) -> None:
+    """Each series carries vLLM's ``model_name`` label: the request's model when an engine lists it, else ``""`` —
+    several models behind one port keep their own series, and names a client makes up add none."""
     httpx.post(proxy.url + "/tokenize", json={"model": "gen", "prompt": "Hello"}).raise_for_status()
     httpx.post(proxy.url + "/v1/embeddings", json={"model": "emb", "input": "x"}).raise_for_status()
+    httpx.post(proxy.url + "/v1/chat/completions", json={"model": "gen", "max_tokens": 3, "messages": [
+        {"role": "user", "content": "Hello"}]}).raise_for_status()
+    for n in range(3):
+        r = httpx.post(proxy.url + "/v1/chat/completions", json={"model": f"made-up-{n}", "max_tokens": 3,
+                                                                 "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 404
     text = httpx.get(proxy.url + "/metrics").text
-    assert 'pdproxy_requests_total{api="tokenize",outcome="ok",status="200"} 1.0' in text
-    assert 'pdproxy_requests_total{api="embeddings",outcome="ok",status="200"} 1.0' in text
+    assert 'pdproxy_requests_total{api="tokenize",model_name="gen",outcome="ok",status="200"} 1.0' in text
+    assert 'pdproxy_requests_total{api="embeddings",model_name="emb",outcome="ok",status="200"} 1.0' in text
+    assert 'pdproxy_requests_total{api="chat",model_name="gen",outcome="ok",status="200"} 1.0' in text
+    assert 'pdproxy_time_to_first_token_seconds_count{api="chat",model_name="gen"} 1.0' in text
+    assert 'pdproxy_generation_tokens_total{api="chat",model_name="gen"} 3.0' in text
+    assert 'pdproxy_requests_total{api="chat",model_name="",outcome="model_not_found",status="404"} 3.0' in text
+    assert "made-up" not in text
 
 
 @pytest.mark.parametrize("model", [None, ""], ids=["absent", "empty"])
