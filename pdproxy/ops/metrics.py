@@ -426,10 +426,7 @@ class ProxyMetrics:
             self.sync()
         api = ctx.api_label
         model = self.model_label(ctx)
-        ttft_h, itl_h, tpot_h, phase_hs = self._per_model(api, model)
         self._in_progress[api].dec()
-        if ctx.gaps is not None:
-            _add_gaps(itl_h, ctx.gaps)
         self._count(self.requests, api, str(ctx.status or 0), ctx.outcome, model).inc(1)
         if rejection is not None:
             self._count(self.rejections, *rejection).inc(1)
@@ -444,8 +441,11 @@ class ProxyMetrics:
             self._count(self.generation_tokens, api, model).inc(ctx.completion_tokens)
         if ctx.prefix_mode is not None and ctx.predicted_cached_tokens is not None:
             self._observe_prefix(ctx.prefix_mode, ctx.predicted_cached_tokens, ctx.cached_tokens)
-        if not ctx.engine_request:          # a call about the model (tokenize...): vLLM times no such request
-            return
+        if not ctx.engine_request:          # a call about the model (tokenize...): vLLM times no such request (and
+            return                          # its histograms get no empty series)
+        ttft_h, itl_h, tpot_h, phase_hs = self._per_model(api, model)
+        if ctx.gaps is not None:
+            _add_gaps(itl_h, ctx.gaps)
         tl = ctx.timeline
         phases = tl.phases()
         for key, hist in phase_hs:
