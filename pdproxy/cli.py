@@ -343,7 +343,7 @@ def serve(settings: Settings, on_started: Callable[[], None] | None = None) -> i
         from pdproxy.app.supervisor import serve_workers
 
         return serve_workers(settings)
-    from pdproxy.app.shutdown import DrainingServer
+    from pdproxy.app.shutdown import CancelledLifespanFilter, DrainingServer
 
     app = create_app(settings)
     logging.getLogger("uvicorn.error").addFilter(CancelledLifespanFilter())
@@ -367,16 +367,6 @@ def _started(settings: Settings, urls: list[str], then: Callable[[], None] | Non
     log_banner(settings, urls)
     if then is not None:
         then()
-
-
-class CancelledLifespanFilter(logging.Filter):
-    """Drops the traceback uvicorn logs when a forced exit (a second Ctrl-C during a stream) cancels the ASGI
-    lifespan task: Starlette reports the ``CancelledError`` as a failed lifespan shutdown, which it is not — the
-    operator asked to cut the open streams, and pdproxy/app/shutdown.py already said so in one line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        return not (text.startswith("Traceback") and text.rstrip().endswith("CancelledError"))
 
 
 class _Parser(argparse.ArgumentParser):

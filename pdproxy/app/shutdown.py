@@ -164,3 +164,14 @@ class DrainingServer(uvicorn.Server):
                 for task in list(getattr(self.server_state, "tasks", ())):   # now, each ending its response
                     task.cancel("shutdown_grace_s is over")                   # (not uvicorn's ERROR a second later)
         self.should_exit = True
+
+
+class CancelledLifespanFilter(logging.Filter):
+    """Drops the traceback uvicorn logs when a forced exit (a second Ctrl-C during a stream) cancels the ASGI
+    lifespan task: Starlette reports the ``CancelledError`` as a failed lifespan shutdown, which it is not — the
+    operator asked to cut the open streams, and :meth:`DrainingServer.handle_exit` already said so in one line.
+    Installed on ``uvicorn.error`` by ``pdproxy serve`` and by each worker of ``--workers N``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not (text.startswith("Traceback") and text.rstrip().endswith("CancelledError"))

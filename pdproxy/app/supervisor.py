@@ -17,8 +17,9 @@ prefill budget and find a dead engine on its own (the vLLM-Ascend example proxy 
    and half-open trials died with it) and the other workers are woken to re-check their waiters, and its
    prometheus live-gauge files are dropped; a worker that dies before it ever became ready is a start-up
    failure, which stops everything (exit code 1) instead of restarting in a loop;
-5. on SIGTERM / SIGINT sends one SIGTERM to every worker (each drains for ``shutdown_grace_s``:
-   :mod:`pdproxy.app.shutdown`), waits, then kills stragglers and removes the run directory.  Workers run in their
+5. on SIGTERM / SIGINT passes the signal on to every worker (each drains for ``shutdown_grace_s``:
+   :mod:`pdproxy.app.shutdown`), and a second one too (each worker then cuts its requests in flight, as one process
+   does on Ctrl-C again), waits, then kills stragglers and removes the run directory.  Workers run in their
    own process group, so a terminal's Ctrl-C reaches only the supervisor.  A supervisor that died without that
    (SIGKILL, the OOM killer) leaves its run directory; the next one started removes it (:func:`run_directory`).
 
@@ -157,14 +158,15 @@ def prepare_metrics_dir(run_dir: Path) -> Path:
 def worker_main(settings: Settings, sock: socket.socket, board_path: str, row: int) -> None:
     """Entry point of worker ``row`` (runs in the spawned process)."""
     from pdproxy.app.application import PDProxyApp
-    from pdproxy.app.shutdown import DrainingServer
+    from pdproxy.app.shutdown import CancelledLifespanFilter, DrainingServer
     from pdproxy.http.server import uvicorn_config
     from pdproxy.http.tls import apply_to_uvicorn, server_ssl_context
     from pdproxy.ops.heap import apply_heap_policy
     from pdproxy.ops.logs import configure_logging
 
-    os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor only; it sends each worker one SIGTERM (drain)
+    os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor only; it passes it on (drain; a second one cuts)
     configure_logging(settings, worker=row)
+    logging.getLogger("uvicorn.error").addFilter(CancelledLifespanFilter())   # a second Ctrl-C's forced exit
     apply_heap_policy(settings.malloc_trim_threshold_mib)
     parent = os.getppid()
     with LoadBoard.attach(Path(board_path), settings.all_endpoints(), settings.workers) as board:
@@ -201,6 +203,10 @@ class Supervisor:
         self.ctx = multiprocessing.get_context("spawn")
         self.procs: list[Any] = [None] * settings.workers
         self.stop = threading.Event()
+        self.signals = 0
+        """SIGTERM / SIGINT received (the handler only counts; :meth:`shutdown` passes them on)."""
+        self.signal = signal.SIGTERM
+        """The first of them (the workers' stop signal, SIGTERM when none came: a start-up failure)."""
 
     def spawn(self, row: int) -> None:
         """Start worker process ``row`` on a zeroed load-board row and record its pid."""
@@ -232,10 +238,16 @@ class Supervisor:
     def run(self) -> int:
         """Run until SIGTERM/SIGINT.  Returns the process exit code."""
         def stop(sig: int, _frame: object) -> None:
-            if not self.stop.is_set():
-                log.info("pdproxy: %s: stopping %d worker(s) (each drains up to %.0f s)", signal.Signals(sig).name,
-                         len(self.procs), self.settings.shutdown_grace_s,
-                         extra={"event": "shutdown_started", "signal": signal.Signals(sig).name})
+            name = signal.Signals(sig).name
+            self.signals += 1
+            if self.signals == 1:
+                self.signal = signal.Signals(sig)
+                log.info("pdproxy: %s: stopping %d worker(s) (each drains up to %.0f s; a second signal cuts "
+                         "their requests in flight)", name, len(self.procs), self.settings.shutdown_grace_s,
+                         extra={"event": "shutdown_started", "signal": name})
+            elif self.signals == 2:
+                log.warning("pdproxy: %s again: the workers cut their requests in flight now", name,
+                            extra={"event": "shutdown_forced", "signal": name})
             self.stop.set()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -260,18 +272,27 @@ class Supervisor:
         return code
 
     def shutdown(self) -> None:
-        """SIGTERM every worker, wait up to the grace period (+5 s), then SIGKILL the rest."""
+        """Pass the stop signal to every worker, and a second one when it comes (the workers cut their requests
+        in flight: pdproxy/app/shutdown.py), wait up to the grace period (+5 s), then SIGKILL the rest."""
         alive = [p for p in self.procs if p is not None and p.is_alive()]
-        for proc in alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGTERM)
+        sent = 0
         deadline = time.monotonic() + self.settings.shutdown_delay_s + self.settings.shutdown_grace_s + 5.0
+        while alive:
+            if sent < min(max(self.signals, 1), 2):     # the first signal; then Ctrl-C again, once
+                for proc in alive:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, self.signal)
+                sent += 1
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            alive[0].join(min(left, 0.1))
+            alive = [p for p in alive if p.is_alive()]
         for proc in alive:
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                log.warning("worker pid %s did not stop in time: SIGKILL", proc.pid)
-                proc.kill()
-                proc.join()
+            log.warning("worker pid %s did not stop in time: SIGKILL", proc.pid)
+            proc.kill()
+            proc.join()
 
 
 def serve_workers(settings: Settings) -> int:

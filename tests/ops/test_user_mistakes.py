@@ -85,14 +85,18 @@ def test_one_line_names_the_culprit(name: str, tmp_path: Path, busy_port: int) -
         assert word.format(busy=busy_port) in out, out
 
 
-def test_second_ctrl_c_during_a_stream(fleet: Fleet, tmp_path: Path) -> None:
-    """SIGINT drains; a second SIGINT cuts the open stream: the process exits without a traceback."""
+@pytest.mark.parametrize("workers", [1, 2])
+def test_second_ctrl_c_during_a_stream(fleet: Fleet, tmp_path: Path, workers: int) -> None:
+    """SIGINT drains; a second SIGINT cuts the open stream: the process exits without a traceback — with
+    ``--workers 2`` too, whose supervisor passes both signals on (old code: it sent one SIGTERM, ignored the second,
+    and the stream ran to its end, up to ``shutdown_grace_s``)."""
     with running(SimProcess("decode", *SIM_ARGS[:-1], "20")) as (slow,):
         port = free_port()
         log = tmp_path / "serve.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen([sys.executable, "-m", "pdproxy", "serve", "--host", "127.0.0.1", "--port",
-                                     str(port), "--prefill", fleet.prefillers[0].url, "--decode", slow.url],
+                                     str(port), "--prefill", fleet.prefillers[0].url, "--decode", slow.url,
+                                     "--workers", str(workers)],
                                     stdout=out, stderr=subprocess.STDOUT)
             try:
                 def healthy() -> bool:
@@ -124,7 +128,7 @@ def test_second_ctrl_c_during_a_stream(fleet: Fleet, tmp_path: Path) -> None:
                 wait_until(lambda: "second signal" in log.read_text(), 20, 0.05, "the drain notice")
                 assert not ended.is_set()  # the stream is still open when the second Ctrl-C comes
                 proc.send_signal(signal.SIGINT)
-                proc.wait(timeout=30)
+                proc.wait(timeout=15)                   # the stream had 40 s to go
                 assert ended.wait(10)
             finally:
                 if proc.poll() is None:
