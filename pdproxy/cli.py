@@ -70,9 +70,49 @@ class RouterFlag:
 
     flag: str
     settings: tuple[str, ...]
-    convert: Callable[[str], object] | None
+    convert: Callable[[Any], object] | None
     note: str
     value: object = None
+    nargs: str | None = None
+    """argparse's ``nargs`` (``"*"``: a list of values, as vllm-router's list flags), or ``"append"``: the flag
+    repeats, each time one value (``convert`` then gets the list)."""
+
+
+class FlagValueError(ValueError):
+    """A peer's flag given a value pdproxy cannot honour; the message says why (one line)."""
+
+
+def _kv_connector(text: str) -> None:
+    if text != "nixl":
+        raise FlagValueError(f"{text!r} is vllm-router's mode for vLLM's own {text} connector, which dispatches both "
+                             "legs at once through a bootstrap server; pdproxy runs the pull flow (a one-token "
+                             "prefill, then its kv_transfer_params to the decoder): NixlConnector, and vLLM-Ascend's "
+                             "MooncakeConnectorV1, which answers the same way (docs/pd-protocol.md) — give nixl or "
+                             "leave the flag out")
+
+
+def _pd_kv_events(entries: list[str]) -> list[str]:
+    """vllm-router's ``--pd-kv-events URL=ENDPOINT[,ENDPOINT...]`` (one endpoint per DP rank, in rank order) →
+    pdproxy's ``kv_events`` entries ``URL=ENDPOINT``: a URL's ranks publish on consecutive ports, as vLLM's
+    ``offset_endpoint_port`` puts them, which pdproxy derives from the first (pdproxy/endpoints.py)."""
+    from pdproxy.endpoints import offset_port
+
+    out = []
+    for entry in entries:
+        url, sep, endpoints = entry.partition("=")
+        first, *rest = endpoints.split(",")
+        if not sep or not first:
+            raise FlagValueError(f"{entry!r}: expected URL=ENDPOINT[,ENDPOINT...]")
+        for rank, endpoint in enumerate(rest, 1):
+            try:
+                expected, given = offset_port(first, rank), offset_port(endpoint, 0)
+            except ValueError as exc:
+                raise FlagValueError(str(exc)) from None
+            if given != expected:
+                raise FlagValueError(f"{entry!r}: pdproxy reads DP rank k's events on the first endpoint's port + k "
+                                     f"(vLLM's offset_endpoint_port: {expected} for rank {rank}), not {endpoint}")
+        out.append(f"{url}={first}")
+    return out
 
 
 def _ms(text: str) -> float:
@@ -115,6 +155,19 @@ ROUTER_FLAGS: Final = (
     RouterFlag("--intra-node-data-parallel-size", ("prefiller_dp_size", "decoder_dp_size"), int, ""),
     RouterFlag("--prometheus-port", (), str, "pdproxy serves /metrics on --port"),
     RouterFlag("--prometheus-host", (), str, "pdproxy serves /metrics on --port"),
+    RouterFlag("--kv-connector", (), _kv_connector, "nixl only: pdproxy runs vLLM's pull flow"),
+    RouterFlag("--pd-kv-events", ("kv_events",), _pd_kv_events, "URL=ENDPOINT[,ENDPOINT...], one per DP rank",
+               nargs="append"),
+    RouterFlag("--cache-threshold", (), str, "pdproxy weighs cached tokens against load directly"),
+    RouterFlag("--balance-abs-threshold", (), str, "pdproxy weighs cached tokens against load directly"),
+    RouterFlag("--balance-rel-threshold", (), str, "pdproxy weighs cached tokens against load directly"),
+    RouterFlag("--eviction-interval-secs", (), str, "see --prefix-index-max-blocks"),
+    RouterFlag("--max-tree-size", (), str, "see --prefix-index-max-blocks"),
+    RouterFlag("--max-concurrent-requests", (), str, "pdproxy admits by the engines' room and queues the rest: "
+                                                     "--queue-size"),
+    RouterFlag("--request-id-headers", (), list, "pdproxy reads X-Request-Id", nargs="*"),
+    RouterFlag("--log-dir", (), str, "pdproxy logs to stderr; its request log: --request-log-path"),
+    RouterFlag("--cors-allowed-origins", ("allowed_origins",), list, "", nargs="*"),
 )
 """vllm-router's flags (its ``vllm-router --help``) that ``pdproxy serve`` accepts, besides ``--host``,
 ``--port``, ``--prefill``, ``--decode``, ``--log-level``, any ``-secs`` spelling of a ``*_s`` setting, and the
@@ -173,12 +226,21 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
             if rf.convert is None:
                 target.add_argument(rf.flag, dest=_router_dest(rf.flag), action="store_true", default=None,
                                     help=help_text)
+            elif rf.nargs == "append":
+                target.add_argument(rf.flag, dest=_router_dest(rf.flag), action="append", default=None,
+                                    metavar="VALUE", help=help_text)
+            elif rf.nargs is not None:
+                target.add_argument(rf.flag, dest=_router_dest(rf.flag), nargs=rf.nargs, default=None,
+                                    metavar="VALUE", help=help_text)
             else:
                 target.add_argument(rf.flag, dest=_router_dest(rf.flag), default=None, metavar="VALUE",
                                     help=help_text)
-    for flag in ("--policy", "--prefill-policy", "--decode-policy"):
+    for flag, effect in (("--policy", "sets routing_picker and prefix_routing"),
+                         ("--prefill-policy", "sets routing_picker and prefix_routing, over --policy"),
+                         ("--decode-policy", "no effect (pdproxy has one picker for both roles, from the prefill "
+                                             "policy)")):
         group.add_argument(flag, dest=_router_dest(flag), choices=sorted(ROUTER_POLICIES), default=None,
-                           help="vllm-router's policy → routing_picker and prefix_routing (docs/migrating.md)")
+                           help=f"vllm-router's flag: {effect} (docs/migrating.md)")
 
 
 _BOOTSTRAP = re.compile(r"^(\d{1,5}|none)$", re.IGNORECASE)
@@ -205,12 +267,16 @@ def _router_overrides(args: argparse.Namespace, given: dict[str, Any],
     out: dict[str, Any] = {}
     for rf in (*ROUTER_FLAGS, *ASCEND_FLAGS):
         raw = getattr(args, _router_dest(rf.flag), None)
-        if raw is None or not rf.settings:
+        if raw is None:
             continue
         try:
             value = rf.value if rf.convert is None else rf.convert(raw)
+        except FlagValueError as exc:
+            raise ValueError(f"flag {rf.flag}: {exc}") from None
         except ValueError:
             raise ValueError(f"flag {rf.flag}: not a number: {raw!r}") from None
+        if not rf.settings:
+            continue
         for name in rf.settings:
             out[name] = value
             if spelled is not None:

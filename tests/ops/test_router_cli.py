@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from pdproxy.cli import ROUTER_POLICIES, _Parser, add_router_arguments, add_serve_arguments, settings_from_args
+from pdproxy.settings import Settings
 from tests.conftest import SIM_ARGS, Fleet
 from tests.ops.serveproc import ServeProcess
 from tests.support import SimProcess, running
@@ -65,6 +66,35 @@ def test_the_lines_are_vllm_routers_own() -> None:
     examples = _squash(re.sub(r"#[^\n]*", "", help_text).replace("\\", " "))
     for line in DOCUMENTED:
         assert _squash(line.replace("\\", " ")) in examples
+
+
+NOT_TAKEN = ("--worker-urls", "--enable-program-scheduling", "--program-scheduling-config-json", "--router-temperature",
+             "--kv-penalty-host", "--kv-penalty-external", "--kv-penalty-disk", "--kv-aware-session-affinity-ttl-secs",
+             "--kv-event-source", "--kv-event-replay-source", "--kv-event-block-size", "--kv-event-model",
+             "--mini-lb", "--wasm-middleware", "--wasm-middleware-sha256", "--wasm-middleware-route", "--enable-igw",
+             "--service-discovery", "--selector", "--service-discovery-port", "--service-discovery-namespace",
+             "--prefill-selector", "--decode-selector", "--vllm-discovery-address", "--rate-limit-tokens-per-second")
+"""vllm-router's flags of its other modes, which docs/migrating.md lists as not taken."""
+
+
+def test_every_router_flag_is_taken_or_listed_as_not_taken() -> None:
+    """A vllm-router command line runs under ``pdproxy serve`` as it is (docs/migrating.md) unless it uses a flag
+    of the router's other modes, which the doc names: checked against the installed router's ``--help``."""
+    exe = Path(sys.executable).parent / "vllm-router"
+    found = str(exe) if exe.exists() else shutil.which("vllm-router")
+    if found is None:
+        pytest.skip("vllm-router is not installed here (make install brings it)")
+    help_text = subprocess.run([found, "--help"], capture_output=True, text=True, timeout=30).stdout
+    flags = set(re.findall(r"^\s+(--[a-z0-9-]+)", help_text, re.MULTILINE))
+    assert len(flags) > 50, help_text
+    p = _Parser(prog="pdproxy serve")
+    add_serve_arguments(p)
+    add_router_arguments(p)
+    taken = set(p._option_string_actions)
+    assert sorted(flags - taken - set(NOT_TAKEN)) == []
+    assert sorted(set(NOT_TAKEN) & taken) == []
+    doc = (Path(__file__).parents[2] / "docs" / "migrating.md").read_text()
+    assert [f for f in NOT_TAKEN if f"`{f}`" not in doc] == []
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +167,37 @@ def test_router_flags_set_settings() -> None:
     assert (s.retry_backoff_s, s.prefill_queue_timeout_s, s.engine_api_key) == (0.1, 9.0, "k")
     # vllm-router's probe thresholds are pdproxy's (docs/health.md), not accepted and dropped
     assert (s.health_unhealthy_threshold, s.health_healthy_threshold) == (7, 4)
+
+
+def test_router_pd_and_cache_aware_flags_are_taken() -> None:
+    """vllm-router's PD-mode flags that a vllm-router line carries (``vllm-router --help``, 0.1.17): its KV events
+    per prefiller become pdproxy's (one endpoint per DP rank, on consecutive ports), its CORS origins pdproxy's;
+    ``--kv-connector nixl``, the cache_aware tuning, the concurrency cap, request-id headers and the log directory
+    are accepted with no effect (old code: ``unrecognized arguments``, start-up stopped)."""
+    p = _Parser(prog="pdproxy serve")
+    add_serve_arguments(p)
+    add_router_arguments(p)
+
+    def parse_line(*argv: str) -> Settings:
+        return settings_from_args(p.parse_args(["--prefill", "http://p:1", "--decode", "http://d:2", *argv]))
+
+    s = parse_line("--kv-connector", "nixl", "--pd-kv-events", "http://p:1=tcp://10.0.0.1:5557,tcp://10.0.0.1:5558",
+                   "--pd-kv-events", "http://p:3=tcp://h:6000", "--policy", "cache_aware", "--cache-threshold", "0.5",
+                   "--balance-abs-threshold", "32", "--balance-rel-threshold", "1.2", "--eviction-interval-secs",
+                   "60", "--max-tree-size", "1000", "--max-concurrent-requests", "64", "--request-id-headers",
+                   "x-request-id", "x-trace-id", "--log-dir", "/tmp/x", "--cors-allowed-origins", "http://a.example",
+                   "https://b.example")
+    assert s.kv_events == ["http://p:1=tcp://10.0.0.1:5557", "http://p:3=tcp://h:6000"]
+    assert s.allowed_origins == ["http://a.example", "https://b.example"]
+    assert (s.routing_picker, s.prefix_routing) == ("least_cost", "auto")
+    assert parse_line("--cors-allowed-origins", "http://a", "--allowed-origins", "http://b").allowed_origins == [
+        "http://b"]                                                       # pdproxy's own flag wins
+    for argv, words in ((("--kv-connector", "mooncake"), ("--kv-connector", "bootstrap", "nixl")),
+                        (("--pd-kv-events", "http://p:1=tcp://h:1,tcp://h:5"), ("--pd-kv-events", "tcp://h:2")),
+                        (("--pd-kv-events", "nope"), ("--pd-kv-events", "URL=ENDPOINT"))):
+        with pytest.raises(ValueError) as bad:
+            parse_line(*argv)
+        assert all(w in str(bad.value) for w in words) and "\n" not in str(bad.value), bad.value
 
 
 def test_vllm_routers_probe_routes_answer_as_its_probes_expect(sims: Fleet) -> None:
