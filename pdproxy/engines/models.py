@@ -161,14 +161,17 @@ class ServedModels:
         return sorted(refused, key=lambda e: e.role is not Role.DECODE)
 
     def cards(self, max_model_len_override: int | None = None) -> list[dict[str, Any]]:
-        """The union of the served cards, one per id, in first-seen order, each with the smallest ``max_model_len``
-        of the endpoints that serve it — an endpoint's own capped by its KV pool (tokens, less vLLM's null
-        block: :func:`~pdproxy.engines.control.request_pool`) when that is smaller, the context it can really hold
-        (seed 000: 133,120 declared, 4,584 allocated, 4,580 for a request) — since a request must fit
-        its prefiller and its decoder; adapters keep the ``null`` vLLM gives them.  ``max_model_len_override``
-        (the ``max_model_len`` setting) replaces every figure.  Pinned endpoints contribute only their pinned
-        models."""
+        """The union of the served cards, one per id, in first-seen order, each with the longest context pdproxy
+        can serve for it: the largest ``max_model_len`` among its prefillers and among its decoders, the smaller of
+        the two (a request needs one of each; a model served by one role only, that role's) — each endpoint's own
+        capped by its KV pool (tokens, less vLLM's null block: :func:`~pdproxy.engines.control.request_pool`) when
+        that is smaller, the context it can really hold (seed 000: 133,120 declared, 4,584 allocated, 4,580 for a
+        request).  The same bound admission applies (pdproxy/scheduling/filters.py ``FitsLimits``: a longer
+        prompt goes to the endpoints that hold it), so a client sizing prompts by it is not cut short by a smaller
+        rank.  Adapters keep the ``null`` vLLM gives them.  ``max_model_len_override`` (the ``max_model_len``
+        setting) replaces every figure.  Pinned endpoints contribute only their pinned models."""
         merged: dict[str, dict[str, Any]] = {}
+        longest: dict[tuple[str, Role], int] = {}
         for e, info in self.infos.items():
             ids = self.ids(e)
             cards = self.listed(e)
@@ -179,13 +182,17 @@ class ServedModels:
                 mid = card.get("id")
                 if not isinstance(mid, str) or (ids is not None and mid not in ids):
                     continue
-                entry = merged.setdefault(mid, dict(card))
+                merged.setdefault(mid, dict(card))
                 mml = card.get("max_model_len")
                 if isinstance(mml, int) and pool is not None and pool < mml:
                     mml = pool
-                if isinstance(mml, int) and (not isinstance(entry.get("max_model_len"), int)
-                                             or mml < entry["max_model_len"]):
-                    entry["max_model_len"] = mml
+                if isinstance(mml, int):
+                    key = (mid, e.role)
+                    longest[key] = max(mml, longest.get(key, mml))
+        for mid, entry in merged.items():
+            roles = [n for (m, _), n in longest.items() if m == mid]
+            if roles:
+                entry["max_model_len"] = min(roles)
         if max_model_len_override:
             for entry in merged.values():
                 if not entry.get("parent"):

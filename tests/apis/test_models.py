@@ -1,6 +1,6 @@
 """Two models on separate pools and a LoRA adapter on one engine, through pdproxy to simulated engines: each request
-reaches only engines that serve its model; ``/v1/models`` is the union with each model's smallest
-``max_model_len``; an unknown model is vLLM's 404 before any engine is contacted; limits are per model; the
+reaches only engines that serve its model; ``/v1/models`` is the union with each model's longest
+servable ``max_model_len``; an unknown model is vLLM's 404 before any engine is contacted; limits are per model; the
 operator's pins narrow what an endpoint takes."""
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def test_an_unknown_model_is_a_404_before_any_engine_is_contacted(proxy: ProxyTh
     assert not any(s.received() for s in engines.values())
 
 
-def test_v1_models_is_the_union_with_each_models_smallest_context(proxy: ProxyThread) -> None:
+def test_v1_models_is_the_union_with_each_models_servable_context(proxy: ProxyThread) -> None:
     cards = {c["id"]: c for c in httpx.get(proxy.url + "/v1/models").json()["data"]}
     assert set(cards) == {"alpha", "alpha-lora", "beta"}
     assert cards["alpha"]["max_model_len"] == 1024                 # the decoders', not the prefiller's 2048

@@ -74,7 +74,9 @@ def test_a_request_without_a_model_is_routed_as_the_one_served_else_refused() ->
     assert "serves several (a, b)" in e.value.message
 
 
-def test_models_union_has_each_models_smallest_max_model_len() -> None:
+def test_models_union_has_each_models_longest_servable_context() -> None:
+    """Each model's ``max_model_len``: the largest among its prefillers and among its decoders, the smaller of the
+    two — what admission lets through (a request needs one of each)."""
     cards = {c["id"]: c for c in ServedModels(two_models()).cards()}
     assert cards["a"]["max_model_len"] == 1024 and cards["b"]["max_model_len"] == 8192
     assert cards["a-lora"]["parent"] == "a" and cards["a-lora"]["max_model_len"] is None
@@ -92,6 +94,22 @@ def test_models_advertise_the_context_the_kv_pool_holds() -> None:
     infos[DB] = EngineInfo(models=[card("b", 133_120)], max_model_len=133_120, kv_pool_tokens=4584, block_size=4,
                            num_gpu_blocks=1146)       # its blocks known: one is vLLM's null block, never a request's
     assert {c["id"]: c for c in ServedModels(infos).cards()}["b"]["max_model_len"] == 4580
+
+
+def test_a_rank_with_a_smaller_pool_does_not_shrink_the_advertised_context() -> None:
+    """Decoder ranks of one model with unequal KV pools: ``/v1/models`` says what the larger ranks hold, the
+    limit admission applies (a longer prompt goes to them) and the over-length 400 names (old code: the smallest
+    rank's pool, so clients sizing prompts by it were cut short for nothing)."""
+    small = Endpoint("http://db-small", Role.DECODE)
+    infos = two_models()
+    infos[DB] = EngineInfo(models=[card("b", 16_384)], max_model_len=16_384, kv_pool_tokens=100_000)
+    infos[small] = EngineInfo(models=[card("b", 16_384)], max_model_len=16_384, kv_pool_tokens=4_800)
+    infos[PB] = EngineInfo(models=[card("b", 16_384)], max_model_len=16_384, kv_pool_tokens=100_000)
+    assert {c["id"]: c for c in ServedModels(infos).cards()}["b"]["max_model_len"] == 16_384
+    infos[DB] = EngineInfo(models=[card("b", 16_384)], max_model_len=16_384, kv_pool_tokens=9_000)
+    assert {c["id"]: c for c in ServedModels(infos).cards()}["b"]["max_model_len"] == 9_000   # the best decoder's
+    infos[PB] = EngineInfo(models=[card("b", 8_000)], max_model_len=8_000)
+    assert {c["id"]: c for c in ServedModels(infos).cards()}["b"]["max_model_len"] == 8_000   # now the prefiller's
 
 
 def test_limits_are_per_model() -> None:
