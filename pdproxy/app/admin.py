@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -62,6 +63,8 @@ from pdproxy.endpoints import Endpoint, Role, engine_identity, expand, normalize
 from pdproxy.engines.control import EngineInfo
 from pdproxy.errors import BadRequest, Conflict, Forbidden, NotFound, PayloadTooLarge, Unauthorized
 from pdproxy.settings import Settings, is_loopback_host
+
+log = logging.getLogger("pdproxy.admin")
 
 
 class EndpointRef(BaseModel):
@@ -180,9 +183,23 @@ async def _body(request: Request, settings: Settings) -> EndpointRef:
         ref.url = normalize_url(ref.url)
     except BadRequest as exc:                 # not one JSON object: said in the admin API's words too
         raise BadRequest(f"invalid admin request: {exc.message}", param="body", redact=False) from None
-    except (ValidationError, ValueError) as exc:
+    except ValidationError as exc:            # pydantic's own words, without its documentation links
+        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}"
+                             for e in exc.errors(include_url=False, include_context=False, include_input=False))
+        raise BadRequest(f"invalid admin request: {problems}", param="body", redact=False) from None
+    except ValueError as exc:
         raise BadRequest(f"invalid admin request: {exc}", param="body", redact=False) from None
     return ref
+
+
+def _audit(request: Request, action: str, ref: EndpointRef, endpoints: list[Endpoint]) -> None:
+    """One log line per membership change (``event: admin_change``): what, which endpoints, from which client
+    address — the admin API's audit trail."""
+    peer = request.client.host if request.client is not None else None
+    names = [e.name for e in endpoints]
+    log.info("admin: %s %s endpoint %s (%s) from %s", action, ref.role.value, ref.url, ", ".join(names) or "none",
+             peer or "?", extra={"event": "admin_change", "action": action, "role": ref.role.value, "url": ref.url,
+                                 "endpoints": names, "client": peer})
 
 
 def _matching(state: ProxyState, ref: EndpointRef) -> list[Endpoint]:
@@ -263,6 +280,7 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
             state.pool.add(e)
             state.pool.load(e).healthy = False  # until its first probe answers
             state.infos[e] = EngineInfo()
+        _audit(request, "add", ref, new)
         for e in new:
             await state.health.probe(e)
         return _json({"added": [describe(state, e) for e in new]}, 201)
@@ -272,6 +290,7 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
         state = may_change(request)
         ref = await _body(request, state.settings)
         found = _drain(state, ref)
+        _audit(request, "drain (streams migrated)" if ref.migrate else "drain", ref, found)
         moved = sum(state.live_streams.migrate(e.name) for e in found) if ref.migrate else 0
         return _json({"draining": [describe(state, e) for e in found], "migrated": moved}, 202)
 
@@ -283,6 +302,7 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
         for e in found:
             state.pool.load(e).draining = False
             state.health.leaving.discard(e)
+        _audit(request, "undrain", ref, found)
         return _json({"endpoints": [describe(state, e) for e in found]})
 
     @router.delete("/endpoints")
@@ -293,6 +313,7 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
         if not ref.force and not _others_remain(state, ref):
             raise Conflict(f"{ref.url} is the last {ref.role.value} endpoint: without it every request answers "
                            "503; send \"force\": true to remove it anyway", param="force", redact=False)
+        _audit(request, "remove (forced)" if ref.force else "remove (once idle)", ref, found)
         if not ref.force:
             for e in _drain(state, ref):
                 state.health.leave_when_idle(e)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -50,14 +51,18 @@ def test_admin_key_is_required_and_separate_from_client_keys(fleet4: Fleet4) -> 
         proxy.stop()
 
 
-def test_add_drain_and_remove_at_runtime(fleet4: Fleet4) -> None:
+def test_add_drain_and_remove_at_runtime(fleet4: Fleet4, caplog: pytest.LogCaptureFixture) -> None:
+    """Membership changes at runtime, each logged (``event: admin_change``: the admin API's audit trail)."""
+    caplog.set_level(logging.INFO, logger="pdproxy.admin")
     d0, d1 = fleet4.decoders
     proxy = fleet4.proxy(admin_key="admin-secret", decode=[d0.url])
     try:
         assert admin(proxy.url, "POST", {"url": d0.url, "role": "decode"}).status_code == 409
         host, port = d0.url.removeprefix("http://").rsplit(":", 1)     # the same engine by its root-dot name
         assert admin(proxy.url, "POST", {"url": f"http://{host}.:{port}", "role": "decode"}).status_code == 409
-        assert admin(proxy.url, "POST", {"url": d1.url, "role": "sideways"}).status_code == 400
+        bad = admin(proxy.url, "POST", {"url": d1.url, "role": "sideways"})
+        assert bad.status_code == 400 and "role: Input should be 'prefill' or 'decode'" in bad.json()["error"][
+            "message"] and "errors.pydantic.dev" not in bad.text       # pydantic's words, not its links
         r = admin(proxy.url, "POST", {"url": d1.url, "role": "decode"})
         assert r.status_code == 201 and r.json()["added"][0]["healthy"] is True
         for _ in range(12):
@@ -107,6 +112,9 @@ def test_add_drain_and_remove_at_runtime(fleet4: Fleet4) -> None:
         assert r.status_code == 503 and "retry-after" in r.headers  # no decoder left: 503 at once
         assert admin(proxy.url, "DELETE", {"url": d1.url, "role": "decode"}).status_code == 404
         proxy.wait_idle()
+        audit = [(r.action, r.url) for r in caplog.records if getattr(r, "event", None) == "admin_change"]
+        assert audit == [("add", d1.url), ("drain", d1.url), ("undrain", d1.url), ("drain", d0.url),
+                         ("undrain", d0.url), ("remove (once idle)", d0.url), ("remove (forced)", d1.url)], audit
     finally:
         proxy.stop()
 
