@@ -281,6 +281,24 @@ def both_roles_warnings(settings: Settings) -> list[str]:
             for url, both in roles.items() if len(both) > 1]
 
 
+SECRET_SETTINGS = ("api_keys", "engine_api_key", "admin_key", "metrics_key")
+"""Settings whose values never reach a log (shown as ``***``)."""
+
+
+def settings_in_effect(settings: Settings) -> dict[str, Any]:
+    """Every setting whose value is not its default, whichever way it was given (flag, a peer's flag such as
+    vllm-router's ``--policy``, ``PDPROXY_*``, config file), secrets as ``***``: what ``pdproxy serve`` logs at
+    start (``event: settings``), so an operator sees what a command line became."""
+    out: dict[str, Any] = {}
+    plain = settings.model_dump(mode="json")          # enums as their values, nested models as dicts
+    for name, field in type(settings).model_fields.items():
+        value = getattr(settings, name)
+        if value == field.get_default(call_default_factory=True):
+            continue
+        out[name] = "***" if name in SECRET_SETTINGS and value else plain.get(name, str(value))
+    return out
+
+
 def log_banner(settings: Settings, urls: Sequence[str], *, workers: int = 1) -> None:
     """The start-up line: version, where it listens, the engines it was given, TLS and workers (INFO); then the
     :func:`exposure_warning` (WARNING, ``event: exposed``), the :func:`engine_key_warning` (WARNING, ``event:
@@ -298,6 +316,10 @@ def log_banner(settings: Settings, urls: Sequence[str], *, workers: int = 1) -> 
         __version__, ", ".join(urls), n_p, n_d, tls, workers, "on" if settings.admin_key else "off",
         extra={"event": "serve_started", "version": __version__, "listen": list(urls), "prefillers": n_p,
                "decoders": n_d, "tls": bool(settings.ssl_certfile), "workers": workers})
+    changed = settings_in_effect(settings)
+    logging.getLogger("pdproxy").info(
+        "pdproxy: settings other than the defaults: %s",
+        " ".join(f"{k}={v}" for k, v in changed.items()) or "none", extra={"event": "settings", "settings": changed})
     warning = exposure_warning(settings)
     if warning is not None:
         logging.getLogger("pdproxy").warning(warning, extra={"event": "exposed", "host": settings.host})

@@ -1,7 +1,7 @@
 """``pdproxy demo``: one simulated prefiller and two simulated decoders on loopback, the proxy on :8000.
 
 The request log (one JSON line per request, pdproxy/ops/reqlog.py) goes to a file, ``--request-log-path`` (default
-``pdproxy-demo-requests.jsonl`` in the temporary directory), so the terminal stays readable under load.
+``pdproxy-demo-requests-UID.jsonl`` in the temporary directory, one per user: a shared ``/tmp`` holds each user's), so the terminal stays readable under load.
 
 The engines are child processes (``pdproxy sim``) in their own process group; they are stopped when the proxy
 exits (Ctrl-C / SIGTERM) or if any of them fails to start.
@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tokens-per-s", type=float, default=20000.0)
     p.add_argument("--request-log-path", default=None,
                    help="file the request log is appended to ('-' = the terminal; default: "
-                        "pdproxy-demo-requests.jsonl in the temporary directory)")
+                        "pdproxy-demo-requests-UID.jsonl in the temporary directory)")
 
 
 ENGINE_PORT_OFFSETS = (0, 100, 101)
@@ -78,7 +78,7 @@ def check_ports(args: argparse.Namespace) -> None:
 
 def request_log_path(args: argparse.Namespace) -> str:
     """Where the demo's request log goes: ``--request-log-path``, else a file in the temporary directory."""
-    return str(args.request_log_path or Path(tempfile.gettempdir()) / "pdproxy-demo-requests.jsonl")
+    return str(args.request_log_path or Path(tempfile.gettempdir()) / f"pdproxy-demo-requests-{os.getuid()}.jsonl")
 
 
 def request_log_hint(path: str) -> str:
@@ -176,6 +176,9 @@ def run(args: argparse.Namespace, serve: Callable[[Settings, Callable[[], None]]
     to try it only then), and returns its exit code."""
     problem = check_request_log(request_log_path(args))
     if problem is not None:                                    # before any engine starts
+        if args.request_log_path is None:                      # the demo's own choice, not a flag the user gave
+            problem = (problem.replace("flag --request-log-path ", "the request log ", 1) +
+                       " (give --request-log-path FILE, or - for this terminal)")
         print(f"pdproxy demo: {problem}", file=sys.stderr)
         return 1
     try:

@@ -37,7 +37,8 @@ def test_json_log_says_each_change_once(sims: Fleet, tmp_path: Path) -> None:
     x_port = free_port()
     x_url = f"http://127.0.0.1:{x_port}"
     proxy = ServeProcess(tmp_path / "serve.log", "--prefill", p_url, "--decode", d_url, x_url, "--log-format", "json",
-                         "--engine-refresh-interval-s", "0.2", "--shutdown-grace-s", "5")
+                         "--engine-refresh-interval-s", "0.2", "--shutdown-grace-s", "5", "--policy", "round_robin",
+                         "--admin-key", "admin-secret-1234")
     x: SimProcess | None = None
     try:
         proxy.start()
@@ -46,6 +47,11 @@ def test_json_log_says_each_change_once(sims: Fleet, tmp_path: Path) -> None:
         assert banner["version"] == __version__ and banner["listen"] == [proxy.url]
         assert (banner["prefillers"], banner["decoders"], banner["tls"]) == (1, 2, False)
         assert banner["level"] == "INFO" and f"listening on {proxy.url}" in banner["message"]
+        (effect,) = proxy.events("settings")      # what the command line became, vllm-router's --policy included
+        assert effect["settings"]["prefix_routing"] == "off" and effect["settings"]["shutdown_grace_s"] == 5.0
+        assert effect["settings"]["decode"] == [d_url, x_url] and effect["settings"]["admin_key"] == "***"
+        assert "routing_picker" not in effect["settings"] and "prefix_routing=off" in effect["message"]
+        assert "admin-secret-1234" not in proxy.text()
         for url, role in ((p_url, "prefill"), (d_url, "decode")):
             (up,) = proxy.events("engine_up", endpoint=url)
             assert (up["role"], up["max_model_len"], up["level"]) == (role, 4096, "INFO")

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -121,3 +122,17 @@ def test_busy_engine_port_is_refused_with_a_clear_message() -> None:
     assert f"port {base + 100} is already in use" in err and "--engine-base-port" in err
     assert "Traceback" not in err and "demo is up" not in out
     assert all(_free(p) for p in (proxy, base, base + 101))  # nothing was left running
+
+
+def test_an_unusable_default_request_log_names_itself_and_the_flag(tmp_path: Path) -> None:
+    """The demo's own request-log file (one per user in the temporary directory: another user's on a shared /tmp
+    cannot clash) that cannot be opened stops the demo before any engine starts, in one line that says which file
+    and which flag chooses another — not as if the user had given ``--request-log-path`` (old words)."""
+    (tmp_path / f"pdproxy-demo-requests-{os.getuid()}.jsonl").mkdir()     # in its place: a directory
+    proxy, base = _ports()
+    demo = _demo(proxy, base, env={"TMPDIR": str(tmp_path)})
+    out, err = demo.communicate(timeout=30)
+    assert demo.returncode == 1 and "Traceback" not in err and out == "", err
+    assert err.startswith(f"pdproxy demo: the request log {tmp_path}/pdproxy-demo-requests-{os.getuid()}.jsonl: "
+                          "cannot open it for appending") and "give --request-log-path FILE" in err, err
+    assert all(_free(p) for p in (proxy, base, base + 100, base + 101))
