@@ -107,7 +107,8 @@ class Director:
         self.decode = DecodeLeg(settings, scheduler=scheduler, pool=pool, health=health, upstream=upstream,
                                 headers=headers, tracing=tracing, live=live, limits=admission.limits)
         self.fan_out = fanout.FanOut(admit=self.admit, run=self.run_sequence,
-                                     max_sequences=settings.fan_out_max_sequences)
+                                     max_sequences=settings.fan_out_max_sequences,
+                                     max_bytes=settings.max_body_bytes, max_items=settings.max_json_items)
 
     async def aclose(self) -> None:
         """Let background release legs finish (bounded); the app lifespan calls this before stopping state."""

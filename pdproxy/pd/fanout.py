@@ -11,7 +11,11 @@ and ``n: 1``; with a ``seed``, child ``k`` of a prompt gets ``seed + k`` as vLLM
 (``vllm/v1/engine/parallel_sampling.py::ParentRequest``), wrapped into vLLM's int64 bounds of ``seed`` (the same
 64 bits: torch seeds a generator with a negative seed's two's complement); a seed outside them is vLLM's 400.
 A streamed sequence always asks for its usage chunk (``stream_options.include_usage``): the merged usage needs it,
-and it is dropped from the client's stream.  More than ``fan_out_max_sequences`` sequences is pdproxy's 400; ``n``
+and it is dropped from the client's stream.  More than ``fan_out_max_sequences`` sequences is pdproxy's 400, and
+so are sequences whose bodies together pass the bounds one client body has (``max_body_bytes``, ``max_json_items``):
+each sequence is a body of its own for pdproxy to read and for both engines to parse, so ``n: 16`` on a 60 MB body
+would be 1 GB of work; the plan stops building them as soon as the sum passes (work bounded by the bounds plus one
+body, as for any one body).  ``n``
 below 1, or above 1 with ``temperature`` 0 ("n must be 1 when using greedy sampling"), is vLLM's, from the
 prefiller judging the client's own body (below: not fanned out), so it comes in vLLM's order of checks.
 
@@ -54,7 +58,7 @@ from typing import Any
 
 import orjson
 
-from pdproxy.apis.request import INT64_MIN, Api, ProxyRequest, parse_request, prompt_list
+from pdproxy.apis.request import INT64_MIN, Api, ProxyRequest, json_items, parse_request, prompt_list
 from pdproxy.endpoints import Endpoint
 from pdproxy.errors import BadRequest, InternalError, ProxyError, UpstreamHTTPError, UpstreamUnavailable
 from pdproxy.http import sse
@@ -94,10 +98,16 @@ def check(req: ProxyRequest, max_sequences: int) -> None:
                          param="n" if req.prompts == 1 else "prompt")
 
 
-def plan(req: ProxyRequest, parent: RequestContext) -> list[Sequence]:
+def plan(req: ProxyRequest, parent: RequestContext, max_bytes: int | None = None,
+         max_items: int | None = None) -> list[Sequence]:
     """The sequences of ``req`` (module docstring), in index order; each is read by
-    :func:`~pdproxy.apis.request.parse_request` like a request of its own (``min_tokens``, usage options…)."""
+    :func:`~pdproxy.apis.request.parse_request` like a request of its own (``min_tokens``, usage options…).
+    ``max_bytes`` / ``max_items`` (the settings ``max_body_bytes``, ``max_json_items``; None: unbounded): the most
+    bytes, and ``{``/``[``/``,`` bytes, the sequences' bodies may hold together; raises :class:`BadRequest` (``param``
+    ``n``, or ``prompt`` for a prompt list) as soon as their sum passes one, before the next is parsed."""
     body = req.body
+    total_bytes = total_items = 0
+    param = "n" if req.prompts == 1 else "prompt"
     prompts = prompt_list(body.get("prompt")) if req.api is Api.COMPLETIONS else None
     prompts = prompts or [None]
     seed = req.seed
@@ -114,12 +124,27 @@ def plan(req: ProxyRequest, parent: RequestContext) -> list[Sequence]:
                 options = body.get("stream_options")
                 leg["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
             index = pi * req.n + k
-            seq_req = parse_request(orjson.dumps(leg), req.api, max_items=None)   # as any one-sequence request
+            raw = orjson.dumps(leg)
+            total_bytes += len(raw)
+            if max_bytes is not None and total_bytes > max_bytes:
+                raise _too_much(req, f"{total_bytes:,} bytes or more", f"max_body_bytes ({max_bytes:,})", param)
+            if max_items is not None:
+                total_items += json_items(raw, max_items - total_items)          # bounded: stops past the rest
+                if total_items > max_items:
+                    raise _too_much(req, f"more than {max_items:,} JSON items", f"max_json_items ({max_items:,})",
+                                    param)
+            seq_req = parse_request(raw, req.api, max_items=None)   # as any one-sequence request
             ctx = RequestContext(request_id=f"{parent.request_id}-{index}",
                                  client_request_id=parent.client_request_id, api_label=parent.api_label,
                                  authorization=parent.authorization, model=parent.model)
             out.append(Sequence(index, pi, k, seq_req, ctx))
     return out
+
+
+def _too_much(req: ProxyRequest, amount: str, bound: str, param: str) -> BadRequest:
+    return BadRequest(f"{req.sequences} sequences of this body would hold {amount} for pdproxy and the engines to "
+                      f"parse (each sequence is a body of its own: one prefill/decode pair each); they may hold at "
+                      f"most {bound} together, as one body: lower n or the body", param=param)
 
 
 def merge_usage(usages: list[tuple[Sequence, dict[str, Any]]], stream: bool) -> dict[str, Any] | None:
@@ -376,18 +401,22 @@ class Merger:
 class FanOut:
     """Serves a request of several sequences (module docstring): ``admit`` counts and admits one prompt
     (:meth:`pdproxy.admission.admission.Admission.admit`), ``run`` serves one sequence on its P→D path
-    (:meth:`pdproxy.pd.director.Director.run_sequence`); ``max_sequences``: the ``fan_out_max_sequences`` setting."""
+    (:meth:`pdproxy.pd.director.Director.run_sequence`); ``max_sequences``: the ``fan_out_max_sequences`` setting;
+    ``max_bytes`` / ``max_items``: the sequences' bodies' bounds together (:func:`plan`)."""
 
-    def __init__(self, *, admit: Admit, run: Run, max_sequences: int) -> None:
+    def __init__(self, *, admit: Admit, run: Run, max_sequences: int, max_bytes: int | None = None,
+                 max_items: int | None = None) -> None:
         self.admit = admit
         self.run = run
         self.max_sequences = max_sequences
+        self.max_bytes = max_bytes
+        self.max_items = max_items
 
     async def serve(self, req: ProxyRequest, ctx: RequestContext, out: Responder) -> None:
         """Serve ``req`` (``req.sequences > 1``) to ``out``.  Raises :class:`BadRequest` (the plan's bounds), an
         admission refusal, or the first sequence failure while nothing reached the client."""
         check(req, self.max_sequences)
-        seqs = plan(req, ctx)
+        seqs = plan(req, ctx, self.max_bytes, self.max_items)
         await self._admit(seqs, ctx)
         merger = Merger(req, ctx, out)
         sinks = [_SequenceSink(merger, s) for s in seqs]

@@ -197,6 +197,38 @@ def test_fan_out_bound_is_pdproxys_400_before_any_engine(sims: Fleet) -> None:
         proxy.stop()
 
 
+def test_fanned_out_bodies_are_bounded_together_as_one_body(sims: Fleet) -> None:
+    """Each sequence is a body of its own for pdproxy and both engines to parse: ``n`` copies of a body within
+    ``max_body_bytes`` / ``max_json_items`` may not pass those bounds together — a 400 before any engine is asked
+    (old code: ``n: 16`` on a 62 MB body held the event loop 8.7 s, grew the proxy to 4 GB and sent the engines
+    992 MB twice).  Within them the request is served; prompt lists count each prompt's body."""
+    proxy = ProxyThread(prefill=[s.url for s in sims.prefillers], decode=[s.url for s in sims.decoders],
+                        max_body_bytes=1 << 20, max_json_items=10_000).start()
+    try:
+        chat = {"model": "sim-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                "temperature": 0.7}
+        big = {**chat, "x": "A" * 150_000}                         # 150 KB: 7 copies fit in 1 MiB, 8 do not
+        many = {**chat, "x": [0] * 2_000}                           # 2,000 items: 5 copies fit in 10,000, 6 do not
+        for body, needle in (({**big, "n": 8}, "max_body_bytes (1,048,576)"),
+                             ({**many, "n": 6}, "max_json_items (10,000)")):
+            r = httpx.post(proxy.url + "/v1/chat/completions", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "n" and needle in r.text, r.text
+            assert "8 sequences" in r.text or "6 sequences" in r.text
+        prompts = {"model": "sim-model", "prompt": ["a", "b", "c"], "n": 3, "max_tokens": 2,
+                   "x": "A" * 120_000}                              # 9 sequences × 120 KB
+        r = httpx.post(proxy.url + "/v1/completions", json=prompts)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert legs(sims.prefillers, "/v1/chat/completions") == legs(sims.prefillers, "/v1/completions") == []
+        for body, n in (({**big, "n": 6}, 6), ({**many, "n": 4}, 4)):
+            r = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=30)
+            assert r.status_code == 200 and len(r.json()["choices"]) == n, r.text
+        r = httpx.post(proxy.url + "/v1/completions", json={**prompts, "n": 1}, timeout=30)     # 3 × 120 KB
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3, r.text
+        proxy.wait_idle()
+    finally:
+        proxy.stop()
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     ({"temperature": 0}, "n must be 1 when using greedy sampling, got 2."),
     ({"temperature": "0"}, "n must be 1 when using greedy sampling, got 2."),      # lax, as vLLM reads it
