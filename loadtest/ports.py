@@ -10,10 +10,15 @@ the decoder's ``nixl_handshake_listener`` thread died on ``Address already in us
 Ports below the ephemeral range are never handed out by the kernel, so a port free when picked stays free.
 
 ``python -m loadtest.ports N`` prints N such ports (scripts/test-all.sh exports them for the real-vLLM stage).
+
+``PDPROXY_BENCH_PORTS=LOW-HIGH`` (e.g. ``18300-18599``) confines every port picked here — the benches', the chaos
+and fault suites', the tests' — to ``[LOW, HIGH]`` (still below the ephemeral range), for a machine whose other
+users own the rest.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import sys
@@ -40,14 +45,35 @@ def _free(port: int) -> bool:
     return True
 
 
-def engine_ports(n: int, low: int = 20000, high: int | None = None) -> list[int]:
-    """``n`` distinct ports in ``[low, high)`` (``high``: :func:`ephemeral_low` by default) that are free now, in
-    random order (concurrent stages rarely pick the same). Raises ``RuntimeError`` when too few are free."""
+WINDOW_ENV = "PDPROXY_BENCH_PORTS"
+
+
+def window(value: str | None = None) -> tuple[int, int]:
+    """``[low, high)`` of :data:`WINDOW_ENV` (``LOW-HIGH``, inclusive; read from the environment when ``value`` is
+    None), or ``(20000, 65536)`` when unset.  Raises ``ValueError`` for a malformed value."""
+    text = os.environ.get(WINDOW_ENV) if value is None else value
+    if not text:
+        return 20000, 65536
+    low, sep, high = text.partition("-")
+    if not sep or not low.strip().isdigit() or not high.strip().isdigit() or int(low) > int(high):
+        raise ValueError(f"{WINDOW_ENV}={text!r}: expected LOW-HIGH, e.g. 18300-18599")
+    return int(low), int(high) + 1
+
+
+def engine_ports(n: int, low: int | None = None, high: int | None = None) -> list[int]:
+    """``n`` distinct ports in ``[low, high)`` (default: :data:`WINDOW_ENV`'s window, else from 20000; never at or
+    above :func:`ephemeral_low`) that are free now, in random order (concurrent stages rarely pick the same).
+    Raises ``RuntimeError`` when too few are free."""
+    if low is None or high is None:
+        w_low, w_high = window()
+        low = w_low if low is None else low
+        high = w_high if high is None else high
     candidates = [p for p in range(low, min(high or 65536, ephemeral_low())) if p not in RESERVED]
     random.shuffle(candidates)
     picked = [p for p in candidates[: n * 50] if _free(p)][:n]
     if len(picked) < n:
-        raise RuntimeError(f"only {len(picked)} free ports below the ephemeral range, {n} needed")
+        raise RuntimeError(f"only {len(picked)} free ports in {low}–{high - 1} below the ephemeral range, {n} "
+                           "needed")
     return picked
 
 
