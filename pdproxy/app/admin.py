@@ -197,9 +197,11 @@ def _audit(request: Request, action: str, ref: EndpointRef, endpoints: list[Endp
     address — the admin API's audit trail."""
     peer = request.client.host if request.client is not None else None
     names = [e.name for e in endpoints]
-    log.info("admin: %s %s endpoint %s (%s) from %s", action, ref.role.value, ref.url, ", ".join(names) or "none",
-             peer or "?", extra={"event": "admin_change", "action": action, "role": ref.role.value, "url": ref.url,
-                                 "endpoints": names, "client": peer})
+    pins = f", pinned to {', '.join(ref.models)}" if ref.models else ""
+    log.info("admin: %s %s endpoint %s (%s)%s from %s", action, ref.role.value, ref.url,
+             ", ".join(names) or "none", pins, peer or "?",
+             extra={"event": "admin_change", "action": action, "role": ref.role.value, "url": ref.url,
+                    "endpoints": names, "models": list(ref.models), "client": peer})
 
 
 def _matching(state: ProxyState, ref: EndpointRef) -> list[Endpoint]:

@@ -17,9 +17,11 @@ prefill budget and find a dead engine on its own (the vLLM-Ascend example proxy 
    and half-open trials died with it) and the other workers are woken to re-check their waiters, and its
    prometheus live-gauge files are dropped; a worker that dies before it ever became ready is a start-up
    failure, which stops everything (exit code 1) instead of restarting in a loop;
-5. on SIGTERM / SIGINT passes the signal on to every worker (each drains for ``shutdown_grace_s``:
-   :mod:`pdproxy.app.shutdown`), and a second one too (each worker then cuts its requests in flight, as one process
-   does on Ctrl-C again), waits, then kills stragglers and removes the run directory.  Workers run in their
+5. on SIGTERM / SIGINT sends every worker SIGTERM (each drains for ``shutdown_grace_s``:
+   :mod:`pdproxy.app.shutdown`), and on a second one SIGTERM again (each worker then cuts its requests in flight, as
+   one process does on Ctrl-C again), waits, then kills stragglers and removes the run directory.  Always SIGTERM:
+   a worker still starting (importing, building its app: ~2 s) has no handler yet, and SIGTERM's default ends it
+   quietly where SIGINT's would raise ``KeyboardInterrupt`` in it.  Workers run in their
    own process group, so a terminal's Ctrl-C reaches only the supervisor.  A supervisor that died without that
    (SIGKILL, the OOM killer) leaves its run directory; the next one started removes it (:func:`run_directory`).
 
@@ -164,7 +166,7 @@ def worker_main(settings: Settings, sock: socket.socket, board_path: str, row: i
     from pdproxy.ops.heap import apply_heap_policy
     from pdproxy.ops.logs import configure_logging
 
-    os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor only; it passes it on (drain; a second one cuts)
+    os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor only; it sends SIGTERM (drain; a second one cuts)
     configure_logging(settings, worker=row)
     logging.getLogger("uvicorn.error").addFilter(CancelledLifespanFilter())   # a second Ctrl-C's forced exit
     apply_heap_policy(settings.malloc_trim_threshold_mib)
@@ -204,9 +206,7 @@ class Supervisor:
         self.procs: list[Any] = [None] * settings.workers
         self.stop = threading.Event()
         self.signals = 0
-        """SIGTERM / SIGINT received (the handler only counts; :meth:`shutdown` passes them on)."""
-        self.signal = signal.SIGTERM
-        """The first of them (the workers' stop signal, SIGTERM when none came: a start-up failure)."""
+        """SIGTERM / SIGINT received (the handler only counts; :meth:`shutdown` passes them on as SIGTERM)."""
 
     def spawn(self, row: int) -> None:
         """Start worker process ``row`` on a zeroed load-board row and record its pid."""
@@ -241,7 +241,6 @@ class Supervisor:
             name = signal.Signals(sig).name
             self.signals += 1
             if self.signals == 1:
-                self.signal = signal.Signals(sig)
                 log.info("pdproxy: %s: stopping %d worker(s) (each drains up to %.0f s; a second signal cuts "
                          "their requests in flight)", name, len(self.procs), self.settings.shutdown_grace_s,
                          extra={"event": "shutdown_started", "signal": name})
@@ -272,8 +271,8 @@ class Supervisor:
         return code
 
     def shutdown(self) -> None:
-        """Pass the stop signal to every worker, and a second one when it comes (the workers cut their requests
-        in flight: pdproxy/app/shutdown.py), wait up to the grace period (+5 s), then SIGKILL the rest."""
+        """SIGTERM every worker, and again when a second signal comes (the workers cut their requests in flight:
+        pdproxy/app/shutdown.py), wait up to the grace period (+5 s), then SIGKILL the rest."""
         alive = [p for p in self.procs if p is not None and p.is_alive()]
         sent = 0
         deadline = time.monotonic() + self.settings.shutdown_delay_s + self.settings.shutdown_grace_s + 5.0
@@ -281,7 +280,7 @@ class Supervisor:
             if sent < min(max(self.signals, 1), 2):     # the first signal; then Ctrl-C again, once
                 for proc in alive:
                     with contextlib.suppress(ProcessLookupError):
-                        os.kill(proc.pid, self.signal)
+                        os.kill(proc.pid, signal.SIGTERM)
                 sent += 1
                 continue
             left = deadline - time.monotonic()

@@ -168,7 +168,9 @@ class ServedModels:
         that is smaller, the context it can really hold (seed 000: 133,120 declared, 4,584 allocated, 4,580 for a
         request).  The same bound admission applies (pdproxy/scheduling/filters.py ``FitsLimits``: a longer
         prompt goes to the endpoints that hold it), so a client sizing prompts by it is not cut short by a smaller
-        rank.  Adapters keep the ``null`` vLLM gives them.  ``max_model_len_override`` (the ``max_model_len``
+        rank.  Every configured endpoint counts, healthy or not, draining or not: the figure is the deployment's,
+        as vLLM's is the engine's (while the only engines that hold a prompt are down, it gets the 503 any request
+        gets without an engine, not a 400).  Adapters keep the ``null`` vLLM gives them.  ``max_model_len_override`` (the ``max_model_len``
         setting) replaces every figure.  Pinned endpoints contribute only their pinned models."""
         merged: dict[str, dict[str, Any]] = {}
         longest: dict[tuple[str, Role], int] = {}

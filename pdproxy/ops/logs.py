@@ -285,17 +285,37 @@ SECRET_SETTINGS = ("api_keys", "engine_api_key", "admin_key", "metrics_key")
 """Settings whose values never reach a log (shown as ``***``)."""
 
 
+def redact_url(text: str) -> str:
+    """``text`` with a URL's userinfo (``user:password@``) shown as ``***@``; any other text as it is."""
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        return text
+    netloc, slash, path = rest.partition("/")
+    if "@" not in netloc:
+        return text
+    return f"{scheme}://***@{netloc.rpartition('@')[2]}{slash}{path}"
+
+
+def _redacted(value: Any) -> Any:
+    if isinstance(value, str):
+        return redact_url(value)
+    if isinstance(value, list):
+        return [_redacted(v) for v in value]
+    return value
+
+
 def settings_in_effect(settings: Settings) -> dict[str, Any]:
     """Every setting whose value is not its default, whichever way it was given (flag, a peer's flag such as
-    vllm-router's ``--policy``, ``PDPROXY_*``, config file), secrets as ``***``: what ``pdproxy serve`` logs at
-    start (``event: settings``), so an operator sees what a command line became."""
+    vllm-router's ``--policy``, ``PDPROXY_*``, config file), secrets as ``***`` (the keys, and any URL's
+    ``user:password@``, e.g. an OTLP endpoint's): what ``pdproxy serve`` logs at start (``event: settings``), so an
+    operator sees what a command line became."""
     out: dict[str, Any] = {}
     plain = settings.model_dump(mode="json")          # enums as their values, nested models as dicts
     for name, field in type(settings).model_fields.items():
         value = getattr(settings, name)
         if value == field.get_default(call_default_factory=True):
             continue
-        out[name] = "***" if name in SECRET_SETTINGS and value else plain.get(name, str(value))
+        out[name] = "***" if name in SECRET_SETTINGS and value else _redacted(plain.get(name, str(value)))
     return out
 
 

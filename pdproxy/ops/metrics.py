@@ -3,10 +3,11 @@
 Names mirror vLLM's (``vllm/v1/metrics/loggers.py``) with a ``pdproxy_`` prefix; times are seconds,
 sizes tokens.  Three kinds of series:
 
-- **per request** (observed once, when a request ends — :meth:`ProxyMetrics.observe`), each series but the
-  rejections' also labelled ``model_name`` as vLLM's are: the request's model when an engine lists it (a base model
-  or a LoRA adapter; or the operator pinned it), else ``""`` (no model, an unknown one) — so several models behind
-  one port keep their own series, and a client's made-up names add none (:meth:`ProxyMetrics.model_label`):
+- **per request** (observed once, when a request ends — :meth:`ProxyMetrics.observe`), the request, latency and
+  token series also labelled ``model_name`` as vLLM's are (not the rejections, retries and failovers): the
+  request's model when an engine lists it (a base model or a LoRA adapter; or the operator pinned it), else ``""``
+  (no model, an unknown one) — so several models behind one port keep their own series, and a client's made-up
+  names add none (:meth:`ProxyMetrics.model_label`):
   ``pdproxy_requests_total{api,status,outcome}``; ``pdproxy_rejections_total{reason,detail}`` for requests pdproxy
   refused itself (``too_long``/``max_model_len``|``kv_pool``, ``queue_full``, ``deadline``,
   ``no_endpoint``/``prefill``|``decode``, ``bad_request``/param …); client-visible

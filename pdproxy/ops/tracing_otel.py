@@ -43,6 +43,7 @@ from pdproxy import __version__
 from pdproxy.apis.request import Api
 from pdproxy.errors import DecodeFailed, ProxyError
 from pdproxy.http.engine_headers import forwardable
+from pdproxy.ops.logs import redact_url
 from pdproxy.ops.tracing import NO_SPAN, Attr, Tracing
 from pdproxy.settings import PROTOCOL_ENV, traces_protocol
 from pdproxy.timeline import MODEL_SHOWN_MAX, TEXT_SHOWN_MAX, clip
@@ -218,7 +219,7 @@ class OtelTracing(Tracing):
         if settings.otlp_traces_endpoint:
             protocol = traces_protocol(settings.otlp_traces_protocol)
             provider.add_span_processor(BatchSpanProcessor(span_exporter(settings.otlp_traces_endpoint, protocol)))
-            log.info("exporting traces to %s over OTLP %s", settings.otlp_traces_endpoint, protocol)
+            log.info("exporting traces to %s over OTLP %s", redact_url(settings.otlp_traces_endpoint), protocol)
         return cls(provider)
 
     def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:

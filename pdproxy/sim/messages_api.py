@@ -218,6 +218,14 @@ def parse_messages(raw: Any, headers: Any, config: SimConfig, tokenizer: Tokeniz
     thinking = body.get("thinking")
     remote_decode = isinstance(body.get("kv_transfer_params"), dict) and body["kv_transfer_params"].get(
         "do_remote_decode")
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled":     # AnthropicThinkingConfigEnabled
+        where = "thinking.enabled.budget_tokens"
+        budget = v.get_int(thinking, "budget_tokens", where)
+        if budget is None:
+            raise v.missing(where, thinking)
+        if budget < 1024:                                                    # Field(ge=1024): every leg
+            raise v.pydantic_error("greater_than_equal", where, "Input should be greater than or equal to 1024",
+                                   thinking.get("budget_tokens"), {"ge": 1024})
     if isinstance(thinking, dict) and thinking.get("type") == "enabled" and not remote_decode:
         budget = v.get_int(thinking, "budget_tokens") or 0
         if budget >= max_tokens:

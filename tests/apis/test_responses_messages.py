@@ -249,6 +249,10 @@ def test_a_thinking_budget_not_below_max_tokens_is_refused_before_any_kv_is_comp
     assert leg["body"]["max_tokens"] == 1500 and leg["body"]["thinking"] == body["thinking"]
     assert "kv_transfer_params" not in leg["body"]                  # the client's values, for vLLM to judge
     assert not legs(sims.decoders, "/v1/messages")
+    small = {**body, "max_tokens": 100, "thinking": {"type": "enabled", "budget_tokens": 500}}
+    r = httpx.post(proxy.url + "/v1/messages", json=small)     # under vLLM's Field(ge=1024): every leg's 400
+    assert r.status_code == 400 and "greater than or equal to 1024" in r.json()["error"]["message"], r.text
+    assert len(legs(sims.prefillers, "/v1/messages")) == 2 and not legs(sims.decoders, "/v1/messages")
     ok = claude(proxy).messages.create(model="sim-model", max_tokens=1500, messages=msgs,  # type: ignore[call-overload]
                                        thinking={"type": "enabled", "budget_tokens": 1024})
     assert ok.usage.output_tokens >= 1

@@ -252,3 +252,18 @@ def test_an_engine_in_both_roles_is_warned_of_at_start(prefill: list[str], decod
         text = record.getMessage()
         assert record.levelno == logging.WARNING and f"engine {url} is both a prefiller and a decoder" in text
         assert "held twice" in text and "waits inside the engine forever" in text, text
+
+
+def test_the_settings_line_shows_no_secret() -> None:
+    """The start-up settings line (``event: settings``) shows the keys as ``***`` and a URL's ``user:password@``
+    as ``***@`` (an OTLP endpoint's userinfo is sent as basic auth), and leaves the defaults out."""
+    from pdproxy.ops.logs import redact_url, settings_in_effect
+
+    s = load_settings(prefill=["http://p:1"], decode=["http://d:1"], api_keys=["sk-1"], engine_api_key="ek",
+                      metrics_key="mk", admin_key="ak", otlp_traces_endpoint="https://u:s3cret@collector:4318/v1/traces")
+    shown = settings_in_effect(s)
+    assert {k: shown[k] for k in ("api_keys", "engine_api_key", "metrics_key", "admin_key")} == dict.fromkeys(
+        ("api_keys", "engine_api_key", "metrics_key", "admin_key"), "***")
+    assert shown["otlp_traces_endpoint"] == "https://***@collector:4318/v1/traces"
+    assert "s3cret" not in repr(shown) and "port" not in shown and shown["prefill"] == ["http://p:1"]
+    assert redact_url("http://h:1/a@b") == "http://h:1/a@b"          # an @ in the path is not userinfo

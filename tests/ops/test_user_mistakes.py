@@ -86,7 +86,7 @@ def test_one_line_names_the_culprit(name: str, tmp_path: Path, busy_port: int) -
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_second_ctrl_c_during_a_stream(fleet: Fleet, tmp_path: Path, workers: int) -> None:
+def test_second_ctrl_c_during_a_stream(sims: Fleet, tmp_path: Path, workers: int) -> None:
     """SIGINT drains; a second SIGINT cuts the open stream: the process exits without a traceback — with
     ``--workers 2`` too, whose supervisor passes both signals on (old code: it sent one SIGTERM, ignored the second,
     and the stream ran to its end, up to ``shutdown_grace_s``)."""
@@ -95,7 +95,7 @@ def test_second_ctrl_c_during_a_stream(fleet: Fleet, tmp_path: Path, workers: in
         log = tmp_path / "serve.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen([sys.executable, "-m", "pdproxy", "serve", "--host", "127.0.0.1", "--port",
-                                     str(port), "--prefill", fleet.prefillers[0].url, "--decode", slow.url,
+                                     str(port), "--prefill", sims.prefillers[0].url, "--decode", slow.url,
                                      "--workers", str(workers)],
                                     stdout=out, stderr=subprocess.STDOUT)
             try:
@@ -136,3 +136,25 @@ def test_second_ctrl_c_during_a_stream(fleet: Fleet, tmp_path: Path, workers: in
                     proc.wait()
     text = log.read_text()
     assert "Traceback" not in text and "CancelledError" not in text, text
+
+
+def test_ctrl_c_while_workers_start_ends_quietly(sims: Fleet, tmp_path: Path) -> None:
+    """Ctrl-C in the ~2 s a ``--workers 2`` worker takes to start (importing, building its app: no signal handler
+    yet) stops everything with exit code 0 and no traceback — the supervisor sends workers SIGTERM, whose default
+    ends a starting worker quietly (passing SIGINT on raised ``KeyboardInterrupt`` in each)."""
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pdproxy", "serve", "--host", "127.0.0.1", "--port",
+                                 str(free_port()), "--prefill", sims.prefillers[0].url, "--decode",
+                                 sims.decoders[0].url, "--workers", "2"], stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_until(lambda: "worker 1 started" in log.read_text(), 30, 0.01, "the workers spawned")
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == 0, log.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = log.read_text()
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+
