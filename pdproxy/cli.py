@@ -83,6 +83,8 @@ class FlagValueError(ValueError):
 
 
 def _kv_connector(text: str) -> None:
+    """vllm-router's ``--kv-connector``: ``nixl`` is pdproxy's flow (returns None: no setting); raises
+    :class:`FlagValueError` for any other value."""
     if text != "nixl":
         raise FlagValueError(f"{text!r} is vllm-router's mode for vLLM's own {text} connector, which dispatches both "
                              "legs at once through a bootstrap server; pdproxy runs the pull flow (a one-token "

@@ -173,7 +173,7 @@ class ServedModels:
         gets without an engine, not a 400).  Adapters keep the ``null`` vLLM gives them.  ``max_model_len_override`` (the ``max_model_len``
         setting) replaces every figure.  Pinned endpoints contribute only their pinned models."""
         merged: dict[str, dict[str, Any]] = {}
-        longest: dict[tuple[str, Role], int] = {}
+        longest: dict[str, dict[Role, int]] = {}     # model id → role → its largest context
         for e, info in self.infos.items():
             ids = self.ids(e)
             cards = self.listed(e)
@@ -189,12 +189,10 @@ class ServedModels:
                 if isinstance(mml, int) and pool is not None and pool < mml:
                     mml = pool
                 if isinstance(mml, int):
-                    key = (mid, e.role)
-                    longest[key] = max(mml, longest.get(key, mml))
-        for mid, entry in merged.items():
-            roles = [n for (m, _), n in longest.items() if m == mid]
-            if roles:
-                entry["max_model_len"] = min(roles)
+                    per_role = longest.setdefault(mid, {})
+                    per_role[e.role] = max(mml, per_role.get(e.role, mml))
+        for mid, per_role in longest.items():
+            merged[mid]["max_model_len"] = min(per_role.values())
         if max_model_len_override:
             for entry in merged.values():
                 if not entry.get("parent"):

@@ -297,6 +297,7 @@ def redact_url(text: str) -> str:
 
 
 def _redacted(value: Any) -> Any:
+    """A setting's JSON value with :func:`redact_url` applied to each string in it (a list's too)."""
     if isinstance(value, str):
         return redact_url(value)
     if isinstance(value, list):

@@ -142,6 +142,8 @@ def plan(req: ProxyRequest, parent: RequestContext, max_bytes: int | None = None
 
 
 def _too_much(req: ProxyRequest, amount: str, bound: str, param: str) -> BadRequest:
+    """The 400 (``param``: ``n`` or ``prompt``) for sequences whose bodies together hold ``amount`` (words, e.g.
+    "1,234 bytes or more") past ``bound`` (the setting and its value, in words)."""
     return BadRequest(f"{req.sequences} sequences of this body would hold {amount} for pdproxy and the engines to "
                       f"parse (each sequence is a body of its own: one prefill/decode pair each); they may hold at "
                       f"most {bound} together, as one body: lower n or the body", param=param)

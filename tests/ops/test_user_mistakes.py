@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,20 +86,31 @@ def test_one_line_names_the_culprit(name: str, tmp_path: Path, busy_port: int) -
         assert word.format(busy=busy_port) in out, out
 
 
+@contextmanager
+def serving(log: Path, *args: str) -> Iterator[subprocess.Popen[bytes]]:
+    """``pdproxy serve --host 127.0.0.1 ARGS`` as a child process writing to ``log``; killed on the way out if it is
+    still running (the test's assertions decide how it should have ended)."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pdproxy", "serve", "--host", "127.0.0.1", *args],
+                                stdout=out, stderr=subprocess.STDOUT)
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_second_ctrl_c_during_a_stream(sims: Fleet, tmp_path: Path, workers: int) -> None:
     """SIGINT drains; a second SIGINT cuts the open stream: the process exits without a traceback — with
-    ``--workers 2`` too, whose supervisor passes both signals on (old code: it sent one SIGTERM, ignored the second,
-    and the stream ran to its end, up to ``shutdown_grace_s``)."""
+    ``--workers 2`` too, whose supervisor sends its workers SIGTERM again on the second (old code: it sent one
+    SIGTERM, ignored the second, and the stream ran to its end, up to ``shutdown_grace_s``)."""
     with running(SimProcess("decode", *SIM_ARGS[:-1], "20")) as (slow,):
         port = free_port()
         log = tmp_path / "serve.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "pdproxy", "serve", "--host", "127.0.0.1", "--port",
-                                     str(port), "--prefill", sims.prefillers[0].url, "--decode", slow.url,
-                                     "--workers", str(workers)],
-                                    stdout=out, stderr=subprocess.STDOUT)
-            try:
+        with serving(log, "--port", str(port), "--prefill", sims.prefillers[0].url, "--decode", slow.url,
+                     "--workers", str(workers)) as proc:
                 def healthy() -> bool:
                     assert proc.poll() is None, log.read_text()
                     try:
@@ -130,10 +142,6 @@ def test_second_ctrl_c_during_a_stream(sims: Fleet, tmp_path: Path, workers: int
                 proc.send_signal(signal.SIGINT)
                 proc.wait(timeout=15)                   # the stream had 40 s to go
                 assert ended.wait(10)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
     text = log.read_text()
     assert "Traceback" not in text and "CancelledError" not in text, text
 
@@ -143,18 +151,11 @@ def test_ctrl_c_while_workers_start_ends_quietly(sims: Fleet, tmp_path: Path) ->
     yet) stops everything with exit code 0 and no traceback — the supervisor sends workers SIGTERM, whose default
     ends a starting worker quietly (passing SIGINT on raised ``KeyboardInterrupt`` in each)."""
     log = tmp_path / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pdproxy", "serve", "--host", "127.0.0.1", "--port",
-                                 str(free_port()), "--prefill", sims.prefillers[0].url, "--decode",
-                                 sims.decoders[0].url, "--workers", "2"], stdout=out, stderr=subprocess.STDOUT)
-        try:
-            wait_until(lambda: "worker 1 started" in log.read_text(), 30, 0.01, "the workers spawned")
-            proc.send_signal(signal.SIGINT)
-            assert proc.wait(timeout=30) == 0, log.read_text()
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    with serving(log, "--port", str(free_port()), "--prefill", sims.prefillers[0].url, "--decode",
+                 sims.decoders[0].url, "--workers", "2") as proc:
+        wait_until(lambda: "worker 1 started" in log.read_text(), 30, 0.01, "the workers spawned")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0, log.read_text()
     text = log.read_text()
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
 
