@@ -331,7 +331,12 @@ class Settings(BaseSettings):
     token_count_threads: int = Field(2, ge=1, le=64, description="worker threads that count large prompts")
     token_count_cache_entries: int = Field(4096, ge=0, description="counted blocks (system prompts, tool blocks) "
                                                                    "and engine counts kept")
-    tokenize_timeout_s: float = Field(10.0, gt=0, description="deadline of an engine /tokenize call")
+    tokenize_timeout_s: float = Field(10.0, gt=0, description="deadline of an engine /tokenize call, the wait for "
+                                                              "a place under tokenize_max_inflight included")
+    tokenize_max_inflight: int = Field(16, ge=1, description="engine /tokenize calls in flight at once: a count "
+                                                             "waits for a place (within tokenize_timeout_s, then "
+                                                             "goes on with the estimate); prefix keys do not wait "
+                                                             "(text keys instead)")
     chat_template_max_overhead_tokens: int = Field(
         1024, ge=0, description="upper bound on tokens an engine's chat template adds beyond the messages and "
                                 "tools; lets small prompts skip /tokenize")

@@ -127,6 +127,7 @@ class Admission:
         self._engine_cache = token_count.BlockCache(s.token_count_cache_entries)
         self._tools_bytes = ToolsBytes()
         self._executor: ThreadPoolExecutor | None = None
+        self._tokenize_slots = asyncio.Semaphore(s.tokenize_max_inflight)   # engine /tokenize calls in flight
 
     async def start(self) -> None:
         """Start the worker threads and load the configured local tokenizers.  Raises ``FileNotFoundError`` for a
@@ -332,9 +333,16 @@ class Admission:
             return None
         body = orjson.dumps(token_count.tokenize_body(view, chat, special))
         headers = self.headers.leg(endpoint, f"{ctx.request_id}-tokenize", ctx.authorization)
+        deadline = time.monotonic() + self.settings.tokenize_timeout_s
+        try:
+            async with asyncio.timeout(self.settings.tokenize_timeout_s):
+                await self._tokenize_slots.acquire()     # at most tokenize_max_inflight calls on the engines
+        except TimeoutError:
+            self.stats.count_errors_total += 1
+            return None
         try:
             reply = await self.upstream.post_json(endpoint, "/tokenize", body, headers,
-                                                  timeout_s=self.settings.tokenize_timeout_s)
+                                                  timeout_s=max(deadline - time.monotonic(), 0.001))
             count = token_count.parse_tokenize_reply(reply)
         except UpstreamHTTPError as exc:
             if exc.status_code in (400, 422):
@@ -344,24 +352,33 @@ class Admission:
         except (ProxyError, ValueError):
             self.stats.count_errors_total += 1
             return None
+        finally:
+            self._tokenize_slots.release()
         self._engine_cache.put(key, count)
         return token_count.TokenCount(count, True, "engine")
 
     async def _engine_ids(self, req: ProxyRequest, ctx: RequestContext) -> list[int] | None:
-        """The prompt's token ids from an engine's ``/tokenize`` (None when no engine answers with them)."""
+        """The prompt's token ids from an engine's ``/tokenize`` (None when no engine answers with them, or when
+        ``tokenize_max_inflight`` calls are already out: prefix routing then keys the text, without waiting)."""
         try:
             endpoint = self.scheduler.pick_engine(PickRequest(request_id=ctx.request_id, model=req.model))
         except ProxyError:
             return None
+        if self._tokenize_slots.locked():
+            self.stats.count_errors_total += 1
+            return None
         view, chat, special = req.count_view()
         body = orjson.dumps(token_count.tokenize_body(view, chat, special))
         headers = self.headers.leg(endpoint, f"{ctx.request_id}-tokenize", ctx.authorization)
+        await self._tokenize_slots.acquire()           # not locked: no wait
         try:
             reply = await self.upstream.post_json(endpoint, "/tokenize", body, headers,
                                                   timeout_s=self.settings.tokenize_timeout_s)
         except ProxyError:
             self.stats.count_errors_total += 1
             return None
+        finally:
+            self._tokenize_slots.release()
         return token_count.parse_tokenize_ids(reply)
 
     def snapshot(self) -> dict[str, Any]:

@@ -271,7 +271,8 @@ class ProxyMetrics:
                                          "disaggregation), by reason.", ("reason",), registry=reg),
             "counted_total": Counter("pdproxy_prompt_counts", "Prompts counted, by method (ids | bound | local | "
                                      "engine | estimate).", ("method",), registry=reg),
-            "count_errors_total": Counter("pdproxy_prompt_count_errors", "Prompt counts that failed.", registry=reg),
+            "count_errors_total": Counter("pdproxy_prompt_count_errors", "Engine /tokenize calls that failed or "
+                                          "found no place under tokenize_max_inflight in time.", registry=reg),
             "count_seconds_total": Counter("pdproxy_prompt_count_seconds", "Time spent counting prompts.",
                                            registry=reg),
         }

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -130,3 +131,55 @@ async def test_large_responses_and_messages_views_are_built_in_a_worker_thread(s
         (name,) = threads.values()
         large = len(req.raw) > 100_000 or len(body.get("input", ())) > 100
         assert name.startswith("pdproxy-tokens") == large, (api, name)
+
+
+class HeldTokenize:
+    """A stand-in for ``Upstream.post_json`` whose ``/tokenize`` answers wait for ``release``: records how many are
+    out at once."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.inflight = self.most = self.calls = 0
+
+    async def __call__(self, endpoint: Any, path: str, body: bytes, headers: Any, **kw: Any) -> dict[str, Any]:
+        assert path == "/tokenize"
+        self.calls += 1
+        self.inflight += 1
+        self.most = max(self.most, self.inflight)
+        try:
+            await self.release.wait()
+        finally:
+            self.inflight -= 1
+        return {"count": 3001, "tokens": list(range(3001))}
+
+
+@pytest.mark.parametrize("state", [{"tokenize_max_inflight": 2, "tokenize_timeout_s": 0.3}], indirect=True)
+async def test_tokenize_calls_in_flight_are_capped(state: ProxyState, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ten prompts the bounds cannot decide, at once: two ``/tokenize`` calls reach the engine, the other eight
+    wait for a place, find none within ``tokenize_timeout_s`` and go on with the estimate (the engine judges);
+    prefix keys' ``/tokenize`` does not wait at all while the places are taken."""
+    held = HeldTokenize()
+    monkeypatch.setattr(state.upstream, "post_json", held)
+    pending = [request({"messages": [{"role": "user", "content": sim_prompt(3000, unique=True, seed=i)}]})
+               for i in range(10)]
+    tasks = [asyncio.create_task(state.admission.admit(req, ctx)) for req, ctx in pending]
+    try:
+        async with asyncio.timeout(10):
+            while sum(1 for t in tasks if t.done()) < 8:
+                await asyncio.wait([t for t in tasks if not t.done()], return_when=asyncio.FIRST_COMPLETED)
+        assert held.calls == 2 and held.inflight == 2           # the other eight gave up waiting for a place
+        assert state.admission.stats.count_errors_total == 8
+        ids_req, ids_ctx = request({"prompt": "hello there"})
+        assert await state.admission.prompt_token_ids(ids_req, ids_ctx, len) is None     # no wait: text keys
+        assert held.calls == 2 and state.admission.stats.count_errors_total == 9
+        held.release.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        assert held.most == 2 and held.inflight == 0
+        stats = state.admission.stats
+        assert stats.counted_total == {"estimate": 8, "engine": 2}
+        assert [req.prompt_tokens_exact for req, _ in pending].count(True) == 2
+    finally:
+        held.release.set()
+        for t in tasks:
+            t.cancel()
+    assert await state.admission.prompt_token_ids(ids_req, ids_ctx, len) == 3001      # places free again
