@@ -171,9 +171,10 @@ class Settings(BaseSettings):
                                "tie-break decide (prefix hits count exactly; 0 = exact)")
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     max_pending_body_bytes: int = Field(
-        1 << 30, ge=1024, description="bytes of request bodies (every route's) still arriving, all connections "
-                                      "together: a body that would pass it is refused with 503 (at least "
-                                      "max_body_bytes is always allowed)")
+        1 << 30, ge=1024, description="bytes of request bodies, all connections together: those still arriving "
+                                      "(every route's) and the generation requests' until each request ends; a "
+                                      "body that would pass it is refused with 503 (at least max_body_bytes is "
+                                      "always allowed)")
     max_request_head_bytes: int = Field(64 * 1024, ge=1024, description="largest request line + header fields a "
                                                                          "client may send (431 above)")
     timeout_keep_alive_s: float = Field(

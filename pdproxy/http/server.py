@@ -210,10 +210,12 @@ def raise_open_file_limit(target: int = OPEN_FILE_TARGET) -> int:
 
 
 class PendingBodies:
-    """The bytes of request bodies (every route's) still arriving on one server's connections, all together
-    (``held``), against ``limit`` (setting ``max_pending_body_bytes``, at least ``max_body_bytes``): each
-    connection adds what it reads of a body and takes it back once the body is whole or the request ends
-    (:meth:`ServerProtocol._release_body`)."""
+    """The bytes of request bodies (every route's) on one server's connections, all together (``held``), against
+    ``limit`` (setting ``max_pending_body_bytes``, at least ``max_body_bytes``): each connection adds what it reads
+    of a body; a control route's body is given back once whole (its app reads it at its pace) or refused
+    (:meth:`ServerProtocol._release_body`), a generation route's once its request ends — its bytes are held that
+    long (:meth:`Exchange.release_counted`) — or once it is dropped unrun (a pipelined request behind a closed
+    connection)."""
 
     __slots__ = ("held", "limit")
 
@@ -344,7 +346,7 @@ class Exchange:
     writer; ``on_disconnect`` (a callable) is called once if the client goes away before :meth:`finish`.
     """
 
-    __slots__ = ("_parts", "_proto", "api", "body", "chunked", "complete", "continue_expected",
+    __slots__ = ("_parts", "_proto", "api", "body", "chunked", "complete", "continue_expected", "counted",
                  "declared", "finished", "flow", "head_only", "headers", "held", "hosts", "keep_alive", "method",
                  "on_disconnect", "origin", "path", "query", "raw_path", "size", "started", "transfer_encoded",
                  "version")
@@ -360,6 +362,7 @@ class Exchange:
         self.api: str | None = None  # the completion route key, when the request is one (ServedApp)
         self._parts: list[bytes | bytearray] = []  # bytearray: small pieces joined (SMALL_BODY_PIECE)
         self.held = 0  # bytes in _parts (a control-plane body not yet taken by its app)
+        self.counted = 0  # a whole completion body's bytes still counted in the server's PendingBodies
         self.body = b""
         self.size = 0
         self.declared: int | None = None
@@ -375,6 +378,15 @@ class Exchange:
         self.origin: bytes | None = None  # the first Origin header's value (a browser's request: CORS)
         self.flow: Any = None
         self.on_disconnect: Callable[[], None] | None = None
+
+    def release_counted(self, _task: object = None) -> None:
+        """Give back to the server's :class:`PendingBodies` the whole body this request holds there: once its
+        handler has ended (a done callback of its task, ``_task``), or when it is dropped unrun."""
+        if self.counted:
+            bodies = self._proto.bodies
+            if bodies is not None:
+                bodies.held -= self.counted
+            self.counted = 0
 
     def header(self, name: bytes) -> str | None:
         """The first value of header ``name`` (lower-case bytes) as str, or None."""
@@ -619,6 +631,8 @@ class ServerProtocol(asyncio.Protocol):
         ex = self.current
         self.current = None
         self.parsing = None
+        for queued in self.queue:           # pipelined requests that will not run
+            queued.release_counted()
         self.queue.clear()
         self.transport = None
         self.parser = None  # it holds bound methods of this protocol: drop the cycle, refcounting frees us
@@ -899,7 +913,7 @@ class ServerProtocol(asyncio.Protocol):
         bodies = self.bodies
         if bodies is not None:                  # every route's body: a control route's app buffers it whole too
             if bodies.held + len(body) > bodies.limit:
-                raise _Reject(503, "the server is receiving too many request bodies at once "
+                raise _Reject(503, "the server holds too many request bodies at once "
                                    f"(max_pending_body_bytes {bodies.limit}); retry later")
             bodies.held += len(body)
             self.body_held += len(body)
@@ -920,13 +934,16 @@ class ServerProtocol(asyncio.Protocol):
                 ex.flow.body_arrived()
 
     def on_message_complete(self) -> None:
+        ex = self.parsing
         if self.body_held:
-            self._release_body()
+            if ex is not None and ex.api is not None:   # a completion body stays counted until its request ends
+                ex.counted, self.body_held = self.body_held, 0
+            else:
+                self._release_body()
         self.phase = _WAIT
         self.chunk_open = False
         if self.timer_kind == _BODY_TIMER:
             self._cancel_timer()
-        ex = self.parsing
         if ex is None:
             return
         self.parsing = None
@@ -958,6 +975,8 @@ class ServerProtocol(asyncio.Protocol):
     def _run_completion(self, ex: Exchange) -> None:
         assert ex.api is not None
         task = self._spawn(self.proxy.handle_completion(ex.api, ex))
+        if ex.counted:
+            task.add_done_callback(ex.release_counted)
         task.add_done_callback(functools.partial(self._completion_done, ex))
 
     def _completion_done(self, ex: Exchange, task: asyncio.Task[None]) -> None:
@@ -1075,6 +1094,8 @@ class ServerProtocol(asyncio.Protocol):
         self.no_more = True
         self.refused = True
         kept = list(itertools.takewhile(lambda q: q is not refused and q.complete, self.queue))
+        for dropped in itertools.islice(self.queue, len(kept), None):
+            dropped.release_counted()
         self.queue.clear()
         self.queue.extend(kept)
         self.parsing = None

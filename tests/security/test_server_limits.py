@@ -625,6 +625,43 @@ def test_bodies_still_arriving_are_bounded_across_connections(sims: Fleet) -> No
     assert engine_requests(sims) == before + 2                          # only the served request's two legs
 
 
+def test_whole_bodies_count_until_their_request_ends(sims: Fleet) -> None:
+    """A generation request's body stays counted in ``max_pending_body_bytes`` until its request ends, since its
+    bytes are held that long (the raw body, the parsed one, the legs'); old code: it stopped counting once whole,
+    so nothing bounded the whole bodies held (16 streaming requests of 50 MB whose clients never read: 2 GB of
+    RSS, and more clients, more).  Two
+    streams stalled in decode hold the budget, a third body is refused 503; once a client leaves its bytes come
+    back and the next request is served."""
+    for d in sims.decoders:
+        d.faults({"kind": "stall_after_events", "events": 1, "path": "/v1/completions"})
+    body = orjson.dumps({"model": "sim-model", "prompt": "hello edge", "max_tokens": 50, "stream": True,
+                         "user": "u" * 3000})
+    with edge_proxy(sims, max_pending_body_bytes=2 * len(body) + 500) as p:
+        streams = []
+        for _ in range(2):
+            c = RawConn(p.port)
+            c.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            streams.append(c)
+        wait_until(lambda: len(p.server.server_state.connections) == 2, 10, 0.02, "both connected")
+        bodies = next(iter(p.server.server_state.connections)).bodies
+        wait_until(lambda: sum(len(d.completions_received()) for d in sims.decoders) == 2, 10, 0.02,
+                   "both streams in decode")
+        assert bodies is not None and bodies.held == 2 * len(body)        # whole, and still counted
+        refused_past_budget(p, b"/v1/completions")
+        streams.pop().sock.close()
+        wait_until(lambda: bodies.held == len(body), 10, 0.02, "the departed client's body released")
+        chat = orjson.dumps({"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        c = RawConn(p.port)
+        c.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(chat) + chat)
+        m = c.read_messages(1)[0]
+        assert m.status == 200, m.body
+        wait_until(lambda: bodies.held == len(body), 10, 0.02, "a served request's body released")
+        streams.pop().sock.close()
+        wait_until(lambda: bodies.held == 0, 10, 0.02, "every body released")
+
+
 def test_passthrough_bodies_count_against_the_same_budget(sims: Fleet) -> None:
     """A passthrough route's app buffers its body whole, so its bytes still arriving count against
     ``max_pending_body_bytes`` like a generation route's (old code: uncounted — twelve ``/tokenize`` bodies of
