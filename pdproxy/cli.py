@@ -85,6 +85,9 @@ class FlagValueError(ValueError):
 def _kv_connector(text: str) -> None:
     """vllm-router's ``--kv-connector``: ``nixl`` is pdproxy's flow (returns None: no setting); raises
     :class:`FlagValueError` for any other value."""
+    if text not in ("nixl", "mooncake", "moriio"):
+        raise FlagValueError(f"{text!r}: vllm-router's values are nixl, mooncake and moriio; pdproxy takes nixl "
+                             "(or leave the flag out)")
     if text != "nixl":
         raise FlagValueError(f"{text!r} is vllm-router's mode for vLLM's own {text} connector, which dispatches both "
                              "legs at once through a bootstrap server; pdproxy runs the pull flow (a one-token "
@@ -310,9 +313,34 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     router = _router_overrides(args, overrides, spelled)
     config = args.config or os.environ.get("PDPROXY_CONFIG")
     try:
-        return load_settings(args.config, **overrides, **router)
+        settings = load_settings(args.config, **overrides, **router)
     except ValidationError as exc:
         raise ValueError(explain(exc, config, {**overrides, **router}, spelled)) from None
+    if "kv_events" not in overrides:
+        _check_pd_kv_events(getattr(args, _router_dest("--pd-kv-events"), None) or [], settings)
+    return settings
+
+
+def _check_pd_kv_events(entries: list[str], settings: Settings) -> None:
+    """vllm-router's ``--pd-kv-events`` against the engines configured: an entry's URL must be one of them, and an
+    entry listing several endpoints must list one per DP rank of that URL (a rank's events would otherwise be
+    read from no socket, or an endpoint ignored).  Raises ``ValueError`` naming the flag."""
+    from pdproxy.endpoints import normalize_url
+
+    dp_ranks: dict[str, set[int | None]] = {}
+    for e in settings.all_endpoints():
+        dp_ranks.setdefault(e.url, set()).add(e.dp_rank if e.internal_dp else None)
+    ranks = {url: len(r) for url, r in dp_ranks.items()}
+    for entry in entries:
+        name, _, endpoints = entry.partition("=")
+        url = normalize_url(name)
+        given = len(endpoints.split(","))
+        if url not in ranks:
+            raise ValueError(f"flag --pd-kv-events: {url} is not a configured engine (--prefill / --decode, their "
+                             "hosts and ports flags)")
+        if given > 1 and given != ranks[url]:
+            raise ValueError(f"flag --pd-kv-events: {entry!r} lists {given} endpoints, one per DP rank, but {url} "
+                             f"has {ranks[url]} DP rank(s) here (--prefiller-dp-size / --decoder-dp-size)")
 
 
 def explain(exc: ValidationError, config: str | None, flags: dict[str, Any],

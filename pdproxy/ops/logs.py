@@ -281,6 +281,18 @@ def both_roles_warnings(settings: Settings) -> list[str]:
             for url, both in roles.items() if len(both) > 1]
 
 
+def kv_events_warnings(settings: Settings) -> list[str]:
+    """One warning per ``kv_events`` entry whose engine URL is no configured endpoint: its events are read (an
+    engine of that URL may be added later through the admin API, pdproxy/endpoints.py ``build_sources``) but route
+    nothing until then — most often a URL written differently from the ``--prefill`` / ``--decode`` one."""
+    configured = {e.url for e in settings.all_endpoints()}
+    return [f"kv_events names {src.endpoint.partition('#')[0]}, which is no configured engine: its KV events are "
+            "read but route nothing until an engine with that URL is added (admin API); write the URL as the "
+            "--prefill / --decode one"
+            for src in settings.kv_event_sources()
+            if src.endpoint.partition("#")[0] not in configured]
+
+
 SECRET_SETTINGS = ("api_keys", "engine_api_key", "admin_key", "metrics_key")
 """Settings whose values never reach a log (shown as ``***``)."""
 
@@ -323,8 +335,8 @@ def settings_in_effect(settings: Settings) -> dict[str, Any]:
 def log_banner(settings: Settings, urls: Sequence[str], *, workers: int = 1) -> None:
     """The start-up line: version, where it listens, the engines it was given, TLS and workers (INFO); then the
     :func:`exposure_warning` (WARNING, ``event: exposed``), the :func:`engine_key_warning` (WARNING, ``event:
-    clients_unauthenticated``) and the :func:`both_roles_warnings` (WARNING, ``event: engine_in_both_roles``)
-    when there are."""
+    clients_unauthenticated``), the :func:`both_roles_warnings` (WARNING, ``event: engine_in_both_roles``) and
+    the :func:`kv_events_warnings` (WARNING, ``event: kv_events_unmatched``) when there are."""
     endpoints = settings.all_endpoints()
     n_p = sum(e.role is Role.PREFILL for e in endpoints)
     n_d = sum(e.role is Role.DECODE for e in endpoints)
@@ -349,3 +361,5 @@ def log_banner(settings: Settings, urls: Sequence[str], *, workers: int = 1) -> 
         logging.getLogger("pdproxy").warning(warning, extra={"event": "clients_unauthenticated"})
     for warning in both_roles_warnings(settings):
         logging.getLogger("pdproxy").warning(warning, extra={"event": "engine_in_both_roles"})
+    for warning in kv_events_warnings(settings):
+        logging.getLogger("pdproxy").warning(warning, extra={"event": "kv_events_unmatched"})

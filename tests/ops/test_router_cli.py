@@ -181,7 +181,8 @@ def test_router_pd_and_cache_aware_flags_are_taken() -> None:
     def parse_line(*argv: str) -> Settings:
         return settings_from_args(p.parse_args(["--prefill", "http://p:1", "--decode", "http://d:2", *argv]))
 
-    s = parse_line("--kv-connector", "nixl", "--pd-kv-events", "http://p:1=tcp://10.0.0.1:5557,tcp://10.0.0.1:5558",
+    s = parse_line("--prefill", "http://p:3", "--prefiller-dp-size", "2", "--kv-connector", "nixl",
+                   "--pd-kv-events", "http://p:1=tcp://10.0.0.1:5557,tcp://10.0.0.1:5558",
                    "--pd-kv-events", "http://p:3=tcp://h:6000", "--policy", "cache_aware", "--cache-threshold", "0.5",
                    "--balance-abs-threshold", "32", "--balance-rel-threshold", "1.2", "--eviction-interval-secs",
                    "60", "--max-tree-size", "1000", "--max-concurrent-requests", "64", "--request-id-headers",
@@ -193,7 +194,12 @@ def test_router_pd_and_cache_aware_flags_are_taken() -> None:
     assert parse_line("--cors-allowed-origins", "http://a", "--allowed-origins", "http://b").allowed_origins == [
         "http://b"]                                                       # pdproxy's own flag wins
     for argv, words in ((("--kv-connector", "mooncake"), ("--kv-connector", "bootstrap", "nixl")),
-                        (("--pd-kv-events", "http://p:1=tcp://h:1,tcp://h:5"), ("--pd-kv-events", "tcp://h:2")),
+                        (("--kv-connector", "p2p"), ("--kv-connector", "nixl, mooncake and moriio")),
+                        (("--prefiller-dp-size", "2", "--pd-kv-events", "http://p:1=tcp://h:1,tcp://h:5"),
+                         ("--pd-kv-events", "tcp://h:2")),
+                        (("--pd-kv-events", "http://p:1=tcp://h:1,tcp://h:2"),
+                         ("--pd-kv-events", "2 endpoints", "1 DP rank", "--prefiller-dp-size")),
+                        (("--pd-kv-events", "http://q:1=tcp://h:1"), ("--pd-kv-events", "http://q:1", "not a configured")),
                         (("--pd-kv-events", "nope"), ("--pd-kv-events", "URL=ENDPOINT"))):
         with pytest.raises(ValueError) as bad:
             parse_line(*argv)

@@ -254,6 +254,19 @@ def test_an_engine_in_both_roles_is_warned_of_at_start(prefill: list[str], decod
         assert "held twice" in text and "waits inside the engine forever" in text, text
 
 
+def test_kv_events_for_an_engine_not_configured_are_warned_of_at_start() -> None:
+    """``--kv-events URL=…`` whose URL is written unlike every ``--prefill`` / ``--decode`` one (another host name,
+    a typo) reads events that route nothing: the banner names it (old code: silent, the settings line only); a URL
+    that matches — an internal-DP engine's too — is not named."""
+    from pdproxy.ops.logs import kv_events_warnings
+
+    s = load_settings(prefill=["http://p:8100"], decode=["http://d:8200"], decoder_dp_size=2,
+                      kv_events=["http://p:8100/=tcp://p:5557", "http://d:8200=tcp://d:5557",
+                                 "http://localhost:8100=tcp://p:5558"])
+    warned = kv_events_warnings(s)
+    assert len(warned) == 1 and warned[0].startswith("kv_events names http://localhost:8100, which is no configured")
+
+
 def test_the_settings_line_shows_no_secret() -> None:
     """The start-up settings line (``event: settings``) shows the keys as ``***`` and a URL's ``user:password@``
     as ``***@`` (an OTLP endpoint's userinfo is sent as basic auth), and leaves the defaults out."""
