@@ -55,7 +55,7 @@ from urllib.parse import urlsplit
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdproxy.apis.request import load_json_object
 from pdproxy.app.state import ProxyState
@@ -68,7 +68,10 @@ log = logging.getLogger("pdproxy.admin")
 
 
 class EndpointRef(BaseModel):
-    """An admin request body naming endpoints: ``url`` + ``role`` (+ options of the route)."""
+    """An admin request body naming endpoints: ``url`` + ``role`` (+ options of the route).  Any other field is
+    refused (400), so a field the API does not have — ``dp_rank`` — never silently widens a call to every rank."""
+
+    model_config = ConfigDict(extra="forbid")
 
     url: str
     role: Role
@@ -180,9 +183,17 @@ async def _body(request: Request, settings: Settings) -> EndpointRef:
     raw = await read_body(request, settings.max_body_bytes)
     try:
         ref = EndpointRef.model_validate(load_json_object(raw, settings.max_json_depth, settings.max_json_items))
+        base, dp, rank = ref.url.partition("#dp")
+        if dp and rank.isdigit():             # a name GET /admin/endpoints lists for one internal-DP rank
+            raise BadRequest(f"invalid admin request: {ref.url} names one DP rank; the admin API addresses an engine "
+                             f"URL with all its ranks: give {base}", param="url", redact=False)
         ref.url = normalize_url(ref.url)
-    except BadRequest as exc:                 # not one JSON object: said in the admin API's words too
-        raise BadRequest(f"invalid admin request: {exc.message}", param="body", redact=False) from None
+    except BadRequest as exc:
+        if exc.param == "url":
+            raise
+        raise BadRequest('invalid admin request: the body must be one JSON object (within max_body_bytes, '
+                         'max_json_depth, max_json_items), e.g. {"url": "http://host:port", "role": "decode"}',
+                         param="body", redact=False) from None
     except ValidationError as exc:            # pydantic's own words, without its documentation links
         problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}"
                              for e in exc.errors(include_url=False, include_context=False, include_input=False))

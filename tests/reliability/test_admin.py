@@ -146,6 +146,17 @@ def test_an_added_endpoint_can_be_pinned_to_models(fleet4: Fleet4) -> None:
         for not_an_object in ([], None):              # every admin 400 in the admin API's words and type
             err = admin(proxy.url, "POST", not_an_object).json()["error"]
             assert err["message"].startswith("invalid admin request: ") and err["type"] == "BadRequestError", err
+        raw = httpx.post(proxy.url + "/admin/endpoints/drain", content=b"notjson", headers=ADMIN, timeout=10)
+        err = raw.json()["error"]                     # plain words, not vLLM's pydantic-shaped envelope
+        assert raw.status_code == 400 and "one JSON object" in err["message"] and "{'type'" not in err["message"]
+        # a field the API lacks is refused, not ignored (``dp_rank`` would have drained every rank of the URL)
+        r = admin(proxy.url, "POST", {"url": d1.url, "role": "decode", "dp_rank": 0}, path="/admin/endpoints/drain")
+        assert r.status_code == 400 and "dp_rank" in r.json()["error"]["message"], r.text
+        # the name GET lists for one internal-DP rank is answered with the URL to give
+        r = admin(proxy.url, "POST", {"url": d1.url + "#dp0", "role": "decode"}, path="/admin/endpoints/drain")
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "url" and f"give {d1.url}" in err["message"], r.text
+        assert not names(proxy.url)[d1.url]["draining"]
         proxy.wait_idle()
     finally:
         proxy.stop()
