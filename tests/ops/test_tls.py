@@ -139,7 +139,8 @@ def test_client_certificate_optional(serve, certs: Certs, sims: Fleet) -> None: 
     (["--ssl-certfile", "CERT", "--ssl-keyfile", "KEY", "--ssl-ca-certs", "/nonexistent/ca.pem"],
      "--ssl-ca-certs /nonexistent/ca.pem: no such file"),
     (["--ssl-certfile", "CERT", "--ssl-keyfile", "CA"], "cannot load the certificate and key"),
-    (["--ssl-certfile", "CA"], "cannot load the certificate and key"),        # no key given: none named
+    (["--ssl-certfile", "CA"], "holds no private key: give its key with --ssl-keyfile"),   # no key given
+    (["--ssl-certfile", "CERT"], "holds no private key: give its key with --ssl-keyfile"),
 ])
 def test_bad_tls_settings_stop_start_up(certs: Certs, flags: list[str], message: str) -> None:
     paths = {"KEY": str(certs.key), "CERT": str(certs.cert), "CA": str(certs.ca)}
