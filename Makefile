@@ -13,7 +13,7 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(VENV)/.installed-%: pyproject.toml setup.py pdproxy/pd/_record.c pdproxy/apis/_jsonscan.c pdproxy/prefix/_textkeys.c | $(BIN)/python
+$(VENV)/.installed-%: pyproject.toml setup.py $(wildcard pdproxy/*/*.c) | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[$*]'
 	touch $@
 

@@ -45,12 +45,8 @@ NO_UPPER_BOUND = 1 << 62
 ESTIMATE_BYTES_PER_TOKEN = 4
 """Bytes per token of the routing estimate used when no exact count was needed (English text with BPE)."""
 
-_TRANSLATE = bytearray(b"x" * 256)
-for _c in b" \t\n\r\x0b\x0c":
-    _TRANSLATE[_c] = ord(" ")
-for _c in range(0x1C, 0x20):
-    _TRANSLATE[_c] = ord("!")
-_WS_TABLE = bytes(_TRANSLATE)
+_WS_TABLE = bytes(0x20 if c in b" \t\n\r\x0b\x0c" else 0x21 if 0x1C <= c < 0x20 else 0x78 for c in range(256))
+"""``bytes.translate`` table: ASCII whitespace → space, the separators 0x1C-0x1F → ``!``, every other byte → ``x``."""
 _UNICODE_WS = re.compile(rb"\xc2[\x85\xa0]|\xe1\x9a\x80|\xe2\x80[\x80-\x8a\xa8\xa9\xaf]|\xe2\x81\x9f|\xe3\x80\x80")
 _TRANSITION = re.compile(r"[ \t\n\r\x0b\x0c](?=\S)")
 
