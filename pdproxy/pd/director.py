@@ -126,7 +126,7 @@ class Director:
                     await self.fan_out.serve(req, ctx, out)             # n > 1, prompt lists: a pair per sequence
                     return
                 await self.admit(req, ctx)                              # 1. fits? (400 before any engine)
-                await self.run_sequence(req, ctx, out, None)            # 2-5. queue, prefill, decode, relay
+                await self.run_sequence(req, ctx, out, None)            # 2-4. queue+prefill, decode, relay
 
     @staticmethod
     def fans_out(req: ProxyRequest) -> bool:
@@ -182,7 +182,7 @@ class Director:
                 if recomputed and not later_legs:
                     first = first_leg()
                 later_legs = later_legs or recomputed
-                leg = await self.continuation(req, ctx, out, transcript) if recomputed else None  # 5. Ascend
+                leg = await self.continuation(req, ctx, out, transcript) if recomputed else None  # again: Ascend
         finally:
             if later_legs:   # the re-prefills are counted apart (pdproxy_continuation_prefill_tokens_total); the
                 # phases (log, histograms) are the first leg's, up to the first token the client saw
