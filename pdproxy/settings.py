@@ -338,6 +338,11 @@ class Settings(BaseSettings):
                                                              "waits for a place (within tokenize_timeout_s, then "
                                                              "goes on with the estimate); prefix keys do not wait "
                                                              "(text keys instead)")
+    engine_count_max_bytes_per_token: int = Field(
+        32, ge=0, description="a prompt counted by an engine's /tokenize (no local tokenizer) whose bytes pass this "
+                              "many times the token limit is answered as over it (vLLM's 400) without asking the "
+                              "engine: only a chat template that drops nearly all of it could make it fit; 0 = "
+                              "always ask")
     chat_template_max_overhead_tokens: int = Field(
         1024, ge=0, description="upper bound on tokens an engine's chat template adds beyond the messages and "
                                 "tools; lets small prompts skip /tokenize")

@@ -240,6 +240,13 @@ class Admission:
             tokens, exact, method, upper = bounds.estimate, False, "bound", bounds.upper
         elif lower > limit and not self._ambiguous(lower, max_output, req.model):   # too long whatever the exact count
             tokens, exact, method, upper = lower, False, "bound", bounds.upper
+        elif self._too_large_to_count(req.model, bounds.upper, limit):   # no engine renders it to count it
+            violation = self.limits.violation(limit + 1, max_output, model=req.model)
+            if violation is not None:
+                AdmissionStats.bump(self.stats.counted_total, "bound")
+                AdmissionStats.bump(self.stats.rejected_total, f"{violation.role.value}:{violation.limit_kind}")
+                raise violation.error(max(limit, violation.limit) + 1, exact=False)
+            tokens, exact, method, upper = bounds.estimate, False, "estimate", bounds.estimate
         else:
             started = time.perf_counter()
             counted = await self._count(req, ctx, chat, bounds, limit)
@@ -284,6 +291,15 @@ class Admission:
         req.prompt_tokens_lower = largest.prompt_tokens_lower
         req.prompt_tokens_exact = largest.prompt_tokens_exact
         req.prompt_tokens_estimated = largest.prompt_tokens_estimated
+
+    def _too_large_to_count(self, model: str | None, upper: int, limit: int) -> bool:
+        """True when ``model``'s prompts are counted by an engine's ``/tokenize`` and this one's upper bound
+        (``upper`` tokens: its bytes) is more than ``engine_count_max_bytes_per_token`` times the ``limit``: only
+        a chat template that drops nearly all of it (tool calls' arguments, tools) could make it fit, and counting
+        it would have an engine render all of it (a 20 MB ``tool_use`` input: a 70 MB ``/tokenize`` body that held
+        a simulated prefiller ~40 s, past pdproxy's ``tokenize_timeout_s``, its ``/health`` unanswered)."""
+        ratio = self.settings.engine_count_max_bytes_per_token
+        return bool(ratio) and upper > limit * ratio and self.source_for(model) == "engine"
 
     def _ambiguous(self, lower: int, max_output: int | None, model: str | None, *, exact: bool = False) -> bool:
         """True when a rejection at ``lower`` (a lower bound unless ``exact``) would hit a ``max_model_len`` of

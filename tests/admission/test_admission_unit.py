@@ -183,3 +183,37 @@ async def test_tokenize_calls_in_flight_are_capped(state: ProxyState, monkeypatc
         for t in tasks:
             t.cancel()
     assert await state.admission.prompt_token_ids(ids_req, ids_ctx, len) == 3001      # places free again
+
+
+async def test_a_prompt_far_over_the_limit_is_not_sent_to_an_engine_to_count(state: ProxyState,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Text no bound counts from below (a tool call's arguments: a chat template may drop them) makes a prompt
+    undecidable; past ``engine_count_max_bytes_per_token`` (32) times the limit the engine is not asked to render
+    it — vLLM's own over-length 400 at once (old code: a 20 MB ``tool_use`` input became a 70 MB ``/tokenize`` body
+    that held a simulated prefiller ~40 s); below it the engine counts as before."""
+    calls: list[int] = []
+
+    async def tokenize(endpoint: Any, path: str, body: bytes, headers: Any, **kw: Any) -> dict[str, Any]:
+        calls.append(len(body))
+        return {"count": 9000}
+
+    monkeypatch.setattr(state.upstream, "post_json", tokenize)
+
+    def call_with(arguments: str) -> tuple[ProxyRequest, RequestContext]:
+        return request({"messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "tool_calls": [{"id": "t", "type": "function",
+                                                  "function": {"name": "f", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "t", "content": "ok"}]})
+
+    req, ctx = call_with("é" * 140_000)               # 280 KB: over 32 × 8,191 bytes
+    with pytest.raises(PromptTooLong) as too_long:
+        await state.admission.admit(req, ctx)
+    assert calls == []
+    assert "maximum context length is 8192 tokens" in too_long.value.message
+    assert "at least 8193 input tokens" in too_long.value.message
+    assert state.admission.stats.rejected_total == {"prefill:max_model_len": 1}
+    req, ctx = call_with("é" * 100_000)               # 200 KB: the engine counts it
+    with pytest.raises(PromptTooLong):
+        await state.admission.admit(req, ctx)
+    assert len(calls) == 1
