@@ -28,7 +28,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pdproxy.prefix.kv_events import END_SEQ, BatchEncoder, Encoding, KVEvent, cleared, removed, seq_frame, stored
+from pdproxy.prefix.kv_events import END_SEQ, Encoding, KVEvent, cleared, removed, seq_frame, stored
+from pdproxy.sim.kv_wire import BatchEncoder
 
 KNOWN_KEYS = {"enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm",
               "max_queue_size", "topic"}

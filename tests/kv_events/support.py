@@ -15,8 +15,9 @@ import zmq.asyncio
 
 from pdproxy.endpoints import KVEventSource
 from pdproxy.prefix.index import PrefixIndex
-from pdproxy.prefix.kv_events import END_SEQ, BatchEncoder, Encoding, KVEvent, removed, seq_frame
+from pdproxy.prefix.kv_events import END_SEQ, Encoding, KVEvent, removed, seq_frame
 from pdproxy.prefix.subscriber import KVEventSubscriber
+from pdproxy.sim.kv_wire import BatchEncoder
 
 
 async def until(cond: Callable[[], Any], timeout_s: float = 15.0, what: str = "") -> Any:
