@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 import orjson
 
 from pdproxy.admission import count as token_count
-from pdproxy.admission.bounds import PromptBounds, ToolsBytes, prompt_bounds
+from pdproxy.admission.bounds import PromptBounds, ToolsBytes, prompt_bounds, text_bytes_floor
 from pdproxy.apis.request import Api, ProxyRequest, prompt_list
 from pdproxy.engines.limits import Limits
 from pdproxy.errors import BadRequest, ProxyError, UpstreamHTTPError
@@ -58,6 +58,11 @@ INLINE_BYTES = 16_384
 BOUND_BYTES_PER_MESSAGE = 256
 """The byte bound's work per chat message, as bytes of :data:`INLINE_BYTES` (it sums lengths, never reads text):
 chats of up to 64 messages are bounded on the event loop."""
+
+
+MIN_COUNT_LIMIT_TOKENS = 1024
+"""The smallest token limit ``engine_count_max_bytes_per_token`` is weighed against: a limit cut small by a large
+``max_tokens`` (``max_tokens_overflow = reject``) leaves a prompt of a few hundred bytes to the engine's count."""
 
 
 @dataclass(slots=True)
@@ -240,12 +245,13 @@ class Admission:
             tokens, exact, method, upper = bounds.estimate, False, "bound", bounds.upper
         elif lower > limit and not self._ambiguous(lower, max_output, req.model):   # too long whatever the exact count
             tokens, exact, method, upper = lower, False, "bound", bounds.upper
-        elif self._too_large_to_count(req.model, bounds.upper, limit):   # no engine renders it to count it
+        elif await self._too_large_to_count(req, view, chat, bounds.upper, limit):   # no engine renders it to count
             violation = self.limits.violation(limit + 1, max_output, model=req.model)
             if violation is not None:
                 AdmissionStats.bump(self.stats.counted_total, "bound")
                 AdmissionStats.bump(self.stats.rejected_total, f"{violation.role.value}:{violation.limit_kind}")
-                raise violation.error(max(limit, violation.limit) + 1, exact=False)
+                raise violation.error(limit + 1 if violation.requested else max(limit, violation.limit) + 1,
+                                      exact=False)
             tokens, exact, method, upper = bounds.estimate, False, "estimate", bounds.estimate
         else:
             started = time.perf_counter()
@@ -292,14 +298,21 @@ class Admission:
         req.prompt_tokens_exact = largest.prompt_tokens_exact
         req.prompt_tokens_estimated = largest.prompt_tokens_estimated
 
-    def _too_large_to_count(self, model: str | None, upper: int, limit: int) -> bool:
-        """True when ``model``'s prompts are counted by an engine's ``/tokenize`` and this one's upper bound
-        (``upper`` tokens: its bytes) is more than ``engine_count_max_bytes_per_token`` times the ``limit``: only
-        a chat template that drops nearly all of it (tool calls' arguments, tools) could make it fit, and counting
-        it would have an engine render all of it (a 20 MB ``tool_use`` input: a 70 MB ``/tokenize`` body that held
-        a simulated prefiller ~40 s, past pdproxy's ``tokenize_timeout_s``, its ``/health`` unanswered)."""
+    async def _too_large_to_count(self, req: ProxyRequest, view: dict[str, Any], chat: bool, upper: int,
+                                  limit: int) -> bool:
+        """True when ``req``'s model is counted by an engine's ``/tokenize`` and the text it would render to count
+        this prompt (:func:`~pdproxy.admission.bounds.text_bytes_floor`: media data and template layout left out)
+        is more than ``engine_count_max_bytes_per_token`` bytes per token of the ``limit`` (at least 1,024 tokens'
+        worth): only a chat template that drops nearly all of it (tool calls' arguments, tools) could make it fit,
+        and counting it would have an engine render all of it (a 20 MB ``tool_use`` input: a 70 MB ``/tokenize``
+        body that held a simulated prefiller ~40 s, past ``tokenize_timeout_s``, its ``/health`` unanswered).
+        ``upper`` (tokens, at least the bytes) rules most prompts out before the text is measured."""
         ratio = self.settings.engine_count_max_bytes_per_token
-        return bool(ratio) and upper > limit * ratio and self.source_for(model) == "engine"
+        threshold = ratio * max(limit, MIN_COUNT_LIMIT_TOKENS)
+        if not ratio or upper <= threshold or self.source_for(req.model) != "engine":
+            return False
+        floor = await self._offload(functools.partial(text_bytes_floor, view, chat), size=len(req.raw))
+        return floor > threshold
 
     def _ambiguous(self, lower: int, max_output: int | None, model: str | None, *, exact: bool = False) -> bool:
         """True when a rejection at ``lower`` (a lower bound unless ``exact``) would hit a ``max_model_len`` of

@@ -162,12 +162,25 @@ def prompt_bounds(body: dict[str, Any], chat: bool, *, template_overhead: int, l
         text = prompt if isinstance(prompt, str) else ""
         size = utf8_len(text)
         return _finish(word_transitions(text.strip()) if lower else 0, size + 2, size)
-    words = 0
-    size = 0
-    media = 0
     messages = body.get("messages")
     if not isinstance(messages, list):                    # not vLLM's shape: the engine judges it, any count does
         messages = []
+    words, size, media = _messages_size(messages, lower)
+    tools = body.get("tools")
+    if tools:                                             # vLLM renders them even with tool_choice "none"
+        size += (tools_bytes or indented_json_bytes)(tools)
+    kwargs = body.get("chat_template_kwargs")
+    if isinstance(kwargs, dict):
+        size += _strings_bytes(kwargs)
+    upper = size + len(messages) * PER_MESSAGE_OVERHEAD_TOKENS + template_overhead if not media else NO_UPPER_BOUND
+    return _finish(words, upper, size + media * MEDIA_PART_TOKENS * ESTIMATE_BYTES_PER_TOKEN)
+
+
+def _messages_size(messages: list[Any], lower: bool) -> tuple[int, int, int]:
+    """``(words, bytes, media parts)`` of chat ``messages``: the word transitions of the text a template keeps
+    (not the assistant's: 0 unless ``lower``), the UTF-8 bytes of every text part and of every other field's
+    strings (roles, tool calls' arguments, reasoning), and how many media parts (their data not counted)."""
+    words = size = media = 0
     for message in messages:
         if not isinstance(message, dict):
             continue
@@ -179,14 +192,27 @@ def prompt_bounds(body: dict[str, Any], chat: bool, *, template_overhead: int, l
             if key != "content":
                 size += utf8_len(key) + (utf8_len(value) if isinstance(value, str) else _strings_bytes(value))
         size += sum(map(utf8_len, texts))
+    return words, size, media
+
+
+def text_bytes_floor(body: dict[str, Any], chat: bool) -> int:
+    """About the fewest bytes of text an engine renders and tokenizes to count this prompt (``/tokenize``): the
+    prompt's text, or the messages' text parts and fields' strings, the tools' compact JSON and the template
+    arguments' strings — media parts' data and the layout a template adds left out (a token-id prompt: 0).  What
+    :meth:`pdproxy.admission.admission.Admission.admit` weighs against the token limit before asking an engine to
+    count; unlike ``PromptBounds.upper`` it is not inflated for media or for tools too large to lay out."""
+    if not chat:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        return utf8_len(prompt) if isinstance(prompt, str) else 0
+    messages = body.get("messages")
+    size = _messages_size(messages, False)[1] if isinstance(messages, list) else 0
     tools = body.get("tools")
-    if tools:                                             # vLLM renders them even with tool_choice "none"
-        size += (tools_bytes or indented_json_bytes)(tools)
+    if tools:
+        size += _strings_bytes(tools)
     kwargs = body.get("chat_template_kwargs")
-    if isinstance(kwargs, dict):
-        size += _strings_bytes(kwargs)
-    upper = size + len(messages) * PER_MESSAGE_OVERHEAD_TOKENS + template_overhead if not media else NO_UPPER_BOUND
-    return _finish(words, upper, size + media * MEDIA_PART_TOKENS * ESTIMATE_BYTES_PER_TOKEN)
+    return size + (_strings_bytes(kwargs) if isinstance(kwargs, dict) else 0)
 
 
 class ToolsBytes:
