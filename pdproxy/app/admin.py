@@ -55,7 +55,7 @@ from urllib.parse import urlsplit
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from pdproxy.apis.request import load_json_object
 from pdproxy.app.state import ProxyState
@@ -68,17 +68,22 @@ log = logging.getLogger("pdproxy.admin")
 
 
 class EndpointRef(BaseModel):
-    """An admin request body naming endpoints: ``url`` + ``role`` (+ options of the route).  Any other field is
-    refused (400), so a field the API does not have — ``dp_rank`` — never silently widens a call to every rank."""
+    """An admin request body naming endpoints: ``url`` + ``role`` (+ the options of its route, :data:`OPTIONS`).
+    Any other field — one the API does not have (``dp_rank``), or another route's — is refused (400), so a call is
+    never silently wider than asked; the options take their JSON types only (``"force": "yes"`` is refused)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    url: str
+    url: StrictStr
     role: Role
-    dp_size: int = Field(1, ge=1, le=1024)
-    force: bool = False
-    migrate: bool = False           # drain only: move the decoder's live streams (docs/stream-continuation.md)
-    models: list[str] = []          # add only: pin the endpoint to these model ids (as the config's ``models``)
+    dp_size: StrictInt = Field(1, ge=1, le=1024)    # add only
+    force: StrictBool = False       # remove only
+    migrate: StrictBool = False     # drain only: move the decoder's live streams (docs/stream-continuation.md)
+    models: list[StrictStr] = []    # add only: pin the endpoint to these model ids (as the config's ``models``)
+
+
+OPTIONS = {"add": ("dp_size", "models"), "drain": ("migrate",), "undrain": (), "remove": ("force",)}
+"""The fields each route takes besides ``url`` and ``role``."""
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -179,25 +184,34 @@ def check_endpoint_allowed(settings: Settings, url: str) -> None:
                         param="url", redact=False)
 
 
-async def _body(request: Request, settings: Settings) -> EndpointRef:
+async def _body(request: Request, settings: Settings, route: str) -> EndpointRef:
+    """The body of admin ``route`` (an :data:`OPTIONS` key) as an :class:`EndpointRef`, its URL normalised.
+    Raises :class:`BadRequest` (400) for a body that is not one JSON object, a field the route does not take, a
+    value of the wrong type, or a DP rank's name (``url#dpN``) where an engine URL is due."""
     raw = await read_body(request, settings.max_body_bytes)
     try:
-        ref = EndpointRef.model_validate(load_json_object(raw, settings.max_json_depth, settings.max_json_items))
-        base, dp, rank = ref.url.partition("#dp")
-        if dp and rank.isdigit():             # a name GET /admin/endpoints lists for one internal-DP rank
-            raise BadRequest(f"invalid admin request: {ref.url} names one DP rank; the admin API addresses an engine "
-                             f"URL with all its ranks: give {base}", param="url", redact=False)
-        ref.url = normalize_url(ref.url)
-    except BadRequest as exc:
-        if exc.param == "url":
-            raise
-        raise BadRequest('invalid admin request: the body must be one JSON object (within max_body_bytes, '
-                         'max_json_depth, max_json_items), e.g. {"url": "http://host:port", "role": "decode"}',
-                         param="body", redact=False) from None
+        obj = load_json_object(raw, settings.max_json_depth, settings.max_json_items)
+    except BadRequest as exc:                 # not JSON: the admin API's words; past a limit: the limit's
+        if "pdproxy's max_json" in exc.message:
+            raise BadRequest(f"invalid admin request: {exc.message}", param="body", redact=False) from None
+        raise BadRequest('invalid admin request: the body must be one JSON object, e.g. {"url": '
+                         '"http://host:port", "role": "decode"}', param="body", redact=False) from None
+    other = sorted(set(obj) & (set(EndpointRef.model_fields) - {"url", "role", *OPTIONS[route]}))
+    if other:
+        raise BadRequest(f"invalid admin request: {', '.join(other)}: not a field of this route (it takes url, "
+                         f"role{''.join(', ' + o for o in OPTIONS[route])})", param=other[0], redact=False)
+    try:
+        ref = EndpointRef.model_validate(obj)
     except ValidationError as exc:            # pydantic's own words, without its documentation links
         problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}"
                              for e in exc.errors(include_url=False, include_context=False, include_input=False))
         raise BadRequest(f"invalid admin request: {problems}", param="body", redact=False) from None
+    base, dp, rank = ref.url.partition("#dp")
+    if dp and rank.isdigit():                 # a name GET /admin/endpoints lists for one internal-DP rank
+        raise BadRequest(f"invalid admin request: {ref.url} names one DP rank; the admin API addresses an engine "
+                         f"URL with all its ranks: give {base}", param="url", redact=False)
+    try:
+        ref.url = normalize_url(ref.url)
     except ValueError as exc:
         raise BadRequest(f"invalid admin request: {exc}", param="body", redact=False) from None
     return ref
@@ -283,7 +297,7 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
     @router.post("/endpoints")
     async def add_endpoint(request: Request) -> Response:
         state = may_change(request)
-        ref = await _body(request, state.settings)
+        ref = await _body(request, state.settings, "add")
         check_endpoint_allowed(state.settings, ref.url)     # before anything (the engine key) is sent to it
         new = expand([ref.url], ref.role, ref.dp_size)
         if any(engine_identity(e.url) == engine_identity(ref.url) for e in state.pool.endpoints(ref.role)):
@@ -301,7 +315,7 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
     @router.post("/endpoints/drain")
     async def drain_endpoint(request: Request) -> Response:
         state = may_change(request)
-        ref = await _body(request, state.settings)
+        ref = await _body(request, state.settings, "drain")
         found = _drain(state, ref)
         _audit(request, "drain (streams migrated)" if ref.migrate else "drain", ref, found)
         moved = sum(state.live_streams.migrate(e.name) for e in found) if ref.migrate else 0
@@ -310,7 +324,7 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
     @router.post("/endpoints/undrain")
     async def undrain_endpoint(request: Request) -> Response:
         state = may_change(request)
-        ref = await _body(request, state.settings)
+        ref = await _body(request, state.settings, "undrain")
         found = _matching(state, ref)
         for e in found:
             state.pool.load(e).draining = False
@@ -321,7 +335,7 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
     @router.delete("/endpoints")
     async def remove_endpoint(request: Request) -> Response:
         state = may_change(request)
-        ref = await _body(request, state.settings)
+        ref = await _body(request, state.settings, "remove")
         found = _matching(state, ref)
         if not ref.force and not _others_remain(state, ref):
             raise Conflict(f"{ref.url} is the last {ref.role.value} endpoint: without it every request answers "

@@ -152,6 +152,14 @@ def test_an_added_endpoint_can_be_pinned_to_models(fleet4: Fleet4) -> None:
         # a field the API lacks is refused, not ignored (``dp_rank`` would have drained every rank of the URL)
         r = admin(proxy.url, "POST", {"url": d1.url, "role": "decode", "dp_rank": 0}, path="/admin/endpoints/drain")
         assert r.status_code == 400 and "dp_rank" in r.json()["error"]["message"], r.text
+        for path, extra in (("/admin/endpoints/drain", {"models": ["other"]}), ("/admin/endpoints/drain", {"force": True}),
+                            ("/admin/endpoints/undrain", {"migrate": True})):   # another route's field
+            r = admin(proxy.url, "POST", {"url": d1.url, "role": "decode", **extra}, path=path)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == next(iter(extra)) and "not a field" in err["message"]
+        r = admin(proxy.url, "DELETE", {"url": d1.url, "role": "decode", "force": "yes"})   # JSON types only
+        assert r.status_code == 400 and "force" in r.json()["error"]["message"], r.text
+        assert d1.url in names(proxy.url)
         # the name GET lists for one internal-DP rank is answered with the URL to give
         r = admin(proxy.url, "POST", {"url": d1.url + "#dp0", "role": "decode"}, path="/admin/endpoints/drain")
         err = r.json()["error"]
