@@ -325,15 +325,15 @@ def _check_pd_kv_events(entries: list[str], settings: Settings) -> None:
     """vllm-router's ``--pd-kv-events`` against the engines configured: an entry's URL must be one of them, and an
     entry listing several endpoints must list one per DP rank of that URL (a rank's events would otherwise be
     read from no socket, or an endpoint ignored).  Raises ``ValueError`` naming the flag."""
-    from pdproxy.endpoints import normalize_url
+    from pdproxy.endpoints import engine_identity, normalize_url
 
     dp_ranks: dict[str, set[int | None]] = {}
     for e in settings.all_endpoints():
-        dp_ranks.setdefault(e.url, set()).add(e.dp_rank if e.internal_dp else None)
+        dp_ranks.setdefault(engine_identity(e.url), set()).add(e.dp_rank if e.internal_dp else None)
     ranks = {url: len(r) for url, r in dp_ranks.items()}
     for entry in entries:
         name, _, endpoints = entry.partition("=")
-        url = normalize_url(name)
+        url = engine_identity(normalize_url(name))
         given = len(endpoints.split(","))
         if url not in ranks:
             raise ValueError(f"flag --pd-kv-events: {url} is not a configured engine (--prefill / --decode, their "

@@ -142,14 +142,21 @@ def normalize_url(url: str) -> str:
 
 
 def engine_identity(url: str) -> str:
-    """``url`` (normalised: :func:`normalize_url`) with its host's DNS root dot dropped, for telling whether two
-    URLs name one engine (``http://h.:9100`` and ``http://h:9100``); URLs keep the dot for connecting, as the
-    operator wrote it (a fully qualified name skips the resolver's search list)."""
+    """``url`` (normalised: :func:`normalize_url`) in one spelling per engine, for telling whether two URLs name one
+    engine: the host's DNS root dot dropped (``http://h.:9100`` and ``http://h:9100``), the scheme's default port
+    written (``http://h`` and ``http://h:80``), an IPv6 address compressed (``[0:0::1]`` and ``[::1]``).  URLs keep
+    their own spelling for connecting, as the operator wrote them (a fully qualified name skips the resolver's
+    search list)."""
     parts = urlsplit(url)
-    host = parts.hostname or ""
-    if not host.endswith(".") or ":" in host:
-        return url
-    return parts._replace(netloc=f"{host[:-1]}:{parts.port}" if parts.port else host[:-1]).geturl()
+    host = (parts.hostname or "").rstrip(".")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    else:
+        host = f"[{address.compressed}]" if address.version == 6 else address.compressed
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return parts._replace(netloc=f"{host}:{port}").geturl()
 
 
 def from_host_port_lists(hosts: list[str], ports: list[int], role: Role) -> list[str]:
@@ -239,12 +246,20 @@ def build_sources(publishers: Iterable[str], replays: Iterable[str], endpoints: 
     An engine URL fronting internal DP ranks (several endpoints with ``internal_dp``) gets one source per rank
     on ``PORT + rank`` (and ``REPLAY_PORT + rank``), checked against each batch's ``data_parallel_rank``; any
     other URL gets one source on ``PORT`` (an external-DP rank ``k`` started with ``tcp://*:5557`` publishes on
-    ``5557 + k``: write that port).  A URL that is no configured endpoint still gets its source (it may be
+    ``5557 + k``: write that port).  An entry's URL is matched to a configured one as :func:`engine_identity` tells
+    (``http://h`` names ``http://h:80``).  A URL that is no configured endpoint still gets its source (it may be
     added later through the admin API).  Raises ``ValueError`` on a malformed entry or a replay entry whose URL
     has no ``--kv-events`` entry.
     """
-    pubs = dict(parse_engine_address(e) for e in publishers)
-    reps = dict(parse_engine_address(e) for e in replays)
+    endpoints = list(endpoints)
+    spelled = {engine_identity(ep.url): ep.url for ep in endpoints}     # an entry names its engine as configured
+
+    def as_configured(entry: str) -> tuple[str, str]:
+        url, address = parse_engine_address(entry)
+        return spelled.get(engine_identity(url), url), address
+
+    pubs = dict(as_configured(e) for e in publishers)
+    reps = dict(as_configured(e) for e in replays)
     extra = sorted(set(reps) - set(pubs))
     if extra:
         raise ValueError(f"--kv-events-replay for {', '.join(extra)} without a --kv-events entry")

@@ -57,6 +57,11 @@ def test_good_urls_are_normalised(url: str, normal: str) -> None:
     ("http://h.", "http://h", True),
     ("http://h:9100", "http://h:9101", False),
     ("http://h.:9100", "https://h:9100", False),
+    ("http://h", "http://h:80", True),
+    ("https://h:443/base", "https://h/base", True),
+    ("http://h:443", "https://h", False),
+    ("http://[0:0:0:0:0:0:0:1]:9100", "http://[::1]:9100", True),
+    ("http://H.Example:9100", "http://h.example.:9100", True),
 ])
 def test_engine_identity_tells_one_engine_by_two_names(a: str, b: str, same: bool) -> None:
     assert (engine_identity(normalize_url(a)) == engine_identity(normalize_url(b))) is same

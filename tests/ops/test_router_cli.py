@@ -191,6 +191,8 @@ def test_router_pd_and_cache_aware_flags_are_taken() -> None:
     assert s.kv_events == ["http://p:1=tcp://10.0.0.1:5557", "http://p:3=tcp://h:6000"]
     assert s.allowed_origins == ["http://a.example", "https://b.example"]
     assert (s.routing_picker, s.prefix_routing) == ("least_cost", "auto")
+    spelled = parse_line("--prefill", "http://[::1]:80", "--pd-kv-events", "http://[0::1]=tcp://h:7")
+    assert [src.endpoint for src in spelled.kv_event_sources()] == ["http://[::1]:80"]  # one engine, two spellings
     assert parse_line("--cors-allowed-origins", "http://a", "--allowed-origins", "http://b").allowed_origins == [
         "http://b"]                                                       # pdproxy's own flag wins
     for argv, words in ((("--kv-connector", "mooncake"), ("--kv-connector", "bootstrap", "nixl")),

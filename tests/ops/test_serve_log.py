@@ -260,11 +260,14 @@ def test_kv_events_for_an_engine_not_configured_are_warned_of_at_start() -> None
     that matches — an internal-DP engine's too — is not named."""
     from pdproxy.ops.logs import kv_events_warnings
 
-    s = load_settings(prefill=["http://p:8100"], decode=["http://d:8200"], decoder_dp_size=2,
-                      kv_events=["http://p:8100/=tcp://p:5557", "http://d:8200=tcp://d:5557",
-                                 "http://localhost:8100=tcp://p:5558"])
+    s = load_settings(prefill=["http://p:8100", "http://[::1]"], decode=["http://d:8200"], decoder_dp_size=2,
+                      kv_events=["http://p.:8100/=tcp://p:5557", "http://d:8200=tcp://d:5557",
+                                 "http://[0:0::1]:80=tcp://p:5559", "http://localhost:8100=tcp://p:5558"])
     warned = kv_events_warnings(s)
     assert len(warned) == 1 and warned[0].startswith("kv_events names http://localhost:8100, which is no configured")
+    # another spelling of a configured engine feeds that engine's entries (its name as configured)
+    assert {src.endpoint for src in s.kv_event_sources()} == {
+        "http://p:8100", "http://d:8200#dp0", "http://d:8200#dp1", "http://[::1]", "http://localhost:8100"}
 
 
 def test_the_settings_line_shows_no_secret() -> None:
