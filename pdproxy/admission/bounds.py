@@ -176,10 +176,11 @@ def prompt_bounds(body: dict[str, Any], chat: bool, *, template_overhead: int, l
     return _finish(words, upper, size + media * MEDIA_PART_TOKENS * ESTIMATE_BYTES_PER_TOKEN)
 
 
-def _messages_size(messages: list[Any], lower: bool) -> tuple[int, int, int]:
+def _messages_size(messages: list[Any], lower: bool, skip: frozenset[str] = frozenset()) -> tuple[int, int, int]:
     """``(words, bytes, media parts)`` of chat ``messages``: the word transitions of the text a template keeps
     (not the assistant's: 0 unless ``lower``), the UTF-8 bytes of every text part and of every other field's
-    strings (roles, tool calls' arguments, reasoning), and how many media parts (their data not counted)."""
+    strings but ``skip``'s (roles, tool calls' arguments, reasoning), and how many media parts (their data not
+    counted)."""
     words = size = media = 0
     for message in messages:
         if not isinstance(message, dict):
@@ -189,10 +190,14 @@ def _messages_size(messages: list[Any], lower: bool) -> tuple[int, int, int]:
         if lower and message.get("role") != "assistant":
             words += sum(word_transitions(t.strip()) for t in texts)
         for key, value in message.items():
-            if key != "content":
+            if key != "content" and key not in skip:
                 size += utf8_len(key) + (utf8_len(value) if isinstance(value, str) else _strings_bytes(value))
         size += sum(map(utf8_len, texts))
     return words, size, media
+
+
+REASONING_FIELDS = frozenset(("reasoning", "reasoning_content", "thinking"))
+"""Message fields holding a turn's reasoning (vLLM's ``reasoning`` / ``reasoning_content``)."""
 
 
 def text_bytes_floor(body: dict[str, Any], chat: bool) -> int:
@@ -200,14 +205,15 @@ def text_bytes_floor(body: dict[str, Any], chat: bool) -> int:
     prompt's text, or the messages' text parts and fields' strings, the tools' compact JSON and the template
     arguments' strings — media parts' data and the layout a template adds left out (a token-id prompt: 0).  What
     :meth:`pdproxy.admission.admission.Admission.admit` weighs against the token limit before asking an engine to
-    count; unlike ``PromptBounds.upper`` it is not inflated for media or for tools too large to lay out."""
+    count; unlike ``PromptBounds.upper`` it is not inflated for media or for tools too large to lay out, and leaves
+    out the reasoning of earlier turns, which templates commonly drop (Qwen3's, DeepSeek-R1's)."""
     if not chat:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         return utf8_len(prompt) if isinstance(prompt, str) else 0
     messages = body.get("messages")
-    size = _messages_size(messages, False)[1] if isinstance(messages, list) else 0
+    size = _messages_size(messages, False, REASONING_FIELDS)[1] if isinstance(messages, list) else 0
     tools = body.get("tools")
     if tools:
         size += _strings_bytes(tools)

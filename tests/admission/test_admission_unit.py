@@ -224,8 +224,9 @@ async def test_only_text_weighs_against_the_engine_count_ratio(state: ProxyState
                                                               ) -> None:
     """What the ratio weighs is the text an engine would render to count — not the upper bound: a media part (no
     upper bound at all), tools too large to lay out (a loose bound of ~1.6 KB a member), a limit cut to a few
-    tokens by ``max_tokens`` (the template's allowance alone) are counted by the engine as before, not refused
-    (old code: a false 400 for any image); a reject-mode refusal says what vLLM's reject mode says."""
+    tokens by ``max_tokens`` (the template's allowance alone), earlier turns' reasoning (templates drop it) are
+    counted by the engine as before, not refused (old code: a false 400 for any image); a reject-mode refusal says
+    what vLLM's reject mode says."""
     counts: list[int] = []
 
     async def tokenize(endpoint: Any, path: str, body: bytes, headers: Any, **kw: Any) -> dict[str, Any]:
@@ -238,14 +239,17 @@ async def test_only_text_weighs_against_the_engine_count_ratio(state: ProxyState
         f"p{i}": {"type": "string"} for i in range(10_000)}}}}]
     for body in ({"messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}]},
                  {"messages": [{"role": "user", "content": "hi"}], "tools": tools},
-                 {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 7800}):
+                 {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 7800},
+                 {"messages": [{"role": "user", "content": "hi"},           # reasoning a template drops
+                               {"role": "assistant", "content": "hello", "reasoning_content": "r" * 400_000},
+                               {"role": "user", "content": "and?"}]}):
         req, ctx = request(body)
         await state.admission.admit(req, ctx)
         assert req.prompt_tokens == 300 and req.prompt_tokens_exact, body.keys()
-    assert len(counts) == 3 and state.admission.stats.rejected_total == {}
+    assert len(counts) == 4 and state.admission.stats.rejected_total == {}
     req, ctx = request({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
         {"id": "t", "type": "function", "function": {"name": "f", "arguments": "x" * 300_000}}]}], "max_tokens": 8000})
     with pytest.raises(PromptTooLong) as too_long:
         await state.admission.admit(req, ctx)
-    assert len(counts) == 3                         # 300 KB against a 191-token limit: the engine is not asked
+    assert len(counts) == 4                         # 300 KB against a 191-token limit: the engine is not asked
     assert "you requested 8000 output tokens and your prompt contains at least" in too_long.value.message
