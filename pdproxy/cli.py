@@ -322,9 +322,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def _check_pd_kv_events(entries: list[str], settings: Settings) -> None:
-    """vllm-router's ``--pd-kv-events`` against the engines configured: an entry's URL must be one of them, and an
-    entry listing several endpoints must list one per DP rank of that URL (a rank's events would otherwise be
-    read from no socket, or an endpoint ignored).  Raises ``ValueError`` naming the flag."""
+    """vllm-router's ``--pd-kv-events`` against the engines configured: an entry listing several endpoints must list
+    one per DP rank of its URL (a rank's events would otherwise be read from no socket, or an endpoint ignored).
+    An entry for an engine not configured is taken as ``--kv-events`` takes one (an engine added later through
+    the admin API; the start-up banner warns of it: :func:`pdproxy.ops.logs.kv_events_warnings`).  Raises
+    ``ValueError`` naming the flag."""
     from pdproxy.endpoints import engine_identity, normalize_url
 
     dp_ranks: dict[str, set[int | None]] = {}
@@ -335,12 +337,10 @@ def _check_pd_kv_events(entries: list[str], settings: Settings) -> None:
         name, _, endpoints = entry.partition("=")
         url = engine_identity(normalize_url(name))
         given = len(endpoints.split(","))
-        if url not in ranks:
-            raise ValueError(f"flag --pd-kv-events: {url} is not a configured engine (--prefill / --decode, their "
-                             "hosts and ports flags)")
-        if given > 1 and given != ranks[url]:
+        if url in ranks and given > 1 and given != ranks[url]:
             raise ValueError(f"flag --pd-kv-events: {entry!r} lists {given} endpoints, one per DP rank, but {url} "
-                             f"has {ranks[url]} DP rank(s) here (--prefiller-dp-size / --decoder-dp-size)")
+                             f"has {ranks[url]} DP rank(s) here (--intra-node-data-parallel-size, or "
+                             "--prefiller-dp-size / --decoder-dp-size)")
 
 
 def explain(exc: ValidationError, config: str | None, flags: dict[str, Any],

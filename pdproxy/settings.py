@@ -334,14 +334,15 @@ class Settings(BaseSettings):
                                                                    "and engine counts kept")
     tokenize_timeout_s: float = Field(10.0, gt=0, description="deadline of an engine /tokenize call, the wait for "
                                                               "a place under tokenize_max_inflight included")
-    tokenize_max_inflight: int = Field(16, ge=1, description="engine /tokenize calls in flight at once: a count "
+    tokenize_max_inflight: int = Field(16, ge=1, description="/tokenize calls in flight at once per engine: a count "
                                                              "waits for a place (within tokenize_timeout_s, then "
                                                              "goes on with the estimate); prefix keys do not wait "
                                                              "(text keys instead)")
     engine_count_max_bytes_per_token: int = Field(
-        32, ge=0, description="a prompt counted by an engine's /tokenize (no local tokenizer) whose bytes pass this "
-                              "many times the token limit is answered as over it (vLLM's 400) without asking the "
-                              "engine: only a chat template that drops nearly all of it could make it fit; 0 = "
+        32, ge=0, description="a prompt counted by an engine's /tokenize (no local tokenizer) whose text (media data "
+                              "and earlier turns' reasoning left out) passes this many bytes per token of the limit "
+                              "(at least 1,024 tokens' worth) is answered as over it (vLLM's 400) without asking "
+                              "the engine: only a chat template that drops nearly all of it could make it fit; 0 = "
                               "always ask")
     chat_template_max_overhead_tokens: int = Field(
         1024, ge=0, description="upper bound on tokens an engine's chat template adds beyond the messages and "

@@ -42,6 +42,7 @@ import orjson
 from pdproxy.admission import count as token_count
 from pdproxy.admission.bounds import PromptBounds, ToolsBytes, prompt_bounds, text_bytes_floor
 from pdproxy.apis.request import Api, ProxyRequest, prompt_list
+from pdproxy.endpoints import Endpoint
 from pdproxy.engines.limits import Limits
 from pdproxy.errors import BadRequest, ProxyError, UpstreamHTTPError
 from pdproxy.http.engine_headers import EngineHeaders
@@ -68,7 +69,8 @@ MIN_COUNT_LIMIT_TOKENS = 1024
 @dataclass(slots=True)
 class AdmissionStats:
     """Plain counters.  ``pdproxy/ops/metrics.py`` exports ``counted_total[method]`` (``ids`` | ``bound`` |
-    ``local`` | ``engine`` | ``estimate``), ``count_errors_total``, ``count_seconds_total`` and
+    ``local`` | ``engine`` | ``estimate``), ``count_errors_total``, ``count_seconds_total``,
+    ``tokenize_skipped_total`` (precise prefix keys that found their engine's ``/tokenize`` places taken) and
     ``decode_only_total[reason]`` (``short_prompt`` | ``prefillers_busy``); ``admitted_total``,
     ``disaggregated_total`` and ``rejected_total["<role>:<limit_kind>"]`` (``max_model_len`` | ``kv_pool``) are
     read by ``GET /debug/load`` (:meth:`Admission.snapshot`) — the rejections' metric is
@@ -80,6 +82,7 @@ class AdmissionStats:
     counted_total: dict[str, int] = field(default_factory=dict)
     count_errors_total: int = 0
     count_seconds_total: float = 0.0
+    tokenize_skipped_total: int = 0
     decode_only_total: dict[str, int] = field(default_factory=dict)
 
     @staticmethod
@@ -132,7 +135,7 @@ class Admission:
         self._engine_cache = token_count.BlockCache(s.token_count_cache_entries)
         self._tools_bytes = ToolsBytes()
         self._executor: ThreadPoolExecutor | None = None
-        self._tokenize_slots = asyncio.Semaphore(s.tokenize_max_inflight)   # engine /tokenize calls in flight
+        self._tokenize_slots: dict[Endpoint, asyncio.Semaphore] = {}   # per engine: /tokenize calls in flight
 
     async def start(self) -> None:
         """Start the worker threads and load the configured local tokenizers.  Raises ``FileNotFoundError`` for a
@@ -246,12 +249,14 @@ class Admission:
         elif lower > limit and not self._ambiguous(lower, max_output, req.model):   # too long whatever the exact count
             tokens, exact, method, upper = lower, False, "bound", bounds.upper
         elif await self._too_large_to_count(req, view, chat, bounds.upper, limit):   # no engine renders it to count
-            violation = self.limits.violation(limit + 1, max_output, model=req.model)
+            least = max(limit, 0) + 1           # what the text's size shows, whatever a limit cut by max_tokens
+            violation = self.limits.violation(least, max_output, model=req.model)
             if violation is not None:
                 AdmissionStats.bump(self.stats.counted_total, "bound")
                 AdmissionStats.bump(self.stats.rejected_total, f"{violation.role.value}:{violation.limit_kind}")
-                raise violation.error(limit + 1 if violation.requested else max(limit, violation.limit) + 1,
-                                      exact=False)
+                least = least if violation.requested else max(least, violation.limit + 1)
+                ctx.prompt_tokens = least
+                raise violation.error(least, exact=False)
             tokens, exact, method, upper = bounds.estimate, False, "estimate", bounds.estimate
         else:
             started = time.perf_counter()
@@ -364,9 +369,10 @@ class Admission:
         body = orjson.dumps(token_count.tokenize_body(view, chat, special))
         headers = self.headers.leg(endpoint, f"{ctx.request_id}-tokenize", ctx.authorization)
         deadline = time.monotonic() + self.settings.tokenize_timeout_s
+        slots = self._slots(endpoint)
         try:
             async with asyncio.timeout(self.settings.tokenize_timeout_s):
-                await self._tokenize_slots.acquire()     # at most tokenize_max_inflight calls on the engines
+                await slots.acquire()                   # at most tokenize_max_inflight calls on this engine
         except TimeoutError:
             self.stats.count_errors_total += 1
             return None
@@ -383,24 +389,34 @@ class Admission:
             self.stats.count_errors_total += 1
             return None
         finally:
-            self._tokenize_slots.release()
+            slots.release()
         self._engine_cache.put(key, count)
         return token_count.TokenCount(count, True, "engine")
 
+    def _slots(self, endpoint: Endpoint) -> asyncio.Semaphore:
+        """``endpoint``'s places for ``/tokenize`` calls (``tokenize_max_inflight``): one engine that does not
+        answer holds its own places, not every engine's."""
+        slots = self._tokenize_slots.get(endpoint)
+        if slots is None:
+            slots = self._tokenize_slots[endpoint] = asyncio.Semaphore(self.settings.tokenize_max_inflight)
+        return slots
+
     async def _engine_ids(self, req: ProxyRequest, ctx: RequestContext) -> list[int] | None:
         """The prompt's token ids from an engine's ``/tokenize`` (None when no engine answers with them, or when
-        ``tokenize_max_inflight`` calls are already out: prefix routing then keys the text, without waiting)."""
+        ``tokenize_max_inflight`` calls are already out to the engine picked: prefix routing then keys the text,
+        without waiting; counted in ``tokenize_skipped_total``)."""
         try:
             endpoint = self.scheduler.pick_engine(PickRequest(request_id=ctx.request_id, model=req.model))
         except ProxyError:
             return None
-        if self._tokenize_slots.locked():
-            self.stats.count_errors_total += 1
+        slots = self._slots(endpoint)
+        if slots.locked():
+            self.stats.tokenize_skipped_total += 1
             return None
         view, chat, special = req.count_view()
         body = orjson.dumps(token_count.tokenize_body(view, chat, special))
         headers = self.headers.leg(endpoint, f"{ctx.request_id}-tokenize", ctx.authorization)
-        await self._tokenize_slots.acquire()           # not locked: no wait
+        await slots.acquire()                          # not locked: no wait
         try:
             reply = await self.upstream.post_json(endpoint, "/tokenize", body, headers,
                                                   timeout_s=self.settings.tokenize_timeout_s)
@@ -408,7 +424,7 @@ class Admission:
             self.stats.count_errors_total += 1
             return None
         finally:
-            self._tokenize_slots.release()
+            slots.release()
         return token_count.parse_tokenize_ids(reply)
 
     def snapshot(self) -> dict[str, Any]:

@@ -179,8 +179,8 @@ def prompt_bounds(body: dict[str, Any], chat: bool, *, template_overhead: int, l
 def _messages_size(messages: list[Any], lower: bool, skip: frozenset[str] = frozenset()) -> tuple[int, int, int]:
     """``(words, bytes, media parts)`` of chat ``messages``: the word transitions of the text a template keeps
     (not the assistant's: 0 unless ``lower``), the UTF-8 bytes of every text part and of every other field's
-    strings but ``skip``'s (roles, tool calls' arguments, reasoning), and how many media parts (their data not
-    counted)."""
+    strings (roles, tool calls' arguments, reasoning) — the fields named in ``skip`` left out — and how many media
+    parts (their data not counted)."""
     words = size = media = 0
     for message in messages:
         if not isinstance(message, dict):

@@ -215,12 +215,14 @@ class PendingBodies:
     of a body; a control route's body is given back once whole (its app reads it at its pace) or refused
     (:meth:`ServerProtocol._release_body`), a generation route's once its request ends — its bytes are held that
     long (:meth:`Exchange.release_counted`) — or once it is dropped unrun (a pipelined request behind a closed
-    connection)."""
+    connection).  ``running``: the part of ``held`` that is whole generation bodies; a control route's body
+    (admin, metrics, passthrough) is weighed without it, so requests under way never lock the operator out."""
 
-    __slots__ = ("held", "limit")
+    __slots__ = ("held", "limit", "running")
 
     def __init__(self, limit: int) -> None:
         self.held = 0
+        self.running = 0
         self.limit = limit
 
 
@@ -386,6 +388,7 @@ class Exchange:
             bodies = self._proto.bodies
             if bodies is not None:
                 bodies.held -= self.counted
+                bodies.running -= self.counted
             self.counted = 0
 
     def header(self, name: bytes) -> str | None:
@@ -912,7 +915,7 @@ class ServerProtocol(asyncio.Protocol):
             raise _Reject(413, f"request body exceeds the limit of {self.max_body} bytes")
         bodies = self.bodies
         if bodies is not None:                  # every route's body: a control route's app buffers it whole too
-            if bodies.held + len(body) > bodies.limit:
+            if bodies.held - (bodies.running if ex.api is None else 0) + len(body) > bodies.limit:
                 raise _Reject(503, "the server holds too many request bodies at once "
                                    f"(max_pending_body_bytes {bodies.limit}); retry later")
             bodies.held += len(body)
@@ -938,6 +941,8 @@ class ServerProtocol(asyncio.Protocol):
         if self.body_held:
             if ex is not None and ex.api is not None:   # a completion body stays counted until its request ends
                 ex.counted, self.body_held = self.body_held, 0
+                if self.bodies is not None:
+                    self.bodies.running += ex.counted
             else:
                 self._release_body()
         self.phase = _WAIT

@@ -46,7 +46,11 @@ def server_ssl_context(settings: Settings) -> ssl.SSLContext | None:
     except FileNotFoundError as exc:
         raise ValueError(f"{_cert_flags(certfile, keyfile)}: {exc.strerror}") from None
     except (ssl.SSLError, OSError) as exc:
-        if not keyfile and b"PRIVATE KEY-----" not in Path(certfile).read_bytes():
+        try:
+            keyless = not keyfile and b"PRIVATE KEY-----" not in Path(certfile).read_bytes()
+        except OSError:
+            keyless = False                          # unreadable: the message below says why
+        if keyless:
             raise ValueError(f"--ssl-certfile {certfile} holds no private key: give its key with --ssl-keyfile "
                              "(PEM)") from None
         raise ValueError(f"{_cert_flags(certfile, keyfile)}: cannot load the certificate and key: {exc}") from None

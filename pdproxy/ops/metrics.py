@@ -44,7 +44,7 @@ sizes tokens.  Three kinds of series:
 - **admission** (copied from its counters, :meth:`ProxyMetrics.sync`): ``pdproxy_prefill_queue_depth``,
   ``pdproxy_prefill_queue_waited_total``, ``…_wait_seconds_total``, ``…_full_total``, ``…_timed_out_total``,
   ``pdproxy_decode_only_total{reason}``, ``pdproxy_prompt_counts_total{method}``,
-  ``pdproxy_prompt_count_seconds_total``, ``pdproxy_prompt_count_errors_total``;
+  ``pdproxy_prompt_count_seconds_total``, ``pdproxy_prompt_count_errors_total``, ``pdproxy_tokenize_skipped_total``;
 - **proxy state at scrape time** (a collector reading ``ProxyState``): per endpoint
   ``pdproxy_inflight_requests``, ``pdproxy_inflight_tokens``, ``pdproxy_endpoint_healthy``,
   ``pdproxy_endpoint_draining``, ``pdproxy_endpoint_breaker_state{state}`` (1 for the current state),
@@ -271,10 +271,13 @@ class ProxyMetrics:
                                          "disaggregation), by reason.", ("reason",), registry=reg),
             "counted_total": Counter("pdproxy_prompt_counts", "Prompts counted, by method (ids | bound | local | "
                                      "engine | estimate).", ("method",), registry=reg),
-            "count_errors_total": Counter("pdproxy_prompt_count_errors", "Engine /tokenize calls that failed or "
-                                          "found no place under tokenize_max_inflight in time.", registry=reg),
+            "count_errors_total": Counter("pdproxy_prompt_count_errors", "Engine /tokenize calls that failed, or "
+                                          "counts that found no place under tokenize_max_inflight in time.",
+                                          registry=reg),
             "count_seconds_total": Counter("pdproxy_prompt_count_seconds", "Time spent counting prompts.",
                                            registry=reg),
+            "tokenize_skipped_total": Counter("pdproxy_tokenize_skipped", "Precise prefix keys made from the text: "
+                                              "the engine's tokenize_max_inflight places were taken.", registry=reg),
         }
         self.queue = {
             "waited_total": Counter("pdproxy_prefill_queue_waited", "Requests that waited for a prefill slot.",
@@ -359,6 +362,7 @@ class ProxyMetrics:
         counts: tuple[tuple[str, int | float | Mapping[str, int]], ...] = (
             ("decode_only_total", adm.decode_only_total), ("counted_total", adm.counted_total),
             ("count_errors_total", adm.count_errors_total), ("count_seconds_total", adm.count_seconds_total),
+            ("tokenize_skipped_total", adm.tokenize_skipped_total),
             ("waited_total", queue.waited_total), ("wait_seconds_total", queue.wait_seconds_total),
             ("rejected_full_total", queue.rejected_full_total), ("timed_out_total", queue.timed_out_total))
         families = {**self.admission, **self.queue}

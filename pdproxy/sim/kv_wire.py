@@ -24,7 +24,7 @@ from pdproxy.prefix.kv_events import (
 
 class _VllmMapStored(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockStored"):
     """vLLM's own map layout: ``lora_id``, ``medium``, ``lora_name`` have no default there, so they are always
-    written (``None`` included); the decoding structs above are laxer."""
+    written (``None`` included); the decoding structs (pdproxy/prefix/kv_events.py) are laxer."""
 
     block_hashes: list[int | bytes]
     parent_block_hash: int | bytes | None

@@ -171,7 +171,16 @@ async def test_tokenize_calls_in_flight_are_capped(state: ProxyState, monkeypatc
         assert state.admission.stats.count_errors_total == 8
         ids_req, ids_ctx = request({"prompt": "hello there"})
         assert await state.admission.prompt_token_ids(ids_req, ids_ctx, len) is None     # no wait: text keys
-        assert held.calls == 2 and state.admission.stats.count_errors_total == 9
+        assert held.calls == 2 and state.admission.stats.tokenize_skipped_total == 1
+        waiter_req, waiter_ctx = request({"messages": [{"role": "user", "content": sim_prompt(3000, unique=True)}]})
+        waiter = asyncio.create_task(state.admission.admit(waiter_req, waiter_ctx))
+        slots = next(iter(state.admission._tokenize_slots.values()))
+        async with asyncio.timeout(5):
+            while not slots._waiters:                           # waiting for a place: then its client leaves
+                await asyncio.sleep(0)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
         held.release.set()
         await asyncio.wait_for(asyncio.gather(*tasks), 10)
         assert held.most == 2 and held.inflight == 0
@@ -183,6 +192,7 @@ async def test_tokenize_calls_in_flight_are_capped(state: ProxyState, monkeypatc
         for t in tasks:
             t.cancel()
     assert await state.admission.prompt_token_ids(ids_req, ids_ctx, len) == 3001      # places free again
+    assert [slots._value for slots in state.admission._tokenize_slots.values()] == [2]   # none leaked
 
 
 async def test_a_prompt_far_over_the_limit_is_not_sent_to_an_engine_to_count(state: ProxyState,
@@ -236,7 +246,7 @@ async def test_only_text_weighs_against_the_engine_count_ratio(state: ProxyState
     monkeypatch.setattr(state.upstream, "post_json", tokenize)
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 400_000}}
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        f"p{i}": {"type": "string"} for i in range(10_000)}}}}]
+        "p": {"type": "array", "examples": [[] for _ in range(12_000)]}}}}}]      # 36 KB, a ~19 MB loose bound
     for body in ({"messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}]},
                  {"messages": [{"role": "user", "content": "hi"}], "tools": tools},
                  {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 7800},
@@ -252,4 +262,9 @@ async def test_only_text_weighs_against_the_engine_count_ratio(state: ProxyState
     with pytest.raises(PromptTooLong) as too_long:
         await state.admission.admit(req, ctx)
     assert len(counts) == 4                         # 300 KB against a 191-token limit: the engine is not asked
-    assert "you requested 8000 output tokens and your prompt contains at least" in too_long.value.message
+    assert "you requested 8000 output tokens and your prompt contains at least 193 input" in too_long.value.message
+    req, ctx = request({**req.body, "max_tokens": 9000})                     # no room at all: still a true bound
+    with pytest.raises(PromptTooLong) as too_long:
+        await state.admission.admit(req, ctx)
+    assert "your prompt contains at least 1 input tokens, for a total of at least 9001" in too_long.value.message
+    assert ctx.prompt_tokens == 1 and len(counts) == 4

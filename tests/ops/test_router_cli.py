@@ -191,6 +191,7 @@ def test_router_pd_and_cache_aware_flags_are_taken() -> None:
     assert s.kv_events == ["http://p:1=tcp://10.0.0.1:5557", "http://p:3=tcp://h:6000"]
     assert s.allowed_origins == ["http://a.example", "https://b.example"]
     assert (s.routing_picker, s.prefix_routing) == ("least_cost", "auto")
+    assert parse_line("--pd-kv-events", "http://q:1=tcp://h:1").kv_events == ["http://q:1=tcp://h:1"]   # warned of
     spelled = parse_line("--prefill", "http://[::1]:80", "--pd-kv-events", "http://[0::1]=tcp://h:7")
     assert [src.endpoint for src in spelled.kv_event_sources()] == ["http://[::1]:80"]  # one engine, two spellings
     assert parse_line("--cors-allowed-origins", "http://a", "--allowed-origins", "http://b").allowed_origins == [
@@ -200,8 +201,7 @@ def test_router_pd_and_cache_aware_flags_are_taken() -> None:
                         (("--prefiller-dp-size", "2", "--pd-kv-events", "http://p:1=tcp://h:1,tcp://h:5"),
                          ("--pd-kv-events", "tcp://h:2")),
                         (("--pd-kv-events", "http://p:1=tcp://h:1,tcp://h:2"),
-                         ("--pd-kv-events", "2 endpoints", "1 DP rank", "--prefiller-dp-size")),
-                        (("--pd-kv-events", "http://q:1=tcp://h:1"), ("--pd-kv-events", "http://q:1", "not a configured")),
+                         ("--pd-kv-events", "2 endpoints", "1 DP rank", "--intra-node-data-parallel-size")),
                         (("--pd-kv-events", "nope"), ("--pd-kv-events", "URL=ENDPOINT"))):
         with pytest.raises(ValueError) as bad:
             parse_line(*argv)

@@ -636,7 +636,7 @@ def test_whole_bodies_count_until_their_request_ends(sims: Fleet) -> None:
         d.faults({"kind": "stall_after_events", "events": 1, "path": "/v1/completions"})
     body = orjson.dumps({"model": "sim-model", "prompt": "hello edge", "max_tokens": 50, "stream": True,
                          "user": "u" * 3000})
-    with edge_proxy(sims, max_pending_body_bytes=2 * len(body) + 500) as p:
+    with edge_proxy(sims, max_pending_body_bytes=2 * len(body) + 20) as p:
         streams = []
         for _ in range(2):
             c = RawConn(p.port)
@@ -649,6 +649,11 @@ def test_whole_bodies_count_until_their_request_ends(sims: Fleet) -> None:
                    "both streams in decode")
         assert bodies is not None and bodies.held == 2 * len(body)        # whole, and still counted
         refused_past_budget(p, b"/v1/completions")
+        tokenize = orjson.dumps({"model": "sim-model", "prompt": "hello edge"})   # a control route is weighed
+        c = RawConn(p.port)                                                  # without the running bodies
+        c.send(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(tokenize) + tokenize)
+        assert c.read_messages(1)[0].status == 200
         streams.pop().sock.close()
         wait_until(lambda: bodies.held == len(body), 10, 0.02, "the departed client's body released")
         chat = orjson.dumps({"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
@@ -658,6 +663,15 @@ def test_whole_bodies_count_until_their_request_ends(sims: Fleet) -> None:
         m = c.read_messages(1)[0]
         assert m.status == 200, m.body
         wait_until(lambda: bodies.held == len(body), 10, 0.02, "a served request's body released")
+        # a request pipelined behind a running one holds its body; dropped unrun with its connection, it gives it back
+        stalled = orjson.dumps({"model": "sim-model", "prompt": "hi", "max_tokens": 50, "stream": True})
+        c = RawConn(p.port)
+        c.send(b"".join(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (path, len(b), b)
+                        for path, b in ((b"/v1/completions", stalled), (b"/v1/chat/completions", chat))))
+        wait_until(lambda: bodies.held == len(body) + len(stalled) + len(chat), 10, 0.02, "both bodies counted")
+        c.sock.close()
+        wait_until(lambda: bodies.held == len(body), 10, 0.02, "the running and the unrun request's bodies released")
         streams.pop().sock.close()
         wait_until(lambda: bodies.held == 0, 10, 0.02, "every body released")
 
