@@ -225,9 +225,10 @@ def responses_chat(body: dict[str, Any]) -> dict[str, Any]:
                         "function": {"name": item.get("name", ""),
                                      "arguments": item.get("arguments", item.get("input", ""))}}
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            elif kind in ("function_call_output", "custom_tool_call_output"):
+            elif kind in ("function_call_output", "custom_tool_call_output"):   # vLLM passes ``output`` as the
+                output = item.get("output", "")          # tool message's content: a list stays parts (an image)
                 messages.append({"role": "tool", "tool_call_id": item.get("call_id", ""),
-                                 "content": str(item.get("output", ""))})
+                                 "content": _parts_of(output) if isinstance(output, list) else str(output)})
             elif kind == "reasoning":
                 continue
             elif "role" in item:

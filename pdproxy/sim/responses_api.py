@@ -91,9 +91,10 @@ def chat_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
             messages.append({"role": "assistant", "content": "", "tool_calls": [{
                 "id": item.get("call_id", ""), "type": "function",
                 "function": {"name": item.get("name", ""), "arguments": item.get("arguments", "")}}]})
-        elif kind == "function_call_output":
+        elif kind == "function_call_output":      # vLLM: the output is the tool message's content, parts kept
+            output = item.get("output", "")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id", ""),
-                             "content": str(item.get("output", ""))})
+                             "content": _text_of(output)[0] if isinstance(output, list) else str(output)})
         elif kind == "message" or "role" in item:
             role, content = item.get("role", "user"), item.get("content")
             if role not in _MESSAGE_ROLES:    # openai's EasyInputMessageParam / ResponseInputItem message roles

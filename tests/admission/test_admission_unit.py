@@ -268,3 +268,29 @@ async def test_only_text_weighs_against_the_engine_count_ratio(state: ProxyState
         await state.admission.admit(req, ctx)
     assert "your prompt contains at least 1 input tokens, for a total of at least 9001" in too_long.value.message
     assert ctx.prompt_tokens == 1 and len(counts) == 4
+
+
+async def test_a_tool_output_of_parts_counts_its_image_as_media(state: ProxyState,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Responses ``function_call_output`` whose ``output`` is a list of parts (a tool returning a screenshot) is
+    the tool message's content as vLLM builds it (``responses/utils.py``: ``content=output``): its image is a media
+    part, not text — old code stringified the list, so 300 KB of base64 was prompt text, refused by the count
+    ratio (and sent to ``/tokenize`` as text below it)."""
+    sent: list[bytes] = []
+
+    async def tokenize(endpoint: Any, path: str, body: bytes, headers: Any, **kw: Any) -> dict[str, Any]:
+        sent.append(body)
+        return {"count": 900}
+
+    monkeypatch.setattr(state.upstream, "post_json", tokenize)
+    shot = {"type": "input_image", "image_url": "data:image/png;base64," + "A" * 300_000}
+    body = {"model": "m", "input": [
+        {"role": "user", "content": "take a screenshot"},
+        {"type": "function_call", "call_id": "c1", "name": "screenshot", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "here"}, shot]}]}
+    req = parse_request(orjson.dumps(body), Api.RESPONSES)
+    ctx = RequestContext("r", None, Api.RESPONSES.label)
+    await state.admission.admit(req, ctx)
+    assert req.prompt_tokens == 900 and len(sent) == 1 and len(sent[0]) < 2_000     # counted, the image as a part
+    tool = next(m for m in orjson.loads(sent[0])["messages"] if m["role"] == "tool")
+    assert [p["type"] for p in tool["content"]] == ["text", "image_url"]

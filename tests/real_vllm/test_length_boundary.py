@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from tests.real_vllm.support import Engines, Prompts, completion_requests
+from tests.real_vllm.support import Engines, Prompts, completion_requests, metric, scrape
 from tests.support import ProxyThread
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(90)]
@@ -111,3 +111,29 @@ def test_boundary_error_body_is_vllms(engines: Engines, make_proxy: Callable[...
     proxy = proxy_for(make_proxy, engines, mode)
     status, error = via_pdproxy(proxy, CASES[CASE_IDS.index(case_id)][0], body)
     assert (status, error) == (400, vllm.json()["error"])
+
+
+def test_text_far_over_the_limit_gets_vllms_400_without_a_count(engines: Engines,
+                                                                make_proxy: Callable[..., ProxyThread]) -> None:
+    """A chat whose only long text is an assistant tool call's arguments (no lower bound: a template may drop them)
+    at 40 bytes a token of ``max_model_len``: pdproxy, counting with the engine, answers the 400 the real engine
+    answers the same body with — its body byte for byte — and asks no engine anything, ``/tokenize`` included
+    (``engine_count_max_bytes_per_token``; the tiny model's template renders the call, so vLLM refuses it too)."""
+    arguments = '{"q": "' + " the" * (10 * engines.max_model_len) + '"}'
+    body = {"model": engines.served_model, "max_tokens": 4, "messages": [
+        {"role": "user", "content": "look it up"},
+        {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+                                               "function": {"name": "lookup", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "done"}]}
+    with httpx.Client(base_url=engines.prefill_url, timeout=60) as engine:
+        vllm = engine.post("/v1/chat/completions", json=body)
+    assert vllm.status_code == 400, vllm.text[:300]
+    proxy = make_proxy(engines, token_count="engine")
+    handlers = ("/v1/completions", "/v1/chat/completions", "/tokenize")
+    before = [metric(scrape(url), "http_requests_total", handler=h) for url in (engines.prefill_url,
+                                                                                 engines.decode_url) for h in handlers]
+    status, error = via_pdproxy(proxy, "chat", body)
+    assert (status, error) == (400, vllm.json()["error"])
+    after = [metric(scrape(url), "http_requests_total", handler=h) for url in (engines.prefill_url,
+                                                                                engines.decode_url) for h in handlers]
+    assert after == before, "an engine was asked to count or serve the refused request"
