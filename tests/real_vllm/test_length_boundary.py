@@ -113,12 +113,15 @@ def test_boundary_error_body_is_vllms(engines: Engines, make_proxy: Callable[...
     assert (status, error) == (400, vllm.json()["error"])
 
 
-def test_text_far_over_the_limit_gets_vllms_400_without_a_count(engines: Engines,
-                                                                make_proxy: Callable[..., ProxyThread]) -> None:
+def test_text_far_over_the_limit_is_refused_as_vllm_refuses_it_without_a_count(
+        engines: Engines, make_proxy: Callable[..., ProxyThread]) -> None:
     """A chat whose only long text is an assistant tool call's arguments (no lower bound: a template may drop them)
-    at 40 bytes a token of ``max_model_len``: pdproxy, counting with the engine, answers the 400 the real engine
-    answers the same body with — its body byte for byte — and asks no engine anything, ``/tokenize`` included
-    (``engine_count_max_bytes_per_token``; the tiny model's template renders the call, so vLLM refuses it too)."""
+    at 40 bytes a token of ``max_model_len``: the real engine refuses it before tokenizing — vLLM 0.32's own
+    character check (``renderers/params.py::_text_len_check``: rendered text longer than ``max_model_len`` × its
+    tokenizer's longest token, "your prompt contains N characters (more than M characters …)") — and pdproxy,
+    counting with the engine, refuses it too, a 400 with vLLM's type and the "maximum context length" phrase
+    clients look for, in token words (it renders nothing, so it cannot give the character figures), and asks no
+    engine anything, ``/tokenize`` included (``engine_count_max_bytes_per_token``)."""
     arguments = '{"q": "' + " the" * (10 * engines.max_model_len) + '"}'
     body = {"model": engines.served_model, "max_tokens": 4, "messages": [
         {"role": "user", "content": "look it up"},
@@ -127,13 +130,14 @@ def test_text_far_over_the_limit_gets_vllms_400_without_a_count(engines: Engines
         {"role": "tool", "tool_call_id": "call_1", "content": "done"}]}
     with httpx.Client(base_url=engines.prefill_url, timeout=60) as engine:
         vllm = engine.post("/v1/chat/completions", json=body)
-    assert vllm.status_code == 400, vllm.text[:300]
+    assert vllm.status_code == 400 and "characters (more than" in vllm.json()["error"]["message"], vllm.text[:300]
     proxy = make_proxy(engines, token_count="engine")
     handlers = ("/v1/completions", "/v1/chat/completions", "/tokenize")
     before = [metric(scrape(url), "http_requests_total", handler=h) for url in (engines.prefill_url,
                                                                                  engines.decode_url) for h in handlers]
     status, error = via_pdproxy(proxy, "chat", body)
-    assert (status, error) == (400, vllm.json()["error"])
+    assert status == 400 and error["type"] == vllm.json()["error"]["type"] == "BadRequestError", error
+    assert f"maximum context length is {engines.max_model_len} tokens" in error["message"]
     after = [metric(scrape(url), "http_requests_total", handler=h) for url in (engines.prefill_url,
                                                                                 engines.decode_url) for h in handlers]
     assert after == before, "an engine was asked to count or serve the refused request"
