@@ -44,23 +44,12 @@ class _VllmMapRemoved(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockRe
     group_idx: int | None = None
 
 
-class _VllmArrayStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="BlockStored"):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
+class _VllmArrayStored(_VllmMapStored, array_like=True, omit_defaults=True):
+    """The same fields as vLLM ≤ 0.23 writes them: a positional array after the tag."""
 
 
-class _VllmArrayRemoved(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="BlockRemoved"):
-    block_hashes: list[int | bytes]
-    medium: str | None
-    group_idx: int | None = None
+class _VllmArrayRemoved(_VllmMapRemoved, array_like=True, omit_defaults=True):
+    """The same fields as vLLM ≤ 0.23 writes them: a positional array after the tag."""
 
 
 class _VllmBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
