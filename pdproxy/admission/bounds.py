@@ -143,6 +143,13 @@ def _finish(lower: int, upper: int, text_bytes: int) -> PromptBounds:
     return PromptBounds(lower=lower, upper=max(upper, lower), estimate=estimate, text_bytes=text_bytes)
 
 
+def _single_prompt(body: dict[str, Any]) -> Any:
+    """A completions body's ``prompt``, a one-element list unwrapped (``["text"]`` → ``"text"``, ``[[1, 2]]`` →
+    ``[1, 2]``); anything else as given."""
+    prompt = body.get("prompt")
+    return prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
+
+
 def prompt_bounds(body: dict[str, Any], chat: bool, *, template_overhead: int, lower: bool = True,
                   tools_bytes: Callable[[Any], int] | None = None) -> PromptBounds:
     """Bounds for a validated request body (``chat``: a ``messages`` body, else a ``prompt`` body).
@@ -154,9 +161,7 @@ def prompt_bounds(body: dict[str, Any], chat: bool, *, template_overhead: int, l
     tools' size (default :func:`indented_json_bytes`; admission passes a :class:`ToolsBytes` cache).
     """
     if not chat:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
+        prompt = _single_prompt(body)
         if isinstance(prompt, list):                      # token ids: exact
             return PromptBounds(len(prompt), len(prompt), len(prompt), 0)
         text = prompt if isinstance(prompt, str) else ""
@@ -208,9 +213,7 @@ def text_bytes_floor(body: dict[str, Any], chat: bool) -> int:
     count; unlike ``PromptBounds.upper`` it is not inflated for media or for tools too large to lay out, and leaves
     out the reasoning of earlier turns, which templates commonly drop (Qwen3's, DeepSeek-R1's)."""
     if not chat:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
+        prompt = _single_prompt(body)
         return utf8_len(prompt) if isinstance(prompt, str) else 0
     messages = body.get("messages")
     size = _messages_size(messages, False, REASONING_FIELDS)[1] if isinstance(messages, list) else 0
