@@ -95,6 +95,10 @@ from pdproxy.timeline import RequestContext
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
+_DONE_CRLF = b"data: [DONE]\r\n\r\n"
+_DONES = (sse.DONE_EVENT, sse.DONE_EVENT_NO_SPACE, _DONE_CRLF, b"data:[DONE]\r\n\r\n")
+"""How an SSE body's last event ``data: [DONE]`` may end it (the space is optional, lines may end CRLF)."""
+
 ROUTES: dict[str, str] = {
     "/tokenize": "tokenize", "/detokenize": "detokenize",
     "/v1/messages/count_tokens": "count_tokens",
@@ -534,13 +538,20 @@ class Passthrough:
         cut between events gets vLLM's error event and ``data: [DONE]`` (:func:`pdproxy.errors.sse_error_event`),
         any other body (JSON, an SSE event half sent) is cut: the response is left unfinished, which pdproxy's
         server ends by closing the connection before the body's end (no last chunk), so no client reads it as
-        whole.  Raises :class:`UpstreamUnavailable` (502, another engine is tried) for a 2xx whose body ended
+        whole.  A 2xx SSE body that ends without ``data: [DONE]`` is broken the same way: vLLM's streaming routes
+        here (``/inference/v1/generate``: ``scale_out/token_in_token_out/serving.py``; speech-to-text:
+        ``speech_to_text/base/serving.py``) always end with it, errors included, so a stream ended before it is cut
+        (an engine that died after a whole event) and must not read as a whole answer.  Raises
+        :class:`UpstreamUnavailable` (502, another engine is tried) for a 2xx whose body ended
         empty: no client gets a 200 with an empty body (vLLM's routes always answer a JSON or SSE body)."""
         ctx.status = resp.status_code
         if resp.status_code >= 400:
             ctx.outcome = "upstream_rejected" if resp.status_code < 500 else "upstream_error"
         started = False
-        tail = b""                                          # the body's last bytes relayed (an event boundary?)
+        tail = b""                                          # the body's last bytes relayed (an event boundary? [DONE]?)
+        keep = len(_DONE_CRLF)
+        sse_body = "text/event-stream" in resp.headers.get("content-type", "").lower()
+        failure: ProxyError | None = None
         try:
             async for chunk in resp.aiter_raw():
                 if not started:
@@ -550,18 +561,22 @@ class Passthrough:
                     started = True
                 if chunk:
                     ctx.events += 1
-                    tail = chunk[-4:] if len(chunk) >= 4 else (tail + chunk)[-4:]
+                    tail = chunk[-keep:] if len(chunk) >= keep else (tail + chunk)[-keep:]
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as exc:
             if not started:
                 raise httpx_error(exc, f"engine {self._who(ctx)}", self._who(ctx), " before its answer") from None
             failure = httpx_error(exc, f"engine {self._who(ctx)}", self._who(ctx), " mid-answer")
             failure.note("; the response is incomplete")
+        if failure is None and started and sse_body and 200 <= resp.status_code < 300 and not tail.endswith(_DONES):
+            end = "ended the stream without data: [DONE]; the response may be incomplete"
+            failure = UpstreamUnavailable(f"engine {endpoint.name} {end}", endpoint=endpoint.name,
+                                          public=f"the engine {end}")
+        if failure is not None:
             ctx.outcome = "upstream_error"
             ctx.error = failure.message
             ctx.timeline.last_token_at = time.monotonic()
             self.health.record_error(endpoint, failure)
-            sse_body = "text/event-stream" in resp.headers.get("content-type", "").lower()
             if sse_body and (tail.endswith(b"\n\n") or tail.endswith(b"\r\n\r\n")):
                 await send({"type": "http.response.body", "body": sse_error_event(failure) + sse.DONE_EVENT})
             return True                                     # else unfinished: the server cuts the body

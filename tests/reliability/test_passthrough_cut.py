@@ -27,11 +27,14 @@ SSE_PIECE = b'data: {"token_ids": [7]}\n\n'
 class CuttingEngine(StandInEngine):
     """The stand-in (tests/stand_in.py) whose every ``POST`` answers 200 and part of its body, then resets the
     connection (RST: ``SO_LINGER`` 0): an SSE stream of two events when the body asks ``"stream": true``, else a
-    JSON body declared 100 bytes longer than sent.  ``posts`` counts the ``POST``s."""
+    JSON body declared 100 bytes longer than sent.  ``posts`` counts the ``POST``s; with ``clean_end`` the SSE body
+    ends well-formed (its last chunk sent, no reset) but without ``data: [DONE]``, as an engine that stopped
+    writing at an event boundary."""
 
     def __init__(self) -> None:
         super().__init__(MODEL)
         self.posts = 0
+        self.clean_end = False
 
     def post(self, handler: StandInHandler, body: bytes) -> None:
         self.posts += 1
@@ -42,6 +45,10 @@ class CuttingEngine(StandInEngine):
             handler.end_headers()
             for _ in range(2):
                 handler.wfile.write(b"%x\r\n%s\r\n" % (len(SSE_PIECE), SSE_PIECE))
+            if self.clean_end:
+                handler.wfile.write(b"0\r\n\r\n")
+                handler.wfile.flush()
+                return
         else:
             part = b'{"count": 3, "tokens": [1, 2'
             handler.send_header("content-type", "application/json")
@@ -89,6 +96,28 @@ def test_an_sse_passthrough_cut_mid_stream_ends_with_an_error_event_and_counts_a
                                "type": "BadGatewayError", "param": None, "code": 502}}
     assert len(events) == 4
     assert engine.posts == 1                             # never retried once the client had bytes
+    assert failures(proxy, decoder) == 1 and failures(proxy, prefiller) == 0
+    proxy.wait_idle()
+
+
+def test_an_sse_passthrough_ended_without_done_is_broken_not_whole(
+        rig: tuple[CuttingEngine, ProxyThread, Endpoint, Endpoint]) -> None:
+    """vLLM's generate stream always ends with ``data: [DONE]`` (``scale_out/token_in_token_out/serving.py``), its
+    errors too: one that ends cleanly before it was cut short — the client gets the error event and ``[DONE]``,
+    and the engine's breaker a failure.  Old code: a well-formed 200 the client read as whole."""
+    engine, proxy, decoder, prefiller = rig
+    engine.clean_end = True
+    with httpx.stream("POST", proxy.url + "/inference/v1/generate", timeout=10,
+                      json={"model": MODEL, "token_ids": [1, 2, 3], "stream": True,
+                            "sampling_params": {"max_tokens": 4}}) as r:
+        assert r.status_code == 200
+        raw = r.read()
+    events = [e for e in raw.split(b"\n\n") if e]
+    assert events[:2] == [SSE_PIECE.strip()] * 2 and events[-1] == b"data: [DONE]" and len(events) == 4
+    error = orjson.loads(events[2].removeprefix(b"data: "))["error"]
+    assert error == {"message": "the engine ended the stream without data: [DONE]; the response may be incomplete",
+                     "type": "BadGatewayError", "param": None, "code": 502}
+    assert engine.posts == 1
     assert failures(proxy, decoder) == 1 and failures(proxy, prefiller) == 0
     proxy.wait_idle()
 
