@@ -169,15 +169,21 @@ class HealthMonitor:
                                     retry_in_s=b.seconds_until_retry())
         self.probe_soon(endpoint)
 
-    def record_error(self, endpoint: Endpoint, exc: ProxyError) -> bool:
+    def record_error(self, endpoint: Endpoint, exc: ProxyError, *, again: bool = False) -> bool:
         """Record a leg to ``endpoint`` that ended with ``exc``; True when it says the engine is unwell (transport
         failure, timeout, 5xx: :meth:`record_failure`, honouring its ``Retry-After``; a refused connection opens the
         breaker at once), False for the request's own fault (a 4xx: :meth:`record_neutral`); the verdict is
-        :func:`pdproxy.errors.classify`'s."""
+        :func:`pdproxy.errors.classify`'s.  ``again``: the same request failed on ``endpoint`` before (a lone
+        engine tried once more): no further strike, unless the engine said ``Retry-After`` or refused the
+        connection — one request's attempts count once, so a request whose content makes an engine fail (a
+        malformed answer, a 502) cannot open the breaker, and refuse every other client, by itself."""
         verdict = classify(exc)
         if not verdict.engine_fault:
             self.record_neutral(endpoint)
             return False
+        if again and verdict.retry_after_s is None and not verdict.unsent:
+            self.record_neutral(endpoint)
+            return True
         if isinstance(exc, UpstreamTimeout):
             self._timed_out.add(endpoint)
         else:

@@ -145,8 +145,10 @@ class DecodeLeg:
 
     async def run(self, req: ProxyRequest, ctx: RequestContext, pick: PickRequest, prefill: PrefillResult,
                   out: Responder, exclude: Sequence[Endpoint], transcript: recompute.Transcript | None,
-                  resume: Resume | None = None) -> bool:
-        """Pick a decoder (not in ``exclude``), open the decode leg and relay its answer to ``out``.
+                  resume: Resume | None = None, failed: Sequence[Endpoint] = ()) -> bool:
+        """Pick a decoder (not in ``exclude``), open the decode leg and relay its answer to ``out``.  ``failed``:
+        the decoders this request failed on before (a second failure on one is no further strike against it:
+        :meth:`~pdproxy.engines.health.HealthMonitor.record_error`'s ``again``).
 
         ``resume``: the stream is continuable (:mod:`pdproxy.pd.continuation`): its first leg asks the decoder for
         ``return_token_ids``; a loss after the first event raises :class:`StreamLost` (the decoder's breaker is
@@ -225,7 +227,7 @@ class DecodeLeg:
                     # a long generation cannot be told from a hung decoder — replaced (decode_attempts), but no
                     # verdict on this one: a client's long requests must not open the decoders' breakers for all
                     self.health.record_neutral(endpoint)
-                elif not self.health.record_error(endpoint, exc):
+                elif not self.health.record_error(endpoint, exc, again=endpoint in failed):
                     raise
                 raise DecodeFailed(exc, endpoint, kv_intact=classify(exc).unsent) from None
             except StreamLost as lost:             # lost after its first event: the director continues elsewhere

@@ -341,7 +341,8 @@ class Director:
                     exclude = (self.scheduler.retry_exclusion(Role.DECODE, pick, failed, lost) if attempt
                                else failed)
                     try:
-                        return await self.decode.run(req, ctx, pick, prefill, out, exclude, transcript, resume)
+                        return await self.decode.run(req, ctx, pick, prefill, out, exclude, transcript, resume,
+                                                     failed)
                     except NoEndpointAvailable:
                         if last is None or out.started:  # a continuation leg waits such a moment out
                             raise

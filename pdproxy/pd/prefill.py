@@ -166,7 +166,7 @@ class PrefillLeg:
             except ProxyError as exc:
                 lease.release()
                 slot.release()
-                if not self.health.record_error(endpoint, exc):
+                if not self.health.record_error(endpoint, exc, again=endpoint in tried):
                     raise
                 verdict = classify(exc)
                 if not verdict.retry(retried_500):

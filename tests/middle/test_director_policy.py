@@ -96,6 +96,32 @@ async def test_a_lone_prefiller_that_fails_once_is_tried_again(failure: str) -> 
     assert rig.state.health.breaker(first.endpoint).consecutive_failures == 0   # the success closed the count
 
 
+@pytest.mark.parametrize("failure", ["reset", "timeout", "502"])
+async def test_one_requests_attempts_on_a_lone_engine_count_once_against_its_breaker(failure: str) -> None:
+    """A request that fails every attempt on the lone prefiller (a body that makes it answer a malformed head, a
+    502) is one strike, not ``prefill_attempts`` of them: old code opened the breaker (threshold 3) with one
+    request, and every other client got 503 until it closed.  Other requests' failures still add up (below), and
+    so do a lone decoder's."""
+    make, result = RETRYABLE[failure]
+    async with Rig(prefill=PREFILLERS[:1], decode=DECODERS[:1]) as rig:
+        rig.fake.script("r", prefill=[make(), make(), make()])
+        client = await rig.run("r")
+        legs = rig.fake.of("prefill", "r")
+        assert [c.result for c in legs] == [result] * 3 and len({c.endpoint for c in legs}) == 1
+        assert client.status in (502, 503, 504) and not rig.fake.of("decode")
+        b = rig.state.health.breaker(legs[0].endpoint)
+        assert b.consecutive_failures == 1 and b.opened_total == 0
+        rig.fake.script("s", prefill=[make(), make(), make()])
+        await rig.run("s")
+        assert b.consecutive_failures == 2 and b.opened_total == 0      # another request: another strike
+        rig.fake.script("t", decode=[make(), make(), make()])
+        client = await rig.run("t")
+        decodes = rig.fake.of("decode", "t")
+        assert len(decodes) == 3 and client.status in (502, 503, 504)
+        d = rig.state.health.breaker(decodes[0].endpoint)
+        assert d.consecutive_failures == 1 and d.opened_total == 0
+
+
 async def test_a_lone_prefiller_whose_engine_core_died_is_not_tried_again() -> None:
     dead = orjson.dumps({"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the "
                                               "root cause.", "type": "InternalServerError", "code": 500}})
