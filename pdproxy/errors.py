@@ -452,13 +452,15 @@ def _json_object(body: bytes) -> bool:
 class DecodeFailed(Exception):
     """A decoder failed before its first event reached the client (internal: the director may fail over; raised by
     :mod:`pdproxy.pd.decode`).
-    ``kv_intact``: the decoder never saw the request, so the prefiller's KV handle is still good."""
+    ``kv_intact``: the decoder never saw the request, so the prefiller's KV handle is still good; ``struck``: the
+    failure was a strike against the decoder's breaker (not a non-streamed answer's timeout, which is no verdict)."""
 
-    def __init__(self, error: ProxyError, endpoint: Endpoint, kv_intact: bool) -> None:
+    def __init__(self, error: ProxyError, endpoint: Endpoint, kv_intact: bool, struck: bool = True) -> None:
         super().__init__(error.message)
         self.error = error
         self.endpoint = endpoint
         self.kv_intact = kv_intact
+        self.struck = struck
 
 
 def sse_error_event(err: ProxyError | Exception) -> bytes:

@@ -95,9 +95,15 @@ from pdproxy.timeline import RequestContext
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
-_DONE_CRLF = b"data: [DONE]\r\n\r\n"
-_DONES = (sse.DONE_EVENT, sse.DONE_EVENT_NO_SPACE, _DONE_CRLF, b"data:[DONE]\r\n\r\n")
-"""How an SSE body's last event ``data: [DONE]`` may end it (the space is optional, lines may end CRLF)."""
+_DONE_TAIL_BYTES = 32
+"""How many of a passthrough SSE body's last bytes are kept to see it ended with ``data: [DONE]``."""
+
+
+def _ends_done(tail: bytes) -> bool:
+    """Whether an SSE body's last bytes ``tail`` end with the event ``data: [DONE]`` (the space optional; blank
+    lines after it, LF or CRLF, allowed)."""
+    last = tail.rstrip(b"\r\n")
+    return last.endswith((b"data: [DONE]", b"data:[DONE]")) and len(last) < len(tail)
 
 ROUTES: dict[str, str] = {
     "/tokenize": "tokenize", "/detokenize": "detokenize",
@@ -549,7 +555,7 @@ class Passthrough:
             ctx.outcome = "upstream_rejected" if resp.status_code < 500 else "upstream_error"
         started = False
         tail = b""                                          # the body's last bytes relayed (an event boundary? [DONE]?)
-        keep = len(_DONE_CRLF)
+        keep = _DONE_TAIL_BYTES
         sse_body = "text/event-stream" in resp.headers.get("content-type", "").lower()
         failure: ProxyError | None = None
         try:
@@ -568,7 +574,7 @@ class Passthrough:
                 raise httpx_error(exc, f"engine {self._who(ctx)}", self._who(ctx), " before its answer") from None
             failure = httpx_error(exc, f"engine {self._who(ctx)}", self._who(ctx), " mid-answer")
             failure.note("; the response is incomplete")
-        if failure is None and started and sse_body and 200 <= resp.status_code < 300 and not tail.endswith(_DONES):
+        if failure is None and started and sse_body and 200 <= resp.status_code < 300 and not _ends_done(tail):
             end = "ended the stream without data: [DONE]; the response may be incomplete"
             failure = UpstreamUnavailable(f"engine {endpoint.name} {end}", endpoint=endpoint.name,
                                           public=f"the engine {end}")

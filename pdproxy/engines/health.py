@@ -176,14 +176,12 @@ class HealthMonitor:
         :func:`pdproxy.errors.classify`'s.  ``again``: the same request failed on ``endpoint`` before (a lone
         engine tried once more): no further strike, unless the engine said ``Retry-After`` or refused the
         connection — one request's attempts count once, so a request whose content makes an engine fail (a
-        malformed answer, a 502) cannot open the breaker, and refuse every other client, by itself."""
+        malformed answer, a 502) cannot open the breaker, and refuse every other client, by itself.  A breaker not
+        closed (the attempt was a half-open trial, or others opened it meanwhile) records the failure as ever."""
         verdict = classify(exc)
         if not verdict.engine_fault:
             self.record_neutral(endpoint)
             return False
-        if again and verdict.retry_after_s is None and not verdict.unsent:
-            self.record_neutral(endpoint)
-            return True
         if isinstance(exc, UpstreamTimeout):
             self._timed_out.add(endpoint)
         else:
@@ -192,6 +190,10 @@ class HealthMonitor:
             self._unreached.add(endpoint)
         else:
             self._unreached.discard(endpoint)
+        if again and verdict.retry_after_s is None and not verdict.unsent:
+            b = self.breakers.get(endpoint)
+            if b is None or b.state is BreakerState.CLOSED:   # (not a trial: an open or half-open one fails as ever)
+                return True
         self.record_failure(endpoint, retry_after_s=verdict.retry_after_s, hard=verdict.unsent)
         return True
 

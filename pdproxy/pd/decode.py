@@ -145,10 +145,10 @@ class DecodeLeg:
 
     async def run(self, req: ProxyRequest, ctx: RequestContext, pick: PickRequest, prefill: PrefillResult,
                   out: Responder, exclude: Sequence[Endpoint], transcript: recompute.Transcript | None,
-                  resume: Resume | None = None, failed: Sequence[Endpoint] = ()) -> bool:
-        """Pick a decoder (not in ``exclude``), open the decode leg and relay its answer to ``out``.  ``failed``:
-        the decoders this request failed on before (a second failure on one is no further strike against it:
-        :meth:`~pdproxy.engines.health.HealthMonitor.record_error`'s ``again``).
+                  resume: Resume | None = None, struck: Sequence[Endpoint] = ()) -> bool:
+        """Pick a decoder (not in ``exclude``), open the decode leg and relay its answer to ``out``.  ``struck``:
+        the decoders this request's failures were strikes against before (another failure there is no further
+        strike: :meth:`~pdproxy.engines.health.HealthMonitor.record_error`'s ``again``).
 
         ``resume``: the stream is continuable (:mod:`pdproxy.pd.continuation`): its first leg asks the decoder for
         ``return_token_ids``; a loss after the first event raises :class:`StreamLost` (the decoder's breaker is
@@ -227,14 +227,15 @@ class DecodeLeg:
                     # a long generation cannot be told from a hung decoder — replaced (decode_attempts), but no
                     # verdict on this one: a client's long requests must not open the decoders' breakers for all
                     self.health.record_neutral(endpoint)
-                elif not self.health.record_error(endpoint, exc, again=endpoint in failed):
+                    raise DecodeFailed(exc, endpoint, kv_intact=classify(exc).unsent, struck=False) from None
+                elif not self.health.record_error(endpoint, exc, again=endpoint in struck):
                     raise
                 raise DecodeFailed(exc, endpoint, kv_intact=classify(exc).unsent) from None
             except StreamLost as lost:             # lost after its first event: the director continues elsewhere
                 if lost.planned:
                     self.health.record_neutral(endpoint)
                 else:
-                    self.health.record_error(endpoint, lost.error)
+                    self.health.record_error(endpoint, lost.error, again=endpoint in struck)
                 if resume is not None:
                     resume.lost.append(endpoint)
                 raise
@@ -242,7 +243,7 @@ class DecodeLeg:
                 self.health.record_neutral(endpoint)   # a half-open trial's slot must not stay taken
                 raise
         if broken is not None:                     # cut mid-stream (the client got the error event): its fault
-            self.health.record_error(endpoint, broken)
+            self.health.record_error(endpoint, broken, again=endpoint in struck)
         else:
             self.health.record_success(endpoint)
         return recomputed

@@ -325,6 +325,7 @@ class Director:
         pick = PickRequest.of(req, ctx.request_id, hints, affinity=affinity)
         lost: list[Endpoint] = resume.lost[-1:] if resume is not None and avoid_lost else []  # the one just lost
         failed = list(lost)
+        struck: list[Endpoint] = []                    # the decoders this leg's failures were strikes against
         prefill: PrefillResult | None = None
         last: ProxyError | None = None                 # the last decoder failure, for the client (decode.gave_up)
         self.scheduler.require(Role.DECODE, pick)
@@ -342,13 +343,15 @@ class Director:
                                else failed)
                     try:
                         return await self.decode.run(req, ctx, pick, prefill, out, exclude, transcript, resume,
-                                                     failed)
+                                                     struck)
                     except NoEndpointAvailable:
                         if last is None or out.started:  # a continuation leg waits such a moment out
                             raise
                         raise self.decode.gave_up(last) from None   # the decoders tried failed: none is left
                     except DecodeFailed as f:
                         failed.append(f.endpoint)
+                        if f.struck:
+                            struck.append(f.endpoint)
                         last = f.error
                         if attempt + 1 >= attempts:
                             raise (f.error if out.started else self.decode.gave_up(f.error)) from None

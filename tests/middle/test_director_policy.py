@@ -120,6 +120,10 @@ async def test_one_requests_attempts_on_a_lone_engine_count_once_against_its_bre
         assert len(decodes) == 3 and client.status in (502, 503, 504)
         d = rig.state.health.breaker(decodes[0].endpoint)
         assert d.consecutive_failures == 1 and d.opened_total == 0
+        if failure == "502":     # a non-streamed answer's timeout is no verdict: the 502s after it are the strike
+            rig.fake.script("u", decode=[TimeOut(), make(), make()])
+            await rig.run("u", stream=False)
+            assert d.consecutive_failures == 2 and d.opened_total == 0
 
 
 async def test_a_lone_prefiller_whose_engine_core_died_is_not_tried_again() -> None:

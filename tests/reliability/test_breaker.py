@@ -127,6 +127,33 @@ def test_monitor_filters_open_endpoints_and_reports_retry_after() -> None:
     assert health.snapshot(eps[1]).breaker == "open"
 
 
+def test_a_requests_second_failure_is_no_strike_on_a_closed_breaker_but_fails_a_trial() -> None:
+    """``record_error(..., again=True)`` (the same request failed on the engine before): no strike while the
+    breaker is closed, so one request cannot open it; but an open or half-open breaker records it as ever — a
+    failed trial re-opens it, and another request's trial slot is never freed by it."""
+    clock = Clock()
+    (ep,) = expand(["http://p0:1"], Role.PREFILL)
+    health = HealthMonitor(EndpointPool([ep]), engines=None, infos={}, interval_s=1.0,  # type: ignore[arg-type]
+                           refresh_interval_s=1.0, breaker_failures=3, breaker_open_s=3.0, clock=clock)
+    b = health.breaker(ep)
+    err = UpstreamUnavailable("reset", endpoint=ep.name)
+    assert health.record_error(ep, err) and b.consecutive_failures == 1
+    for _ in range(5):
+        assert health.record_error(ep, err, again=True)                # an engine fault, told to the caller
+    assert b.consecutive_failures == 1 and b.state is BreakerState.CLOSED
+    health.record_error(ep, err)
+    health.record_error(ep, err)                                        # two more requests: open
+    assert b.state is BreakerState.OPEN and b.opened_total == 1
+    clock.now += 10
+    assert health.on_pick(ep) and b.state is BreakerState.HALF_OPEN    # a retry takes the trial ...
+    health.record_error(ep, err, again=True)                            # ... and fails: open again, wait doubled
+    assert b.state is BreakerState.OPEN and b.opened_total == 2
+    clock.now += 10
+    assert health.on_pick(ep) and not b.can_take()                      # another request's trial in flight
+    health.record_error(ep, err, again=True)                            # an older request failing there again
+    assert b.state is BreakerState.OPEN and not b.can_take()            # no second trial let in beside it
+
+
 class _Engines:
     """The monitor's engine client: ``/health`` answers unless the endpoint is in ``down``."""
 

@@ -132,3 +132,13 @@ def test_a_json_passthrough_cut_mid_body_is_cut_for_the_client_and_counts_agains
     assert engine.posts == 1
     assert failures(proxy, decoder) == 1 and failures(proxy, prefiller) == 0
     proxy.wait_idle()
+
+
+@pytest.mark.parametrize(("tail", "done"), [
+    (b'{"a": 1}\n\ndata: [DONE]\n\n', True), (b"data:[DONE]\n\n", True), (b"data: [DONE]\r\n\r\n", True),
+    (b"data: [DONE]\n\n\n", True),                       # a blank line more: still ended
+    (b'data: {"token_ids": [7]}\n\n', False), (b"data: [DONE]", False),   # the event's end never came
+    (b"data: [DONE]x\n\n", False), (b"", False)])
+def test_what_counts_as_an_sse_body_ended_with_done(tail: bytes, done: bool) -> None:
+    from pdproxy.app.passthrough import _DONE_TAIL_BYTES, _ends_done
+    assert _ends_done(tail[-_DONE_TAIL_BYTES:]) is done
