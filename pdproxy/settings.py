@@ -409,7 +409,8 @@ class Settings(BaseSettings):
                             "(no tokenizer work; approximate only)")
     token_ids_cache_tokens: int = Field(
         4_000_000, ge=0, description="token ids of rendered blocks (system prompts, earlier turns) the local "
-                                     "tokenizer keeps for prefix routing, in tokens (4 bytes each)")
+                                     "tokenizer keeps for prefix routing, in tokens (4 bytes each; each block "
+                                     "is charged 80 more for its entry: about the cache's memory / 4)")
 
     # --- tracing (pdproxy/ops/tracing.py)
     otlp_traces_endpoint: str | None = Field(

@@ -113,9 +113,18 @@ class BlockCache(_SizedLRU[int]):
             self._put(key, value, 1)
 
 
-class IdsCache(_SizedLRU["array[int]"]):
-    """``digest(block text) -> token ids``, at most ``max_tokens`` ids in all (stored as ``array('i')``: 4 bytes
-    a token).  A block longer than a quarter of the bound is not kept."""
+IDS_ENTRY_TOKENS = 80
+"""What one :class:`IdsCache` entry's bookkeeping costs, in its bound's 4-byte tokens (~300 bytes measured by
+tracemalloc: the key's digest, the value's object, the LRU's node): charged to every block beside its ids, so blocks
+of few tokens (256 spaces can be 4) cannot hold 30 times the memory the bound says."""
+
+
+class IdsCache(_SizedLRU[bytes]):
+    """``digest(block text) -> token ids``, at most ``max_tokens`` in all — each block's ids plus
+    :data:`IDS_ENTRY_TOKENS` for its entry, so the bound is about its memory in 4-byte units.  Ids are stored as the
+    bytes of an ``array('i')`` (4 bytes a token; a ``bytes`` object the garbage collector does not track, so a full
+    cache adds nothing to a collection's pause); :meth:`ids` reads them back without a copy.  A block longer than a
+    quarter of the bound is not kept."""
 
     def __init__(self, max_tokens: int) -> None:
         super().__init__(max_tokens)
@@ -123,7 +132,12 @@ class IdsCache(_SizedLRU["array[int]"]):
     def put(self, key: bytes, ids: Sequence[int]) -> None:
         """Remember ``ids`` for ``key``, evicting the least recently used blocks past ``max_tokens``."""
         if len(ids) * 4 <= self.bound:
-            self._put(key, array("i", ids), len(ids))
+            self._put(key, array("i", ids).tobytes(), len(ids) + IDS_ENTRY_TOKENS)
+
+    def ids(self, key: bytes) -> Sequence[int] | None:
+        """The ids cached for ``key`` (a read-only view of the stored bytes), or None."""
+        raw = self.get(key)
+        return None if raw is None else memoryview(raw).cast("i")
 
 
 def word_cuts(text: str, size: int) -> Iterator[str]:
@@ -334,7 +348,7 @@ class LocalCounter:
                 parts.append([backend.special_id(block)])
                 continue
             key = BlockCache.key(block) if CACHE_MIN_CHARS <= len(block) <= CACHE_MAX_CHARS else None
-            cached = self.ids_cache.get(key) if key is not None else None
+            cached = self.ids_cache.ids(key) if key is not None else None
             if cached is not None:
                 parts.append(cached)
                 continue
@@ -360,13 +374,16 @@ class LocalCounter:
         with the block cache): chat bodies rendered with the chat template plus media placeholder ids (and the
         tokenizer's BOS first with ``add_special_tokens``, as :meth:`count`), completion prompts with the
         tokenizer's BOS, id prompts as they are.  Raises ``ValueError`` when the chat template rejects the
-        messages."""
+        messages or a list prompt holds something no token id is (a list, null)."""
         if not chat:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1:
                 prompt = prompt[0]
             if isinstance(prompt, list):
-                return [int(t) for t in prompt]
+                try:
+                    return [int(t) for t in prompt]
+                except (TypeError, OverflowError) as exc:   # ([[1, 2], 5], [None]: no id prompt; the engine judges it)
+                    raise ValueError(f"the prompt is no list of token ids: {exc}") from None
             head = list(self.backend.bos_ids) if isinstance(self.backend, _HFBackend) else []
             return head + self.text_ids(str(prompt or ""))
         rendered = self.render(body, chat)

@@ -246,3 +246,28 @@ def test_an_answered_prompt_settles_only_where_kv_events_will_tell_of_it(mode: s
             await state.admission.aclose()
 
     asyncio.run(run())
+
+
+def test_the_ids_cache_bound_holds_its_memory_for_blocks_of_few_tokens() -> None:
+    """Each block is charged its entry's bookkeeping beside its ids, and its ids are kept as bytes the garbage
+    collector does not track: a client's blocks of 4 tokens each (256 spaces can be that few) once held ~30 times
+    the memory the bound said, as two tracked objects each, and a full cache lengthened every full collection's
+    pause (0.64 s at the 4M default)."""
+    import gc
+    import tracemalloc
+
+    bound = 200_000                                      # "tokens": ~800 KB
+    tracemalloc.start()
+    try:
+        cache = IdsCache(max_tokens=bound)
+        for i in range(50_000):
+            cache.put(i.to_bytes(16, "little"), [i, i + 1, i + 2, i + 3])
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert cache.size <= bound and len(cache._data) <= bound // 80
+    assert held < 4 * bound * 1.5, held
+    key = (49_999).to_bytes(16, "little")
+    assert list(cache.ids(key) or []) == [49_999, 50_000, 50_001, 50_002]
+    gc.collect()
+    assert not any(gc.is_tracked(entry) for entry in cache._data.values())   # nothing a collection walks

@@ -131,3 +131,24 @@ def test_generation_routes_never_forward_a_clients_handle(sims: Fleet, extra: di
         proxy.wait_idle()
     finally:
         proxy.stop()
+
+
+@pytest.mark.parametrize("prompt", [[[1, 2], 5], [5, [1, 2]], [None, 1], [[1, [2]]]])
+def test_a_malformed_id_prompt_with_a_local_tokenizer_is_the_engines_400_not_a_500(sims: Fleet,
+                                                                                    prompt: list[object]) -> None:
+    """A completions prompt list that is no list of token ids goes to the prefiller to judge (vLLM's 400); with a
+    local tokenizer, prefix routing asks for its token ids first — old code: ``int([1, 2])``'s ``TypeError``
+    escaped as pdproxy's 500 with a 38-line ERROR traceback in the log, for every such 70-byte request."""
+    proxy = ProxyThread(prefill=[s.url for s in sims.prefillers], decode=[s.url for s in sims.decoders],
+                        tokenizer="sim", prefix_routing="approximate").start()
+    try:
+        r = httpx.post(proxy.url + "/v1/completions", timeout=10,
+                       json={"model": "sim-model", "max_tokens": 1, "prompt": prompt})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "BadRequestError"
+        judged = [c for s in sims.prefillers for c in s.completions_received()]
+        assert len(judged) == 1 and judged[0]["body"]["prompt"] == prompt      # the engine's own verdict
+        assert not [c for s in sims.decoders for c in s.completions_received()]
+        proxy.wait_idle()
+    finally:
+        proxy.stop()
