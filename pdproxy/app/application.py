@@ -526,6 +526,8 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
             raw = orjson.dumps({"prompt": prompt, "model": request.query_params.get("model")})
             api = Api.COMPLETIONS
         req = parse_request(raw, api, st.settings.max_json_depth, st.settings.max_json_items)
+        if req.fault is not None:           # a body the engines would refuse: nothing to explain (its 400)
+            raise req.fault
         ctx = RequestContext(request_id=new_request_id(None), client_request_id=None, api_label=api.label,
                              authorization=authorization, model=req.model)
         return Response(orjson.dumps(await st.prefix.explain(req, ctx)), media_type="application/json")

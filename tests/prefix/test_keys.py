@@ -271,3 +271,23 @@ def test_the_ids_cache_bound_holds_its_memory_for_blocks_of_few_tokens() -> None
     assert list(cache.ids(key) or []) == [49_999, 50_000, 50_001, 50_002]
     gc.collect()
     assert not any(gc.is_tracked(entry) for entry in cache._data.values())   # nothing a collection walks
+
+
+@pytest.mark.parametrize("source", ["sim", "hf"])
+@pytest.mark.parametrize("body", [
+    {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": 1}},
+    {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tools": 1}},
+    {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"add_generation_prompt": True}},
+    {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": "x"},
+    {"messages": [5]}, {"messages": None}, {"messages": [{"role": "user", "content": "hi"}], "tools": 5}])
+def test_a_chat_the_template_cannot_render_is_a_value_error_for_every_caller(source: str, hf_dir: Path,
+                                                                            body: dict[str, Any]) -> None:
+    """Counting and prefix keys treat a ``ValueError`` as "the engine judges it" (its own 400, or the estimate);
+    any other error of the template escaped as pdproxy's 500 with a traceback — a ``chat_template_kwargs`` naming
+    one of the template's own arguments (``TypeError``: got multiple values), a message that is no object."""
+    counter = LocalCounter("sim" if source == "sim" else str(hf_dir))
+    for call in (lambda: counter.count(body, True), lambda: counter.token_ids(body, True)):
+        try:
+            call()
+        except ValueError:
+            pass                                     # (the sim template ignores some of them: rendered, fine)

@@ -6,6 +6,7 @@ routes (PD, decode-only, fan-out) never hand an engine a client's ``kv_transfer_
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -149,6 +150,38 @@ def test_a_malformed_id_prompt_with_a_local_tokenizer_is_the_engines_400_not_a_5
         judged = [c for s in sims.prefillers for c in s.completions_received()]
         assert len(judged) == 1 and judged[0]["body"]["prompt"] == prompt      # the engine's own verdict
         assert not [c for s in sims.decoders for c in s.completions_received()]
+        proxy.wait_idle()
+    finally:
+        proxy.stop()
+
+
+def test_a_chat_the_local_template_cannot_render_is_vllms_400_not_a_500(sims: Fleet, tmp_path: Path) -> None:
+    """A ``chat_template_kwargs`` naming one of the template's own arguments makes the chat template raise
+    (``TypeError``: multiple values for ``messages``), which vLLM answers 400 "Chat template rejected the request"
+    (``renderers/hf.py::safe_apply_chat_template``).  pdproxy's local template failing so is the engine's to judge,
+    as any template refusal: a prompt too short to need counting goes on without prefix keys (the simulated engine,
+    ignoring the kwargs, answers 200), one that needs counting gets that 400 before any engine is asked — old code:
+    a 500 and a traceback either way.  ``/debug/prefix`` refuses a body of the wrong shape with its 400."""
+    from pdproxy.tools.tinymodel import write_tokenizer
+
+    tokenizer = write_tokenizer(tmp_path / "tokenizer")
+    proxy = ProxyThread(prefill=[s.url for s in sims.prefillers], decode=[s.url for s in sims.decoders],
+                        tokenizer=str(tokenizer), prefix_routing="approximate", debug_routes="open").start()
+    try:
+        for kwargs in ({"messages": 1}, {"tools": 1}, {"add_generation_prompt": True}):
+            short = {"model": "sim-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2,
+                     "chat_template_kwargs": kwargs}
+            r = httpx.post(proxy.url + "/v1/chat/completions", timeout=10, json=short)
+            assert r.status_code == 200, r.text                     # the engine judged it
+            long = {**short, "messages": [{"role": "user", "content": "hello " * 1500}]}
+            r = httpx.post(proxy.url + "/v1/chat/completions", timeout=10, json=long)
+            assert r.status_code == 400, r.text                     # counted: the template's refusal, as vLLM's
+            error = r.json()["error"]
+            assert error["type"] == "BadRequestError" and "chat template" in error["message"]
+        assert len([c for s in sims.prefillers for c in s.completions_received()]) == 3   # the short ones only
+        r = httpx.post(proxy.url + "/debug/prefix", timeout=10,
+                       json={"model": "sim-model", "messages": None, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "body.messages", r.text   # vLLM's shape
         proxy.wait_idle()
     finally:
         proxy.stop()
