@@ -15,8 +15,10 @@ prefill budget and find a dead engine on its own (the vLLM-Ascend example proxy 
    board (:mod:`pdproxy.workers.share`);
 4. supervises: a worker that dies is replaced, after its board row is zeroed (its leases, prefill reservations
    and half-open trials died with it) and the other workers are woken to re-check their waiters, and its
-   prometheus live-gauge files are dropped; a worker that dies before it ever became ready is a start-up
-   failure, which stops everything (exit code 1) instead of restarting in a loop;
+   prometheus live-gauge files are dropped; a worker that dies before its row was ever ready is a start-up
+   failure, which stops everything (exit code 1) instead of restarting in a loop, while a replacement that dies
+   before it is ready (the OOM killer again, a crash that repeats) is started again after a backoff (1 s, doubling
+   to 30 s; reset once one is ready) — the other workers serve meanwhile;
 5. on SIGTERM / SIGINT sends every worker SIGTERM (each drains for ``shutdown_grace_s``:
    :mod:`pdproxy.app.shutdown`), and on a second one SIGTERM again (each worker then cuts its requests in flight, as
    one process does on Ctrl-C again), waits, then kills stragglers and removes the run directory.  Always SIGTERM:
@@ -194,6 +196,10 @@ def worker_main(settings: Settings, sock: socket.socket, board_path: str, row: i
         sys.exit(STARTUP_FAILURE)
 
 
+RESPAWN_MAX_S = 30.0
+"""The longest wait before starting a row's worker again after replacements that died before they were ready."""
+
+
 class Supervisor:
     """Starts, watches and stops the worker processes (see module docstring)."""
 
@@ -204,6 +210,12 @@ class Supervisor:
         self.wake = WakeChannels(board.path.parent, settings.workers, None)
         self.ctx = multiprocessing.get_context("spawn")
         self.procs: list[Any] = [None] * settings.workers
+        self.ready_once = [False] * settings.workers
+        """Rows whose worker was ready at least once: a later death before ready is a crash, not a start-up failure."""
+        self.respawn_at: list[float | None] = [None] * settings.workers
+        """When a row whose replacement died before it was ready is started again (``time.monotonic()``)."""
+        self.crashes = [0] * settings.workers
+        """Replacements of a row that died before they were ready, in a row (the backoff's exponent)."""
         self.stop = threading.Event()
         self.signals = 0
         """SIGTERM / SIGINT received (the handler only counts; :meth:`shutdown` passes them on as SIGTERM)."""
@@ -219,7 +231,9 @@ class Supervisor:
         log.info("worker %d started (pid %s)", row, proc.pid)
 
     def reap(self, row: int) -> bool:
-        """Handle worker ``row`` having exited.  Returns False if it was a start-up failure."""
+        """Handle worker ``row`` having exited.  Returns False if it was a start-up failure (the row's first
+        worker died before it was ready); a replacement that died before it was ready gets its row a restart time
+        (:attr:`respawn_at`, backoff 1 s doubling to :data:`RESPAWN_MAX_S`) instead of an immediate one."""
         proc = self.procs[row]
         _, ready = self.board.owner(row)
         self.board.clear(row)   # its leases, prefill reservations and breaker trials died with it
@@ -228,10 +242,20 @@ class Supervisor:
             from prometheus_client import multiprocess
 
             multiprocess.mark_process_dead(proc.pid)
-        if not ready:
+        if ready:
+            self.ready_once[row] = True
+            self.crashes[row] = 0
+        elif not self.ready_once[row]:
             log.error("worker %d (pid %s) exited with code %s before it was ready; stopping", row, proc.pid,
                       proc.exitcode)
             return False
+        else:
+            wait = min(RESPAWN_MAX_S, 2.0 ** self.crashes[row])
+            self.crashes[row] += 1
+            self.respawn_at[row] = time.monotonic() + wait
+            log.warning("worker %d (pid %s) exited with code %s before it was ready; starting a new one in %.0f s",
+                        row, proc.pid, proc.exitcode, wait)
+            return True
         log.warning("worker %d (pid %s) exited with code %s; starting a new one", row, proc.pid, proc.exitcode)
         return True
 
@@ -257,14 +281,25 @@ class Supervisor:
                 self.spawn(row)
             while not self.stop.wait(0.2):
                 for row, proc in enumerate(self.procs):
+                    due = self.respawn_at[row]
+                    if due is not None:                  # a crashed replacement's row, waiting out its backoff
+                        if time.monotonic() >= due:
+                            self.respawn_at[row] = None
+                            self.spawn(row)
+                        continue
                     if proc.is_alive():
+                        if not self.ready_once[row] and self.board.owner(row)[1]:
+                            self.ready_once[row] = True
+                        if self.crashes[row] and self.board.owner(row)[1]:
+                            self.crashes[row] = 0        # a replacement became ready: the backoff starts over
                         continue
                     proc.join()
                     if not self.reap(row):
                         code = 1
                         self.stop.set()
                         break
-                    self.spawn(row)
+                    if self.respawn_at[row] is None:
+                        self.spawn(row)
         finally:
             self.shutdown()
             self.wake.close()

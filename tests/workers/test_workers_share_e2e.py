@@ -9,6 +9,7 @@ client's connection or killing the worker, so nothing depends on how fast the ma
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -248,4 +249,42 @@ def test_breaker_state_holds_across_workers(tmp_path: Path) -> None:
         assert len(prefiller.completions_received()) == 3          # neither worker sent it anything more
         for conn in four:
             conn.close()
+        wait_until(lambda: board_idle(port), 15, what="shared view back to zero")
+
+
+def _children(pid: int) -> set[int]:
+    """The supervisor's live worker processes (``/proc``)."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            found.update(int(c) for c in (task / "children").read_text().split())
+    return {c for c in found if Path(f"/proc/{c}/cmdline").exists()
+            and b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()}
+
+
+def test_a_replacement_that_dies_before_it_is_ready_is_started_again_not_the_end_of_the_proxy(
+        tmp_path: Path) -> None:
+    """Worker 0 killed, then its replacement killed while still starting (a crash that repeats, the OOM killer
+    again): the supervisor starts the row again after a backoff while worker 1 serves — old code took the
+    replacement's death for a start-up failure and stopped the whole proxy, worker 1 and its streams included."""
+    port = free_port()
+    log = tmp_path / "proxy.log"
+    with running(SimProcess("prefill", *MODEL), SimProcess("decode", *MODEL)) as (prefiller, decoder), \
+            serve_workers(common_args(port, prefiller, decoder), log) as proc:
+        wait_ready(port, 2, proc, log)
+        first = _children(proc.pid)
+        assert len(first) == 2
+        victim = debug_load(port)["workers"][0]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        replacement = wait_until(lambda: (_children(proc.pid) - first) or None, 20, 0.005,
+                                 what="worker 0's replacement started")
+        (started,) = replacement
+        os.kill(started, signal.SIGKILL)                                   # before it could be ready (~2 s of imports)
+        wait_until(lambda: "before it was ready; starting a new one in 1 s" in log.read_text(), 20,
+                   what="the supervisor's backoff")
+        assert proc.poll() is None                                          # still running
+        status, _ = conn_on(port, 1).request("POST", "/v1/completions", completion(20, seed=1))
+        assert status == 200                                                # worker 1 serves meanwhile
+        wait_ready(port, 2, proc, log)                                      # the row is back after its backoff
+        assert debug_load(port)["workers"][0]["pid"] not in (victim, started)
         wait_until(lambda: board_idle(port), 15, what="shared view back to zero")
