@@ -183,16 +183,31 @@ class HFTokenizer:
     def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
                     chat_template_kwargs: dict[str, Any] | None = None) -> str:
-        """Render ``tokenizer_config.json``'s ``chat_template`` with jinja2, as transformers does."""
+        """Render ``tokenizer_config.json``'s ``chat_template`` with jinja2, as transformers does.  The request's
+        own ``add_generation_prompt`` / ``continue_final_message`` win over ``chat_template_kwargs``' (vLLM merges
+        them so: ``ChatCompletionRequest.build_chat_params``).  Raises ``ValueError`` when the template refuses or
+        cannot render the messages — ``raise_exception``, or any error while rendering (a kwarg naming
+        ``messages`` / ``tools``, a message of the wrong shape), which vLLM answers 400
+        (``renderers/hf.py::safe_apply_chat_template``); a template that does not compile raises jinja2's error."""
+        import jinja2
+
         if not self._templates:
             raise ValueError(f"tokenizer {self.name} has no chat_template")
         source = self._templates.get("tool_use") if tools and "tool_use" in self._templates else None
         source = source or self._templates.get("default") or next(iter(self._templates.values()))
         template = _jinja_env().from_string(source)
-        variables: dict[str, Any] = {**self._special, **(chat_template_kwargs or {})}
-        plain = [_as_vllm_renders(m) for m in messages]
-        rendered = template.render(messages=plain, tools=_tools_as_vllm_renders(tools), add_generation_prompt=(
-            add_generation_prompt and not continue_final_message), **variables)
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError("chat_template_kwargs must be an object")
+        variables: dict[str, Any] = {**self._special, **{k: v for k, v in (chat_template_kwargs or {}).items()
+                                                          if k not in _REQUEST_OWNED_KWARGS}}
+        try:
+            plain = [_as_vllm_renders(m) for m in messages]
+            rendered = template.render(messages=plain, tools=_tools_as_vllm_renders(tools), add_generation_prompt=(
+                add_generation_prompt and not continue_final_message), **variables)
+        except ValueError:
+            raise
+        except (TypeError, AttributeError, KeyError, IndexError, jinja2.TemplateError) as exc:
+            raise ValueError(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}") from exc
         if continue_final_message and plain:
             final = _content_text(plain[-1].get("content")).strip()
             cut = rendered.rfind(final) if final else -1
@@ -362,8 +377,23 @@ def _templates_of(value: Any) -> dict[str, str]:
     return {}
 
 
+_REQUEST_OWNED_KWARGS = frozenset({"add_generation_prompt", "continue_final_message"})
+"""``chat_template_kwargs`` members the request's own fields override (vLLM: ``build_chat_params``)."""
+
+
 def _jinja_env() -> jinja2.Environment:
+    from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """``{% generation %}…{% endgeneration %}``, which transformers' chat templates may use to mark the
+        assistant's tokens (its ``AssistantTracker``): rendered as its body."""
+
+        tags = {"generation"}  # noqa: RUF012 (jinja2.ext.Extension declares it an instance variable)
+
+        def parse(self, parser: Any) -> Any:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
     def raise_exception(message: str) -> None:
         raise ValueError(message)
@@ -374,7 +404,7 @@ def _jinja_env() -> jinja2.Environment:
                           sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+                                        extensions=["jinja2.ext.loopcontrols", Generation])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -260,8 +260,8 @@ class LocalCounter:
 
     def render(self, body: dict[str, Any], chat: bool) -> tuple[str, int] | list[int]:
         """The prompt text and its extra tokens (media parts, BOS), or the token ids of an id prompt.
-        Raises ``ValueError`` when the chat template rejects or cannot render the messages (any error of the
-        template, e.g. ``chat_template_kwargs`` naming one of its own arguments)."""
+        Raises ``ValueError`` when the chat template rejects or cannot render the messages (``render_chat``'s, or
+        messages of the wrong shape)."""
         if not chat:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1:
@@ -279,10 +279,8 @@ class LocalCounter:
                 chat_template_kwargs=body.get("chat_template_kwargs"))
             media = sum(1 for m in messages if isinstance(m.get("content"), list)
                         for p in m["content"] if isinstance(p, dict) and p.get("type") not in (None, "text"))
-        except ValueError:
-            raise
-        except Exception as exc:    # the template cannot take these messages (jinja2's errors; chat_template_kwargs
-            # naming messages / tools / add_generation_prompt; a message of the wrong type): the engine judges them
+        except (TypeError, AttributeError, KeyError, IndexError) as exc:   # messages of the wrong shape (not
+            # objects, content of another type): the engine judges them (the template's own errors: render_chat)
             raise ValueError(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}") from exc
         return text, media * MEDIA_PART_TOKENS
 

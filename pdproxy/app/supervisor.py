@@ -250,7 +250,7 @@ class Supervisor:
                       proc.exitcode)
             return False
         else:
-            wait = min(RESPAWN_MAX_S, 2.0 ** self.crashes[row])
+            wait = min(RESPAWN_MAX_S, 2.0 ** min(self.crashes[row], 8))
             self.crashes[row] += 1
             self.respawn_at[row] = time.monotonic() + wait
             log.warning("worker %d (pid %s) exited with code %s before it was ready; starting a new one in %.0f s",

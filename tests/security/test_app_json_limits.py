@@ -156,8 +156,8 @@ def test_a_malformed_id_prompt_with_a_local_tokenizer_is_the_engines_400_not_a_5
 
 
 def test_a_chat_the_local_template_cannot_render_is_vllms_400_not_a_500(sims: Fleet, tmp_path: Path) -> None:
-    """A ``chat_template_kwargs`` naming one of the template's own arguments makes the chat template raise
-    (``TypeError``: multiple values for ``messages``), which vLLM answers 400 "Chat template rejected the request"
+    """A ``chat_template_kwargs`` naming one of the template's own arguments (``messages``, ``tools``) makes the chat
+    template raise (``TypeError``: multiple values), which vLLM answers 400 "Chat template rejected the request"
     (``renderers/hf.py::safe_apply_chat_template``).  pdproxy's local template failing so is the engine's to judge,
     as any template refusal: a prompt too short to need counting goes on without prefix keys (the simulated engine,
     ignoring the kwargs, answers 200), one that needs counting gets that 400 before any engine is asked — old code:
@@ -168,7 +168,7 @@ def test_a_chat_the_local_template_cannot_render_is_vllms_400_not_a_500(sims: Fl
     proxy = ProxyThread(prefill=[s.url for s in sims.prefillers], decode=[s.url for s in sims.decoders],
                         tokenizer=str(tokenizer), prefix_routing="approximate", debug_routes="open").start()
     try:
-        for kwargs in ({"messages": 1}, {"tools": 1}, {"add_generation_prompt": True}):
+        for kwargs in ({"messages": 1}, {"tools": 1}):
             short = {"model": "sim-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2,
                      "chat_template_kwargs": kwargs}
             r = httpx.post(proxy.url + "/v1/chat/completions", timeout=10, json=short)
@@ -178,7 +178,12 @@ def test_a_chat_the_local_template_cannot_render_is_vllms_400_not_a_500(sims: Fl
             assert r.status_code == 400, r.text                     # counted: the template's refusal, as vLLM's
             error = r.json()["error"]
             assert error["type"] == "BadRequestError" and "chat template" in error["message"]
-        assert len([c for s in sims.prefillers for c in s.completions_received()]) == 3   # the short ones only
+        assert len([c for s in sims.prefillers for c in s.completions_received()]) == 2   # the short ones only
+        # the request's own add_generation_prompt wins over the kwargs' (vLLM's build_chat_params): rendered, counted
+        r = httpx.post(proxy.url + "/v1/chat/completions", timeout=10, json={
+            "model": "sim-model", "messages": [{"role": "user", "content": "hello " * 1500}], "max_tokens": 2,
+            "chat_template_kwargs": {"add_generation_prompt": False}})
+        assert r.status_code == 200, r.text
         r = httpx.post(proxy.url + "/debug/prefix", timeout=10,
                        json={"model": "sim-model", "messages": None, "max_tokens": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "body.messages", r.text   # vLLM's shape

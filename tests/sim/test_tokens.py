@@ -169,3 +169,18 @@ def test_load_tokenizer_defaults_and_errors(tmp_path: Path) -> None:
     assert isinstance(load_tokenizer(None), SimTokenizer)
     with pytest.raises(FileNotFoundError):
         load_tokenizer(str(tmp_path))
+
+
+def test_hf_template_marks_of_generation_render_their_body_and_request_fields_win(hf_dir: Path) -> None:
+    """transformers' ``{% generation %}`` (its ``AssistantTracker``) renders its body, and the request's own
+    ``add_generation_prompt`` wins over ``chat_template_kwargs``' as vLLM merges them; a kwarg naming the
+    template's ``messages`` is a ``ValueError`` (vLLM: 400), not a ``TypeError``."""
+    tok = load_tokenizer(str(hf_dir))
+    assert isinstance(tok, HFTokenizer)
+    tok._templates = {"default": "{% for m in messages %}{% generation %}<{{ m['role'] }}>{% endgeneration %}"
+                                 "{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"}
+    messages = [{"role": "user", "content": "hello"}]
+    assert tok.render_chat(messages) == "<user><a>"
+    assert tok.render_chat(messages, chat_template_kwargs={"add_generation_prompt": False}) == "<user><a>"
+    with pytest.raises(ValueError, match="TypeError"):
+        tok.render_chat(messages, chat_template_kwargs={"messages": 1})

@@ -258,8 +258,12 @@ def _children(pid: int) -> set[int]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError):
             found.update(int(c) for c in (task / "children").read_text().split())
-    return {c for c in found if Path(f"/proc/{c}/cmdline").exists()
-            and b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()}
+    workers = set()
+    for c in found:
+        with contextlib.suppress(OSError):              # reaped meanwhile
+            if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes():
+                workers.add(c)
+    return workers
 
 
 def test_a_replacement_that_dies_before_it_is_ready_is_started_again_not_the_end_of_the_proxy(
