@@ -95,16 +95,6 @@ from pdproxy.timeline import RequestContext
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
-_DONE_TAIL_BYTES = 32
-"""How many of a passthrough SSE body's last bytes are kept to see it ended with ``data: [DONE]``."""
-
-
-def _ends_done(tail: bytes) -> bool:
-    """Whether an SSE body's last bytes ``tail`` end with the event ``data: [DONE]`` (the space optional; blank
-    lines after it, LF or CRLF, allowed)."""
-    last = tail.rstrip(b"\r\n")
-    return last.endswith((b"data: [DONE]", b"data:[DONE]")) and len(last) < len(tail)
-
 ROUTES: dict[str, str] = {
     "/tokenize": "tokenize", "/detokenize": "detokenize",
     "/v1/messages/count_tokens": "count_tokens",
@@ -555,7 +545,7 @@ class Passthrough:
             ctx.outcome = "upstream_rejected" if resp.status_code < 500 else "upstream_error"
         started = False
         tail = b""                                          # the body's last bytes relayed (an event boundary? [DONE]?)
-        keep = _DONE_TAIL_BYTES
+        keep = sse.DONE_TAIL_BYTES
         sse_body = "text/event-stream" in resp.headers.get("content-type", "").lower()
         failure: ProxyError | None = None
         try:
@@ -574,7 +564,7 @@ class Passthrough:
                 raise httpx_error(exc, f"engine {self._who(ctx)}", self._who(ctx), " before its answer") from None
             failure = httpx_error(exc, f"engine {self._who(ctx)}", self._who(ctx), " mid-answer")
             failure.note("; the response is incomplete")
-        if failure is None and started and sse_body and 200 <= resp.status_code < 300 and not _ends_done(tail):
+        if failure is None and started and sse_body and 200 <= resp.status_code < 300 and not sse.ends_with_done(tail):
             end = "ended the stream without data: [DONE]; the response may be incomplete"
             failure = UpstreamUnavailable(f"engine {endpoint.name} {end}", endpoint=endpoint.name,
                                           public=f"the engine {end}")

@@ -171,6 +171,17 @@ def no_data(block: bytes, end: int | None = None) -> bool:
     return True
 
 
+DONE_TAIL_BYTES = 32
+"""How many of an SSE body's last bytes :func:`ends_with_done` needs (``data: [DONE]`` and its blank line, CRLF)."""
+
+
+def ends_with_done(tail: bytes) -> bool:
+    """Whether an SSE body's last bytes ``tail`` (at most :data:`DONE_TAIL_BYTES` needed) end with the event
+    ``data: [DONE]`` (the space optional; blank lines after it, LF or CRLF, allowed)."""
+    last = tail.rstrip(b"\r\n")
+    return last.endswith((b"data: [DONE]", b"data:[DONE]")) and len(last) < len(tail)
+
+
 def ends_before_content(block: bytes, end_event: bytes) -> bool:
     """Whether ``block`` (whole events, ``\n`` line endings) ends with ``end_event`` (for :data:`DONE_EVENT`, or
     :data:`DONE_EVENT_NO_SPACE`) and nothing before it carries data (:func:`no_data`): a stream that ended before

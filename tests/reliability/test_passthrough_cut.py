@@ -140,5 +140,5 @@ def test_a_json_passthrough_cut_mid_body_is_cut_for_the_client_and_counts_agains
     (b'data: {"token_ids": [7]}\n\n', False), (b"data: [DONE]", False),   # the event's end never came
     (b"data: [DONE]x\n\n", False), (b"", False)])
 def test_what_counts_as_an_sse_body_ended_with_done(tail: bytes, done: bool) -> None:
-    from pdproxy.app.passthrough import _DONE_TAIL_BYTES, _ends_done
-    assert _ends_done(tail[-_DONE_TAIL_BYTES:]) is done
+    from pdproxy.http.sse import DONE_TAIL_BYTES, ends_with_done
+    assert ends_with_done(tail[-DONE_TAIL_BYTES:]) is done
