@@ -5,6 +5,7 @@ page faults the kernel counts for the process (``/proc/PID/stat`` ``minflt``), w
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -140,6 +141,27 @@ def _minflt(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
 
 
+def _stuck(serve: ServeProcess) -> str:
+    """What a request that got no answer found: the proxy's sockets on its port (``ss``), whether a new
+    connection is answered, each process's state and kernel wait channel, the end of its log."""
+    lines = []
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["ss", "-tnoi", "state", "all", f"( sport = :{serve.port} )"], capture_output=True,
+                             text=True, timeout=10).stdout
+        lines.append(f"ss ({out.count(chr(10))} lines):\n{out[:6000]}")
+    try:
+        lines.append(f"GET /health: {httpx.get(serve.url + '/health', timeout=3).status_code}")
+    except httpx.HTTPError as e:
+        lines.append(f"GET /health: {e!r}")
+    if serve.proc is not None:
+        for pid in sorted({serve.proc.pid} | worker_pids(serve.proc.pid)):
+            with contextlib.suppress(OSError):
+                state = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("State"))
+                lines.append(f"pid {pid}: {state}, wchan {Path(f'/proc/{pid}/wchan').read_text()}")
+    lines.append("log tail:\n" + serve.text()[-4000:])
+    return "\n".join(lines)
+
+
 @pytest.fixture(scope="module")
 def engines() -> Iterator[tuple[SimProcess, SimProcess]]:
     with running(SimProcess("prefill", *SIM_ARGS), SimProcess("decode", *SIM_ARGS)) as (p, d):
@@ -158,7 +180,10 @@ def _faults_per_request(engines: tuple[SimProcess, SimProcess], tmp_path: Path, 
         assert serve.proc is not None
 
         def one(_i: int) -> None:
-            r = client.post("/v1/chat/completions", json=BODY)
+            try:
+                r = client.post("/v1/chat/completions", json=BODY)
+            except httpx.TimeoutException as e:      # once in ~10 CI runs (--workers 2): keep what it looked like
+                raise AssertionError(f"{e!r}\n{_stuck(serve)}") from e
             assert r.status_code == 400 and r.json()["error"]["param"] == "input_tokens", r.text[:300]
 
         batch = range(2 * CONCURRENT * processes)
