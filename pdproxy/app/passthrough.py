@@ -534,7 +534,9 @@ class Passthrough:
         cut between events gets vLLM's error event and ``data: [DONE]`` (:func:`pdproxy.errors.sse_error_event`),
         any other body (JSON, an SSE event half sent) is cut: the response is left unfinished, which pdproxy's
         server ends by closing the connection before the body's end (no last chunk), so no client reads it as
-        whole.  A 2xx SSE body that ends without ``data: [DONE]`` is broken the same way: vLLM's streaming routes
+        whole.  A 2xx SSE body that ended without ever holding a ``data: [DONE]`` line (:class:`sse.DoneWatch`;
+        comments after it are fine; a compressed body — a ``content-encoding`` — is not read, so not judged, and
+        never gets an event appended) is broken the same way: vLLM's streaming routes
         here (``/inference/v1/generate``: ``scale_out/token_in_token_out/serving.py``; speech-to-text:
         ``speech_to_text/base/serving.py``) always end with it, errors included, so a stream ended before it is cut
         (an engine that died after a whole event) and must not read as a whole answer.  Raises
@@ -544,9 +546,11 @@ class Passthrough:
         if resp.status_code >= 400:
             ctx.outcome = "upstream_rejected" if resp.status_code < 500 else "upstream_error"
         started = False
-        tail = b""                                          # the body's last bytes relayed (an event boundary? [DONE]?)
+        tail = b""                                          # the body's last bytes relayed (an event boundary?)
         keep = sse.DONE_TAIL_BYTES
-        sse_body = "text/event-stream" in resp.headers.get("content-type", "").lower()
+        encoded = resp.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity")
+        sse_body = not encoded and "text/event-stream" in resp.headers.get("content-type", "").lower()
+        done = sse.DoneWatch()
         failure: ProxyError | None = None
         try:
             async for chunk in resp.aiter_raw():
@@ -558,13 +562,15 @@ class Passthrough:
                 if chunk:
                     ctx.events += 1
                     tail = chunk[-keep:] if len(chunk) >= keep else (tail + chunk)[-keep:]
+                    if sse_body:
+                        done.feed(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as exc:
             if not started:
                 raise httpx_error(exc, f"engine {self._who(ctx)}", self._who(ctx), " before its answer") from None
             failure = httpx_error(exc, f"engine {self._who(ctx)}", self._who(ctx), " mid-answer")
             failure.note("; the response is incomplete")
-        if failure is None and started and sse_body and 200 <= resp.status_code < 300 and not sse.ends_with_done(tail):
+        if failure is None and started and sse_body and 200 <= resp.status_code < 300 and not done.seen:
             end = "ended the stream without data: [DONE]; the response may be incomplete"
             failure = UpstreamUnavailable(f"engine {endpoint.name} {end}", endpoint=endpoint.name,
                                           public=f"the engine {end}")

@@ -172,14 +172,40 @@ def no_data(block: bytes, end: int | None = None) -> bool:
 
 
 DONE_TAIL_BYTES = 32
-"""How many of an SSE body's last bytes :func:`ends_with_done` needs (``data: [DONE]`` and its blank line, CRLF)."""
+"""How many of an SSE body's last bytes a :class:`DoneWatch` carries from one piece to the next (a ``data:
+[DONE]`` line, its line end and the line end before it, CRLF, cut anywhere)."""
 
 
-def ends_with_done(tail: bytes) -> bool:
-    """Whether an SSE body's last bytes ``tail`` (at most :data:`DONE_TAIL_BYTES` needed) end with the event
-    ``data: [DONE]`` (the space optional; blank lines after it, LF or CRLF, allowed)."""
-    last = tail.rstrip(b"\r\n")
-    return last.endswith((b"data: [DONE]", b"data:[DONE]")) and len(last) < len(tail)
+def holds_done(window: bytes) -> bool:
+    """Whether ``window`` (some bytes of an SSE body) holds the line ``data: [DONE]`` (the space optional) with
+    its line end: what vLLM's streams end with.  Bytes after it (blank lines, a comment) do not undo it."""
+    i = window.find(b"[DONE]")
+    while i >= 0:
+        end = i + 6
+        if end < len(window) and window[end] in (10, 13):
+            start = i - 6 if window.endswith(b"data: ", 0, i) else i - 5 if window.endswith(b"data:", 0, i) else -1
+            if start == 0 or (start > 0 and window[start - 1] in (10, 13)):
+                return True
+        i = window.find(b"[DONE]", end)
+    return False
+
+
+class DoneWatch:
+    """Whether an SSE body fed piece by piece (:meth:`feed`, any cuts) has held its ``data: [DONE]`` line
+    (:func:`holds_done`); :attr:`seen` once it has.  Keeps :data:`DONE_TAIL_BYTES` bytes between pieces."""
+
+    __slots__ = ("_carry", "seen")
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._carry = b""
+
+    def feed(self, piece: bytes) -> None:
+        if self.seen or not piece:
+            return
+        window = self._carry + piece
+        self.seen = holds_done(window)
+        self._carry = window[-DONE_TAIL_BYTES:]
 
 
 def ends_before_content(block: bytes, end_event: bytes) -> bool:

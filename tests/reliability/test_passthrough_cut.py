@@ -7,6 +7,7 @@ silently truncated 200.  Never retried on another engine: the client had bytes a
 
 from __future__ import annotations
 
+import gzip
 import socket
 import struct
 from collections.abc import Iterator
@@ -35,6 +36,10 @@ class CuttingEngine(StandInEngine):
         super().__init__(MODEL)
         self.posts = 0
         self.clean_end = False
+        self.last: bytes = b""
+        """With ``clean_end``: sent after the two events (before the last chunk)."""
+        self.gzip = False
+        """With ``clean_end``: the events (and ``last``) gzip-compressed, ``content-encoding: gzip``."""
 
     def post(self, handler: StandInHandler, body: bytes) -> None:
         self.posts += 1
@@ -42,9 +47,14 @@ class CuttingEngine(StandInEngine):
         if orjson.loads(body).get("stream"):
             handler.send_header("content-type", "text/event-stream")
             handler.send_header("transfer-encoding", "chunked")
+            if self.gzip:
+                handler.send_header("content-encoding", "gzip")
             handler.end_headers()
-            for _ in range(2):
-                handler.wfile.write(b"%x\r\n%s\r\n" % (len(SSE_PIECE), SSE_PIECE))
+            pieces = [SSE_PIECE, SSE_PIECE, self.last] if self.clean_end else [SSE_PIECE, SSE_PIECE]
+            if self.gzip:
+                pieces = [gzip.compress(b"".join(pieces))]
+            for piece in filter(None, pieces):
+                handler.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
             if self.clean_end:
                 handler.wfile.write(b"0\r\n\r\n")
                 handler.wfile.flush()
@@ -134,11 +144,39 @@ def test_a_json_passthrough_cut_mid_body_is_cut_for_the_client_and_counts_agains
     proxy.wait_idle()
 
 
-@pytest.mark.parametrize(("tail", "done"), [
+@pytest.mark.parametrize(("last", "gzipped"), [
+    (b"data: [DONE]\n\n: keep-alive\n\n", False),       # a comment after [DONE]: the stream had ended
+    (b"data:[DONE]\r\n\r\n", False),
+    (b"", True)])                                       # compressed: not read, so not judged
+def test_an_sse_passthrough_that_held_done_or_is_compressed_is_whole(
+        rig: tuple[CuttingEngine, ProxyThread, Endpoint, Endpoint], last: bytes, gzipped: bool) -> None:
+    """Old code judged only the body's last bytes, compressed or not: a comment after ``[DONE]``, or any gzip
+    body, read as cut — an error event appended (into a gzip stream) and a strike against a healthy engine."""
+    engine, proxy, decoder, _prefiller = rig
+    engine.clean_end, engine.last, engine.gzip = True, last, gzipped
+    with httpx.stream("POST", proxy.url + "/inference/v1/generate", timeout=10,
+                      json={"model": MODEL, "token_ids": [1, 2, 3], "stream": True,
+                            "sampling_params": {"max_tokens": 4}}) as r:
+        assert r.status_code == 200
+        raw = r.read()                                   # httpx undoes the gzip
+    assert raw == SSE_PIECE * 2 + last
+    assert failures(proxy, decoder) == 0
+    proxy.wait_idle()
+
+
+@pytest.mark.parametrize(("body", "done"), [
     (b'{"a": 1}\n\ndata: [DONE]\n\n', True), (b"data:[DONE]\n\n", True), (b"data: [DONE]\r\n\r\n", True),
     (b"data: [DONE]\n\n\n", True),                       # a blank line more: still ended
-    (b'data: {"token_ids": [7]}\n\n', False), (b"data: [DONE]", False),   # the event's end never came
-    (b"data: [DONE]x\n\n", False), (b"", False)])
-def test_what_counts_as_an_sse_body_ended_with_done(tail: bytes, done: bool) -> None:
-    from pdproxy.http.sse import DONE_TAIL_BYTES, ends_with_done
-    assert ends_with_done(tail[-DONE_TAIL_BYTES:]) is done
+    (b"data: [DONE]\n\n: keep-alive\n\n", True),        # a comment after it: still ended
+    (b'data: {"token_ids": [7]}\n\n', False), (b"data: [DONE]", False),   # the line's end never came
+    (b"data: [DONE]x\n\n", False), (b"xdata: [DONE]\n\n", False), (b'data: "[DONE]"\n\n', False),
+    (b"[DONE]\n\n", False), (b"", False)])
+def test_what_counts_as_an_sse_body_that_held_done(body: bytes, done: bool) -> None:
+    """Whole, and cut into pieces at every byte (the window carried between pieces)."""
+    from pdproxy.http.sse import DoneWatch, holds_done
+    assert holds_done(body) is done
+    for cut in range(len(body) + 1):
+        watch = DoneWatch()
+        watch.feed(b"x" * 40 + b"\n" + body[:cut])
+        watch.feed(body[cut:])
+        assert watch.seen is done, cut
