@@ -32,26 +32,31 @@ from pdproxy.settings import Settings, check_request_log, config_line, load_sett
 
 # Settings that get a CLI flag of the same name (dashes for underscores); list/bool types are derived.
 _SKIP = {"endpoints"}
-# The settings `pdproxy doctor` reads: which engines, how to reach them (the rest only matter to `serve`).
+# The settings `pdproxy doctor` reads and lists in its --help: which engines, how to reach them (it takes serve's
+# other flags too, so that serve's command line pastes, without listing them).
 ENGINE_SETTINGS = ("prefill", "decode", "prefiller_hosts", "prefiller_ports", "decoder_hosts", "decoder_ports",
                    "decoder_dp_size", "prefiller_dp_size", "engine_api_key", "model_name")
 
 
-def add_serve_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+def add_serve_arguments(p: argparse.ArgumentParser, shown: tuple[str, ...] | None = None) -> None:
     """Add one flag per setting (``--decoder-dp-size``, ``--prefill-timeout-base-s`` …), all defaulting to None
-    so that only flags actually given override the environment and the config file.  ``only``: just these
-    settings (``pdproxy doctor`` takes the engine settings, :data:`ENGINE_SETTINGS`)."""
+    so that only flags actually given override the environment and the config file.  ``shown``: only these
+    settings' flags are listed in ``--help`` (``pdproxy doctor``: :data:`ENGINE_SETTINGS`); the rest are taken
+    all the same."""
     p.add_argument("--config", help="YAML/JSON/TOML settings file (see config/)")
     for name, field in Settings.model_fields.items():
-        if name in _SKIP or (only is not None and name not in only):
+        if name in _SKIP:
             continue
         flag = "--" + name.replace("_", "-")
         # vllm-router's spelling of seconds: --request-timeout-secs for request_timeout_s
-        flags = [flag, flag[:-2] + "-secs"] if name.endswith("_s") else [flag]
+        # and vLLM's / uvicorn's, without a unit: --timeout-keep-alive for timeout_keep_alive_s
+        flags = [flag, flag[:-2] + "-secs", flag[:-2]] if name.endswith("_s") else [flag]
         ann = str(field.annotation)
         default = field.default if field.default not in (None, [], "") else None
         help_text = " ".join(x for x in (field.description or "", f"(default: {default})" if default is not None
                                          else "") if x) or None
+        if shown is not None and name not in shown:
+            help_text = argparse.SUPPRESS
         if "list" in ann:
             p.add_argument(*flags, dest=name, nargs="+", action="extend", default=None, help=help_text)
         elif field.annotation is bool:
@@ -218,16 +223,16 @@ def _router_dest(flag: str) -> str:
     return "router_" + flag[2:].replace("-", "_")
 
 
-def add_router_arguments(p: argparse.ArgumentParser) -> None:
+def add_router_arguments(p: argparse.ArgumentParser, shown: bool = True) -> None:
     """Add vllm-router's flags (:data:`ROUTER_FLAGS`, the three policy flags) and the vLLM-Ascend example proxy's
-    (:data:`ASCEND_FLAGS`) to ``p``."""
+    (:data:`ASCEND_FLAGS`) to ``p`` (``shown``: listed in its ``--help``)."""
     group = p.add_argument_group("vllm-router compatibility (docs/migrating.md)")
     ascend = p.add_argument_group("vLLM-Ascend example proxy compatibility (docs/migrating.md)")
     for peer, target, flags in (("vllm-router", group, ROUTER_FLAGS),
                                 ("the vLLM-Ascend example proxy", ascend, ASCEND_FLAGS)):
         for rf in flags:
             effect = ("sets " + ", ".join(rf.settings)) if rf.settings else "no effect"
-            help_text = f"{peer}'s flag: {effect}" + (f" ({rf.note})" if rf.note else "")
+            help_text = f"{peer}'s flag: {effect}" + (f" ({rf.note})" if rf.note else "") if shown else argparse.SUPPRESS
             if rf.convert is None:
                 target.add_argument(rf.flag, dest=_router_dest(rf.flag), action="store_true", default=None,
                                     help=help_text)
@@ -245,7 +250,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                          ("--decode-policy", "no effect (pdproxy has one picker for both roles, from the prefill "
                                              "policy)")):
         group.add_argument(flag, dest=_router_dest(flag), choices=sorted(ROUTER_POLICIES), default=None,
-                           help=f"vllm-router's flag: {effect} (docs/migrating.md)")
+                           help=f"vllm-router's flag: {effect} (docs/migrating.md)" if shown else argparse.SUPPRESS)
 
 
 _BOOTSTRAP = re.compile(r"^(\d{1,5}|none)$", re.IGNORECASE)
@@ -494,7 +499,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     demo.add_arguments(p_demo)
     p_doctor = sub.add_parser("doctor", help="check every configured engine (KV pool vs max_model_len, idle "
                               "gauges, a P→D tool call, a cold long-context probe); ends within --budget-s")
-    add_serve_arguments(p_doctor, only=ENGINE_SETTINGS)
+    add_serve_arguments(p_doctor, shown=ENGINE_SETTINGS)    # serve's whole command line pastes
+    add_router_arguments(p_doctor, shown=False)              # vllm-router's flags too, as serve takes them
     from pdproxy.tools import doctor
 
     doctor.add_arguments(p_doctor)

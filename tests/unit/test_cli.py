@@ -155,3 +155,32 @@ def test_an_unknown_flag_before_the_sub_command_is_the_top_level_parsers(capsys:
         main(["--bogus", "serve"])
     assert exc.value.code == 2
     assert capsys.readouterr().err == "pdproxy: error: unrecognized arguments: --bogus (see pdproxy --help)\n"
+
+
+def test_a_seconds_flag_takes_uvicorns_spelling_without_a_unit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--timeout-keep-alive 7`` (uvicorn's flag, as ``vllm serve`` users know it) sets ``timeout_keep_alive_s``;
+    old code: "ambiguous option: --timeout-keep-alive could match --timeout-keep-alive-s, --timeout-keep-alive-secs"."""
+    for key in [k for k in os.environ if k.startswith("PDPROXY_")]:
+        monkeypatch.delenv(key)
+    base = ["--prefill", "http://p:1", "--decode", "http://d:2"]
+    assert _serve_settings([*base, "--timeout-keep-alive", "7"]).timeout_keep_alive_s == 7
+    assert _serve_settings([*base, "--request-timeout", "30"]).request_timeout_s == 30
+
+
+def test_doctor_takes_serves_whole_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A migrated ``serve`` line (vllm-router's flags, a bootstrap port, ``--api-key``, a policy) pastes into
+    ``doctor``; old code: "unrecognized arguments" for everything but the engine flags."""
+    from pdproxy import cli
+    from pdproxy.tools import doctor
+
+    for key in [k for k in os.environ if k.startswith("PDPROXY_")]:
+        monkeypatch.delenv(key)
+    seen: list[Settings] = []
+    monkeypatch.setattr(doctor, "run", lambda settings, _args: seen.append(settings) or 0)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["doctor", "--vllm-pd-disaggregation", "--prefill", "http://p:1", "9000", "--decode", "http://d:2",
+                  "--policy", "cache_aware", "--api-key", "k", "--timeout-keep-alive", "7", "--budget-s", "5"])
+    assert exit_.value.code == 0
+    (s,) = seen
+    assert (s.prefill, s.decode) == (["http://p:1"], ["http://d:2"])
+    assert s.engine_api_key == "k"
