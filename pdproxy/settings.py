@@ -318,7 +318,8 @@ class Settings(BaseSettings):
                                                         "--allowed-headers)")
 
     # --- admission
-    max_model_len: int | None = Field(None, ge=1, description="override the engines' max_model_len")
+    max_model_len: int | None = Field(None, ge=1, description="cap the engines' max_model_len (tokens; never "
+                                      "raises it) and stand in for an engine that declares none")
     max_tokens_overflow: Literal["clamp", "reject"] = Field(
         "clamp", description="prompt + max_tokens over max_model_len: 'clamp' admits it (vLLM 0.32 lowers max_tokens "
                              "to the room left), 'reject' answers 400 up front (vLLM <= 0.26 and vLLM-Ascend); over "

@@ -3,7 +3,9 @@
 Sources: ``max_model_len`` from ``/v1/models`` (vLLM ``ModelCard.max_model_len``), the KV pool from ``/metrics``
 ``vllm:cache_config_info`` (``num_gpu_blocks × block_size`` tokens, or ``kv_cache_size_tokens``; docs/real-vllm.md),
 both read from ``state.infos`` (:class:`~pdproxy.engines.control.EngineInfo`, refreshed by ``health.py``).  The
-``max_model_len`` setting overrides what engines declare.  Unknown values impose no limit (the engine decides).
+``max_model_len`` setting caps what engines declare (never raises it: the engine refuses past its own, so a larger
+setting is logged once per engine and the engine's figure kept) and stands alone for an engine that declares
+none.  Unknown values impose no limit (the engine decides).
 
 Rules (the PD trap: the prefiller validates a leg of ``max_tokens=1``, so only the proxy can check the decoder's
 rule before a prefill is spent):
@@ -29,6 +31,7 @@ then goes to is the scheduler's limits filter (:class:`pdproxy.scheduling.filter
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,6 +42,8 @@ from pdproxy.engines.control import EngineInfo, request_pool
 from pdproxy.engines.models import ServedModels
 from pdproxy.engines.pool import EndpointPool
 from pdproxy.errors import PromptTooLong
+
+log = logging.getLogger("pdproxy.limits")
 
 LimitKind = Literal["max_model_len", "kv_pool"]
 
@@ -202,6 +207,7 @@ class Limits:
         self.infos = infos
         self.served = served if served is not None else ServedModels(infos)
         self.max_model_len_override = max_model_len_override
+        self._over: set[Endpoint] = set()     # endpoints whose own max_model_len is under the setting (logged once)
         self._table: dict[Endpoint, EngineLimits] = {}
         self._by_role: dict[Role, list[tuple[Endpoint, EngineLimits]]] = {}
         self._m: dict[tuple[int | None, str | None], int | None] = {}
@@ -230,9 +236,16 @@ class Limits:
 
     def _read(self, endpoint: Endpoint) -> EngineLimits:
         info = self.infos.get(endpoint)
+        cap = self.max_model_len_override
         if info is None:
-            return EngineLimits(max_model_len=self.max_model_len_override)
-        return EngineLimits(max_model_len=self.max_model_len_override or info.max_model_len,
+            return EngineLimits(max_model_len=cap)
+        mml = info.max_model_len
+        if cap and mml is not None and cap > mml and endpoint not in self._over:
+            self._over.add(endpoint)
+            log.warning("max_model_len %d is over engine %s's own (%d): that engine's limit stays", cap,
+                        endpoint.name, mml)
+        mml = cap if mml is None else min(cap, mml) if cap else mml
+        return EngineLimits(max_model_len=mml,
                             kv_pool_tokens=info.kv_pool_tokens, num_gpu_blocks=info.num_gpu_blocks,
                             block_size=info.block_size)
 

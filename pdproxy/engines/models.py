@@ -170,8 +170,9 @@ class ServedModels:
         prompt goes to the endpoints that hold it), so a client sizing prompts by it is not cut short by a smaller
         rank.  Every configured endpoint counts, healthy or not, draining or not: the figure is the deployment's,
         as vLLM's is the engine's (while the only engines that hold a prompt are down, it gets the 503 any request
-        gets without an engine, not a 400).  Adapters keep the ``null`` vLLM gives them.  ``max_model_len_override`` (the ``max_model_len``
-        setting) replaces every figure.  Pinned endpoints contribute only their pinned models."""
+        gets without an engine, not a 400).  Adapters keep the ``null`` vLLM gives them.  ``max_model_len_override``
+        (the ``max_model_len`` setting) caps every figure, and stands for one no engine declared (as
+        :class:`~pdproxy.engines.limits.Limits` applies it).  Pinned endpoints contribute only their pinned models."""
         merged: dict[str, dict[str, Any]] = {}
         longest: dict[str, dict[Role, int]] = {}     # model id → role → its largest context
         for e, info in self.infos.items():
@@ -196,5 +197,7 @@ class ServedModels:
         if max_model_len_override:
             for entry in merged.values():
                 if not entry.get("parent"):
-                    entry["max_model_len"] = max_model_len_override
+                    own = entry.get("max_model_len")
+                    entry["max_model_len"] = min(own, max_model_len_override) if isinstance(own, int) \
+                        else max_model_len_override
         return list(merged.values())

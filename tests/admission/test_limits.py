@@ -103,3 +103,18 @@ def test_unknown_limits_impose_nothing_and_override_wins() -> None:
     assert limits(info(None), info(None)).max_prompt_tokens(10) is None
     assert limits(info(None), info(5000)).max_prompt_tokens(None) == 4999
     assert limits(info(100_000), info(100_000), override=512).max_prompt_tokens(None) == 511
+
+
+def test_the_setting_caps_an_engines_max_model_len_and_never_raises_it(caplog: pytest.LogCaptureFixture) -> None:
+    """``max_model_len: 100000`` in front of 4,096-token engines: the engines' 4,096 stays (once logged per
+    engine); old code admitted 100,000-token prompts, each refused by the prefiller after a round trip instead of
+    pdproxy's fast 400.  An engine that declares nothing gets the setting."""
+    caplog.set_level("WARNING", logger="pdproxy.limits")
+    lim = limits(info(4096), info(4096), override=100_000)
+    assert lim.max_prompt_tokens(None) == 4095
+    assert lim.of(P).max_model_len == lim.of(D).max_model_len == 4096
+    assert lim.max_prompt_tokens(None) == 4095
+    assert sorted(r.getMessage() for r in caplog.records) == [
+        "max_model_len 100000 is over engine http://d's own (4096): that engine's limit stays",
+        "max_model_len 100000 is over engine http://p's own (4096): that engine's limit stays"]
+    assert limits(info(None), info(None), override=100_000).max_prompt_tokens(None) == 99_999

@@ -81,6 +81,8 @@ def test_models_union_has_each_models_longest_servable_context() -> None:
     assert cards["a"]["max_model_len"] == 1024 and cards["b"]["max_model_len"] == 8192
     assert cards["a-lora"]["parent"] == "a" and cards["a-lora"]["max_model_len"] is None
     assert ServedModels(two_models()).cards(max_model_len_override=512)[0]["max_model_len"] == 512
+    capped = {c["id"]: c["max_model_len"] for c in ServedModels(two_models()).cards(max_model_len_override=4096)}
+    assert capped == {"a": 1024, "b": 4096, "a-lora": None}   # a cap, never a raise: the engines refuse past theirs
 
 
 def test_models_advertise_the_context_the_kv_pool_holds() -> None:
