@@ -420,6 +420,17 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
         return Response(orjson.dumps({**body, **roles}), status_code=200 if ok else 503,
                         headers={} if ok else {"retry-after": "1"}, media_type="application/json")
 
+    @app.get("/healthcheck")
+    async def healthcheck() -> Response:
+        """The vLLM-Ascend example proxy's status route (``examples/disaggregated_prefill_v1/
+        load_balance_proxy_server_example.py``): 200 while the process answers, ``{"status": "ok",
+        "prefill_instances": N, "decode_instances": N, "request_num": N}`` — the configured engines of each role and
+        the requests in flight, as it answers.  Whether they are usable is :func:`health`'s (``/health``)."""
+        st = state()
+        body = {"status": "ok", "prefill_instances": len(st.pool.endpoints(Role.PREFILL)),
+                "decode_instances": len(st.pool.endpoints(Role.DECODE)), "request_num": st.in_flight}
+        return Response(orjson.dumps(body), media_type="application/json")
+
     @app.get("/liveness")
     async def liveness() -> Response:
         """vllm-router's liveness probe: 200 ``OK`` while the process answers (engines being down, or a drain,

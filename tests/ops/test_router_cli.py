@@ -240,5 +240,8 @@ def test_vllm_routers_probe_routes_answer_as_its_probes_expect(sims: Fleet) -> N
                             "prefill": {"healthy": 1, "total": 1}, "decode": {"healthy": 0, "total": 1}}
         live = httpx.get(down.url + "/liveness")
         assert live.status_code == 200 and live.text == "OK"
+        status = httpx.get(down.url + "/healthcheck")     # the vLLM-Ascend example proxy's: 404 in old code
+        assert status.status_code == 200 and status.json() == {"status": "ok", "prefill_instances": 1,
+                                                               "decode_instances": 1, "request_num": 0}
     finally:
         down.stop()
