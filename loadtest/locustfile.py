@@ -10,14 +10,17 @@ Run headless, bounded in users and time (``--host`` is pdproxy or any OpenAI-com
 
 Environment: ``PDPROXY_LOCUST_MODEL`` (default: the first id of ``/v1/models``), ``PDPROXY_LOCUST_MAX_TOKENS``
 (default 64), ``PDPROXY_LOCUST_LONG_WORDS`` (words in a long prompt, default 3000; short prompts have ~30),
-``PDPROXY_LOCUST_LONG_SHARE`` (fraction of long prompts, default 0.2).
+``PDPROXY_LOCUST_LONG_SHARE`` (fraction of long prompts, default 0.2), ``PDPROXY_LOCUST_API_KEY`` (sent as
+``Authorization: Bearer KEY`` on every request, for a pdproxy with ``api_keys``; default ``OPENAI_API_KEY``, as the
+OpenAI SDK reads it; neither set: no header).
 
 Metrics (locust request type ``metric``, "response time" = the value in ms): ``TTFT chat`` / ``TTFT
 completions`` (request sent → first content event), ``ITL chat`` / ``ITL completions`` (each gap between
 content events), ``E2E chat`` / ``E2E completions`` (request sent → ``data: [DONE]``).  Locust's own request rows,
 ``/v1/chat/completions stream: to headers`` and ``/v1/completions stream: to headers``, time a streamed request
 only up to its response headers (locust stops the clock there for ``stream=True``; pdproxy sends the headers with
-the first event), so they are a time to first byte, not an end-to-end time.  Prompts are unique text (a uuid and random words), so
+the first event), so they are a time to first byte, not an end-to-end time.  Locust's ``Aggregated`` row sums
+every row, the metric rows too (one ``ITL`` entry per token gap): read requests per second from the request rows.  Prompts are unique text (a uuid and random words), so
 no request hits the engines' prefix cache by accident.
 """
 
@@ -55,6 +58,9 @@ class OpenAIUser(HttpUser):
     wait_time = between(0.1, 1.0)
 
     def on_start(self) -> None:
+        key = os.environ.get("PDPROXY_LOCUST_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        if key:
+            self.client.headers["Authorization"] = f"Bearer {key}"
         self.model = os.environ.get("PDPROXY_LOCUST_MODEL")
         if self.model is None:
             with self.client.get("/v1/models", name="/v1/models", catch_response=True) as r:

@@ -1,7 +1,9 @@
 """``pdproxy demo``: one simulated prefiller and two simulated decoders on loopback, the proxy on :8000.
 
 The request log (one JSON line per request, pdproxy/ops/reqlog.py) goes to a file, ``--request-log-path`` (default
-``pdproxy-demo-requests-UID.jsonl`` in the temporary directory, one per user: a shared ``/tmp`` holds each user's), so the terminal stays readable under load.
+``pdproxy-demo-requests-UID.jsonl`` in the temporary directory, one per user: a shared ``/tmp`` holds each user's,
+emptied when a demo starts so that it holds that run's requests; a file given with the flag is appended to), so the
+terminal stays readable under load.
 
 The engines are child processes (``pdproxy sim``) in their own process group; they are stopped when the proxy
 exits (Ctrl-C / SIGTERM) or if any of them fails to start.
@@ -15,6 +17,7 @@ import ctypes
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -59,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tokens-per-s", type=float, default=20000.0)
     p.add_argument("--request-log-path", default=None,
                    help="file the request log is appended to ('-' = the terminal; default: "
-                        "pdproxy-demo-requests-UID.jsonl in the temporary directory)")
+                        "pdproxy-demo-requests-UID.jsonl in the temporary directory, emptied at start)")
 
 
 ENGINE_PORT_OFFSETS = (0, 100, 101)
@@ -79,6 +82,19 @@ def check_ports(args: argparse.Namespace) -> None:
 def request_log_path(args: argparse.Namespace) -> str:
     """Where the demo's request log goes: ``--request-log-path``, else a file in the temporary directory."""
     return str(args.request_log_path or Path(tempfile.gettempdir()) / f"pdproxy-demo-requests-{os.getuid()}.jsonl")
+
+
+def empty_own_log(path: str) -> None:
+    """Empty the demo's default request log ``path`` when it is a regular file of this user's (never through a
+    symbolic link or someone else's file in a shared temporary directory): each run's log holds that run's."""
+    with contextlib.suppress(OSError):
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_size:
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+            try:
+                os.ftruncate(fd, 0)
+            finally:
+                os.close(fd)
 
 
 def request_log_hint(path: str) -> str:
@@ -187,6 +203,8 @@ def run(args: argparse.Namespace, serve: Callable[[Settings, Callable[[], None]]
     except DemoError as exc:
         print(f"pdproxy demo: {exc}", file=sys.stderr)
         return 1
+    if args.request_log_path is None:
+        empty_own_log(request_log_path(args))
     signal.signal(signal.SIGHUP, _hang_up)
     try:
         with simulated_engines(args) as (prefill, decode):

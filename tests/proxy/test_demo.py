@@ -55,9 +55,13 @@ def _up(proxy: int) -> bool:
 
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
-def test_demo_serves_and_its_engines_die_with_it(how: signal.Signals) -> None:
+def test_demo_serves_and_its_engines_die_with_it(how: signal.Signals, tmp_path: Path) -> None:
+    """Also: the demo's own request log holds this run's requests (an earlier run's lines were kept, ~100 KB of
+    other runs' on a shared machine)."""
+    log = tmp_path / f"pdproxy-demo-requests-{os.getuid()}.jsonl"
+    log.write_text('{"an earlier run": 1}\n')
     proxy, base = _ports()
-    demo = _demo(proxy, base)
+    demo = _demo(proxy, base, env={"TMPDIR": str(tmp_path)})
     try:
         wait_until(lambda: _up(proxy), 30, 0.1, "demo proxy healthy")
         r = httpx.post(f"http://127.0.0.1:{proxy}/v1/chat/completions", timeout=10,
@@ -68,6 +72,8 @@ def test_demo_serves_and_its_engines_die_with_it(how: signal.Signals) -> None:
         demo.wait(timeout=30)
         if how is signal.SIGTERM:
             assert demo.returncode == 0
+            (line,) = log.read_text().splitlines()
+            assert '"status":200' in line.replace(" ", ""), line
         # however the demo ended, its engines are gone and their ports free
         wait_until(lambda: all(_free(p) for p in (proxy, base, base + 100, base + 101)), 15, 0.1, "ports freed")
     finally:
@@ -136,3 +142,17 @@ def test_an_unusable_default_request_log_names_itself_and_the_flag(tmp_path: Pat
     assert err.startswith(f"pdproxy demo: the request log {tmp_path}/pdproxy-demo-requests-{os.getuid()}.jsonl: "
                           "cannot open it for appending") and "give --request-log-path FILE" in err, err
     assert all(_free(p) for p in (proxy, base, base + 100, base + 101))
+
+
+def test_the_demo_empties_only_its_own_regular_log(tmp_path: Path) -> None:
+    """Never through a symbolic link (a shared /tmp: someone else's file in its place)."""
+    from pdproxy.tools.demo import empty_own_log
+
+    own, target, link = tmp_path / "own.jsonl", tmp_path / "target", tmp_path / "link.jsonl"
+    own.write_text("old\n")
+    target.write_text("keep\n")
+    link.symlink_to(target)
+    empty_own_log(str(own))
+    empty_own_log(str(link))
+    empty_own_log(str(tmp_path / "missing.jsonl"))
+    assert own.read_text() == "" and target.read_text() == "keep\n" and not (tmp_path / "missing.jsonl").exists()
