@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import socket
 import time
 from typing import TYPE_CHECKING, Any
@@ -331,7 +332,8 @@ async def run_generation(server: SimServer, listener: Listener, request: web.Req
     """Run a validated request on ``rank`` and answer it through ``writer`` (see the module docstring)."""
     wake = _Wake()
     seqs = build_sequences(server, rank, parsed, wake, fault)
-    headers = {"X-Request-Id": parsed.base_id} if headers is None else headers
+    if headers is None:    # vLLM's XRequestIdMiddleware: the request's own header, else 32 random hex digits
+        headers = {"X-Request-Id": request.headers.get("X-Request-Id") or secrets.token_hex(16)}  # (not the body's)
     recompute_after = int(fault.params.get("tokens", fault.params.get("events", 1))) if (
         fault is not None and fault.kind == "recomputed") else None
     slow = (float(fault.params.get("factor", 10.0)), float(fault.params.get("min_gap_s", 0.005))) if (

@@ -240,3 +240,23 @@ async def test_client_disconnect_mid_stream_aborts_and_frees_blocks(http: aiohtt
 
         state = await eventually(freed, what="abort after disconnect")
         assert state["active_streams"] == 0 and state["finished"] == 1
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+async def test_body_request_id_never_becomes_a_header(sim: SimServer, http: aiohttp.ClientSession, api: str) -> None:
+    """A body's ``request_id`` (a client's, passed on by pdproxy on both Responses legs) names the response but is
+    no header: vLLM answers ``X-Request-Id`` only from the request's own header (its ``XRequestIdMiddleware``).
+    A newline in it made aiohttp refuse the answer's headers (the connection dropped: pdproxy struck and then
+    opened the prefiller's breaker for every client), and 100 KB of it an answer head no client reads."""
+    for rid in ("resp_a\nb", "resp_" + "x" * 100_000):
+        body: dict[str, object] = ({"input": "hi", "max_output_tokens": 2} if api == "responses" else
+                                   {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        path = "/v1/responses" if api == "responses" else "/v1/chat/completions"
+        status, text, headers = await post(http, sim.base_urls[0] + path, {**body, "request_id": rid})
+        assert status == 200, text
+        assert "\n" not in headers.get("X-Request-Id", "") and len(headers.get("X-Request-Id", "")) <= 64
+        if api == "responses":
+            assert json.loads(text)["id"] == rid
+    status, _, headers = await post(http, sim.base_urls[0] + "/v1/responses",
+                                    {"input": "hi", "max_output_tokens": 2}, **{"X-Request-Id": "hdr-7"})
+    assert status == 200 and headers["X-Request-Id"] == "hdr-7"
