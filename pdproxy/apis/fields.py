@@ -81,7 +81,8 @@ def responses_fields(body: dict[str, Any]) -> tuple[bool, str | None, int | None
     Raises :class:`BadRequest` for a missing ``input`` (vLLM: pydantic's 400), an ``input`` that is neither a
     string nor a list, ``max_output_tokens`` < 1 (vLLM's words: "max_tokens must be at least 1, got 0."),
     ``background: true`` (a background response answers at once and is fetched later from the engine's store:
-    there is no decode leg to run), a non-boolean ``stream``, bad ``tools``."""
+    there is no decode leg to run), a non-boolean ``stream``, bad ``tools``, a client's ``request_id`` past an
+    ``X-Request-Id``'s bounds (:func:`_responses_request_id`)."""
     if "input" not in body or body["input"] is None:
         raise BadRequest("'input' is required", param="input")
     if not isinstance(body["input"], str | list):
@@ -97,7 +98,26 @@ def responses_fields(body: dict[str, Any]) -> tuple[bool, str | None, int | None
         raise BadRequest("'background' responses cannot be served through PD disaggregation: they answer at once "
                          "and are fetched later from one engine's response store", param="background")
     _tools(body)
+    _responses_request_id(body)
     return _stream(body), _model(body, False), limit
+
+
+RESPONSES_REQUEST_ID_MAX = 96
+"""The longest ``request_id`` a Responses client may name (as an ``X-Request-Id`` is cut to:
+:data:`pdproxy.timeline.CLIENT_REQUEST_ID_MAX`); vLLM's own are ``resp_`` and 32 hex digits."""
+
+
+def _responses_request_id(body: dict[str, Any]) -> None:
+    """A client's own Responses ``request_id`` (a string) is passed to both engines as their request id — vLLM
+    names the response, its engine request and the KV transfer after it, and logs it — so it must be what an
+    ``X-Request-Id`` becomes: at most :data:`RESPONSES_REQUEST_ID_MAX` visible ASCII characters.  Raises
+    :class:`BadRequest` otherwise (a newline in it reached both engines' logs, 100 KB of it was their request id).
+    Any other type is left to the legs as before."""
+    rid = body.get("request_id")
+    if isinstance(rid, str) and (len(rid) > RESPONSES_REQUEST_ID_MAX or not (rid.isascii() and rid.isprintable())
+                                 or " " in rid):
+        raise BadRequest(f"'request_id' must be at most {RESPONSES_REQUEST_ID_MAX} visible ASCII characters (no "
+                         "spaces or control characters): it names the request on both engines", param="request_id")
 
 
 def _plain_messages(messages: list[Any]) -> bool:

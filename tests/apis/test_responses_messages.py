@@ -142,6 +142,25 @@ def test_responses_bad_requests_never_reach_an_engine(proxy: ProxyThread, sims: 
     assert not [x for s in sims.all for x in s.received()]
 
 
+
+def test_responses_client_request_id_is_bounded(proxy: ProxyThread, sims: Fleet) -> None:
+    """A client's Responses ``request_id`` is both engines' request id (vLLM names the request and its KV transfer
+    after it, and logs it), passed on as sent: it gets the bounds an ``X-Request-Id`` gets — at most 96 characters,
+    visible ASCII — or a 400 naming it, before any engine is asked.  A newline in it reached both engines (and
+    made the simulated one drop the connection); 100 KB of it was each engine's request id."""
+    for rid in ("resp_a\nb", "resp_" + "x" * 100_000, "resp_ \u00e9", "resp_\u0000"):
+        r = httpx.post(proxy.url + "/v1/responses", json={"model": "sim-model", "input": "x", "max_output_tokens": 2,
+                                                           "request_id": rid})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", r.text
+        assert len(r.content) < 2_000
+    assert not [x for s in sims.all for x in s.received()]
+    ok = "resp_" + "A-z0_9.:" * 11                               # 93 characters: kept, named as sent
+    r = httpx.post(proxy.url + "/v1/responses", json={"model": "sim-model", "input": "x", "max_output_tokens": 2,
+                                                       "request_id": ok}, timeout=20)
+    assert r.status_code == 200 and r.json()["id"] == ok
+    wait_engines_idle(sims)
+
+
 # ----------------------------------------------------------------------------------------------------- Messages
 @pytest.mark.parametrize("stream", [False, True])
 def test_messages_through_pd(proxy: ProxyThread, sims: Fleet, stream: bool) -> None:
