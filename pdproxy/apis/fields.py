@@ -112,8 +112,14 @@ def _responses_request_id(body: dict[str, Any]) -> None:
     names the response, its engine request and the KV transfer after it, and logs it — so it must be what an
     ``X-Request-Id`` becomes: at most :data:`RESPONSES_REQUEST_ID_MAX` visible ASCII characters.  Raises
     :class:`BadRequest` otherwise (a newline in it reached both engines' logs, 100 KB of it was their request id).
-    Any other type is left to the legs as before."""
+    A value of another type (not null) is vLLM's 400 (``ResponsesRequest.request_id`` is a ``str``; pydantic does
+    not read a number as one), in its words: pdproxy would otherwise name the legs ``resp_<id>`` in its place."""
     rid = body.get("request_id")
+    if rid is not None and not isinstance(rid, str):
+        shown = f"<{type(rid).__name__} of {len(rid)} items>" if isinstance(rid, list | dict) else str(rid)[:200]
+        err = {"type": "string_type", "loc": "body.request_id", "msg": "Input should be a valid string",
+               "input": shown}
+        raise BadRequest(f"1 validation error:\n  {err}", param="body.request_id", error_type="Bad Request")
     if isinstance(rid, str) and (len(rid) > RESPONSES_REQUEST_ID_MAX or not (rid.isascii() and rid.isprintable())
                                  or " " in rid):
         raise BadRequest(f"'request_id' must be at most {RESPONSES_REQUEST_ID_MAX} visible ASCII characters (no "

@@ -161,6 +161,22 @@ def test_responses_client_request_id_is_bounded(proxy: ProxyThread, sims: Fleet)
     wait_engines_idle(sims)
 
 
+
+def test_responses_request_id_of_another_type_is_vllms_400(proxy: ProxyThread, sims: Fleet) -> None:
+    """vLLM types a Responses ``request_id`` as a string (``ResponsesRequest``, pydantic strict on ``str``): a
+    number, list, object or boolean is its 400 ``string_type``.  pdproxy put its own ``resp_<id>`` in its place on
+    both legs and answered 200, the client's value silently dropped."""
+    for value, shown in ((5, "5"), ([1], "<list of 1 items>"), ({"a": 1}, "<dict of 1 items>"), (True, "True")):
+        r = httpx.post(proxy.url + "/v1/responses", json={"model": "sim-model", "input": "x", "max_output_tokens": 2,
+                                                           "request_id": value})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "body.request_id" and err["type"] == "Bad Request"
+        assert "'type': 'string_type', 'loc': 'body.request_id', 'msg': 'Input should be a valid string'" in \
+            err["message"] and f"'input': '{shown}'" in err["message"]
+    assert not [x for s in sims.all for x in s.received()]
+
+
 # ----------------------------------------------------------------------------------------------------- Messages
 @pytest.mark.parametrize("stream", [False, True])
 def test_messages_through_pd(proxy: ProxyThread, sims: Fleet, stream: bool) -> None:
