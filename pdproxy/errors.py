@@ -204,6 +204,13 @@ class BadRequest(ProxyError):
     outcome = "bad_request"
     redacts = False      # pdproxy's 400s are about the request's own fields (ProxyError.redacts; not PromptTooLong)
 
+    @classmethod
+    def validation(cls, err: dict[str, Any]) -> BadRequest:
+        """vLLM's 400 for one pydantic validation error ``err`` (``type``, ``loc``, ``msg``, ``input``, ``ctx``?), in
+        its words (``serve/exception_handling/handlers/validation.py``: ``1 validation error:`` and the error's
+        dict, ``type`` ``Bad Request``), ``param`` its ``loc``."""
+        return cls(f"1 validation error:\n  {err}", param=err["loc"], error_type="Bad Request")
+
 
 class PromptTooLong(BadRequest):
     """Prompt tokens (+ requested output tokens) exceed an engine limit (HTTP 400).

@@ -119,7 +119,7 @@ def _responses_request_id(body: dict[str, Any]) -> None:
         shown = f"<{type(rid).__name__} of {len(rid)} items>" if isinstance(rid, list | dict) else str(rid)[:200]
         err = {"type": "string_type", "loc": "body.request_id", "msg": "Input should be a valid string",
                "input": shown}
-        raise BadRequest(f"1 validation error:\n  {err}", param="body.request_id", error_type="Bad Request")
+        raise BadRequest.validation(err)
     if isinstance(rid, str) and (len(rid) > RESPONSES_REQUEST_ID_MAX or not (rid.isascii() and rid.isprintable())
                                  or " " in rid):
         raise BadRequest(f"'request_id' must be at most {RESPONSES_REQUEST_ID_MAX} visible ASCII characters (no "
@@ -208,7 +208,7 @@ def messages_fault(body: dict[str, Any], max_tokens: int) -> BadRequest | None:
     err = {"type": "value_error", "loc": "body", "msg": "Value error, thinking.budget_tokens must be less than "
            "max_tokens", "input": f"<dict of {len(body)} items>",
            "ctx": {"error": "thinking.budget_tokens must be less than max_tokens"}}
-    return BadRequest(f"1 validation error:\n  {err}", param="body", error_type="Bad Request")
+    return BadRequest.validation(err)
 
 
 # ------------------------------------------------------------------------------------------------ chat views

@@ -478,7 +478,7 @@ def too_deep(limit: int) -> BadRequest:
     naming the nesting limit (setting ``max_json_depth``)."""
     err = {"type": "json_invalid", "loc": "body", "msg": "JSON decode error", "input": "<dict of 0 items>",
            "ctx": {"error": f"nesting deeper than {limit} levels (pdproxy's max_json_depth)"}}
-    return BadRequest(f"1 validation error:\n  {err}", param="body", error_type="Bad Request")
+    return BadRequest.validation(err)
 
 
 _FIND_STEPS = 1_000
@@ -514,7 +514,7 @@ def too_many_items(limit: int) -> BadRequest:
     ``json_invalid`` words as :func:`too_deep`."""
     err = {"type": "json_invalid", "loc": "body", "msg": "JSON decode error", "input": "<dict of 0 items>",
            "ctx": {"error": f"more than {limit} arrays, objects and elements (pdproxy's max_json_items)"}}
-    return BadRequest(f"1 validation error:\n  {err}", param="body", error_type="Bad Request")
+    return BadRequest.validation(err)
 
 
 def load_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH, max_items: int | None = MAX_JSON_ITEMS) -> Any:
@@ -589,7 +589,7 @@ def _body_error(raw: bytes, max_depth: int = MAX_JSON_DEPTH, orjson_error: str =
             err = {"type": "model_attributes_type", "loc": "body",
                    "msg": "Input should be a valid dictionary or object to extract fields from",
                    "input": _summary(value)}
-    return BadRequest(f"1 validation error:\n  {err}", param=err["loc"], error_type="Bad Request")
+    return BadRequest.validation(err)
 
 
 def load_json_object(raw: bytes, max_depth: int = MAX_JSON_DEPTH,
