@@ -76,6 +76,7 @@ class ResponseWriter:
         self.tool_mode = req.tool_mode
         self._lp = req.sampling.logprobs is not None and not req.echo_only
         self._tool_ids: dict[int, str] = {}
+        self._text_at: dict[int, tuple[int, int]] = {}   # choice index → (token i, len(text(0, i))): logprobs' offset
         self._head = {"id": req.response_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                       "created": created, "model": model}
 
@@ -121,7 +122,11 @@ class ResponseWriter:
                                 "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
                                                  for t, v in alts[:top]]})
             return {"content": content}
-        offset = len(plan.text(0, start))
+        at, length = self._text_at.get(seq.index, (0, 0))   # from the last event's start: O(event), not O(stream)
+        if at > start:
+            at, length = 0, 0
+        offset = length + len(plan.text(at, start))
+        self._text_at[seq.index] = (start, offset)
         if self.req.echo_texts is not None:   # after the echoed prompt (vLLM's offsets count its tokens first)
             offset += len(self.req.echo_texts[seq.prompt_index])
         offsets, token_lps, tokens, tops = [], [], [], []
