@@ -170,6 +170,11 @@ class Settings(BaseSettings):
                                "queues differ by less tie on load, and in-flight requests then the rendezvous "
                                "tie-break decide (prefix hits count exactly; 0 = exact)")
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    engine_answer_max_bytes: int = Field(
+        256 * 1024 * 1024, ge=1024, description="largest whole answer read from an engine (a prefill leg's, a "
+                                                "non-streamed decode leg's, /tokenize's, a release leg's): a larger "
+                                                "one is that engine's failure (502), its connection closed; an error "
+                                                "answer's body is read up to 1 MiB")
     max_pending_body_bytes: int = Field(
         1 << 30, ge=1024, description="bytes of request bodies, all connections together: those still arriving "
                                       "(every route's) and the generation requests' until each request ends; a "

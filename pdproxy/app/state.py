@@ -96,7 +96,7 @@ class ProxyState:
         queue = PrefillQueue(ledger, scheduler, max_waiting=s.prefill_queue_max, timeout_s=s.prefill_queue_timeout_s,
                              aging_tokens_per_s=s.prefill_queue_aging_tokens_per_s, busy_tokens=s.prefill_busy_tokens)
         upstream = Upstream(connect_timeout_s=s.connect_timeout_s, max_connections=s.upstream_max_connections,
-                            pool_wait_s=s.upstream_pool_wait_s)
+                            pool_wait_s=s.upstream_pool_wait_s, max_answer_bytes=s.engine_answer_max_bytes)
         admission = Admission(s, limits=limits, queue=queue, scheduler=scheduler, upstream=upstream, headers=headers)
         if share is not None:
             share.connect(pool, ledger)     # this worker's releases wake the other workers' waiters

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from pdproxy.endpoints import Endpoint
+from pdproxy.endpoints import Endpoint, Role
 from pdproxy.errors import (  # noqa: F401  (UpstreamRefused, retry_after_seconds: re-exported for the legs)
     ProxyError,
     UpstreamHTTPError,
@@ -62,13 +62,43 @@ def _answer_failure(exc: TransportError | TimeoutError, endpoint: Endpoint, time
     return transport_error(exc, f"{endpoint.role.value} {endpoint.name}", endpoint.name)
 
 
+def answer_too_large(who: str, endpoint: str, limit: int) -> UpstreamUnavailable:
+    """The failure of an engine whose whole answer passed ``limit`` bytes (setting ``engine_answer_max_bytes``): no
+    engine answer of vLLM's comes near it, and reading on would hold it all in memory."""
+    word = who.split(" ", 1)[0]
+    noun = Role(word).noun if word in Role._value2member_map_ else word
+    return UpstreamUnavailable(f"{who} answered more than {limit:,} bytes (engine_answer_max_bytes); connection "
+                               "closed", endpoint=endpoint, public=f"the {noun} sent an answer too large to read")
+
+
+async def read_answer(resp: H1Response, limit: int | None, who: str, endpoint: str) -> bytes:
+    """The body of ``resp`` (its headers in): at most ``_MAX_ERROR_BODY_BYTES`` of an error answer (status 400 or
+    more; the rest left unread), the whole of any other one.  Raises :class:`UpstreamUnavailable` as soon as a
+    non-error body passes ``limit`` bytes (None: no limit), and the transport's errors.  Either way, what is left
+    unread stays with the connection, which the caller's ``release`` then closes: an engine that sends a body
+    without end no longer grows the proxy until a timeout (a 500 with 400 MB of body: 1 GB of RSS, and the error
+    held back until the prefill timeout)."""
+    if resp.status >= 400:
+        return await resp.read(_MAX_ERROR_BODY_BYTES)
+    if limit is None:
+        return await resp.read()
+    data = await resp.read(limit + 1)
+    if len(data) > limit:
+        raise answer_too_large(who, endpoint, limit)
+    return data
+
+
 class Upstream:
     """Sends the prefill leg (JSON) and opens the decode leg (stream) to one engine endpoint.
 
-    ``max_connections``: per engine (0: unlimited); ``pool_wait_s``: how long a request waits for one."""
+    ``max_connections``: per engine (0: unlimited); ``pool_wait_s``: how long a request waits for one;
+    ``max_answer_bytes``: the largest answer body read whole (None: no bound; error bodies: 1 MiB)."""
 
-    def __init__(self, *, connect_timeout_s: float, max_connections: int = 0, pool_wait_s: float = 10.0) -> None:
+    def __init__(self, *, connect_timeout_s: float, max_connections: int = 0, pool_wait_s: float = 10.0,
+                 max_answer_bytes: int | None = None) -> None:
         self.connect_timeout_s = connect_timeout_s
+        self.max_answer_bytes = max_answer_bytes
+        """The largest whole answer :meth:`post_json` reads (setting ``engine_answer_max_bytes``; None: any)."""
         self.max_connections = max_connections
         self.pool_wait_s = pool_wait_s
         self._pool: H1Pool | None = None
@@ -134,18 +164,19 @@ class Upstream:
         Raises :class:`UpstreamHTTPError` (engine answered ≥ 400; body kept verbatim), :class:`UpstreamTimeout`
         (no complete answer within ``timeout_s`` seconds; the connection is closed, which makes vLLM abort),
         :class:`UpstreamRefused` (connection refused: the engine never saw the request),
-        :class:`UpstreamUnavailable` (reset, or an answer that is not a JSON object).
+        :class:`UpstreamUnavailable` (reset, an answer that is not a JSON object, or one over ``max_answer_bytes``).
         """
         url = endpoint.url + path
         deadline = self.pool.loop.time() + timeout_s
         try:
             resp = await self._post(url, body, headers, None, headers_by=deadline, deadline_at=deadline)
             try:
-                data = await resp.read()
+                data = await read_answer(resp, self.max_answer_bytes, f"{endpoint.role.value} {endpoint.name}",
+                                         endpoint.name)
             finally:
                 resp.release()
             if resp.status >= 400:
-                raise UpstreamHTTPError(resp.status, data[:_MAX_ERROR_BODY_BYTES], endpoint=endpoint.name,
+                raise UpstreamHTTPError(resp.status, data, endpoint=endpoint.name,
                                         content_type=resp.content_type or "application/json",
                                         retry_after=_retry_after(resp.headers))
         except (TransportError, TimeoutError) as exc:
@@ -175,12 +206,12 @@ class Upstream:
                 resp.close()
                 return {}
             try:
-                data = await resp.read()
+                data = await resp.read(_MAX_ERROR_BODY_BYTES)
             finally:
                 resp.release()
         except (TransportError, TimeoutError) as exc:
             raise _answer_failure(exc, endpoint, timeout_s) from None
-        raise UpstreamHTTPError(resp.status, data[:_MAX_ERROR_BODY_BYTES], endpoint=endpoint.name,
+        raise UpstreamHTTPError(resp.status, data, endpoint=endpoint.name,
                                 content_type=resp.content_type or "application/json",
                                 retry_after=_retry_after(resp.headers))
 

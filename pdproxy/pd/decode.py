@@ -40,7 +40,7 @@ from pdproxy.errors import (
 from pdproxy.http.client import H1Response, TransportError
 from pdproxy.http.engine_headers import EngineHeaders
 from pdproxy.http.errors import transport_error
-from pdproxy.http.upstream import Upstream
+from pdproxy.http.upstream import Upstream, read_answer
 from pdproxy.ops.tracing import NO_TRACING, Tracing
 from pdproxy.pd.continuation import LiveStreams, Refusal, Resume, StreamLost, ask_token_ids, ineligible_reason
 from pdproxy.pd.prefill import PrefillResult
@@ -218,7 +218,7 @@ class DecodeLeg:
                         head = True
                         prefill.consume()          # the decoder answered: it has the request and its KV
                         recomputed = await relay_json(resp, ctx, prefill.cached_tokens, out, transcript,
-                                                      first_byte_s, routing, req.api)
+                                                      first_byte_s, routing, req.api, s.engine_answer_max_bytes)
             except ProxyError as exc:
                 if isinstance(exc, UpstreamHTTPError):      # it answered an error: vLLM freed the KV it was sent
                     prefill.handed = True
@@ -280,17 +280,18 @@ def json_answer_fault(status: int, data: bytes, api: Api = Api.CHAT) -> str | No
 
 async def relay_json(resp: H1Response, ctx: RequestContext, cached_tokens: int | None, out: Responder,
                      transcript: recompute.Transcript | None, timeout_s: float,
-                     routing: list[tuple[bytes, bytes]], api: Api = Api.CHAT) -> bool:
+                     routing: list[tuple[bytes, bytes]], api: Api = Api.CHAT, max_bytes: int | None = None) -> bool:
     """Read a non-streaming decode answer (within ``timeout_s`` seconds) and send it with ``routing`` headers:
     usage patched with the prefiller's ``cached_tokens`` (in ``api``'s usage shape); a ``recomputed`` answer is
     kept back and True returned; a continuation's answer is merged with the earlier text.  Raises
     :class:`UpstreamUnavailable` / :class:`UpstreamTimeout` when the body does not arrive, and
     :class:`UpstreamUnavailable` (502) when it is not an answer: a status other than 200, or a body that is not a
-    JSON object (empty, an SSE stream, text) — never relayed as a 200 (:func:`json_answer_fault`)."""
+    JSON object (empty, an SSE stream, text) — never relayed as a 200 (:func:`json_answer_fault`), or larger than
+    ``max_bytes`` (setting ``engine_answer_max_bytes``; None: any size; read no further)."""
     endpoint = ctx.decoder or ""
     try:
         async with asyncio.timeout(timeout_s):
-            data = await resp.read()
+            data = await read_answer(resp, max_bytes, f"decoder {endpoint}", endpoint)
     except TransportError as exc:
         raise transport_error(exc, f"decoder {endpoint}", endpoint) from None
     except TimeoutError:

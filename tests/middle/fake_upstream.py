@@ -299,11 +299,15 @@ class FakeResponse:
         return data
 
     async def read(self, n: int = -1) -> bytes:
-        assert n < 0, "the relay reads whole bodies only"
+        """The rest of the body, or at least its next ``n`` bytes when ``n`` ≥ 0 (the relay reads a bounded answer:
+        ``engine_answer_max_bytes`` + 1); what passes ``n`` is dropped, the body not being read on."""
         parts = []
-        while chunk := await self.readany():
+        size = 0
+        while (n < 0 or size < n) and (chunk := await self.readany()):
             parts.append(chunk)
-        return b"".join(parts)
+            size += len(chunk)
+        data = b"".join(parts)
+        return data if n < 0 else data[:n]
 
     def splice(self, sink: BodySink) -> None:
         self.sink = sink
