@@ -368,7 +368,10 @@ class Merger:
         answers: list[tuple[Sequence, dict[str, Any]]] = []
         headers: list[tuple[bytes, bytes]] = []
         for sink in sinks:
-            obj = orjson.loads(b"".join(sink.body))
+            try:   # relayed alone, an answer is checked by shape only (decode.json_answer_fault); merged, it is read
+                obj = orjson.loads(b"".join(sink.body))
+            except orjson.JSONDecodeError:
+                obj = None
             if not isinstance(obj, dict):
                 raise UpstreamUnavailable(f"decoder {sink.seq.ctx.decoder} answered with a body that is not a JSON "
                                           "object", endpoint=sink.seq.ctx.decoder or "")

@@ -20,7 +20,7 @@ import pytest
 from pdproxy.apis.request import Api
 from pdproxy.app.application import build_control_app
 from pdproxy.http.client import Disconnected, ProtocolError, ReadTimeout
-from tests.middle.fake_upstream import MODEL, Outcome, Refuse, Reset, Status, Stream, TimeOut, chat_chunks
+from tests.middle.fake_upstream import MODEL, Answer, Outcome, Refuse, Reset, Status, Stream, TimeOut, chat_chunks
 from tests.middle.rig import DECODERS, PREFILLERS, Rig
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(20)]
@@ -278,3 +278,19 @@ async def test_an_operator_surface_that_is_off_stays_a_403() -> None:
         for path in ("/admin/endpoints", "/debug/load"):
             status, body = await control_status(rig, path, {"authorization": "Bearer anything"})
             assert status == 403 and body["error"]["type"] == "PermissionDeniedError", (path, body)
+
+
+async def test_a_fanned_out_json_answer_that_is_not_json_is_the_decoders_502_not_pdproxys_500() -> None:
+    """A non-streamed answer is relayed alone after a check of its shape (``{`` … ``}`` holding ``"choices"``), but
+    a fanned-out request's answers are parsed to be merged: one that passed the shape check yet is no JSON (a
+    decoder's broken body) is the decoder's fault, a 502 saying so — it was an unhandled ``JSONDecodeError``, the
+    client's 500 "internal error in pdproxy" with a traceback in the log (found by a decoder sending
+    ``{"choices": [1,}``)."""
+    async with Rig() as rig:
+        rig.fake.script("r", decode=[Answer(raw=b'{"id": "x", "choices": [1,}')] * 2)
+        client = await rig.send("r", body=orjson.dumps({
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2,
+            "temperature": 1.0})).done()
+    error = client.json()["error"]
+    assert client.status == 502 and error["code"] == 502, error
+    assert "decoder" in error["message"] and "internal" not in error["message"], error
