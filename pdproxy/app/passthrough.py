@@ -209,15 +209,29 @@ class FormFields:
                 self.xargs.append(bytes(self._xargs))
 
 
-async def _read_start(resp: httpx.Response, limit: int) -> bytes:
-    """At most the first ``limit`` bytes of ``resp``'s body (decoded as httpx decodes it); the rest is never read
-    (the caller closes the response)."""
-    data = b""
-    async for chunk in resp.aiter_bytes():
-        data += chunk
-        if len(data) >= limit:
-            break
-    return data[:limit]
+ERROR_BODY_MAX_BYTES = 1 << 20
+"""The most of a 404 or a failed-over 5xx answer's body read (what an ``UpstreamHTTPError`` keeps of any engine's)."""
+
+
+async def _read_error_body(resp: httpx.Response, limit: int, timeout_s: float) -> tuple[bytes, bool]:
+    """The start of an error answer's body: at most ``limit`` bytes (decoded as httpx decodes it), read within
+    ``timeout_s`` seconds in all, and whether that was the whole body; the rest is never read (the caller closes
+    the response).  vLLM sends an error's small JSON body at once; one that goes on (an engine
+    or a gateway trickling bytes, or sending without end) is not read on — before, a 503 whose body never ended
+    held the client's request for as long as the engine kept writing, every byte in memory."""
+    data = bytearray()
+    whole = False
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in resp.aiter_bytes():
+                data += chunk
+                if len(data) > limit:
+                    break
+            else:
+                whole = True
+    except TimeoutError:
+        pass
+    return bytes(data[:limit]), whole
 
 
 GENERATE = "/inference/v1/generate"
@@ -472,7 +486,13 @@ class Passthrough:
             retry = resp.status_code >= 500 and classify_status(resp.status_code).action is Action.FAIL_OVER
             if resp.status_code == 404 or retry:
                 with httpx_errors(who, endpoint.name, f" on {path}"):
-                    data = await resp.aread()
+                    data, whole = await _read_error_body(resp, ERROR_BODY_MAX_BYTES,
+                                                         self.settings.decode_first_byte_timeout_s)
+                if resp.status_code == 404 and not whole:    # no vLLM 404: a broken engine's, tried elsewhere
+                    raise UpstreamUnavailable(f"{who} answered 404 with a body that did not end within "
+                                              f"{self.settings.decode_first_byte_timeout_s:g} s or "
+                                              f"{ERROR_BODY_MAX_BYTES:,} bytes", endpoint=endpoint.name,
+                                              public="the engine answered 404 with a body that did not end")
                 if resp.status_code == 404 and _route_not_found(data):
                     self.health.record_neutral(endpoint)
                     return "not_served"
@@ -488,7 +508,8 @@ class Passthrough:
                 # raised, so the route answers it in its API's envelope (OpenAI's, or Anthropic's on
                 # /v1/messages/count_tokens) with the start of the engine's text and its Retry-After
                 with httpx_errors(who, endpoint.name, f" on {path}"):
-                    data = await _read_start(resp, ENGINE_TEXT_CHARS)
+                    data, _ = await _read_error_body(resp, ENGINE_TEXT_CHARS,
+                                                     self.settings.decode_first_byte_timeout_s)
                 raise UpstreamHTTPError(resp.status_code, data, endpoint=endpoint.name,
                                         retry_after=resp.headers.get("retry-after"))
             broken = await self._relay_stream(resp, endpoint, ctx, send)
