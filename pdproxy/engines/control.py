@@ -216,8 +216,10 @@ class EngineClient:
         ``info.error`` and ``info.reachable``)."""
         try:
             models = await self.get_json(endpoint, "/v1/models")
-            info.models = [m for m in models.get("data", []) if isinstance(m, dict)]
-            lens = [m["max_model_len"] for m in info.models if isinstance(m.get("max_model_len"), int)]
+            data = models.get("data")       # vLLM's list; anything else (null, an object, a number) lists none
+            info.models = [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+            lens = [m["max_model_len"] for m in info.models
+                    if isinstance(m.get("max_model_len"), int) and not isinstance(m["max_model_len"], bool)]
             info.max_model_len = min(lens) if lens else None
             info.reachable = True
             info.error = None

@@ -9,6 +9,7 @@ import socket
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from pdproxy.endpoints import Endpoint, Role
@@ -122,3 +123,36 @@ def test_an_engine_that_never_ends_its_answer_fails_the_call_in_time(mode: str) 
     assert not healthy and not info.reachable and info.error
     assert took < 5.0                                      # two calls of at most 1 s each, with slack for load
     assert ("did not answer in time" in info.error) if mode == "trickle" else ("failed" in info.error), info.error
+
+
+@pytest.mark.parametrize("data", [None, 5, {"id": "m"}, "sim-model", [{"id": "m", "max_model_len": True}]])
+def test_a_model_list_of_the_wrong_shape_lists_no_model_and_never_raises(data: Any) -> None:
+    """``refresh`` never raises: a ``/v1/models`` answer whose ``data`` is no list (an engine, or another server on
+    its port, answering ``{"data": null}``) raised ``TypeError`` from the list comprehension — out of
+    ``HealthMonitor.start`` (pdproxy's start-up failed with a traceback) and, later, out of every probe of that
+    engine, whose health verdict then never changed; ``max_model_len: true`` was read as a limit of 1."""
+    from pdproxy.engines.control import EngineInfo
+    from tests.support import free_port
+
+    body = orjson.dumps({"object": "list", "data": data})
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                     b"connection: close\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    async def call() -> EngineInfo:
+        server = await asyncio.start_server(answer, "127.0.0.1", free_port())
+        port = server.sockets[0].getsockname()[1]
+        client = EngineClient(timeout_s=2.0)
+        try:
+            return await client.refresh(Endpoint(f"http://127.0.0.1:{port}", Role.DECODE), EngineInfo())
+        finally:
+            await client.aclose()
+            server.close()
+
+    info = asyncio.run(call())
+    assert info.max_model_len is None
+    assert info.models == ([] if not isinstance(data, list) else data)
