@@ -63,7 +63,8 @@ def parse_cache_config(metrics_text: str) -> dict[str, str] | None:
     """Labels of the first ``vllm:cache_config_info`` sample in Prometheus text, or None if absent."""
     for line in metrics_text.splitlines():
         if line.startswith("vllm:cache_config_info{"):
-            return dict(_LABELS_RE.findall(line[line.index("{"):line.rindex("}")]))
+            end = line.rfind("}")        # a line cut before its closing brace: its labels as far as they go
+            return dict(_LABELS_RE.findall(line[line.index("{"):end if end >= 0 else len(line)]))
     return None
 
 
@@ -77,7 +78,7 @@ def kv_pool_tokens(labels: dict[str, str]) -> tuple[int | None, int | None, int 
         v = labels.get(key)
         try:
             return int(float(v)) if v not in (None, "None", "") else None
-        except ValueError:
+        except (ValueError, OverflowError):     # not a number; inf (1e400)
             return None
 
     block_size, blocks, size = num("block_size"), num("num_gpu_blocks"), num("kv_cache_size_tokens")

@@ -156,3 +156,17 @@ def test_a_model_list_of_the_wrong_shape_lists_no_model_and_never_raises(data: A
     info = asyncio.run(call())
     assert info.max_model_len is None
     assert info.models == ([] if not isinstance(data, list) else data)
+
+
+@pytest.mark.parametrize("line", ['vllm:cache_config_info{block_size="1e400",num_gpu_blocks="10"} 1.0',
+                                  'vllm:cache_config_info{block_size="16",num_gpu_blocks="10" 1.0'])
+def test_a_cache_config_line_of_the_wrong_shape_is_read_as_far_as_it_goes_and_never_raises(line: str) -> None:
+    """``/metrics`` is read by ``refresh``, which never raises: a ``cache_config_info`` label of ``1e400`` raised
+    ``OverflowError`` (``int(inf)``) and a line without its closing brace ``ValueError`` (``rindex``) — out of
+    start-up (pdproxy failed to start with a traceback) and out of every later probe of that engine."""
+    from pdproxy.engines.control import kv_pool_tokens, parse_cache_config
+
+    labels = parse_cache_config(f"# HELP x\n{line}\n")
+    assert labels is not None and labels["num_gpu_blocks"] == "10"
+    size, block_size, blocks = kv_pool_tokens(labels)
+    assert blocks == 10 and (size, block_size) in ((None, None), (160, 16))
