@@ -727,7 +727,8 @@ def patch_usage(obj: dict[str, Any], cached_tokens: int | None) -> bool:
 
 
 def patch_usage_bytes(data: bytes, cached_tokens: int | None) -> bytes:
-    """:func:`patch_usage` on a JSON document's bytes; returns ``data`` unchanged when there is nothing to do."""
+    """:func:`patch_usage` on a JSON document's bytes; returns ``data`` unchanged when there is nothing to do, or
+    when the patched document cannot be written (nested deeper than orjson writes)."""
     if cached_tokens is None or b'"usage"' not in data:
         return data
     try:
@@ -736,4 +737,7 @@ def patch_usage_bytes(data: bytes, cached_tokens: int | None) -> bytes:
         return data
     if not isinstance(obj, dict) or not patch_usage(obj, cached_tokens):
         return data
-    return orjson.dumps(obj)
+    try:
+        return orjson.dumps(obj)
+    except TypeError:      # nested past the 254 levels orjson writes (it reads 1,023): relayed as it came
+        return data

@@ -209,7 +209,12 @@ def patch_json(api: Api, data: bytes, cached_tokens: int | None) -> bytes:
     if not isinstance(obj, dict):
         return data
     patch = patch_messages_usage if api is Api.MESSAGES else patch_responses_usage
-    return orjson.dumps(obj) if patch(obj.get("usage"), cached_tokens) else data
+    if not patch(obj.get("usage"), cached_tokens):
+        return data
+    try:
+        return orjson.dumps(obj)
+    except TypeError:      # nested past the 254 levels orjson writes (it reads 1,023): relayed as it came
+        return data
 
 
 class _EventStream:

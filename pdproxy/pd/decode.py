@@ -312,7 +312,11 @@ async def relay_json(resp: H1Response, ctx: RequestContext, cached_tokens: int |
             transcript.observe(obj)
             return True
         if transcript.attempts > 1:
-            data = orjson.dumps(transcript.merge_json(obj))
+            try:
+                data = orjson.dumps(transcript.merge_json(obj))
+            except TypeError:   # nested past the 254 levels orjson writes (it reads 1,023)
+                raise UpstreamUnavailable(f"decoder {endpoint} answered JSON nested too deep to merge",
+                                          endpoint=endpoint) from None
     if data.find(b'"completion_tokens"') >= 0:
         ctx.completion_tokens = completion_tokens_in(data)
     await out.json(resp.status, patch_usage_bytes(data, cached_tokens if transcript is None

@@ -391,7 +391,12 @@ class Merger:
             merged["usage"] = usage
         self._account(usage)
         self.ctx.timeline.first_token_at = self.ctx.timeline.last_token_at = time.monotonic()
-        await out.json(200, orjson.dumps(merged), headers)
+        try:
+            body = orjson.dumps(merged)
+        except TypeError:  # an answer nested past the 254 levels orjson writes (it reads 1,023): no merge of it
+            raise UpstreamUnavailable("a decoder answered JSON nested too deep to merge",
+                                      endpoint=self.ctx.decoder or "") from None
+        await out.json(200, body, headers)
 
     def _account(self, usage: dict[str, Any] | None) -> None:
         if usage is None:

@@ -20,7 +20,18 @@ import pytest
 from pdproxy.apis.request import Api
 from pdproxy.app.application import build_control_app
 from pdproxy.http.client import Disconnected, ProtocolError, ReadTimeout
-from tests.middle.fake_upstream import MODEL, Answer, Outcome, Refuse, Reset, Status, Stream, TimeOut, chat_chunks
+from tests.middle.fake_upstream import (
+    MODEL,
+    Answer,
+    Outcome,
+    Refuse,
+    Reset,
+    Status,
+    Stream,
+    TimeOut,
+    chat_chunks,
+    completion,
+)
 from tests.middle.rig import DECODERS, PREFILLERS, Rig
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(20)]
@@ -294,3 +305,40 @@ async def test_a_fanned_out_json_answer_that_is_not_json_is_the_decoders_502_not
     error = client.json()["error"]
     assert client.status == 502 and error["code"] == 502, error
     assert "decoder" in error["message"] and "internal" not in error["message"], error
+
+
+DEEP = b"[" * 300 + b"]" * 300       # orjson reads 1,023 levels, writes 254
+
+
+@pytest.mark.parametrize("n", [1, 2])
+async def test_a_json_answer_nested_past_what_orjson_writes_is_never_pdproxys_500(n: int) -> None:
+    """A non-streamed answer whose usage pdproxy patches (the prefiller's cached tokens) is parsed and written
+    again: one nested 300 levels deep (orjson reads it, cannot write it) raised ``TypeError`` — the client's 500
+    "internal error in pdproxy" and a traceback (found with a decoder answering a ``"deep"`` member of 300
+    brackets).  Alone it is relayed as the decoder sent it (its usage unpatched); merged with a fan-out sibling it
+    is the decoder's 502."""
+    async with Rig() as rig:
+        prefill = {**completion(), "usage": {"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13,
+                                             "prompt_tokens_details": {"cached_tokens": 4}}}
+        answer = orjson.dumps(completion("deep"))[:-1] + b', "deep": ' + DEEP + b"}"
+        rig.fake.script("r", prefill=[Answer(body=prefill)] * n, decode=[Answer(raw=answer)] * n)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": False}
+        if n > 1:
+            body.update(n=n, temperature=1.0)
+        client = await rig.send("r", body=orjson.dumps(body)).done()
+    if n == 1:
+        assert client.status == 200 and client.text == answer
+    else:
+        error = client.json()["error"]
+        assert client.status == 502 and "internal" not in error["message"], error
+
+
+@pytest.mark.parametrize("api", [Api.MESSAGES, Api.RESPONSES])
+def test_a_messages_or_responses_answer_nested_past_what_orjson_writes_is_relayed_as_it_came(api: Api) -> None:
+    """The same for the Messages and Responses usage patch (``streams.patch_json``): it raised ``TypeError``, the
+    client's 500, on an answer nested 300 levels deep."""
+    from pdproxy.apis.streams import patch_json
+
+    usage = b'{"input_tokens": 3, "output_tokens": 1}'
+    answer = b'{"id": "x", "usage": ' + usage + b', "deep": ' + DEEP + b"}"
+    assert patch_json(api, answer, 2) == answer
