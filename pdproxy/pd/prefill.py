@@ -146,6 +146,7 @@ class PrefillLeg:
                     # vLLM's first check on a valid body, before any work: its 400 here, no engine asked (an
                     # engine that accepted would first generate the whole answer on the prefiller)
                     slot.release()
+                    self.health.record_neutral(endpoint)   # never sent: a half-open trial's slot is given back
                     raise over_max_model_len(req, max_model_len)
                 leg = orjson.dumps(kv_transfer.prefill_body(req.body, req.api, engine_judges=True))
                 fault = over_max_model_len(req, max_model_len)
