@@ -616,8 +616,9 @@ class PrefillQueue:
                 if w.slot is None:
                     self.scheduler.require(Role.PREFILL, w.request, w.exclude)  # no longer placeable: refuse
         except BaseException:
-            if w.slot is not None:           # granted while being cancelled: give it back
-                w.slot.release()
+            if w.slot is not None:           # granted while being cancelled: give it back, and the half-open
+                w.slot.release()             # breaker trial its pick may have taken (never sent: no verdict)
+                self.scheduler.unpick(w.slot.endpoint)
             raise
         finally:
             self._waiting.remove(w)

@@ -66,3 +66,36 @@ async def test_a_waiter_granted_while_being_cancelled_gives_its_slot_back() -> N
             assert slot.endpoint == P
     assert q.stats.waited_total == waited and q.stats.timed_out_total == 0
     assert q.idle()
+
+
+async def test_a_waiter_granted_while_being_cancelled_gives_back_the_half_open_trial_its_grant_took() -> None:
+    """The grant's pick takes a half-open breaker's one trial (:meth:`Scheduler.try_pick`); a waiter cancelled
+    before it resumes released its slot but not that trial, so the breaker stayed half-open with its trial "in
+    flight" and refused every later request (no probe re-admits a half-open breaker): a lone prefiller was out
+    until pdproxy restarted (found reading the cancel path beside the prefill leg's own trial leak)."""
+    from pdproxy.engines.breaker import BreakerState
+    from pdproxy.engines.health import HealthMonitor
+
+    now = [0.0]
+    infos = {P: EngineInfo(max_model_len=1_000_000), D: EngineInfo(max_model_len=1_000_000)}
+    pool = EndpointPool(list(infos))
+    health = HealthMonitor(pool, None, infos, interval_s=30, refresh_interval_s=30,  # type: ignore[arg-type]
+                           breaker_open_s=1.0, clock=lambda: now[0])
+    ledger = PrefillLedger(pool, Limits(pool, infos), budget_tokens=100)
+    q = PrefillQueue(ledger, Scheduler.standard(pool, health=health, ledger=ledger), max_waiting=10, timeout_s=5.0,
+                     aging_tokens_per_s=0.0, busy_tokens=5000)
+    ahead = q.slot(1000, 1001)
+    first = await ahead.__aenter__()
+    waiter = asyncio.ensure_future(q.slot(60, 61).__aenter__())
+    await until(lambda: q.depth == 1, "the second request waiting")
+
+    breaker = health.breaker(P)
+    breaker.record_failure(hard=True)                    # the prefiller failed meanwhile: open ...
+    now[0] += 2.0                                        # ... and its open period over: a trial may go
+    first.release()                                      # the waiter is granted (its pick takes the trial) ...
+    assert breaker.state is BreakerState.HALF_OPEN and not breaker.can_take()
+    waiter.cancel()                                      # ... and its client leaves before its task resumes
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    await ahead.__aexit__(None, None, None)
+    assert breaker.can_take(), "the cancelled grant's trial was never given back"
