@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from bisect import bisect_left
 from collections.abc import Awaitable, Callable
@@ -149,6 +150,16 @@ def _too_much(req: ProxyRequest, amount: str, bound: str, param: str) -> BadRequ
                       f"most {bound} together, as one body: lower n or the body", param=param)
 
 
+def _figure(value: Any) -> int:
+    """A usage figure as a count: an integer (a finite float cut to one), anything else — absent, null, a string,
+    a list, a boolean — 0.  vLLM writes integers; a sum over an engine's other values must not raise."""
+    if isinstance(value, bool):
+        return 0
+    if isinstance(value, int):
+        return value
+    return int(value) if isinstance(value, float) and math.isfinite(value) else 0
+
+
 def merge_usage(usages: list[tuple[Sequence, dict[str, Any]]], stream: bool) -> dict[str, Any] | None:
     """The merged usage object (module docstring) from each sequence's usage, or None when none had one."""
     if not usages:
@@ -158,14 +169,14 @@ def merge_usage(usages: list[tuple[Sequence, dict[str, Any]]], stream: bool) -> 
     per_prompt: dict[int, dict[str, Any]] = {}
     for seq, usage in usages:
         per_prompt.setdefault(seq.prompt_index, usage)
-    prompt_tokens = sum(int(u.get("prompt_tokens") or 0) for u in per_prompt.values())
-    completion = sum(int(u.get("completion_tokens") or 0) for _, u in usages)
+    prompt_tokens = sum(_figure(u.get("prompt_tokens")) for u in per_prompt.values())
+    completion = sum(_figure(u.get("completion_tokens")) for _, u in usages)
     base["prompt_tokens"] = prompt_tokens
     base["completion_tokens"] = completion
     base["total_tokens"] = prompt_tokens + completion
     details = [u.get("completion_tokens_details") for _, u in usages]
     if any(isinstance(d, dict) for d in details):
-        reasoning = sum(int(d.get("reasoning_tokens") or 0) for d in details if isinstance(d, dict))
+        reasoning = sum(_figure(d.get("reasoning_tokens")) for d in details if isinstance(d, dict))
         base["completion_tokens_details"] = {**(details[0] if isinstance(details[0], dict) else {}),
                                              "reasoning_tokens": reasoning}
     source = per_prompt[min(per_prompt)] if stream else per_prompt[max(per_prompt)]

@@ -342,3 +342,30 @@ def test_a_messages_or_responses_answer_nested_past_what_orjson_writes_is_relaye
     usage = b'{"input_tokens": 3, "output_tokens": 1}'
     answer = b'{"id": "x", "usage": ' + usage + b', "deep": ' + DEEP + b"}"
     assert patch_json(api, answer, 2) == answer
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_fanned_out_usage_figures_that_are_not_numbers_are_no_500(stream: bool) -> None:
+    """A fan-out sums its sequences' usage figures; ``int()`` of a decoder's ``"completion_tokens": "abc"`` (or a
+    list) raised out of the merge — the client's 500 "internal error in pdproxy" with a traceback (found with a
+    decoder answering such a usage to an n=2 chat).  Such a figure now counts 0."""
+    async with Rig() as rig:
+        usage = {"prompt_tokens": 3, "completion_tokens": "abc", "total_tokens": [1],
+                 "completion_tokens_details": {"reasoning_tokens": "x"}}
+        if stream:
+            events = [*chat_chunks(2), b"data: " + orjson.dumps({"id": "c", "object": "chat.completion.chunk",
+                                                                 "choices": [], "usage": usage}) + b"\n\n"]
+            rig.fake.script("r", decode=[Stream(events=events)] * 2)
+        else:
+            rig.fake.script("r", decode=[Answer(body={**completion("a"), "usage": usage})] * 2)
+        body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                "n": 2, "temperature": 1.0, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        client = await rig.send("r", body=orjson.dumps(body)).done()
+    assert client.status == 200, client.text[:300]
+    if stream:
+        merged = [orjson.loads(e) for e in client.events() if e != b"[DONE]"][-1]["usage"]
+    else:
+        merged = client.json()["usage"]
+    assert merged["completion_tokens"] == 0 and merged["prompt_tokens"] == 3
