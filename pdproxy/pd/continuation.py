@@ -97,6 +97,16 @@ class LossCause(enum.StrEnum):
     DRAIN = "drain"               # an operator's drain with ``migrate``
 
 
+_MAX_TOKEN_ID = (1 << 63) - 1
+
+
+def token_ids(values: list[Any]) -> list[int] | None:
+    """``values`` when each is a token id as vLLM writes one (an integer, no boolean, 0 ≤ id < 2**63), else None:
+    a decoder's ``"a"``, null, 1.5 or a 31-digit id is no prompt a continuation can be built of (it raised out of
+    the loss's handling: the client's error event said "internal error in pdproxy"; 1.5 was cut to 1)."""
+    return values if all(type(v) is int and 0 <= v <= _MAX_TOKEN_ID for v in values) else None
+
+
 class Refusal(enum.StrEnum):
     """Why a started stream whose decoder was lost was not continued (the ``reason`` label of
     ``pdproxy_continuations_refused_total``); the client gets the typed error event."""
@@ -104,7 +114,7 @@ class Refusal(enum.StrEnum):
     INELIGIBLE = "ineligible"           # the request's shape (n > 1, structured output, stop strings …: eligible())
     IN_FLIGHT = "tool_or_reasoning"     # a tool call or reasoning block was streamed
     CLOSING = "closing"                 # lost while closing a Responses / Messages text
-    NO_TOKEN_IDS = "no_token_ids"       # the decoder sent no prompt token ids
+    NO_TOKEN_IDS = "no_token_ids"       # the decoder sent no prompt token ids (or ids that are none)
     MAX = "max_continuations"           # ``stream_continuation_max`` spent
     TIMEOUT = "timeout"                 # no continuation event within ``stream_continuation_timeout_s``
     FAILED = "failed"                   # the continuation's own prefill / decode legs failed
@@ -344,6 +354,7 @@ class Resume:
     ``head``: the first chunk's ``id``/``created``/``model``; ``events``: Responses / Messages state;
     ``lost``: decoders lost so far; ``legs``: decode legs run (1 = the original); ``finish``: a finish reason
     was delivered (``finish_reason``: a continuation's); ``unsafe``: a tool call or reasoning was streamed (a continuation would mis-parse it);
+    ``bad_ids``: the decoder's ``token_ids`` / ``prompt_token_ids`` held something no token id is (no prompt of ids can be built);
     ``cached_tokens``: the original prefill's prefix-cache hits for usage; ``observer``: where continuations are
     counted; ``last_write``: monotonic time of the client's last write before the current loss (the gap's start);
     ``waiting``: the time budget of the continuation in flight (``stream_continuation_timeout_s``), met at its
@@ -371,6 +382,7 @@ class Resume:
     finish: bool = False
     finish_reason: str | None = None
     unsafe: bool = False
+    bad_ids: bool = False
     cached_tokens: int | None = None
     observer: ContinuationObserver = field(default_factory=NoObserver)
     last_write: float | None = None
@@ -405,7 +417,14 @@ class Resume:
         blocks, self.blocks = self.blocks, []
         for block in blocks:
             if isinstance(block, bytearray):      # token blocks' ids (RecordIds): "5,6,7"
-                self.generated.extend(int(i) for i in block.split(b",") if i.strip())
+                try:
+                    ids = token_ids([int(i) for i in block.split(b",") if i.strip()])
+                except ValueError:                # "a", null, 1.5: the decoder's, as it wrote them
+                    ids = None
+                if ids is None:
+                    self.bad_ids = True
+                else:
+                    self.generated.extend(ids)
                 continue
             for event in sse.split_events(block):
                 obj = recompute.parse_event(event)
@@ -444,14 +463,19 @@ class Resume:
         if choice is not None and ids is None:
             ids = choice.get("prompt_token_ids")
         if self.prompt_ids is None and isinstance(ids, list):
-            self.prompt_ids = [int(i) for i in ids]
+            self.prompt_ids = token_ids(ids)
+            self.bad_ids = self.bad_ids or self.prompt_ids is None
         if choice is None:
             if isinstance(obj.get("usage"), dict):
                 self.usage_sent = True      # the usage chunk (``choices: []``): vLLM's last before [DONE]
             return
         out = choice.get("token_ids")
         if isinstance(out, list):
-            self.generated.extend(int(i) for i in out)
+            checked = token_ids(out)
+            if checked is None:
+                self.bad_ids = True
+            else:
+                self.generated.extend(checked)
         delta = choice.get("delta")
         if isinstance(delta, dict) and (delta.get("tool_calls") or delta.get("reasoning")
                                         or delta.get("reasoning_content")):
@@ -500,6 +524,8 @@ class Resume:
         """Why this stream cannot be continued, as ``(reason, message)`` (None: it can)."""
         if self.unsafe:
             return Refusal.IN_FLIGHT, "a tool call or reasoning block was in flight"
+        if self.bad_ids:
+            return Refusal.NO_TOKEN_IDS, "the decoder sent token ids that are not token ids"
         if self.events.closing and not self.openai:
             return Refusal.CLOSING, "it was lost while closing the response"
         if self.openai and self.prompt_ids is None:

@@ -338,3 +338,30 @@ def test_a_continued_stream_keeps_its_uncallable_tools_in_the_prompt_and_never_c
     assert leg.body["messages"][-1] == {"role": "assistant", "content": "Hello"}
     callable_tools = parse_request(orjson.dumps({**req.body, "tool_choice": {"type": "auto"}}), Api.MESSAGES)
     assert Resume.of(callable_tools, True) is None
+
+
+@pytest.mark.parametrize("ids", [b'["a"]', b"[null]", b"[1.5]", b"[1000000000000000000000000000000]", b"[{}]",
+                                 b"[true]", b"[-1]"])
+@pytest.mark.parametrize("where", ["prompt_token_ids", "token_ids"])
+def test_ids_that_are_no_token_ids_refuse_the_continuation_and_never_raise(ids: bytes, where: str) -> None:
+    """A lost decoder's recorded ids are read into the continuation's prompt: ids that are none (``"a"``, null,
+    1.5, a 31-digit number, a boolean, a negative one) raised out of ``read_transcript`` — the client's error event
+    said "internal error in pdproxy" — or were cut (1.5 became 1, a wrong token in the prompt).  Found with a
+    decoder sending ``"token_ids": ["a"]`` and dying.  Now the stream is not continued, and says why."""
+    req = parse_request(orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                      "stream": True}), Api.CHAT)
+    resume = Resume.of(req, True)
+    assert resume is not None
+    t = RecordIds(resume, _Usage())
+    prompt = ids if where == "prompt_token_ids" else b"[5,6,7]"
+    out = ids if where == "token_ids" else b"[42]"
+    first = (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+             b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
+             b'"prompt_token_ids":' + prompt + b',"prompt_text":null}\n\n')
+    token = (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+             b'"delta":{"content":" a"},"logprobs":null,"finish_reason":null,"token_ids":' + out + b'}]}\n\n')
+    t.feed(first)
+    t.feed(token)
+    resume.read_transcript()
+    why = resume.refusal(2)
+    assert why is not None and "not token ids" in why[1], why
