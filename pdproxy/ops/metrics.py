@@ -34,7 +34,8 @@ sizes tokens.  Three kinds of series:
   ``pdproxy_continuations_total{cause,api}`` (a started stream whose decoder was lost and that goes on: ``cause`` =
   ``reset`` | ``no_end`` | ``error_event`` | ``stall`` | ``drain``), ``pdproxy_continuations_refused_total{reason,api}``
   (lost and ended with the typed error event: ``ineligible`` | ``tool_or_reasoning`` | ``closing`` |
-  ``no_token_ids`` | ``max_continuations`` | ``timeout`` | ``failed``), ``pdproxy_continuation_prefill_tokens_total{api}``
+  ``no_token_ids`` | ``unreadable`` | ``max_continuations`` | ``timeout`` | ``failed``),
+  ``pdproxy_continuation_prefill_tokens_total{api}``
   (the continuation legs' prompts, prefilled again — never in the client's usage nor in
   ``pdproxy_prompt_tokens_total``) and ``pdproxy_continuation_gap_seconds{api}`` (client-visible: the last write
   before the loss to the continuation's first event);

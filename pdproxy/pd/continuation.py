@@ -115,6 +115,7 @@ class Refusal(enum.StrEnum):
     IN_FLIGHT = "tool_or_reasoning"     # a tool call or reasoning block was streamed
     CLOSING = "closing"                 # lost while closing a Responses / Messages text
     NO_TOKEN_IDS = "no_token_ids"       # the decoder sent no prompt token ids (or ids that are none)
+    UNREADABLE = "unreadable"           # an event of a shape vLLM never sends: what was delivered is not known
     MAX = "max_continuations"           # ``stream_continuation_max`` spent
     TIMEOUT = "timeout"                 # no continuation event within ``stream_continuation_timeout_s``
     FAILED = "failed"                   # the continuation's own prefill / decode legs failed
@@ -355,6 +356,7 @@ class Resume:
     ``lost``: decoders lost so far; ``legs``: decode legs run (1 = the original); ``finish``: a finish reason
     was delivered (``finish_reason``: a continuation's); ``unsafe``: a tool call or reasoning was streamed (a continuation would mis-parse it);
     ``bad_ids``: the decoder's ``token_ids`` / ``prompt_token_ids`` held something no token id is (no prompt of ids can be built);
+    ``unreadable``: an event of the first leg had a shape vLLM never sends (``"item": "x"``): what was delivered is not known;
     ``cached_tokens``: the original prefill's prefix-cache hits for usage; ``observer``: where continuations are
     counted; ``last_write``: monotonic time of the client's last write before the current loss (the gap's start);
     ``waiting``: the time budget of the continuation in flight (``stream_continuation_timeout_s``), met at its
@@ -383,6 +385,7 @@ class Resume:
     finish_reason: str | None = None
     unsafe: bool = False
     bad_ids: bool = False
+    unreadable: bool = False
     cached_tokens: int | None = None
     observer: ContinuationObserver = field(default_factory=NoObserver)
     last_write: float | None = None
@@ -430,10 +433,13 @@ class Resume:
                 obj = recompute.parse_event(event)
                 if obj is None:
                     continue
-                if self.openai:
-                    self.observe(obj)
-                else:
-                    self.observe_event(api_streams.event_name(event).decode(), obj)
+                try:
+                    if self.openai:
+                        self.observe(obj)
+                    else:
+                        self.observe_event(api_streams.event_name(event).decode(), obj)
+                except (AttributeError, TypeError, ValueError):   # a shape vLLM never sends ("item": "x")
+                    self.unreadable = True
         tail = b"".join(self.tail)                # empty on a later loss: Reframe kept ``held`` then
         self.tail.clear()
         if tail:
@@ -526,6 +532,8 @@ class Resume:
             return Refusal.IN_FLIGHT, "a tool call or reasoning block was in flight"
         if self.bad_ids:
             return Refusal.NO_TOKEN_IDS, "the decoder sent token ids that are not token ids"
+        if self.unreadable:
+            return Refusal.UNREADABLE, "the decoder sent events pdproxy could not read"
         if self.events.closing and not self.openai:
             return Refusal.CLOSING, "it was lost while closing the response"
         if self.openai and self.prompt_ids is None:

@@ -365,3 +365,32 @@ def test_ids_that_are_no_token_ids_refuse_the_continuation_and_never_raise(ids: 
     resume.read_transcript()
     why = resume.refusal(2)
     assert why is not None and "not token ids" in why[1], why
+
+
+@pytest.mark.parametrize(("api", "event"), [
+    (Api.MESSAGES, b'event: content_block_start\ndata: {"type": "content_block_start", "index": 0, '
+                   b'"content_block": "text"}\n\n'),
+    (Api.MESSAGES, b'event: content_block_start\ndata: {"type": "content_block_start", "index": "a", '
+                   b'"content_block": {"type": "text", "text": ""}}\n\n'),
+    (Api.MESSAGES, b'event: content_block_delta\ndata: {"type": "content_block_delta", "index": 0, '
+                   b'"delta": "hi"}\n\n'),
+    (Api.RESPONSES, b'event: response.output_item.added\ndata: {"type": "response.output_item.added", '
+                    b'"output_index": 0, "item": "message"}\n\n'),
+    (Api.RESPONSES, b'event: response.content_part.added\ndata: {"type": "response.content_part.added", '
+                    b'"content_index": [0]}\n\n'),
+])
+def test_a_first_leg_event_of_a_shape_vllm_never_sends_refuses_the_continuation_and_never_raises(
+        api: Api, event: bytes) -> None:
+    """A lost Responses / Messages stream's recorded events are read to rebuild where it stood: an event whose
+    member is of another type (``"content_block": "text"``, ``"index": "a"``, ``"item": "message"``) raised
+    ``AttributeError`` / ``ValueError`` out of ``read_transcript`` — the client's error event said "internal error
+    in pdproxy".  Found reading the first leg's event reader after the token-id one.  Now the stream is not
+    continued (``unreadable``), and says why."""
+    body = ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "stream": True}
+            if api is Api.MESSAGES else {"model": "m", "input": "hi", "max_output_tokens": 30, "stream": True})
+    resume = Resume.of(parse_request(orjson.dumps(body), api), True)
+    assert resume is not None
+    resume.blocks.append(event)
+    resume.read_transcript()
+    why = resume.refusal(2)
+    assert why is not None and "could not read" in why[1], why
