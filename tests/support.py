@@ -137,16 +137,15 @@ def running(*sims: SimProcess) -> Iterator[tuple[SimProcess, ...]]:
 
 
 class ProxyThread:
-    """pdproxy served by uvicorn on 127.0.0.1 in a background thread (own event loop); ``listen_port``: its port
-    (0: one the kernel picks)."""
+    """pdproxy served by uvicorn on 127.0.0.1 in a background thread (own event loop)."""
 
-    def __init__(self, *, ssl_context: ssl.SSLContext | None = None, listen_port: int = 0, **settings: Any) -> None:
+    def __init__(self, *, ssl_context: ssl.SSLContext | None = None, **settings: Any) -> None:
         settings.setdefault("health_interval_s", 0.2)
         settings.setdefault("host", "127.0.0.1")
         self.settings = load_settings(**settings)
         self.app: PDProxyApp = create_app(self.settings)
         self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", listen_port))
+        self.sock.bind(("127.0.0.1", 0))
         self.port = int(self.sock.getsockname()[1])
         self.url = f"{'https' if ssl_context else 'http'}://127.0.0.1:{self.port}"
         config = uvicorn_config(self.app, loop="asyncio")

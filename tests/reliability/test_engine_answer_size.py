@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from tests.stand_in import MODEL, StandInEngine, StandInHandler
-from tests.support import ProxyThread, free_port, wait_until
+from tests.support import ProxyThread, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -82,7 +82,7 @@ def chat(proxy: ProxyThread) -> httpx.Response:
 @pytest.mark.parametrize("mode", ["endless_500", "endless_200"])
 def test_a_prefiller_answer_without_end_is_judged_at_its_bound_not_at_the_prefill_timeout(mode: str) -> None:
     with Prefiller(mode).running() as prefiller, Decoder().running() as decoder:
-        proxy = ProxyThread(listen_port=free_port(), prefill=[prefiller.url], decode=[decoder.url],
+        proxy = ProxyThread(prefill=[prefiller.url], decode=[decoder.url],
                             token_count="estimate", request_log=False, retry_backoff_s=0.0, prefill_attempts=1,
                             prefill_timeout_base_s=30, engine_answer_max_bytes=1 << 20).start()
         try:
@@ -103,7 +103,7 @@ def test_a_prefiller_answer_without_end_is_judged_at_its_bound_not_at_the_prefil
 
 def test_a_non_streamed_decode_answer_without_end_is_judged_at_its_bound_not_at_the_decode_timeout() -> None:
     with Prefiller("ok").running() as prefiller, Decoder().running() as decoder:
-        proxy = ProxyThread(listen_port=free_port(), prefill=[prefiller.url], decode=[decoder.url],
+        proxy = ProxyThread(prefill=[prefiller.url], decode=[decoder.url],
                             token_count="estimate", request_log=False, retry_backoff_s=0.0, decode_attempts=1,
                             decode_nonstream_timeout_s=30, engine_answer_max_bytes=1 << 20).start()
         try:

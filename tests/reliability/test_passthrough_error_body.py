@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.stand_in import MODEL, StandInEngine, StandInHandler
-from tests.support import ProxyThread, free_port
+from tests.support import ProxyThread
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,7 +41,7 @@ class TrickleEngine(StandInEngine):
 @pytest.mark.parametrize("status", [503, 404])
 def test_an_error_answer_whose_body_never_ends_does_not_hold_the_client(status: int) -> None:
     with TrickleEngine(status).running() as engine:
-        proxy = ProxyThread(listen_port=free_port(), prefill=[engine.url], decode=[engine.url], request_log=False,
+        proxy = ProxyThread(prefill=[engine.url], decode=[engine.url], request_log=False,
                             retry_backoff_s=0.0, decode_first_byte_timeout_s=1.0, breaker_open_s=30).start()
         try:
             started = time.monotonic()

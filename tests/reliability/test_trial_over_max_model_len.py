@@ -17,7 +17,7 @@ import pytest
 from pdproxy.endpoints import Role
 from pdproxy.engines.breaker import BreakerState
 from tests.stand_in import MODEL, StandInEngine, StandInHandler
-from tests.support import ProxyThread, free_port, wait_until
+from tests.support import ProxyThread, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -58,7 +58,7 @@ def chat(proxy: ProxyThread, max_tokens: int) -> httpx.Response:
 
 def test_a_request_refused_for_its_max_tokens_gives_the_half_open_trial_back() -> None:
     with Prefiller().running() as prefiller, Decoder().running() as decoder:
-        proxy = ProxyThread(listen_port=free_port(), prefill=[prefiller.url], decode=[decoder.url],
+        proxy = ProxyThread(prefill=[prefiller.url], decode=[decoder.url],
                             token_count="estimate", request_log=False, retry_backoff_s=0.0, prefill_attempts=1,
                             breaker_failures=1, breaker_open_s=0.3, health_interval_s=30).start()
         try:
