@@ -167,8 +167,10 @@ def simulated_engines(args: argparse.Namespace) -> Iterator[tuple[list[str], lis
                    "--served-model-name", args.model, "--max-model-len", str(args.max_model_len),
                    "--decode-tokens-per-s", str(args.decode_tokens_per_s),
                    "--prefill-tokens-per-s", str(args.prefill_tokens_per_s)]
-            # own session: Ctrl-C reaches the demo only, which drains the proxy and then stops the engines
-            procs.append(subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent))
+            # own session: Ctrl-C reaches the demo only, which drains the proxy and then stops the engines; their
+            # stdout (the sim_ready JSON line, for scripts) is not the user's: readiness is their /health
+            procs.append(subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent,
+                                          stdout=subprocess.DEVNULL))
         urls = [f"http://127.0.0.1:{port}" for _, port in roles]
         _wait_healthy(urls, procs)
         yield urls[:1], urls[1:]

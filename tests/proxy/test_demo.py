@@ -91,14 +91,17 @@ def test_the_demo_says_it_is_up_only_once_the_proxy_listens(env: dict[str, str])
     demo = _demo(proxy, base, env)
     try:
         assert demo.stdout is not None
+        before = []
         for line in demo.stdout:
             if "pdproxy demo is up" in line:
                 break
+            before.append(line)
         else:
             raise AssertionError(f"no banner; stderr: {demo.stderr.read() if demo.stderr else ''}")
         with socket.create_connection(("127.0.0.1", proxy), timeout=5):
             pass                                    # listening already: not refused
         assert f"http://127.0.0.1:{proxy}" in line
+        assert not any("sim_ready" in x for x in before), before   # the engines' line for scripts: not the user's
     finally:
         demo.send_signal(signal.SIGINT)
         try:
