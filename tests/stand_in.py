@@ -16,6 +16,13 @@ import orjson
 from tests.support import free_port
 
 MODEL = "sim-model"
+PREFILL_ANSWER = orjson.dumps({
+    "id": "chatcmpl-p", "object": "chat.completion", "created": 1, "model": MODEL,
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length"}],
+    "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+    "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [[1]],
+                           "remote_host": "127.0.0.1", "remote_port": 1}})
+"""A prefiller's answer to a chat prefill leg, with NixlConnector's handle (one block) for the decode leg."""
 
 
 class StandInHandler(BaseHTTPRequestHandler):

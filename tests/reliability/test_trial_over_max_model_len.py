@@ -16,18 +16,10 @@ import pytest
 
 from pdproxy.endpoints import Role
 from pdproxy.engines.breaker import BreakerState
-from tests.stand_in import MODEL, StandInEngine, StandInHandler
+from tests.stand_in import MODEL, PREFILL_ANSWER, StandInEngine, StandInHandler
 from tests.support import ProxyThread, wait_until
 
 pytestmark = pytest.mark.timeout(60)
-
-PREFILL_ANSWER = orjson.dumps({
-    "id": "chatcmpl-p", "object": "chat.completion", "created": 1, "model": MODEL,
-    "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length"}],
-    "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
-    "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [[1]],
-                           "remote_host": "127.0.0.1", "remote_port": 1}})
-
 
 class Prefiller(StandInEngine):
     """Answers 503 while :attr:`failing` is set, else a prefill answer with a handle."""
