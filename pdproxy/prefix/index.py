@@ -65,6 +65,12 @@ MESSAGE_MARK = b"\x1e"
 """Text keys: the byte :func:`~pdproxy.prefix.routing.render_bytes` writes before each message (ASCII's record
 separator); a chunk ends at one (:func:`text_keys`)."""
 _NO_MARK = 1 << 62
+MAX_MEDIUMS = 8
+"""Precise index: the most mediums (locations) one endpoint may have.  ``medium`` is a string the publisher sends
+(vLLM's ``"GPU"``, ``"CPU"``, ``"STORAGE"``); a ``BlockStored`` naming one more is ignored (``medium``), so a
+publisher's names cannot grow the locations, every key's holder mask or the metric series without bound."""
+MAX_MEDIUM_CHARS = 64
+"""Precise index: a longer ``medium`` name is ignored (``medium``), as it becomes a metric label value."""
 
 
 DropListener = Callable[[str, frozenset[int] | None], None]
@@ -505,7 +511,14 @@ class PrefixIndex(_MaskTable):
         if len(ev.token_ids) != n * bs:
             stats.ignore("token_count")
             return
-        loc = self._location(endpoint, ev.medium or DEFAULT_MEDIUM)
+        medium = ev.medium or DEFAULT_MEDIUM
+        loc = self._locations.get((endpoint, medium))
+        if loc is None:
+            if (len(medium) > MAX_MEDIUM_CHARS
+                    or sum(e == endpoint for e, _m in self._locations) >= MAX_MEDIUMS):
+                stats.ignore("medium")
+                return
+            loc = self._location(endpoint, medium)
         loc.block_size = bs
         namespace = ev.lora_name or (f"#lora-id-{ev.lora_id}" if ev.lora_id is not None else "")
         engine = loc.engine

@@ -129,3 +129,20 @@ def test_approximate_index_with_text_keys() -> None:
     assert 0 < got <= 310 and approx.match(block_keys(TOKS, 4)) == {}   # token keys never meet text keys
 
 
+
+
+def test_a_publishers_medium_names_are_a_bounded_set() -> None:
+    # ``medium`` is a string the publisher sends ("GPU", "CPU", "STORAGE"): every new one was a location of its own
+    # (a bit in every key's holder mask, one more table each query walks, one pdproxy_prefix_index_entries series)
+    index = PrefixIndex()
+    feed(index, E, TOKS[:8], 1)
+    for i in range(5_000):
+        feed(index, E, TOKS[:8], 10 + 2 * i, medium=f"m{i}")
+    feed(index, E, TOKS[:8], 1, medium="x" * 100_000)       # one huge name: not a label value either
+    mediums = [m for e, m, _n in index.locations() if e == E]
+    assert "GPU" in mediums and len(mediums) <= 8 and all(len(m) <= 64 for m in mediums)
+    assert index.stats.ignored_events.get("medium", 0) >= 5_000 - 8
+    assert index.match(block_keys(TOKS, 4)) == {E: 8}             # the GPU blocks still count
+    index.remove_endpoint(E)
+    feed(index, F, TOKS[:8], 1, medium="CPU")                    # another endpoint has its own mediums
+    assert [m for _e, m, _n in index.locations()] == ["CPU"]
