@@ -52,6 +52,11 @@ HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
 LOGGED_ERRORS = 5
 SYNC_DELAY_S = 0.2
+MAX_MESSAGE_BYTES = 64 << 20
+"""The largest frame read from a publisher or its replay socket (ZMQ's ``MAXMSGSIZE``): a peer that sends a larger
+one is disconnected by ZMQ before the frame is held.  ZMQ takes that for a protocol error and never dials that peer
+again by itself, so a publisher disconnected for ``silent_after_s`` is dialled afresh (then followed as after any
+reconnect).  vLLM's batches are one engine step's events: a 128K-token prompt's ``BlockStored`` is under 1 MB."""
 """After the first connection, wait this long (for the subscription to reach the publisher) before asking the
 replay socket for what was published until then."""
 
@@ -93,13 +98,15 @@ class KVEventSubscriber:
 
     ``silent_after_s``: a connection down that long makes the publisher not live and its entries forgotten;
     ``replay_timeout_s``: the longest wait for one replay; ``clock``: monotonic seconds; ``on_forget``: called
-    with the endpoint name whenever its entries are dropped (gap, restart, silence), e.g. to count it.
+    with the endpoint name whenever its entries are dropped (gap, restart, silence), e.g. to count it;
+    ``max_message_bytes``: the largest frame read (:data:`MAX_MESSAGE_BYTES`).
     """
 
     def __init__(self, sources: Iterable[KVEventSource], index: PrefixIndex, *, silent_after_s: float = 10.0,
                  replay_timeout_s: float = 2.0, clock: Callable[[], float] = time.monotonic,
-                 on_forget: Callable[[str], None] | None = None) -> None:
+                 on_forget: Callable[[str], None] | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.index = index
+        self.max_message_bytes = max_message_bytes
         self.silent_after_s = silent_after_s
         self.replay_timeout_s = replay_timeout_s
         self._clock = clock
@@ -178,6 +185,7 @@ class KVEventSubscriber:
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         return sock
 
     async def _follow(self, st: SourceStatus) -> None:
@@ -195,6 +203,7 @@ class KVEventSubscriber:
             poller.register(sub, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
             tick_ms = max(int(min(self.silent_after_s, 1.0) * 250), 10)
+            redialed_at = 0.0
             while True:
                 ready = dict(await poller.poll(tick_ms))
                 if monitor in ready:
@@ -207,6 +216,7 @@ class KVEventSubscriber:
                     st.sync_at = None
                     await self._initial_sync(st, decoder, replay)
                 self._check_silence(st)
+                redialed_at = self._redial(st, sub, redialed_at)
         finally:
             with contextlib.suppress(Exception):
                 sub.disable_monitor()
@@ -237,6 +247,21 @@ class KVEventSubscriber:
             st.forgotten_silent = True
             st.last_seq = st.last_ts = None
             self._forget(st, f"publisher silent (disconnected {self.silent_after_s:g} s)")
+
+    def _redial(self, st: SourceStatus, sub: zmq.asyncio.Socket, redialed_at: float) -> float:
+        """Dial ``st``'s publisher afresh once it has been disconnected for ``silent_after_s`` (and again every
+        ``silent_after_s``): ZMQ does not reconnect after a protocol error (a frame over ``max_message_bytes``).
+        Returns when it last dialled."""
+        since = st.disconnected_since
+        if st.connected or since is None or not st.ever_connected:
+            return redialed_at
+        now = self._clock()
+        if now - max(since, redialed_at) < self.silent_after_s:
+            return redialed_at
+        with contextlib.suppress(zmq.ZMQError):        # no such connection left: ZMQ dropped it
+            sub.disconnect(st.source.publisher)
+        sub.connect(st.source.publisher)
+        return now
 
     async def _on_message(self, st: SourceStatus, frames: list[bytes], decoder: BatchDecoder,
                           replay: list[zmq.asyncio.Socket | None]) -> None:

@@ -3,11 +3,14 @@ and without replay, a publisher restart, a silent publisher, malformed messages,
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import zmq
 
-from pdproxy.prefix.index import block_keys
+from pdproxy.prefix.index import PrefixIndex, block_keys
 from pdproxy.prefix.kv_events import cleared, removed, seq_frame, stored
+from pdproxy.prefix.subscriber import MAX_MESSAGE_BYTES, KVEventSubscriber
 from tests.kv_events.support import FakePublisher, subscribed, until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
@@ -195,3 +198,25 @@ async def test_reconnect_to_a_new_process_forgets_the_old_one() -> None:
         await pub.publish(chain(C, 3000))                            # sent before the subscriber is back
         await until(lambda: held(index, C) == 4, what="C from the new process's replay")
         assert held(index, A) == 0 and held(index, B) == 0 and status.restarts == 1
+
+
+async def test_a_frame_over_the_size_limit_is_never_read() -> None:
+    # ZMQ's MAXMSGSIZE: a publisher's frame past the bound is refused before it is held — without it any frame
+    # size was read whole and parsed.  ZMQ drops such a peer for good (a protocol error): it is dialled again once
+    # silent, and followed from there.
+    async with FakePublisher(replay=False) as pub:
+        index = PrefixIndex()
+        async with KVEventSubscriber([pub.source()], index, silent_after_s=0.5,
+                                     max_message_bytes=1 << 20) as sub:
+            await pub.prime(sub)
+            status = sub.status(E)
+            assert status is not None
+            await pub.send_raw([b"", seq_frame(pub.seq), b"\xc1" * (2 << 20)])   # read, it is a decode error
+            pub.seq += 1
+            for _ in range(500):                          # what is sent while the SUB is away is lost
+                await pub.publish(chain(A, 1000))
+                if held(index, A) == 12:
+                    break
+                await asyncio.sleep(0.02)
+            assert held(index, A) == 12 and status.decode_errors == 0
+    assert KVEventSubscriber([], PrefixIndex()).max_message_bytes == MAX_MESSAGE_BYTES <= 64 << 20
