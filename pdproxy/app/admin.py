@@ -18,7 +18,8 @@ stands for all its internal-DP ranks):
   without ``force``: it goes once idle);
 - ``POST /admin/endpoints`` ``{"url", "role", "dp_size"?: 1, "models"?: []}`` (``models`` pins it to those
   model ids, as ``models`` in the config file: pdproxy/engines/models.py) → 201 with the new entries (probed once: a
-  reachable engine takes traffic at once, an unreachable one when its ``/health`` answers); 409 if present;
+  reachable engine takes traffic at once, an unreachable one when its ``/health`` answers); 409 if present, or
+  if a remove took it out while that first probe waited;
 - ``POST /admin/endpoints/drain`` ``{"url", "role"}`` → 202: no new work, in-flight requests finish, the
   endpoint stays (``draining``, then ``drained``); with ``"migrate": true`` a decoder's continuable streams move
   to other decoders now (``migrated``: how many; docs/stream-continuation.md);
@@ -310,7 +311,11 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
         _audit(request, "add", ref, new)
         for e in new:
             await state.health.probe(e)
-        return _json({"added": [describe(state, e) for e in new]}, 201)
+        present = set(state.pool.endpoints(ref.role))      # a call may have removed it while the probe waited
+        if not any(e in present for e in new):
+            raise Conflict(f"{ref.role.value} endpoint {ref.url} was removed while its first probe ran",
+                           redact=False)
+        return _json({"added": [describe(state, e) for e in new if e in present]}, 201)
 
     @router.post("/endpoints/drain")
     async def drain_endpoint(request: Request) -> Response:

@@ -168,3 +168,43 @@ def test_an_added_endpoint_can_be_pinned_to_models(fleet4: Fleet4) -> None:
         proxy.wait_idle()
     finally:
         proxy.stop()
+
+
+def test_an_endpoint_removed_while_its_first_probe_runs(fleet4: Fleet4) -> None:
+    """A forced remove while the add's first probe waits on the engine: the add answers in the admin API's words
+    (409), not pdproxy's 500 (its answer described an endpoint no longer in the pool: KeyError)."""
+    from tests.stand_in import StandInEngine, StandInHandler
+
+    probed, go_on = threading.Event(), threading.Event()
+
+    class SlowHealth(StandInEngine):
+        def __init__(self) -> None:
+            super().__init__(model="sim-model")
+            engine = self
+
+            def do_get(handler: StandInHandler) -> None:
+                if handler.path == "/health":
+                    probed.set()
+                    go_on.wait(10)
+                StandInHandler.do_GET(handler)
+            self.server.RequestHandlerClass = type("Slow", (self.server.RequestHandlerClass,),
+                                                   {"do_GET": do_get, "engine": engine})
+
+    proxy = fleet4.proxy(admin_key="admin-secret")
+    try:
+        with SlowHealth().running() as slow:
+            added: list[httpx.Response] = []
+            adder = threading.Thread(target=lambda: added.append(admin(proxy.url, "POST", {"url": slow.url,
+                                                                                         "role": "decode"})))
+            adder.start()
+            assert probed.wait(10)
+            gone = admin(proxy.url, "DELETE", {"url": slow.url, "role": "decode", "force": True})
+            assert gone.status_code == 200, gone.text
+            go_on.set()
+            adder.join(15)
+            assert added and added[0].status_code == 409, added[0].text if added else "no answer"
+            assert "removed" in added[0].json()["error"]["message"]
+            assert slow.url not in names(proxy.url)
+            complete(proxy.url)
+    finally:
+        proxy.stop()
