@@ -52,6 +52,10 @@ HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
 LOGGED_ERRORS = 5
 SYNC_DELAY_S = 0.2
+MAX_REPLAY_BYTES = 256 << 20
+"""The most payload bytes one replay answer is read for: past it the rest is left unread (the replay socket is
+replaced, as after a timeout) and the replay counts as partial — a replay socket that kept answering held
+everything it sent until ``replay_timeout_s``.  vLLM keeps ``buffer_steps`` (10,000) batches to replay."""
 MAX_MESSAGE_BYTES = 64 << 20
 """The largest frame read from a publisher or its replay socket (ZMQ's ``MAXMSGSIZE``): a peer that sends a larger
 one is disconnected by ZMQ before the frame is held.  ZMQ takes that for a protocol error and never dials that peer
@@ -99,14 +103,17 @@ class KVEventSubscriber:
     ``silent_after_s``: a connection down that long makes the publisher not live and its entries forgotten;
     ``replay_timeout_s``: the longest wait for one replay; ``clock``: monotonic seconds; ``on_forget``: called
     with the endpoint name whenever its entries are dropped (gap, restart, silence), e.g. to count it;
-    ``max_message_bytes``: the largest frame read (:data:`MAX_MESSAGE_BYTES`).
+    ``max_message_bytes``: the largest frame read (:data:`MAX_MESSAGE_BYTES`); ``max_replay_bytes``: the most
+    payload bytes one replay is read for (:data:`MAX_REPLAY_BYTES`).
     """
 
     def __init__(self, sources: Iterable[KVEventSource], index: PrefixIndex, *, silent_after_s: float = 10.0,
                  replay_timeout_s: float = 2.0, clock: Callable[[], float] = time.monotonic,
-                 on_forget: Callable[[str], None] | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 on_forget: Callable[[str], None] | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 max_replay_bytes: int = MAX_REPLAY_BYTES) -> None:
         self.index = index
         self.max_message_bytes = max_message_bytes
+        self.max_replay_bytes = max_replay_bytes
         self.silent_after_s = silent_after_s
         self.replay_timeout_s = replay_timeout_s
         self._clock = clock
@@ -333,7 +340,8 @@ class KVEventSubscriber:
     async def _fetch(self, st: SourceStatus, start: int,
                      holder: list[zmq.asyncio.Socket | None]) -> list[Frame] | None:
         """Every batch the replay socket still has from ``start`` on, in order (None: no answer within
-        ``replay_timeout_s``; the socket is then replaced so a late answer is not read as the next one's)."""
+        ``replay_timeout_s``; the socket is then replaced so a late answer is not read as the next one's), or the
+        first of them up to ``max_replay_bytes`` of payload (the socket replaced too)."""
         address = st.source.replay
         assert address is not None
         sock = holder[0]
@@ -343,6 +351,7 @@ class KVEventSubscriber:
         await sock.send_multipart([b"", seq_frame(start)])
         deadline = self._clock() + self.replay_timeout_s
         frames_out: list[Frame] = []
+        held = 0
         while True:
             remaining_ms = int((deadline - self._clock()) * 1000)
             if remaining_ms <= 0 or not await sock.poll(remaining_ms):
@@ -361,6 +370,11 @@ class KVEventSubscriber:
             if frame.seq < 0:
                 return frames_out
             if frame.seq >= start and (not frames_out or frame.seq > frames_out[-1].seq):
+                held += len(frame.payload)
+                if held > self.max_replay_bytes:     # the rest stays unread: a partial replay
+                    sock.close(0)
+                    holder[0] = None
+                    return frames_out
                 frames_out.append(frame)
 
     async def _replay(self, st: SourceStatus, start: int, until: int, decoder: BatchDecoder,

@@ -220,3 +220,26 @@ async def test_a_frame_over_the_size_limit_is_never_read() -> None:
                 await asyncio.sleep(0.02)
             assert held(index, A) == 12 and status.decode_errors == 0
     assert KVEventSubscriber([], PrefixIndex()).max_message_bytes == MAX_MESSAGE_BYTES <= 64 << 20
+
+
+async def test_a_replay_is_read_up_to_its_byte_bound() -> None:
+    # a replay answer was held whole, whatever it sent until replay_timeout_s; now up to max_replay_bytes of
+    # payload, the rest left unread (the socket replaced, so the next replay is not fed its tail)
+    async with FakePublisher() as pub:
+        index = PrefixIndex()
+        async with KVEventSubscriber([pub.source()], index, replay_timeout_s=5.0, max_replay_bytes=8_000) as sub:
+            await pub.prime(sub)
+            await pub.publish(chain(A, 1000))
+            await until(lambda: held(index, A) == 12)
+            status = sub.status(E)
+            assert status is not None
+            before = status.replayed_batches
+            for i in range(20):                                      # ~0.6 KB each, dropped by the PUB socket
+                await pub.publish(removed(list(range(10_000 * (i + 1), 10_000 * (i + 1) + 150))), deliver=False)
+            await pub.publish(chain(C, 3000))
+            await until(lambda: held(index, C) == 4, what="followed after the cut replay")
+            assert status.replayed_batches - before < 20 and status.forgotten == 1     # cut: 8 KB of 20
+            await pub.publish(chain(B, 2000), deliver=False)          # the next replay reads its own answer
+            await pub.publish(removed([3000]))
+            await until(lambda: held(index, B) == 8 and held(index, C) == 0, what="the second replay")
+            assert status.forgotten == 1 and status.replays.get("complete", 0) >= 1
