@@ -27,7 +27,9 @@ stands for all its internal-DP ranks):
 - ``DELETE /admin/endpoints`` ``{"url", "role", "force"?: false}`` → 202 ``{"leaving": [...], "removed": [...]}``
   (drain, then it leaves once idle; an idle one is removed at once) or,
   with ``force``, 200 (removed now; in-flight leases release harmlessly, pdproxy/engines/pool.py).  Removing the last
-  endpoint of a role (every request would then answer 503) is refused with 409 unless ``force`` is set.
+  endpoint of a role (every request would then answer 503) is refused with 409 unless ``force`` is set.  What
+  prefix routing knew of a removed endpoint goes with it (its index entries and their metric series), so an engine
+  added later at the same address starts from nothing.
 
 **Where an endpoint may be added** (setting ``admin_endpoint_allow``): the URL's host must be an IP address in
 one of the allowed networks or a host name on the list; by default the configured engines' host names and the

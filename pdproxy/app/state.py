@@ -104,6 +104,7 @@ class ProxyState:
                                   limits=limits)
         prefix_cache = PrefixCache(s)
         health.add_refresh_listener(prefix_cache.update_engine)        # block size, KV pool of each engine
+        health.add_remove_listener(prefix_cache.remove_endpoint)       # an endpoint gone: what it held goes too
         prefix = PrefixRouter(s, cache=prefix_cache, admission=admission, pool=pool, infos=infos)
         return cls(settings=s, pool=pool, infos=infos, served=served, limits=limits, health=health, ledger=ledger,
                    scheduler=scheduler, queue=queue, headers=headers, upstream=upstream, engines=engines,

@@ -119,11 +119,17 @@ class HealthMonitor:
             for e in pool.endpoints():
                 self.breaker(e)
         self._refresh_listeners: list[Callable[[Endpoint, EngineInfo], None]] = []
+        self._remove_listeners: list[Callable[[Endpoint], None]] = []
 
     def add_refresh_listener(self, listener: Callable[[Endpoint, EngineInfo], None]) -> None:
         """Call ``listener(endpoint, info)`` after each refresh of an engine's :class:`EngineInfo` (the prefix
         cache takes the block size and KV pool from it)."""
         self._refresh_listeners.append(listener)
+
+    def add_remove_listener(self, listener: Callable[[Endpoint], None]) -> None:
+        """Call ``listener(endpoint)`` when ``endpoint`` leaves the pool (:meth:`remove`: the admin API), so what
+        others keep of it goes too (the prefix cache's entries of it)."""
+        self._remove_listeners.append(listener)
 
     # --- breakers -------------------------------------------------------------------------------------------
     def breaker(self, endpoint: Endpoint) -> CircuitBreaker:
@@ -258,6 +264,8 @@ class HealthMonitor:
         self.pool.remove(endpoint)
         self.infos.pop(endpoint, None)
         self.forget(endpoint)
+        for listener in self._remove_listeners:
+            listener(endpoint)
 
     # --- active probes ----------------------------------------------------------------------------------------
     async def probe(self, endpoint: Endpoint) -> bool:
@@ -332,6 +340,8 @@ class HealthMonitor:
         """Refresh ``info``; log (once per change) when the engine starts or stops refusing pdproxy's key."""
         refused = info.auth_failed
         await self.engines.refresh(endpoint, info)
+        if endpoint not in self.pool.endpoints(endpoint.role):   # removed while it was read (admin API)
+            return
         for listener in self._refresh_listeners:
             listener(endpoint, info)
         self.events.served_models(self.infos)

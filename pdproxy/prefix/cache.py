@@ -124,6 +124,12 @@ class PrefixCache:
         self.index.forget(endpoint)
         self.approx.forget(endpoint)
 
+    def remove_endpoint(self, endpoint: Endpoint) -> None:
+        """``endpoint`` left the pool (admin API): drop its entries, locations and bounds in both indexes (an
+        engine at the same address later starts from nothing; no metric series stays behind)."""
+        self.index.remove_endpoint(endpoint.name)
+        self.approx.remove_endpoint(endpoint.name)
+
     def collector(self) -> PrefixCacheCollector:
         """The prometheus collector of this cache's components (``ProxyMetrics.add_collector``)."""
         return PrefixCacheCollector(lambda: self.subscriber, lambda: self.index, lambda: self.approx)

@@ -764,6 +764,12 @@ class ApproxPrefixIndex:
                 loc.sent.clear()
         return dropped
 
+    def remove_endpoint(self, endpoint: str) -> None:
+        """Drop ``endpoint``'s locations and capacity (it left the configuration)."""
+        for key in [k for k in self._locations if k[0] == endpoint]:
+            del self._locations[key]
+        self._capacity.pop(endpoint, None)
+
     def endpoints(self) -> list[str]:
         """Endpoints that have (or had) a location here."""
         return _endpoint_names(self._locations)

@@ -208,3 +208,29 @@ def test_an_endpoint_removed_while_its_first_probe_runs(fleet4: Fleet4) -> None:
             complete(proxy.url)
     finally:
         proxy.stop()
+
+
+def test_a_removed_prefiller_leaves_nothing_in_prefix_routing(fleet4: Fleet4) -> None:
+    """Removing an endpoint drops what prefix routing knew of it: its approximate index entries and their
+    ``pdproxy_prefix_index_approx_entries`` series (each engine that ever came and went kept one, and a later
+    engine at the same address inherited its predictions), its KV pool bound."""
+    p0, p1 = fleet4.prefillers
+    proxy = fleet4.proxy(admin_key="admin-secret", prefill=[p0.url], prefix_routing="approximate")
+    try:
+        assert admin(proxy.url, "POST", {"url": p1.url, "role": "prefill"}).status_code == 201
+        approx = proxy.state.prefix_cache.approx
+        for i in range(40):                                         # prompts of their own: spread over both
+            long_chat = {**CHAT, "stream": False, "stream_options": None,
+                         "messages": [{"role": "user", "content": f"prompt {i}: " + "long enough to be keyed " * 40}]}
+            r = httpx.post(proxy.url + "/v1/chat/completions", json=long_chat, timeout=10)
+            assert r.status_code == 200, r.text
+            if p1.url in approx.endpoints():
+                break
+        assert approx.entries(p1.url) > 0, "a prompt was recorded for the added prefiller"
+        assert admin(proxy.url, "DELETE", {"url": p1.url, "role": "prefill", "force": True}).status_code == 200
+        metrics = httpx.get(proxy.url + "/metrics").text
+        assert f'endpoint="{p1.url}"' not in metrics
+        assert p1.url not in approx.endpoints() and p1.url not in approx._capacity
+        complete(proxy.url)
+    finally:
+        proxy.stop()
