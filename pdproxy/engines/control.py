@@ -99,12 +99,19 @@ def request_pool(pool_tokens: int | None, block_size: int | None) -> int | None:
 
 
 _GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+MAX_WAITING_REASONS = 8
+"""The most ``reason`` values of ``vllm:num_requests_waiting_by_reason`` kept per answer (vLLM has two: ``capacity``
+and ``deferred``), each at most :data:`MAX_REASON_CHARS`: they become label values of
+``pdproxy_engine_num_requests_waiting_by_reason``, so an answer cannot mint series without bound."""
+MAX_REASON_CHARS = 64
 
 
 def parse_gauges(metrics_text: str) -> dict[str, float]:
     """Sum of each engine gauge across its series (DP engines), plus waiting by reason as
-    ``vllm:num_requests_waiting_by_reason:<reason>``."""
+    ``vllm:num_requests_waiting_by_reason:<reason>`` (at most :data:`MAX_WAITING_REASONS` reasons, the first
+    listed; a longer reason than :data:`MAX_REASON_CHARS` is left out)."""
     out: dict[str, float] = {}
+    reasons = 0
     for line in metrics_text.splitlines():
         if not line.startswith("vllm:"):
             continue
@@ -118,6 +125,10 @@ def parse_gauges(metrics_text: str) -> dict[str, float]:
         if name == "vllm:num_requests_waiting_by_reason":
             m = re.search(r'reason="([^"]*)"', labels)
             key = f"{name}:{m.group(1) if m else ''}"
+            if key not in out:
+                if reasons >= MAX_WAITING_REASONS or len(key) - len(name) - 1 > MAX_REASON_CHARS:
+                    continue
+                reasons += 1
         elif name not in _GAUGES:
             continue
         try:

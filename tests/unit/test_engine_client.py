@@ -170,3 +170,21 @@ def test_a_cache_config_line_of_the_wrong_shape_is_read_as_far_as_it_goes_and_ne
     assert labels is not None and labels["num_gpu_blocks"] == "10"
     size, block_size, blocks = kv_pool_tokens(labels)
     assert blocks == 10 and (size, block_size) in ((None, None), (160, 16))
+
+
+def test_waiting_reasons_are_a_bounded_set() -> None:
+    # vLLM's reasons are "capacity" and "deferred"; a /metrics answer (a non-engine host, a misbehaving engine)
+    # naming 10,000 more made 10,000 pdproxy_engine_num_requests_waiting_by_reason series per endpoint
+    from pdproxy.engines.control import parse_gauges
+    lines = ['vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 2.0',
+             'vllm:num_requests_waiting_by_reason{engine="0",reason="deferred"} 1.0',
+             *(f'vllm:num_requests_waiting_by_reason{{engine="0",reason="r{i}"}} 1.0' for i in range(10_000)),
+             'vllm:num_requests_waiting_by_reason{engine="0",reason="' + "x" * 100_000 + '"} 1.0',
+             'vllm:num_requests_waiting_by_reason{engine="1",reason="capacity"} 3.0',
+             'vllm:num_requests_running{engine="0"} 4.0']
+    gauges = parse_gauges("\n".join(lines))
+    reasons = [k for k in gauges if k.startswith("vllm:num_requests_waiting_by_reason:")]
+    assert len(reasons) <= 8 and all(len(k) < 200 for k in reasons)
+    assert gauges["vllm:num_requests_waiting_by_reason:capacity"] == 5.0
+    assert gauges["vllm:num_requests_waiting_by_reason:deferred"] == 1.0
+    assert gauges["vllm:num_requests_running"] == 4.0
