@@ -52,6 +52,8 @@ HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
 LOGGED_ERRORS = 5
 SYNC_DELAY_S = 0.2
+"""After the first connection, wait this long (for the subscription to reach the publisher) before asking the
+replay socket for what was published until then."""
 MAX_REPLAY_BYTES = 256 << 20
 """The most payload bytes one replay answer is read for: past it the rest is left unread (the replay socket is
 replaced, as after a timeout) and the replay counts as partial — a replay socket that kept answering held
@@ -61,8 +63,6 @@ MAX_MESSAGE_BYTES = 64 << 20
 one is disconnected by ZMQ before the frame is held.  ZMQ takes that for a protocol error and never dials that peer
 again by itself, so a publisher disconnected for ``silent_after_s`` is dialled afresh (then followed as after any
 reconnect).  vLLM's batches are one engine step's events: a 128K-token prompt's ``BlockStored`` is under 1 MB."""
-"""After the first connection, wait this long (for the subscription to reach the publisher) before asking the
-replay socket for what was published until then."""
 
 
 @dataclass(slots=True)
