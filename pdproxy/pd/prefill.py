@@ -162,6 +162,9 @@ class PrefillLeg:
                         endpoint, req.api.value, leg, headers, timeout_s=timeout_s,
                         parse=kv_transfer.load_prefill_answer) if fault is None else self.upstream.judge(
                         endpoint, req.api.value, leg, headers, timeout_s=timeout_s))
+                    refused = kv_transfer.error_answer(reply, endpoint.name)
+                    if refused is not None:          # an error in a 200: judged as that error's status would be
+                        raise refused
                     ctx.cached_tokens = kv_transfer.prefill_cached_tokens(reply, req.api)
                     ctx.engine_prompt_tokens = kv_transfer.prefill_prompt_tokens(reply, req.api)
             except ProxyError as exc:

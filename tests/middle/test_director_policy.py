@@ -228,6 +228,39 @@ async def test_a_prefill_answer_without_a_handle_is_a_502_not_a_decode() -> None
     assert client.status == 502 and "kv_transfer_params" in client.json()["error"]["message"]
 
 
+VLLM_ERROR_IN_200 = {
+    "flat 400": ({"object": "error", "message": "boom", "type": "BadRequestError", "param": None, "code": 400}, 400),
+    "envelope 422": ({"error": {"message": "boom", "type": "BadRequestError", "param": "x", "code": 422}}, 422),
+    "flat 500": ({"object": "error", "message": "boom", "type": "InternalServerError", "param": None,
+                  "code": 500}, 500),
+    "flat, no code": ({"object": "error", "message": "boom", "type": "BadRequestError"}, 500),
+}
+
+
+@pytest.mark.parametrize("case", list(VLLM_ERROR_IN_200))
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_prefiller_error_object_in_a_200_is_the_engines_error_not_a_missing_kv_connector(
+        case: str, stream: bool) -> None:
+    """vLLM's error object answered with HTTP 200 (its flat ``ErrorResponse``, or the envelope) is the engine's
+    error with its own words and the status its ``code`` says (500 when none), as an error status would be —
+    not pdproxy's 502 blaming a missing ``--kv-transfer-config``; the request log's error names the engine's
+    words; a 4xx is no strike against the prefiller."""
+    answer, status = VLLM_ERROR_IN_200[case]
+    async with Rig(prefill=PREFILLERS[:1]) as rig:
+        logged: list[str | None] = []
+        emit = rig.app.request_log.emit
+        rig.app.request_log.emit = lambda ctx, *a: (logged.append(ctx.error), emit(ctx, *a))[1]  # type: ignore
+        rig.fake.script("r", prefill=[Answer(body=answer, handle=False)])
+        client = await rig.run("r", stream=stream)
+        breaker = rig.state.health.breaker(rig.endpoint(PREFILLERS[0]))
+        assert breaker.consecutive_failures == (0 if status < 500 else 1)
+    assert not rig.fake.of("decode") and not rig.fake.of("release")
+    assert client.status == status, client.text
+    err = client.json()["error"]
+    assert err["message"] == "boom" and err["code"] == status and b"kv-transfer-config" not in client.text
+    assert logged and logged[-1] is not None and "boom" in logged[-1] and "error object" in logged[-1]
+
+
 async def test_a_prefiller_that_finished_the_request_answers_it_without_a_decoder() -> None:
     answer = completion("done already", finish="stop", completion_tokens=1)
     async with Rig() as rig:
