@@ -380,15 +380,18 @@ class ShuttingDown(ProxyError):
 
 
 class UpstreamUnavailable(ProxyError):
-    """An engine could not be reached, reset the connection or broke the protocol (HTTP 502)."""
+    """An engine could not be reached, reset the connection or broke the protocol (HTTP 502).  ``answered``: the
+    engine did answer — a status line, bytes that are no HTTP, a body that is no answer — so it read the request
+    (False: a connection closed or reset before any answer byte, which may never have reached it)."""
 
     status_code = 502
     outcome = "upstream_error"
 
     def __init__(self, message: str, *, endpoint: str = "", headers: dict[str, str] | None = None,
-                 public: str | None = None) -> None:
+                 public: str | None = None, answered: bool = False) -> None:
         super().__init__(message, headers=headers, public=public)
         self.endpoint = endpoint
+        self.answered = answered
 
 
 class UpstreamRefused(UpstreamUnavailable):

@@ -97,7 +97,7 @@ def transport_error(exc: TransportError | TimeoutError, who: str, endpoint: str,
     if isinstance(exc, TransportError) and exc.public:
         public += f": {exc.public}"
     return UpstreamUnavailable(f"{who} failed{when}: {exc.__class__.__name__}: {exc}", endpoint=endpoint,
-                               public=public)
+                               public=public, answered=isinstance(exc, ProtocolError))
 
 
 def httpx_error(exc: httpx.HTTPError, who: str, endpoint: str, when: str = "") -> ProxyError:

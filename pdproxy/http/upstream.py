@@ -164,10 +164,12 @@ class Upstream:
         Raises :class:`UpstreamHTTPError` (engine answered ≥ 400; body kept verbatim), :class:`UpstreamTimeout`
         (no complete answer within ``timeout_s`` seconds; the connection is closed, which makes vLLM abort),
         :class:`UpstreamRefused` (connection refused: the engine never saw the request),
-        :class:`UpstreamUnavailable` (reset, an answer that is not a JSON object, or one over ``max_answer_bytes``).
+        :class:`UpstreamUnavailable` (reset, an answer that is not a JSON object, or one over ``max_answer_bytes``;
+        ``answered`` once the engine sent anything: a status line, bytes that are not HTTP).
         """
         url = endpoint.url + path
         deadline = self.pool.loop.time() + timeout_s
+        resp: H1Response | None = None
         try:
             resp = await self._post(url, body, headers, None, headers_by=deadline, deadline_at=deadline)
             try:
@@ -180,14 +182,20 @@ class Upstream:
                                         content_type=resp.content_type or "application/json",
                                         retry_after=_retry_after(resp.headers))
         except (TransportError, TimeoutError) as exc:
-            raise _answer_failure(exc, endpoint, timeout_s) from None
+            err = _answer_failure(exc, endpoint, timeout_s)
+            if resp is not None and isinstance(err, UpstreamUnavailable):
+                err.answered = True                # its status line came: the engine read the request
+            raise err from None
+        except UpstreamUnavailable as exc:         # an answer too large to read: an answer all the same
+            exc.answered = True
+            raise
         try:
             parsed = parse(data)
         except orjson.JSONDecodeError:
             parsed = None
         if not isinstance(parsed, dict):
             raise UpstreamUnavailable(f"{endpoint.role.value} {endpoint.name} answered HTTP {resp.status} with a "
-                                      "body that is not a JSON object", endpoint=endpoint.name)
+                                      "body that is not a JSON object", endpoint=endpoint.name, answered=True)
         return parsed
 
     async def judge(self, endpoint: Endpoint, path: str, body: bytes, headers: dict[str, str], *,

@@ -16,9 +16,11 @@ stalled (it may be gone).  The leg is the decode body with ``max_tokens: 1`` and
 healthy decoder, in the background, bounded by ``timeout_s`` (the connection is closed on expiry).  If the KV was
 already pulled or freed, the decoder's pull fails — the expected outcome, logged at DEBUG.  A leg that finds no
 decoder it may use (every one refused or behind an open breaker: the decoders that just failed the request are
-often the only ones) or whose decoder closed the connection without an answer is tried again after a jittered
-backoff (0.1 s doubling to 2 s) for up to ``retry_s`` seconds (``kv_release_retry_s``): a decoder
-back in service then frees the KV, which otherwise stays pinned until the connector's timeout.  A leg that got no
+often the only ones) or whose decoder closed the connection without an answer byte is tried again after a
+jittered backoff (0.1 s doubling to 2 s) for up to ``retry_s`` seconds (``kv_release_retry_s``): a decoder back in
+service then frees the KV, which otherwise stays pinned until the connector's timeout.  An answer of any kind, even
+a malformed one (a 204, a status line that is no HTTP, an upgrade), says the decoder read the request: it ends the
+tries and the prefiller's lease at once.  A leg that got no
 answer within ``timeout_s`` is tried once more, on another decoder: a hung API server never hands it to its engine
 (and closing the wait frees nothing), a slow decoder's pull frees the KV anyway.  Another try of a KV already freed
 is only a failed pull.  Tasks are owned by the releaser and awaited (bounded) by
@@ -189,8 +191,10 @@ class KVReleaser:
 
     async def _leg(self, endpoint: Endpoint, req: ProxyRequest, request_id: str, authorization: str | None,
                    body: bytes) -> bool | None:
-        """One release leg to ``endpoint``: True when the decoder answered; False when it never reached the
-        decoder's engine (the connection was refused, closed or reset before any answer): worth another try; None
+        """One release leg to ``endpoint``: True when the decoder answered — anything, even a malformed answer
+        (:attr:`UpstreamUnavailable.answered <pdproxy.errors.UpstreamUnavailable>`: it read the request); False when
+        it never reached the decoder's engine (the connection was refused, closed or reset before any answer byte):
+        worth another try; None
         when nothing answered within ``timeout_s`` — a hung API server, which never hands the request on (the
         close that ends the wait frees nothing on the prefiller), or a slow decoder whose pull frees the KV: one
         more try, on another decoder (:meth:`_run`), tells them apart at the cost of at most one pull of KV that
@@ -203,9 +207,13 @@ class KVReleaser:
                 log.debug("release leg for request %s on %s: %s", request_id, endpoint.name, exc.message)
                 return None
             except UpstreamUnavailable as exc:
-                log.debug("release leg for request %s on %s not answered: %s", request_id, endpoint.name,
-                          exc.message)
-                return False
+                if not exc.answered:
+                    log.debug("release leg for request %s on %s not answered: %s", request_id, endpoint.name,
+                              exc.message)
+                    return False
+                # a malformed answer (a 204, bytes that are no HTTP, an upgrade) is an answer all the same: the
+                # decoder read the request, and another try would only meet the same answer for a minute
+                log.debug("release leg for request %s on %s: %s", request_id, endpoint.name, exc.message)
             except ProxyError as exc:  # an error answer still means the decoder saw the params and ended: when the
                 # KV is already gone (pulled, or freed by a decoder that ended), the pull fails, as expected
                 log.debug("release leg for request %s on %s: %s", request_id, endpoint.name, exc.message)
