@@ -63,6 +63,8 @@ from pdproxy.apis.request import INT64_MIN, Api, ProxyRequest, json_items, parse
 from pdproxy.endpoints import Endpoint
 from pdproxy.errors import BadRequest, InternalError, ProxyError, UpstreamHTTPError, UpstreamUnavailable
 from pdproxy.http import sse
+from pdproxy.http.client import ProtocolError
+from pdproxy.http.errors import transport_error
 from pdproxy.pd.responder import SSE_HEADERS, Responder
 from pdproxy.timeline import RequestContext
 
@@ -328,9 +330,11 @@ class Merger:
 
     def sequence_events(self, sink: _SequenceSink, block: bytes) -> None:
         """A block of complete SSE events from one sequence's stream: chunks re-indexed and written, its usage
-        chunk kept, ``[DONE]`` dropped, an error event fails the response."""
+        chunk kept, ``[DONE]`` dropped, an error event fails the response, and so does an event whose data is not a
+        JSON object (the decoder's malformed answer: never dropped unsaid)."""
         seq = sink.seq
         out: list[bytes] = []
+        malformed: bytes | None = None
         for event in sse.split_events(block):
             data = sse.event_data(event)
             if data is None or data == b"[DONE]":
@@ -338,9 +342,10 @@ class Merger:
             try:
                 obj = orjson.loads(data)
             except orjson.JSONDecodeError:
-                continue
-            if not isinstance(obj, dict):
-                continue
+                obj = None
+            if not isinstance(obj, dict):    # no chunk to merge: the decoder's malformed answer (after the chunks
+                malformed = data             # before it, as a relay would have sent them)
+                break
             if "error" in obj:
                 err = UpstreamHTTPError(500, orjson.dumps(obj), endpoint=seq.ctx.decoder or "")
                 said = obj["error"].get("message") if isinstance(obj["error"], dict) else None
@@ -356,6 +361,23 @@ class Merger:
             out.append(sse.data_event(orjson.dumps(self._rewrite(seq, obj))))
         if out and self.failure is None and not self.out.ended:
             self._write(b"".join(out), sink.headers)
+        if malformed is not None:
+            self.fail(self._malformed(seq, malformed))
+
+    def _malformed(self, seq: Sequence, data: bytes) -> ProxyError:
+        """The failure of sequence ``seq`` whose stream sent ``data``, an event that is not a JSON object: worded as
+        a single stream's relay words a decoder's malformed answer (:func:`pdproxy.http.errors.transport_error` of
+        a :class:`~pdproxy.http.client.ProtocolError`), since a merged stream cannot pass on what it cannot
+        read (a single stream relays it as sent)."""
+        decoder = seq.ctx.decoder or ""
+        why = ProtocolError(f"sequence {seq.index} sent an event that is not a JSON object "
+                            f"({len(data)} bytes starting {data[:24]!r})")
+        why.public = "an event that is not a JSON object"
+        started = self.out.started
+        err = transport_error(why, f"decoder {decoder}", decoder, " mid-stream" if started else "")
+        if started:
+            err.note("; the response is incomplete")
+        return err
 
     async def finish(self, sinks: list[_SequenceSink]) -> None:
         """Every sequence succeeded: end the stream (usage chunk, ``[DONE]``) or send the merged JSON answer."""

@@ -369,3 +369,31 @@ async def test_fanned_out_usage_figures_that_are_not_numbers_are_no_500(stream: 
     else:
         merged = client.json()["usage"]
     assert merged["completion_tokens"] == 0 and merged["prompt_tokens"] == 3
+
+
+@pytest.mark.parametrize("bad", [b"data: {not json\n\n", b"data: [1, 2]\n\n", b'data: "text"\n\n'])
+@pytest.mark.parametrize("first", [True, False])
+async def test_a_fanned_out_stream_event_that_is_not_a_json_object_fails_the_stream_never_dropped(
+        bad: bytes, first: bool) -> None:
+    """A fan-out stream's events are parsed to be merged: one whose data is not a JSON object was dropped from the
+    merged stream without a word (a single stream relays it as sent).  It is the decoder's malformed answer, as a
+    relay words it: the client's stream ends with that error event and ``[DONE]`` — or, nothing sent yet, the
+    decoder's 502."""
+    async with Rig() as rig:
+        events = [bad, *chat_chunks(2)] if first else [*chat_chunks(1), bad, *chat_chunks(1)]
+        rig.fake.script("r", decode=[Stream(events=events)] * 2)
+        client = await rig.send("r", body=orjson.dumps({
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2,
+            "temperature": 1.0, "stream": True})).done()
+    if first:
+        error = client.json()["error"]
+        assert client.status == 502 and error["message"] == (
+            "the decoder sent a malformed answer: an event that is not a JSON object"), error
+        return
+    assert client.status == 200
+    events_out = client.events()
+    assert events_out[-1] == b"[DONE]"
+    error = orjson.loads(events_out[-2])["error"]
+    assert error["message"] == ("the decoder sent a malformed answer mid-stream: an event that is not a JSON object; "
+                                "the response is incomplete"), error
+    assert_no_internals(error["message"])
