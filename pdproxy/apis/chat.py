@@ -71,7 +71,10 @@ def _patch_block(block: bytes, cached_tokens: int | None, strip_usage: bool = Fa
                     if strip_usage and obj.get("choices") == [] and "usage" in obj:
                         continue
                     if patch_usage(obj, cached_tokens):
-                        event = sse.data_event(orjson.dumps(obj))
+                        try:
+                            event = sse.data_event(orjson.dumps(obj))
+                        except TypeError:   # nested past the 254 levels orjson writes (it reads 1,023): the
+                            pass            # event relayed as it came, unpatched (as patch_usage_bytes does)
         out.append(event)
     return b"".join(out)
 

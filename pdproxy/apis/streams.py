@@ -168,7 +168,10 @@ def _patch_events(block: bytes, names: tuple[bytes, ...], patch: Any) -> bytes:
             except orjson.JSONDecodeError:
                 obj = None
             if isinstance(obj, dict) and patch(obj):
-                event = b"event: " + event_name(event) + b"\ndata: " + orjson.dumps(obj) + b"\n\n"
+                try:
+                    event = b"event: " + event_name(event) + b"\ndata: " + orjson.dumps(obj) + b"\n\n"
+                except TypeError:       # nested past the 254 levels orjson writes (it reads 1,023): the event
+                    pass                # relayed as it came, unpatched (as patch_json does)
         out.append(event)
     return b"".join(out)
 

@@ -334,6 +334,7 @@ class Merger:
         JSON object (the decoder's malformed answer: never dropped unsaid)."""
         seq = sink.seq
         out: list[bytes] = []
+        broken: ProxyError | None = None     # failed after the chunks before it, written as a relay would have
         malformed: bytes | None = None
         for event in sse.split_events(block):
             data = sse.event_data(event)
@@ -343,8 +344,8 @@ class Merger:
                 obj = orjson.loads(data)
             except orjson.JSONDecodeError:
                 obj = None
-            if not isinstance(obj, dict):    # no chunk to merge: the decoder's malformed answer (after the chunks
-                malformed = data             # before it, as a relay would have sent them)
+            if not isinstance(obj, dict):    # no chunk to merge: the decoder's malformed answer
+                malformed = data
                 break
             if "error" in obj:
                 err = UpstreamHTTPError(500, orjson.dumps(obj), endpoint=seq.ctx.decoder or "")
@@ -358,11 +359,18 @@ class Merger:
                 if self.usage_chunk is None:
                     self.usage_chunk = obj
                 continue
-            out.append(sse.data_event(orjson.dumps(self._rewrite(seq, obj))))
+            try:
+                out.append(sse.data_event(orjson.dumps(self._rewrite(seq, obj))))
+            except TypeError:                # nested past the 254 levels orjson writes (it reads 1,023)
+                broken = UpstreamUnavailable(f"decoder {seq.ctx.decoder} streamed a chunk nested too deep to merge",
+                                             endpoint=seq.ctx.decoder or "")
+                break
         if out and self.failure is None and not self.out.ended:
             self._write(b"".join(out), sink.headers)
         if malformed is not None:
-            self.fail(self._malformed(seq, malformed))
+            broken = self._malformed(seq, malformed)      # worded after those chunks started the response
+        if broken is not None:
+            self.fail(broken)
 
     def _malformed(self, seq: Sequence, data: bytes) -> ProxyError:
         """The failure of sequence ``seq`` whose stream sent ``data``, an event that is not a JSON object: worded as
@@ -390,7 +398,11 @@ class Merger:
                                                    else "text_completion", "choices": []})
                 chunk.update(self.head or {})
                 chunk["usage"] = usage
-                tail = sse.data_event(orjson.dumps(chunk))
+                try:
+                    tail = sse.data_event(orjson.dumps(chunk))
+                except TypeError:  # a usage nested past the 254 levels orjson writes (it reads 1,023): no merge
+                    raise UpstreamUnavailable("a decoder streamed a usage nested too deep to merge",
+                                              endpoint=self.ctx.decoder or "") from None
             self._account(usage)
             if not out.started:
                 out.start_nowait(200, list(SSE_HEADERS))

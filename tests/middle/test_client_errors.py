@@ -397,3 +397,69 @@ async def test_a_fanned_out_stream_event_that_is_not_a_json_object_fails_the_str
     assert error["message"] == ("the decoder sent a malformed answer mid-stream: an event that is not a JSON object; "
                                 "the response is incomplete"), error
     assert_no_internals(error["message"])
+
+
+@pytest.mark.parametrize("continuous", [False, True])
+async def test_a_streamed_usage_chunk_nested_past_what_orjson_writes_is_relayed_as_it_came(continuous: bool) -> None:
+    """A streamed usage chunk is parsed and written again to carry the prefiller's cached tokens: one with a member
+    nested 300 levels deep (valid JSON: orjson reads 1,023 levels, writes 254) raised ``TypeError`` in the relay —
+    the stream ended with "the decoder sent a malformed answer mid-stream" and the decoder's breaker took a strike.
+    It is relayed as it came (its usage unpatched), as a non-streamed answer is, and no strike is counted."""
+    async with Rig(decode=DECODERS[:1]) as rig:
+        prefill = {**completion(), "usage": {"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13,
+                                             "prompt_tokens_details": {"cached_tokens": 4}}}
+        usage = (b'{"prompt_tokens": 12, "completion_tokens": 2, "total_tokens": 14, '
+                 b'"prompt_tokens_details": {"cached_tokens": 11, "deep": ' + DEEP + b"}}")
+        deep = b'data: {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "choices": [], "usage": ' + usage
+        deep += b"}\n\n"
+        chunks = chat_chunks(2)
+        if continuous:      # continuous usage: a token chunk carries it too
+            chunks[1] = chunks[1][:-3] + b', "usage": ' + usage + b"}\n\n"
+        rig.fake.script("r", prefill=[Answer(body=prefill)], decode=[Stream(events=[*chunks, deep])])
+        client = await rig.send("r", body=orjson.dumps({
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": continuous}})).done()
+        breaker = rig.state.health.breaker(rig.endpoint(DECODERS[0]))
+        assert breaker.consecutive_failures == 0
+    assert client.status == 200 and client.finished
+    assert client.text.endswith(deep + b"data: [DONE]\n\n"), client.text[-200:]
+    assert b'"error"' not in client.text
+    if continuous:
+        assert chunks[1] in client.text
+
+
+@pytest.mark.parametrize("where", ["usage", "chunk"])
+async def test_a_fanned_out_stream_nested_past_what_orjson_writes_is_the_decoders_502_not_pdproxys_500(
+        where: str) -> None:
+    """Merged with a fan-out sibling, a streamed usage chunk (or a token chunk) nested 300 levels deep cannot be
+    written again: the decoder's 502 error event ends the stream, as the JSON merge answers — not the TypeError's
+    "internal error in pdproxy"."""
+    async with Rig() as rig:
+        deep = b'{"id": "chatcmpl-fake", "object": "chat.completion.chunk", "choices": [], "usage": {' \
+               b'"prompt_tokens": 12, "completion_tokens": 2, "total_tokens": 14, "deep": ' + DEEP + b"}}"
+        if where == "chunk":
+            deep = chat_chunks(1)[0][6:-3] + b', "deep": ' + DEEP + b"}"
+        rig.fake.script("r", decode=[Stream(events=[*chat_chunks(1), b"data: " + deep + b"\n\n"])] * 2)
+        client = await rig.send("r", body=orjson.dumps({
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2,
+            "temperature": 1.0, "stream": True, "stream_options": {"include_usage": True}})).done()
+    assert client.status == 200 and client.events()[-1] == b"[DONE]"
+    error = orjson.loads(client.events()[-2])["error"]
+    assert error["code"] == 502 and "too deep to merge" in error["message"], error
+
+
+@pytest.mark.parametrize("api", [Api.MESSAGES, Api.RESPONSES])
+def test_a_messages_or_responses_usage_event_nested_past_what_orjson_writes_is_relayed_as_it_came(api: Api) -> None:
+    """The same for the Messages and Responses streams' usage patch (``streams._patch_events``)."""
+    from pdproxy.apis.streams import stream_for
+    from pdproxy.timeline import RequestContext
+
+    usage = b'{"input_tokens": 3, "output_tokens": 1, "deep": ' + DEEP + b"}"
+    if api is Api.MESSAGES:
+        block = b'event: message_delta\ndata: {"type": "message_delta", "usage": ' + usage + b"}\n\n"
+    else:
+        block = (b'event: response.completed\ndata: {"type": "response.completed", "response": {"usage": '
+                 + usage + b"}}\n\n")
+    stream = stream_for(api, RequestContext(request_id="r", client_request_id=None, api_label=api.label), 2)
+    assert stream is not None
+    assert stream.feed(block) == block
