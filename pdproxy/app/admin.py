@@ -19,7 +19,8 @@ stands for all its internal-DP ranks):
 - ``POST /admin/endpoints`` ``{"url", "role", "dp_size"?: 1, "models"?: []}`` (``models`` pins it to those
   model ids, as ``models`` in the config file: pdproxy/engines/models.py) → 201 with the new entries (probed once: a
   reachable engine takes traffic at once, an unreachable one when its ``/health`` answers); 409 if present, or
-  if a remove took it out while that first probe waited;
+  if a remove took it out while that first probe waited, or if it is a pdproxy (its ``/health`` answers pdproxy's
+  probe 508 Loop Detected: pdproxy/http/engine_headers.py) — then it is not kept;
 - ``POST /admin/endpoints/drain`` ``{"url", "role"}`` → 202: no new work, in-flight requests finish, the
   endpoint stays (``draining``, then ``drained``); with ``"migrate": true`` a decoder's continuable streams move
   to other decoders now (``migrated``: how many; docs/stream-continuation.md);
@@ -63,7 +64,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from pdproxy.apis.request import load_json_object
 from pdproxy.app.state import ProxyState
 from pdproxy.endpoints import Endpoint, Role, engine_identity, expand, normalize_url
-from pdproxy.engines.control import EngineInfo
+from pdproxy.engines.control import LOOP_FAILURE, EngineInfo
 from pdproxy.errors import BadRequest, Conflict, Forbidden, NotFound, PayloadTooLarge, Unauthorized
 from pdproxy.settings import Settings, is_loopback_host
 
@@ -317,6 +318,12 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
         if not any(e in present for e in new):
             raise Conflict(f"{ref.role.value} endpoint {ref.url} was removed while its first probe ran",
                            redact=False)
+        if any(state.engines.health_failure(e) == LOOP_FAILURE for e in new):   # a pdproxy, maybe this one
+            for e in new:
+                if e in present:
+                    state.health.remove(e)
+            raise Conflict(f"{ref.url} is a pdproxy, not a vLLM engine (its /health answered 508 Loop Detected to "
+                           "pdproxy's probe): give the engines' own URLs", redact=False)
         return _json({"added": [describe(state, e) for e in new if e in present]}, 201)
 
     @router.post("/endpoints/drain")

@@ -52,7 +52,7 @@ from pdproxy.errors import (
     error_body,
 )
 from pdproxy.http.auth import INVALID_KEY, key_accepted
-from pdproxy.http.engine_headers import TRACE_HEADERS, client_authorization
+from pdproxy.http.engine_headers import TRACE_HEADERS, client_authorization, names_pdproxy
 from pdproxy.http.server import Exchange
 from pdproxy.ops.gcpolicy import GcPolicy
 from pdproxy.ops.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -391,23 +391,29 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
         return reason is None, reason, roles
 
     @app.get("/health")
-    async def health() -> Response:
-        """200 when at least one prefiller and one decoder are healthy; 503 otherwise (or when shutting down)."""
+    async def health(request: Request) -> Response:
+        """200 when at least one prefiller and one decoder are healthy; 503 otherwise (or when shutting down); 508
+        Loop Detected to a pdproxy's probe (``Via: 1.1 pdproxy``: pdproxy/http/engine_headers.py), which has
+        been given this pdproxy as an engine."""
+        if names_pdproxy(request.headers.get("via")):
+            return Response(orjson.dumps(error_body(508, "this is a pdproxy, not a vLLM engine: give pdproxy the "
+                                                         "engines' URLs", error_type="LoopDetected")),
+                            status_code=508, media_type="application/json")
         ok = ready()[0]
         return Response(status_code=200 if ok else 503, headers={} if ok else {"retry-after": "1"})
 
     @app.get("/ping")
     @app.post("/ping")
-    async def ping() -> Response:
+    async def ping(request: Request) -> Response:
         """vLLM's SageMaker health check (``vllm/entrypoints/serve/sagemaker/api_router.py``: ``GET`` and ``POST``,
         its ``/health``): :func:`health`'s answer."""
-        return await health()
+        return await health(request)
 
     @app.get("/health_generate")
-    async def health_generate() -> Response:
+    async def health_generate(request: Request) -> Response:
         """vllm-router's probe of a serving prefill/decode pair: :func:`health`'s answer (a healthy prefiller and
         decoder, each judged by its ``/health`` probes and its requests' outcomes: ``docs/health.md``)."""
-        return await health()
+        return await health(request)
 
     @app.get("/readiness")
     async def readiness() -> Response:

@@ -138,6 +138,10 @@ def parse_gauges(metrics_text: str) -> dict[str, float]:
     return out
 
 
+LOOP_FAILURE = "GET /health answered 508 Loop Detected: it is a pdproxy (this one or another), not an engine"
+"""Why an endpoint that is a pdproxy is never healthy (:func:`pdproxy.http.engine_headers.names_pdproxy`)."""
+
+
 class EngineClient:
     """httpx client for control-plane calls; one per proxy process (owned by the app lifespan).  Every call carries
     the engine key when one is set (``engine_api_key``; vLLM guards ``/v1/models``)."""
@@ -181,7 +185,8 @@ class EngineClient:
             if r.status_code == 200:
                 self._health_failures.pop(endpoint, None)
                 return True
-            self._health_failures[endpoint] = f"GET /health answered HTTP {r.status_code}"
+            self._health_failures[endpoint] = (LOOP_FAILURE if r.status_code == 508 else
+                                               f"GET /health answered HTTP {r.status_code}")
         except ProxyError as exc:
             if len(self._health_failures) > 4096:       # endpoints come and go (admin API): stay bounded
                 self._health_failures.clear()

@@ -24,6 +24,11 @@ carry the current span as W3C ``traceparent`` / ``tracestate``, so that an engin
 ``traceparent`` / ``tracestate`` pass through unchanged (as Envoy and vllm-router forward them), so the engine's spans
 join the client's trace instead of starting orphan ones.  Control-plane calls carry none.
 
+Control-plane calls also carry ``Via: 1.1 pdproxy`` (RFC 9110 §7.6.3): a pdproxy that receives it on ``GET /health``
+answers 508 Loop Detected (:func:`names_pdproxy`), so a pdproxy given as an engine — itself or another, by a typo in
+the configuration or through the admin API — is never judged healthy (its legs would run a second PD pass that
+answers no KV handle, or loop back into itself).
+
 A client's header value reaches an engine only as visible ASCII (:func:`forwardable`): trace context only within
 W3C's sizes, a ``traceparent`` only in W3C's form, any other value with a byte outside 0x20–0x7E (a tab aside), or
 with a space or tab at its end, is dropped — HTTP clients refuse to send such a value (httpx raises
@@ -80,6 +85,18 @@ def client_authorization(authorization: str | None, x_api_key: str | None) -> st
     return f"Bearer {x_api_key}" if x_api_key else None
 
 
+VIA = "1.1 pdproxy"
+"""The ``Via`` value of pdproxy's control-plane calls to engines (module docstring)."""
+
+
+def names_pdproxy(via: str | None) -> bool:
+    """Whether a request's ``Via`` header value (comma-separated ``protocol name`` entries) names a pdproxy: the
+    call came from a pdproxy's control plane, so whoever answers it is being taken for an engine."""
+    if not via or "pdproxy" not in via:
+        return False
+    return any(part.split()[1:2] == ["pdproxy"] for part in via.split(","))
+
+
 class EngineHeaders:
     """Builds engine-call headers (see the module docstring).  ``engine_api_key``: the engines' ``--api-key``;
     ``forward_client_authorization``: pass a client's ``Authorization`` through when no engine key is set (False
@@ -93,6 +110,7 @@ class EngineHeaders:
         self._key = f"Bearer {engine_api_key}" if engine_api_key else None
         self.forward_client_authorization = forward_client_authorization
         self._control = {"Authorization": self._key} if self._key else {}
+        self._control["Via"] = VIA
         self._propagate = propagate
 
     @classmethod
@@ -111,7 +129,8 @@ class EngineHeaders:
         return client_authorization if forwardable(b"authorization", client_authorization) else None
 
     def control(self) -> dict[str, str]:
-        """Headers of a control-plane call (``/v1/models``, ``/metrics``, ``/health``): the engine key, if set."""
+        """Headers of a control-plane call (``/v1/models``, ``/metrics``, ``/health``): the engine key, if set, and
+        :data:`VIA`."""
         return dict(self._control)
 
     def leg(self, endpoint: Endpoint, request_id: str, client_authorization: str | None = None,

@@ -87,9 +87,9 @@ def test_one_rule_for_every_engine_call() -> None:
     assert keyed.leg(rank, "req-1", "Bearer sk-client") == {
         "Content-Type": "application/json", "X-Request-Id": "req-1", "Authorization": f"Bearer {KEY}",
         "X-data-parallel-rank": "3"}
-    assert keyed.control() == {"Authorization": f"Bearer {KEY}"}
+    assert keyed.control() == {"Authorization": f"Bearer {KEY}", "Via": "1.1 pdproxy"}
     passthrough = EngineHeaders()
     assert passthrough.leg(rank, "r", "Bearer sk-client")["Authorization"] == "Bearer sk-client"
-    assert "Authorization" not in passthrough.leg(rank, "r", None) and passthrough.control() == {}
+    assert "Authorization" not in passthrough.leg(rank, "r", None) and passthrough.control() == {"Via": "1.1 pdproxy"}
     enforced = EngineHeaders(forward_client_authorization=False)           # api_keys set, no engine key
     assert "Authorization" not in enforced.leg(rank, "r", "Bearer sk-proxy")

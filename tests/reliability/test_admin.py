@@ -234,3 +234,35 @@ def test_a_removed_prefiller_leaves_nothing_in_prefix_routing(fleet4: Fleet4) ->
         complete(proxy.url)
     finally:
         proxy.stop()
+
+
+def test_a_pdproxy_given_as_an_engine_is_refused_and_never_healthy(fleet4: Fleet4) -> None:
+    """Its own URL through the admin API: 409 naming it a pdproxy, nothing kept (old code: 201 and a "healthy"
+    prefiller whose legs ran a second PD pass, half the requests 502).  Another pdproxy in the configuration: never
+    healthy, and why is said (its /health answers pdproxy's probe — ``Via: 1.1 pdproxy`` — 508)."""
+    from pdproxy.endpoints import Role
+    from pdproxy.engines.control import LOOP_FAILURE
+    from tests.support import ProxyThread
+
+    proxy = fleet4.proxy(admin_key="admin-secret")
+    try:
+        before = names(proxy.url)
+        r = admin(proxy.url, "POST", {"url": proxy.url, "role": "prefill"})
+        assert r.status_code == 409 and "is a pdproxy" in r.json()["error"]["message"], r.text
+        assert names(proxy.url) == before
+        complete(proxy.url)
+        assert httpx.get(proxy.url + "/health").status_code == 200            # a client's probe: as before
+        looped = httpx.get(proxy.url + "/health", headers={"via": "1.0 envoy, 1.1 pdproxy"})
+        assert looped.status_code == 508 and looped.json()["error"]["type"] == "LoopDetected"
+        outer = ProxyThread(prefill=[fleet4.prefillers[0].url], decode=[proxy.url])
+        outer.thread.start()
+        try:
+            wait_until(lambda: outer.server.started and outer.state is not None, 15, 0.02, "outer proxy started")
+            (inner,) = outer.state.pool.endpoints(Role.DECODE)
+            wait_until(lambda: outer.state.engines.health_failure(inner) == LOOP_FAILURE, 15, 0.05,
+                       "the inner pdproxy judged no engine")
+            assert not outer.state.pool.load(inner).healthy
+        finally:
+            outer.stop()
+    finally:
+        proxy.stop()
