@@ -802,8 +802,10 @@ class Reframe:
         """One continuation chunk as the client's events (may be empty)."""
         r = self.resume
         if r.prompt_ids is None and isinstance(obj.get("prompt_token_ids"), list):
-            r.prompt_ids = [int(i) for i in obj["prompt_token_ids"]]   # a chat leg: its prompt holds the text
-            if r.events.input_tokens is None:                          # Responses: the prompt without it
+            r.prompt_ids = token_ids(obj["prompt_token_ids"])         # a chat leg: its prompt holds the text
+            if r.prompt_ids is None:                                   # ids that are none: no further leg
+                r.bad_ids = True
+            elif r.events.input_tokens is None:                        # Responses: the prompt without it
                 r.events.input_tokens = max(0, len(r.prompt_ids) - r.delivered)
         choices = obj.get("choices")
         if not choices:
@@ -814,7 +816,11 @@ class Reframe:
         text = src.get("text") or (delta.get("content") if isinstance(delta, dict) else None) or ""
         finish = src.get("finish_reason")
         if isinstance(ids, list):
-            r.generated.extend(int(i) for i in ids)
+            checked = token_ids(ids)
+            if checked is None:                    # as the first leg's (Resume.observe): no further leg
+                r.bad_ids = True
+            else:
+                r.generated.extend(checked)
             if text or finish is not None:
                 r.held, r.texted = 0, len(ids)
             else:

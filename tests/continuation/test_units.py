@@ -14,10 +14,11 @@ import pytest
 
 from pdproxy.apis.request import Api, parse_request
 from pdproxy.errors import UpstreamUnavailable
-from pdproxy.pd.continuation import LiveStreams, LossCause, RecordIds, Resume, StreamLost, held_in_text
+from pdproxy.pd.continuation import LiveStreams, LossCause, RecordIds, Reframe, Resume, StreamLost, held_in_text
 from pdproxy.pd.record import TAIL_BYTES
 from pdproxy.sim.continuation import greedy_offset
 from pdproxy.sim.outputs import WORDS, TokenTable
+from pdproxy.timeline import RequestContext
 from pdproxy.tokens import SimTokenizer
 
 
@@ -394,3 +395,33 @@ def test_a_first_leg_event_of_a_shape_vllm_never_sends_refuses_the_continuation_
     resume.read_transcript()
     why = resume.refusal(2)
     assert why is not None and "could not read" in why[1], why
+
+
+class _Responder:
+    api_stream = None
+
+
+@pytest.mark.parametrize("ids", [b'["a"]', b"[null]", b"[1.5]", b"[-1]", b"[true]"])
+@pytest.mark.parametrize("where", ["prompt_token_ids", "token_ids"])
+def test_a_continuation_legs_ids_that_are_no_token_ids_refuse_the_next_continuation_and_never_raise(
+        ids: bytes, where: str) -> None:
+    """A continuation leg's own chunks are read as the first leg's are (``Reframe.chunk``): its ids go into the
+    next continuation's prompt.  Ids that are none raised out of the relay's transform ("a", null) or were cut (1.5
+    became 1, a wrong token in the next prompt), where the first leg's are checked (:func:`token_ids`).  Now the
+    text still reaches the client and a further loss is refused, saying why."""
+    req = parse_request(orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                      "max_tokens": 30, "stream": True}),
+                        Api.MESSAGES if where == "prompt_token_ids" else Api.CHAT)
+    resume = Resume.of(req, True)
+    assert resume is not None
+    if where == "token_ids":
+        lost_after_two_ids(resume)
+    ctx = RequestContext(request_id="t", client_request_id=None, api_label="chat")
+    chunk = (b'data: {"id":"c","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
+             b'"text":" c","logprobs":null,"finish_reason":null,"token_ids":' + (ids if where == "token_ids" else b"[44]")
+             + b'}],"prompt_token_ids":' + (ids if where == "prompt_token_ids" else b"[5,6,7,42,43]") + b'}\n\n')
+    out = Reframe(resume, ctx, _Responder()).feed(chunk)  # type: ignore[arg-type]
+    assert b" c" in out
+    assert all(type(i) is int and i >= 0 for i in [*(resume.prompt_ids or []), *resume.generated])
+    why = resume.refusal(3)
+    assert why is not None and "not token ids" in why[1], why
