@@ -176,15 +176,16 @@ DONE_TAIL_BYTES = 32
 [DONE]`` line, its line end and the line end before it, CRLF, cut anywhere)."""
 
 
-def holds_done(window: bytes) -> bool:
+def holds_done(window: bytes, line_start: bool = True) -> bool:
     """Whether ``window`` (some bytes of an SSE body) holds the line ``data: [DONE]`` (the space optional) with
-    its line end: what vLLM's streams end with.  Bytes after it (blank lines, a comment) do not undo it."""
+    its line end: what vLLM's streams end with.  Bytes after it (blank lines, a comment) do not undo it.
+    ``line_start``: ``window``'s first byte starts a line (the body's start; not a window cut from its middle)."""
     i = window.find(b"[DONE]")
     while i >= 0:
         end = i + 6
         if end < len(window) and window[end] in (10, 13):
             start = i - 6 if window.endswith(b"data: ", 0, i) else i - 5 if window.endswith(b"data:", 0, i) else -1
-            if start == 0 or (start > 0 and window[start - 1] in (10, 13)):
+            if (start == 0 and line_start) or (start > 0 and window[start - 1] in (10, 13)):
                 return True
         i = window.find(b"[DONE]", end)
     return False
@@ -194,17 +195,19 @@ class DoneWatch:
     """Whether an SSE body fed piece by piece (:meth:`feed`, any cuts) has held its ``data: [DONE]`` line
     (:func:`holds_done`); :attr:`seen` once it has.  Keeps :data:`DONE_TAIL_BYTES` bytes between pieces."""
 
-    __slots__ = ("_carry", "seen")
+    __slots__ = ("_carry", "_start", "seen")
 
     def __init__(self) -> None:
         self.seen = False
         self._carry = b""
+        self._start = True          # the carry is the body's start (no byte of it dropped yet)
 
     def feed(self, piece: bytes) -> None:
         if self.seen or not piece:
             return
         window = self._carry + piece
-        self.seen = holds_done(window)
+        self.seen = holds_done(window, self._start)
+        self._start = self._start and len(window) <= DONE_TAIL_BYTES
         self._carry = window[-DONE_TAIL_BYTES:]
 
 

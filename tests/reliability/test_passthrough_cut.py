@@ -170,7 +170,8 @@ def test_an_sse_passthrough_that_held_done_or_is_compressed_is_whole(
     (b"data: [DONE]\n\n: keep-alive\n\n", True),        # a comment after it: still ended
     (b'data: {"token_ids": [7]}\n\n', False), (b"data: [DONE]", False),   # the line's end never came
     (b"data: [DONE]x\n\n", False), (b"xdata: [DONE]\n\n", False), (b'data: "[DONE]"\n\n', False),
-    (b"[DONE]\n\n", False), (b"", False)])
+    (b"[DONE]\n\n", False), (b"", False),
+    (b"xdata: [DONE]\n" + b"y" * 20, False)])           # the carried window's first byte is no line's start
 def test_what_counts_as_an_sse_body_that_held_done(body: bytes, done: bool) -> None:
     """Whole, and cut into pieces at every byte (the window carried between pieces)."""
     from pdproxy.http.sse import DoneWatch, holds_done
