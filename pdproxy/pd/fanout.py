@@ -152,14 +152,20 @@ def _too_much(req: ProxyRequest, amount: str, bound: str, param: str) -> BadRequ
                       f"most {bound} together, as one body: lower n or the body", param=param)
 
 
+_FIGURE_MAX = 1 << 40
+"""The largest usage figure counted (no answer comes near 10**12 tokens): sums of them, over any number of
+sequences, stay within the 64 bits orjson writes."""
+
+
 def _figure(value: Any) -> int:
-    """A usage figure as a count: an integer (a finite float cut to one), anything else — absent, null, a string,
-    a list, a boolean — 0.  vLLM writes integers; a sum over an engine's other values must not raise."""
+    """A usage figure as a count: an integer (a finite float cut to one) from 0 to :data:`_FIGURE_MAX`, anything
+    else — absent, null, a string, a list, a boolean, a negative or larger number — 0.  vLLM writes counts; a sum
+    over an engine's other values must neither raise nor make the merged usage one orjson cannot write."""
     if isinstance(value, bool):
         return 0
-    if isinstance(value, int):
-        return value
-    return int(value) if isinstance(value, float) and math.isfinite(value) else 0
+    if isinstance(value, float):
+        value = int(value) if math.isfinite(value) else 0
+    return value if isinstance(value, int) and 0 <= value <= _FIGURE_MAX else 0
 
 
 def merge_usage(usages: list[tuple[Sequence, dict[str, Any]]], stream: bool) -> dict[str, Any] | None:

@@ -344,13 +344,16 @@ def test_a_messages_or_responses_answer_nested_past_what_orjson_writes_is_relaye
     assert patch_json(api, answer, 2) == answer
 
 
+@pytest.mark.parametrize("figure", ["abc", 10 ** 19, 1e300, -5])
 @pytest.mark.parametrize("stream", [False, True])
-async def test_fanned_out_usage_figures_that_are_not_numbers_are_no_500(stream: bool) -> None:
+async def test_fanned_out_usage_figures_that_are_not_numbers_are_no_500(stream: bool, figure: object) -> None:
     """A fan-out sums its sequences' usage figures; ``int()`` of a decoder's ``"completion_tokens": "abc"`` (or a
     list) raised out of the merge — the client's 500 "internal error in pdproxy" with a traceback (found with a
-    decoder answering such a usage to an n=2 chat).  Such a figure now counts 0."""
+    decoder answering such a usage to an n=2 chat).  Such a figure now counts 0, as does a number that is no count
+    (10**19 twice sums past the 64 bits orjson writes; 1e300 is cut to a 300-digit integer; a negative one): writing
+    the merged usage raised ``TypeError``, the streamed client's 500, the non-streamed one's 502 "nested too deep"."""
     async with Rig() as rig:
-        usage = {"prompt_tokens": 3, "completion_tokens": "abc", "total_tokens": [1],
+        usage = {"prompt_tokens": 3, "completion_tokens": figure, "total_tokens": [1],
                  "completion_tokens_details": {"reasoning_tokens": "x"}}
         if stream:
             events = [*chat_chunks(2), b"data: " + orjson.dumps({"id": "c", "object": "chat.completion.chunk",
@@ -365,10 +368,12 @@ async def test_fanned_out_usage_figures_that_are_not_numbers_are_no_500(stream: 
         client = await rig.send("r", body=orjson.dumps(body)).done()
     assert client.status == 200, client.text[:300]
     if stream:
-        merged = [orjson.loads(e) for e in client.events() if e != b"[DONE]"][-1]["usage"]
+        events = client.events()
+        assert events[-1] == b"[DONE]", events[-2:]
+        merged = [orjson.loads(e) for e in events if e != b"[DONE]"][-1]["usage"]
     else:
         merged = client.json()["usage"]
-    assert merged["completion_tokens"] == 0 and merged["prompt_tokens"] == 3
+    assert merged["completion_tokens"] == 0 and merged["prompt_tokens"] == 3 and merged["total_tokens"] == 3
 
 
 @pytest.mark.parametrize("bad", [b"data: {not json\n\n", b"data: [1, 2]\n\n", b'data: "text"\n\n'])
