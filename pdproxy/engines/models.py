@@ -185,8 +185,10 @@ class ServedModels:
                 mid = card.get("id")
                 if not isinstance(mid, str) or (ids is not None and mid not in ids):
                     continue
-                merged.setdefault(mid, dict(card))
                 mml = card.get("max_model_len")
+                if isinstance(mml, bool):             # no figure (as EngineClient.refresh reads it): none declared
+                    card, mml = {**card, "max_model_len": None}, None
+                merged.setdefault(mid, dict(card))
                 if isinstance(mml, int) and pool is not None and pool < mml:
                     mml = pool
                 if isinstance(mml, int):

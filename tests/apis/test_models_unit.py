@@ -171,3 +171,14 @@ def test_served_ids_follow_each_refresh_of_the_listing() -> None:
         info.models = [card(f"model-{k + 1}")]      # two refreshes, no lookup between: the list read last is
         info.models = [card(f"model-{k + 2}")]      # freed and its address can come back for the next one
         assert served.ids(DA) == {f"model-{k + 2}"} and not served.serves(DA, f"model-{k}")
+
+
+def test_a_card_whose_max_model_len_is_a_boolean_declares_none() -> None:
+    """An engine's ``"max_model_len": true`` is no limit to admission (``EngineClient.refresh``: its
+    ``EngineInfo.max_model_len`` is None), so the ``max_model_len`` setting stands in for it there; ``/v1/models``
+    advertised ``true`` (``min(True, 4096)`` is True), where admission applies 4096."""
+    infos = {PA: EngineInfo(models=[card("a", True)]), DA: EngineInfo(models=[card("a", True)])}  # type: ignore[arg-type]
+    pool = EndpointPool(list(infos))
+    assert Limits(pool, infos, max_model_len_override=4096).of(DA).max_model_len == 4096
+    assert ServedModels(infos).cards(max_model_len_override=4096)[0]["max_model_len"] == 4096
+    assert ServedModels(infos).cards()[0]["max_model_len"] is None
