@@ -51,7 +51,11 @@ def test_config_examples_load() -> None:
 
 
 def test_reference_lists_every_setting_with_its_default() -> None:
-    data = yaml.safe_load((CONFIG / "reference.yaml").read_text())
+    text = (CONFIG / "reference.yaml").read_text()
+    keys = re.findall(r"^(\w+):", text, flags=re.MULTILINE)
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    assert not twice, f"config/reference.yaml lists these settings more than once (YAML keeps the last): {twice}"
+    data = yaml.safe_load(text)
     missing = sorted(set(Settings.model_fields) - set(data))
     assert not missing, f"document these settings in config/reference.yaml: {missing}"
     assert not set(data) - set(Settings.model_fields)
