@@ -307,11 +307,17 @@ async def relay_json(resp: H1Response, ctx: RequestContext, cached_tokens: int |
         await out.json(resp.status, api_streams.patch_json(api, data, cached_tokens), routing)
         return False
     if transcript is not None and (data.find(recompute.MARKER) >= 0 or transcript.attempts > 1):
-        obj = orjson.loads(data)
-        if recompute.is_recomputed(obj):
+        try:   # checked by shape only (json_answer_fault): relayed alone as it came, unless it must be merged
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            obj = None
+        if isinstance(obj, dict) and recompute.is_recomputed(obj):
             transcript.observe(obj)
             return True
         if transcript.attempts > 1:
+            if not isinstance(obj, dict):
+                raise UpstreamUnavailable(f"decoder {endpoint} answered with a body that is not a JSON object",
+                                          endpoint=endpoint)
             try:
                 data = orjson.dumps(transcript.merge_json(obj))
             except TypeError:   # nested past the 254 levels orjson writes (it reads 1,023)

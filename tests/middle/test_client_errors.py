@@ -468,3 +468,16 @@ def test_a_messages_or_responses_usage_event_nested_past_what_orjson_writes_is_r
     stream = stream_for(api, RequestContext(request_id="r", client_request_id=None, api_label=api.label), 2)
     assert stream is not None
     assert stream.feed(block) == block
+
+
+async def test_a_json_answer_read_for_a_recomputed_end_that_is_not_json_is_relayed_not_pdproxys_500() -> None:
+    """A non-streamed answer holding ``"recomputed"`` (vLLM-Ascend's ``stop_reason``; ``recompute_continuation``
+    is on by default) is parsed to tell whether it ended so: one that passed the shape check yet is no JSON raised
+    ``JSONDecodeError`` out of ``relay_json`` — the client's 500 "internal error in pdproxy".  It is no recomputed
+    end, so it is relayed as any answer checked by shape only is (as it came)."""
+    raw = b'{"id": "x", "choices": [1,}, "stop_reason": "recomputed"}'
+    async with Rig() as rig:
+        rig.fake.script("r", decode=[Answer(raw=raw)] * 2)
+        client = await rig.send("r", body=orjson.dumps({
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})).done()
+    assert client.status == 200 and client.text == raw, client.text[:300]
