@@ -168,6 +168,11 @@ def _figure(value: Any) -> int:
     return value if isinstance(value, int) and 0 <= value <= _FIGURE_MAX else 0
 
 
+def _too_deep(decoder: str | None) -> UpstreamUnavailable:
+    """A decoder's answer or event nested past the 254 levels orjson writes (it reads 1,023): it cannot be merged."""
+    return UpstreamUnavailable("a decoder answered JSON nested too deep to merge", endpoint=decoder or "")
+
+
 def merge_usage(usages: list[tuple[Sequence, dict[str, Any]]], stream: bool) -> dict[str, Any] | None:
     """The merged usage object (module docstring) from each sequence's usage, or None when none had one."""
     if not usages:
@@ -368,8 +373,7 @@ class Merger:
             try:
                 out.append(sse.data_event(orjson.dumps(self._rewrite(seq, obj))))
             except TypeError:                # nested past the 254 levels orjson writes (it reads 1,023)
-                broken = UpstreamUnavailable(f"decoder {seq.ctx.decoder} streamed a chunk nested too deep to merge",
-                                             endpoint=seq.ctx.decoder or "")
+                broken = _too_deep(seq.ctx.decoder)
                 break
         if out and self.failure is None and not self.out.ended:
             self._write(b"".join(out), sink.headers)
@@ -406,9 +410,8 @@ class Merger:
                 chunk["usage"] = usage
                 try:
                     tail = sse.data_event(orjson.dumps(chunk))
-                except TypeError:  # a usage nested past the 254 levels orjson writes (it reads 1,023): no merge
-                    raise UpstreamUnavailable("a decoder streamed a usage nested too deep to merge",
-                                              endpoint=self.ctx.decoder or "") from None
+                except TypeError:  # a usage chunk nested past what orjson writes: no merge of it
+                    raise _too_deep(self.ctx.decoder) from None
             self._account(usage)
             if not out.started:
                 out.start_nowait(200, list(SSE_HEADERS))
@@ -445,8 +448,7 @@ class Merger:
         try:
             body = orjson.dumps(merged)
         except TypeError:  # an answer nested past the 254 levels orjson writes (it reads 1,023): no merge of it
-            raise UpstreamUnavailable("a decoder answered JSON nested too deep to merge",
-                                      endpoint=self.ctx.decoder or "") from None
+            raise _too_deep(self.ctx.decoder) from None
         await out.json(200, body, headers)
 
     def _account(self, usage: dict[str, Any] | None) -> None:

@@ -481,3 +481,31 @@ async def test_a_json_answer_read_for_a_recomputed_end_that_is_not_json_is_relay
         client = await rig.send("r", body=orjson.dumps({
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})).done()
     assert client.status == 200 and client.text == raw, client.text[:300]
+
+
+async def test_a_fanned_out_stream_event_nested_past_what_orjson_writes_is_no_500() -> None:
+    """A fan-out re-indexes each sequence's stream events (parsed, written again): an event nested past the 254
+    levels orjson writes (it reads 1,023) raised ``TypeError`` out of the merge of the streams."""
+    deep = (b'data: {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "' + MODEL.encode()
+            + b'", "choices": [{"index": 0, "delta": {"content": " d"}, "finish_reason": null}], "deep": ' + DEEP
+            + b"}\n\n")
+    async with Rig() as rig:
+        rig.fake.script("r", decode=[Stream(events=[*chat_chunks(2), deep])] * 2)
+        client = await rig.send("r", body=orjson.dumps({
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2,
+            "temperature": 1.0, "stream": True})).done()
+    assert b"internal error" not in client.text and b"nested too deep to merge" in client.text, client.text[-400:]
+
+
+async def test_a_fanned_out_usage_chunk_nested_past_what_orjson_writes_is_no_500() -> None:
+    """The merged stream's usage chunk is the first sequence's, its usage replaced: one nested past what orjson
+    writes raised ``TypeError`` out of the stream's end."""
+    usage = (b'data: {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "' + MODEL.encode()
+             + b'", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}, '
+             b'"deep": ' + DEEP + b"}\n\n")
+    async with Rig() as rig:
+        rig.fake.script("r", decode=[Stream(events=[*chat_chunks(2), usage])] * 2)
+        client = await rig.send("r", body=orjson.dumps({
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2,
+            "temperature": 1.0, "stream": True, "stream_options": {"include_usage": True}})).done()
+    assert b"internal error" not in client.text and b"nested too deep to merge" in client.text, client.text[-400:]
