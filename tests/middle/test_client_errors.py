@@ -509,3 +509,14 @@ async def test_a_fanned_out_usage_chunk_nested_past_what_orjson_writes_is_no_500
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2,
             "temperature": 1.0, "stream": True, "stream_options": {"include_usage": True}})).done()
     assert b"internal error" not in client.text and b"nested too deep to merge" in client.text, client.text[-400:]
+
+
+def test_a_chat_usage_chunk_nested_past_what_orjson_writes_is_relayed_as_it_came() -> None:
+    """The same for a chat / completions stream's usage patch (``ChatUsage``, the prefiller's cached tokens)."""
+    from pdproxy.apis.chat import ChatUsage
+    from pdproxy.timeline import RequestContext
+
+    event = (b'data: {"id": "c", "object": "chat.completion.chunk", "choices": [], "usage": {"prompt_tokens": 3, '
+             b'"completion_tokens": 1, "total_tokens": 4}, "deep": ' + DEEP + b"}\n\n")
+    usage = ChatUsage(RequestContext(request_id="t", client_request_id=None, api_label="chat"), 2, False, None)
+    assert usage.feed(event, b"") == event
