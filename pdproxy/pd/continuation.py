@@ -107,6 +107,19 @@ def token_ids(values: list[Any]) -> list[int] | None:
     return values if all(type(v) is int and 0 <= v <= _MAX_TOKEN_ID for v in values) else None
 
 
+def _index(value: Any) -> int:
+    """An ``output_index`` / ``content_index`` / ``index`` / ``sequence_number`` of a Responses / Messages event
+    (absent or null: 0).
+    Raises ``ValueError`` for one vLLM never sends (a string, a float, a negative or 64-bit-overflowing number: the
+    continuation's events could not be written with it), which :meth:`Resume.read_transcript` reads as
+    ``unreadable``."""
+    if value is None:
+        return 0
+    if type(value) is int and 0 <= value <= _MAX_TOKEN_ID:
+        return value
+    raise ValueError(f"not an index: {value!r}")
+
+
 class Refusal(enum.StrEnum):
     """Why a started stream whose decoder was lost was not continued (the ``reason`` label of
     ``pdproxy_continuations_refused_total``); the client gets the typed error event."""
@@ -492,8 +505,8 @@ class Resume:
     def observe_event(self, name: str, obj: dict[str, Any]) -> None:
         """Account one Responses / Messages event of the first leg."""
         st = self.events
-        if isinstance(obj.get("sequence_number"), int):
-            st.sequence = max(st.sequence, obj["sequence_number"])
+        if obj.get("sequence_number") is not None:
+            st.sequence = max(st.sequence, _index(obj["sequence_number"]))
         if name in ("response.created", "message_start"):
             opening = obj.get("response") if name == "response.created" else obj.get("message")
             st.opening = dict(opening) if isinstance(opening, dict) else {}
@@ -505,13 +518,13 @@ class Resume:
             if item.get("type") != "message":
                 self.unsafe = True
             st.item_id = str(item.get("id") or "")
-            st.output_index = int(obj.get("output_index") or 0)
+            st.output_index = _index(obj.get("output_index"))
         elif name == "response.content_part.added":
-            st.content_index = int(obj.get("content_index") or 0)
+            st.content_index = _index(obj.get("content_index"))
         elif name == "content_block_start":
             if (obj.get("content_block") or {}).get("type") != "text":
                 self.unsafe = True
-            st.content_index = int(obj.get("index") or 0)
+            st.content_index = _index(obj.get("index"))
         elif name == "response.output_text.delta":
             self.text.append(str(obj.get("delta") or ""))
             self.delivered += 1

@@ -379,6 +379,16 @@ def test_ids_that_are_no_token_ids_refuse_the_continuation_and_never_raise(ids: 
                     b'"output_index": 0, "item": "message"}\n\n'),
     (Api.RESPONSES, b'event: response.content_part.added\ndata: {"type": "response.content_part.added", '
                     b'"content_index": [0]}\n\n'),
+    # an index that is no index: 1e30 was kept as a 31-digit integer the continuation's events could not be
+    # written with (orjson writes 64 bits: the relay's transform raised), -1.5 was read as -1
+    (Api.RESPONSES, b'event: response.output_item.added\ndata: {"type": "response.output_item.added", '
+                    b'"output_index": 1e30, "item": {"type": "message", "id": "m"}}\n\n'),
+    (Api.RESPONSES, b'event: response.content_part.added\ndata: {"type": "response.content_part.added", '
+                    b'"content_index": -1.5}\n\n'),
+    (Api.MESSAGES, b'event: content_block_start\ndata: {"type": "content_block_start", "index": 1e30, '
+                   b'"content_block": {"type": "text", "text": ""}}\n\n'),
+    (Api.RESPONSES, b'event: response.in_progress\ndata: {"type": "response.in_progress", '
+                    b'"sequence_number": 18446744073709551615}\n\n'),
 ])
 def test_a_first_leg_event_of_a_shape_vllm_never_sends_refuses_the_continuation_and_never_raises(
         api: Api, event: bytes) -> None:
