@@ -589,8 +589,9 @@ class Passthrough:
         except httpx.HTTPError as exc:
             if not started:
                 raise httpx_error(exc, f"engine {self._who(ctx)}", self._who(ctx), " before its answer") from None
-            failure = httpx_error(exc, f"engine {self._who(ctx)}", self._who(ctx), " mid-answer")
-            failure.note("; the response is incomplete")
+            if not done.seen:          # after its data: [DONE] the answer was whole: a connection ended untidily
+                failure = httpx_error(exc, f"engine {self._who(ctx)}", self._who(ctx), " mid-answer")
+                failure.note("; the response is incomplete")
         if failure is None and started and sse_body and 200 <= resp.status_code < 300 and not done.seen:
             end = "ended the stream without data: [DONE]; the response may be incomplete"
             failure = UpstreamUnavailable(f"engine {endpoint.name} {end}", endpoint=endpoint.name,

@@ -37,7 +37,7 @@ class CuttingEngine(StandInEngine):
         self.posts = 0
         self.clean_end = False
         self.last: bytes = b""
-        """With ``clean_end``: sent after the two events (before the last chunk)."""
+        """Sent after the two events (before the last chunk, or the reset)."""
         self.gzip = False
         """With ``clean_end``: the events (and ``last``) gzip-compressed, ``content-encoding: gzip``."""
 
@@ -50,7 +50,7 @@ class CuttingEngine(StandInEngine):
             if self.gzip:
                 handler.send_header("content-encoding", "gzip")
             handler.end_headers()
-            pieces = [SSE_PIECE, SSE_PIECE, self.last] if self.clean_end else [SSE_PIECE, SSE_PIECE]
+            pieces = [SSE_PIECE, SSE_PIECE, self.last]
             if self.gzip:
                 pieces = [gzip.compress(b"".join(pieces))]
             for piece in filter(None, pieces):
@@ -181,3 +181,19 @@ def test_what_counts_as_an_sse_body_that_held_done(body: bytes, done: bool) -> N
         watch.feed(b"x" * 40 + b"\n" + body[:cut])
         watch.feed(body[cut:])
         assert watch.seen is done, cut
+
+
+def test_an_sse_passthrough_cut_after_its_done_is_whole(rig: tuple[CuttingEngine, ProxyThread, Endpoint, Endpoint]
+                                                        ) -> None:
+    """The connection reset after ``data: [DONE]`` (no last chunk): the answer was whole — relayed as it came, no
+    error event after ``[DONE]``, no strike (old code: both)."""
+    engine, proxy, decoder, _prefiller = rig
+    engine.last = b"data: [DONE]\n\n"
+    with httpx.stream("POST", proxy.url + "/inference/v1/generate", timeout=10,
+                      json={"model": MODEL, "token_ids": [1, 2, 3], "stream": True,
+                            "sampling_params": {"max_tokens": 4}}) as r:
+        assert r.status_code == 200
+        raw = r.read()
+    assert raw == SSE_PIECE * 2 + b"data: [DONE]\n\n"
+    assert failures(proxy, decoder) == 0
+    proxy.wait_idle()
