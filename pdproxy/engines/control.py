@@ -236,7 +236,8 @@ class EngineClient:
             data = models.get("data")       # vLLM's list; anything else (null, an object, a number) lists none
             info.models = [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
             lens = [m["max_model_len"] for m in info.models
-                    if isinstance(m.get("max_model_len"), int) and not isinstance(m["max_model_len"], bool)]
+                    if isinstance(m.get("max_model_len"), int) and not isinstance(m["max_model_len"], bool)
+                    and m["max_model_len"] > 0]             # 0 or less: no limit an engine could serve under
             info.max_model_len = min(lens) if lens else None
             info.reachable = True
             info.error = None

@@ -125,7 +125,8 @@ def test_an_engine_that_never_ends_its_answer_fails_the_call_in_time(mode: str) 
     assert ("did not answer in time" in info.error) if mode == "trickle" else ("failed" in info.error), info.error
 
 
-@pytest.mark.parametrize("data", [None, 5, {"id": "m"}, "sim-model", [{"id": "m", "max_model_len": True}]])
+@pytest.mark.parametrize("data", [None, 5, {"id": "m"}, "sim-model", [{"id": "m", "max_model_len": True}],
+                                  [{"id": "m", "max_model_len": 0}], [{"id": "m", "max_model_len": -5}]])
 def test_a_model_list_of_the_wrong_shape_lists_no_model_and_never_raises(data: Any) -> None:
     """``refresh`` never raises: a ``/v1/models`` answer whose ``data`` is no list (an engine, or another server on
     its port, answering ``{"data": null}``) raised ``TypeError`` from the list comprehension — out of
