@@ -50,7 +50,8 @@ def add_serve_arguments(p: argparse.ArgumentParser, shown: tuple[str, ...] | Non
         flag = "--" + name.replace("_", "-")
         # vllm-router's spelling of seconds: --request-timeout-secs for request_timeout_s
         # and vLLM's / uvicorn's, without a unit: --timeout-keep-alive for timeout_keep_alive_s
-        flags = [flag, flag[:-2] + "-secs", flag[:-2]] if name.endswith("_s") else [flag]
+        seconds = name.endswith("_s") and not name.endswith("_per_s")      # a rate (tokens_per_s) is no duration
+        flags = [flag, flag[:-2] + "-secs", flag[:-2]] if seconds else [flag]
         ann = str(field.annotation)
         default = field.default if field.default not in (None, [], "") else None
         help_text = " ".join(x for x in (field.description or "", f"(default: {default})" if default is not None
@@ -358,7 +359,7 @@ def explain(exc: ValidationError, config: str | None, flags: dict[str, Any],
         if spelled and name in spelled:
             return spelled[name]
         flag = "--" + name.replace("_", "-")
-        return f"{flag} (or {flag}ecs)" if name.endswith("_s") else flag
+        return f"{flag} (or {flag}ecs)" if name.endswith("_s") and not name.endswith("_per_s") else flag
 
     errors = exc.errors()
     err = errors[0]

@@ -165,6 +165,14 @@ def test_a_seconds_flag_takes_uvicorns_spelling_without_a_unit(monkeypatch: pyte
     base = ["--prefill", "http://p:1", "--decode", "http://d:2"]
     assert _serve_settings([*base, "--timeout-keep-alive", "7"]).timeout_keep_alive_s == 7
     assert _serve_settings([*base, "--request-timeout", "30"]).request_timeout_s == 30
+    from pdproxy.cli import _Parser, add_serve_arguments
+
+    p = _Parser(prog="pdproxy serve")
+    add_serve_arguments(p)
+    flags = set(p._option_string_actions)
+    assert {"--timeout-keep-alive", "--timeout-keep-alive-secs", "--timeout-keep-alive-s"} <= flags
+    assert "--prefill-queue-aging-tokens-per-s" in flags        # a rate (tokens per second) is no duration:
+    assert not {"--prefill-queue-aging-tokens-per", "--prefill-queue-aging-tokens-per-secs"} & flags   # no unit
 
 
 def test_doctor_takes_serves_whole_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
