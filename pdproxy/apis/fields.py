@@ -120,9 +120,9 @@ def _responses_request_id(body: dict[str, Any]) -> None:
         err = {"type": "string_type", "loc": "body.request_id", "msg": "Input should be a valid string",
                "input": shown}
         raise BadRequest.validation(err)
-    if isinstance(rid, str) and (len(rid) > RESPONSES_REQUEST_ID_MAX or not (rid.isascii() and rid.isprintable())
-                                 or " " in rid):
-        raise BadRequest(f"'request_id' must be at most {RESPONSES_REQUEST_ID_MAX} visible ASCII characters (no "
+    if isinstance(rid, str) and (not rid or len(rid) > RESPONSES_REQUEST_ID_MAX
+                                 or not (rid.isascii() and rid.isprintable()) or " " in rid):
+        raise BadRequest(f"'request_id' must be 1 to {RESPONSES_REQUEST_ID_MAX} visible ASCII characters (no "
                          "spaces or control characters): it names the request on both engines", param="request_id")
 
 

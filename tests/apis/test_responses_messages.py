@@ -148,7 +148,7 @@ def test_responses_client_request_id_is_bounded(proxy: ProxyThread, sims: Fleet)
     after it, and logs it), passed on as sent: it gets the bounds an ``X-Request-Id`` gets — at most 96 characters,
     visible ASCII — or a 400 naming it, before any engine is asked.  A newline in it reached both engines (and
     made the simulated one drop the connection); 100 KB of it was each engine's request id."""
-    for rid in ("resp_a\nb", "resp_" + "x" * 100_000, "resp_ \u00e9", "resp_\u0000"):
+    for rid in ("resp_a\nb", "resp_" + "x" * 100_000, "resp_ \u00e9", "resp_\u0000", ""):
         r = httpx.post(proxy.url + "/v1/responses", json={"model": "sim-model", "input": "x", "max_output_tokens": 2,
                                                            "request_id": rid})
         assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", r.text
@@ -159,7 +159,6 @@ def test_responses_client_request_id_is_bounded(proxy: ProxyThread, sims: Fleet)
                                                        "request_id": ok}, timeout=20)
     assert r.status_code == 200 and r.json()["id"] == ok
     wait_engines_idle(sims)
-
 
 
 def test_responses_request_id_of_another_type_is_vllms_400(proxy: ProxyThread, sims: Fleet) -> None:
