@@ -58,6 +58,22 @@ def _read_all(r: int, until: bytes) -> bytes:
     return bytes(out)
 
 
+def _read_reports(r: int, dropped: int) -> tuple[list[bytes], list[int]]:
+    """Read until the pipe's drop reports (``dropped N``) add up to ``dropped``: the other lines, and each report's
+    count.  A report comes whenever the writer thread has emptied the queue after drops, so a producer that
+    outruns the writer thread, then falls behind it (CPU contention decides) gets several reports in one episode,
+    each after the lines kept before it."""
+    out = bytearray()
+    while True:
+        lines = bytes(out).splitlines(keepends=True)
+        counts = [int(x.split()[1]) for x in lines if x.startswith(b"dropped ") and x.endswith(b"\n")]
+        if sum(counts) >= dropped and out.endswith(b"\n"):
+            return [x for x in lines if not x.startswith(b"dropped ")], counts
+        ready, _, _ = select.select([r], [], [], 10.0)
+        assert ready, f"nothing more on the pipe after {len(out)} bytes (reports so far: {counts})"
+        out += os.read(r, 1 << 16)
+
+
 def _line(i: int, size: int = 100) -> bytes:
     """Line ``i``: ``size`` bytes with its newline."""
     head = b"line %06d " % i
@@ -82,16 +98,16 @@ def test_an_unread_pipe_holds_then_drops_and_counts_and_the_reader_gets_every_ke
         kept = [i for i, ok in enumerate(results) if ok]
         dropped = [i for i, ok in enumerate(results) if not ok]
         assert dropped and sink.dropped == len(dropped) and len(kept) + len(dropped) == n
-        out = _read_all(r, _note(len(dropped)))
-        lines = out.splitlines(keepends=True)
-        assert lines[-1] == _note(len(dropped))   # once the reader caught up: how many were lost
-        assert lines[:-1] == [_line(i) for i in kept]   # in order, each whole
+        lines, counts = _read_reports(r, len(dropped))
+        assert sum(counts) == len(dropped)        # once the queue emptied: how many were lost
+        assert lines == [_line(i) for i in kept]   # in order, each whole
         # a second episode reports its own drops, not the running total
         assert sink.write(_line(0)) and _read_all(r, _line(0)) == _line(0)
         results = [sink.write(_line(i)) for i in range(n)]
         again = results.count(False)
         assert again and sink.dropped == len(dropped) + again
-        assert _read_all(r, _note(again)).endswith(_note(again))
+        lines, counts = _read_reports(r, again)
+        assert sum(counts) == again and lines == [_line(i) for i, ok in enumerate(results) if ok]
         sink.close()
 
 
@@ -383,3 +399,23 @@ def test_serve_keeps_answering_while_nobody_reads_its_log(sims: Fleet, where: st
     assert 0 < dropped < n and len(ids) < n
     assert ids == sorted(ids, key=lambda s: int(s[1:]))   # in order, none twice
     assert len(ids) + dropped >= n   # every request line written or counted (stderr also carries other lines)
+
+
+def test_drops_reported_whenever_the_queue_empties_add_up_and_keep_their_place() -> None:
+    """The producer outruns the writer thread (drops while the pipe still has room), the queue then empties (one
+    report), and a second run of drops later gets its own: every kept line in order, the reports after the lines
+    kept before them, their counts adding up (the CI run that read only the last report waited for a count that
+    never came)."""
+    with _pipe() as (r, w):
+        sink = LineSink(w, max_buffer_bytes=2_000, dropped_line=_note)
+        sent: list[bytes] = []
+        for episode in range(2):
+            with sink._lock:                       # the writer thread cannot take the queue meanwhile
+                results = [sink.write(_line(100 * episode + i)) for i in range(40)]
+            assert results.count(False) == 20      # 2,000 bytes held: 20 lines kept, 20 dropped
+            sent += [_line(100 * episode + i) for i, ok in enumerate(results) if ok]
+            wait_until(lambda: sink.held_bytes == 0, 10, 0.01, "the writer thread to empty the queue")
+        out = _read_all(r, _line(119) + _note(20))
+        assert out == b"".join(sent[:20]) + _note(20) + b"".join(sent[20:]) + _note(20)
+        assert sink.dropped == 40
+        sink.close()
