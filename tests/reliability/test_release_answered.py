@@ -13,17 +13,10 @@ import httpx
 import orjson
 import pytest
 
-from tests.stand_in import MODEL, StandInEngine, StandInHandler
+from tests.stand_in import MODEL, PREFILL_ANSWER, StandInEngine, StandInHandler
 from tests.support import ProxyThread, wait_until
 
 pytestmark = pytest.mark.timeout(60)
-
-PREFILL_ANSWER = orjson.dumps({
-    "id": "chatcmpl-p", "object": "chat.completion", "created": 1, "model": MODEL,
-    "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length"}],
-    "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
-    "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [[1]],
-                           "remote_host": "127.0.0.1", "remote_port": 1}})
 
 MALFORMED = {
     "204": b"HTTP/1.1 204 No Content\r\n\r\n",
