@@ -482,8 +482,8 @@ def sse_error_event(err: ProxyError | Exception) -> bytes:
             parsed = orjson.loads(err.raw_body)
             if isinstance(parsed, dict) and "error" in parsed:
                 return b"data: " + orjson.dumps(parsed) + b"\n\n"
-        except orjson.JSONDecodeError:
-            pass
+        except (orjson.JSONDecodeError, TypeError):   # TypeError: nested past the 254 levels orjson writes (it
+            pass                                      # reads 1,023): pdproxy's words for it
     body = err.body() if isinstance(err, ProxyError) else error_body(502, "the upstream stream failed")
     return b"data: " + orjson.dumps(body) + b"\n\n"
 

@@ -359,7 +359,8 @@ class Merger:
                 malformed = data
                 break
             if "error" in obj:
-                err = UpstreamHTTPError(500, orjson.dumps(obj), endpoint=seq.ctx.decoder or "")
+                err = UpstreamHTTPError(500, data, endpoint=seq.ctx.decoder or "")   # as sent: JSON orjson may not
+                # write again (nested past 254 levels)
                 said = obj["error"].get("message") if isinstance(obj["error"], dict) else None
                 if isinstance(said, str):    # the log's error: what the sequence's event says, not a made-up 500
                     err.message = f"sequence {seq.index}: {said}"

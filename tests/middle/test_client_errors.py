@@ -23,6 +23,7 @@ from pdproxy.http.client import Disconnected, ProtocolError, ReadTimeout
 from tests.middle.fake_upstream import (
     MODEL,
     Answer,
+    Gate,
     Outcome,
     Refuse,
     Reset,
@@ -32,7 +33,7 @@ from tests.middle.fake_upstream import (
     chat_chunks,
     completion,
 )
-from tests.middle.rig import DECODERS, PREFILLERS, Rig
+from tests.middle.rig import DECODERS, PREFILLERS, Rig, until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(20)]
 
@@ -520,3 +521,31 @@ def test_a_chat_usage_chunk_nested_past_what_orjson_writes_is_relayed_as_it_came
              b'"completion_tokens": 1, "total_tokens": 4}, "deep": ' + DEEP + b"}\n\n")
     usage = ChatUsage(RequestContext(request_id="t", client_request_id=None, api_label="chat"), 2, False, None)
     assert usage.feed(event, b"") == event
+
+
+@pytest.mark.parametrize("mid_stream", [False, True])
+async def test_a_fanned_out_stream_error_event_nested_past_what_orjson_writes_is_no_500(mid_stream: bool) -> None:
+    """A fan-out sequence's error event is kept as the failure's body: it was written again, and one nested past
+    the 254 levels orjson writes (it reads 1,023) raised ``TypeError`` out of the merge — pdproxy's "internal
+    error".  Before anything was sent the client gets the decoder's error as sent; mid-stream, its error event."""
+    deep = b'data: {"error": {"message": "boom", "code": 500, "deep": ' + DEEP + b"}}\n\n"
+    gate = Gate("the error event")
+    async with Rig() as rig:
+        rig.fake.script("r", decode=[Stream(events=[*chat_chunks(1), deep], gates={1: gate} if mid_stream else {})]
+                        * 2)
+        sent = rig.send("r", body=orjson.dumps({
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2,
+            "temperature": 1.0, "stream": True}))
+        if mid_stream:
+            await gate.reached.wait()
+            await until(lambda: len(sent.client.events()) >= 1, "a chunk at the client")
+            gate.open()
+        client = await sent.done()
+    assert b"internal error" not in client.text, client.text[-400:]
+    if not mid_stream:
+        assert client.status == 500 and client.text == deep[6:-2], client.text[-400:]  # the decoder's error as sent
+        return
+    events = client.events()
+    assert client.status == 200 and events[-1] == b"[DONE]", client.text[-400:]
+    error = orjson.loads(events[-2])["error"]
+    assert error["code"] == 500 and "boom" in error["message"], error
