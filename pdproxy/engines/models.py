@@ -186,7 +186,8 @@ class ServedModels:
                 if not isinstance(mid, str) or (ids is not None and mid not in ids):
                     continue
                 mml = card.get("max_model_len")
-                if isinstance(mml, bool):             # no figure (as EngineClient.refresh reads it): none declared
+                if isinstance(mml, bool) or (isinstance(mml, int) and mml <= 0):   # no context (as
+                    # EngineClient.refresh reads it: a boolean, 0 or less): none declared
                     card, mml = {**card, "max_model_len": None}, None
                 merged.setdefault(mid, dict(card))
                 if isinstance(mml, int) and pool is not None and pool < mml:

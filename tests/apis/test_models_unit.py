@@ -182,3 +182,15 @@ def test_a_card_whose_max_model_len_is_a_boolean_declares_none() -> None:
     assert Limits(pool, infos, max_model_len_override=4096).of(DA).max_model_len == 4096
     assert ServedModels(infos).cards(max_model_len_override=4096)[0]["max_model_len"] == 4096
     assert ServedModels(infos).cards()[0]["max_model_len"] is None
+
+
+@pytest.mark.parametrize("declared", [0, -1])
+def test_a_card_whose_max_model_len_is_no_positive_count_declares_none(declared: int) -> None:
+    """An engine's ``"max_model_len": 0`` (or less) is no limit to admission (``EngineClient.refresh``, f28d5f6:
+    its ``EngineInfo.max_model_len`` is None), so the ``max_model_len`` setting stands in for it there;
+    ``/v1/models`` advertised 0 (``min(0, 4096)``), a context no prompt fits, where admission applies 4096."""
+    infos = {PA: EngineInfo(models=[card("a", declared)]), DA: EngineInfo(models=[card("a", declared)])}
+    pool = EndpointPool(list(infos))
+    assert Limits(pool, infos, max_model_len_override=4096).of(DA).max_model_len == 4096
+    assert ServedModels(infos).cards(max_model_len_override=4096)[0]["max_model_len"] == 4096
+    assert ServedModels(infos).cards()[0]["max_model_len"] is None
