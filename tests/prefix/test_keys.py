@@ -291,3 +291,43 @@ def test_a_chat_the_template_cannot_render_is_a_value_error_for_every_caller(sou
             call()
         except ValueError:
             pass                                     # (the sim template ignores some of them: rendered, fine)
+
+
+def test_a_prefill_answered_after_its_prefiller_was_removed_records_nothing() -> None:
+    """A forced remove (admin API) drops what prefix routing knew of the endpoint (4ff6e50); a prefill in flight
+    there that is answered afterwards recorded its prompt in the approximate index all the same — the removed
+    engine's location, its ``pdproxy_prefix_index_approx_entries`` series and a prediction an engine added later at
+    the same address inherited came back."""
+    import asyncio
+
+    from pdproxy.apis.request import Api, parse_request
+    from pdproxy.app.state import ProxyState
+    from pdproxy.settings import Settings
+    from pdproxy.timeline import RequestContext, new_request_id
+
+    async def run() -> None:
+        state = ProxyState.build(Settings(prefill=["http://127.0.0.1:9", "http://127.0.0.1:11"],
+                                          decode=["http://127.0.0.1:10"], prefix_routing="approximate"))
+        for e in state.pool.endpoints():
+            info = state.infos[e]
+            info.models = [{"id": "m", "object": "model", "max_model_len": 100_000}]
+            info.max_model_len, info.block_size, info.num_gpu_blocks = 100_000, 16, 10_000
+            info.kv_pool_tokens, info.reachable = 160_000, True
+            state.prefix_cache.update_engine(e, info)
+        prefiller = state.pool.endpoints(Role.PREFILL)[0]
+        await state.admission.start()
+        try:
+            raw = b'{"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "%s"}]}' % (
+                b"all work and no play " * 400)
+            req = parse_request(raw, Api.CHAT)
+            ctx = RequestContext(request_id=new_request_id(None), client_request_id=None, api_label="chat")
+            await state.admission.admit(req, ctx)
+            await state.prefix.hints(req, ctx)
+            with state.prefix.prefilling(req, ctx, prefiller):
+                state.health.remove(prefiller)                   # forced while the prefill runs
+                assert prefiller.name not in state.prefix_cache.approx.endpoints()
+            assert prefiller.name not in state.prefix_cache.approx.endpoints()
+        finally:
+            await state.admission.aclose()
+
+    asyncio.run(run())
