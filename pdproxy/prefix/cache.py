@@ -103,7 +103,9 @@ class PrefixCache:
         self.approx.record(endpoint, keys)
 
     def update_engine(self, endpoint: Endpoint, info: EngineInfo) -> None:
-        """Take the engine's block size and KV pool from a refreshed :class:`EngineInfo`."""
+        """Take the engine's block size and KV pool from a refreshed :class:`EngineInfo` (an endpoint of the pool:
+        one added again after a removal has its KV events followed again)."""
+        self.index.restore(endpoint.name)
         self.index.set_block_size(endpoint.name, info.block_size)
         self.approx.set_capacity(endpoint.name, info.num_gpu_blocks)
 

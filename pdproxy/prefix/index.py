@@ -446,6 +446,9 @@ class PrefixIndex(_MaskTable):
         self._entries = 0
         self._roots: dict[str, int] = {}
         self._block_sizes: dict[str, int] = {}
+        self._removed: set[str] = set()
+        """Endpoints taken out (:meth:`remove_endpoint`) whose publisher may still be followed: their events are
+        ignored (``removed``) until :meth:`restore`."""
         self.on_drop: DropListener | None = None
         """Told when the engine's word drops blocks: ``(endpoint, None)`` when everything it held went
         (``AllBlocksCleared``, a restart, a gap or silence: :meth:`forget`), ``(endpoint, keys)`` with the keys of
@@ -473,7 +476,11 @@ class PrefixIndex(_MaskTable):
     # ---- events
     def apply(self, endpoint: str, events: Iterable[KVEvent]) -> None:
         """Apply one batch's events of ``endpoint``'s engine, in order.  Never raises on odd events: they are
-        ignored and counted in ``stats.ignored_events`` by reason."""
+        ignored and counted in ``stats.ignored_events`` by reason (``removed``: the whole batch of an endpoint
+        taken out of the pool, whose publisher is still followed)."""
+        if endpoint in self._removed:
+            self.stats.ignore("removed")
+            return
         for event in events:
             if isinstance(event, MapBlockStored | ArrayBlockStored):
                 self._store(endpoint, event)
@@ -602,11 +609,18 @@ class PrefixIndex(_MaskTable):
         return dropped
 
     def remove_endpoint(self, endpoint: str) -> None:
-        """Forget ``endpoint`` and free its locations (it left the configuration)."""
+        """Forget ``endpoint`` and free its locations (it left the configuration); its events are ignored from now
+        on (its publisher, still followed, would otherwise fill its locations again) until :meth:`restore`."""
         self.forget(endpoint)
         for key in [k for k in self._locations if k[0] == endpoint]:
             self._free_bits.append(self._locations.pop(key).bit)
         self._block_sizes.pop(endpoint, None)
+        self._removed.add(endpoint)
+
+    def restore(self, endpoint: str) -> None:
+        """``endpoint`` is in the pool (again): its events count (from the next one on: what it held meanwhile is
+        unknown, an under-prediction)."""
+        self._removed.discard(endpoint)
 
     # ---- queries
     def match(self, keys: BlockKeys, endpoints: Iterable[str] | None = None) -> dict[str, int]:

@@ -146,3 +146,18 @@ def test_a_publishers_medium_names_are_a_bounded_set() -> None:
     index.remove_endpoint(E)
     feed(index, F, TOKS[:8], 1, medium="CPU")                    # another endpoint has its own mediums
     assert [m for _e, m, _n in index.locations()] == ["CPU"]
+
+
+def test_a_removed_endpoints_events_are_ignored_until_it_is_back() -> None:
+    # an endpoint removed through the admin API may still have its publisher followed (a configured KV-event
+    # source): its next BlockStored filled its locations again — entries counted against max_blocks, evicting the
+    # pool's engines', and its pdproxy_prefix_index_entries series back
+    index = PrefixIndex()
+    feed(index, E, TOKS[:8], 1)
+    index.remove_endpoint(E)
+    feed(index, E, TOKS[:8], 100)
+    assert [e for e, _m, _n in index.locations()] == [] and index.entries() == 0
+    assert index.stats.ignored_events.get("removed") == 1
+    index.restore(E)                                            # added again: followed from its next event
+    feed(index, E, TOKS[:8], 200)
+    assert index.match(block_keys(TOKS, 4)) == {E: 8}
