@@ -340,7 +340,7 @@ class HealthMonitor:
         """Refresh ``info``; log (once per change) when the engine starts or stops refusing pdproxy's key."""
         refused = info.auth_failed
         await self.engines.refresh(endpoint, info)
-        if endpoint not in self.pool.endpoints(endpoint.role):   # removed while it was read (admin API)
+        if endpoint not in self.pool:                            # removed while it was read (admin API)
             return
         for listener in self._refresh_listeners:
             listener(endpoint, info)

@@ -88,6 +88,10 @@ class EndpointPool:
         with suppress(ValueError):
             self._release_listeners.remove(listener)
 
+    def __contains__(self, endpoint: object) -> bool:
+        """Whether ``endpoint`` is in the pool now (one lookup: what a request's path asks)."""
+        return endpoint in self._loads
+
     def endpoints(self, role: Role | None = None) -> list[Endpoint]:
         """Every endpoint (healthy or not), optionally only those of ``role``, in insertion order."""
         return [e for e in self._loads if role is None or e.role is role]

@@ -444,8 +444,8 @@ class PrefixRouter:
         lookup = req.prefix_lookup
         if not isinstance(lookup, PrefixLookup):
             return
-        if endpoint not in self.pool.endpoints(endpoint.role):    # removed while it prefilled (admin API): what
-            return                                                # prefix routing knew of it went with it
+        if endpoint not in self.pool:        # removed while it prefilled (admin API): what prefix routing knew of
+            return                           # it went with it
         prediction = lookup.predictions.get(endpoint.name)
         if prediction is not None:
             ctx.predicted_cached_tokens = prediction.cached_tokens
