@@ -322,6 +322,7 @@ def build_admin_router(get_state: Callable[[], ProxyState]) -> APIRouter:
             for e in new:
                 if e in present:
                     state.health.remove(e)
+            _audit(request, "remove", ref, [e for e in new if e in present])   # the add's line has its undoing
             raise Conflict(f"{ref.url} is a pdproxy, not a vLLM engine (its /health answered 508 Loop Detected to "
                            "pdproxy's probe): give the engines' own URLs", redact=False)
         return _json({"added": [describe(state, e) for e in new if e in present]}, 201)

@@ -236,7 +236,8 @@ def test_a_removed_prefiller_leaves_nothing_in_prefix_routing(fleet4: Fleet4) ->
         proxy.stop()
 
 
-def test_a_pdproxy_given_as_an_engine_is_refused_and_never_healthy(fleet4: Fleet4) -> None:
+def test_a_pdproxy_given_as_an_engine_is_refused_and_never_healthy(fleet4: Fleet4,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
     """Its own URL through the admin API: 409 naming it a pdproxy, nothing kept (old code: 201 and a "healthy"
     prefiller whose legs ran a second PD pass, half the requests 502).  Another pdproxy in the configuration: never
     healthy, and why is said (its /health answers pdproxy's probe — ``Via: 1.1 pdproxy`` — 508)."""
@@ -247,9 +248,12 @@ def test_a_pdproxy_given_as_an_engine_is_refused_and_never_healthy(fleet4: Fleet
     proxy = fleet4.proxy(admin_key="admin-secret")
     try:
         before = names(proxy.url)
+        caplog.set_level(logging.INFO, logger="pdproxy.admin")
         r = admin(proxy.url, "POST", {"url": proxy.url, "role": "prefill"})
         assert r.status_code == 409 and "is a pdproxy" in r.json()["error"]["message"], r.text
         assert names(proxy.url) == before
+        audit = [x.action for x in caplog.records if getattr(x, "event", None) == "admin_change"]   # type: ignore
+        assert audit == ["add", "remove"], audit          # the audit trail says it did not stay
         complete(proxy.url)
         assert httpx.get(proxy.url + "/health").status_code == 200            # a client's probe: as before
         looped = httpx.get(proxy.url + "/health", headers={"via": "1.0 envoy, 1.1 pdproxy"})
