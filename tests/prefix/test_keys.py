@@ -207,12 +207,7 @@ def test_an_answered_prompt_settles_only_where_kv_events_will_tell_of_it(mode: s
     async def run() -> None:
         state = ProxyState.build(Settings(prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:10"],
                                           prefix_routing=mode))
-        for e in state.pool.endpoints():
-            info = state.infos[e]
-            info.models = [{"id": "m", "object": "model", "max_model_len": 100_000}]
-            info.max_model_len, info.block_size, info.num_gpu_blocks = 100_000, 16, 10_000
-            info.kv_pool_tokens, info.reachable = 160_000, True
-            state.prefix_cache.update_engine(e, info)
+        _engines_known(state)
         prefiller = state.pool.endpoints(Role.PREFILL)[0]
         router = state.prefix
         await state.admission.start()
@@ -308,12 +303,7 @@ def test_a_prefill_answered_after_its_prefiller_was_removed_records_nothing() ->
     async def run() -> None:
         state = ProxyState.build(Settings(prefill=["http://127.0.0.1:9", "http://127.0.0.1:11"],
                                           decode=["http://127.0.0.1:10"], prefix_routing="approximate"))
-        for e in state.pool.endpoints():
-            info = state.infos[e]
-            info.models = [{"id": "m", "object": "model", "max_model_len": 100_000}]
-            info.max_model_len, info.block_size, info.num_gpu_blocks = 100_000, 16, 10_000
-            info.kv_pool_tokens, info.reachable = 160_000, True
-            state.prefix_cache.update_engine(e, info)
+        _engines_known(state)
         prefiller = state.pool.endpoints(Role.PREFILL)[0]
         await state.admission.start()
         try:
@@ -331,3 +321,14 @@ def test_a_prefill_answered_after_its_prefiller_was_removed_records_nothing() ->
             await state.admission.aclose()
 
     asyncio.run(run())
+
+
+def _engines_known(state: Any) -> None:
+    """Every endpoint of ``state`` (a ``ProxyState``) refreshed as a 100,000-token engine serving model ``m``
+    (block size 16, 10,000 blocks), as its first refresh would leave it."""
+    for e in state.pool.endpoints():
+        info = state.infos[e]
+        info.models = [{"id": "m", "object": "model", "max_model_len": 100_000}]
+        info.max_model_len, info.block_size, info.num_gpu_blocks = 100_000, 16, 10_000
+        info.kv_pool_tokens, info.reachable = 160_000, True
+        state.prefix_cache.update_engine(e, info)
