@@ -9,6 +9,7 @@ its timeout and all its bytes in memory."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -70,41 +71,39 @@ def chat(proxy: ProxyThread) -> httpx.Response:
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": False})
 
 
-@pytest.mark.parametrize("mode", ["endless_500", "endless_200"])
-def test_a_prefiller_answer_without_end_is_judged_at_its_bound_not_at_the_prefill_timeout(mode: str) -> None:
+def _judged(mode: str, cut: str, **settings: Any) -> httpx.Response:
+    """One chat through a pdproxy whose prefiller answers as ``mode`` (``Prefiller``) with
+    ``engine_answer_max_bytes`` 1 MiB and ``settings`` (a 30 s leg timeout): its answer, asserted to come well
+    before that timeout and with the ``cut`` engine's (``"prefiller"``/``"decoder"``) connection closed, not read
+    on."""
     with Prefiller(mode).running() as prefiller, Decoder().running() as decoder:
-        proxy = ProxyThread(prefill=[prefiller.url], decode=[decoder.url],
-                            token_count="estimate", request_log=False, retry_backoff_s=0.0, prefill_attempts=1,
-                            prefill_timeout_base_s=30, engine_answer_max_bytes=1 << 20).start()
+        proxy = ProxyThread(prefill=[prefiller.url], decode=[decoder.url], token_count="estimate",
+                            request_log=False, retry_backoff_s=0.0, engine_answer_max_bytes=1 << 20,
+                            **settings).start()
         try:
             started = time.monotonic()
             resp = chat(proxy)
             took = time.monotonic() - started
-            assert took < 10, f"answered after {took:.1f} s: the body was read until the prefill timeout"
-            if mode == "endless_500":      # the engine's own error, its body cut at 1 MiB
-                assert resp.status_code == 500, resp.text[:300]
-            else:                          # a failed prefiller: pdproxy's error in vLLM's envelope
-                assert resp.status_code in (502, 503), resp.text[:300]
-                assert "too large" in resp.json()["error"]["message"]
+            assert took < 10, f"answered after {took:.1f} s: the body was read until the leg's timeout"
             proxy.wait_idle()
-            wait_until(lambda: prefiller.gone >= 1, 10, what="its connection closed, not read on")
+            engine = prefiller if cut == "prefiller" else decoder
+            wait_until(lambda: engine.gone >= 1, 10, what="its connection closed, not read on")
+            return resp
         finally:
             proxy.stop()
+
+
+@pytest.mark.parametrize("mode", ["endless_500", "endless_200"])
+def test_a_prefiller_answer_without_end_is_judged_at_its_bound_not_at_the_prefill_timeout(mode: str) -> None:
+    resp = _judged(mode, "prefiller", prefill_attempts=1, prefill_timeout_base_s=30)
+    if mode == "endless_500":      # the engine's own error, its body cut at 1 MiB
+        assert resp.status_code == 500, resp.text[:300]
+    else:                          # a failed prefiller: pdproxy's error in vLLM's envelope
+        assert resp.status_code in (502, 503), resp.text[:300]
+        assert "too large" in resp.json()["error"]["message"]
 
 
 def test_a_non_streamed_decode_answer_without_end_is_judged_at_its_bound_not_at_the_decode_timeout() -> None:
-    with Prefiller("ok").running() as prefiller, Decoder().running() as decoder:
-        proxy = ProxyThread(prefill=[prefiller.url], decode=[decoder.url],
-                            token_count="estimate", request_log=False, retry_backoff_s=0.0, decode_attempts=1,
-                            decode_nonstream_timeout_s=30, engine_answer_max_bytes=1 << 20).start()
-        try:
-            started = time.monotonic()
-            resp = chat(proxy)
-            took = time.monotonic() - started
-            assert took < 10, f"answered after {took:.1f} s: the body was read until decode_nonstream_timeout_s"
-            assert resp.status_code in (502, 503), resp.text[:300]
-            assert "too large" in resp.json()["error"]["message"]
-            proxy.wait_idle()
-            wait_until(lambda: decoder.gone >= 1, 10, what="its connection closed, not read on")
-        finally:
-            proxy.stop()
+    resp = _judged("ok", "decoder", decode_attempts=1, decode_nonstream_timeout_s=30)
+    assert resp.status_code in (502, 503), resp.text[:300]
+    assert "too large" in resp.json()["error"]["message"]
