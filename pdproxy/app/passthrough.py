@@ -423,13 +423,13 @@ class Passthrough:
                 ctx.prefiller, ctx.decoder, ctx.decoder_dp_rank = None, endpoint.name, endpoint.dp_rank
             else:
                 ctx.prefiller, ctx.decoder = endpoint.name, None
-            sent = body
-            if generate is not None and prompt is not None and self.limits is not None:
-                room = generate_output_room(generate, prompt, self.limits.of(endpoint))
-                if room is not None:
-                    sent = with_generate_output_limit(generate, room)
             with self.pool.lease(endpoint, 0):
-                try:
+                try:               # from the pick on: any end without a verdict gives a half-open trial back
+                    sent = body
+                    if generate is not None and prompt is not None and self.limits is not None:
+                        room = generate_output_room(generate, prompt, self.limits.of(endpoint))
+                        if room is not None:
+                            sent = with_generate_output_limit(generate, room)
                     outcome = await self._attempt(endpoint, path, sent, client, ctx, send)
                 except ProxyError as exc:
                     if not self.health.record_error(endpoint, exc):

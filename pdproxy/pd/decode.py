@@ -161,26 +161,30 @@ class DecodeLeg:
         s = self.settings
         tokens = decode_lease_tokens(req, s.decode_reserved_output_tokens)
         endpoint = self.scheduler.pick(Role.DECODE, pick, exclude)
-        prefill.decoders.append(endpoint)
-        ctx.decoder = endpoint.name
-        ctx.decoder_dp_rank = endpoint.dp_rank
-        body = kv_transfer.decode_leg_body(req.api, req.raw, req.body, prefill.params, ctx.request_id)
-        room = self.output_room(req, ctx, endpoint, first_leg=resume is None or resume.legs == 1)
-        if room is not None:
-            body = kv_transfer.with_output_limit(body, req.api, req.body, room, req.min_tokens)
-        if resume is not None and resume.legs > 1:
-            transcript = None  # a continuation leg: re-framed by pdproxy.pd.continuation
-        elif resume is not None and transcript is not None and self.sends_recomputed(endpoint):
-            resume = None      # vLLM-Ascend's recomputed continuation (pdproxy.apis.recompute) instead
-        if req.stream and transcript is not None and transcript.attempts == 1 and not self.sends_recomputed(endpoint):
-            transcript = None  # plain splice; a "recomputed" from this decoder is detected (on_recomputed)
-        if resume is not None and resume.legs == 1:
-            resume.cached_tokens = prefill.cached_tokens
-            if not resume.keep_ids and resume.openai:   # vLLM's Responses / Messages streams carry no ids
-                body = ask_token_ids(body)
-        strip_usage = bool(req.stream and transcript is not None and not req.include_usage)
-        if strip_usage:
-            body = recompute.force_usage_bytes(body, req.body)
+        try:   # until the leg's own verdicts below: a fault here gives a half-open trial its pick took back
+            prefill.decoders.append(endpoint)
+            ctx.decoder = endpoint.name
+            ctx.decoder_dp_rank = endpoint.dp_rank
+            body = kv_transfer.decode_leg_body(req.api, req.raw, req.body, prefill.params, ctx.request_id)
+            room = self.output_room(req, ctx, endpoint, first_leg=resume is None or resume.legs == 1)
+            if room is not None:
+                body = kv_transfer.with_output_limit(body, req.api, req.body, room, req.min_tokens)
+            if resume is not None and resume.legs > 1:
+                transcript = None  # a continuation leg: re-framed by pdproxy.pd.continuation
+            elif resume is not None and transcript is not None and self.sends_recomputed(endpoint):
+                resume = None      # vLLM-Ascend's recomputed continuation (pdproxy.apis.recompute) instead
+            if req.stream and transcript is not None and transcript.attempts == 1 and not self.sends_recomputed(endpoint):
+                transcript = None  # plain splice; a "recomputed" from this decoder is detected (on_recomputed)
+            if resume is not None and resume.legs == 1:
+                resume.cached_tokens = prefill.cached_tokens
+                if not resume.keep_ids and resume.openai:   # vLLM's Responses / Messages streams carry no ids
+                    body = ask_token_ids(body)
+            strip_usage = bool(req.stream and transcript is not None and not req.include_usage)
+            if strip_usage:
+                body = recompute.force_usage_bytes(body, req.body)
+        except BaseException:
+            self.health.record_neutral(endpoint)
+            raise
         ctx.timeline.decode_start_at = time.monotonic()
         first_byte_s = s.decode_first_byte_timeout_s if req.stream else s.decode_nonstream_timeout_s
         routing = routing_headers(ctx) if s.expose_routing_headers else []

@@ -139,21 +139,24 @@ class PrefillLeg:
                     raise self.gave_up(last) from None
                 raise
             endpoint = slot.endpoint
-            leg, fault = body, req.fault          # a fault: the leg is the client's body, for the engine to judge
-            max_model_len = self.queue.ledger.limits.of(endpoint).max_model_len
-            if max_model_len is not None and kv_transfer.engine_must_judge(req.max_output_tokens, max_model_len):
-                if not req.engine_judges:
-                    # vLLM's first check on a valid body, before any work: its 400 here, no engine asked (an
-                    # engine that accepted would first generate the whole answer on the prefiller)
-                    slot.release()
-                    self.health.record_neutral(endpoint)   # never sent: a half-open trial's slot is given back
-                    raise over_max_model_len(req, max_model_len)
-                leg = orjson.dumps(kv_transfer.prefill_body(req.body, req.api, engine_judges=True))
-                fault = over_max_model_len(req, max_model_len)
-            lease = stack.enter_context(self.pool.lease(endpoint, tokens))
-            slot.handed_over()                         # the lease counts the prompt's KV from here on
-            ctx.prefiller = endpoint.name
-            ctx.timeline.prefill_start_at = time.monotonic()
+            try:   # until the leg's verdicts below: a refusal or fault here gives a half-open trial back
+                leg, fault = body, req.fault          # a fault: the leg is the client's body, for the engine to judge
+                max_model_len = self.queue.ledger.limits.of(endpoint).max_model_len
+                if max_model_len is not None and kv_transfer.engine_must_judge(req.max_output_tokens, max_model_len):
+                    if not req.engine_judges:
+                        # vLLM's first check on a valid body, before any work: its 400 here, no engine asked (an
+                        # engine that accepted would first generate the whole answer on the prefiller)
+                        slot.release()
+                        raise over_max_model_len(req, max_model_len)   # never sent: its trial given back (below)
+                    leg = orjson.dumps(kv_transfer.prefill_body(req.body, req.api, engine_judges=True))
+                    fault = over_max_model_len(req, max_model_len)
+                lease = stack.enter_context(self.pool.lease(endpoint, tokens))
+                slot.handed_over()                         # the lease counts the prompt's KV from here on
+                ctx.prefiller = endpoint.name
+                ctx.timeline.prefill_start_at = time.monotonic()
+            except BaseException:
+                self.health.record_neutral(endpoint)
+                raise
             try:
                 with (self.tracing.prefill(ctx, endpoint),                 # the span is the leg's traceparent
                       (prefix or _NO_PREFIX).prefilling(req, ctx, endpoint)):  # in flight there; answered/failed
