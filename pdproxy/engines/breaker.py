@@ -12,7 +12,9 @@ States:
   engine that answers ``Retry-After: n`` is held open at least ``n`` seconds.  After the wait — or as soon as an
   active ``/health`` probe succeeds (:meth:`CircuitBreaker.probe_ok`) — the breaker lets trial traffic in.
 - ``HALF_OPEN``: at most ``half_open_trials`` requests in flight at once; one success → ``CLOSED``, one
-  failure → ``OPEN`` again.
+  failure → ``OPEN`` again.  A trial with no verdict after ``trial_timeout_s`` (:data:`TRIAL_TIMEOUT_S`) no longer
+  holds its slot: the next pick takes a new trial.  Every leg gives its verdict (or its trial back) on every exit
+  path, so this only bounds what a defect there would cost (a lone engine refused to every client until restart).
 
 Time is seconds from ``clock()`` (default ``time.monotonic``), so tests drive it with a fake clock and never
 sleep.  Not thread-safe: one event loop owns it, and no method awaits.  With ``--workers N`` one breaker per
@@ -28,6 +30,11 @@ from collections.abc import Callable
 
 Clock = Callable[[], float]
 
+TRIAL_TIMEOUT_S = 60.0
+"""Seconds a half-open trial holds its slot without a verdict (module docstring): about the longest a leg takes to
+tell whether an engine serves (a long prompt's prefill, a stream's first event), so a slow trial is rarely doubled
+and a lost one costs a minute of 503s, not the process's life."""
+
 
 class BreakerState(enum.StrEnum):
     """Circuit state (values used as metric labels and in ``/admin/endpoints``)."""
@@ -42,20 +49,24 @@ class CircuitBreaker:
 
     ``failure_threshold``: consecutive failures that open a closed breaker (≥ 1); ``open_s``: first open period
     in seconds; ``max_open_s``: cap of the doubling open period; ``half_open_trials``: concurrent trial requests
-    allowed while half-open; ``clock``: monotonic seconds.
+    allowed while half-open; ``trial_timeout_s``: seconds a trial holds its slot without a verdict; ``clock``:
+    monotonic seconds.  ``opened_at``: when the breaker last opened, or (half-open) when its newest trial began.
     """
 
     __slots__ = ("_clock", "_open_for_s", "_reopen_count", "_trials", "consecutive_failures", "failure_threshold",
-                 "half_open_trials", "max_open_s", "open_s", "opened_at", "opened_total", "retry_until", "state")
+                 "half_open_trials", "max_open_s", "open_s", "opened_at", "opened_total", "retry_until", "state",
+                 "trial_timeout_s")
 
     def __init__(self, *, failure_threshold: int = 3, open_s: float = 3.0, max_open_s: float = 30.0,
-                 half_open_trials: int = 1, clock: Clock = time.monotonic) -> None:
-        if failure_threshold < 1 or open_s <= 0 or half_open_trials < 1:
-            raise ValueError("failure_threshold and half_open_trials must be ≥ 1 and open_s > 0")
+                 half_open_trials: int = 1, trial_timeout_s: float = TRIAL_TIMEOUT_S,
+                 clock: Clock = time.monotonic) -> None:
+        if failure_threshold < 1 or open_s <= 0 or half_open_trials < 1 or trial_timeout_s <= 0:
+            raise ValueError("failure_threshold and half_open_trials must be ≥ 1, open_s and trial_timeout_s > 0")
         self.failure_threshold = failure_threshold
         self.open_s = open_s
         self.max_open_s = max(max_open_s, open_s)
         self.half_open_trials = half_open_trials
+        self.trial_timeout_s = trial_timeout_s
         self._clock = clock
         self.state = BreakerState.CLOSED
         self.consecutive_failures = 0
@@ -73,7 +84,11 @@ class CircuitBreaker:
             return True
         if self.state is BreakerState.OPEN:
             return self._clock() >= self._reopen_at()
-        return self._trials < self.half_open_trials
+        return self._trials < self.half_open_trials or self._trials_lost()
+
+    def _trials_lost(self) -> bool:
+        """Half-open, and its newest trial began ``trial_timeout_s`` ago with no verdict yet."""
+        return self._clock() - self.opened_at >= self.trial_timeout_s
 
     def _reopen_at(self) -> float:
         return max(self.opened_at + self._open_for_s, self.retry_until)
@@ -97,8 +112,11 @@ class CircuitBreaker:
             self._trials = 0
         if self.state is BreakerState.HALF_OPEN:
             if self._trials >= self.half_open_trials:
-                return False
+                if not self._trials_lost():
+                    return False
+                self._trials = 0         # no verdict in trial_timeout_s: taken for lost (module docstring)
             self._trials += 1
+            self.opened_at = self._clock()
         return True
 
     def release_trial(self) -> None:

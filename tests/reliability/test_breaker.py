@@ -87,6 +87,23 @@ def test_neutral_end_of_a_trial_frees_the_slot() -> None:
     assert b.can_take() and b.state is BreakerState.HALF_OPEN
 
 
+def test_a_trial_with_no_verdict_in_trial_timeout_s_no_longer_holds_its_slot() -> None:
+    clock = Clock()
+    b = breaker(clock, threshold=1)
+    b.record_failure()
+    clock.now += 2.0
+    assert b.on_pick()                       # the one trial, whose leg never gives its verdict (a defect)
+    clock.now += b.trial_timeout_s - 0.1
+    assert not b.can_take() and not b.on_pick()
+    clock.now += 0.1
+    assert b.can_take() and b.on_pick()      # taken for lost: a new trial, still half-open
+    assert b.state is BreakerState.HALF_OPEN and not b.can_take()
+    clock.now += b.trial_timeout_s / 2       # the new trial's own timeout runs from its start
+    assert not b.can_take()
+    b.record_success()
+    assert b.state is BreakerState.CLOSED
+
+
 def test_retry_after_holds_it_open_and_probe_success_readmits() -> None:
     clock = Clock()
     b = breaker(clock, threshold=3, open_s=2.0)

@@ -233,6 +233,26 @@ def test_a_dead_workers_row_gives_back_its_reservations_and_trials(board_files) 
     assert wa.health.breakers[P].state is BreakerState.HALF_OPEN
 
 
+def test_a_lost_trial_of_one_worker_frees_the_slot_for_every_worker(board_files) -> None:  # type: ignore[no-untyped-def]
+    a, b, run_dir = board_files
+    clock = Clock()
+    wa = make_worker(a, run_dir, 0, budget=1000, clock=clock)
+    wb = make_worker(b, run_dir, 1, budget=1000, clock=clock)
+    wb.health.record_failure(P)
+    clock.now += 2.0
+    assert wb.health.on_pick(P)                              # worker 1's trial, never given a verdict
+    trial_timeout_s = wa.health.breakers[P].trial_timeout_s
+    clock.now += trial_timeout_s - 0.1
+    assert not wa.health.can_take(P) and not wa.health.on_pick(P)
+    clock.now += 0.1
+    assert wa.health.can_take(P) and wa.health.on_pick(P)    # taken for lost: worker 0's trial now
+    assert not wb.health.can_take(P)                         # one trial in all, still
+    wb.health.record_neutral(P)                              # the lost trial's late end frees nothing of worker 0's
+    assert not wb.health.can_take(P)
+    wa.health.record_success(P)
+    assert wb.health.breakers[P].state is BreakerState.CLOSED
+
+
 # --- two real processes granting at once ------------------------------------------------------------------------
 BUDGET = 1000
 
