@@ -87,6 +87,16 @@ def error_type_for(status: int) -> str:
     return _TYPE_BY_STATUS.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
 
 
+def error_status(code: object) -> int:
+    """The HTTP status an engine's in-band error object stands for, from its ``code`` member (vLLM's
+    ``ErrorResponse.code``, an int: ``vllm/entrypoints/serve/engine/protocol.py``): ``code`` itself when it is an
+    int (not a bool) from 400 to 599, else 500 — a missing, null, string (OpenAI's ``"invalid_api_key"``, or
+    ``"404"``), float or out-of-range code is the engine's failure.  Used for a prefiller's error object in a 200
+    (:func:`pdproxy.apis.kv_transfer.error_answer`) and a decoder's error as its first event
+    (:func:`pdproxy.apis.chat.first_event_error`).  Never raises."""
+    return code if type(code) is int and 400 <= code < 600 else 500
+
+
 # What an engine's address looks like inside pdproxy's own messages and the transport's exception texts.  The
 # messages hold client text too (a model name, a field's value): every branch is linear in the message's length —
 # a URL or a host starts only where a run of its characters starts (the lookbehinds), and a bracketed IPv6

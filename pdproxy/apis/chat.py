@@ -35,7 +35,7 @@ import orjson
 from pdproxy.apis import recompute
 from pdproxy.apis.request import completion_tokens_in, patch_usage
 from pdproxy.apis.transform import Transform
-from pdproxy.errors import UpstreamHTTPError
+from pdproxy.errors import UpstreamHTTPError, error_status
 from pdproxy.http import sse
 from pdproxy.timeline import RequestContext
 
@@ -106,16 +106,18 @@ def _split_recomputed(block: bytes, transcript: recompute.Transcript) -> tuple[b
 def first_event_error(block: bytes) -> UpstreamHTTPError | None:
     """If the decoder's first event is an error object (e.g. a failed KV pull, as in the
     ``tests/real_vllm/captures/decode_bad_remote_stream.json`` capture), return it as an HTTP error so the client
-    gets a real status instead of a 200 stream that only carries an error."""
+    gets a real status instead of a 200 stream that only carries an error: its status
+    :func:`pdproxy.errors.error_status` of ``error.code`` (500 when the event is no JSON or its ``error`` no
+    object), its body the event's data as sent."""
     if not block.startswith(b"data: {\"error\"") and not block.startswith(b"data:{\"error\""):
         return None
     data = sse.event_data(sse.split_events(block)[0]) or b""
     try:
         obj = orjson.loads(data)
-        code = int(obj["error"].get("code") or 500)
-    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
-        code = 500
-    return UpstreamHTTPError(code if 400 <= code < 600 else 500, data)
+    except orjson.JSONDecodeError:
+        obj = None
+    inner = obj.get("error") if isinstance(obj, dict) else None
+    return UpstreamHTTPError(error_status(inner.get("code") if isinstance(inner, dict) else None), data)
 
 
 class ChatUsage:

@@ -65,7 +65,7 @@ import orjson
 
 from pdproxy.apis.request import Api
 from pdproxy.compiled import compiled_or
-from pdproxy.errors import UpstreamHTTPError, error_type_for
+from pdproxy.errors import UpstreamHTTPError, error_status, error_type_for
 
 KVTransferParams = dict[str, Any]
 """A connector handle as a dict: the prefill leg's stub (:data:`PREFILL_STUB`), :meth:`KVHandle.params`."""
@@ -531,17 +531,16 @@ def error_answer(prefill_response: Mapping[str, Any], endpoint: str) -> Upstream
     None: vLLM's flat ``ErrorResponse`` (``{"object": "error", "message", "type", "param", "code"}``, what older
     vLLM and some gateways send with a 200) or its envelope ``{"error": {...}}`` — never a KV connector's missing
     handle.  The error is the one an error status would have given (:class:`~pdproxy.errors.UpstreamHTTPError`):
-    its status the object's ``code`` when it is one (400-599, else 500, as a decoder's in-band error event,
-    :func:`pdproxy.apis.chat.first_event_error`), its body vLLM's envelope with the engine's own words, its message
-    (the log's) naming them."""
+    its status :func:`pdproxy.errors.error_status` of the object's ``code`` (the rule a decoder's in-band error
+    event follows, :func:`pdproxy.apis.chat.first_event_error`), its body vLLM's envelope with the engine's own
+    words, its message (the log's) naming them."""
     if prefill_response.get("object") == "error":
         inner: Any = prefill_response
     else:
         inner = prefill_response.get("error")
         if not isinstance(inner, Mapping) or _has_handle(prefill_response):
             return None
-    code = inner.get("code")
-    status = code if type(code) is int and 400 <= code < 600 else 500
+    status = error_status(inner.get("code"))
     message = inner.get("message")
     said = message if isinstance(message, str) else ""
     kind = inner.get("type")
