@@ -459,6 +459,20 @@ class UpstreamHTTPError(ProxyError):
         return orjson.dumps(error_body(self.status_code, message))
 
 
+def dumps_or_none(obj: Any) -> bytes | None:
+    """``orjson.dumps(obj)`` (compact JSON bytes), or None when orjson cannot write ``obj`` — it raises
+    ``TypeError`` (``orjson.JSONEncodeError``) for a document nested deeper than the 254 levels it writes, though
+    it reads up to 1,023, so an engine's answer or event that ``orjson.loads`` read may not be written again.
+    Each caller says what then happens (the document relayed as it came, or the engine's answer refused as one
+    pdproxy cannot merge).  Here rather than beside the JSON helpers of :mod:`pdproxy.apis.request`: this module
+    writes engine bodies too (:func:`sse_error_event`) and sits below ``apis`` (docs/architecture.md, "The import
+    levels")."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return None
+
+
 def _json_object(body: bytes) -> bool:
     """True when ``body`` is one JSON object (how vLLM answers every error)."""
     if body.lstrip()[:1] != b"{":
@@ -490,10 +504,12 @@ def sse_error_event(err: ProxyError | Exception) -> bytes:
     if isinstance(err, UpstreamHTTPError):
         try:
             parsed = orjson.loads(err.raw_body)
-            if isinstance(parsed, dict) and "error" in parsed:
-                return b"data: " + orjson.dumps(parsed) + b"\n\n"
-        except (orjson.JSONDecodeError, TypeError):   # TypeError: nested past the 254 levels orjson writes (it
-            pass                                      # reads 1,023): pdproxy's words for it
+        except orjson.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict) and "error" in parsed:
+            written = dumps_or_none(parsed)           # None: nested past what orjson writes, pdproxy's words
+            if written is not None:
+                return b"data: " + written + b"\n\n"
     body = err.body() if isinstance(err, ProxyError) else error_body(502, "the upstream stream failed")
     return b"data: " + orjson.dumps(body) + b"\n\n"
 

@@ -35,7 +35,7 @@ import orjson
 from pdproxy.apis import recompute
 from pdproxy.apis.request import completion_tokens_in, patch_usage
 from pdproxy.apis.transform import Transform
-from pdproxy.errors import UpstreamHTTPError, error_status
+from pdproxy.errors import UpstreamHTTPError, dumps_or_none, error_status
 from pdproxy.http import sse
 from pdproxy.timeline import RequestContext
 
@@ -71,10 +71,9 @@ def _patch_block(block: bytes, cached_tokens: int | None, strip_usage: bool = Fa
                     if strip_usage and obj.get("choices") == [] and "usage" in obj:
                         continue
                     if patch_usage(obj, cached_tokens):
-                        try:
-                            event = sse.data_event(orjson.dumps(obj))
-                        except TypeError:   # nested past the 254 levels orjson writes (it reads 1,023): the
-                            pass            # event relayed as it came, unpatched (as patch_usage_bytes does)
+                        written = dumps_or_none(obj)  # None: nested past what orjson writes, the event relayed
+                        if written is not None:       # as it came, unpatched (as patch_usage_bytes does)
+                            event = sse.data_event(written)
         out.append(event)
     return b"".join(out)
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from pdproxy.apis import fields as api_requests
 from pdproxy.compiled import compiled_or
-from pdproxy.errors import BadRequest
+from pdproxy.errors import BadRequest, dumps_or_none
 from pdproxy.settings import FAN_OUT_CEILING, MAX_JSON_DEPTH, MAX_JSON_ITEMS
 
 
@@ -737,7 +737,4 @@ def patch_usage_bytes(data: bytes, cached_tokens: int | None) -> bytes:
         return data
     if not isinstance(obj, dict) or not patch_usage(obj, cached_tokens):
         return data
-    try:
-        return orjson.dumps(obj)
-    except TypeError:      # nested past the 254 levels orjson writes (it reads 1,023): relayed as it came
-        return data
+    return dumps_or_none(obj) or data       # nested past what orjson writes: relayed as it came

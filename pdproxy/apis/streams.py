@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import orjson
 
 from pdproxy.apis.request import Api
-from pdproxy.errors import ProxyError, UpstreamHTTPError, error_body, error_type_for
+from pdproxy.errors import ProxyError, UpstreamHTTPError, dumps_or_none, error_body, error_type_for
 from pdproxy.http import sse
 from pdproxy.timeline import RequestContext
 
@@ -168,10 +168,9 @@ def _patch_events(block: bytes, names: tuple[bytes, ...], patch: Any) -> bytes:
             except orjson.JSONDecodeError:
                 obj = None
             if isinstance(obj, dict) and patch(obj):
-                try:
-                    event = b"event: " + event_name(event) + b"\ndata: " + orjson.dumps(obj) + b"\n\n"
-                except TypeError:       # nested past the 254 levels orjson writes (it reads 1,023): the event
-                    pass                # relayed as it came, unpatched (as patch_json does)
+                written = dumps_or_none(obj)    # None: nested past what orjson writes, the event relayed as it
+                if written is not None:         # came, unpatched (as patch_json does)
+                    event = b"event: " + event_name(event) + b"\ndata: " + written + b"\n\n"
         out.append(event)
     return b"".join(out)
 
@@ -214,10 +213,7 @@ def patch_json(api: Api, data: bytes, cached_tokens: int | None) -> bytes:
     patch = patch_messages_usage if api is Api.MESSAGES else patch_responses_usage
     if not patch(obj.get("usage"), cached_tokens):
         return data
-    try:
-        return orjson.dumps(obj)
-    except TypeError:      # nested past the 254 levels orjson writes (it reads 1,023): relayed as it came
-        return data
+    return dumps_or_none(obj) or data       # nested past what orjson writes: relayed as it came
 
 
 class _EventStream:

@@ -36,6 +36,7 @@ from pdproxy.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
     classify,
+    dumps_or_none,
 )
 from pdproxy.http.client import H1Response, TransportError
 from pdproxy.http.engine_headers import EngineHeaders
@@ -323,10 +324,13 @@ async def relay_json(resp: H1Response, ctx: RequestContext, cached_tokens: int |
                 raise UpstreamUnavailable(f"decoder {endpoint} answered with a body that is not a JSON object",
                                           endpoint=endpoint)
             try:
-                data = orjson.dumps(transcript.merge_json(obj))
-            except TypeError:   # nested past the 254 levels orjson writes (it reads 1,023)
+                merged = dumps_or_none(transcript.merge_json(obj))   # None: nested past what orjson writes
+            except TypeError:   # merge_json's own: a message content or text that is no string
+                merged = None
+            if merged is None:
                 raise UpstreamUnavailable(f"decoder {endpoint} answered JSON nested too deep to merge",
-                                          endpoint=endpoint) from None
+                                          endpoint=endpoint)
+            data = merged
     if data.find(b'"completion_tokens"') >= 0:
         ctx.completion_tokens = completion_tokens_in(data)
     await out.json(resp.status, patch_usage_bytes(data, cached_tokens if transcript is None

@@ -61,7 +61,7 @@ import orjson
 
 from pdproxy.apis.request import INT64_MIN, Api, ProxyRequest, json_items, parse_request, prompt_list
 from pdproxy.endpoints import Endpoint
-from pdproxy.errors import BadRequest, InternalError, ProxyError, UpstreamHTTPError, UpstreamUnavailable
+from pdproxy.errors import BadRequest, InternalError, ProxyError, UpstreamHTTPError, UpstreamUnavailable, dumps_or_none
 from pdproxy.http import sse
 from pdproxy.http.client import ProtocolError
 from pdproxy.http.errors import transport_error
@@ -371,11 +371,11 @@ class Merger:
                 if self.usage_chunk is None:
                     self.usage_chunk = obj
                 continue
-            try:
-                out.append(sse.data_event(orjson.dumps(self._rewrite(seq, obj))))
-            except TypeError:                # nested past the 254 levels orjson writes (it reads 1,023)
+            written = dumps_or_none(self._rewrite(seq, obj))
+            if written is None:              # nested past what orjson writes
                 broken = _too_deep(seq.ctx.decoder)
                 break
+            out.append(sse.data_event(written))
         if out and self.failure is None and not self.out.ended:
             self._write(b"".join(out), sink.headers)
         if malformed is not None:
@@ -409,10 +409,10 @@ class Merger:
                                                    else "text_completion", "choices": []})
                 chunk.update(self.head or {})
                 chunk["usage"] = usage
-                try:
-                    tail = sse.data_event(orjson.dumps(chunk))
-                except TypeError:  # a usage chunk nested past what orjson writes: no merge of it
-                    raise _too_deep(self.ctx.decoder) from None
+                written = dumps_or_none(chunk)
+                if written is None:  # a usage chunk nested past what orjson writes: no merge of it
+                    raise _too_deep(self.ctx.decoder)
+                tail = sse.data_event(written)
             self._account(usage)
             if not out.started:
                 out.start_nowait(200, list(SSE_HEADERS))
@@ -446,10 +446,9 @@ class Merger:
             merged["usage"] = usage
         self._account(usage)
         self.ctx.timeline.first_token_at = self.ctx.timeline.last_token_at = time.monotonic()
-        try:
-            body = orjson.dumps(merged)
-        except TypeError:  # an answer nested past the 254 levels orjson writes (it reads 1,023): no merge of it
-            raise _too_deep(self.ctx.decoder) from None
+        body = dumps_or_none(merged)
+        if body is None:  # an answer nested past what orjson writes: no merge of it
+            raise _too_deep(self.ctx.decoder)
         await out.json(200, body, headers)
 
     def _account(self, usage: dict[str, Any] | None) -> None:

@@ -19,11 +19,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import orjson
-
 from pdproxy.apis import kv_transfer
 from pdproxy.apis.request import Api, ProxyRequest
-from pdproxy.errors import UpstreamUnavailable
+from pdproxy.errors import UpstreamUnavailable, dumps_or_none
 from pdproxy.http import sse
 from pdproxy.pd.responder import SSE_HEADERS, Responder
 from pdproxy.timeline import RequestContext
@@ -46,9 +44,10 @@ def _choice(reply: dict[str, Any]) -> dict[str, Any]:
     return first if isinstance(first, dict) else {}
 
 
-def chat_events(reply: dict[str, Any], include_usage: bool, continuous_usage: bool = False) -> list[bytes]:
+def chat_events(reply: dict[str, Any], include_usage: bool, continuous_usage: bool = False) -> list[bytes] | None:
     """The SSE events of a chat stream carrying ``reply`` (a ``chat.completion`` JSON answer): the role chunk,
-    one chunk with the whole message and the finish reason, the usage chunk when asked for, ``[DONE]``."""
+    one chunk with the whole message and the finish reason, the usage chunk when asked for, ``[DONE]``; None when
+    a chunk nests past what orjson writes (:func:`pdproxy.errors.dumps_or_none`)."""
     base = {"id": reply.get("id"), "object": "chat.completion.chunk", "created": reply.get("created"),
             "model": reply.get("model")}
     choice = _choice(reply)
@@ -72,9 +71,11 @@ def chat_events(reply: dict[str, Any], include_usage: bool, continuous_usage: bo
     return _events(first, last, base, reply, include_usage)
 
 
-def completion_events(reply: dict[str, Any], include_usage: bool, continuous_usage: bool = False) -> list[bytes]:
+def completion_events(reply: dict[str, Any], include_usage: bool,
+                      continuous_usage: bool = False) -> list[bytes] | None:
     """The SSE events of a completions stream carrying ``reply`` (a ``text_completion`` JSON answer): one chunk
-    with the text and the finish reason, the usage chunk when asked for, ``[DONE]``."""
+    with the text and the finish reason, the usage chunk when asked for, ``[DONE]``; None when a chunk nests past
+    what orjson writes."""
     base = {"id": reply.get("id"), "object": "text_completion", "created": reply.get("created"),
             "model": reply.get("model")}
     choice = _choice(reply)
@@ -89,14 +90,17 @@ def completion_events(reply: dict[str, Any], include_usage: bool, continuous_usa
 
 
 def _events(first: dict[str, Any] | None, last: dict[str, Any], base: dict[str, Any], reply: dict[str, Any],
-            include_usage: bool) -> list[bytes]:
+            include_usage: bool) -> list[bytes] | None:
     chunks = [c for c in (first, last) if c is not None]
     if include_usage:
         chunks.append({**base, "choices": [], "usage": reply.get("usage"),
                        "system_fingerprint": reply.get("system_fingerprint")})
     else:
         last["system_fingerprint"] = reply.get("system_fingerprint")
-    return [sse.data_event(orjson.dumps(c)) for c in chunks] + [sse.DONE_EVENT]
+    written = [dumps_or_none(c) for c in chunks]
+    if any(w is None for w in written):
+        return None
+    return [sse.data_event(w) for w in written if w is not None] + [sse.DONE_EVENT]
 
 
 async def send(req: ProxyRequest, ctx: RequestContext, out: Responder, reply: dict[str, Any],
@@ -111,18 +115,18 @@ async def send(req: ProxyRequest, ctx: RequestContext, out: Responder, reply: di
     key = "completion_tokens" if req.api in (Api.CHAT, Api.COMPLETIONS) else "output_tokens"
     if isinstance(usage, dict) and isinstance(usage.get(key), int):
         ctx.completion_tokens = usage[key]
-    try:
-        if not req.stream:
-            body = orjson.dumps(reply)
-        else:
-            build = chat_events if req.api is Api.CHAT else completion_events
-            events = build(reply, req.include_usage, req.continuous_usage)
-    except TypeError:                       # orjson writes at most 254 levels; vLLM's answers nest a handful
+    if not req.stream:
+        body = dumps_or_none(reply)
+    else:
+        build = chat_events if req.api is Api.CHAT else completion_events
+        events = build(reply, req.include_usage, req.continuous_usage)
+        body = None if events is None else b"".join(events)
+    if body is None:                        # orjson writes at most 254 levels; vLLM's answers nest a handful
         raise UpstreamUnavailable(f"prefiller {ctx.prefiller} answered JSON nested too deep to relay",
-                                  endpoint=ctx.prefiller or "") from None
+                                  endpoint=ctx.prefiller or "")
     if not req.stream:
         await out.json(200, body, headers)
         return
     await out.start(200, [*SSE_HEADERS, *headers])
     out.done_sent = True                    # the events end with [DONE] (a fan-out merge checks for it)
-    await out.end(b"".join(events))
+    await out.end(body)
