@@ -69,9 +69,10 @@ def _not_connected(exc: BaseException) -> str:
     return "could not be connected to"
 
 
-def _role(who: str) -> str:
-    """The engine's role as the client may read it: ``who``'s first word (``"decode http://…"`` → ``"decoder"``;
-    a word that is no role, e.g. ``"engine"``, as it is)."""
+def role_noun(who: str) -> str:
+    """The engine's role as the client may read it: ``who``'s first word (``"decode http://…"`` → ``"decoder"``,
+    :attr:`pdproxy.endpoints.Role.noun`; a word that is no role, e.g. ``"decoder"`` or ``"engine"``, as it is;
+    ``"engine"`` for an empty ``who``)."""
     word = who.split(" ", 1)[0] or "engine"
     try:
         return Role(word).noun
@@ -81,7 +82,7 @@ def _role(who: str) -> str:
 
 def transport_error(exc: TransportError | TimeoutError, who: str, endpoint: str, when: str = "") -> ProxyError:
     """The pdproxy error for a failure of pdproxy's HTTP/1.1 client (see the module docstring's tables)."""
-    role = _role(who)
+    role = role_noun(who)
     if isinstance(exc, ConnectError):
         verb = _not_connected(exc)
         return UpstreamRefused(f"{who} {verb}{when}: {exc}", endpoint=endpoint, public=f"the {role} {verb}{when}")
@@ -112,7 +113,7 @@ def httpx_error(exc: httpx.HTTPError, who: str, endpoint: str, when: str = "") -
         return UpstreamHTTPError(resp.status_code, body, endpoint=endpoint,
                                  content_type=resp.headers.get("content-type", "application/json"),
                                  retry_after=resp.headers.get("retry-after"))
-    role = _role(who)
+    role = role_noun(who)
     if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
         verb = _not_connected(exc)
         return UpstreamRefused(f"{who} {verb}{when}: {exc.__class__.__name__}: {exc}", endpoint=endpoint,

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from pdproxy.endpoints import Endpoint, Role
+from pdproxy.endpoints import Endpoint
 from pdproxy.errors import (  # noqa: F401  (UpstreamRefused, retry_after_seconds: re-exported for the legs)
     ProxyError,
     UpstreamHTTPError,
@@ -38,7 +38,7 @@ from pdproxy.errors import (  # noqa: F401  (UpstreamRefused, retry_after_second
     retry_after_seconds,
 )
 from pdproxy.http.client import H1Pool, H1Response, PoolTimeout, TransportError
-from pdproxy.http.errors import transport_error
+from pdproxy.http.errors import role_noun, transport_error
 
 _MAX_ERROR_BODY_BYTES = 1 << 20
 KEEPALIVE_S = 4.0
@@ -64,11 +64,12 @@ def _answer_failure(exc: TransportError | TimeoutError, endpoint: Endpoint, time
 
 def answer_too_large(who: str, endpoint: str, limit: int) -> UpstreamUnavailable:
     """The failure of an engine whose whole answer passed ``limit`` bytes (setting ``engine_answer_max_bytes``): no
-    engine answer of vLLM's comes near it, and reading on would hold it all in memory."""
-    word = who.split(" ", 1)[0]
-    noun = Role(word).noun if word in Role._value2member_map_ else word
+    engine answer of vLLM's comes near it, and reading on would hold it all in memory.  ``who``: the engine's role
+    word and name (``"prefill http://…"``, ``"decoder http://…"``); the client reads only its role
+    (:func:`pdproxy.http.errors.role_noun`)."""
     return UpstreamUnavailable(f"{who} answered more than {limit:,} bytes (engine_answer_max_bytes); connection "
-                               "closed", endpoint=endpoint, public=f"the {noun} sent an answer too large to read")
+                               "closed", endpoint=endpoint,
+                               public=f"the {role_noun(who)} sent an answer too large to read")
 
 
 async def read_answer(resp: H1Response, limit: int | None, who: str, endpoint: str) -> bytes:

@@ -17,7 +17,8 @@ from pdproxy.errors import (
     classify,
 )
 from pdproxy.http import client as h1
-from pdproxy.http.errors import httpx_error, httpx_errors, transport_error
+from pdproxy.http.errors import httpx_error, httpx_errors, role_noun, transport_error
+from pdproxy.http.upstream import answer_too_large
 
 FAIL_OVER, RETRY_ONCE, FAULT, UNWELL = (Action.FAIL_OVER, Action.RETRY_ONCE, Action.REQUEST_FAULT,
                                         Action.ENGINE_UNWELL)
@@ -107,3 +108,17 @@ def test_httpx_error_status_keeps_the_engines_answer() -> None:
 def test_httpx_errors_leaves_other_exceptions_alone() -> None:
     with pytest.raises(KeyError), httpx_errors("prefill p0", "p0"):
         raise KeyError("x")
+
+
+@pytest.mark.parametrize(("who", "noun"), [("prefill http://10.0.0.5:8100", "prefiller"),
+                                           ("decode http://10.0.0.5:8100", "decoder"),
+                                           ("decoder http://10.0.0.5:8100", "decoder"),
+                                           ("engine http://10.0.0.5:8100", "engine"),
+                                           ("Prefill http://10.0.0.5:8100", "Prefill")])
+def test_an_answer_too_large_names_only_the_engines_role(who: str, noun: str) -> None:
+    """The client reads the role (``Role.noun`` for a role's value, any other first word as it is), the log the
+    engine's name and the limit (:func:`pdproxy.http.upstream.answer_too_large`)."""
+    err = answer_too_large(who, "e0", 1 << 20)
+    assert role_noun(who) == noun
+    assert err.body()["error"]["message"] == f"the {noun} sent an answer too large to read"
+    assert err.message.startswith(f"{who} answered more than 1,048,576 bytes") and err.endpoint == "e0"
