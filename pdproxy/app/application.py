@@ -462,8 +462,9 @@ def build_control_app(proxy: PDProxyApp) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         """The union of the models the engines serve, as vLLM lists them — LoRA adapters with their ``parent`` —
-        each with the longest context pdproxy serves for it: a request must fit a prefiller and a decoder
-        (:meth:`pdproxy.engines.models.ServedModels.cards`).  When the engines refuse
+        but those no request can be served for (only prefillers serve them:
+        :meth:`pdproxy.engines.models.ServedModels.servable`), each with the longest context pdproxy serves for it:
+        a request must fit a prefiller and a decoder (:meth:`pdproxy.engines.models.ServedModels.cards`).  When the engines refuse
         pdproxy's own key (``--api-key`` without ``engine_api_key``) and list nothing to it, the answer is the
         engines' own for the client's key: pdproxy passes client credentials through, so one engine's
         ``/v1/models`` answers with them (its list, or its 401); otherwise a 503 naming ``engine_api_key``.  With

@@ -85,7 +85,7 @@ class ProxyState:
                                breaker_failures=s.breaker_failures, breaker_open_s=s.breaker_open_s,
                                make_breaker=share.make_breaker if share is not None else None,
                                unhealthy_threshold=s.health_unhealthy_threshold,
-                               healthy_threshold=s.health_healthy_threshold)
+                               healthy_threshold=s.health_healthy_threshold, served=served)
         ledger = PrefillLedger(pool, limits, budget_tokens=s.prefill_budget_tokens,
                                budget_s=s.prefill_budget_s,
                                decoder_capacity=s.prefill_tied_to_decoders, decoder_max_requests=s.decoder_max_requests,

@@ -16,6 +16,12 @@ logs (logger ``pdproxy.engines``) only when that changes:
 ``models_disjoint``        WARNING  the prefillers and the decoders list no model in common (every request
                                     would get 404): each role's models
 ``models_agree``           INFO     they list one in common again
+``model_unservable``       WARNING  a model only prefillers serve (no decoder does): every request for it gets
+                                    404 and ``/v1/models`` does not list it — once per model, until a decoder
+                                    serves it (:meth:`pdproxy.engines.models.ServedModels.servable`)
+``model_decoders_only``    INFO     a model only decoders serve while there are prefillers: served by the
+                                    routes without a PD leg (a pooling or speech model) and decode-only
+                                    requests, a 404 for a request through a prefiller — once per model
 =========================  =======  ===================================================================
 
 Every record carries ``event``, ``endpoint`` and ``role`` (and the figures) in ``extra``, so the JSON log format
@@ -32,6 +38,7 @@ from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.breaker import BreakerState
 from pdproxy.engines.control import EngineInfo
 from pdproxy.engines.limits import EngineLimits
+from pdproxy.engines.models import ServedModels
 
 log = logging.getLogger("pdproxy.engines")
 
@@ -78,14 +85,21 @@ def describe(info: EngineInfo, role: Role = Role.PREFILL) -> str:
 class EngineEvents:
     """Logs each change of an engine's reachability, limits or breaker once (see module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, served: ServedModels | None = None) -> None:
         self._said: dict[Endpoint, _Said] = {}
         self._disjoint = False
+        self.served = served
+        """The served-model view the models of one role are judged by (the operator's pins applied); None: one
+        without pins, over the ``infos`` :meth:`served_models` is given."""
+        self._one_role: dict[str, Role] = {}
+        """The models last said to be served by one role only (``model_unservable``, ``model_decoders_only``)."""
 
     def served_models(self, infos: Mapping[Endpoint, EngineInfo]) -> None:
         """After a refresh: warn once when the prefillers and the decoders that listed their models have none in
         common (a ``--served-model-name`` that differs between them: every request would get 404), and say once
-        when they agree again."""
+        when they agree again; and once per model served by one role only (``model_unservable``,
+        ``model_decoders_only``)."""
+        self._models_of_one_role(infos)
         ids: dict[Role, set[str]] = {Role.PREFILL: set(), Role.DECODE: set()}
         for e, info in infos.items():
             ids[e.role].update(info.model_ids())
@@ -102,6 +116,25 @@ class EngineEvents:
         else:
             log.info("the prefillers and the decoders serve a model in common again",
                      extra={"event": "models_agree"})
+
+    def _models_of_one_role(self, infos: Mapping[Endpoint, EngineInfo]) -> None:
+        """Say once per model when only one role's endpoints serve it (module docstring); a model served by both
+        again, or by none, is forgotten (said again if it comes back to one role)."""
+        served = self.served if self.served is not None else ServedModels(infos)
+        now = served.one_role()
+        for model, role in now.items():
+            if self._one_role.get(model) is role:
+                continue
+            if role is Role.PREFILL:
+                log.warning("model %s is served by prefillers only, by no decoder: every request for it gets 404 "
+                            "and /v1/models does not list it (check the decoders' --served-model-name)", model,
+                            extra={"event": "model_unservable", "model": model, "role": role.value})
+            else:
+                log.info("model %s is served by decoders only, by no prefiller: its routes without a PD leg (a "
+                         "pooling or speech model's) and decode-only requests are served, a generation request "
+                         "through a prefiller gets 404", model,
+                         extra={"event": "model_decoders_only", "model": model, "role": role.value})
+        self._one_role = now
 
     def observe(self, endpoint: Endpoint, info: EngineInfo | None, up: bool) -> None:
         """A probe of ``endpoint`` ended: ``up`` (``/health`` 200 and ``/v1/models`` answered), ``info`` (what the

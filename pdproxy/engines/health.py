@@ -42,6 +42,7 @@ from pdproxy.endpoints import Endpoint
 from pdproxy.engines.breaker import BreakerState, CircuitBreaker, Clock
 from pdproxy.engines.control import EngineClient, EngineInfo
 from pdproxy.engines.events import EngineEvents
+from pdproxy.engines.models import ServedModels
 from pdproxy.engines.pool import EndpointPool
 from pdproxy.errors import ProxyError, UpstreamTimeout, classify
 
@@ -85,15 +86,16 @@ class HealthMonitor:
     docstring; failed probes count only while no request to it succeeds); ``clock``: monotonic seconds;
     ``make_breaker``: builds an endpoint's breaker from its settings (``--workers N``: one shared by every worker,
     :mod:`pdproxy.workers.breaker`); given, every endpoint's breaker is made up front, so a breaker another process
-    opened is seen before this one ever failed.  Start with :meth:`start`, stop with :meth:`stop` (the app
-    lifespan owns both).
+    opened is seen before this one ever failed.  ``served``: the served-model view (the operator's pins) its log of
+    the models one role serves judges by (:class:`~pdproxy.engines.events.EngineEvents`; None: the listings alone).
+    Start with :meth:`start`, stop with :meth:`stop` (the app lifespan owns both).
     """
 
     def __init__(self, pool: EndpointPool, engines: EngineClient, infos: dict[Endpoint, EngineInfo], *,
                  interval_s: float, refresh_interval_s: float, breaker_failures: int = 3,
                  breaker_open_s: float = 3.0, clock: Clock = time.monotonic,
                  make_breaker: BreakerFactory | None = None, unhealthy_threshold: int = 1,
-                 healthy_threshold: int = 1) -> None:
+                 healthy_threshold: int = 1, served: ServedModels | None = None) -> None:
         self.pool = pool
         self.engines = engines
         self.infos = infos
@@ -113,7 +115,7 @@ class HealthMonitor:
         self.leaving: set[Endpoint] = set()
         self._task: asyncio.Task[None] | None = None
         self._probing: dict[Endpoint, asyncio.Task[bool]] = {}
-        self.events = EngineEvents()  # logs each change of reachability, limits, breaker once (engine_events.py)
+        self.events = EngineEvents(served)  # logs each change of reachability, limits, breaker, models once
         self._make_breaker = make_breaker or _local_breaker
         if make_breaker is not None:
             for e in pool.endpoints():

@@ -15,6 +15,14 @@ with only the listing, the listing; with neither, *unknown* — it is not ruled 
 vLLM answers a request for a model it does not serve with 404 before running anything
 (``vllm/entrypoints/serve/engine/serving.py::_check_model``); pdproxy says the same, in the same words
 (:class:`~pdproxy.errors.ModelNotFound`), before any engine is contacted: :meth:`ServedModels.require`.
+
+Every request needs a decoder serving its model — a generation request's decode leg, and a passthrough route's
+check (``pdproxy/app/passthrough.py``) — so a model only prefillers serve is served on no route while there are
+decoders: ``GET /v1/models`` does not list it (:meth:`ServedModels.servable`).  A model only decoders serve is
+listed: the routes without a PD leg serve it (a pooling or speech engine is configured as a decoder,
+``docs/apis-through-pd.md`` "Routes by model kind"), and so does the decode-only path (``docs/decode-only.md``),
+though a generation request sent through a prefiller gets the 404.  :meth:`ServedModels.one_role` names both kinds
+for the log (:class:`pdproxy.engines.events.EngineEvents`, once per model).
 """
 
 from __future__ import annotations
@@ -132,20 +140,45 @@ class ServedModels:
                              "set `model` to one of them", param="model")
         return served[0] if served else None
 
-    def require(self, model: str | None, role: Role = Role.DECODE) -> None:
-        """Raise :class:`ModelNotFound` (404, vLLM's words) when there are endpoints of ``role`` and none serves
-        ``model``; a request without ``model`` passes (the engine picks its own), and so does any request when no
-        endpoint of ``role`` is known (the scheduler then says there is none: 503)."""
-        if not model:
-            return
+    def _role_takes(self, model: str, role: Role) -> bool:
+        """True when an endpoint of ``role`` serves ``model`` (one whose list is unknown included), or there is
+        no endpoint of ``role``."""
         known = False
         for e in self.infos:
             if e.role is role:
                 if self.serves(e, model):
-                    return
+                    return True
                 known = True
-        if known:
+        return not known
+
+    def require(self, model: str | None, role: Role = Role.DECODE) -> None:
+        """Raise :class:`ModelNotFound` (404, vLLM's words) when there are endpoints of ``role`` and none serves
+        ``model``; a request without ``model`` passes (the engine picks its own), and so does any request when no
+        endpoint of ``role`` is known (the scheduler then says there is none: 503)."""
+        if model and not self._role_takes(model, role):
             raise self.not_found(model, role)
+
+    def servable(self, model: str) -> bool:
+        """True when a request for ``model`` can be served on some route: :meth:`require` lets it through (a
+        decoder serves it, one whose list is unknown included, or there is no decoder) — what ``/v1/models``
+        lists (module docstring)."""
+        return self._role_takes(model, Role.DECODE)
+
+    def one_role(self) -> dict[str, Role]:
+        """The model ids that the endpoints of one role serve and no endpoint of the other does, while the other
+        role has endpoints: id → the role that serves it.  ``Role.PREFILL``: not :meth:`servable` (every request
+        gets 404, not on ``/v1/models``); ``Role.DECODE``: served by the routes without a PD leg and the decode-only
+        path, a 404 through a prefiller.  An endpoint whose list is unknown serves any model (as :meth:`require`
+        says), so no model is named while one of the other role's lists is unknown."""
+        by_role: dict[Role, set[str]] = {Role.PREFILL: set(), Role.DECODE: set()}
+        for e in self.infos:
+            by_role[e.role].update(self.ids(e) or ())
+        out: dict[str, Role] = {}
+        for role, other in ((Role.PREFILL, Role.DECODE), (Role.DECODE, Role.PREFILL)):
+            for model in sorted(by_role[role] - by_role[other]):
+                if not self._role_takes(model, other):
+                    out[model] = role
+        return out
 
     def not_found(self, model: str, role: Role) -> ModelNotFound:
         """The 404 of ``model``, served by no endpoint of ``role``: vLLM's words, and whether the other role's
@@ -172,8 +205,10 @@ class ServedModels:
         as vLLM's is the engine's (while the only engines that hold a prompt are down, it gets the 503 any request
         gets without an engine, not a 400).  Adapters keep the ``null`` vLLM gives them.  ``max_model_len_override``
         (the ``max_model_len`` setting) caps every figure, and stands for one no engine declared (as
-        :class:`~pdproxy.engines.limits.Limits` applies it).  Pinned endpoints contribute only their pinned models."""
+        :class:`~pdproxy.engines.limits.Limits` applies it).  Pinned endpoints contribute only their pinned models.
+        A model no request can be served for (:meth:`servable`: only prefillers serve it) is left out."""
         merged: dict[str, dict[str, Any]] = {}
+        servable: dict[str, bool] = {}
         longest: dict[str, dict[Role, int]] = {}     # model id → role → its largest context
         for e, info in self.infos.items():
             ids = self.ids(e)
@@ -184,6 +219,10 @@ class ServedModels:
             for card in cards:
                 mid = card.get("id")
                 if not isinstance(mid, str) or (ids is not None and mid not in ids):
+                    continue
+                if mid not in servable:
+                    servable[mid] = self.servable(mid)
+                if not servable[mid]:
                     continue
                 mml = card.get("max_model_len")
                 if isinstance(mml, bool) or (isinstance(mml, int) and mml <= 0):   # no context (as

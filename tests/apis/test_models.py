@@ -5,6 +5,8 @@ operator's pins narrow what an endpoint takes."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -12,7 +14,7 @@ import openai
 import pytest
 
 from pdproxy.endpoints import Role
-from tests.support import ProxyThread, SimProcess, running
+from tests.support import ProxyThread, SimProcess, running, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -121,3 +123,94 @@ def test_operator_pins_narrow_what_an_endpoint_takes(engines: dict[str, SimProce
         proxy.wait_idle()
     finally:
         proxy.stop()
+
+
+class EngineLog(logging.Handler):
+    """The ``pdproxy.engines`` records of one test (its level lowered to INFO meanwhile)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+        self.logger = logging.getLogger("pdproxy.engines")
+
+    def __enter__(self) -> EngineLog:
+        self.level_before = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level_before)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def events(self, name: str) -> list[logging.LogRecord]:
+        return [r for r in self.records if getattr(r, "event", None) == name]
+
+
+def listed(proxy: ProxyThread) -> set[str]:
+    r = httpx.get(proxy.url + "/v1/models", timeout=10)
+    assert r.status_code == 200, r.text
+    return {c["id"] for c in r.json()["data"]}
+
+
+def chat(proxy: ProxyThread, model: str) -> httpx.Response:
+    return httpx.post(proxy.url + "/v1/chat/completions", timeout=20,
+                      json={"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+
+
+def test_a_model_only_prefillers_serve_is_not_listed_and_said_once(engines: dict[str, SimProcess]) -> None:
+    """beta's prefiller without its decoder (and alpha-lora, loaded on the prefiller and on no decoder here): no
+    route serves them — every request needs a decoder of its model, a 404 — so ``/v1/models`` does not list them
+    (it did: a client picking a model from the list got 404s), and the log says so once per model, however many
+    refreshes; alpha, served by both, is listed and served."""
+    for s in engines.values():
+        s.reset()
+    with EngineLog() as log:
+        proxy = ProxyThread(prefill=[engines["pa"].url, engines["pb"].url], decode=[engines["da1"].url],
+                            engine_refresh_interval_s=0.1).start()
+        try:
+            assert listed(proxy) == {"alpha"}
+            for model in ("beta", "alpha-lora"):
+                r = chat(proxy, model)
+                assert r.status_code == 404 and "served by prefill engines but by no decode engine" in \
+                    r.json()["error"]["message"], r.text
+            assert chat(proxy, "alpha").status_code == 200
+            wait_until(lambda: len(log.events("model_unservable")) >= 2, 10, what="the log")
+            time.sleep(0.6)                                         # several refreshes more: nothing said again
+            proxy.wait_idle()
+        finally:
+            proxy.stop()
+    said = {r.model: r for r in log.events("model_unservable")}     # type: ignore[attr-defined]
+    assert len(log.events("model_unservable")) == 2 and set(said) == {"beta", "alpha-lora"}
+    assert all(r.levelno == logging.WARNING and r.role == "prefill" for r in said.values())  # type: ignore[attr-defined]
+    assert not log.events("model_decoders_only")
+
+
+def test_a_model_only_decoders_serve_is_listed_served_where_it_can_be_and_said_once(
+        engines: dict[str, SimProcess]) -> None:
+    """beta's decoder without its prefiller: listed — the routes without a PD leg serve it (a pooling or speech
+    engine is configured as a decoder) — its /tokenize answered; a chat through the prefillers is the 404 naming
+    the missing role; the log says so once (INFO)."""
+    for s in engines.values():
+        s.reset()
+    with EngineLog() as log:
+        proxy = ProxyThread(prefill=[engines["pa"].url], decode=[engines["da1"].url, engines["db"].url],
+                            engine_refresh_interval_s=0.1).start()
+        try:
+            assert listed(proxy) == {"alpha", "beta"}                # alpha-lora: only on the prefiller
+            tokenized = httpx.post(proxy.url + "/tokenize", json={"model": "beta", "prompt": "hi there"}, timeout=20)
+            assert tokenized.status_code == 200 and tokenized.json()["count"] > 0
+            r = chat(proxy, "beta")
+            assert r.status_code == 404 and "served by decode engines but by no prefill engine" in \
+                r.json()["error"]["message"], r.text
+            wait_until(lambda: log.events("model_decoders_only"), 10, what="the log")
+            time.sleep(0.6)
+            proxy.wait_idle()
+        finally:
+            proxy.stop()
+    (said,) = log.events("model_decoders_only")
+    assert said.model == "beta" and said.levelno == logging.INFO        # type: ignore[attr-defined]
+    assert [r.model for r in log.events("model_unservable")] == ["alpha-lora"]  # type: ignore[attr-defined]

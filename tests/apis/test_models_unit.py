@@ -79,9 +79,13 @@ def test_models_union_has_each_models_longest_servable_context() -> None:
     two — what admission lets through (a request needs one of each)."""
     cards = {c["id"]: c for c in ServedModels(two_models()).cards()}
     assert cards["a"]["max_model_len"] == 1024 and cards["b"]["max_model_len"] == 8192
+    assert "a-lora" not in cards                              # only a prefiller loads it: no decoder serves it
+    infos = two_models()
+    infos[DA] = EngineInfo(models=[card("a", 1024), card("a-lora", None, "a")], max_model_len=1024)
+    cards = {c["id"]: c for c in ServedModels(infos).cards()}
     assert cards["a-lora"]["parent"] == "a" and cards["a-lora"]["max_model_len"] is None
     assert ServedModels(two_models()).cards(max_model_len_override=512)[0]["max_model_len"] == 512
-    capped = {c["id"]: c["max_model_len"] for c in ServedModels(two_models()).cards(max_model_len_override=4096)}
+    capped = {c["id"]: c["max_model_len"] for c in ServedModels(infos).cards(max_model_len_override=4096)}
     assert capped == {"a": 1024, "b": 4096, "a-lora": None}   # a cap, never a raise: the engines refuse past theirs
 
 
@@ -194,3 +198,27 @@ def test_a_card_whose_max_model_len_is_no_positive_count_declares_none(declared:
     assert Limits(pool, infos, max_model_len_override=4096).of(DA).max_model_len == 4096
     assert ServedModels(infos).cards(max_model_len_override=4096)[0]["max_model_len"] == 4096
     assert ServedModels(infos).cards()[0]["max_model_len"] is None
+
+
+def test_models_listed_are_those_a_request_can_be_served_for() -> None:
+    """Every request needs a decoder of its model: a model only prefillers serve is not listed (while there are
+    decoders, and their lists are known), one only decoders serve is (its routes without a PD leg serve it)."""
+    infos = {PA: two_models()[PA], DA: two_models()[DA], PB: two_models()[PB]}     # beta: no decoder
+    served = ServedModels(infos)
+    assert {c["id"] for c in served.cards()} == {"a"}                 # a-lora: on the prefiller only
+    assert not served.servable("b") and not served.servable("a-lora") and served.servable("a")
+    assert served.one_role() == {"a-lora": Role.PREFILL, "b": Role.PREFILL}
+    with pytest.raises(ModelNotFound):
+        served.require("b")                                           # as a request for it is refused
+    infos[DB] = EngineInfo()                                          # a decoder not read yet may serve it
+    assert served.servable("b") and {c["id"] for c in served.cards()} == {"a", "a-lora", "b"}
+    assert served.one_role() == {}
+    infos[DB] = EngineInfo(models=[card("emb", 512)])                 # a pooling model on a decoder: listed
+    assert {c["id"] for c in served.cards()} == {"a", "emb"}
+    assert served.one_role() == {"a-lora": Role.PREFILL, "b": Role.PREFILL, "emb": Role.DECODE}
+    pinned = ServedModels(two_models(), {(Role.DECODE, "http://db"): frozenset({"a"})})   # db takes no beta
+    assert "b" not in {c["id"] for c in pinned.cards()} and pinned.one_role()["b"] is Role.PREFILL
+    only_prefillers = ServedModels({PA: two_models()[PA], PB: two_models()[PB]})          # no decoder at all
+    assert {c["id"] for c in only_prefillers.cards()} == {"a", "a-lora", "b"} and only_prefillers.one_role() == {}
+    only_decoders = ServedModels({DA: two_models()[DA]})                                  # decode-only deployment
+    assert {c["id"] for c in only_decoders.cards()} == {"a"} and only_decoders.one_role() == {}
