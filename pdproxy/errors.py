@@ -93,7 +93,8 @@ def error_status(code: object) -> int:
     int (not a bool) from 400 to 599, else 500 — a missing, null, string (OpenAI's ``"invalid_api_key"``, or
     ``"404"``), float or out-of-range code is the engine's failure.  Used for a prefiller's error object in a 200
     (:func:`pdproxy.apis.kv_transfer.error_answer`) and a decoder's error as its first event
-    (:func:`pdproxy.apis.chat.first_event_error`).  Never raises."""
+    (:func:`pdproxy.apis.chat.first_event_error`; a Responses / Messages ``event: error``,
+    ``pdproxy/apis/streams.py``).  Never raises."""
     return code if type(code) is int and 400 <= code < 600 else 500
 
 

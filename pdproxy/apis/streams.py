@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import orjson
 
 from pdproxy.apis.request import Api
-from pdproxy.errors import ProxyError, UpstreamHTTPError, dumps_or_none, error_body, error_type_for
+from pdproxy.errors import ProxyError, UpstreamHTTPError, dumps_or_none, error_body, error_status, error_type_for
 from pdproxy.http import sse
 from pdproxy.timeline import RequestContext
 
@@ -143,16 +143,14 @@ def _first_error(block: bytes) -> UpstreamHTTPError | None:
     for event in sse.split_events(block):
         if event_name(event) == b"error":
             data = sse.event_data(event) or b""
-            status = 500
+            code: object = None
             try:
                 obj = orjson.loads(data)
                 err = obj.get("error") if isinstance(obj, dict) else None
                 code = (err or {}).get("code") if isinstance(err, dict) else obj.get("code")
-                if isinstance(code, int) and 400 <= code < 600:
-                    status = code
             except (orjson.JSONDecodeError, AttributeError):
                 pass
-            return UpstreamHTTPError(status, data)
+            return UpstreamHTTPError(error_status(code), data)
     return None
 
 
