@@ -55,6 +55,7 @@ the client's ``Content-Type`` and ``Accept``, one ``X-Request-Id``, ``Authorizat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -68,7 +69,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from pdproxy.apis.kv_transfer import PROXY_OWNED, client_handle_fault, decode_body_bytes
 from pdproxy.apis.request import load_json, load_json_object
 from pdproxy.endpoints import Endpoint, Role
-from pdproxy.engines.health import HealthMonitor
+from pdproxy.engines.health import HealthMonitor, Verdict
 from pdproxy.engines.limits import EngineLimits, Limits
 from pdproxy.engines.models import ServedModels
 from pdproxy.engines.pool import EndpointPool
@@ -423,25 +424,23 @@ class Passthrough:
                 ctx.prefiller, ctx.decoder, ctx.decoder_dp_rank = None, endpoint.name, endpoint.dp_rank
             else:
                 ctx.prefiller, ctx.decoder = endpoint.name, None
-            with self.pool.lease(endpoint, 0):
-                try:               # from the pick on: any end without a verdict gives a half-open trial back
-                    sent = body
-                    if generate is not None and prompt is not None and self.limits is not None:
-                        room = generate_output_room(generate, prompt, self.limits.of(endpoint))
-                        if room is not None:
-                            sent = with_generate_output_limit(generate, room)
-                    outcome = await self._attempt(endpoint, path, sent, client, ctx, send)
+            # from the pick on: an attempt that ends without a verdict (the client left, a defect, _Unanswered) is
+            # neutral on exit, so a half-open trial the pick took is given back (engines/health.py Verdict)
+            with self.pool.lease(endpoint, 0), self.health.judging(endpoint) as verdict:
+                sent = body
+                if generate is not None and prompt is not None and self.limits is not None:
+                    room = generate_output_room(generate, prompt, self.limits.of(endpoint))
+                    if room is not None:
+                        sent = with_generate_output_limit(generate, room)
+                try:
+                    outcome = await self._attempt(endpoint, path, sent, client, ctx, send, verdict)
                 except ProxyError as exc:
-                    if not self.health.record_error(endpoint, exc):
+                    if not verdict.error(exc):
                         raise
                     last = exc
                     continue
                 except _Unanswered as late:      # no verdict on the engine, and no other engine tried (_Unanswered)
-                    self.health.record_neutral(endpoint)
                     raise late.error from None
-                except BaseException:      # the client left (cancelled) or a defect: no verdict on the engine,
-                    self.health.record_neutral(endpoint)     # but a half-open trial's slot must not stay taken
-                    raise
             if outcome == "not_served":
                 not_served += 1
                 continue
@@ -470,8 +469,9 @@ class Passthrough:
             raise refusal.error(prompt, exact=True)
 
     async def _attempt(self, endpoint: Endpoint, path: str, body: bytes, client: dict[bytes, str],
-                       ctx: RequestContext, send: Send) -> str:
-        """One engine: ``"done"`` when its answer was relayed, ``"not_served"`` when it does not serve the route.
+                       ctx: RequestContext, send: Send, verdict: Verdict) -> str:
+        """One engine: ``"done"`` when its answer was relayed, ``"not_served"`` when it does not serve the route
+        (``verdict``: the attempt's verdict on the engine, given here unless it raises).
         Raises :class:`ProxyError` for a failure worth another engine, and :class:`UpstreamHTTPError` for an error
         answer that is not JSON, for the route to answer in its envelope (nothing was sent either way)."""
         who = f"{endpoint.role.value} {endpoint.name}"
@@ -482,7 +482,7 @@ class Passthrough:
                 resp = await self.client.send(request, stream=True)
             except httpx.ReadTimeout as exc:          # no answer yet: a long one, or a hung engine (_Unanswered)
                 raise _Unanswered(httpx_error(exc, who, endpoint.name, f" on {path}")) from None
-        try:
+        async with contextlib.aclosing(resp):   # the engine's connection back to the pool, or closed
             retry = resp.status_code >= 500 and classify_status(resp.status_code).action is Action.FAIL_OVER
             if resp.status_code == 404 or retry:
                 with httpx_errors(who, endpoint.name, f" on {path}"):
@@ -494,14 +494,14 @@ class Passthrough:
                                               f"{ERROR_BODY_MAX_BYTES:,} bytes", endpoint=endpoint.name,
                                               public="the engine answered 404 with a body that did not end")
                 if resp.status_code == 404 and _route_not_found(data):
-                    self.health.record_neutral(endpoint)
+                    verdict.neutral()
                     return "not_served"
                 if retry:
                     raise UpstreamHTTPError(resp.status_code, data, endpoint=endpoint.name,
                                             content_type=resp.headers.get("content-type", "application/json"),
                                             retry_after=resp.headers.get("retry-after"))
                 await self._relay_whole(resp.status_code, resp.headers, data, ctx, send)
-                self.health.record_neutral(endpoint)
+                verdict.neutral()
                 return "done"
             if resp.status_code >= 400 and "json" not in resp.headers.get("content-type", "").lower():
                 # not vLLM's JSON error (its server's plain-text refusal of a head too large, a gateway's page):
@@ -512,17 +512,15 @@ class Passthrough:
                                                      self.settings.decode_first_byte_timeout_s)
                 raise UpstreamHTTPError(resp.status_code, data, endpoint=endpoint.name,
                                         retry_after=resp.headers.get("retry-after"))
-            broken = await self._relay_stream(resp, endpoint, ctx, send)
-        finally:
-            await resp.aclose()
+            broken = await self._relay_stream(resp, endpoint, ctx, send, verdict)
         if broken:                          # cut mid-answer: already told to the breaker (_relay_stream)
             return "done"
         if resp.status_code < 400:
-            self.health.record_success(endpoint)
+            verdict.success()
         elif resp.status_code < 500:        # the request's own fault: no verdict on the engine, its trial given back
-            self.health.record_neutral(endpoint)
+            verdict.neutral()
         else:                               # a 5xx relayed as the answer: judged as the PD legs judge one
-            self.health.record_error(endpoint, UpstreamHTTPError(   # (pdproxy.errors.classify: Retry-After kept)
+            verdict.error(UpstreamHTTPError(   # (pdproxy.errors.classify: Retry-After kept)
                 resp.status_code, b"", endpoint=endpoint.name, retry_after=resp.headers.get("retry-after")))
         return "done"
 
@@ -547,7 +545,7 @@ class Passthrough:
         await send({"type": "http.response.body", "body": data})
 
     async def _relay_stream(self, resp: httpx.Response, endpoint: Endpoint, ctx: RequestContext,
-                            send: Send) -> bool:
+                            send: Send, verdict: Verdict) -> bool:
         """The engine's (``endpoint``'s) status, headers and body as they come (chunked).  Returns True when the
         engine broke after the first byte: that failure (``httpx_error``'s, "…; the response is incomplete") is
         told to its breaker (as a decoder lost mid-stream is, pdproxy/pd/decode.py), before the client's body
@@ -600,7 +598,7 @@ class Passthrough:
             ctx.outcome = "upstream_error"
             ctx.error = failure.message
             ctx.timeline.last_token_at = time.monotonic()
-            self.health.record_error(endpoint, failure)
+            verdict.error(failure)
             if sse_body and (tail.endswith(b"\n\n") or tail.endswith(b"\r\n\r\n")):
                 await send({"type": "http.response.body", "body": sse_error_event(failure) + sse.DONE_EVENT})
             return True                                     # else unfinished: the server cuts the body

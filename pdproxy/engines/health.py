@@ -8,7 +8,8 @@
   outweighs a probe — and comes back after ``healthy_threshold`` consecutive good probes.  What the engine
   declares (``/v1/models``, ``/metrics``) is refreshed every ``refresh_interval_s`` seconds into ``infos`` (used by
   admission and routing).
-- **Passive**: the request path reports each leg's verdict.  Transport failures, timeouts and 5xx answers count
+- **Passive**: the request path reports each leg's verdict, once, through a :class:`Verdict` (:meth:`judging`:
+  a leg that ends without one — cancelled, refused before it was sent, a defect — gives a half-open trial back).  Transport failures, timeouts and 5xx answers count
   against the endpoint (``record_failure``); 4xx answers are the request's fault and must not be reported.  A
   failure also triggers an immediate probe, so a killed engine leaves the pool within one probe round trip.
 - **Breaker** (:mod:`pdproxy.engines.breaker`; Envoy's outlier detection): consecutive failures open it; picks skip
@@ -75,6 +76,47 @@ class BreakerSnapshot:
         """The ``/admin/endpoints`` row's members (``breaker`` as its string value)."""
         return {"breaker": self.breaker.value, "consecutive_failures": self.consecutive_failures,
                 "opened_total": self.opened_total, "retry_in_s": self.retry_in_s}
+
+
+class Verdict:
+    """A leg's one verdict on the engine it was picked for (:meth:`HealthMonitor.judging`), a context manager:
+    :meth:`success`, :meth:`error` or :meth:`neutral` gives it (the first one counts, later calls are ignored); a
+    leg that leaves the block without one (cancelled, refused before it was sent, a defect) gives it as
+    :meth:`neutral` on exit, so a half-open breaker's trial its pick took is never kept (exceptions pass on)."""
+
+    __slots__ = ("endpoint", "given", "health")
+
+    def __init__(self, health: HealthMonitor, endpoint: Endpoint) -> None:
+        self.health = health
+        self.endpoint = endpoint
+        self.given = False
+
+    def __enter__(self) -> Verdict:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.given:
+            self.neutral()
+
+    def success(self) -> None:
+        """The engine served the leg (:meth:`HealthMonitor.record_success`)."""
+        if not self.given:
+            self.given = True
+            self.health.record_success(self.endpoint)
+
+    def error(self, exc: ProxyError, *, again: bool = False) -> bool:
+        """The leg ended with ``exc`` (:meth:`HealthMonitor.record_error`: True when that says the engine is
+        unwell; False, as for a verdict already given, when it is the request's own fault)."""
+        if self.given:
+            return classify(exc).engine_fault
+        self.given = True
+        return self.health.record_error(self.endpoint, exc, again=again)
+
+    def neutral(self) -> None:
+        """No verdict on the engine (client left, 4xx, never sent): its half-open trial slot, if any, given back."""
+        if not self.given:
+            self.given = True
+            self.health.record_neutral(self.endpoint)
 
 
 class HealthMonitor:
@@ -215,6 +257,11 @@ class HealthMonitor:
             before = b.state
             b.record_success()
             self.events.breaker_changed(endpoint, before, b.state)
+
+    def judging(self, endpoint: Endpoint) -> Verdict:
+        """The verdict of one leg to ``endpoint``, from its pick on (:class:`Verdict`: ``with health.judging(e) as
+        verdict:``)."""
+        return Verdict(self, endpoint)
 
     def record_neutral(self, endpoint: Endpoint) -> None:
         """A leg ended without a verdict on the engine (client left, 4xx): frees a half-open trial slot."""

@@ -162,7 +162,8 @@ class DecodeLeg:
         s = self.settings
         tokens = decode_lease_tokens(req, s.decode_reserved_output_tokens)
         endpoint = self.scheduler.pick(Role.DECODE, pick, exclude)
-        try:   # until the leg's own verdicts below: a fault here gives a half-open trial its pick took back
+        with self.health.judging(endpoint) as verdict:   # from the pick on: no verdict (cancelled, a fault) is
+            # neutral on exit, so a half-open trial the pick took is given back (engines/health.py Verdict)
             prefill.decoders.append(endpoint)
             ctx.decoder = endpoint.name
             ctx.decoder_dp_rank = endpoint.dp_rank
@@ -174,7 +175,8 @@ class DecodeLeg:
                 transcript = None  # a continuation leg: re-framed by pdproxy.pd.continuation
             elif resume is not None and transcript is not None and self.sends_recomputed(endpoint):
                 resume = None      # vLLM-Ascend's recomputed continuation (pdproxy.apis.recompute) instead
-            if req.stream and transcript is not None and transcript.attempts == 1 and not self.sends_recomputed(endpoint):
+            if (req.stream and transcript is not None and transcript.attempts == 1
+                    and not self.sends_recomputed(endpoint)):
                 transcript = None  # plain splice; a "recomputed" from this decoder is detected (on_recomputed)
             if resume is not None and resume.legs == 1:
                 resume.cached_tokens = prefill.cached_tokens
@@ -183,74 +185,69 @@ class DecodeLeg:
             strip_usage = bool(req.stream and transcript is not None and not req.include_usage)
             if strip_usage:
                 body = recompute.force_usage_bytes(body, req.body)
-        except BaseException:
-            self.health.record_neutral(endpoint)
-            raise
-        ctx.timeline.decode_start_at = time.monotonic()
-        first_byte_s = s.decode_first_byte_timeout_s if req.stream else s.decode_nonstream_timeout_s
-        routing = routing_headers(ctx) if s.expose_routing_headers else []
-        broken: ProxyError | None = None     # a failure after the first event, told to the error event's client
-        head = False                         # a non-streamed answer's status line came (vLLM sends it when done)
-        with self.pool.lease(endpoint, tokens), self.tracing.decode(ctx, endpoint):  # the span: the leg's traceparent
-            if prefill.slot is not None:
-                prefill.slot.decode_started()
-            try:
-                async with self.upstream.open_stream(
-                        endpoint, req.api.value, body,
-                        self.headers.leg(endpoint, ctx.request_id, ctx.authorization, ctx.client_headers),
-                        first_byte_timeout_s=first_byte_s) as resp:
-                    if req.stream:
-                        relay = StreamRelay(
-                            resp, out, ctx, cached_tokens=prefill.cached_tokens, first_event_timeout_s=first_byte_s,
-                            on_first_event=prefill.consume, headers=routing, transcript=transcript,
-                            strip_usage=strip_usage, idle_timeout_s=s.decode_idle_timeout_s,
-                            on_recomputed=(lambda: self.recompute_decoders.add(endpoint.url))
-                            if s.recompute_continuation else None,
-                            api_stream=api_streams.stream_for(req.api, ctx, prefill.cached_tokens),
-                            resume=resume, lost_when=(s.stream_continuation_stall_factor,
-                                                      s.stream_continuation_stall_min_s),
-                            not_continued=req if resume is None and s.stream_continuation else None)
-                        if resume is None:
-                            recomputed = await relay.run()
-                            broken = relay.failure
-                            if s.stream_continuation and ctx.outcome == "upstream_error" and (
-                                    ineligible_reason(req) is not None):     # cut, and of a shape not continued
-                                self.live.observer.refused(Refusal.INELIGIBLE, ctx.api_label)
-                        else:
-                            with self.live.track(endpoint.name, relay):
+            ctx.timeline.decode_start_at = time.monotonic()
+            first_byte_s = s.decode_first_byte_timeout_s if req.stream else s.decode_nonstream_timeout_s
+            routing = routing_headers(ctx) if s.expose_routing_headers else []
+            broken: ProxyError | None = None     # a failure after the first event, told to the error event's client
+            head = False                         # a non-streamed answer's status line came (vLLM sends it when done)
+            with self.pool.lease(endpoint, tokens), self.tracing.decode(ctx, endpoint):  # the leg's traceparent
+                if prefill.slot is not None:
+                    prefill.slot.decode_started()
+                try:
+                    async with self.upstream.open_stream(
+                            endpoint, req.api.value, body,
+                            self.headers.leg(endpoint, ctx.request_id, ctx.authorization, ctx.client_headers),
+                            first_byte_timeout_s=first_byte_s) as resp:
+                        if req.stream:
+                            relay = StreamRelay(
+                                resp, out, ctx, cached_tokens=prefill.cached_tokens,
+                                first_event_timeout_s=first_byte_s,
+                                on_first_event=prefill.consume, headers=routing, transcript=transcript,
+                                strip_usage=strip_usage, idle_timeout_s=s.decode_idle_timeout_s,
+                                on_recomputed=(lambda: self.recompute_decoders.add(endpoint.url))
+                                if s.recompute_continuation else None,
+                                api_stream=api_streams.stream_for(req.api, ctx, prefill.cached_tokens),
+                                resume=resume, lost_when=(s.stream_continuation_stall_factor,
+                                                          s.stream_continuation_stall_min_s),
+                                not_continued=req if resume is None and s.stream_continuation else None)
+                            if resume is None:
                                 recomputed = await relay.run()
+                                broken = relay.failure
+                                if s.stream_continuation and ctx.outcome == "upstream_error" and (
+                                        ineligible_reason(req) is not None):     # cut, and of a shape not continued
+                                    self.live.observer.refused(Refusal.INELIGIBLE, ctx.api_label)
+                            else:
+                                with self.live.track(endpoint.name, relay):
+                                    recomputed = await relay.run()
+                        else:
+                            head = True
+                            prefill.consume()          # the decoder answered: it has the request and its KV
+                            recomputed = await relay_json(resp, ctx, prefill.cached_tokens, out, transcript,
+                                                          first_byte_s, routing, req.api, s.engine_answer_max_bytes)
+                except ProxyError as exc:
+                    if isinstance(exc, UpstreamHTTPError):      # it answered an error: vLLM freed the KV it was sent
+                        prefill.handed = True
+                    if not req.stream and not head and isinstance(exc, UpstreamTimeout):
+                        # no answer within decode_nonstream_timeout_s: vLLM answers a non-streamed request when
+                        # done, so a long generation cannot be told from a hung decoder — replaced (decode_attempts),
+                        # but no verdict on this one: a client's long requests must not open the decoders' breakers
+                        verdict.neutral()
+                        raise DecodeFailed(exc, endpoint, kv_intact=classify(exc).unsent, struck=False) from None
+                    elif not verdict.error(exc, again=endpoint in struck):
+                        raise
+                    raise DecodeFailed(exc, endpoint, kv_intact=classify(exc).unsent) from None
+                except StreamLost as lost:             # lost after its first event: the director continues elsewhere
+                    if lost.planned:
+                        verdict.neutral()
                     else:
-                        head = True
-                        prefill.consume()          # the decoder answered: it has the request and its KV
-                        recomputed = await relay_json(resp, ctx, prefill.cached_tokens, out, transcript,
-                                                      first_byte_s, routing, req.api, s.engine_answer_max_bytes)
-            except ProxyError as exc:
-                if isinstance(exc, UpstreamHTTPError):      # it answered an error: vLLM freed the KV it was sent
-                    prefill.handed = True
-                if not req.stream and not head and isinstance(exc, UpstreamTimeout):
-                    # no answer within decode_nonstream_timeout_s: vLLM answers a non-streamed request when done, so
-                    # a long generation cannot be told from a hung decoder — replaced (decode_attempts), but no
-                    # verdict on this one: a client's long requests must not open the decoders' breakers for all
-                    self.health.record_neutral(endpoint)
-                    raise DecodeFailed(exc, endpoint, kv_intact=classify(exc).unsent, struck=False) from None
-                elif not self.health.record_error(endpoint, exc, again=endpoint in struck):
+                        verdict.error(lost.error, again=endpoint in struck)
+                    if resume is not None:
+                        resume.lost.append(endpoint)
                     raise
-                raise DecodeFailed(exc, endpoint, kv_intact=classify(exc).unsent) from None
-            except StreamLost as lost:             # lost after its first event: the director continues elsewhere
-                if lost.planned:
-                    self.health.record_neutral(endpoint)
-                else:
-                    self.health.record_error(endpoint, lost.error, again=endpoint in struck)
-                if resume is not None:
-                    resume.lost.append(endpoint)
-                raise
-            except BaseException:                  # cancelled (client left, deadline): no verdict on the engine
-                self.health.record_neutral(endpoint)   # a half-open trial's slot must not stay taken
-                raise
-        if broken is not None:                     # cut mid-stream (the client got the error event): its fault
-            self.health.record_error(endpoint, broken, again=endpoint in struck)
-        else:
-            self.health.record_success(endpoint)
+            if broken is not None:                     # cut mid-stream (the client got the error event): its fault
+                verdict.error(broken, again=endpoint in struck)
+            else:
+                verdict.success()
         return recomputed
 
 

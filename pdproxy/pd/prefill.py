@@ -139,7 +139,8 @@ class PrefillLeg:
                     raise self.gave_up(last) from None
                 raise
             endpoint = slot.endpoint
-            try:   # until the leg's verdicts below: a refusal or fault here gives a half-open trial back
+            with self.health.judging(endpoint) as verdict:   # from the pick on: no verdict (cancelled, refused
+                # before it was sent, a fault) is neutral on exit: a half-open trial the pick took given back
                 leg, fault = body, req.fault          # a fault: the leg is the client's body, for the engine to judge
                 max_model_len = self.queue.ledger.limits.of(endpoint).max_model_len
                 if max_model_len is not None and kv_transfer.engine_must_judge(req.max_output_tokens, max_model_len):
@@ -147,49 +148,43 @@ class PrefillLeg:
                         # vLLM's first check on a valid body, before any work: its 400 here, no engine asked (an
                         # engine that accepted would first generate the whole answer on the prefiller)
                         slot.release()
-                        raise over_max_model_len(req, max_model_len)   # never sent: its trial given back (below)
+                        raise over_max_model_len(req, max_model_len)   # never sent: no verdict (its trial back)
                     leg = orjson.dumps(kv_transfer.prefill_body(req.body, req.api, engine_judges=True))
                     fault = over_max_model_len(req, max_model_len)
                 lease = stack.enter_context(self.pool.lease(endpoint, tokens))
                 slot.handed_over()                         # the lease counts the prompt's KV from here on
                 ctx.prefiller = endpoint.name
                 ctx.timeline.prefill_start_at = time.monotonic()
-            except BaseException:
-                self.health.record_neutral(endpoint)
-                raise
-            try:
-                with (self.tracing.prefill(ctx, endpoint),                 # the span is the leg's traceparent
-                      (prefix or _NO_PREFIX).prefilling(req, ctx, endpoint)):  # in flight there; answered/failed
-                    headers = self.headers.leg(endpoint, ctx.request_id, ctx.authorization, ctx.client_headers)
-                    reply = await self.answer(req, ctx, endpoint, slot, self.upstream.post_json(
-                        endpoint, req.api.value, leg, headers, timeout_s=timeout_s,
-                        parse=kv_transfer.load_prefill_answer) if fault is None else self.upstream.judge(
-                        endpoint, req.api.value, leg, headers, timeout_s=timeout_s))
-                    refused = kv_transfer.error_answer(reply, endpoint.name)
-                    if refused is not None:          # an error in a 200: judged as that error's status would be
-                        raise refused
-                    ctx.cached_tokens = kv_transfer.prefill_cached_tokens(reply, req.api)
-                    ctx.engine_prompt_tokens = kv_transfer.prefill_prompt_tokens(reply, req.api)
-            except ProxyError as exc:
-                lease.release()
-                slot.release()
-                if not self.health.record_error(endpoint, exc, again=endpoint in tried):
-                    raise
-                verdict = classify(exc)
-                if not verdict.retry(retried_500):
-                    raise
-                if verdict.action is Action.RETRY_ONCE:
-                    retried_500 = True
-                    dead.append(endpoint)
-                tried.append(endpoint)
-                last = exc
-                continue
-            except BaseException:                      # cancelled (client left, deadline): no verdict on it
-                self.health.record_neutral(endpoint)   # a half-open trial's slot must not stay taken
-                raise
-            ctx.timeline.prefill_end_at = time.monotonic()
-            slot.prefilled(ctx.engine_prompt_tokens, ctx.cached_tokens)
-            self.health.record_success(endpoint)
+                try:
+                    with (self.tracing.prefill(ctx, endpoint),                 # the span is the leg's traceparent
+                          (prefix or _NO_PREFIX).prefilling(req, ctx, endpoint)):  # in flight there; answered/failed
+                        headers = self.headers.leg(endpoint, ctx.request_id, ctx.authorization, ctx.client_headers)
+                        reply = await self.answer(req, ctx, endpoint, slot, self.upstream.post_json(
+                            endpoint, req.api.value, leg, headers, timeout_s=timeout_s,
+                            parse=kv_transfer.load_prefill_answer) if fault is None else self.upstream.judge(
+                            endpoint, req.api.value, leg, headers, timeout_s=timeout_s))
+                        refused = kv_transfer.error_answer(reply, endpoint.name)
+                        if refused is not None:          # an error in a 200: judged as that error's status would be
+                            raise refused
+                        ctx.cached_tokens = kv_transfer.prefill_cached_tokens(reply, req.api)
+                        ctx.engine_prompt_tokens = kv_transfer.prefill_prompt_tokens(reply, req.api)
+                except ProxyError as exc:
+                    lease.release()
+                    slot.release()
+                    if not verdict.error(exc, again=endpoint in tried):
+                        raise
+                    failure = classify(exc)
+                    if not failure.retry(retried_500):
+                        raise
+                    if failure.action is Action.RETRY_ONCE:
+                        retried_500 = True
+                        dead.append(endpoint)
+                    tried.append(endpoint)
+                    last = exc
+                    continue
+                ctx.timeline.prefill_end_at = time.monotonic()
+                slot.prefilled(ctx.engine_prompt_tokens, ctx.cached_tokens)
+                verdict.success()
             if fault is not None:        # an engine that accepts what vLLM 0.32 refuses: say what vLLM would
                 lease.release()
                 raise fault

@@ -171,6 +171,34 @@ def test_a_requests_second_failure_is_no_strike_on_a_closed_breaker_but_fails_a_
     assert b.state is BreakerState.OPEN and not b.can_take()            # no second trial let in beside it
 
 
+def test_a_legs_verdict_is_given_once_and_neutral_when_it_leaves_without_one() -> None:
+    """health.judging: the first verdict counts; leaving the block without one (a fault, a cancellation) gives
+    the half-open trial back, and the exception passes on."""
+    clock = Clock()
+    (ep,) = expand(["http://p0:1"], Role.PREFILL)
+    health = HealthMonitor(EndpointPool([ep]), engines=None, infos={}, interval_s=1.0,  # type: ignore[arg-type]
+                           refresh_interval_s=1.0, breaker_failures=1, breaker_open_s=3.0, clock=clock)
+    b = health.breaker(ep)
+    err = UpstreamUnavailable("reset", endpoint=ep.name)
+    health.record_failure(ep)
+    clock.now += 3.0
+    assert health.on_pick(ep) and not b.can_take()                      # the trial taken by a pick
+    with pytest.raises(RuntimeError), health.judging(ep):
+        raise RuntimeError("a defect between the pick and the send")
+    assert b.can_take() and b.state is BreakerState.HALF_OPEN           # given back on the way out
+    assert health.on_pick(ep)
+    with health.judging(ep) as verdict:
+        verdict.neutral()                                               # a 4xx: no verdict, the trial back ...
+        assert b.can_take()
+        assert health.on_pick(ep)                                       # ... and another request takes it
+        verdict.error(err)                                              # a second verdict of the first leg: ignored
+        assert b.state is BreakerState.HALF_OPEN and not b.can_take()
+    assert not b.can_take(), "the exit gave back the other request's trial"
+    with health.judging(ep) as verdict:
+        assert verdict.error(err)                                       # the other request's leg fails: open
+    assert b.state is BreakerState.OPEN
+
+
 class _Engines:
     """The monitor's engine client: ``/health`` answers unless the endpoint is in ``down``."""
 
