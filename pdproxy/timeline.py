@@ -102,8 +102,9 @@ def new_request_id(client_id: str | None) -> str:
     """A unique engine-side request id that keeps the client's ``X-Request-Id`` recognisable as its prefix.
 
     Engines key the KV transfer on this id and two clients may send the same one, so random bits are always in
-    it (vLLM #27723: colliding ids corrupt the engine; vLLM-Ascend replaced counters with uuid4): the id is 128
-    random bits (32 hex digits, as many as a uuid4 holds), or the client's id (its characters outside
+    it (colliding ids corrupt the engine: vLLM itself adds 8 random characters to every id for this,
+    ``vllm/v1/engine/input_processor.py::assign_request_id``; vLLM-Ascend replaced counters with uuid4): the id
+    is 128 random bits (32 hex digits, as many as a uuid4 holds), or the client's id (its characters outside
     ``[A-Za-z0-9-_.:]`` dropped) then ``-`` and 64 random bits (16 hex digits: two ids that share a client's id
     collide with odds of 2^-64, and only ids in flight together matter to an engine).
     """

@@ -288,10 +288,10 @@ class Admission:
         it, ``prompt_logprobs`` or beam search; or the prefiller judges it): each prompt is an engine request of its
         own, so each is admitted as one (the counting and limits of a single prompt), and ``req`` is sized as its
         largest.  Read as one prompt, the list was sized as token ids, one per prompt: two prompts over a decoder's
-        KV pool were admitted as 2 tokens and waited forever there (seed 000).  Each prompt's body holds only what
-        counting a completions prompt reads (``model``, ``prompt``: :func:`~pdproxy.admission.count.tokenize_body`),
-        not a copy of the client's: 1,024 prompts beside 200,000 other keys copied 200 million entries on the event
-        loop (3 s)."""
+        KV pool were admitted as 2 tokens and waited forever there (a prompt over the pool is never scheduled:
+        ``docs/field-reports.md``).  Each prompt's body holds only what counting a completions prompt reads
+        (``model``, ``prompt``: :func:`~pdproxy.admission.count.tokenize_body`), not a copy of the client's: 1,024
+        prompts beside 200,000 other keys copied 200 million entries on the event loop (3 s)."""
         largest: ProxyRequest | None = None
         model = req.body.get("model")
         for prompt in prompts:

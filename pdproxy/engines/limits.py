@@ -12,7 +12,9 @@ rule before a prefill is spent):
 
 - prefiller: ``prompt + 1 <= max_model_len`` (the prefill leg asks for ``max_tokens=1``, and vLLM checks
   ``prompt + max_tokens <= max_model_len``) and ``prompt <= kv_pool`` (a prompt larger than the pool can never be
-  scheduled: vLLM #39734, and seed 000's 36-minute hang);
+  scheduled: ``vllm/v1/core/sched/scheduler.py``, ``schedule``, stops admitting at the first waiting request
+  ``allocate_slots`` cannot place; on vLLM-Ascend 0.23 one such request held every other one for 36 minutes,
+  ``docs/field-reports.md``);
 - decoder: ``prompt + 1 <= kv_pool`` (room for the prompt and at least one output token), and against
   ``max_model_len`` one of two rules (setting ``max_tokens_overflow``):
 
@@ -152,8 +154,9 @@ class Violation:
         - ``requested`` (``max_tokens_overflow = reject``, vLLM ≤ 0.26): "you requested N output tokens and your
           prompt contains ..." with pdproxy's count.
 
-        ``kv_pool`` has no vLLM equivalent (vLLM waits forever, #39734): pdproxy's message keeps the phrase "maximum
-        context length" and names the counted tokens and the pool (blocks × block size).
+        ``kv_pool`` has no vLLM equivalent (vLLM queues the request forever: ``vllm/v1/core/sched/scheduler.py``,
+        ``schedule``): pdproxy's message keeps the phrase "maximum context length" and names the counted tokens and
+        the pool (blocks × block size).
         """
         n = f"{prompt_tokens}" if exact else f"at least {prompt_tokens}"
         total = prompt_tokens + self.output_tokens

@@ -198,8 +198,8 @@ class ServedModels:
         can serve for it: the largest ``max_model_len`` among its prefillers and among its decoders, the smaller of
         the two (a request needs one of each; a model served by one role only, that role's) — each endpoint's own
         capped by its KV pool (tokens, less vLLM's null block: :func:`~pdproxy.engines.control.request_pool`) when
-        that is smaller, the context it can really hold (seed 000: 133,120 declared, 4,584 allocated, 4,580 for a
-        request).  The same bound admission applies (pdproxy/scheduling/filters.py ``FitsLimits``: a longer
+        that is smaller, the context it can really hold (docs/field-reports.md: 133,120 declared, 4,584 allocated,
+        4,580 for a request).  The same bound admission applies (pdproxy/scheduling/filters.py ``FitsLimits``: a longer
         prompt goes to the endpoints that hold it), so a client sizing prompts by it is not cut short by a smaller
         rank.  Every configured endpoint counts, healthy or not, draining or not: the figure is the deployment's,
         as vLLM's is the engine's (while the only engines that hold a prompt are down, it gets the 503 any request

@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="decoder's KV pull speed (0 = instant)")
     s.add_argument("--hol-blocking", choices=("on", "off"), default="on",
                    help="on: a waiting request that cannot get KV blocks stops admission (vLLM 0.32 on CPU, vLLM-Ascend"
-                        " in seed 000);"
+                        " 0.23: docs/field-reports.md);"
                         " off: smaller requests that fit go ahead")
     s.add_argument("--held-back", action="store_true",
                    help="greedy outputs: a non-ASCII word's chunk has empty text and the next chunk starts with it, as"

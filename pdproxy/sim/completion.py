@@ -7,10 +7,11 @@ prefiller pin, docs/pd-protocol.md §6) and returns a :class:`~pdproxy.sim.proto
 :mod:`pdproxy.sim.generation`), submits them to the rank, and answers through the route's
 :class:`~pdproxy.sim.generation.Writer`:
 
-* streaming: 200 ``text/event-stream`` headers at once, as vLLM's ``StreamingResponse`` does (seed 000:
-  "200 OK but nothing happens"), then the writer's head events (Responses: ``response.created``), then one event
-  per engine wake-up and sequence, carrying every new token, then the tail and the terminator. A failed KV pull
-  becomes the writer's failure events (OpenAI routes: an error event + ``[DONE]``);
+* streaming: 200 ``text/event-stream`` headers at once, as vLLM's ``StreamingResponse`` does (a request the
+  engine never schedules still logs "200 OK": ``docs/field-reports.md``), then the writer's head events
+  (Responses: ``response.created``), then one event per engine wake-up and sequence, carrying every new token,
+  then the tail and the terminator. A failed KV pull becomes the writer's failure events (OpenAI routes: an error
+  event + ``[DONE]``);
 * non-streaming: one JSON body when every sequence finished. A failed KV pull becomes HTTP 500.
 
 Outputs: each request says something else (a word offset per request), except that a request with ``seed``
@@ -196,7 +197,7 @@ def notify_rejected(server: SimServer, rank: RankEngine, body: Any) -> None:
     ``body`` is the parsed request body (anything else is ignored). The release runs as a side task of
     ``rank``; no-op on a prefill-only engine or without usable ``kv_transfer_params``. Protocol source:
     vLLM >= 0.26 ``generate/base/serving.py::_with_kv_transfer_rejection_cleanup`` calls
-    ``notify_kv_transfer_request_rejected`` for every ErrorResponse (PR #41269; docs/pd-protocol.md §6).
+    ``notify_kv_transfer_request_rejected`` for every ErrorResponse (docs/pd-protocol.md §6).
     """
     if server.config.role == "prefill" or not isinstance(body, dict):
         return

@@ -41,7 +41,7 @@ def engine_id_for(base: str, dp_rank: int) -> str:
 
 
 def internal_request_id(response_id: str, api: str, prompt_index: int = 0) -> str:
-    """The engine-internal id with vLLM's random suffix (PR #27987, ``input_processor.py::assign_request_id``).
+    """The engine-internal id with vLLM's random suffix (``vllm/v1/engine/input_processor.py::assign_request_id``).
 
     completions: ``cmpl-<X-Request-Id>-<prompt index>-<8hex>``; chat and Messages:
     ``chatcmpl-<X-Request-Id>-<8hex>``; Responses: ``resp_<16hex>_0-<8hex>`` (sub-request 0);

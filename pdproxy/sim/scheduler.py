@@ -11,7 +11,7 @@ The model follows ``vllm/v1/core/sched/scheduler.py`` (v0.26):
   skipped in a step that preempted;
 * admission reserves blocks for the *whole* prompt (``scheduler_reserve_full_isl=True``, the v0.26 default),
   minus prefix-cache hits. If the head of the queue cannot get its blocks, either admission stops
-  (``hol_blocking=True``: vLLM-Ascend 0.23 in seed 000, vLLM #39734, and vLLM 0.32 on CPU as measured by
+  (``hol_blocking=True``: vLLM-Ascend 0.23 in ``docs/field-reports.md``, and vLLM 0.32 on CPU as measured by
   ``tests/real_vllm/test_kv_pressure.py``) or later requests that fit go ahead (``hol_blocking=False``: a
   what-if; vLLM 0.32's ``schedule()`` stops at the first waiting request ``allocate_slots`` cannot place);
 * a RUNNING request that cannot get a block preempts the *last* running request (recompute: its blocks are

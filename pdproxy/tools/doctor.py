@@ -1,4 +1,4 @@
-"""``pdproxy doctor``: the manual verification of the field report in ``docs/field-reports.md``, automated
+"""``pdproxy doctor``: the four manual verification steps of ``docs/field-reports.md``, automated
 against every configured engine, printed as it goes and over within a time budget (``--budget-s``, 55 s).
 
 Checks, in order (each row of the report is one check on one engine or one P→D pair; rows appear as soon as
@@ -9,9 +9,10 @@ their check completes, engines and pairs concurrently):
 2. ``kv_pool`` — KV pool = ``num_gpu_blocks × block_size`` (or ``kv_cache_size_tokens``) from
    ``vllm:cache_config_info`` on ``/metrics`` vs ``max_model_len``, with the consequence in words: below it,
    "prompts between pool+1 and max_model_len−1 tokens will queue forever" on a prefiller, from pool on a decoder
-   (room for the answer's first token; a prompt of max_model_len tokens is the engine's own 400) — the field
-   report's 4,584 tokens under 133,120, vLLM #39734; below twice the pool the largest prompt needs, two such
-   prompts cannot be held at once;
+   (room for the answer's first token; a prompt of max_model_len tokens is the engine's own 400) — a 4,584-token
+   pool under a 133,120-token ``max_model_len`` in ``docs/field-reports.md``, where vLLM's scheduler never admits
+   such a prompt (``vllm/v1/core/sched/scheduler.py``, ``schedule``); below twice the pool the largest prompt
+   needs, two such prompts cannot be held at once;
 3. ``idle`` — ``vllm:num_requests_running`` / ``num_requests_waiting`` / ``kv_cache_usage_perc`` at zero when
    there is no traffic (a waiting request with nothing running is a stall: "200 OK but nothing happens");
 4. ``tool_call`` — a P→D round trip of a chat with a tool, expecting ``finish_reason: "tool_calls"`` (reported,

@@ -8,7 +8,7 @@ deployment.  Facts they rely on:
   ``kv_transfer_params``; the decoder gets the original body plus those params and pulls the KV.  Both legs
   carry the same ``X-Request-Id`` (vLLM's ``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`` does the
   same).  A tool call expects ``finish_reason: "tool_calls"`` (vLLM needs ``--enable-auto-tool-choice
-  --tool-call-parser …`` for that; the last verification step of the field report in ``docs/field-reports.md``);
+  --tool-call-parser …`` for that; verification step 3 in ``docs/field-reports.md``);
 - the cold probe sends plain completions (no ``kv_transfer_params``, so nothing stays pinned) of unique text —
   a counter and a nonce in every paragraph, so the prefix cache cannot help (``docs/field-reports.md``: repeated
   filler "passed" 49.4K tokens, unique text only 13.4K) — with ``max_tokens=1``.  Sizes are measured with the
