@@ -193,9 +193,10 @@ def test_word_bound_at_exactly_max_model_len_counts_before_choosing_the_wording(
 
 def test_seed_000_an_answer_that_would_outgrow_the_decoders_pool_is_capped_there(pair_of: Any) -> None:
     """vLLM never lowers ``max_tokens`` to its KV pool: a request whose prompt and output together outgrow the whole
-    pool preempts itself and waits forever (a 200 whose stream stops; vLLM #39734).  pdproxy caps the decode leg's
-    limit at the pool less the prompt (``n`` choices are fanned out, a leg each): the answer ends there with ``length``; a limit that
-    fits, or an absent one whose default fits, is forwarded untouched."""
+    pool preempts itself and waits forever (a 200 whose stream stops; vllm/v1/core/sched/scheduler.py,
+    ``schedule``).  pdproxy caps the decode leg's limit at the pool less the prompt (``n`` choices are fanned out,
+    a leg each): the answer ends there with ``length``; a limit that fits, or an absent one whose default fits, is
+    forwarded untouched."""
     pair: Pair = pair_of("seed")                                         # pool 4,580 tokens (+ the null block), max_model_len 133,120
     proxy = pair.proxy()
     try:
@@ -261,7 +262,7 @@ def test_a_decoder_that_prefills_shares_its_pool_among_every_sequence(pair_of: A
 def test_a_prompt_list_the_decoder_prefills_is_admitted_prompt_by_prompt(pair_of: Any) -> None:
     """Each prompt of a list sent whole to the decoder is an engine request of its own: one over the pool is the
     400 it is alone.  The list was sized as token ids (2 tokens here), admitted, and waited forever on the decoder
-    (seed 000: a prompt the pool cannot hold is never scheduled)."""
+    (a prompt the pool cannot hold is never scheduled: docs/field-reports.md)."""
     pair: Pair = pair_of("seed")
     proxy = pair.proxy()
     try:

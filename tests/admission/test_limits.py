@@ -53,7 +53,7 @@ def test_reject_mode_counts_output_on_the_decoder_only() -> None:
 
 
 def test_kv_pool_smaller_than_max_model_len_is_the_limit_and_is_named() -> None:
-    lim = limits(info(133120, 1146, 4), info(133120, 1146, 4))          # seed 000: 1146 × 4 = 4584 tokens
+    lim = limits(info(133120, 1146, 4), info(133120, 1146, 4))          # docs/field-reports.md: 1146 × 4 = 4584 tokens
     assert lim.max_prompt_tokens(None) == 4579       # 1145 blocks (vLLM's null block is never given); + 1 token
     v = lim.violation(10_000, None)
     assert v is not None and v.role is Role.PREFILL and v.limit_kind == "kv_pool" and v.limit == 4580

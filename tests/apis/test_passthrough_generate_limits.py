@@ -1,5 +1,5 @@
 """``/inference/v1/generate`` runs whole on one engine (pdproxy/app/passthrough.py), without the PD routes'
-admission — and seed 000's engine (a KV pool below ``max_model_len``, docs/field-reports.md) waits forever for a
+admission — and an engine whose KV pool is below ``max_model_len`` (docs/field-reports.md) waits forever for a
 request that outgrows its pool, holding every request queued behind it.  Before: one generate request of 2,000
 token ids, which the PD routes refuse in milliseconds, froze the decoder (a chat sent next waited past its 30 s
 timeout).  Now it is vLLM's 400 before any engine is contacted, and an output limit the pool cannot hold is lowered

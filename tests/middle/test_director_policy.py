@@ -416,9 +416,9 @@ BROKEN_ANSWERS = {"empty": Answer(raw=b""), "text": Answer(raw=b"hello"), "sse":
 async def test_a_decoder_answer_that_is_not_a_json_object_is_never_a_200(broken: str) -> None:
     """A non-streamed answer must be 200 with a JSON object holding ``choices`` (vLLM's): an empty body, text, an
     SSE stream, a 204, ``[]``, ``{}`` or an object without ``choices`` is the decoder's fault — the decoder's breaker
-    told, never relayed as a 200 (seed 000's symptom); with another decoder the request is retried there (the KV
-    re-prefilled); when every attempt failed so, 503 + ``Retry-After`` in the API's error shape, naming the fault
-    (pdproxy.pd.decode.DecodeLeg.gave_up)."""
+    told, never relayed as a 200 ("200 OK" with the engine doing nothing, docs/field-reports.md); with another
+    decoder the request is retried there (the KV re-prefilled); when every attempt failed so, 503 +
+    ``Retry-After`` in the API's error shape, naming the fault (pdproxy.pd.decode.DecodeLeg.gave_up)."""
     async with Rig() as rig:
         rig.fake.script("alone", decode=[BROKEN_ANSWERS[broken]] * 3)
         rig.fake.script("retried", decode=[BROKEN_ANSWERS[broken], Answer(body=completion("the answer"))])

@@ -1,7 +1,7 @@
 """``pdproxy doctor`` (the real command, as a process) against simulated engines: a healthy fleet passes; an engine
-configured like seed 000 (KV pool 4,584 tokens under max_model_len 133,120) is reported with the mismatch in
-words and the cliff confirmed at the pool's boundary, streaming its rows and ending well inside a minute with
-default flags; a prefiller without a KV connector is reported.  Probes leave engines idle."""
+configured as in docs/field-reports.md (KV pool 4,584 tokens under max_model_len 133,120) is reported with the
+mismatch in words and the cliff confirmed at the pool's boundary, streaming its rows and ending well inside a
+minute with default flags; a prefiller without a KV connector is reported.  Probes leave engines idle."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ tokens) is only a little above ``max_model_len`` (2,048) — vLLM 0.32 refuses t
 
 - vLLM alone: two long prompts sent at once cannot both hold KV, so the second waits inside the engine
   (``vllm:request_queue_time_seconds``); this shows the pool is really that small. And a small request that would
-  fit waits behind that waiting prompt (head-of-line blocking, as in seed 000);
+  fit waits behind that waiting prompt (head-of-line blocking, as on vLLM-Ascend 0.23 in docs/field-reports.md);
 - through pdproxy: pdproxy reads the pool from ``vllm:cache_config_info`` and never has more prompt tokens in
   flight or pinned on the prefiller than the pool holds, so the second long prompt waits in pdproxy's queue, not in
   the engine, while small requests keep completing.  The engine reports no request waiting for capacity until the
@@ -88,8 +88,9 @@ def test_vllm_alone_makes_the_second_long_prompt_wait(small_pool_engines: Engine
 
 def test_vllm_holds_small_requests_behind_a_long_prompt_waiting_for_kv(small_pool_engines: Engines,
                                                                         prompts: Prompts) -> None:
-    """Head-of-line blocking in vLLM 0.32 (like vLLM-Ascend in seed 000; ``pdproxy sim --hol-blocking on``): a
-    small request that would fit waits while a long prompt at the head of the queue waits for KV blocks.
+    """Head-of-line blocking in vLLM 0.32 (like vLLM-Ascend 0.23 in docs/field-reports.md; ``pdproxy sim
+    --hol-blocking on``): a small request that would fit waits while a long prompt at the head of the queue waits
+    for KV blocks.
 
     A 1,300-token prompt decoding 600 tokens (``ignore_eos``) holds 15 of the 18 blocks; a second one cannot get
     its 11; a 2-token request needs one block.  With nothing waiting, the small request's answer is in before the

@@ -189,7 +189,8 @@ async def test_recompute_stop_on_decoder_preemption_ends_the_stream(http: aiohtt
 @pytest.mark.parametrize("rejection", ["status_fault", "bad_dp_rank_header"])
 async def test_decoder_error_before_the_pull_releases_the_prefillers_pin(http: aiohttp.ClientSession,
                                                                          rejection: str) -> None:
-    """vLLM >= 0.26 notifies the prefiller on any ErrorResponse for a do_remote_prefill request (PR #41269)."""
+    """vLLM >= 0.26 notifies the prefiller on any ErrorResponse for a do_remote_prefill request
+    (docs/pd-protocol.md §6)."""
     async with running_sim(SimConfig(port=0, role="prefill")) as p, \
             running_sim(SimConfig(port=0, role="decode")) as d:
         params = (await prefill(http, p.base_urls[0], 100))["kv_transfer_params"]
