@@ -41,12 +41,6 @@ import orjson
 from pdproxy.apis import kv_transfer
 from pdproxy.endpoints import Endpoint
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather for a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "city name"}},
-                   "required": ["city"]}}}]
-TOOL_MESSAGES = [{"role": "user", "content": "What is the weather in Paris right now? Use the get_weather tool."}]
-
 Outcome = Literal["ok", "stalled", "error"]
 Plan = Literal["boundary", "ladder"]
 
@@ -169,15 +163,28 @@ def _brief(resp: httpx.Response) -> str:
     return f"HTTP {resp.status_code}: {text[:200]}"
 
 
+def _round_trip_chat(model: str, tools: bool) -> dict[str, Any]:
+    """The round trip's chat body (with the ``get_weather`` tool when ``tools``), built afresh for each probe: no
+    module-level object is shared into a request body."""
+    body: dict[str, Any] = {"model": model, "messages": [
+        {"role": "user", "content": "What is the weather in Paris right now? Use the get_weather tool."}],
+        "max_tokens": 64, "temperature": 0}
+    if tools:
+        body["tools"] = [{"type": "function", "function": {
+            "name": "get_weather", "description": "Current weather for a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "city name"}},
+                           "required": ["city"]}}}]
+        body["tool_choice"] = "auto"
+    return body
+
+
 async def pd_round_trip(client: httpx.AsyncClient, prefiller: Endpoint, decoder: Endpoint, model: str, *,
                         timeout_s: float, api_key: str | None = None, tools: bool = True) -> RoundTrip:
     """Chat (with a tool unless ``tools`` is False) through ``prefiller`` then ``decoder``, the way the proxy
     does; each leg is given ``timeout_s`` seconds.  Never raises for engine or transport errors (they go to
     ``RoundTrip.error``)."""
     out = RoundTrip(prefiller.name, decoder.name)
-    body: dict[str, Any] = {"model": model, "messages": TOOL_MESSAGES, "max_tokens": 64, "temperature": 0}
-    if tools:
-        body.update(tools=TOOLS, tool_choice="auto")
+    body = _round_trip_chat(model, tools)
     rid = f"pdproxy-doctor-{uuid.uuid4().hex}"
     path = "/v1/chat/completions"
     try:
