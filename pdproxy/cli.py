@@ -22,6 +22,7 @@ import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Final
 
 from pydantic import ValidationError
@@ -31,7 +32,7 @@ from pdproxy.endpoints import Role
 from pdproxy.settings import Settings, check_request_log, config_line, load_settings, unknown_environment
 
 # Settings that get a CLI flag of the same name (dashes for underscores); list/bool types are derived.
-_SKIP = {"endpoints"}
+_SKIP: Final = frozenset({"endpoints"})
 # The settings `pdproxy doctor` reads and lists in its --help: which engines, how to reach them (it takes serve's
 # other flags too, so that serve's command line pastes, without listing them).
 ENGINE_SETTINGS = ("prefill", "decode", "prefiller_hosts", "prefiller_ports", "decoder_hosts", "decoder_ports",
@@ -207,7 +208,7 @@ class RouterPolicy:
     prefix_routing: str
 
 
-ROUTER_POLICIES: Final = {
+ROUTER_POLICIES: Final = MappingProxyType({
     "cache_aware": RouterPolicy("least_cost", "auto"),
     "kv_aware": RouterPolicy("least_cost", "auto"),
     "consistent_hash": RouterPolicy("least_cost", "auto"),
@@ -215,7 +216,7 @@ ROUTER_POLICIES: Final = {
     "round_robin": RouterPolicy("least_cost", "off"),
     "power_of_two": RouterPolicy("power_of_two", "auto"),
     "random": RouterPolicy("power_of_two", "off"),
-}
+})
 """vllm-router's ``--policy`` / ``--prefill-policy`` / ``--decode-policy`` values → pdproxy settings (the
 prefill policy, else ``--policy``, decides; pdproxy has one picker for both roles).  docs/migrating.md says why."""
 

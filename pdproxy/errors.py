@@ -56,6 +56,7 @@ import enum
 import re
 import time
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final
 
 import orjson
@@ -65,7 +66,7 @@ from pdproxy.endpoints import Role
 if TYPE_CHECKING:
     from pdproxy.endpoints import Endpoint
 
-_TYPE_BY_STATUS = {
+_TYPE_BY_STATUS: Final = MappingProxyType({
     400: "BadRequestError",
     401: "AuthenticationError",
     403: "PermissionDeniedError",
@@ -79,7 +80,7 @@ _TYPE_BY_STATUS = {
     502: "BadGatewayError",
     503: "ServiceUnavailableError",
     504: "GatewayTimeoutError",
-}
+})
 
 
 def error_type_for(status: int) -> str:
@@ -312,10 +313,10 @@ class EdgeRefused(ProxyError):
     budget): not answered from here (the server wrote its answer), only counted and logged as the application's
     own refusals are.  ``outcome`` and ``rejection`` by status, from a closed set of labels."""
 
-    _BY_STATUS: Final = {401: ("unauthorized", ("unauthorized", "")),
-                         408: ("timeout", ("client_timeout", "")),
-                         413: ("payload_too_large", ("too_large", "body")),
-                         503: ("overloaded", ("pending_bodies", ""))}
+    _BY_STATUS: Final = MappingProxyType({401: ("unauthorized", ("unauthorized", "")),
+                                          408: ("timeout", ("client_timeout", "")),
+                                          413: ("payload_too_large", ("too_large", "body")),
+                                          503: ("overloaded", ("pending_bodies", ""))})
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)

@@ -58,6 +58,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Final
 
 import msgspec
@@ -68,7 +69,7 @@ from pdproxy.compiled import compiled_or
 from pdproxy.errors import UpstreamHTTPError, error_status, error_type_for
 
 KVTransferParams = dict[str, Any]
-"""A connector handle as a dict: the prefill leg's stub (:data:`PREFILL_STUB`), :meth:`KVHandle.params`."""
+"""A connector handle as a dict: the prefill leg's stub (a copy of :data:`PREFILL_STUB`), :meth:`KVHandle.params`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,14 +124,14 @@ def client_handle_fault(body: Mapping[str, Any]) -> str | None:
     return None
 
 
-PREFILL_STUB: KVTransferParams = {
+PREFILL_STUB: Final[MappingProxyType[str, Any]] = MappingProxyType({
     "do_remote_decode": True,
     "do_remote_prefill": False,
     "remote_engine_id": None,
     "remote_block_ids": None,
     "remote_host": None,
     "remote_port": None,
-}
+})
 
 # vLLM rejects these on a non-streaming request ("Stream options can only be defined when `stream=True`.").
 _STREAM_ONLY = ("stream_options",)
@@ -244,7 +245,7 @@ def prefill_body(original: Mapping[str, Any], api: Api = Api.CHAT, *, engine_jud
         body["min_tokens"] = 1
     if relax:
         relax_constraints(body, api)
-    body[KV_TRANSFER_PARAMS] = dict(PREFILL_STUB)
+    body[KV_TRANSFER_PARAMS] = PREFILL_STUB.copy()  # its dict's copy(), as fast as dict() of a dict
     return body
 
 
@@ -562,7 +563,9 @@ def _has_handle(prefill_response: Mapping[str, Any]) -> bool:
 # ``responses/serving.py`` sets ``status`` "incomplete" with ``incomplete_details.reason "max_output_tokens"`` for
 # a length cap, "completed" otherwise; ``anthropic/serving.py`` maps stop → "end_turn" / "stop_sequence", tool
 # calls → "tool_use", length → "max_tokens").
-_MESSAGES_STOP = {"end_turn": "stop", "stop_sequence": "stop", "tool_use": "tool_calls", "max_tokens": "length"}
+# A dict, read-only by its type: looked up for every Messages prefill answer (a mapping proxy's lookup is ~2× slower).
+_MESSAGES_STOP: Final[Mapping[str, str]] = {"end_turn": "stop", "stop_sequence": "stop", "tool_use": "tool_calls",
+                                            "max_tokens": "length"}
 
 
 def finish_reason(prefill_response: Mapping[str, Any], api: Api = Api.CHAT) -> str | None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import enum
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Annotated, Any, Final
 
 import orjson
@@ -39,8 +40,11 @@ class Api(enum.StrEnum):
         return _LABELS[self]
 
 
-_LABELS = {Api.CHAT: "chat", Api.COMPLETIONS: "completions", Api.RESPONSES: "responses", Api.MESSAGES: "messages"}
-_PROMPT_PARAMS = {Api.CHAT: "messages", Api.COMPLETIONS: "prompt", Api.RESPONSES: "input", Api.MESSAGES: "messages"}
+# Dicts, read-only by their type: looked up for every request (a mapping proxy's lookup is ~2× slower).
+_LABELS: Final[Mapping[Api, str]] = {Api.CHAT: "chat", Api.COMPLETIONS: "completions", Api.RESPONSES: "responses",
+                                     Api.MESSAGES: "messages"}
+_PROMPT_PARAMS: Final[Mapping[Api, str]] = {Api.CHAT: "messages", Api.COMPLETIONS: "prompt", Api.RESPONSES: "input",
+                                            Api.MESSAGES: "messages"}
 
 
 @dataclass(slots=True)
@@ -323,12 +327,13 @@ SHAPE_MODEL_ITEMS = 10_000
 """The most list members a body failing :func:`_shape_problem` may hold and still be given to pydantic for
 vLLM's words: the model costs 1–6 µs a member (a 150,000-tool chat: 0.85 s of the event loop, a 480,000-prompt
 list 1.4 s)."""
-_SHAPE_WORDS = {"kv_transfer_params": "'kv_transfer_params' must be an object",
-                "ec_transfer_params": "'ec_transfer_params' must be an object",
-                "messages": "'messages' must be a list of message objects",
-                "tools": "'tools' must be a list of tool objects",
-                "prompt": "'prompt' must be a string, a list of token ids (integers ≥ 0), a list of strings or a "
-                          "list of token-id lists"}
+_SHAPE_WORDS: Final = MappingProxyType({
+    "kv_transfer_params": "'kv_transfer_params' must be an object",
+    "ec_transfer_params": "'ec_transfer_params' must be an object",
+    "messages": "'messages' must be a list of message objects",
+    "tools": "'tools' must be a list of tool objects",
+    "prompt": "'prompt' must be a string, a list of token ids (integers ≥ 0), a list of strings or a list of "
+              "token-id lists"})
 
 
 def _members(value: Any) -> int:

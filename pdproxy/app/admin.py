@@ -52,8 +52,9 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 import orjson
@@ -86,7 +87,8 @@ class EndpointRef(BaseModel):
     models: list[StrictStr] = []    # add only: pin the endpoint to these model ids (as the config's ``models``)
 
 
-OPTIONS = {"add": ("dp_size", "models"), "drain": ("migrate",), "undrain": (), "remove": ("force",)}
+OPTIONS: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType({"add": ("dp_size", "models"), "drain": ("migrate",),
+                                                                  "undrain": (), "remove": ("force",)})
 """The fields each route takes besides ``url`` and ``role``."""
 
 

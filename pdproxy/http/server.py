@@ -272,7 +272,7 @@ def _status_line(code: int) -> bytes:
     return f"HTTP/1.1 {code} {phrase}\r\n".encode("latin-1")
 
 
-_STATUS_LINES = {code: _status_line(code) for code in range(100, 600)}
+_STATUS_LINES: Final[Mapping[int, bytes]] = {code: _status_line(code) for code in range(100, 600)}
 
 
 def _decoded_path(raw_path: bytes) -> str:
@@ -286,7 +286,7 @@ def _ignore(data: bytes) -> None:
     """A body writer with nowhere to write."""
 
 
-_CHUNK_SIZES = [b"%x\r\n" % n for n in range(1 << 14)]
+_CHUNK_SIZES: Final = tuple(b"%x\r\n" % n for n in range(1 << 14))
 _CRLF = b"\r\n"
 
 

@@ -78,7 +78,8 @@ from __future__ import annotations
 import os
 from bisect import bisect_left
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from types import MappingProxyType
+from typing import Any, Final, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -99,7 +100,7 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 # Timeline.phases() key → (metric name, help, buckets)
-PHASES: dict[str, tuple[str, str, tuple[float, ...]]] = {
+PHASES: Final[Mapping[str, tuple[str, str, tuple[float, ...]]]] = MappingProxyType({
     "admission_wait_s": ("pdproxy_admission_wait_seconds", "Arrival to admission (proxy queue wait).", TTFT_BUCKETS),
     "prefill_s": ("pdproxy_prefill_time_seconds", "Prefill leg round trip (last attempt).", TTFT_BUCKETS),
     "pd_gap_s": ("pdproxy_pd_gap_seconds", "Prefill answer to decode leg sent (P→D handoff in the proxy).",
@@ -107,7 +108,7 @@ PHASES: dict[str, tuple[str, str, tuple[float, ...]]] = {
     "decode_first_token_s": ("pdproxy_decode_first_token_seconds",
                              "Decode leg sent to the decoder's first event (KV pull + first token).", TTFT_BUCKETS),
     "decode_s": ("pdproxy_decode_time_seconds", "First relayed event to the end of the response.", E2E_BUCKETS),
-}
+})
 
 
 class ReleaseCounts(Protocol):

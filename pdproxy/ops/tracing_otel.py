@@ -27,8 +27,8 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType, TracebackType
+from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
 
 from opentelemetry import context as otel_context
@@ -58,8 +58,9 @@ log = logging.getLogger("pdproxy.tracing")
 
 SHUTDOWN_TIMEOUT_S = 3.0
 
-_OPERATION = {Api.CHAT: "chat", Api.COMPLETIONS: "text_completion",  # GenAI gen_ai.operation.name values:
-              Api.RESPONSES: "chat", Api.MESSAGES: "chat"}           # Responses and Messages are chats
+# GenAI gen_ai.operation.name values: Responses and Messages are chats.
+_OPERATION: Final = MappingProxyType({Api.CHAT: "chat", Api.COMPLETIONS: "text_completion", Api.RESPONSES: "chat",
+                                      Api.MESSAGES: "chat"})
 _TRACE_HEADERS = (b"traceparent", b"tracestate")
 
 EndHook = Callable[[Span, "RequestContext", bool, dict[str, Any]], None]

@@ -16,7 +16,8 @@ known path with another method), as real vLLM does.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 from aiohttp import web
@@ -30,8 +31,9 @@ if TYPE_CHECKING:
     from pdproxy.sim.runner import RankEngine
     from pdproxy.sim.server import Listener, SimServer
 
-RENDER_ROUTES = {"/v1/chat/completions/render": "chat", "/v1/completions/render": "completions",
-                 "/v1/messages/render": "messages", "/v1/responses/render": "responses"}
+RENDER_ROUTES: Final = MappingProxyType({"/v1/chat/completions/render": "chat",
+                                         "/v1/completions/render": "completions",
+                                         "/v1/messages/render": "messages", "/v1/responses/render": "responses"})
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:

@@ -23,7 +23,7 @@ import json
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import zmq
 import zmq.asyncio
@@ -31,8 +31,8 @@ import zmq.asyncio
 from pdproxy.prefix.kv_events import END_SEQ, Encoding, KVEvent, cleared, removed, seq_frame, stored
 from pdproxy.sim.kv_wire import BatchEncoder
 
-KNOWN_KEYS = {"enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm",
-              "max_queue_size", "topic"}
+KNOWN_KEYS: Final = frozenset({"enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps",
+                               "hwm", "max_queue_size", "topic"})
 
 
 @dataclass(frozen=True, slots=True)

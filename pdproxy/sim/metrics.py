@@ -18,6 +18,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Final
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -35,7 +37,7 @@ FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 UNCOUNTED_HANDLERS = frozenset({"/metrics", "/health", "/load", "/ping", "/version"})
 """Paths vLLM's HTTP instrumentation does not count in ``http_requests_total``."""
 
-_HELP = {
+_HELP: Final = MappingProxyType({
     "vllm:num_requests_running": "Number of requests in model execution batches.",
     "vllm:num_requests_waiting": "Number of requests waiting to be processed.",
     "vllm:num_requests_waiting_by_reason": (
@@ -79,7 +81,7 @@ _HELP = {
     "vllm:e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
     "vllm:request_queue_time_seconds": "Histogram of time spent in WAITING phase for request.",
     "http_requests_total": "Total number of requests by method, status and handler.",
-}
+})
 
 
 def go_float(value: float) -> str:

@@ -29,8 +29,10 @@ import bisect
 import json
 import math
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Final
 
 from pdproxy.tokens import Tokenizer
 
@@ -250,7 +252,8 @@ def plan_output(offset: int, table: TokenTable, rules: StopRules, max_tokens: in
 
 
 # ---- JSON that fits a schema ------------------------------------------------------------------------------
-_SCALARS: dict[str, Any] = {"string": "sim", "integer": 1, "number": 1.5, "boolean": True, "null": None}
+_SCALARS: Final[Mapping[str, Any]] = MappingProxyType({"string": "sim", "integer": 1, "number": 1.5, "boolean": True,
+                                                       "null": None})
 
 
 def json_example(schema: Any, root: Any = None, depth: int = 0, required_only: bool = False) -> Any:

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 
@@ -45,8 +46,8 @@ if TYPE_CHECKING:
     from pdproxy.sim.config import SimConfig
     from pdproxy.sim.models import ModelRegistry
 
-_TOOL_DEFAULTS = {"strict": None, "allowed_callers": None, "async": None, "defer_loading": None,
-                  "description": None, "output_schema": None}
+_TOOL_DEFAULTS: Final = MappingProxyType({"strict": None, "allowed_callers": None, "async": None,
+                                          "defer_loading": None, "description": None, "output_schema": None})
 
 
 def _text_of(content: Any) -> tuple[str, int]:

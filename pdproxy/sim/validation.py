@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pdproxy.sim.errors import SimHTTPError
 from pdproxy.sim.outputs import StopRules
@@ -131,8 +131,8 @@ def get_float(body: dict[str, Any], key: str) -> float | None:
     raise pydantic_error("float_type", key, "Input should be a valid number", value)
 
 
-_TRUE = {"true", "1", "yes", "on", "t", "y"}
-_FALSE = {"false", "0", "no", "off", "f", "n"}
+_TRUE: Final = frozenset({"true", "1", "yes", "on", "t", "y"})
+_FALSE: Final = frozenset({"false", "0", "no", "off", "f", "n"})
 
 
 def get_bool(body: dict[str, Any], key: str, default: bool = False) -> bool:

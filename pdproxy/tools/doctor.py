@@ -39,7 +39,8 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, TypeVar
+from types import MappingProxyType
+from typing import Any, Final, Literal, TypeVar
 
 import httpx
 import orjson
@@ -129,7 +130,7 @@ def _n(value: int | None) -> str:
     return "unknown" if value is None else f"{value:,}"
 
 
-_ROLE_NOUN = {Role.PREFILL: "prefiller", Role.DECODE: "decoder"}
+_ROLE_NOUN: Final = MappingProxyType({Role.PREFILL: "prefiller", Role.DECODE: "decoder"})
 
 
 def _kv_figures(role: Role, pool: int, mml: int, block_size: int | None) -> tuple[int, int, int, int]:

@@ -19,7 +19,8 @@ of one not open) return without the lock.  Time is ``time.monotonic()``, one clo
 from __future__ import annotations
 
 import time
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Final
 
 from pdproxy.engines.breaker import BreakerState, CircuitBreaker, Clock
 from pdproxy.workers.board import (
@@ -35,7 +36,7 @@ from pdproxy.workers.board import (
 )
 
 _STATES = (BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN)  # cell value → state (0 = closed)
-_CODES = {s: i for i, s in enumerate(_STATES)}
+_CODES: Final = MappingProxyType({s: i for i, s in enumerate(_STATES)})
 
 
 class BoardBreaker(CircuitBreaker):
