@@ -36,8 +36,8 @@ only to an engine whose ``max_model_len`` and KV pool (less vLLM's null block) h
 and on an engine whose pool is below what the prompt and its output limit need (``max_tokens``: null means the
 room ``max_model_len`` leaves, absent 16) ``sampling_params.max_tokens`` is lowered to the pool's room, shared by ``n``
 (:func:`generate_output_room`; the decode leg's ``output_room`` in pdproxy/pd/decode.py): a request outgrowing the
-pool preempts itself and waits forever, holding every request queued behind it (seed 000,
-docs/field-reports.md; vLLM issue #39734) — one such request from any client froze the engine.
+pool preempts itself and waits forever, holding every request queued behind it (vLLM-Ascend 0.23
+in docs/field-reports.md; ``vllm/v1/core/sched/scheduler.py``, ``schedule``) — one such request froze the engine.
 
 **Transport**: httpx (control-plane style), not the data-plane client of :mod:`pdproxy.http.upstream`: these routes are
 not on the hot path, they need arbitrary bodies (multipart uploads) and content types, and their answers are
@@ -57,8 +57,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Final
 
 import httpx
 import orjson
@@ -96,7 +96,7 @@ from pdproxy.timeline import RequestContext
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
-ROUTES: dict[str, str] = {
+ROUTES: Final[Mapping[str, str]] = {
     "/tokenize": "tokenize", "/detokenize": "detokenize",
     "/v1/messages/count_tokens": "count_tokens",
     "/v1/chat/completions/render": "render", "/v1/completions/render": "render",

@@ -1,7 +1,7 @@
 """Per-endpoint circuit breaker: closed → open → half-open → closed, on an injectable clock.
 
-Why: field reports on PD proxies (vLLM-Ascend #13140 "no node-failure detection or isolation") show a
-dead prefiller picked again and again.  The breaker counts *consecutive* failures that are the engine's fault
+Why: vLLM-Ascend's example PD proxy (``examples/disaggregated_prefill_v1/load_balance_proxy_server_example.py``)
+has no node-failure detection or isolation: a dead prefiller is picked again and again.  The breaker counts *consecutive* failures that are the engine's fault
 (refused/reset connections, timeouts, 5xx) — a 4xx (over-length prompt, bad request) is the request's fault and
 is never recorded here.
 

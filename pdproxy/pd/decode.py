@@ -109,10 +109,10 @@ class DecodeLeg:
 
         vLLM lowers an absent ``max_tokens`` to the room ``max_model_len`` leaves, never to its KV pool.  vLLM 0.32
         refuses to start with a pool below ``max_model_len`` (``vllm/v1/core/kv_cache_utils.py``,
-        ``_check_enough_kv_cache_memory``), so there this never binds; engines that do start so (seed 000's
-        vLLM-Ascend 0.23: 4,584 tokens under 133,120, ``docs/field-reports.md``) run a request whose prompt and
+        ``_check_enough_kv_cache_memory``), so there this never binds; engines that do start so (vLLM-Ascend
+        0.23: 4,584 tokens under 133,120, ``docs/field-reports.md``) run a request whose prompt and
         output together outgrow the whole pool until it preempts itself, and it then waits forever
-        (``vllm/v1/core/sched/scheduler.py``, ``schedule``: "Cannot schedule this request"; vLLM issue #39734) — a
+        (``vllm/v1/core/sched/scheduler.py``, ``schedule``: "Cannot schedule this request") — a
         200 whose stream stops.  So the leg asks for at most the pool (less vLLM's null block) less the prompt (the
         prefiller's exact count on a first leg, else admission's upper bound of the leg's prompt), shared by the
         request's sequences (``n`` choices of each prompt of a completion prompt list, which a decoder that prefills

@@ -28,7 +28,7 @@ the scheduler finds a prefiller that passes every filter including that one.
   rather than over unanswered prefills only.  Counting is in whole blocks (``block_size``; a held lease counts as
   at most ``block_size − 1`` tokens more than its prompt), as vLLM allocates them.  Without it a second long
   prompt is dispatched and waits inside the engine, where it holds every smaller request behind it (vLLM's
-  head-of-line blocking, seed 000).
+  head-of-line blocking: docs/field-reports.md).
 - **Order.**  Waiters are served by ``key = uncached tokens − aging_tokens_per_s × waited_s`` (smallest first;
   uncached = the prompt minus the most any prefiller holds of it, the whole prompt when nothing is known): a
   small prompt goes ahead of a large one, and a large one's key falls every second it waits until it is first.
