@@ -41,6 +41,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from contextlib import suppress
+from types import TracebackType
 from typing import Any, Protocol
 
 import httptools
@@ -101,7 +102,8 @@ class H1Response:
     ``", "``).  ``idle_timeout_s``: a read that waits longer for data raises :class:`ReadTimeout`; so does any read
     still waiting at ``deadline_at`` (``loop.time()`` seconds).  :meth:`set_idle_timeout` changes the idle timeout
     on the live response.  A broken connection fails reads with :class:`Disconnected` (or
-    :class:`ProtocolError`) once the bytes that did arrive are read.
+    :class:`ProtocolError`) once the bytes that did arrive are read.  ``with resp:`` calls :meth:`release` when
+    the block is left, however it is left.
     """
 
     __slots__ = ("_buf", "_conn", "_eof", "_exc", "_size", "_timer", "_wait_since", "_waiter", "deadline_at",
@@ -209,6 +211,13 @@ class H1Response:
         not) on a keep-alive connection, and is closed otherwise."""
         self._stop_timer()
         self._conn.done(self, reusable=self._eof and self.keep_alive)
+
+    def __enter__(self) -> H1Response:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.release()
 
     def close(self) -> None:
         """Drop the connection (the engine sees a disconnect and aborts the request, docs/pd-protocol.md §6);

@@ -173,11 +173,9 @@ class Upstream:
         resp: H1Response | None = None
         try:
             resp = await self._post(url, body, headers, None, headers_by=deadline, deadline_at=deadline)
-            try:
+            with resp:
                 data = await read_answer(resp, self.max_answer_bytes, f"{endpoint.role.value} {endpoint.name}",
                                          endpoint.name)
-            finally:
-                resp.release()
             if resp.status >= 400:
                 raise UpstreamHTTPError(resp.status, data, endpoint=endpoint.name,
                                         content_type=resp.content_type or "application/json",
@@ -214,10 +212,8 @@ class Upstream:
             if resp.status < 400:
                 resp.close()
                 return {}
-            try:
+            with resp:
                 data = await resp.read(_MAX_ERROR_BODY_BYTES)
-            finally:
-                resp.release()
         except (TransportError, TimeoutError) as exc:
             raise _answer_failure(exc, endpoint, timeout_s) from None
         raise UpstreamHTTPError(resp.status, data, endpoint=endpoint.name,
@@ -259,7 +255,7 @@ class Upstream:
                                         content_type=resp.content_type or "application/json",
                                         retry_after=_retry_after(resp.headers))
             yield resp
-        finally:
+        finally:   # not ``with resp:`` (release): a complete message with bytes left unread is closed here
             if resp.content.at_eof():
                 resp.release()
             else:

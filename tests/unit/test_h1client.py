@@ -318,6 +318,29 @@ async def test_unfinished_body_aborts_the_connection(how: str) -> None:
                 await resp.readany()  # does not wait forever
 
 
+async def test_with_response_releases_on_exit() -> None:
+    """``with resp:`` is :meth:`release` on the way out: a complete message's connection is pooled, an unfinished
+    one's is closed (the engine aborts), also when the block raises."""
+    async def script(peer: Peer) -> None:
+        await peer.request()
+        await peer.send(answer(b"{}"))
+        await peer.request()
+        await peer.send(chunked(*SSE)[:-40])
+        await peer.wait_gone()
+
+    async with serving(script) as (engine, pool):
+        resp = await post(pool, engine.key)
+        with resp as entered:
+            assert entered is resp and await resp.read() == b"{}"
+        assert pooled(pool, engine.key) == 1
+        resp = await post(pool, engine.key)
+        with pytest.raises(ValueError), resp:
+            assert await resp.readany()
+            raise ValueError
+        await asyncio.wait_for(engine.peers[0].gone.wait(), 3)
+        assert pooled(pool, engine.key) == 0 and resp._conn.closed and engine.accepts == 1
+
+
 # --- failures ----------------------------------------------------------------------------------------------------
 async def test_connect_refused_raises_connect_error() -> None:
     with socket.socket() as sock:
