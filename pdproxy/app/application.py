@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
 import orjson
@@ -77,6 +78,54 @@ def _header(scope: dict[str, Any], name: bytes) -> str | None:
         if k == name:
             return bytes(v).decode("latin-1")
     return None
+
+
+class _InFlight:
+    """``with _InFlight(state):`` counts a request in ``state.in_flight`` (the drain's wait, pdproxy/app/shutdown.py)
+    for the block, however it is left (an answer, an error, a cancellation)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
+
+    def __enter__(self) -> None:
+        self.state.in_flight += 1
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.state.in_flight -= 1
+
+
+class _RequestEnd:
+    """``with _RequestEnd(app, ctx) as end:`` around a generation request (``handle_completion``): on leaving the
+    block, however it is left, the request is recorded (:meth:`PDProxyApp._finished` with ``end.req``, the parsed
+    request once there is one) and then, if :meth:`in_flight` counted it, it leaves ``state.in_flight`` — recorded
+    first, so an idle proxy has logged all it served.  One object and one ``with`` per request, where an
+    :class:`_InFlight` inside a record-once block would be two of each."""
+
+    __slots__ = ("app", "ctx", "req", "state")
+
+    def __init__(self, app: PDProxyApp, ctx: RequestContext) -> None:
+        self.app = app
+        self.ctx = ctx
+        self.req: ProxyRequest | None = None
+        self.state: ProxyState | None = None
+
+    def __enter__(self) -> _RequestEnd:
+        return self
+
+    def in_flight(self, state: ProxyState) -> None:
+        """Count the request in ``state.in_flight`` until the block is left."""
+        state.in_flight += 1
+        self.state = state
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.app._finished(self.ctx, self.req)
+        state = self.state
+        if state is not None:
+            state.in_flight -= 1
 
 
 class PDProxyApp:
@@ -165,13 +214,10 @@ class PDProxyApp:
             ctx.authorization = self._check_auth(lambda name: _header(scope, name))
             body = await self._read_body(receive, scope)
             headers = {k: v.decode("latin-1") for k, v in scope["headers"] if k in _PASSED_HEADERS}
-            state.in_flight += 1
-            try:
+            with _InFlight(state):
                 work = state.passthrough.serve(path, body, headers, ctx, out)
                 if await cancel_on_disconnect(work, asgi_disconnect(receive), lambda: out.ended):
                     ctx.outcome = "client_disconnected"
-            finally:
-                state.in_flight -= 1
         except asyncio.CancelledError:
             ctx.outcome = "client_disconnected"
         except Exception as exc:
@@ -254,16 +300,15 @@ class PDProxyApp:
         ctx = RequestContext(request_id=new_request_id(client_id), client_request_id=client_id, api_label=api.label,
                              client_headers=ex.headers)
         out = Responder(ex, ctx, [(b"x-request-id", (client_id or ctx.request_id).encode("latin-1"))], api)
-        req: ProxyRequest | None = None
         ctx.gaps = self.metrics.started(ctx.api_label)
-        recorded = False
-        try:
+        with _RequestEnd(self, ctx) as end:       # recorded however it ends, refused or served
             try:
                 if state is None or director is None or state.shutting_down:
                     raise ShuttingDown()
                 ctx.authorization = self._check_auth(ex.header)
                 require_json(ex.header(b"content-type"))
-                req = parse_request(ex.body, api, self.settings.max_json_depth, self.settings.max_json_items)
+                req = end.req = parse_request(ex.body, api, self.settings.max_json_depth,
+                                              self.settings.max_json_items)
                 ctx.model = req.model
                 fault = client_handle_fault(req.body)
                 if fault is not None:     # vllm_xargs.kv_transfer_params...: not cut out, refused
@@ -273,16 +318,8 @@ class PDProxyApp:
                 ctx.rejection = rejection_of(err)
                 out.error_nowait(err)
                 return
-            state.in_flight += 1
-            try:
-                await self._serve_until_disconnect(director, req, ctx, out, ex)
-            finally:     # recorded before it leaves the in-flight count: an idle proxy has logged all it served
-                recorded = True
-                self._finished(ctx, req)
-                state.in_flight -= 1
-        finally:
-            if not recorded:                       # refused before it was in flight
-                self._finished(ctx, req)
+            end.in_flight(state)
+            await self._serve_until_disconnect(director, req, ctx, out, ex)
 
     def _finished(self, ctx: RequestContext, req: ProxyRequest | None) -> None:
         """Per-request metrics and the request-log line (pdproxy/ops/metrics.py, pdproxy/ops/reqlog.py); never raises."""
