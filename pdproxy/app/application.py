@@ -38,6 +38,7 @@ from pdproxy.apis.request import Api, ProxyRequest, load_json, parse_request, re
 from pdproxy.app import passthrough
 from pdproxy.app.admin import build_admin_router, check_debug_access, read_body
 from pdproxy.app.disconnect import asgi_disconnect, cancel_on_disconnect, exchange_disconnect
+from pdproxy.app.passthrough import Send
 from pdproxy.app.state import ProxyState
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.errors import (
@@ -71,6 +72,8 @@ if TYPE_CHECKING:
     from pdproxy.workers.share import WorkerShare
 
 log = logging.getLogger("pdproxy")
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+"""An ASGI ``receive``, as :func:`pdproxy.app.disconnect.asgi_disconnect` takes it (``Send``: passthrough's)."""
 _PASSED_HEADERS = (b"content-type", b"accept", *TRACE_HEADERS)  # client headers a passthrough route hands on
 
 def _header(scope: dict[str, Any], name: bytes) -> str | None:
@@ -158,10 +161,10 @@ class PDProxyApp:
         self.request_log = RequestLog(settings)
         self.control = build_control_app(self)
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         await self._entry(scope, receive, send)
 
-    async def _dispatch(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def _dispatch(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             path = scope["path"].rstrip("/")
             route = self.completion_routes.get(path)
@@ -183,9 +186,10 @@ class PDProxyApp:
                 else:
                     await self._post_only(path, send)
                 return
-        await self.control(scope, receive, send)
+        # Starlette's Send type takes any MutableMapping; what it sends is a dict
+        await self.control(scope, receive, send)  # type: ignore[arg-type]
 
-    async def _post_only(self, path: str, send: Any) -> None:
+    async def _post_only(self, path: str, send: Send) -> None:
         """The 405 (``Allow: POST``) of another method on a POST-only route (``path``: without trailing slash), in
         the route's error shape: Anthropic's ``{"type": "error", "error": {"type", "message"}}`` on ``/v1/messages``
         and ``/v1/messages/count_tokens`` (``error_routes``), vLLM's OpenAI envelope elsewhere."""
@@ -198,8 +202,8 @@ class PDProxyApp:
                                 (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
-    async def handle_passthrough(self, path: str, label: str, scope: dict[str, Any], receive: Any,
-                                 send: Any) -> None:
+    async def handle_passthrough(self, path: str, label: str, scope: dict[str, Any], receive: Receive,
+                                 send: Send) -> None:
         """Raw ASGI handler for the routes passed through to one engine (:mod:`pdproxy.app.passthrough`)."""
         state = self.state
         client_id = _header(scope, b"x-request-id")
@@ -241,7 +245,7 @@ class PDProxyApp:
         finally:
             self._finished(ctx, None)
 
-    async def _read_body(self, receive: Any, scope: dict[str, Any]) -> bytes:
+    async def _read_body(self, receive: Receive, scope: dict[str, Any]) -> bytes:
         limit = self.settings.max_body_bytes
         declared = _header(scope, b"content-length")
         if declared and declared.isdigit() and int(declared) > limit:
@@ -331,8 +335,8 @@ class PDProxyApp:
         except Exception:  # observability must never break a request
             log.exception("recording request %s failed", ctx.request_id)
 
-    async def _serve_until_disconnect(self, director: Director, req: Any, ctx: RequestContext, out: Responder,
-                                      ex: Exchange) -> None:
+    async def _serve_until_disconnect(self, director: Director, req: ProxyRequest, ctx: RequestContext,
+                                      out: Responder, ex: Exchange) -> None:
         """Run the director in this task, cancelling it as soon as the client disconnects (the connection's
         ``on_disconnect``, :func:`~pdproxy.app.disconnect.cancel_on_disconnect`), and send errors the way still open
         to us."""
