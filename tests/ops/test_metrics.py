@@ -41,7 +41,8 @@ def test_metrics_count_known_traffic(proxy: ProxyThread, sims: Fleet) -> None:
     tokenized = httpx.post(proxy.url + "/tokenize", json={"model": "sim-model", "prompt": "Hello"})
     assert tokenized.status_code == 200                  # a call about the model: counted, never timed
     proxy.wait_idle()
-    # a request is recorded just after it leaves in_flight (app.py: the outer finally), so wait for the last one
+    # a passthrough request (the /tokenize) is recorded just after it leaves in_flight (pdproxy/app/application.py,
+    # handle_passthrough), so wait for the last one
     wait_until(lambda: scrape(proxy.url).total("pdproxy_requests_total") == 5, 5, what="every request recorded")
     assert scrape(proxy.url).value("pdproxy_requests_total", api="tokenize", status="200", outcome="ok") == 1
     for name in ("pdproxy_time_to_first_token_seconds_count", "pdproxy_e2e_request_latency_seconds_count",
