@@ -67,7 +67,8 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from pdproxy.apis.kv_transfer import PROXY_OWNED, client_handle_fault, decode_body_bytes
-from pdproxy.apis.request import load_json, load_json_object
+from pdproxy.apis.request import Api, load_json, load_json_object
+from pdproxy.apis.streams import error_json
 from pdproxy.endpoints import Endpoint, Role
 from pdproxy.engines.health import HealthMonitor, Verdict
 from pdproxy.engines.limits import EngineLimits, Limits
@@ -500,7 +501,8 @@ class Passthrough:
                     raise UpstreamHTTPError(resp.status_code, data, endpoint=endpoint.name,
                                             content_type=resp.headers.get("content-type", "application/json"),
                                             retry_after=resp.headers.get("retry-after"))
-                await self._relay_whole(resp.status_code, resp.headers, data, ctx, send)
+                await self._relay_whole(resp.status_code, resp.headers, self._error_body(path, resp, data), ctx,
+                                        send)
                 verdict.neutral()
                 return "done"
             if resp.status_code >= 400 and "json" not in resp.headers.get("content-type", "").lower():
@@ -512,7 +514,15 @@ class Passthrough:
                                                      self.settings.decode_first_byte_timeout_s)
                 raise UpstreamHTTPError(resp.status_code, data, endpoint=endpoint.name,
                                         retry_after=resp.headers.get("retry-after"))
-            broken = await self._relay_stream(resp, endpoint, ctx, send, verdict)
+            if resp.status_code >= 400 and path in ANTHROPIC_ROUTES:   # a JSON error, in Anthropic's envelope
+                with httpx_errors(who, endpoint.name, f" on {path}"):
+                    data, _ = await _read_error_body(resp, ERROR_BODY_MAX_BYTES,
+                                                     self.settings.decode_first_byte_timeout_s)
+                await self._relay_whole(resp.status_code, resp.headers, self._error_body(path, resp, data), ctx,
+                                        send)
+                broken = False
+            else:
+                broken = await self._relay_stream(resp, endpoint, ctx, send, verdict)
         if broken:                          # cut mid-answer: already told to the breaker (_relay_stream)
             return "done"
         if resp.status_code < 400:
@@ -523,6 +533,17 @@ class Passthrough:
             verdict.error(UpstreamHTTPError(   # (pdproxy.errors.classify: Retry-After kept)
                 resp.status_code, b"", endpoint=endpoint.name, retry_after=resp.headers.get("retry-after")))
         return "done"
+
+    @staticmethod
+    def _error_body(path: str, resp: httpx.Response, data: bytes) -> bytes:
+        """An engine's JSON error body ``data`` as relayed on ``path``: as it came, except on the
+        :data:`ANTHROPIC_ROUTES`, where one in vLLM's OpenAI envelope (its request validation errors, on every route)
+        is put in Anthropic's (:func:`pdproxy.apis.streams.error_json`) — an Anthropic client reads ``error.type``.
+        A body cut short (:func:`_read_error_body`) is no JSON: the envelope words the status and its start."""
+        if path not in ANTHROPIC_ROUTES:
+            return data
+        return error_json(Api.MESSAGES, UpstreamHTTPError(resp.status_code, data,
+                                                          content_type=resp.headers.get("content-type", "")))
 
     def _headers_out(self, headers: httpx.Headers, ctx: RequestContext) -> list[tuple[bytes, bytes]]:
         """The engine's response headers for the client (hop-by-hop ones dropped), plus ``x-pdproxy-decoder`` /

@@ -374,6 +374,24 @@ def test_messages_count_tokens_passes_through(sims: Fleet) -> None:
         proxy.stop()
 
 
+def test_messages_count_tokens_engine_errors_are_in_the_anthropic_envelope(proxy: ProxyThread, sims: Fleet) -> None:
+    """vLLM answers a request its pydantic model refuses in the OpenAI envelope on every route; pdproxy answers every
+    error on the Anthropic routes in Anthropic's, as on ``/v1/messages`` — count_tokens relayed the engine's
+    ``{"error": {...}}`` as it came (the Anthropic client read no ``error.type``).  Other statuses, a body that does
+    not end: tests/reliability/test_passthrough_error_body.py."""
+    body = {"model": "sim-model", "messages": [{"role": "wizard", "content": "Hi"}]}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude(proxy).messages.count_tokens(**body)          # type: ignore[arg-type]
+    assert e.value.status_code == 400 and e.value.body["type"] == "error", e.value.body
+    assert e.value.body["error"]["type"] == "Bad Request"
+    assert "body.messages.0.role" in e.value.body["error"]["message"]
+    r = httpx.post(proxy.url + "/v1/messages/count_tokens", timeout=20, json={"model": "sim-model", "messages": "x"})
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json"
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "Bad Request", r.json()
+    assert "Input should be a valid list" in r.json()["error"]["message"]      # the engine's words (pydantic's)
+    assert int(r.headers["content-length"]) == len(r.content)
+
+
 def test_the_anthropic_client_key_reaches_engines_as_authorization() -> None:
     """vLLM's --api-key reads only ``Authorization``; the Anthropic client sends ``x-api-key``: with
     ``engine_api_key`` pdproxy presents the engine key itself on both legs."""

@@ -53,3 +53,62 @@ def test_an_error_answer_whose_body_never_ends_does_not_hold_the_client(status: 
             proxy.wait_idle()
         finally:
             proxy.stop()
+
+
+class ErrorEngine(StandInEngine):
+    """Answers every ``POST`` with ``status`` and the JSON ``body``."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(MODEL)
+        self.status, self.body = status, body
+
+    def post(self, handler: StandInHandler, body: bytes) -> None:
+        handler.answer(self.status, self.body)
+
+
+OPENAI_ERROR = b'{"error": {"message": "no", "type": "SomeError", "param": "body.x", "code": 400}}'
+
+
+@pytest.mark.parametrize(("status", "body", "expected"), [
+    (400, OPENAI_ERROR, {"type": "error", "error": {"type": "SomeError", "message": "no"}}),
+    (422, OPENAI_ERROR, {"type": "error", "error": {"type": "SomeError", "message": "no"}}),
+    (404, OPENAI_ERROR, {"type": "error", "error": {"type": "SomeError", "message": "no"}}),   # not "route unknown"
+    (501, OPENAI_ERROR, {"type": "error", "error": {"type": "SomeError", "message": "no"}}),   # relayed, not failed over
+    (400, b'{"type": "error", "error": {"type": "invalid_request_error", "message": "own"}}',   # as it came
+     {"type": "error", "error": {"type": "invalid_request_error", "message": "own"}}),
+    (400, b'{"error": "x"}', {"error": "x"}),                                                  # no envelope: as it came
+])
+def test_count_tokens_engine_errors_are_in_the_anthropic_envelope(status: int, body: bytes,
+                                                                  expected: dict[str, object]) -> None:
+    """``/v1/messages/count_tokens`` is passed through; an engine's error in vLLM's OpenAI envelope (its request
+    validation errors, on every route) reaches the client in Anthropic's, with its status, ``type`` and ``message``,
+    as on ``/v1/messages`` — before, it was relayed as it came."""
+    with ErrorEngine(status, body).running() as engine:
+        proxy = ProxyThread(prefill=[engine.url], decode=[engine.url], request_log=False,
+                            retry_backoff_s=0.0, breaker_open_s=30).start()
+        try:
+            resp = httpx.post(proxy.url + "/v1/messages/count_tokens", timeout=20,
+                              json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+            assert resp.status_code == status and resp.headers["content-type"] == "application/json"
+            assert resp.json() == expected
+            assert int(resp.headers["content-length"]) == len(resp.content)
+            proxy.wait_idle()
+        finally:
+            proxy.stop()
+
+
+def test_a_count_tokens_error_whose_body_never_ends_is_answered_in_the_anthropic_envelope() -> None:
+    with TrickleEngine(400).running() as engine:
+        proxy = ProxyThread(prefill=[engine.url], decode=[engine.url], request_log=False,
+                            retry_backoff_s=0.0, decode_first_byte_timeout_s=1.0, breaker_open_s=30).start()
+        try:
+            started = time.monotonic()
+            resp = httpx.post(proxy.url + "/v1/messages/count_tokens", timeout=20,
+                              json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+            took = time.monotonic() - started
+            assert took < 8, f"answered after {took:.1f} s"
+            assert resp.status_code == 400 and resp.json()["type"] == "error", resp.text[:300]
+            assert resp.json()["error"]["message"].startswith("engine answered HTTP 400: xxx")
+            proxy.wait_idle()
+        finally:
+            proxy.stop()
