@@ -187,6 +187,7 @@ class DecodeLeg:
                 body = recompute.force_usage_bytes(body, req.body)
             ctx.timeline.decode_start_at = time.monotonic()
             first_byte_s = s.decode_first_byte_timeout_s if req.stream else s.decode_nonstream_timeout_s
+            leg_deadline = asyncio.get_running_loop().time() + first_byte_s   # a non-streamed leg's, head and body
             routing = routing_headers(ctx) if s.expose_routing_headers else []
             broken: ProxyError | None = None     # a failure after the first event, told to the error event's client
             head = False                         # a non-streamed answer's status line came (vLLM sends it when done)
@@ -222,6 +223,11 @@ class DecodeLeg:
                         else:
                             head = True
                             prefill.consume()          # the decoder answered: it has the request and its KV
+                            # vLLM sends the body with the status line, once the answer is done: a body silent for
+                            # decode_idle_timeout_s is a lost decoder, and the whole leg ends by its deadline (the
+                            # body's wait no longer starts decode_nonstream_timeout_s again)
+                            resp.deadline_at = leg_deadline
+                            resp.set_idle_timeout(min(s.decode_idle_timeout_s, first_byte_s))
                             recomputed = await relay_json(resp, ctx, prefill.cached_tokens, out, transcript,
                                                           first_byte_s, routing, req.api, s.engine_answer_max_bytes)
                 except ProxyError as exc:

@@ -1,0 +1,75 @@
+"""A non-streamed decode leg is bounded as a whole by ``decode_nonstream_timeout_s``, and its body by
+``decode_idle_timeout_s`` once the status line is in: vLLM sends a non-streamed answer's status line when the answer
+is done, its body with it.
+
+Found with a decoder that sent its status line and then nothing (a simulated decoder's ``headers_then_stall``): a
+non-streamed client waited ``decode_nonstream_timeout_s`` (600 s) for the head and as long again for the body, on
+each of its ``decode_attempts`` decoders — over ten minutes for one Messages request before its 503, where a
+streamed one got it after 3 × ``decode_first_byte_timeout_s``."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.stand_in import MODEL, PREFILL_ANSWER, StandInEngine, StandInHandler
+from tests.support import ProxyThread
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Prefiller(StandInEngine):
+    def post(self, handler: StandInHandler, body: bytes) -> None:
+        handler.answer(200, PREFILL_ANSWER)
+
+
+class Decoder(StandInEngine):
+    """Sends a 200's status line and headers after ``head_after_s``, then the start of a JSON answer, then one byte
+    of it every ``trickle_s`` seconds (None: nothing more) until the client goes away or the engine stops."""
+
+    def __init__(self, head_after_s: float, trickle_s: float | None) -> None:
+        super().__init__(MODEL)
+        self.head_after_s, self.trickle_s = head_after_s, trickle_s
+        self.gone = 0
+
+    def post(self, handler: StandInHandler, body: bytes) -> None:
+        if self.release.wait(self.head_after_s):
+            return
+        try:
+            handler.wfile.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                b"transfer-encoding: chunked\r\n\r\n" + b"5\r\n{\"id\"\r\n")
+            handler.wfile.flush()
+            while not self.release.wait(self.trickle_s if self.trickle_s is not None else 0.05):
+                if self.trickle_s is not None:
+                    handler.wfile.write(b"1\r\n \r\n")
+                    handler.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            self.gone += 1
+        handler.close_connection = True
+
+
+@pytest.mark.parametrize(("api", "path"), [("chat", "/v1/chat/completions"), ("messages", "/v1/messages")])
+@pytest.mark.parametrize(("head_after_s", "trickle_s", "within_s"), [
+    (0.0, None, 2.5),       # silent after its head: lost after decode_idle_timeout_s (1 s), not 4 s
+    (2.0, 0.2, 5.5),        # never silent, never done: the whole leg within decode_nonstream_timeout_s (4 s), not 6 s
+])
+def test_a_non_streamed_decode_leg_that_stalls_after_its_head_is_bounded(
+        api: str, path: str, head_after_s: float, trickle_s: float | None, within_s: float) -> None:
+    with Prefiller(MODEL).running() as prefiller, Decoder(head_after_s, trickle_s).running() as decoder:
+        proxy = ProxyThread(prefill=[prefiller.url], decode=[decoder.url], token_count="estimate",
+                            request_log=False, decode_attempts=1, decode_nonstream_timeout_s=4.0,
+                            decode_idle_timeout_s=1.0, retry_backoff_s=0.0, breaker_open_s=30).start()
+        try:
+            started = time.monotonic()
+            resp = httpx.post(proxy.url + path, timeout=30, json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+            took = time.monotonic() - started
+            assert resp.status_code in (503, 504), resp.text[:300]
+            body = resp.json()
+            assert (body["type"] == "error") if api == "messages" else ("error" in body and "code" in body["error"])
+            assert took < within_s, f"answered after {took:.1f} s"
+            proxy.wait_idle()
+        finally:
+            proxy.stop()
