@@ -41,6 +41,8 @@ from pdproxy.http.client import H1Pool, H1Response, PoolTimeout, TransportError
 from pdproxy.http.errors import role_noun, transport_error
 
 _MAX_ERROR_BODY_BYTES = 1 << 20
+ERROR_BODY_GRACE_S = 1.0
+"""Seconds a decode leg's error body may take after a head that came just before the leg's first-byte deadline."""
 KEEPALIVE_S = 4.0
 """Seconds an idle upstream connection stays pooled: below vLLM's 5 s server keep-alive."""
 
@@ -231,14 +233,16 @@ class Upstream:
         to the inter-event timeout with ``resp.set_idle_timeout()`` once the first event is in (the relay does).
         On exit the connection is released to the pool if the body was read to the end, and closed otherwise
         (vLLM aborts the request when its client disconnects).
+        An error status's body is read until ``first_byte_timeout_s`` after the leg was sent, at least
+        :data:`ERROR_BODY_GRACE_S` after the head (then the error goes with what came of it).
         Raises :class:`UpstreamTimeout` if headers take longer than ``first_byte_timeout_s``,
         :class:`UpstreamRefused` when the connection cannot be opened and :class:`UpstreamUnavailable` when it
         breaks before the headers.
         """
         url = endpoint.url + path
+        headers_by = self.pool.loop.time() + first_byte_timeout_s
         try:
-            resp = await self._post(url, body, headers, first_byte_timeout_s,
-                                    headers_by=self.pool.loop.time() + first_byte_timeout_s)
+            resp = await self._post(url, body, headers, first_byte_timeout_s, headers_by=headers_by)
         except (TransportError, TimeoutError) as exc:
             if isinstance(exc, TimeoutError) and not isinstance(exc, PoolTimeout):
                 raise UpstreamTimeout(f"decoder {endpoint.name} sent no response headers within "
@@ -246,8 +250,9 @@ class Upstream:
             raise transport_error(exc, f"decoder {endpoint.name}", endpoint.name) from None
         try:
             if resp.status >= 400:
-                try:
-                    async with asyncio.timeout(first_byte_timeout_s):
+                try:   # by the same deadline as the head (vLLM writes an error's body with its status line), at
+                    # least ERROR_BODY_GRACE_S after the head: not first_byte_timeout_s again from the head
+                    async with asyncio.timeout_at(max(headers_by, self.pool.loop.time() + ERROR_BODY_GRACE_S)):
                         data = await resp.content.read(_MAX_ERROR_BODY_BYTES)
                 except (TimeoutError, TransportError):
                     data = b""

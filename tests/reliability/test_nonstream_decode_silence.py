@@ -73,3 +73,44 @@ def test_a_non_streamed_decode_leg_that_stalls_after_its_head_is_bounded(
             proxy.wait_idle()
         finally:
             proxy.stop()
+
+
+class ErrorDecoder(StandInEngine):
+    """Sends a 400's status line and headers after ``head_after_s`` (a body of 100 bytes announced), then nothing
+    until the client goes away or the engine stops."""
+
+    def __init__(self, head_after_s: float) -> None:
+        super().__init__(MODEL)
+        self.head_after_s = head_after_s
+
+    def post(self, handler: StandInHandler, body: bytes) -> None:
+        if self.release.wait(self.head_after_s):
+            return
+        try:
+            handler.wfile.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                                b"content-length: 100\r\n\r\n{\"error\"")
+            handler.wfile.flush()
+            self.release.wait(30)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        handler.close_connection = True
+
+
+def test_a_decoders_error_body_is_read_by_the_legs_first_byte_deadline() -> None:
+    """The error body's wait ends by the leg's deadline (at least 1 s after the head), not
+    ``decode_first_byte_timeout_s`` again from the head: head at 3 s of 4, then silence — 4 s, not 7."""
+    with Prefiller(MODEL).running() as prefiller, ErrorDecoder(3.0).running() as decoder:
+        proxy = ProxyThread(prefill=[prefiller.url], decode=[decoder.url], token_count="estimate",
+                            request_log=False, decode_attempts=1, decode_first_byte_timeout_s=4.0,
+                            retry_backoff_s=0.0, breaker_open_s=30).start()
+        try:
+            started = time.monotonic()
+            resp = httpx.post(proxy.url + "/v1/chat/completions", timeout=30, json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True})
+            took = time.monotonic() - started
+            assert resp.status_code == 400, resp.text[:300]
+            assert "error" in resp.json()
+            assert took < 6.0, f"answered after {took:.1f} s"
+            proxy.wait_idle()
+        finally:
+            proxy.stop()
