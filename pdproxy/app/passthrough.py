@@ -128,6 +128,10 @@ _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"t
                          b"proxy-authenticate", b"proxy-authorization", b"content-length", b"server", b"date",
                          b"x-request-id"})
 """Engine response headers not relayed (hop-by-hop, framing, and the ones pdproxy sets itself)."""
+_DECODED = frozenset({b"content-encoding"})
+"""Also dropped from an error answer relayed whole: its body was read decoded (:func:`_read_error_body`)."""
+_REWRITTEN = frozenset({b"content-encoding", b"content-type"})
+"""Also dropped from an error answer whose body pdproxy rewrote (its own JSON: ``application/json``)."""
 
 
 def _route_not_found(data: bytes) -> bool:
@@ -502,7 +506,7 @@ class Passthrough:
                                             content_type=resp.headers.get("content-type", "application/json"),
                                             retry_after=resp.headers.get("retry-after"))
                 await self._relay_whole(resp.status_code, resp.headers, self._error_body(path, resp, data), ctx,
-                                        send)
+                                        send, path in ANTHROPIC_ROUTES)
                 verdict.neutral()
                 return "done"
             if resp.status_code >= 400 and "json" not in resp.headers.get("content-type", "").lower():
@@ -516,10 +520,16 @@ class Passthrough:
                                         retry_after=resp.headers.get("retry-after"))
             if resp.status_code >= 400 and path in ANTHROPIC_ROUTES:   # a JSON error, in Anthropic's envelope
                 with httpx_errors(who, endpoint.name, f" on {path}"):
-                    data, _ = await _read_error_body(resp, ERROR_BODY_MAX_BYTES,
-                                                     self.settings.decode_first_byte_timeout_s)
+                    data, whole = await _read_error_body(resp, ERROR_BODY_MAX_BYTES,
+                                                         self.settings.decode_first_byte_timeout_s)
+                if not whole:      # an error answer cut short: the engine's failure, as a relayed body cut is
+                    raise UpstreamUnavailable(f"{who} answered {resp.status_code} with a body that did not end within "
+                                              f"{self.settings.decode_first_byte_timeout_s:g} s or "
+                                              f"{ERROR_BODY_MAX_BYTES:,} bytes", endpoint=endpoint.name,
+                                              public=f"the engine answered {resp.status_code} with a body that did "
+                                                     "not end")
                 await self._relay_whole(resp.status_code, resp.headers, self._error_body(path, resp, data), ctx,
-                                        send)
+                                        send, True)
                 broken = False
             else:
                 broken = await self._relay_stream(resp, endpoint, ctx, send, verdict)
@@ -558,11 +568,19 @@ class Passthrough:
         return ctx.decoder or ctx.prefiller or ""
 
     async def _relay_whole(self, status: int, headers: httpx.Headers, data: bytes, ctx: RequestContext,
-                           send: Send) -> None:
+                           send: Send, rewritten: bool) -> None:
+        """An engine's error answer ``data`` (read by :func:`_read_error_body`: decoded, so its
+        ``content-encoding`` is dropped) relayed whole with ``status``; ``rewritten``: pdproxy's JSON in place of the
+        engine's body (its ``content-type`` is then ``application/json``)."""
         ctx.status = status
+        ctx.outcome = "upstream_rejected" if status < 500 else "upstream_error"
         ctx.timeline.first_token_at = ctx.timeline.last_token_at = time.monotonic()
+        drop = _REWRITTEN if rewritten else _DECODED
+        out = [(k, v) for k, v in self._headers_out(headers, ctx) if k.lower() not in drop]
+        if rewritten:
+            out.append((b"content-type", b"application/json"))
         await send({"type": "http.response.start", "status": status,
-                    "headers": self._headers_out(headers, ctx) + [(b"content-length", str(len(data)).encode())]})
+                    "headers": out + [(b"content-length", str(len(data)).encode())]})
         await send({"type": "http.response.body", "body": data})
 
     async def _relay_stream(self, resp: httpx.Response, endpoint: Endpoint, ctx: RequestContext,

@@ -6,13 +6,16 @@ answering ``/v1/embeddings`` 503 and 1 KB every 0.25 s: the client waited past i
 
 from __future__ import annotations
 
+import gzip
 import time
 
 import httpx
+import orjson
 import pytest
 
+from tests.ops.promtext import scrape
 from tests.stand_in import MODEL, StandInEngine, StandInHandler
-from tests.support import ProxyThread
+from tests.support import ProxyThread, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -97,7 +100,7 @@ def test_count_tokens_engine_errors_are_in_the_anthropic_envelope(status: int, b
             proxy.stop()
 
 
-def test_a_count_tokens_error_whose_body_never_ends_is_answered_in_the_anthropic_envelope() -> None:
+def test_a_count_tokens_error_whose_body_never_ends_is_the_engines_failure_in_the_anthropic_envelope() -> None:
     with TrickleEngine(400).running() as engine:
         proxy = ProxyThread(prefill=[engine.url], decode=[engine.url], request_log=False,
                             retry_backoff_s=0.0, decode_first_byte_timeout_s=1.0, breaker_open_s=30).start()
@@ -107,8 +110,48 @@ def test_a_count_tokens_error_whose_body_never_ends_is_answered_in_the_anthropic
                               json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
             took = time.monotonic() - started
             assert took < 8, f"answered after {took:.1f} s"
-            assert resp.status_code == 400 and resp.json()["type"] == "error", resp.text[:300]
-            assert resp.json()["error"]["message"].startswith("engine answered HTTP 400: xxx")
+            # an error answer that does not end is the engine's failure (as a 404's is, or a relayed body cut):
+            # every engine tried failed it, so pdproxy's 503, in Anthropic's envelope
+            assert resp.status_code == 503 and resp.json()["type"] == "error", resp.text[:300]
+            assert "answered 400 with a body that did not end" in resp.json()["error"]["message"]
             proxy.wait_idle()
+        finally:
+            proxy.stop()
+
+
+class GzipErrorEngine(StandInEngine):
+    """Answers every ``POST`` with ``status`` and ``body`` gzip'd (``content-encoding: gzip``), as a gateway in
+    front of an engine may (pdproxy's engine client asks for it: httpx's ``accept-encoding``)."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(MODEL)
+        self.status, self.body = status, gzip.compress(body)
+
+    def post(self, handler: StandInHandler, body: bytes) -> None:
+        handler.answer(self.status, self.body, {"content-encoding": "gzip"})
+
+
+@pytest.mark.parametrize(("path", "status", "expected"), [
+    ("/v1/messages/count_tokens", 422, {"type": "error", "error": {"type": "SomeError", "message": "no"}}),  # rewritten
+    ("/tokenize", 404, orjson.loads(OPENAI_ERROR)),             # a 404 not "route unknown": read whole, as it came
+])
+def test_an_error_relayed_whole_is_sent_as_read_and_counted_as_the_engines_refusal(
+        path: str, status: int, expected: dict[str, object]) -> None:
+    """An engine's error answer relayed whole was read decoded: the client gets no ``content-encoding: gzip`` on
+    plain bytes (before, it could not read the body), and the request is counted ``upstream_rejected``, not ok."""
+    with GzipErrorEngine(status, OPENAI_ERROR).running() as engine:
+        proxy = ProxyThread(prefill=[engine.url], decode=[engine.url], request_log=False,
+                            retry_backoff_s=0.0, breaker_open_s=30).start()
+        try:
+            body = ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]} if "messages" in path
+                    else {"model": MODEL, "prompt": "Hi"})
+            resp = httpx.post(proxy.url + path, timeout=20, json=body)
+            assert resp.status_code == status, resp.text[:300]
+            assert "content-encoding" not in resp.headers and resp.headers["content-type"] == "application/json"
+            assert resp.json() == expected
+            assert int(resp.headers["content-length"]) == len(resp.content)
+            proxy.wait_idle()     # a passthrough request is recorded just after it leaves in_flight: wait for it
+            wait_until(lambda: scrape(proxy.url).total("pdproxy_requests_total") == 1, 5, what="the request counted")
+            assert scrape(proxy.url).total("pdproxy_requests_total", outcome="upstream_rejected") == 1
         finally:
             proxy.stop()
