@@ -111,10 +111,10 @@ class CircuitBreaker:
             self.state = BreakerState.HALF_OPEN
             self._trials = 0
         if self.state is BreakerState.HALF_OPEN:
-            if self._trials >= self.half_open_trials:
-                if not self._trials_lost():
-                    return False
-                self._trials = 0         # no verdict in trial_timeout_s: taken for lost (module docstring)
+            if self._trials >= self.half_open_trials and not self._trials_lost():
+                return False
+            # a trial with no verdict in trial_timeout_s is taken for lost (module docstring) but still counted:
+            # should it end after all, its release frees its own slot, not the new trial's
             self._trials += 1
             self.opened_at = self._clock()
         return True

@@ -100,6 +100,10 @@ def test_a_trial_with_no_verdict_in_trial_timeout_s_no_longer_holds_its_slot() -
     assert b.state is BreakerState.HALF_OPEN and not b.can_take()
     clock.now += b.trial_timeout_s / 2       # the new trial's own timeout runs from its start
     assert not b.can_take()
+    b.release_trial()                        # the lost trial ends after all (its client left): its own slot only
+    assert not b.can_take(), "the lost trial's end freed the new trial's slot"
+    b.release_trial()                        # the new one ends without a verdict too: its slot is free
+    assert b.can_take() and b.on_pick()
     b.record_success()
     assert b.state is BreakerState.CLOSED
 

@@ -247,8 +247,8 @@ def test_a_lost_trial_of_one_worker_frees_the_slot_for_every_worker(board_files)
     clock.now += 0.1
     assert wa.health.can_take(P) and wa.health.on_pick(P)    # taken for lost: worker 0's trial now
     assert not wb.health.can_take(P)                         # one trial in all, still
-    wb.health.record_neutral(P)                              # the lost trial's late end frees nothing of worker 0's
-    assert not wb.health.can_take(P)
+    wb.health.record_neutral(P)                              # the lost trial's late end frees its own slot only
+    assert not wb.health.can_take(P) and not wa.health.can_take(P)
     wa.health.record_success(P)
     assert wb.health.breakers[P].state is BreakerState.CLOSED
 
