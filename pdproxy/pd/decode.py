@@ -226,8 +226,10 @@ class DecodeLeg:
                             # vLLM sends the body with the status line, once the answer is done: a body silent for
                             # decode_idle_timeout_s is a lost decoder, and the whole leg ends by its deadline (the
                             # body's wait no longer starts decode_nonstream_timeout_s again)
-                            resp.deadline_at = leg_deadline
-                            resp.set_idle_timeout(min(s.decode_idle_timeout_s, first_byte_s))
+                            idle_s = min(s.decode_idle_timeout_s, first_byte_s)   # (a head just before the
+                            # deadline still gets its body: idle_s after it, never less)
+                            resp.deadline_at = max(leg_deadline, asyncio.get_running_loop().time() + idle_s)
+                            resp.set_idle_timeout(idle_s)
                             recomputed = await relay_json(resp, ctx, prefill.cached_tokens, out, transcript,
                                                           first_byte_s, routing, req.api, s.engine_answer_max_bytes)
                 except ProxyError as exc:

@@ -114,3 +114,46 @@ def test_a_decoders_error_body_is_read_by_the_legs_first_byte_deadline() -> None
             proxy.wait_idle()
         finally:
             proxy.stop()
+
+
+class LateDecoder(StandInEngine):
+    """A non-streamed answer whose status line comes after ``head_after_s`` and its body ``body_after_s`` later."""
+
+    def __init__(self, head_after_s: float, body_after_s: float) -> None:
+        super().__init__(MODEL)
+        self.head_after_s, self.body_after_s = head_after_s, body_after_s
+
+    def post(self, handler: StandInHandler, body: bytes) -> None:
+        answer = (b'{"id": "chatcmpl-d", "object": "chat.completion", "created": 1, "model": "' + MODEL.encode() +
+                  b'", "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, '
+                  b'"finish_reason": "stop"}], "usage": {"prompt_tokens": 5, "completion_tokens": 1, '
+                  b'"total_tokens": 6}}')
+        if self.release.wait(self.head_after_s):
+            return
+        try:
+            handler.wfile.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                b"content-length: %d\r\n\r\n" % len(answer))
+            handler.wfile.flush()
+            if self.release.wait(self.body_after_s):
+                return
+            handler.wfile.write(answer)
+            handler.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+
+def test_a_head_just_before_the_legs_deadline_still_gets_its_body() -> None:
+    """The leg's deadline gives a body that follows its status line ``decode_idle_timeout_s`` at least: a head at
+    3.5 s of 4 and its body 0.8 s later is an answer, not a 504 (and no strike on a decoder that answered)."""
+    with Prefiller(MODEL).running() as prefiller, LateDecoder(3.5, 0.8).running() as decoder:
+        proxy = ProxyThread(prefill=[prefiller.url], decode=[decoder.url], token_count="estimate",
+                            request_log=False, decode_attempts=1, decode_nonstream_timeout_s=4.0,
+                            decode_idle_timeout_s=2.0, retry_backoff_s=0.0, breaker_open_s=30).start()
+        try:
+            resp = httpx.post(proxy.url + "/v1/chat/completions", timeout=30, json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+            assert resp.status_code == 200, resp.text[:300]
+            assert resp.json()["choices"][0]["message"]["content"] == "hi"
+            proxy.wait_idle()
+        finally:
+            proxy.stop()
