@@ -148,16 +148,21 @@ def test_monitor_filters_open_endpoints_and_reports_retry_after() -> None:
     assert health.snapshot(eps[1]).breaker == "open"
 
 
+def lone_prefiller(clock: Clock, breaker_failures: int) -> tuple[HealthMonitor, Endpoint, CircuitBreaker,
+                                                                  UpstreamUnavailable]:
+    """A health monitor of one prefiller (breaker open 3 s), its breaker and an engine fault to record."""
+    (ep,) = expand(["http://p0:1"], Role.PREFILL)
+    health = HealthMonitor(EndpointPool([ep]), engines=None, infos={}, interval_s=1.0,  # type: ignore[arg-type]
+                           refresh_interval_s=1.0, breaker_failures=breaker_failures, breaker_open_s=3.0, clock=clock)
+    return health, ep, health.breaker(ep), UpstreamUnavailable("reset", endpoint=ep.name)
+
+
 def test_a_requests_second_failure_is_no_strike_on_a_closed_breaker_but_fails_a_trial() -> None:
     """``record_error(..., again=True)`` (the same request failed on the engine before): no strike while the
     breaker is closed, so one request cannot open it; but an open or half-open breaker records it as ever — a
     failed trial re-opens it, and another request's trial slot is never freed by it."""
     clock = Clock()
-    (ep,) = expand(["http://p0:1"], Role.PREFILL)
-    health = HealthMonitor(EndpointPool([ep]), engines=None, infos={}, interval_s=1.0,  # type: ignore[arg-type]
-                           refresh_interval_s=1.0, breaker_failures=3, breaker_open_s=3.0, clock=clock)
-    b = health.breaker(ep)
-    err = UpstreamUnavailable("reset", endpoint=ep.name)
+    health, ep, b, err = lone_prefiller(clock, breaker_failures=3)
     assert health.record_error(ep, err) and b.consecutive_failures == 1
     for _ in range(5):
         assert health.record_error(ep, err, again=True)                # an engine fault, told to the caller
@@ -179,11 +184,7 @@ def test_a_legs_verdict_is_given_once_and_neutral_when_it_leaves_without_one() -
     """health.judging: the first verdict counts; leaving the block without one (a fault, a cancellation) gives
     the half-open trial back, and the exception passes on."""
     clock = Clock()
-    (ep,) = expand(["http://p0:1"], Role.PREFILL)
-    health = HealthMonitor(EndpointPool([ep]), engines=None, infos={}, interval_s=1.0,  # type: ignore[arg-type]
-                           refresh_interval_s=1.0, breaker_failures=1, breaker_open_s=3.0, clock=clock)
-    b = health.breaker(ep)
-    err = UpstreamUnavailable("reset", endpoint=ep.name)
+    health, ep, b, err = lone_prefiller(clock, breaker_failures=1)
     health.record_failure(ep)
     clock.now += 3.0
     assert health.on_pick(ep) and not b.can_take()                      # the trial taken by a pick
