@@ -286,6 +286,11 @@ class FakeResponse:
     def at_eof(self) -> bool:
         return self._eof and not self._buf
 
+    def set_idle_timeout(self, seconds: float | None) -> None:
+        """As :meth:`H1Response.set_idle_timeout <pdproxy.http.client.H1Response.set_idle_timeout>`, for the reads
+        that start from now on (the decode leg sets it once a non-streamed answer's status line is in)."""
+        self.idle_timeout_s = seconds
+
     async def readany(self) -> bytes:
         if not self._buf:
             if self._eof:
