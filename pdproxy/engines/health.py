@@ -9,7 +9,8 @@
   declares (``/v1/models``, ``/metrics``) is refreshed every ``refresh_interval_s`` seconds into ``infos`` (used by
   admission and routing).
 - **Passive**: the request path reports each leg's verdict, once, through a :class:`Verdict` (:meth:`judging`:
-  a leg that ends without one — cancelled, refused before it was sent, a defect — gives a half-open trial back).  Transport failures, timeouts and 5xx answers count
+  a leg that ends without one — cancelled, refused before it was sent, a defect — gives a half-open trial back).
+  Transport failures, timeouts and 5xx answers count
   against the endpoint (``record_failure``); 4xx answers are the request's fault and must not be reported.  A
   failure also triggers an immediate probe, so a killed engine leaves the pool within one probe round trip.
 - **Breaker** (:mod:`pdproxy.engines.breaker`; Envoy's outlier detection): consecutive failures open it; picks skip
